@@ -1,0 +1,14 @@
+//! The pure core of calc-server.
+//!
+//! Everything in this crate is synchronous and side-effect free: no async runtime, no network,
+//! no filesystem, no clock (DESIGN.md invariant 1). Callers hand it bytes or values and get
+//! values back; invalid input comes back as an error value, never a panic.
+//!
+//! - [`selector`]: Calico's label-selector language (parse, evaluate, canonical form, ids).
+//! - [`model`]: Calico's v3 resources as serde types, defaulting and validation.
+//! - [`manifest`]: decoding YAML/JSON manifests (multi-document) into resources.
+
+pub mod manifest;
+pub mod model;
+pub mod hash;
+pub mod selector;

@@ -1,0 +1,742 @@
+//! Calico's v3 resources (`projectcalico.org/v3`) as serde types.
+//!
+//! Contract: [`Resource::from_value`] turns one decoded JSON/YAML object into a typed resource,
+//! applies Calico's defaulting (policy `types` inference, empty tier → `default`, namespace
+//! `default` for namespaced kinds, Tier `defaultAction` → `Deny`) and returns it together with
+//! its [`ResourceKey`]. Unknown fields are ignored, as Calico's own decoder does. Shape errors
+//! (a string where a list belongs) fail decoding with the field path; content errors are left
+//! to [`validate`](crate::model::validate), which reports all of them at once.
+
+pub mod rule;
+pub mod validate;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+pub use rule::{Action, EntityRule, IcmpFields, Port, Protocol, Rule};
+
+/// The API group and version of every resource we read.
+pub const API_VERSION: &str = "projectcalico.org/v3";
+
+/// The resource kinds the policy dataplane consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    NetworkPolicy,
+    GlobalNetworkPolicy,
+    Tier,
+    Profile,
+    WorkloadEndpoint,
+    HostEndpoint,
+    NetworkSet,
+    GlobalNetworkSet,
+    IPPool,
+    FelixConfiguration,
+    Node,
+    ClusterInformation,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 12] = [
+        Kind::NetworkPolicy,
+        Kind::GlobalNetworkPolicy,
+        Kind::Tier,
+        Kind::Profile,
+        Kind::WorkloadEndpoint,
+        Kind::HostEndpoint,
+        Kind::NetworkSet,
+        Kind::GlobalNetworkSet,
+        Kind::IPPool,
+        Kind::FelixConfiguration,
+        Kind::Node,
+        Kind::ClusterInformation,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::NetworkPolicy => "NetworkPolicy",
+            Kind::GlobalNetworkPolicy => "GlobalNetworkPolicy",
+            Kind::Tier => "Tier",
+            Kind::Profile => "Profile",
+            Kind::WorkloadEndpoint => "WorkloadEndpoint",
+            Kind::HostEndpoint => "HostEndpoint",
+            Kind::NetworkSet => "NetworkSet",
+            Kind::GlobalNetworkSet => "GlobalNetworkSet",
+            Kind::IPPool => "IPPool",
+            Kind::FelixConfiguration => "FelixConfiguration",
+            Kind::Node => "Node",
+            Kind::ClusterInformation => "ClusterInformation",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// The lower-case plural used in etcd keys and URLs.
+    pub fn plural(self) -> &'static str {
+        match self {
+            Kind::NetworkPolicy => "networkpolicies",
+            Kind::GlobalNetworkPolicy => "globalnetworkpolicies",
+            Kind::Tier => "tiers",
+            Kind::Profile => "profiles",
+            Kind::WorkloadEndpoint => "workloadendpoints",
+            Kind::HostEndpoint => "hostendpoints",
+            Kind::NetworkSet => "networksets",
+            Kind::GlobalNetworkSet => "globalnetworksets",
+            Kind::IPPool => "ippools",
+            Kind::FelixConfiguration => "felixconfigurations",
+            Kind::Node => "nodes",
+            Kind::ClusterInformation => "clusterinformations",
+        }
+    }
+
+    pub fn namespaced(self) -> bool {
+        matches!(
+            self,
+            Kind::NetworkPolicy | Kind::WorkloadEndpoint | Kind::NetworkSet
+        )
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Calico kinds that are valid but play no part in policy programming. Manifests holding them
+/// are accepted and the objects skipped, so an operator's full `calicoctl get -o yaml` dump loads.
+pub const IGNORED_KINDS: &[&str] = &[
+    "BGPConfiguration",
+    "BGPPeer",
+    "BGPFilter",
+    "KubeControllersConfiguration",
+    "IPReservation",
+    "IPAMConfiguration",
+    "IPAMConfig",
+    "CalicoNodeStatus",
+    "BlockAffinity",
+    "StagedNetworkPolicy",
+    "StagedGlobalNetworkPolicy",
+    "StagedKubernetesNetworkPolicy",
+    "LiveMigration",
+];
+
+/// Identifies one resource: kind, namespace (namespaced kinds only) and name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ResourceKey {
+    pub kind: Kind,
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+impl ResourceKey {
+    pub fn new(kind: Kind, namespace: Option<&str>, name: &str) -> ResourceKey {
+        ResourceKey {
+            kind,
+            namespace: namespace.map(str::to_string),
+            name: name.to_string(),
+        }
+    }
+
+    /// Calico's etcd v3 key: `/calico/resources/v3/projectcalico.org/<plural>/[<ns>/]<name>`.
+    pub fn etcd_path(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!(
+                "/calico/resources/v3/projectcalico.org/{}/{}/{}",
+                self.kind.plural(),
+                ns,
+                self.name
+            ),
+            None => format!(
+                "/calico/resources/v3/projectcalico.org/{}/{}",
+                self.kind.plural(),
+                self.name
+            ),
+        }
+    }
+}
+
+/// `Kind ns/name` or `Kind name`: the form every error message uses.
+impl fmt::Display for ResourceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.namespace {
+            Some(ns) => write!(f, "{} {}/{}", self.kind, ns, self.name),
+            None => write!(f, "{} {}", self.kind, self.name),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ObjectMeta {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource_version: Option<String>,
+}
+
+/// Spec of NetworkPolicy and GlobalNetworkPolicy. The GNP-only fields (`doNotTrack`, `preDNAT`,
+/// `applyOnForward`, `namespaceSelector`) are not part of Calico's NetworkPolicy type, so on a
+/// NetworkPolicy they are dropped at decode time exactly as Calico's decoder drops unknown fields.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PolicySpec {
+    pub tier: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub order: Option<f64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ingress: Vec<Rule>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<Rule>,
+    pub selector: String,
+    pub types: Vec<String>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub service_account_selector: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub performance_hints: Vec<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub do_not_track: bool,
+    #[serde(rename = "preDNAT", skip_serializing_if = "std::ops::Not::not")]
+    pub pre_dnat: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub apply_on_forward: bool,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub namespace_selector: String,
+}
+
+impl PolicySpec {
+    /// Calico's defaulting of `types` on write: egress rules only → `[Egress]`; both → both;
+    /// otherwise `[Ingress]` (even with no rules at all).
+    pub fn infer_types(&mut self) {
+        if !self.types.is_empty() {
+            return;
+        }
+        let (i, e) = (!self.ingress.is_empty(), !self.egress.is_empty());
+        self.types = match (i, e) {
+            (false, true) => vec!["Egress".into()],
+            (true, true) => vec!["Ingress".into(), "Egress".into()],
+            _ => vec!["Ingress".into()],
+        };
+    }
+
+    pub fn applies_to_ingress(&self) -> bool {
+        self.types.iter().any(|t| t == "Ingress")
+    }
+
+    pub fn applies_to_egress(&self) -> bool {
+        self.types.iter().any(|t| t == "Egress")
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct TierSpec {
+    /// `None` sorts last, as Calico's `TierLess` does for raw data with no order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub order: Option<f64>,
+    /// `Deny` or `Pass`; defaulted to `Deny`.
+    pub default_action: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ProfileSpec {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ingress: Vec<Rule>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<Rule>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels_to_apply: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EndpointPort {
+    pub name: String,
+    pub protocol: Option<Protocol>,
+    pub port: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_port: Option<i64>,
+    #[serde(rename = "hostIP", skip_serializing_if = "Option::is_none")]
+    pub host_ip: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct IpNat {
+    #[serde(rename = "internalIP")]
+    pub internal_ip: String,
+    #[serde(rename = "externalIP")]
+    pub external_ip: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WorkloadEndpointSpec {
+    pub orchestrator: String,
+    pub workload: String,
+    pub node: String,
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub pod: String,
+    pub endpoint: String,
+    pub service_account_name: String,
+    pub ip_networks: Vec<String>,
+    #[serde(rename = "ipNATs", skip_serializing_if = "Vec::is_empty")]
+    pub ip_nats: Vec<IpNat>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub ipv4_gateway: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub ipv6_gateway: String,
+    pub profiles: Vec<String>,
+    pub interface_name: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub mac: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<EndpointPort>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allow_spoofed_source_prefixes: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct HostEndpointSpec {
+    pub node: String,
+    pub interface_name: String,
+    #[serde(rename = "expectedIPs")]
+    pub expected_ips: Vec<String>,
+    pub profiles: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<EndpointPort>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct NetworkSetSpec {
+    pub nets: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct IpPoolSpec {
+    pub cidr: String,
+    #[serde(rename = "vxlanMode")]
+    pub vxlan_mode: String,
+    #[serde(rename = "ipipMode")]
+    pub ipip_mode: String,
+    pub nat_outgoing: bool,
+    pub disabled: bool,
+    #[serde(rename = "disableBGPExport")]
+    pub disable_bgp_export: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<i64>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub node_selector: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_uses: Vec<String>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub assignment_mode: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct NodeBgpSpec {
+    #[serde(rename = "ipv4Address", skip_serializing_if = "String::is_empty")]
+    pub ipv4_address: String,
+    #[serde(rename = "ipv6Address", skip_serializing_if = "String::is_empty")]
+    pub ipv6_address: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub as_number: Option<serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct NodeAddress {
+    pub address: String,
+    #[serde(rename = "type", skip_serializing_if = "String::is_empty")]
+    pub address_type: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct NodeSpec {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bgp: Option<NodeBgpSpec>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<NodeAddress>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ClusterInformationSpec {
+    #[serde(rename = "clusterGUID", skip_serializing_if = "String::is_empty")]
+    pub cluster_guid: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub cluster_type: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub calico_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub datastore_ready: Option<bool>,
+}
+
+/// A typed resource: metadata plus the spec of its kind.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Resource {
+    NetworkPolicy(ObjectMeta, PolicySpec),
+    GlobalNetworkPolicy(ObjectMeta, PolicySpec),
+    Tier(ObjectMeta, TierSpec),
+    Profile(ObjectMeta, ProfileSpec),
+    WorkloadEndpoint(ObjectMeta, WorkloadEndpointSpec),
+    HostEndpoint(ObjectMeta, HostEndpointSpec),
+    NetworkSet(ObjectMeta, NetworkSetSpec),
+    GlobalNetworkSet(ObjectMeta, NetworkSetSpec),
+    IPPool(ObjectMeta, IpPoolSpec),
+    /// Felix settings are passed through as raw config, so the spec stays free-form.
+    FelixConfiguration(ObjectMeta, BTreeMap<String, serde_json::Value>),
+    Node(ObjectMeta, NodeSpec),
+    ClusterInformation(ObjectMeta, ClusterInformationSpec),
+}
+
+/// Why one object could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("not an object: a manifest document must be a mapping with kind, apiVersion, metadata and spec")]
+    NotAnObject,
+    #[error("missing kind")]
+    MissingKind,
+    #[error("unsupported apiVersion {0:?} (expected {API_VERSION})")]
+    ApiVersion(String),
+    #[error("unknown kind {0:?}")]
+    UnknownKind(String),
+    #[error("{kind} has no metadata.name")]
+    MissingName { kind: Kind },
+    /// The object is named but a field has the wrong shape.
+    #[error("{key}: field {path}: {message}")]
+    Field {
+        key: ResourceKey,
+        path: String,
+        message: String,
+    },
+}
+
+/// What decoding one object produced.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decoded {
+    Resource(ResourceKey, Resource),
+    /// A Calico kind that the policy dataplane does not use; its kind and name.
+    Ignored(String, String),
+}
+
+impl Resource {
+    /// Decodes one v3 object and applies Calico's defaulting.
+    pub fn from_value(value: serde_json::Value) -> Result<Decoded, DecodeError> {
+        let serde_json::Value::Object(mut obj) = value else {
+            return Err(DecodeError::NotAnObject);
+        };
+        let kind_name = match obj.get("kind") {
+            Some(serde_json::Value::String(k)) => k.clone(),
+            _ => return Err(DecodeError::MissingKind),
+        };
+        match obj.get("apiVersion") {
+            Some(serde_json::Value::String(v)) if v == API_VERSION => {}
+            Some(serde_json::Value::String(v)) => return Err(DecodeError::ApiVersion(v.clone())),
+            _ => return Err(DecodeError::ApiVersion(String::new())),
+        }
+        let meta_value = obj.remove("metadata").unwrap_or(serde_json::Value::Null);
+        let Some(kind) = Kind::from_name(&kind_name) else {
+            if IGNORED_KINDS.contains(&kind_name.as_str()) {
+                let name = meta_value
+                    .get("name")
+                    .and_then(|n| n.as_str())
+                    .unwrap_or_default()
+                    .to_string();
+                return Ok(Decoded::Ignored(kind_name, name));
+            }
+            return Err(DecodeError::UnknownKind(kind_name));
+        };
+        let name = meta_value
+            .get("name")
+            .and_then(|n| n.as_str())
+            .filter(|n| !n.is_empty())
+            .ok_or(DecodeError::MissingName { kind })?
+            .to_string();
+        // The key is known before the body is decoded, so shape errors can name the object.
+        let mut key = ResourceKey::new(kind, None, &name);
+        if kind.namespaced() {
+            let ns = meta_value
+                .get("namespace")
+                .and_then(|n| n.as_str())
+                .filter(|n| !n.is_empty())
+                .unwrap_or("default");
+            key.namespace = Some(ns.to_string());
+        }
+        let field_err = |path: String, message: String| DecodeError::Field {
+            key: key.clone(),
+            path,
+            message,
+        };
+        let mut meta: ObjectMeta = decode_at("metadata", meta_value).map_err(|(p, m)| field_err(p, m))?;
+        meta.namespace = key.namespace.clone();
+        let spec = obj.remove("spec").unwrap_or(serde_json::Value::Null);
+        let spec = if spec.is_null() {
+            serde_json::Value::Object(Default::default())
+        } else {
+            spec
+        };
+        let res = (|| -> Result<Resource, (String, String)> {
+            Ok(match kind {
+                Kind::NetworkPolicy => {
+                    let mut s: PolicySpec = decode_at("spec", spec)?;
+                    s.do_not_track = false;
+                    s.pre_dnat = false;
+                    s.apply_on_forward = false;
+                    s.namespace_selector.clear();
+                    Resource::NetworkPolicy(meta, s)
+                }
+                Kind::GlobalNetworkPolicy => Resource::GlobalNetworkPolicy(meta, decode_at("spec", spec)?),
+                Kind::Tier => Resource::Tier(meta, decode_at("spec", spec)?),
+                Kind::Profile => Resource::Profile(meta, decode_at("spec", spec)?),
+                Kind::WorkloadEndpoint => Resource::WorkloadEndpoint(meta, decode_at("spec", spec)?),
+                Kind::HostEndpoint => Resource::HostEndpoint(meta, decode_at("spec", spec)?),
+                Kind::NetworkSet => Resource::NetworkSet(meta, decode_at("spec", spec)?),
+                Kind::GlobalNetworkSet => Resource::GlobalNetworkSet(meta, decode_at("spec", spec)?),
+                Kind::IPPool => Resource::IPPool(meta, decode_at("spec", spec)?),
+                Kind::FelixConfiguration => Resource::FelixConfiguration(meta, decode_at("spec", spec)?),
+                Kind::Node => Resource::Node(meta, decode_at("spec", spec)?),
+                Kind::ClusterInformation => Resource::ClusterInformation(meta, decode_at("spec", spec)?),
+            })
+        })()
+        .map_err(|(p, m)| field_err(p, m))?;
+        let mut res = res;
+        res.apply_defaults();
+        Ok(Decoded::Resource(key, res))
+    }
+
+    /// Calico's defaulting, applied once at decode time so every consumer sees the same object.
+    fn apply_defaults(&mut self) {
+        match self {
+            Resource::NetworkPolicy(_, s) | Resource::GlobalNetworkPolicy(_, s) => {
+                s.infer_types();
+                if s.tier.is_empty() {
+                    s.tier = "default".into();
+                }
+            }
+            Resource::Tier(_, s) => {
+                if s.default_action.is_empty() {
+                    s.default_action = "Deny".into();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub fn kind(&self) -> Kind {
+        match self {
+            Resource::NetworkPolicy(..) => Kind::NetworkPolicy,
+            Resource::GlobalNetworkPolicy(..) => Kind::GlobalNetworkPolicy,
+            Resource::Tier(..) => Kind::Tier,
+            Resource::Profile(..) => Kind::Profile,
+            Resource::WorkloadEndpoint(..) => Kind::WorkloadEndpoint,
+            Resource::HostEndpoint(..) => Kind::HostEndpoint,
+            Resource::NetworkSet(..) => Kind::NetworkSet,
+            Resource::GlobalNetworkSet(..) => Kind::GlobalNetworkSet,
+            Resource::IPPool(..) => Kind::IPPool,
+            Resource::FelixConfiguration(..) => Kind::FelixConfiguration,
+            Resource::Node(..) => Kind::Node,
+            Resource::ClusterInformation(..) => Kind::ClusterInformation,
+        }
+    }
+
+    pub fn meta(&self) -> &ObjectMeta {
+        match self {
+            Resource::NetworkPolicy(m, _)
+            | Resource::GlobalNetworkPolicy(m, _)
+            | Resource::Tier(m, _)
+            | Resource::Profile(m, _)
+            | Resource::WorkloadEndpoint(m, _)
+            | Resource::HostEndpoint(m, _)
+            | Resource::NetworkSet(m, _)
+            | Resource::GlobalNetworkSet(m, _)
+            | Resource::IPPool(m, _)
+            | Resource::FelixConfiguration(m, _)
+            | Resource::Node(m, _)
+            | Resource::ClusterInformation(m, _) => m,
+        }
+    }
+
+    pub fn key(&self) -> ResourceKey {
+        let m = self.meta();
+        ResourceKey::new(self.kind(), m.namespace.as_deref(), &m.name)
+    }
+
+    /// The v3 JSON form (`kind`, `apiVersion`, `metadata`, `spec`), as calicoctl writes it.
+    pub fn to_value(&self) -> serde_json::Value {
+        fn spec<T: Serialize>(t: &T) -> serde_json::Value {
+            serde_json::to_value(t).unwrap_or(serde_json::Value::Null)
+        }
+        let spec = match self {
+            Resource::NetworkPolicy(_, s) | Resource::GlobalNetworkPolicy(_, s) => spec(s),
+            Resource::Tier(_, s) => spec(s),
+            Resource::Profile(_, s) => spec(s),
+            Resource::WorkloadEndpoint(_, s) => spec(s),
+            Resource::HostEndpoint(_, s) => spec(s),
+            Resource::NetworkSet(_, s) | Resource::GlobalNetworkSet(_, s) => spec(s),
+            Resource::IPPool(_, s) => spec(s),
+            Resource::FelixConfiguration(_, s) => spec(s),
+            Resource::Node(_, s) => spec(s),
+            Resource::ClusterInformation(_, s) => spec(s),
+        };
+        serde_json::json!({
+            "kind": self.kind().as_str(),
+            "apiVersion": API_VERSION,
+            "metadata": spec_of(self.meta()),
+            "spec": spec,
+        })
+    }
+}
+
+fn spec_of(meta: &ObjectMeta) -> serde_json::Value {
+    serde_json::to_value(meta).unwrap_or(serde_json::Value::Null)
+}
+
+/// Deserialises `value` and, on failure, returns the JSON path of the offending field.
+fn decode_at<T: for<'de> Deserialize<'de>>(
+    root: &str,
+    value: serde_json::Value,
+) -> Result<T, (String, String)> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let inner = e.path().to_string();
+        let path = if inner == "." || inner.is_empty() {
+            root.to_string()
+        } else {
+            format!("{root}.{inner}")
+        };
+        (path, e.into_inner().to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn decode(v: serde_json::Value) -> (ResourceKey, Resource) {
+        match Resource::from_value(v).unwrap() {
+            Decoded::Resource(k, r) => (k, r),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn policy_defaults_types_tier_and_namespace() {
+        let (key, res) = decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "NetworkPolicy",
+            "metadata": {"name": "p"},
+            "spec": {"selector": "app == 'x'", "egress": [{"action": "Allow"}]}
+        }));
+        assert_eq!(key.to_string(), "NetworkPolicy default/p");
+        let Resource::NetworkPolicy(meta, spec) = res else { panic!() };
+        assert_eq!(meta.namespace.as_deref(), Some("default"));
+        assert_eq!(spec.types, vec!["Egress"]);
+        assert_eq!(spec.tier, "default");
+    }
+
+    #[test]
+    fn types_inference_matches_calico() {
+        let mut s = PolicySpec::default();
+        s.infer_types();
+        assert_eq!(s.types, vec!["Ingress"], "no rules at all still means Ingress");
+        let mut s = PolicySpec { ingress: vec![Rule::default()], egress: vec![Rule::default()], ..Default::default() };
+        s.infer_types();
+        assert_eq!(s.types, vec!["Ingress", "Egress"]);
+        let mut s = PolicySpec { egress: vec![Rule::default()], types: vec!["Ingress".into()], ..Default::default() };
+        s.infer_types();
+        assert_eq!(s.types, vec!["Ingress"], "explicit types are kept");
+    }
+
+    #[test]
+    fn gnp_only_fields_are_dropped_on_namespaced_policy() {
+        let (_, res) = decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "NetworkPolicy",
+            "metadata": {"name": "p", "namespace": "prod"},
+            "spec": {"doNotTrack": true, "namespaceSelector": "all()"}
+        }));
+        let Resource::NetworkPolicy(_, spec) = res else { panic!() };
+        assert!(!spec.do_not_track && spec.namespace_selector.is_empty());
+    }
+
+    #[test]
+    fn shape_errors_name_the_object_and_field() {
+        let err = Resource::from_value(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": "bad"},
+            "spec": {"ingress": [{"action": "Allow", "source": {"nets": "10.0.0.0/8"}}]}
+        }))
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("GlobalNetworkPolicy bad: field spec.ingress[0].source.nets:"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_unknown_kinds_rejected() {
+        let (_, res) = decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "Tier",
+            "metadata": {"name": "security", "somethingNew": 1},
+            "spec": {"order": 100, "futureField": {"x": 1}}
+        }));
+        assert_eq!(res, Resource::Tier(
+            ObjectMeta { name: "security".into(), ..Default::default() },
+            TierSpec { order: Some(100.0), default_action: "Deny".into() },
+        ));
+        assert_eq!(
+            Resource::from_value(json!({"apiVersion": "projectcalico.org/v3", "kind": "Frob", "metadata": {"name": "x"}})),
+            Err(DecodeError::UnknownKind("Frob".into()))
+        );
+        assert_eq!(
+            Resource::from_value(json!({"apiVersion": "projectcalico.org/v3", "kind": "BGPPeer", "metadata": {"name": "peer"}})),
+            Ok(Decoded::Ignored("BGPPeer".into(), "peer".into()))
+        );
+        assert!(matches!(
+            Resource::from_value(json!({"apiVersion": "v1", "kind": "Tier", "metadata": {"name": "x"}})),
+            Err(DecodeError::ApiVersion(v)) if v == "v1"
+        ));
+    }
+
+    #[test]
+    fn etcd_paths_follow_calico_layout() {
+        assert_eq!(
+            ResourceKey::new(Kind::NetworkPolicy, Some("prod"), "allow-frontend").etcd_path(),
+            "/calico/resources/v3/projectcalico.org/networkpolicies/prod/allow-frontend"
+        );
+        assert_eq!(
+            ResourceKey::new(Kind::Tier, None, "default").etcd_path(),
+            "/calico/resources/v3/projectcalico.org/tiers/default"
+        );
+    }
+
+    #[test]
+    fn round_trips_through_v3_json() {
+        let v = json!({
+            "kind": "WorkloadEndpoint", "apiVersion": "projectcalico.org/v3",
+            "metadata": {"name": "node1-k8s-nginx--5d8f-eth0", "namespace": "default",
+                         "labels": {"app": "nginx"}},
+            "spec": {"orchestrator": "k8s", "node": "node1", "pod": "nginx-5d8f", "endpoint": "eth0",
+                     "ipNetworks": ["10.65.0.5/32"], "profiles": ["kns.default"],
+                     "interfaceName": "calia37792c9b43", "mac": "ee:ee:ee:ee:ee:ee",
+                     "ports": [{"name": "http", "protocol": "TCP", "port": 80}]}
+        });
+        let (_, res) = decode(v);
+        let (_, again) = decode(res.to_value());
+        assert_eq!(res, again);
+    }
+}

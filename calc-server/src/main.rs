@@ -1,0 +1,126 @@
+//! calc-server: the command-line entry point.
+//!
+//! Today it carries the offline tools (selector evaluation and normalisation, manifest
+//! validation); the serving path (`serve`, `compute`) arrives with the calculation graph and the
+//! Sync stream. Exit codes: 0 success, 1 invalid manifests found, 2 usage or parse errors.
+
+mod manifest_dir;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use calc_graph::selector;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "calc-server", version, about = "Calico policy calculation server: computes tiered policy once for the whole cluster and streams each node what it needs.")]
+struct Cli {
+    /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
+    #[arg(long, env = "CALC_SERVER_LOG_LEVEL", default_value = "warn", global = true)]
+    log_level: String,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Debug Calico label selectors.
+    #[command(subcommand)]
+    Selector(SelectorCommand),
+    /// Load Calico v3 manifests (YAML or JSON, files or directories) and report every invalid
+    /// object, one problem per line. Exits 1 if any object is invalid.
+    Validate {
+        /// Files or directories (searched recursively for *.yaml, *.yml and *.json).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum SelectorCommand {
+    /// Evaluate a selector against a set of labels; prints `true` or `false`.
+    Eval {
+        /// The labels as a JSON object of strings, e.g. '{"app": "web", "tier": "frontend"}'.
+        #[arg(long, env = "CALC_SERVER_SELECTOR_LABELS")]
+        labels: String,
+        /// The selector, e.g. "app == 'web' && has(tier)".
+        selector: String,
+    },
+    /// Print the canonical form and unique id of a selector as one JSON object:
+    /// {"canonical": "...", "unique_id": "s:..."}.
+    Normalize {
+        /// The selector to normalise.
+        selector: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log_level);
+    let result = match cli.command {
+        Command::Selector(SelectorCommand::Eval { labels, selector }) => selector_eval(&labels, &selector),
+        Command::Selector(SelectorCommand::Normalize { selector }) => selector_normalize(&selector),
+        Command::Validate { paths } => validate(&paths),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn parse_selector(input: &str) -> anyhow::Result<selector::Selector> {
+    // Trimmed as Calico's Normalise does, so a stray shell newline is not an error.
+    Ok(selector::parse(input.trim())?)
+}
+
+fn selector_eval(labels: &str, sel: &str) -> anyhow::Result<ExitCode> {
+    let labels: BTreeMap<String, String> = serde_json::from_str(labels)
+        .context("--labels must be a JSON object whose values are strings")?;
+    let sel = parse_selector(sel)?;
+    println!("{}", sel.evaluate(&labels));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn selector_normalize(sel: &str) -> anyhow::Result<ExitCode> {
+    let sel = parse_selector(sel)?;
+    let out = serde_json::json!({"canonical": sel.canonical(), "unique_id": sel.unique_id()});
+    println!("{out}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn validate(paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
+    let report = manifest_dir::load(paths);
+    let mut out = std::io::stdout().lock();
+    for problem in &report.problems {
+        writeln!(out, "{problem}")?;
+    }
+    eprintln!(
+        "checked {} object(s) in {} file(s): {} valid, {} ignored (not used by the policy dataplane), {} problem(s)",
+        report.objects,
+        report.files,
+        report.resources.len(),
+        report.ignored,
+        report.problems.len()
+    );
+    Ok(if report.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

@@ -1,0 +1,18 @@
+//! Calico's felixbackend protobuf messages and our `CalcServer.Sync` service.
+//!
+//! Message names, field names and field numbers are Calico's (`felix/proto/felixbackend.proto`),
+//! so anything built from Calico's proto decodes our bytes. Our additions use new messages or
+//! field numbers Calico does not use; see `docs/proto.md`.
+
+#![allow(clippy::large_enum_variant, clippy::doc_lazy_continuation)]
+
+/// Generated types, package `felix`.
+pub mod felix {
+    include!(concat!(env!("OUT_DIR"), "/felix.rs"));
+}
+
+pub use felix::*;
+
+/// The encoded `FileDescriptorSet` of `felixbackend.proto`, for reflection and tests.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/felixbackend_descriptor.bin"));
