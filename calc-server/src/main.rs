@@ -16,10 +16,19 @@ use calc_graph::selector;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "calc-server", version, about = "Calico policy calculation server: computes tiered policy once for the whole cluster and streams each node what it needs.")]
+#[command(
+    name = "calc-server",
+    version,
+    about = "Calico policy calculation server: computes tiered policy once for the whole cluster and streams each node what it needs."
+)]
 struct Cli {
     /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
-    #[arg(long, env = "CALC_SERVER_LOG_LEVEL", default_value = "warn", global = true)]
+    #[arg(
+        long,
+        env = "CALC_SERVER_LOG_LEVEL",
+        default_value = "warn",
+        global = true
+    )]
     log_level: String,
 
     #[command(subcommand)]
@@ -62,7 +71,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_level);
     let result = match cli.command {
-        Command::Selector(SelectorCommand::Eval { labels, selector }) => selector_eval(&labels, &selector),
+        Command::Selector(SelectorCommand::Eval { labels, selector }) => {
+            selector_eval(&labels, &selector)
+        }
         Command::Selector(SelectorCommand::Normalize { selector }) => selector_normalize(&selector),
         Command::Validate { paths } => validate(&paths),
     };

@@ -102,7 +102,9 @@ fn load_file(file: &Path, report: &mut Report) {
     let text = match std::fs::read_to_string(file) {
         Ok(t) => t,
         Err(e) => {
-            report.problems.push(problem(None, format!("cannot read: {e}")));
+            report
+                .problems
+                .push(problem(None, format!("cannot read: {e}")));
             return;
         }
     };
@@ -121,7 +123,10 @@ fn load_file(file: &Path, report: &mut Report) {
                 if let Some((prev, _)) = report.resources.get(&key) {
                     report.problems.push(problem(
                         doc,
-                        format!("{key} is defined again (first in {}); the later definition wins", prev.display()),
+                        format!(
+                            "{key} is defined again (first in {}); the later definition wins",
+                            prev.display()
+                        ),
                     ));
                 }
                 report.resources.insert(key, (file.to_path_buf(), res));
@@ -130,7 +135,9 @@ fn load_file(file: &Path, report: &mut Report) {
             Outcome::Undecodable(e) => report.problems.push(problem(doc, e.to_string())),
             Outcome::Invalid(inv) => {
                 for e in &inv.errors {
-                    report.problems.push(problem(doc, format!("{}: {e}", inv.key)));
+                    report
+                        .problems
+                        .push(problem(doc, format!("{}: {e}", inv.key)));
                 }
             }
         }

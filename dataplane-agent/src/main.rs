@@ -9,7 +9,11 @@ use std::process::ExitCode;
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "dataplane-agent", version, about = "Follows a calc-server's Sync stream and programs this node's dataplane (iptables, ipsets, routes) through a pluggable driver.")]
+#[command(
+    name = "dataplane-agent",
+    version,
+    about = "Follows a calc-server's Sync stream and programs this node's dataplane (iptables, ipsets, routes) through a pluggable driver."
+)]
 struct Cli {
     /// calc-server URL(s), tried in order (e.g. http://calc-server:50051).
     #[arg(long = "server", env = "DATAPLANE_AGENT_SERVER", value_delimiter = ',')]
@@ -21,6 +25,8 @@ struct Cli {
 
 fn main() -> ExitCode {
     let _cli = Cli::parse();
-    eprintln!("dataplane-agent: the Sync session is not implemented yet; see `dataplane-agent --help` and docs/proto.md");
+    eprintln!(
+        "dataplane-agent: the Sync session is not implemented yet; see `dataplane-agent --help` and docs/proto.md"
+    );
     ExitCode::from(2)
 }

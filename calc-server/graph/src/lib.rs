@@ -8,7 +8,7 @@
 //! - [`model`]: Calico's v3 resources as serde types, defaulting and validation.
 //! - [`manifest`]: decoding YAML/JSON manifests (multi-document) into resources.
 
+pub mod hash;
 pub mod manifest;
 pub mod model;
-pub mod hash;
 pub mod selector;

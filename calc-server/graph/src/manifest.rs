@@ -17,6 +17,8 @@ pub struct Entry {
     pub outcome: Outcome,
 }
 
+// A transient value, consumed at once; boxing would only add an allocation per object.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Outcome {
     /// Decoded and valid.
@@ -129,8 +131,12 @@ metadata: {name: rr}
 "#;
         let entries = parse_manifest(text).unwrap();
         assert_eq!(entries.len(), 4);
-        assert!(matches!(&entries[0].outcome, Outcome::Valid(k, _) if k.to_string() == "Tier security"));
-        assert!(matches!(&entries[1].outcome, Outcome::Valid(k, _) if k.to_string() == "GlobalNetworkPolicy good"));
+        assert!(
+            matches!(&entries[0].outcome, Outcome::Valid(k, _) if k.to_string() == "Tier security")
+        );
+        assert!(
+            matches!(&entries[1].outcome, Outcome::Valid(k, _) if k.to_string() == "GlobalNetworkPolicy good")
+        );
         match &entries[2].outcome {
             Outcome::Invalid(inv) => {
                 assert_eq!(entries[2].document, 2);
@@ -139,22 +145,37 @@ metadata: {name: rr}
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(&entries[3].outcome, Outcome::Ignored(k, n) if k == "BGPPeer" && n == "rr"));
+        assert!(
+            matches!(&entries[3].outcome, Outcome::Ignored(k, n) if k == "BGPPeer" && n == "rr")
+        );
     }
 
     #[test]
     fn json_object_and_array() {
         let one = r#"{"apiVersion":"projectcalico.org/v3","kind":"Profile","metadata":{"name":"kns.default"},"spec":{"ingress":[{"action":"Allow"}]}}"#;
-        assert!(matches!(parse_manifest(one).unwrap()[0].outcome, Outcome::Valid(..)));
-        let arr = format!("[{one}, {{\"kind\": \"Nope\", \"apiVersion\": \"projectcalico.org/v3\"}}]");
+        assert!(matches!(
+            parse_manifest(one).unwrap()[0].outcome,
+            Outcome::Valid(..)
+        ));
+        let arr =
+            format!("[{one}, {{\"kind\": \"Nope\", \"apiVersion\": \"projectcalico.org/v3\"}}]");
         let entries = parse_manifest(&arr).unwrap();
         assert_eq!(entries.len(), 2);
-        assert!(matches!(entries[1].outcome, Outcome::Undecodable(DecodeError::UnknownKind(_))));
+        assert!(matches!(
+            entries[1].outcome,
+            Outcome::Undecodable(DecodeError::UnknownKind(_))
+        ));
     }
 
     #[test]
     fn syntax_errors_fail_the_file() {
-        assert!(matches!(parse_manifest("{not json"), Err(SyntaxError::Json(_))));
-        assert!(matches!(parse_manifest("a: [unclosed"), Err(SyntaxError::Yaml(_))));
+        assert!(matches!(
+            parse_manifest("{not json"),
+            Err(SyntaxError::Json(_))
+        ));
+        assert!(matches!(
+            parse_manifest("a: [unclosed"),
+            Err(SyntaxError::Yaml(_))
+        ));
     }
 }

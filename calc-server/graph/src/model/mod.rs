@@ -410,7 +410,9 @@ pub enum Resource {
 /// Why one object could not be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
-    #[error("not an object: a manifest document must be a mapping with kind, apiVersion, metadata and spec")]
+    #[error(
+        "not an object: a manifest document must be a mapping with kind, apiVersion, metadata and spec"
+    )]
     NotAnObject,
     #[error("missing kind")]
     MissingKind,
@@ -430,6 +432,8 @@ pub enum DecodeError {
 }
 
 /// What decoding one object produced.
+// A transient value, consumed at once; boxing would only add an allocation per object.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decoded {
     Resource(ResourceKey, Resource),
@@ -485,7 +489,8 @@ impl Resource {
             path,
             message,
         };
-        let mut meta: ObjectMeta = decode_at("metadata", meta_value).map_err(|(p, m)| field_err(p, m))?;
+        let mut meta: ObjectMeta =
+            decode_at("metadata", meta_value).map_err(|(p, m)| field_err(p, m))?;
         meta.namespace = key.namespace.clone();
         let spec = obj.remove("spec").unwrap_or(serde_json::Value::Null);
         let spec = if spec.is_null() {
@@ -503,17 +508,27 @@ impl Resource {
                     s.namespace_selector.clear();
                     Resource::NetworkPolicy(meta, s)
                 }
-                Kind::GlobalNetworkPolicy => Resource::GlobalNetworkPolicy(meta, decode_at("spec", spec)?),
+                Kind::GlobalNetworkPolicy => {
+                    Resource::GlobalNetworkPolicy(meta, decode_at("spec", spec)?)
+                }
                 Kind::Tier => Resource::Tier(meta, decode_at("spec", spec)?),
                 Kind::Profile => Resource::Profile(meta, decode_at("spec", spec)?),
-                Kind::WorkloadEndpoint => Resource::WorkloadEndpoint(meta, decode_at("spec", spec)?),
+                Kind::WorkloadEndpoint => {
+                    Resource::WorkloadEndpoint(meta, decode_at("spec", spec)?)
+                }
                 Kind::HostEndpoint => Resource::HostEndpoint(meta, decode_at("spec", spec)?),
                 Kind::NetworkSet => Resource::NetworkSet(meta, decode_at("spec", spec)?),
-                Kind::GlobalNetworkSet => Resource::GlobalNetworkSet(meta, decode_at("spec", spec)?),
+                Kind::GlobalNetworkSet => {
+                    Resource::GlobalNetworkSet(meta, decode_at("spec", spec)?)
+                }
                 Kind::IPPool => Resource::IPPool(meta, decode_at("spec", spec)?),
-                Kind::FelixConfiguration => Resource::FelixConfiguration(meta, decode_at("spec", spec)?),
+                Kind::FelixConfiguration => {
+                    Resource::FelixConfiguration(meta, decode_at("spec", spec)?)
+                }
                 Kind::Node => Resource::Node(meta, decode_at("spec", spec)?),
-                Kind::ClusterInformation => Resource::ClusterInformation(meta, decode_at("spec", spec)?),
+                Kind::ClusterInformation => {
+                    Resource::ClusterInformation(meta, decode_at("spec", spec)?)
+                }
             })
         })()
         .map_err(|(p, m)| field_err(p, m))?;
@@ -531,10 +546,8 @@ impl Resource {
                     s.tier = "default".into();
                 }
             }
-            Resource::Tier(_, s) => {
-                if s.default_action.is_empty() {
-                    s.default_action = "Deny".into();
-                }
+            Resource::Tier(_, s) if s.default_action.is_empty() => {
+                s.default_action = "Deny".into();
             }
             _ => {}
         }
@@ -645,7 +658,9 @@ mod tests {
             "spec": {"selector": "app == 'x'", "egress": [{"action": "Allow"}]}
         }));
         assert_eq!(key.to_string(), "NetworkPolicy default/p");
-        let Resource::NetworkPolicy(meta, spec) = res else { panic!() };
+        let Resource::NetworkPolicy(meta, spec) = res else {
+            panic!()
+        };
         assert_eq!(meta.namespace.as_deref(), Some("default"));
         assert_eq!(spec.types, vec!["Egress"]);
         assert_eq!(spec.tier, "default");
@@ -655,11 +670,23 @@ mod tests {
     fn types_inference_matches_calico() {
         let mut s = PolicySpec::default();
         s.infer_types();
-        assert_eq!(s.types, vec!["Ingress"], "no rules at all still means Ingress");
-        let mut s = PolicySpec { ingress: vec![Rule::default()], egress: vec![Rule::default()], ..Default::default() };
+        assert_eq!(
+            s.types,
+            vec!["Ingress"],
+            "no rules at all still means Ingress"
+        );
+        let mut s = PolicySpec {
+            ingress: vec![Rule::default()],
+            egress: vec![Rule::default()],
+            ..Default::default()
+        };
         s.infer_types();
         assert_eq!(s.types, vec!["Ingress", "Egress"]);
-        let mut s = PolicySpec { egress: vec![Rule::default()], types: vec!["Ingress".into()], ..Default::default() };
+        let mut s = PolicySpec {
+            egress: vec![Rule::default()],
+            types: vec!["Ingress".into()],
+            ..Default::default()
+        };
         s.infer_types();
         assert_eq!(s.types, vec!["Ingress"], "explicit types are kept");
     }
@@ -671,7 +698,9 @@ mod tests {
             "metadata": {"name": "p", "namespace": "prod"},
             "spec": {"doNotTrack": true, "namespaceSelector": "all()"}
         }));
-        let Resource::NetworkPolicy(_, spec) = res else { panic!() };
+        let Resource::NetworkPolicy(_, spec) = res else {
+            panic!()
+        };
         assert!(!spec.do_not_track && spec.namespace_selector.is_empty());
     }
 
@@ -684,7 +713,10 @@ mod tests {
         }))
         .unwrap_err();
         let msg = err.to_string();
-        assert!(msg.starts_with("GlobalNetworkPolicy bad: field spec.ingress[0].source.nets:"), "{msg}");
+        assert!(
+            msg.starts_with("GlobalNetworkPolicy bad: field spec.ingress[0].source.nets:"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -694,16 +726,29 @@ mod tests {
             "metadata": {"name": "security", "somethingNew": 1},
             "spec": {"order": 100, "futureField": {"x": 1}}
         }));
-        assert_eq!(res, Resource::Tier(
-            ObjectMeta { name: "security".into(), ..Default::default() },
-            TierSpec { order: Some(100.0), default_action: "Deny".into() },
-        ));
         assert_eq!(
-            Resource::from_value(json!({"apiVersion": "projectcalico.org/v3", "kind": "Frob", "metadata": {"name": "x"}})),
+            res,
+            Resource::Tier(
+                ObjectMeta {
+                    name: "security".into(),
+                    ..Default::default()
+                },
+                TierSpec {
+                    order: Some(100.0),
+                    default_action: "Deny".into()
+                },
+            )
+        );
+        assert_eq!(
+            Resource::from_value(
+                json!({"apiVersion": "projectcalico.org/v3", "kind": "Frob", "metadata": {"name": "x"}})
+            ),
             Err(DecodeError::UnknownKind("Frob".into()))
         );
         assert_eq!(
-            Resource::from_value(json!({"apiVersion": "projectcalico.org/v3", "kind": "BGPPeer", "metadata": {"name": "peer"}})),
+            Resource::from_value(
+                json!({"apiVersion": "projectcalico.org/v3", "kind": "BGPPeer", "metadata": {"name": "peer"}})
+            ),
             Ok(Decoded::Ignored("BGPPeer".into(), "peer".into()))
         );
         assert!(matches!(

@@ -250,7 +250,10 @@ impl<'de> Deserialize<'de> for Protocol {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Port {
     /// A single port has `min == max`.
-    Range { min: u16, max: u16 },
+    Range {
+        min: u16,
+        max: u16,
+    },
     Named(String),
     /// Kept verbatim so validation can name it.
     Invalid(String),
@@ -359,7 +362,10 @@ mod tests {
         assert!(tcp.is_valid() && tcp.supports_ports());
         assert_eq!(tcp.lowercase_name().as_deref(), Some("tcp"));
         assert!(Protocol::Name("ICMPv6".into()).is_icmpv6());
-        assert!(!Protocol::Name("tcp".into()).is_valid(), "v3 names are case-sensitive");
+        assert!(
+            !Protocol::Name("tcp".into()).is_valid(),
+            "v3 names are case-sensitive"
+        );
         assert!(Protocol::Number(132).supports_ports());
         assert!(!Protocol::Number(0).is_valid());
         assert!(!Protocol::Number(1).supports_ports());
@@ -367,7 +373,10 @@ mod tests {
 
     #[test]
     fn actions_are_case_sensitive() {
-        assert_eq!(Action::parse("Pass").map(Action::proto_name), Some("next-tier"));
+        assert_eq!(
+            Action::parse("Pass").map(Action::proto_name),
+            Some("next-tier")
+        );
         assert_eq!(Action::parse("allow"), None);
     }
 }

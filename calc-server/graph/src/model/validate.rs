@@ -66,9 +66,15 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
         Resource::IPPool(_, s) => v.ip_pool(s),
         Resource::Node(_, s) => {
             if let Some(bgp) = &s.bgp {
-                for (f, a) in [("ipv4Address", &bgp.ipv4_address), ("ipv6Address", &bgp.ipv6_address)] {
+                for (f, a) in [
+                    ("ipv4Address", &bgp.ipv4_address),
+                    ("ipv6Address", &bgp.ipv6_address),
+                ] {
                     if !a.is_empty() && parse_cidr_or_ip(a).is_none() {
-                        v.err(format!("spec.bgp.{f}"), format!("{a:?} is not an IP address or CIDR"));
+                        v.err(
+                            format!("spec.bgp.{f}"),
+                            format!("{a:?} is not an IP address or CIDR"),
+                        );
                     }
                 }
             }
@@ -104,13 +110,18 @@ impl Validator {
         if m.name.len() > DNS1123_SUBDOMAIN_MAX {
             self.err(
                 "metadata.name",
-                format!("name is too long by {} bytes", m.name.len() - DNS1123_SUBDOMAIN_MAX),
+                format!(
+                    "name is too long by {} bytes",
+                    m.name.len() - DNS1123_SUBDOMAIN_MAX
+                ),
             );
         }
         let (ok, what) = match kind {
             Kind::NetworkPolicy => (
                 is_label(&m.name)
-                    || m.name.split_once('.').is_some_and(|(a, b)| is_label(a) && is_label(b))
+                    || m.name
+                        .split_once('.')
+                        .is_some_and(|(a, b)| is_label(a) && is_label(b))
                     || ["knp.default.", "ossg.default."]
                         .iter()
                         .any(|p| m.name.strip_prefix(p).is_some_and(is_subdomain)),
@@ -118,14 +129,25 @@ impl Validator {
             ),
             Kind::GlobalNetworkPolicy => (
                 is_label(&m.name)
-                    || m.name.split_once('.').is_some_and(|(a, b)| is_label(a) && is_label(b)),
+                    || m.name
+                        .split_once('.')
+                        .is_some_and(|(a, b)| is_label(a) && is_label(b)),
                 "lower case alphanumeric characters or '-', with at most one '.'",
             ),
-            Kind::Tier => (is_label(&m.name), "lower case alphanumeric characters or '-'"),
-            _ => (is_subdomain(&m.name), "lower case alphanumeric characters, '-' or '.'"),
+            Kind::Tier => (
+                is_label(&m.name),
+                "lower case alphanumeric characters or '-'",
+            ),
+            _ => (
+                is_subdomain(&m.name),
+                "lower case alphanumeric characters, '-' or '.'",
+            ),
         };
         if !ok {
-            self.err("metadata.name", format!("invalid name {:?}: must consist of {what}", m.name));
+            self.err(
+                "metadata.name",
+                format!("invalid name {:?}: must consist of {what}", m.name),
+            );
         }
         if let Some(ns) = &m.namespace
             && !is_label(ns)
@@ -134,15 +156,24 @@ impl Validator {
         }
         for (k, val) in &m.labels {
             if let Err(e) = qualified_name(k) {
-                self.err(format!("metadata.labels[{k:?}]"), format!("invalid label key: {e}"));
+                self.err(
+                    format!("metadata.labels[{k:?}]"),
+                    format!("invalid label key: {e}"),
+                );
             }
             if let Err(e) = label_value(val) {
-                self.err(format!("metadata.labels[{k:?}]"), format!("invalid label value {val:?}: {e}"));
+                self.err(
+                    format!("metadata.labels[{k:?}]"),
+                    format!("invalid label value {val:?}: {e}"),
+                );
             }
         }
         for k in m.annotations.keys() {
             if let Err(e) = qualified_name(&k.to_ascii_lowercase()) {
-                self.err(format!("metadata.annotations[{k:?}]"), format!("invalid annotation key: {e}"));
+                self.err(
+                    format!("metadata.annotations[{k:?}]"),
+                    format!("invalid annotation key: {e}"),
+                );
             }
         }
     }
@@ -161,7 +192,10 @@ impl Validator {
     fn selector_without_global(&mut self, path: &str, s: &str) {
         self.selector(path, s);
         if s.contains("global()") {
-            self.err(path, "global() can only be used in an EntityRule namespaceSelector");
+            self.err(
+                path,
+                "global() can only be used in an EntityRule namespaceSelector",
+            );
         }
     }
 
@@ -174,7 +208,10 @@ impl Validator {
         }
         self.selector_without_global("spec.selector", &s.selector);
         if !s.service_account_selector.is_empty() {
-            self.selector_without_global("spec.serviceAccountSelector", &s.service_account_selector);
+            self.selector_without_global(
+                "spec.serviceAccountSelector",
+                &s.service_account_selector,
+            );
         }
         if global && !s.namespace_selector.is_empty() {
             self.selector_without_global("spec.namespaceSelector", &s.namespace_selector);
@@ -182,15 +219,24 @@ impl Validator {
         let mut seen = Vec::new();
         for (i, t) in s.types.iter().enumerate() {
             if t != "Ingress" && t != "Egress" {
-                self.err(format!("spec.types[{i}]"), format!("unknown policy type {t:?} (expected Ingress or Egress)"));
+                self.err(
+                    format!("spec.types[{i}]"),
+                    format!("unknown policy type {t:?} (expected Ingress or Egress)"),
+                );
             } else if seen.contains(&t) {
-                self.err(format!("spec.types[{i}]"), format!("{t:?} type specified more than once"));
+                self.err(
+                    format!("spec.types[{i}]"),
+                    format!("{t:?} type specified more than once"),
+                );
             }
             seen.push(t);
         }
         for (i, h) in s.performance_hints.iter().enumerate() {
             if h != "AssumeNeededOnEveryNode" {
-                self.err(format!("spec.performanceHints[{i}]"), format!("unknown performance hint {h:?}"));
+                self.err(
+                    format!("spec.performanceHints[{i}]"),
+                    format!("unknown performance hint {h:?}"),
+                );
             }
         }
         if global {
@@ -204,29 +250,57 @@ impl Validator {
                 self.err("spec.types", "a preDNAT policy cannot have the Egress type");
             }
             if !s.apply_on_forward && (s.do_not_track || s.pre_dnat) {
-                self.err("spec.applyOnForward", "applyOnForward must be true when preDNAT or doNotTrack is true");
+                self.err(
+                    "spec.applyOnForward",
+                    "applyOnForward must be true when preDNAT or doNotTrack is true",
+                );
             }
         }
         for (i, r) in s.ingress.iter().enumerate() {
             let p = format!("spec.ingress[{i}]");
             if r.destination.services.is_some() {
-                self.err(format!("{p}.destination.services"), "not allowed in an ingress rule destination");
+                self.err(
+                    format!("{p}.destination.services"),
+                    "not allowed in an ingress rule destination",
+                );
             }
-            if global && r.source.services.as_ref().is_some_and(|s| s.namespace.is_empty()) {
-                self.err(format!("{p}.source.services.namespace"), "must specify a namespace in a global policy");
+            if global
+                && r.source
+                    .services
+                    .as_ref()
+                    .is_some_and(|s| s.namespace.is_empty())
+            {
+                self.err(
+                    format!("{p}.source.services.namespace"),
+                    "must specify a namespace in a global policy",
+                );
             }
             self.rule(&p, r);
         }
         for (i, r) in s.egress.iter().enumerate() {
             let p = format!("spec.egress[{i}]");
             if r.source.services.is_some() {
-                self.err(format!("{p}.source.services"), "not allowed in an egress rule source");
+                self.err(
+                    format!("{p}.source.services"),
+                    "not allowed in an egress rule source",
+                );
             }
             if r.http.is_some() {
-                self.err(format!("{p}.http"), "HTTP matches are not allowed in egress rules");
+                self.err(
+                    format!("{p}.http"),
+                    "HTTP matches are not allowed in egress rules",
+                );
             }
-            if global && r.destination.services.as_ref().is_some_and(|s| s.namespace.is_empty()) {
-                self.err(format!("{p}.destination.services.namespace"), "must specify a namespace in a global policy");
+            if global
+                && r.destination
+                    .services
+                    .as_ref()
+                    .is_some_and(|s| s.namespace.is_empty())
+            {
+                self.err(
+                    format!("{p}.destination.services.namespace"),
+                    "must specify a namespace in a global policy",
+                );
             }
             self.rule(&p, r);
         }
@@ -241,13 +315,22 @@ impl Validator {
     fn rule(&mut self, p: &str, r: &Rule) {
         let action = Action::parse(&r.action);
         if action.is_none() {
-            self.err(format!("{p}.action"), format!("invalid action {:?} (expected Allow, Deny, Log or Pass)", r.action));
+            self.err(
+                format!("{p}.action"),
+                format!(
+                    "invalid action {:?} (expected Allow, Deny, Log or Pass)",
+                    r.action
+                ),
+            );
         }
         if let Some(v) = r.ip_version
             && v != 4
             && v != 6
         {
-            self.err(format!("{p}.ipVersion"), format!("invalid IP version {v} (expected 4 or 6)"));
+            self.err(
+                format!("{p}.ipVersion"),
+                format!("invalid IP version {v} (expected 4 or 6)"),
+            );
         }
         for (f, proto) in [("protocol", &r.protocol), ("notProtocol", &r.not_protocol)] {
             if let Some(proto) = proto
@@ -255,7 +338,10 @@ impl Validator {
             {
                 self.err(
                     format!("{p}.{f}"),
-                    format!("invalid protocol {proto} (expected one of {} or a number 1-255)", Protocol::NAMES.join(", ")),
+                    format!(
+                        "invalid protocol {proto} (expected one of {} or a number 1-255)",
+                        Protocol::NAMES.join(", ")
+                    ),
                 );
             }
         }
@@ -267,31 +353,57 @@ impl Validator {
                 ("destination.notPorts", &r.destination.not_ports),
             ] {
                 if !ports.is_empty() {
-                    self.err(format!("{p}.{f}"), "rules that specify ports must set protocol to TCP, UDP, SCTP or UDPLite");
+                    self.err(
+                        format!("{p}.{f}"),
+                        "rules that specify ports must set protocol to TCP, UDP, SCTP or UDPLite",
+                    );
                 }
             }
         }
         if r.http.is_some() {
             if r.protocol.as_ref().is_some_and(|pr| pr.number() != Some(6)) {
-                self.err(format!("{p}.protocol"), "rules that specify HTTP fields must set protocol to TCP or leave it empty");
+                self.err(
+                    format!("{p}.protocol"),
+                    "rules that specify HTTP fields must set protocol to TCP or leave it empty",
+                );
             }
             if action != Some(Action::Allow) {
-                self.err(format!("{p}.http"), "HTTP matches are only valid for Allow rules");
+                self.err(
+                    format!("{p}.http"),
+                    "HTTP matches are only valid for Allow rules",
+                );
             }
         }
-        let is_icmp_proto = |pr: &Option<Protocol>| pr.as_ref().is_some_and(|x| x.is_icmp() || x.is_icmpv6());
+        let is_icmp_proto =
+            |pr: &Option<Protocol>| pr.as_ref().is_some_and(|x| x.is_icmp() || x.is_icmpv6());
         if r.icmp.is_some() && !is_icmp_proto(&r.protocol) {
-            self.err(format!("{p}.icmp"), "rules that specify ICMP fields must set protocol to ICMP or ICMPv6");
+            self.err(
+                format!("{p}.icmp"),
+                "rules that specify ICMP fields must set protocol to ICMP or ICMPv6",
+            );
         }
         if r.not_icmp.is_some() && !is_icmp_proto(&r.protocol) && !is_icmp_proto(&r.not_protocol) {
-            self.err(format!("{p}.notICMP"), "rules that specify ICMP fields must set protocol to ICMP or ICMPv6");
+            self.err(
+                format!("{p}.notICMP"),
+                "rules that specify ICMP fields must set protocol to ICMP or ICMPv6",
+            );
         }
-        let any = |f: fn(&Protocol) -> bool| [&r.protocol, &r.not_protocol].iter().any(|x| x.as_ref().is_some_and(f));
+        let any = |f: fn(&Protocol) -> bool| {
+            [&r.protocol, &r.not_protocol]
+                .iter()
+                .any(|x| x.as_ref().is_some_and(f))
+        };
         if any(Protocol::is_icmp) && r.ip_version.is_some_and(|v| v != 4) {
-            self.err(format!("{p}.ipVersion"), "must set ipVersion to 4 with protocol ICMP");
+            self.err(
+                format!("{p}.ipVersion"),
+                "must set ipVersion to 4 with protocol ICMP",
+            );
         }
         if any(Protocol::is_icmpv6) && r.ip_version.is_some_and(|v| v != 6) {
-            self.err(format!("{p}.ipVersion"), "must set ipVersion to 6 with protocol ICMPv6");
+            self.err(
+                format!("{p}.ipVersion"),
+                "must set ipVersion to 6 with protocol ICMPv6",
+            );
         }
         for (f, icmp) in [("icmp", &r.icmp), ("notICMP", &r.not_icmp)] {
             if let Some(icmp) = icmp {
@@ -314,7 +426,11 @@ impl Validator {
                         if net.network() != net.ip() {
                             self.err(
                                 format!("{p}.{f}[{i}]"),
-                                format!("CIDR {n:?} is not strictly masked (did you mean {}/{}?)", net.network(), net.prefix()),
+                                format!(
+                                    "CIDR {n:?} is not strictly masked (did you mean {}/{}?)",
+                                    net.network(),
+                                    net.prefix()
+                                ),
                             );
                         }
                         v4 |= net.is_ipv4();
@@ -322,8 +438,13 @@ impl Validator {
                     }
                 }
             }
-            if r.ip_version.is_some_and(|v| (v4 && v != 4) || (v6 && v != 6)) {
-                self.err(format!("{p}.{f}"), "rule IP version doesn't match CIDR version");
+            if r.ip_version
+                .is_some_and(|v| (v4 && v != 4) || (v6 && v != 6))
+            {
+                self.err(
+                    format!("{p}.{f}"),
+                    "rule IP version doesn't match CIDR version",
+                );
             }
             if (v4 && seen6) || (v6 && seen4) || (v4 && v6) {
                 self.err(format!("{p}.{f}"), "rule contains both IPv4 and IPv6 CIDRs");
@@ -334,15 +455,24 @@ impl Validator {
         self.entity(&format!("{p}.source"), &r.source);
         self.entity(&format!("{p}.destination"), &r.destination);
         if r.destination.services.is_some() && !r.destination.ports.is_empty() {
-            self.err(format!("{p}.destination.ports"), "cannot specify ports with a service match");
+            self.err(
+                format!("{p}.destination.ports"),
+                "cannot specify ports with a service match",
+            );
         }
         if r.destination.services.is_some() && !r.destination.not_ports.is_empty() {
-            self.err(format!("{p}.destination.notPorts"), "cannot specify notPorts with a service match");
+            self.err(
+                format!("{p}.destination.notPorts"),
+                "cannot specify notPorts with a service match",
+            );
         }
         if let Some(m) = &r.metadata {
             for k in m.annotations.keys() {
                 if let Err(e) = qualified_name(&k.to_ascii_lowercase()) {
-                    self.err(format!("{p}.metadata.annotations[{k:?}]"), format!("invalid annotation key: {e}"));
+                    self.err(
+                        format!("{p}.metadata.annotations[{k:?}]"),
+                        format!("invalid annotation key: {e}"),
+                    );
                 }
             }
         }
@@ -350,17 +480,26 @@ impl Validator {
 
     fn icmp(&mut self, p: &str, icmp: &IcmpFields) {
         if icmp.code.is_some() && icmp.icmp_type.is_none() {
-            self.err(format!("{p}.code"), "ICMP code specified without an ICMP type");
+            self.err(
+                format!("{p}.code"),
+                "ICMP code specified without an ICMP type",
+            );
         }
         if let Some(t) = icmp.icmp_type
             && !(0..=254).contains(&t)
         {
-            self.err(format!("{p}.type"), format!("ICMP type {t} out of range 0-254"));
+            self.err(
+                format!("{p}.type"),
+                format!("ICMP type {t} out of range 0-254"),
+            );
         }
         if let Some(c) = icmp.code
             && !(0..=255).contains(&c)
         {
-            self.err(format!("{p}.code"), format!("ICMP code {c} out of range 0-255"));
+            self.err(
+                format!("{p}.code"),
+                format!("ICMP code {c} out of range 0-255"),
+            );
         }
     }
 
@@ -391,16 +530,28 @@ impl Validator {
                 self.err(format!("{sp}.name"), "must specify a service name");
             }
             if !e.namespace_selector.is_empty() {
-                self.err(&sp, "cannot specify namespaceSelector and services on the same rule");
+                self.err(
+                    &sp,
+                    "cannot specify namespaceSelector and services on the same rule",
+                );
             }
             if !e.selector.is_empty() || !e.not_selector.is_empty() {
-                self.err(&sp, "cannot specify selector/notSelector and services on the same rule");
+                self.err(
+                    &sp,
+                    "cannot specify selector/notSelector and services on the same rule",
+                );
             }
             if e.service_accounts.is_some() {
-                self.err(&sp, "cannot specify serviceAccounts and services on the same rule");
+                self.err(
+                    &sp,
+                    "cannot specify serviceAccounts and services on the same rule",
+                );
             }
             if !e.nets.is_empty() || !e.not_nets.is_empty() {
-                self.err(&sp, "cannot specify nets/notNets and services on the same rule");
+                self.err(
+                    &sp,
+                    "cannot specify nets/notNets and services on the same rule",
+                );
             }
         }
         for (f, ports) in [("ports", &e.ports), ("notPorts", &e.not_ports)] {
@@ -426,7 +577,13 @@ impl Validator {
             self.err("spec.order", "order must be a finite number");
         }
         if s.default_action != "Deny" && s.default_action != "Pass" {
-            self.err("spec.defaultAction", format!("invalid default action {:?} (expected Deny or Pass)", s.default_action));
+            self.err(
+                "spec.defaultAction",
+                format!(
+                    "invalid default action {:?} (expected Deny or Pass)",
+                    s.default_action
+                ),
+            );
         }
     }
 
@@ -435,10 +592,16 @@ impl Validator {
         self.rules("spec.egress", &s.egress);
         for (k, v) in &s.labels_to_apply {
             if let Err(e) = qualified_name(k) {
-                self.err(format!("spec.labelsToApply[{k:?}]"), format!("invalid label key: {e}"));
+                self.err(
+                    format!("spec.labelsToApply[{k:?}]"),
+                    format!("invalid label key: {e}"),
+                );
             }
             if let Err(e) = label_value(v) {
-                self.err(format!("spec.labelsToApply[{k:?}]"), format!("invalid label value {v:?}: {e}"));
+                self.err(
+                    format!("spec.labelsToApply[{k:?}]"),
+                    format!("invalid label value {v:?}: {e}"),
+                );
             }
         }
     }
@@ -446,11 +609,21 @@ impl Validator {
     fn endpoint_ports(&mut self, ports: &[EndpointPort], workload: bool) {
         for (i, port) in ports.iter().enumerate() {
             let p = format!("spec.ports[{i}]");
-            if !port.protocol.as_ref().is_some_and(|pr| pr.is_valid() && pr.supports_ports()) {
-                self.err(format!("{p}.protocol"), "endpoint port protocol must be TCP, UDP, SCTP or UDPLite");
+            if !port
+                .protocol
+                .as_ref()
+                .is_some_and(|pr| pr.is_valid() && pr.supports_ports())
+            {
+                self.err(
+                    format!("{p}.protocol"),
+                    "endpoint port protocol must be TCP, UDP, SCTP or UDPLite",
+                );
             }
             if !(0..=65535).contains(&port.port) {
-                self.err(format!("{p}.port"), format!("port {} out of range 0-65535", port.port));
+                self.err(
+                    format!("{p}.port"),
+                    format!("port {} out of range 0-65535", port.port),
+                );
             }
             let needs_name = !workload || port.host_port.unwrap_or(0) == 0;
             if port.name.is_empty() {
@@ -458,49 +631,82 @@ impl Validator {
                     self.err(format!("{p}.name"), "a port must have a name");
                 }
             } else if let Err(why) = port_name(&port.name) {
-                self.err(format!("{p}.name"), format!("invalid port name {:?}: {why}", port.name));
+                self.err(
+                    format!("{p}.name"),
+                    format!("invalid port name {:?}: {why}", port.name),
+                );
             }
         }
     }
 
     fn workload_endpoint(&mut self, s: &WorkloadEndpointSpec) {
         if s.node.is_empty() {
-            self.err("spec.node", "required: the endpoint must name the node it runs on");
+            self.err(
+                "spec.node",
+                "required: the endpoint must name the node it runs on",
+            );
         } else if !is_subdomain(&s.node) {
             self.err("spec.node", format!("invalid node name {:?}", s.node));
         }
         if !s.interface_name.is_empty() && !is_interface(&s.interface_name) {
-            self.err("spec.interfaceName", format!("invalid interface name {:?} (1-15 of [a-zA-Z0-9_.-])", s.interface_name));
+            self.err(
+                "spec.interfaceName",
+                format!(
+                    "invalid interface name {:?} (1-15 of [a-zA-Z0-9_.-])",
+                    s.interface_name
+                ),
+            );
         }
         if !s.mac.is_empty() && !is_mac(&s.mac) {
             self.err("spec.mac", format!("invalid MAC address {:?}", s.mac));
         }
         for (i, n) in s.ip_networks.iter().enumerate() {
             if parse_cidr_or_ip(n).is_none() {
-                self.err(format!("spec.ipNetworks[{i}]"), format!("invalid CIDR {n:?}"));
+                self.err(
+                    format!("spec.ipNetworks[{i}]"),
+                    format!("invalid CIDR {n:?}"),
+                );
             }
         }
         for (i, n) in s.allow_spoofed_source_prefixes.iter().enumerate() {
             if parse_cidr_or_ip(n).is_none() {
-                self.err(format!("spec.allowSpoofedSourcePrefixes[{i}]"), format!("invalid CIDR {n:?}"));
+                self.err(
+                    format!("spec.allowSpoofedSourcePrefixes[{i}]"),
+                    format!("invalid CIDR {n:?}"),
+                );
             }
         }
         for (i, nat) in s.ip_nats.iter().enumerate() {
-            for (f, ip) in [("internalIP", &nat.internal_ip), ("externalIP", &nat.external_ip)] {
+            for (f, ip) in [
+                ("internalIP", &nat.internal_ip),
+                ("externalIP", &nat.external_ip),
+            ] {
                 if ip.parse::<IpAddr>().is_err() {
-                    self.err(format!("spec.ipNATs[{i}].{f}"), format!("invalid IP address {ip:?}"));
+                    self.err(
+                        format!("spec.ipNATs[{i}].{f}"),
+                        format!("invalid IP address {ip:?}"),
+                    );
                 }
             }
             let inside = nat.internal_ip.parse::<IpAddr>().ok().is_some_and(|ip| {
-                s.ip_networks.iter().filter_map(|n| parse_cidr_or_ip(n)).any(|n| n.contains(ip))
+                s.ip_networks
+                    .iter()
+                    .filter_map(|n| parse_cidr_or_ip(n))
+                    .any(|n| n.contains(ip))
             });
             if !inside {
-                self.err(format!("spec.ipNATs[{i}].internalIP"), "NAT is not in the endpoint networks");
+                self.err(
+                    format!("spec.ipNATs[{i}].internalIP"),
+                    "NAT is not in the endpoint networks",
+                );
             }
         }
         for (i, prof) in s.profiles.iter().enumerate() {
             if !is_subdomain(prof) {
-                self.err(format!("spec.profiles[{i}]"), format!("invalid profile name {prof:?}"));
+                self.err(
+                    format!("spec.profiles[{i}]"),
+                    format!("invalid profile name {prof:?}"),
+                );
             }
         }
         self.endpoint_ports(&s.ports, true);
@@ -508,22 +714,37 @@ impl Validator {
 
     fn host_endpoint(&mut self, s: &HostEndpointSpec) {
         if s.interface_name.is_empty() && s.expected_ips.is_empty() {
-            self.err("spec.interfaceName", "no interface or expected IPs have been specified");
+            self.err(
+                "spec.interfaceName",
+                "no interface or expected IPs have been specified",
+            );
         }
-        if !s.interface_name.is_empty() && s.interface_name != "*" && !is_interface(&s.interface_name) {
-            self.err("spec.interfaceName", format!("invalid interface name {:?}", s.interface_name));
+        if !s.interface_name.is_empty()
+            && s.interface_name != "*"
+            && !is_interface(&s.interface_name)
+        {
+            self.err(
+                "spec.interfaceName",
+                format!("invalid interface name {:?}", s.interface_name),
+            );
         }
         if s.node.is_empty() {
             self.err("spec.node", "no node has been specified");
         }
         for (i, ip) in s.expected_ips.iter().enumerate() {
             if ip.parse::<IpAddr>().is_err() {
-                self.err(format!("spec.expectedIPs[{i}]"), format!("invalid IP address {ip:?}"));
+                self.err(
+                    format!("spec.expectedIPs[{i}]"),
+                    format!("invalid IP address {ip:?}"),
+                );
             }
         }
         for (i, prof) in s.profiles.iter().enumerate() {
             if !is_subdomain(prof) {
-                self.err(format!("spec.profiles[{i}]"), format!("invalid profile name {prof:?}"));
+                self.err(
+                    format!("spec.profiles[{i}]"),
+                    format!("invalid profile name {prof:?}"),
+                );
             }
         }
         self.endpoint_ports(&s.ports, false);
@@ -545,7 +766,10 @@ impl Validator {
 
     fn ip_pool(&mut self, s: &IpPoolSpec) {
         let Some(net) = parse_cidr_or_ip(&s.cidr) else {
-            self.err("spec.cidr", format!("IP pool CIDR must be a valid subnet, got {:?}", s.cidr));
+            self.err(
+                "spec.cidr",
+                format!("IP pool CIDR must be a valid subnet, got {:?}", s.cidr),
+            );
             return;
         };
         if net.network() != net.ip() {
@@ -553,19 +777,28 @@ impl Validator {
         }
         for (f, mode) in [("ipipMode", &s.ipip_mode), ("vxlanMode", &s.vxlan_mode)] {
             if !["", "Never", "Always", "CrossSubnet"].contains(&mode.as_str()) {
-                self.err(format!("spec.{f}"), format!("invalid mode {mode:?} (expected Always, CrossSubnet or Never)"));
+                self.err(
+                    format!("spec.{f}"),
+                    format!("invalid mode {mode:?} (expected Always, CrossSubnet or Never)"),
+                );
             } else if net.is_ipv6() && !mode.is_empty() && mode != "Never" && f == "ipipMode" {
                 self.err(format!("spec.{f}"), "IPIP is not supported on an IPv6 pool");
             }
         }
         let enabled = |m: &str| m == "Always" || m == "CrossSubnet";
         if enabled(&s.ipip_mode) && enabled(&s.vxlan_mode) {
-            self.err("spec.ipipMode", "IPIP and VXLAN cannot both be enabled on the same IP pool");
+            self.err(
+                "spec.ipipMode",
+                "IPIP and VXLAN cannot both be enabled on the same IP pool",
+            );
         }
         let block = s.block_size.unwrap_or(if net.is_ipv4() { 26 } else { 122 });
         let max = if net.is_ipv4() { 32 } else { 128 };
         if !(0..=max).contains(&block) {
-            self.err("spec.blockSize", format!("block size {block} out of range 0-{max}"));
+            self.err(
+                "spec.blockSize",
+                format!("block size {block} out of range 0-{max}"),
+            );
         } else if !s.disabled && i64::from(net.prefix()) > block {
             self.err("spec.cidr", "IP pool is smaller than its block size");
         }
@@ -575,11 +808,17 @@ impl Validator {
             "fe80::/10".parse().expect("constant")
         };
         if link_local.contains(net.network()) || net.contains(link_local.network()) {
-            self.err("spec.cidr", format!("IP pool range overlaps with the link-local range {link_local}"));
+            self.err(
+                "spec.cidr",
+                format!("IP pool range overlaps with the link-local range {link_local}"),
+            );
         }
         for (i, u) in s.allowed_uses.iter().enumerate() {
             if !["Workload", "Tunnel", "LoadBalancer"].contains(&u.as_str()) {
-                self.err(format!("spec.allowedUses[{i}]"), format!("unknown use {u:?}"));
+                self.err(
+                    format!("spec.allowedUses[{i}]"),
+                    format!("unknown use {u:?}"),
+                );
             }
         }
         if !s.node_selector.is_empty() {
@@ -602,30 +841,38 @@ pub fn is_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b[0] != b'-'
         && b[b.len() - 1] != b'-'
 }
 
 /// DNS-1123 subdomain: dot-separated labels, at most 253 characters.
 pub fn is_subdomain(s: &str) -> bool {
-    !s.is_empty() && s.len() <= DNS1123_SUBDOMAIN_MAX && s.split('.').all(|l| {
-        let b = l.as_bytes();
-        !b.is_empty()
-            && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-            && b[0] != b'-'
-            && b[b.len() - 1] != b'-'
-    })
+    !s.is_empty()
+        && s.len() <= DNS1123_SUBDOMAIN_MAX
+        && s.split('.').all(|l| {
+            let b = l.as_bytes();
+            !b.is_empty()
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+                && b[0] != b'-'
+                && b[b.len() - 1] != b'-'
+        })
 }
 
 fn is_interface(s: &str) -> bool {
     (1..=15).contains(&s.len())
-        && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-')
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-')
 }
 
 fn is_mac(s: &str) -> bool {
     let parts: Vec<&str> = s.split([':', '-']).collect();
-    parts.len() == 6 && parts.iter().all(|p| p.len() == 2 && p.bytes().all(|c| c.is_ascii_hexdigit()))
+    parts.len() == 6
+        && parts
+            .iter()
+            .all(|p| p.len() == 2 && p.bytes().all(|c| c.is_ascii_hexdigit()))
 }
 
 /// Kubernetes' qualified-name rule for label and annotation keys: `[prefix/]name`.
@@ -662,7 +909,9 @@ pub fn label_value(s: &str) -> Result<(), String> {
 
 fn label_chars(s: &str) -> Result<(), String> {
     let b = s.as_bytes();
-    let ok_inner = b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
+    let ok_inner = b
+        .iter()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
     if !ok_inner || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
         return Err("must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into());
     }
@@ -675,7 +924,10 @@ pub fn port_name(s: &str) -> Result<(), &'static str> {
     if s.is_empty() || s.len() > 15 {
         return Err("must be 1-15 characters");
     }
-    if !s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-') {
+    if !s
+        .bytes()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+    {
         return Err("must contain only lower-case letters, digits and '-'");
     }
     if !s.bytes().any(|c| c.is_ascii_lowercase()) {
@@ -730,7 +982,10 @@ mod tests {
         }))
         .unwrap_err();
         let msg = err.to_string();
-        assert!(msg.starts_with("GlobalNetworkPolicy Bad_Name is invalid: "), "{msg}");
+        assert!(
+            msg.starts_with("GlobalNetworkPolicy Bad_Name is invalid: "),
+            "{msg}"
+        );
         let p: Vec<&str> = err.errors.iter().map(|e| e.path.as_str()).collect();
         for want in [
             "metadata.name",
@@ -757,7 +1012,11 @@ mod tests {
         }))
         .unwrap_err();
         assert_eq!(err.errors.len(), 1);
-        assert!(err.errors[0].message.starts_with("invalid selector:"), "{}", err.errors[0].message);
+        assert!(
+            err.errors[0].message.starts_with("invalid selector:"),
+            "{}",
+            err.errors[0].message
+        );
     }
 
     #[test]
@@ -837,7 +1096,10 @@ mod tests {
                 "metadata": {"name": "ns1", "labels": {"projectcalico.org/namespace": "x"}},
                 "spec": {"nets": ["10.0.0.0/8", "bogus"]}
             }))),
-            vec!["metadata.labels[\"projectcalico.org/namespace\"]", "spec.nets[1]"]
+            vec![
+                "metadata.labels[\"projectcalico.org/namespace\"]",
+                "spec.nets[1]"
+            ]
         );
     }
 
@@ -848,6 +1110,8 @@ mod tests {
         assert!(qualified_name("projectcalico.org/namespace").is_ok());
         assert!(qualified_name("a/b/c").is_err());
         assert!(label_value("").is_ok() && label_value("-x").is_err());
-        assert!(port_name("http").is_ok() && port_name("80").is_err() && port_name("a--b").is_err());
+        assert!(
+            port_name("http").is_ok() && port_name("80").is_err() && port_name("a--b").is_err()
+        );
     }
 }

@@ -28,6 +28,12 @@ pub use tokenizer::{MAX_LABEL_LEN, is_label_byte};
 
 use crate::hash::make_unique_id;
 
+/// Whether `name` can be written as a label in a selector (Calico's `tokenizer.ValidLabel`):
+/// 1 to 512 bytes of `[a-zA-Z0-9_./-]`.
+pub fn is_valid_label(name: &str) -> bool {
+    (1..=MAX_LABEL_LEN).contains(&name.len()) && name.bytes().all(is_label_byte)
+}
+
 /// Something a selector can be evaluated against: a flat map from label name to value.
 pub trait Labels {
     /// The value of label `key`, or `None` if it is absent (`Some("")` is present).

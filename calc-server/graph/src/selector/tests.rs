@@ -253,6 +253,16 @@ fn tokenizer_edge_cases() {
 }
 
 #[test]
+fn valid_labels() {
+    assert!(is_valid_label("projectcalico.org/namespace"));
+    assert!(is_valid_label(&"a".repeat(MAX_LABEL_LEN)));
+    assert!(!is_valid_label(&"a".repeat(MAX_LABEL_LEN + 1)));
+    assert!(!is_valid_label(""));
+    assert!(!is_valid_label("a b"));
+    assert!(!is_valid_label("é"));
+}
+
+#[test]
 fn label_length_limit() {
     let ok = "a".repeat(MAX_LABEL_LEN);
     let too_long = "a".repeat(MAX_LABEL_LEN + 1);

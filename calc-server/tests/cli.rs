@@ -1,0 +1,170 @@
+//! The command-line contract of the offline tools (issue: Foundation). Users and scripts rely on
+//! these exact forms: output, exit codes, where errors go.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn calc_server(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_calc-server"))
+        .args(args)
+        .output()
+        .expect("run calc-server")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn selector_eval_prints_true_or_false() {
+    let o = calc_server(&[
+        "selector",
+        "eval",
+        "--labels",
+        r#"{"app":"web","tier":"front"}"#,
+        "app == 'web' && has(tier)",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "true\n");
+    let o = calc_server(&[
+        "selector",
+        "eval",
+        "--labels",
+        r#"{"app":"web"}"#,
+        "app != 'web'",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(stdout(&o), "false\n");
+    // A label that is absent makes `!=` and `not in` true, as in Calico.
+    let o = calc_server(&["selector", "eval", "--labels", "{}", "app not in {'web'}"]);
+    assert_eq!(stdout(&o), "true\n");
+}
+
+#[test]
+fn selector_eval_rejects_bad_selector_with_exit_2() {
+    let o = calc_server(&["selector", "eval", "--labels", "{}", "app = 'web'"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty());
+    let err = stderr(&o);
+    assert!(
+        err.contains("at byte 4"),
+        "error says where the selector broke: {err}"
+    );
+}
+
+#[test]
+fn selector_eval_rejects_bad_labels_with_exit_2() {
+    let o = calc_server(&["selector", "eval", "--labels", r#"{"a": 1}"#, "has(a)"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--labels"), "{}", stderr(&o));
+}
+
+#[test]
+fn selector_normalize_prints_one_json_object() {
+    let o = calc_server(&["selector", "normalize", " all() "]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("one JSON object");
+    assert_eq!(
+        v,
+        serde_json::json!({"canonical": "all()", "unique_id": "s:5y5I3VdRZfDU01O--xXAPx2yxCQQqMf0M6IWug"})
+    );
+    assert_eq!(stdout(&o).lines().count(), 1);
+    let o = calc_server(&[
+        "selector",
+        "normalize",
+        "a == \"1\" || b == \"2\" && c == \"3\"",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["canonical"], "(a == \"1\" || (b == \"2\" && c == \"3\"))");
+    assert_eq!(v["unique_id"], "s:56Xc0A7csNp3GP5O899NX2z-Ipd4BIUtjkhm5A");
+}
+
+#[test]
+fn selector_normalize_parse_error_exits_2() {
+    let o = calc_server(&["selector", "normalize", "has("]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty());
+    assert!(!stderr(&o).is_empty());
+}
+
+fn write(dir: &Path, name: &str, text: &str) {
+    let p = dir.join(name);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, text).unwrap();
+}
+
+const GOOD: &str = "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: good}\nspec: {selector: all()}\n";
+
+#[test]
+fn validate_reports_every_invalid_object_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a-good.yaml", GOOD);
+    write(
+        dir.path(),
+        "b-bad.yaml",
+        "apiVersion: projectcalico.org/v3\nkind: NetworkPolicy\nmetadata: {name: p, namespace: prod}\nspec:\n  selector: \"a ==\"\n  ingress: [{action: Allow, protocol: TCP, destination: {ports: ['90:80']}}]\n---\napiVersion: projectcalico.org/v3\nkind: Tier\nmetadata: {name: t}\nspec: {defaultAction: Maybe}\n",
+    );
+    write(dir.path(), "sub/c.json", "{not json");
+    write(dir.path(), "notes.txt", "not a manifest, not read");
+    let o = calc_server(&["validate", dir.path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert!(
+        lines[0].ends_with("b-bad.yaml: document 1: NetworkPolicy prod/p: spec.selector: invalid selector: expected a quoted string after '==', found end of selector at byte 4 of selector \"a ==\""),
+        "{out}"
+    );
+    assert!(lines[1].contains("document 1: NetworkPolicy prod/p: spec.ingress[0].destination.ports[0]: invalid port \"90:80\""), "{out}");
+    assert!(
+        lines[2].contains("document 2: Tier t: spec.defaultAction:"),
+        "{out}"
+    );
+    assert!(lines[3].contains("c.json: invalid JSON"), "{out}");
+    assert!(stderr(&o).contains("1 valid"), "{}", stderr(&o));
+}
+
+#[test]
+fn validate_accepts_a_clean_directory_and_skips_status() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "policy.yaml", GOOD);
+    // The file datastore writes endpoint status here; it is not a manifest.
+    write(
+        dir.path(),
+        "status/node-1.json",
+        "{\"not\": \"a resource\"}",
+    );
+    let o = calc_server(&["validate", dir.path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(o.stdout.is_empty());
+}
+
+#[test]
+fn validate_reports_duplicates_and_missing_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "one.yaml", GOOD);
+    write(dir.path(), "two.yaml", GOOD);
+    let missing = dir.path().join("missing.yaml");
+    let o = calc_server(&[
+        "validate",
+        dir.path().to_str().unwrap(),
+        missing.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = stdout(&o);
+    assert!(
+        out.contains("two.yaml: document 1: GlobalNetworkPolicy good is defined again"),
+        "{out}"
+    );
+    assert!(out.contains("missing.yaml: cannot read"), "{out}");
+}
+
+#[test]
+fn validate_without_paths_is_a_usage_error() {
+    let o = calc_server(&["validate"]);
+    assert_eq!(o.status.code(), Some(2));
+}
