@@ -7,8 +7,15 @@
 #![allow(clippy::large_enum_variant, clippy::doc_lazy_continuation)]
 
 /// Generated types, package `felix`.
+///
+/// With the `json` feature every message and enum also implements `serde::Serialize` and
+/// `serde::Deserialize` in the proto3 canonical JSON mapping (pbjson): lowerCamelCase field
+/// names, enums as their names, 64-bit integers as strings, default values omitted, a oneof as
+/// its set member's field. Deserialising accepts the original proto field names as well.
 pub mod felix {
     include!(concat!(env!("OUT_DIR"), "/felix.rs"));
+    #[cfg(feature = "json")]
+    include!(concat!(env!("OUT_DIR"), "/felix.serde.rs"));
 }
 
 pub use felix::*;

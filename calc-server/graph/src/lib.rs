@@ -8,7 +8,13 @@
 //! - [`model`]: Calico's v3 resources as serde types, defaulting and validation.
 //! - [`manifest`]: decoding YAML/JSON manifests (multi-document) into resources.
 
+pub mod convert;
+pub mod graph;
 pub mod hash;
+pub mod label_index;
 pub mod manifest;
 pub mod model;
+pub mod policy_resolver;
+pub mod rule_scanner;
 pub mod selector;
+pub mod stream_model;
