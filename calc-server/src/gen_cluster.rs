@@ -34,7 +34,6 @@
 
 // main.rs calls `run`; `generate` and `GenStats::count` serve tests and benchmarks. Dead code
 // is still checked in the test build, which uses every entry point.
-#![cfg_attr(not(test), allow(dead_code))]
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -82,6 +81,7 @@ pub struct GenStats {
 
 impl GenStats {
     /// The number of objects of one kind (0 if none).
+    #[cfg(test)]
     pub fn count(&self, kind: &str) -> usize {
         self.by_kind.get(kind).copied().unwrap_or(0)
     }
@@ -144,6 +144,7 @@ pub fn run(args: &GenClusterArgs) -> anyhow::Result<GenStats> {
 ///
 /// # Panics
 /// If the arguments break the limits in the module documentation.
+#[cfg(test)]
 pub fn generate(args: &GenClusterArgs) -> Vec<Value> {
     if let Err(e) = check(args) {
         panic!("gen-cluster: {e:#}");
@@ -1237,6 +1238,14 @@ impl<'a> Policies<'a> {
                 ),
             }
         };
+        // The first round of each guard rail is cluster-wide; further copies are the same rail
+        // owned by one application's team, so a large cluster does not stack dozens of
+        // identical cluster-wide policies on every endpoint.
+        let selector = match (n < 5, selector.is_empty()) {
+            (true, _) => selector,
+            (false, true) => sel_eq("app", self.app()),
+            (false, false) => format!("({selector}) && app == '{}'", self.app()),
+        };
         self.assemble(
             "GlobalNetworkPolicy",
             &format!("{base}-{n}"),
@@ -1282,7 +1291,8 @@ impl<'a> Policies<'a> {
                 true,
             );
         }
-        let (base, selector, ns_sel, ingress, egress) = match self.rng.below(8) {
+        let variant = self.rng.below(8);
+        let (base, selector, ns_sel, ingress, egress) = match variant {
             0 => {
                 let env = self.env();
                 (
@@ -1409,6 +1419,13 @@ impl<'a> Policies<'a> {
                     vec![],
                 )
             }
+        };
+        // A real cluster's global policies mostly name the workloads they are for: only some of
+        // the `all()` variant stay cluster-wide; the others are narrowed to one application.
+        let selector = if variant == 2 || (variant == 6 && index.is_multiple_of(8)) {
+            selector
+        } else {
+            format!("({selector}) && app == '{}'", self.app())
         };
         self.assemble(
             "GlobalNetworkPolicy",

@@ -1,9 +1,14 @@
 //! calc-server: the command-line entry point.
 //!
-//! Today it carries the offline tools (selector evaluation and normalisation, manifest
-//! validation); the serving path (`serve`, `compute`) arrives with the calculation graph and the
-//! Sync stream. Exit codes: 0 success, 1 invalid manifests found, 2 usage or parse errors.
+//! Subcommands: `compute` (the stream a node would receive), the offline tools (selector
+//! evaluation and normalisation, manifest validation), `gen-cluster` and `bench` for
+//! benchmarks. The serving path (`serve`) arrives with the Sync stream.
+//! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
+mod bench;
+mod compute;
+mod datastore;
+mod gen_cluster;
 mod manifest_dir;
 
 use std::collections::BTreeMap;
@@ -37,6 +42,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
+    /// per line: the proto3 JSON mapping of each ToDataplane.
+    Compute(compute::ComputeArgs),
+    /// Write a synthetic Calico cluster (JSON manifests) for benchmarks.
+    GenCluster(gen_cluster::GenClusterArgs),
+    /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
+    Bench(bench::BenchArgs),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -71,6 +83,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_level);
     let result = match cli.command {
+        Command::Compute(args) => compute::run(&args),
+        Command::GenCluster(args) => gen_cluster::run(&args).map(|stats| {
+            eprintln!("{stats}");
+            ExitCode::SUCCESS
+        }),
+        Command::Bench(args) => bench::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             selector_eval(&labels, &selector)
         }

@@ -19,8 +19,7 @@ use crate::model::validate::parse_cidr_or_ip;
 use crate::model::{HostEndpointSpec, ObjectMeta, PolicySpec, ResourceKey, WorkloadEndpointSpec};
 use crate::selector::{self, Selector};
 
-pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
-pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
+pub use crate::model::{LABEL_NAMESPACE, LABEL_ORCHESTRATOR};
 pub const LABEL_SERVICE_ACCOUNT: &str = "projectcalico.org/serviceaccount";
 pub const NAMESPACE_LABEL_PREFIX: &str = "pcns.";
 pub const SERVICE_ACCOUNT_LABEL_PREFIX: &str = "pcsa.";

@@ -70,11 +70,14 @@ struct PolicyState {
     sort_string: String,
     selector: SelectorId,
     ipsets: Vec<Name>,
-    message: pb::Policy,
+    message: Arc<pb::Policy>,
+    /// The ActivePolicyUpdate, built once and shared by every node.
+    update: SharedMessage,
 }
 
 struct ProfileState {
-    message: pb::Profile,
+    message: Arc<pb::Profile>,
+    update: SharedMessage,
     ipsets: Vec<Name>,
 }
 
@@ -113,8 +116,8 @@ struct Subscription {
     in_sync_sent: bool,
     config: Option<pb::ConfigUpdate>,
     ipsets: FxHashSet<Name>,
-    policies: FxHashMap<Key, pb::Policy>,
-    profiles: FxHashMap<Name, pb::Profile>,
+    policies: FxHashMap<Key, Arc<pb::Policy>>,
+    profiles: FxHashMap<Name, Arc<pb::Profile>>,
     endpoints: FxHashMap<Key, Payload>,
 }
 
@@ -137,7 +140,10 @@ pub struct CalcGraph {
     ipsets: FxHashMap<Name, IpSetState>,
     selector_owner: FxHashMap<SelectorId, SelectorOwner>,
     /// Net member changes since the last flush, per IP set id: `true` added, `false` removed.
+    /// Only kept for sets some subscribed node holds (`ipset_sent_count`); others are sent whole.
     ipset_deltas: FxHashMap<Name, FxHashMap<Arc<str>, bool>>,
+    /// How many subscribed nodes hold each IP set.
+    ipset_sent_count: FxHashMap<Name, u32>,
     nodes: FxHashMap<Name, NodeState>,
     felix_config: BTreeMap<String, BTreeMap<String, String>>,
     config_dirty: bool,
@@ -161,6 +167,11 @@ fn msg(p: Payload) -> pb::ToDataplane {
 impl CalcGraph {
     pub fn new() -> CalcGraph {
         CalcGraph::default()
+    }
+
+    /// Label-index sizes and work done, for metrics and benchmarks.
+    pub fn index_stats(&self) -> crate::label_index::IndexStats {
+        self.index.stats()
     }
 
     /// Whether the datastore has reported in-sync.
@@ -190,14 +201,15 @@ impl CalcGraph {
     /// Starts sending a node its span: the next flush sends it a complete snapshot. Calling it
     /// again for a subscribed node restarts it from a fresh snapshot (a resync).
     pub fn subscribe(&mut self, node: &str) {
-        let n = self.node_mut(node);
-        n.sub = Some(Subscription::default());
+        if let Some(old) = self.node_mut(node).sub.replace(Subscription::default()) {
+            self.forget_sent_ipsets(&old);
+        }
     }
 
     /// Stops tracking what a node was sent.
     pub fn unsubscribe(&mut self, node: &str) {
-        if let Some(n) = self.nodes.get_mut(node) {
-            n.sub = None;
+        if let Some(old) = self.nodes.get_mut(node).and_then(|n| n.sub.take()) {
+            self.forget_sent_ipsets(&old);
         }
         self.prune_node(node);
     }
@@ -524,7 +536,7 @@ impl CalcGraph {
                 None => false,
             }
         };
-        if changed {
+        if changed && self.ipset_sent_count.contains_key(id) {
             let d = self.ipset_deltas.entry(id.clone()).or_default();
             // An add then a remove of the same member (or the reverse) cancels out.
             match d.get(&member) {
@@ -693,7 +705,11 @@ impl CalcGraph {
         // Define the new IP sets before dropping the old ones so shared sets keep their members.
         let ipsets = self.define_ipsets(&scanned.ipsets);
         self.remove_policy(&key);
-        let message = policy_message(&model, &scanned);
+        let message = Arc::new(policy_message(&model, &scanned));
+        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+            id: Some(policy_id_proto(&model.id)),
+            policy: Some((*message).clone()),
+        })));
         let sel = self.alloc_selector();
         self.selector_owner
             .insert(sel, SelectorOwner::Policy(key.clone()));
@@ -707,6 +723,7 @@ impl CalcGraph {
                 selector: sel,
                 ipsets: ipsets.clone(),
                 message,
+                update,
             },
         );
         if everywhere {
@@ -790,15 +807,18 @@ impl CalcGraph {
         labels: &BTreeMap<String, String>,
     ) {
         let name: Name = Arc::from(name);
-        let (message, new_ipsets) = match &scanned {
+        let (messages, new_ipsets) = match &scanned {
             Some(s) => (
-                pb::Profile {
-                    inbound_rules: s.inbound.clone(),
-                    outbound_rules: s.outbound.clone(),
-                },
+                profile_messages(
+                    &name,
+                    pb::Profile {
+                        inbound_rules: s.inbound.clone(),
+                        outbound_rules: s.outbound.clone(),
+                    },
+                ),
                 self.define_ipsets(&s.ipsets),
             ),
-            None => (pb::Profile::default(), Vec::new()),
+            None => (profile_messages(&name, pb::Profile::default()), Vec::new()),
         };
         let old_ipsets = self
             .profiles
@@ -821,10 +841,12 @@ impl CalcGraph {
         }
         match scanned {
             Some(_) => {
+                let (message, update) = messages;
                 self.profiles.insert(
                     name.clone(),
                     ProfileState {
                         message,
+                        update,
                         ipsets: new_ipsets,
                     },
                 );
@@ -951,6 +973,16 @@ fn policy_message(model: &PolicyModel, scanned: &ScannedRules) -> pb::Policy {
     }
 }
 
+fn profile_messages(name: &str, profile: pb::Profile) -> (Arc<pb::Profile>, SharedMessage) {
+    let update = Arc::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
+        id: Some(pb::ProfileId {
+            name: name.to_string(),
+        }),
+        profile: Some(profile.clone()),
+    })));
+    (Arc::new(profile), update)
+}
+
 fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {
     pb::PolicyId {
         name: id.name.clone(),
@@ -959,11 +991,26 @@ fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {
     }
 }
 
-/// Messages for one node from one flush.
+/// A message shared by every node that receives it in one flush (encode once, send many).
+pub type SharedMessage = Arc<pb::ToDataplane>;
+
+/// Messages for one node from one flush. Sequence numbers are left at 0: the stream that
+/// carries them numbers them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodeBatch {
     pub node: String,
-    pub messages: Vec<pb::ToDataplane>,
+    pub messages: Vec<SharedMessage>,
+}
+
+/// Messages built once per flush and shared by every node that needs them.
+#[derive(Default)]
+struct FlushCache {
+    ipset_full: FxHashMap<Name, SharedMessage>,
+    ipset_delta: FxHashMap<Name, Option<SharedMessage>>,
+    missing_profiles: FxHashMap<Name, (Arc<pb::Profile>, SharedMessage)>,
+    broadcast_full: Option<Vec<SharedMessage>>,
+    broadcast_delta: Option<Vec<SharedMessage>>,
+    everywhere_ipsets: Option<FxHashSet<Name>>,
 }
 
 impl CalcGraph {
@@ -1084,19 +1131,97 @@ impl CalcGraph {
         }
     }
 
-    fn ipset_update(&self, id: &Name) -> Option<pb::IpSetUpdate> {
+    fn ipset_full(&self, cache: &mut FlushCache, id: &Name) -> Option<SharedMessage> {
+        if let Some(m) = cache.ipset_full.get(id) {
+            return Some(m.clone());
+        }
         let set = self.ipsets.get(id)?;
         let mut members: Vec<String> = set.members.keys().map(|m| m.to_string()).collect();
-        members.sort();
-        Some(pb::IpSetUpdate {
+        members.sort_unstable();
+        let m = Arc::new(msg(Payload::IpsetUpdate(pb::IpSetUpdate {
             id: id.to_string(),
             members,
             r#type: set.spec.proto_type() as i32,
-        })
+        })));
+        cache.ipset_full.insert(id.clone(), m.clone());
+        Some(m)
+    }
+
+    fn ipset_delta(&self, cache: &mut FlushCache, id: &Name) -> Option<SharedMessage> {
+        if let Some(m) = cache.ipset_delta.get(id) {
+            return m.clone();
+        }
+        let m = self.ipset_deltas.get(id).and_then(|d| {
+            let mut added: Vec<String> = d
+                .iter()
+                .filter(|(_, a)| **a)
+                .map(|(m, _)| m.to_string())
+                .collect();
+            let mut removed: Vec<String> = d
+                .iter()
+                .filter(|(_, a)| !**a)
+                .map(|(m, _)| m.to_string())
+                .collect();
+            if added.is_empty() && removed.is_empty() {
+                return None;
+            }
+            added.sort_unstable();
+            removed.sort_unstable();
+            Some(Arc::new(msg(Payload::IpsetDeltaUpdate(
+                pb::IpSetDeltaUpdate {
+                    id: id.to_string(),
+                    added_members: added,
+                    removed_members: removed,
+                },
+            ))))
+        });
+        cache.ipset_delta.insert(id.clone(), m.clone());
+        m
+    }
+
+    fn broadcast(&self, cache: &mut FlushCache, fresh: bool) -> Vec<SharedMessage> {
+        let slot = if fresh {
+            &cache.broadcast_full
+        } else {
+            &cache.broadcast_delta
+        };
+        if let Some(v) = slot {
+            return v.clone();
+        }
+        let mut out = Vec::new();
+        diff_broadcast(
+            fresh,
+            &self.flushed_host_metadata,
+            &self.host_metadata,
+            |u| Payload::HostMetadataUpdate(u.clone()),
+            |k, old| {
+                Payload::HostMetadataRemove(pb::HostMetadataRemove {
+                    hostname: k.to_string(),
+                    ipv4_addr: old.ipv4_addr.clone(),
+                })
+            },
+            &mut out,
+        );
+        diff_broadcast(
+            fresh,
+            &self.flushed_pools,
+            &self.pools,
+            |u| Payload::IpamPoolUpdate(u.clone()),
+            |k, _| Payload::IpamPoolRemove(pb::IpamPoolRemove { id: k.to_string() }),
+            &mut out,
+        );
+        let v: Vec<SharedMessage> = out.into_iter().map(|p| Arc::new(msg(p))).collect();
+        if fresh {
+            cache.broadcast_full = Some(v.clone());
+        } else {
+            cache.broadcast_delta = Some(v.clone());
+        }
+        v
     }
 
     /// Computes every subscribed node's messages since its last flush. Batches are sorted by
-    /// node name; nodes with nothing to send are omitted.
+    /// node name; nodes with nothing to send are omitted. Identical messages (IP sets, policies,
+    /// profiles, broadcast state) are one shared allocation across nodes.
     pub fn flush(&mut self) -> Vec<NodeBatch> {
         let mut names: Vec<Name> = self
             .nodes
@@ -1105,9 +1230,10 @@ impl CalcGraph {
             .map(|(k, _)| k.clone())
             .collect();
         names.sort();
+        let mut cache = FlushCache::default();
         let mut batches = Vec::new();
         for name in names {
-            let messages = self.flush_node(&name);
+            let messages = self.flush_node(&name, &mut cache);
             if !messages.is_empty() {
                 batches.push(NodeBatch {
                     node: name.to_string(),
@@ -1126,8 +1252,12 @@ impl CalcGraph {
         }
         self.ipset_deltas.clear();
         self.config_dirty = false;
-        self.flushed_host_metadata = self.host_metadata.clone();
-        self.flushed_pools = self.pools.clone();
+        if self.flushed_host_metadata != self.host_metadata {
+            self.flushed_host_metadata = self.host_metadata.clone();
+        }
+        if self.flushed_pools != self.pools {
+            self.flushed_pools = self.pools.clone();
+        }
         let stale: Vec<Name> = self.nodes.keys().cloned().collect();
         for n in stale {
             self.prune_node(&n);
@@ -1137,15 +1267,30 @@ impl CalcGraph {
 
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot
     /// then `InSync` if the datastore is in sync). Does not disturb subscriptions.
-    pub fn snapshot(&mut self, node: &str) -> Vec<pb::ToDataplane> {
+    pub fn snapshot(&mut self, node: &str) -> Vec<SharedMessage> {
         let existing = self.nodes.get_mut(node).and_then(|n| n.sub.take());
         self.node_mut(node).sub = Some(Subscription::default());
-        let out = self.flush_node(&Arc::from(node));
+        let out = self.flush_node(&Arc::from(node), &mut FlushCache::default());
+        // The throwaway subscription must not count as a receiver of IP-set deltas.
+        if let Some(tmp) = self.node_mut(node).sub.take() {
+            self.forget_sent_ipsets(&tmp);
+        }
         self.node_mut(node).sub = existing;
         out
     }
 
-    fn flush_node(&mut self, name: &Name) -> Vec<pb::ToDataplane> {
+    fn forget_sent_ipsets(&mut self, sub: &Subscription) {
+        for id in &sub.ipsets {
+            if let Some(c) = self.ipset_sent_count.get_mut(id) {
+                *c -= 1;
+                if *c == 0 {
+                    self.ipset_sent_count.remove(id);
+                }
+            }
+        }
+    }
+
+    fn flush_node(&mut self, name: &Name, cache: &mut FlushCache) -> Vec<SharedMessage> {
         let Some(node) = self.nodes.get_mut(name) else {
             return Vec::new();
         };
@@ -1154,26 +1299,31 @@ impl CalcGraph {
         let dirty_policies = std::mem::take(&mut node.dirty_policies);
         let dirty_profiles = std::mem::take(&mut node.dirty_profiles);
         let dirty_endpoints = std::mem::take(&mut node.dirty_endpoints);
-        let node = &self.nodes[name];
         let fresh = !sub.initialized;
+        let mut sent_count_changes: Vec<(Name, bool)> = Vec::new();
+        if cache.everywhere_ipsets.is_none() {
+            cache.everywhere_ipsets = Some(
+                self.everywhere
+                    .iter()
+                    .filter_map(|k| self.policies.get(k))
+                    .flat_map(|p| p.ipsets.iter().cloned())
+                    .collect(),
+            );
+        }
+        let everywhere_ipsets = cache.everywhere_ipsets.take().unwrap_or_default();
+        let node = &self.nodes[name];
 
-        let mut out = Vec::new();
+        let mut out: Vec<SharedMessage> = Vec::new();
         // Config.
         if fresh || self.config_dirty {
             let cfg = self.config_for(name);
             if sub.config.as_ref() != Some(&cfg) {
                 sub.config = Some(cfg.clone());
-                out.push(msg(Payload::ConfigUpdate(cfg)));
+                out.push(Arc::new(msg(Payload::ConfigUpdate(cfg))));
             }
         }
 
         // IP sets.
-        let everywhere_ipsets: FxHashSet<&Name> = self
-            .everywhere
-            .iter()
-            .filter_map(|k| self.policies.get(k))
-            .flat_map(|p| p.ipsets.iter())
-            .collect();
         let needed = |id: &Name| {
             self.ipsets.contains_key(id)
                 && (node.ipset_refs.contains_key(id) || everywhere_ipsets.contains(id))
@@ -1181,52 +1331,35 @@ impl CalcGraph {
         let mut ipset_candidates: BTreeSet<Name> = BTreeSet::new();
         if fresh {
             ipset_candidates.extend(node.ipset_refs.keys().cloned());
-            ipset_candidates.extend(everywhere_ipsets.iter().map(|i| (*i).clone()));
         } else {
             ipset_candidates.extend(dirty_ipsets.iter().cloned());
-            ipset_candidates.extend(everywhere_ipsets.iter().map(|i| (*i).clone()));
             for id in self.ipset_deltas.keys() {
                 if sub.ipsets.contains(id) {
                     ipset_candidates.insert(id.clone());
                 }
             }
         }
+        ipset_candidates.extend(everywhere_ipsets.iter().cloned());
         let (mut ipset_adds, mut ipset_deltas, mut ipset_removes) =
             (Vec::new(), Vec::new(), Vec::new());
         for id in ipset_candidates {
             let (need, sent) = (needed(&id), sub.ipsets.contains(&id));
             if need && !sent {
-                if let Some(u) = self.ipset_update(&id) {
-                    ipset_adds.push(msg(Payload::IpsetUpdate(u)));
-                    sub.ipsets.insert(id);
+                if let Some(m) = self.ipset_full(cache, &id) {
+                    ipset_adds.push(m);
+                    sub.ipsets.insert(id.clone());
+                    sent_count_changes.push((id, true));
                 }
             } else if need && sent {
-                if let Some(d) = self.ipset_deltas.get(&id) {
-                    let mut added: Vec<String> = d
-                        .iter()
-                        .filter(|(_, a)| **a)
-                        .map(|(m, _)| m.to_string())
-                        .collect();
-                    let mut removed: Vec<String> = d
-                        .iter()
-                        .filter(|(_, a)| !**a)
-                        .map(|(m, _)| m.to_string())
-                        .collect();
-                    if !added.is_empty() || !removed.is_empty() {
-                        added.sort();
-                        removed.sort();
-                        ipset_deltas.push(msg(Payload::IpsetDeltaUpdate(pb::IpSetDeltaUpdate {
-                            id: id.to_string(),
-                            added_members: added,
-                            removed_members: removed,
-                        })));
-                    }
+                if let Some(m) = self.ipset_delta(cache, &id) {
+                    ipset_deltas.push(m);
                 }
             } else if !need && sent {
-                ipset_removes.push(msg(Payload::IpsetRemove(pb::IpSetRemove {
+                ipset_removes.push(Arc::new(msg(Payload::IpsetRemove(pb::IpSetRemove {
                     id: id.to_string(),
-                })));
+                }))));
                 sub.ipsets.remove(&id);
+                sent_count_changes.push((id, false));
             }
         }
 
@@ -1246,23 +1379,22 @@ impl CalcGraph {
                 .filter(|_| node.policy_refs.contains_key(&key) || self.everywhere.contains(&key));
             match current {
                 Some(p) => {
-                    if sub.policies.get(&key) != Some(&p.message) {
+                    let same = sub
+                        .policies
+                        .get(&key)
+                        .is_some_and(|s| Arc::ptr_eq(s, &p.message) || **s == *p.message);
+                    if !same {
                         sub.policies.insert(key.clone(), p.message.clone());
-                        policy_updates.push(msg(Payload::ActivePolicyUpdate(
-                            pb::ActivePolicyUpdate {
-                                id: Some(policy_id_proto(&p.model.id)),
-                                policy: Some(p.message.clone()),
-                            },
-                        )));
+                        policy_updates.push(p.update.clone());
                     }
                 }
                 None => {
                     if sub.policies.remove(&key).is_some() {
-                        policy_removes.push(msg(Payload::ActivePolicyRemove(
+                        policy_removes.push(Arc::new(msg(Payload::ActivePolicyRemove(
                             pb::ActivePolicyRemove {
                                 id: Some(policy_id_proto(&PolicyId::from_key(&key))),
                             },
-                        )));
+                        ))));
                     }
                 }
             }
@@ -1277,33 +1409,40 @@ impl CalcGraph {
         let (mut profile_updates, mut profile_removes) = (Vec::new(), Vec::new());
         for name in profile_candidates {
             if node.profile_refs.contains_key(&name) {
-                let message = match self.profiles.get(&name) {
-                    Some(p) => p.message.clone(),
-                    None => {
-                        let (inbound_rules, outbound_rules) = rule_scanner::missing_profile_rules();
-                        pb::Profile {
-                            inbound_rules,
-                            outbound_rules,
-                        }
-                    }
+                let (message, update) = match self.profiles.get(&name) {
+                    Some(p) => (p.message.clone(), p.update.clone()),
+                    None => cache
+                        .missing_profiles
+                        .entry(name.clone())
+                        .or_insert_with(|| {
+                            let (inbound_rules, outbound_rules) =
+                                rule_scanner::missing_profile_rules();
+                            profile_messages(
+                                &name,
+                                pb::Profile {
+                                    inbound_rules,
+                                    outbound_rules,
+                                },
+                            )
+                        })
+                        .clone(),
                 };
-                if sub.profiles.get(&name) != Some(&message) {
-                    sub.profiles.insert(name.clone(), message.clone());
-                    profile_updates.push(msg(Payload::ActiveProfileUpdate(
-                        pb::ActiveProfileUpdate {
-                            id: Some(pb::ProfileId {
-                                name: name.to_string(),
-                            }),
-                            profile: Some(message),
-                        },
-                    )));
+                let same = sub
+                    .profiles
+                    .get(&name)
+                    .is_some_and(|s| Arc::ptr_eq(s, &message) || **s == *message);
+                if !same {
+                    sub.profiles.insert(name.clone(), message);
+                    profile_updates.push(update);
                 }
             } else if sub.profiles.remove(&name).is_some() {
-                profile_removes.push(msg(Payload::ActiveProfileRemove(pb::ActiveProfileRemove {
-                    id: Some(pb::ProfileId {
-                        name: name.to_string(),
-                    }),
-                })));
+                profile_removes.push(Arc::new(msg(Payload::ActiveProfileRemove(
+                    pb::ActiveProfileRemove {
+                        id: Some(pb::ProfileId {
+                            name: name.to_string(),
+                        }),
+                    },
+                ))));
             }
         }
 
@@ -1329,46 +1468,23 @@ impl CalcGraph {
                             && let Some(r) = removal_for(old)
                             && removal_for(&m).as_ref() != Some(&r)
                         {
-                            ep_removes.push(msg(r));
+                            ep_removes.push(Arc::new(msg(r)));
                         }
                         sub.endpoints.insert(key.clone(), m.clone());
-                        ep_updates.push(msg(m));
+                        ep_updates.push(Arc::new(msg(m)));
                     }
                 }
                 None => {
                     if let Some(old) = sub.endpoints.remove(&key)
                         && let Some(r) = removal_for(&old)
                     {
-                        ep_removes.push(msg(r));
+                        ep_removes.push(Arc::new(msg(r)));
                     }
                 }
             }
         }
 
-        // Broadcast state: host metadata and IPAM pools.
-        let mut broadcast = Vec::new();
-        diff_broadcast(
-            fresh,
-            &self.flushed_host_metadata,
-            &self.host_metadata,
-            |u| Payload::HostMetadataUpdate(u.clone()),
-            |k, old| {
-                Payload::HostMetadataRemove(pb::HostMetadataRemove {
-                    hostname: k.to_string(),
-                    ipv4_addr: old.ipv4_addr.clone(),
-                })
-            },
-            &mut broadcast,
-        );
-        diff_broadcast(
-            fresh,
-            &self.flushed_pools,
-            &self.pools,
-            |u| Payload::IpamPoolUpdate(u.clone()),
-            |k, _| Payload::IpamPoolRemove(pb::IpamPoolRemove { id: k.to_string() }),
-            &mut broadcast,
-        );
-
+        let broadcast = self.broadcast(cache, fresh);
         out.extend(ipset_adds);
         out.extend(ipset_deltas);
         out.extend(policy_updates);
@@ -1378,12 +1494,24 @@ impl CalcGraph {
         out.extend(profile_removes);
         out.extend(policy_removes);
         out.extend(ipset_removes);
-        out.extend(broadcast.into_iter().map(msg));
+        out.extend(broadcast);
         if self.in_sync && !sub.in_sync_sent {
             sub.in_sync_sent = true;
-            out.push(msg(Payload::InSync(pb::InSync {})));
+            out.push(Arc::new(msg(Payload::InSync(pb::InSync {}))));
         }
         sub.initialized = true;
+        cache.everywhere_ipsets = Some(everywhere_ipsets);
+        for (id, add) in sent_count_changes {
+            let c = self.ipset_sent_count.entry(id.clone()).or_insert(0);
+            if add {
+                *c += 1;
+            } else {
+                *c -= 1;
+                if *c == 0 {
+                    self.ipset_sent_count.remove(&id);
+                }
+            }
+        }
         self.nodes.get_mut(name).expect("node exists").sub = Some(sub);
         out
     }

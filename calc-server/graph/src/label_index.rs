@@ -80,9 +80,20 @@ struct SelEntry {
     matches: FxHashSet<ItemId>,
 }
 
+/// Sizes of the index, and how many selector evaluations it has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    pub items: usize,
+    pub selectors: usize,
+    pub unrestricted_selectors: usize,
+    pub key_restricted_selectors: usize,
+    pub evaluations: u64,
+}
+
 /// See the module documentation.
 #[derive(Default)]
 pub struct LabelIndex {
+    evaluations: u64,
     items: FxHashMap<ItemId, Item>,
     parents: FxHashMap<Sym, Parent>,
     selectors: FxHashMap<SelectorId, SelEntry>,
@@ -127,6 +138,17 @@ impl LabelIndex {
         self.selectors.get(&sel).map_or(0, |e| e.matches.len())
     }
 
+    /// Sizes, for metrics and benchmarks.
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            items: self.items.len(),
+            selectors: self.selectors.len(),
+            unrestricted_selectors: self.unrestricted.len(),
+            key_restricted_selectors: self.sels_by_key.values().map(|s| s.len()).sum(),
+            evaluations: self.evaluations,
+        }
+    }
+
     /// An item's effective labels (own, then inherited), for display.
     pub fn effective_labels(&self, item: ItemId) -> Option<BTreeMap<String, String>> {
         self.items.get(&item).map(|i| {
@@ -137,44 +159,64 @@ impl LabelIndex {
         })
     }
 
+    /// Picks the selector's most selective necessary condition. With items indexed, the
+    /// smallest candidate set wins; before that (a snapshot usually brings policies before
+    /// endpoints), a static ranking: namespace equality, other equality, `in`, namespace- or
+    /// service-account-level equality (few distinct values), then `has()`.
     fn restriction_of(&mut self, node: &Node) -> Restriction {
-        let mut best: Option<(usize, Restriction)> = None;
-        let mut consider = |r: Restriction, index: &Self| {
-            let size = match &r {
-                Restriction::AnyOf(kvs) => kvs
-                    .iter()
-                    .map(|kv| index.items_by_kv.get(kv).map_or(0, |s| s.len()))
-                    .sum(),
-                Restriction::HasKey(k) => index.items_by_key.get(k).map_or(0, |s| s.len()),
-                Restriction::None => usize::MAX,
-            };
-            if best.as_ref().is_none_or(|(b, _)| size < *b) {
-                best = Some((size, r));
+        fn conjuncts<'n>(n: &'n Node, out: &mut Vec<&'n Node>) {
+            match n {
+                Node::And(children) => children.iter().for_each(|c| conjuncts(c, out)),
+                other => out.push(other),
             }
-        };
-        let terms: &[Node] = match node {
-            Node::And(children) => children,
-            other => std::slice::from_ref(other),
-        };
+        }
+        let mut terms = Vec::new();
+        conjuncts(node, &mut terms);
+        let data_driven = self.items.len() >= 100;
+        let mut best: Option<((usize, usize), Restriction)> = None;
         for t in terms {
-            let r = match t {
+            let (r, class) = match t {
                 Node::Eq { label, value } => {
-                    Restriction::AnyOf(vec![(self.intern(label), self.intern(value))])
+                    let class = if label == crate::model::LABEL_NAMESPACE {
+                        0
+                    } else if label.starts_with("pcns.") || label.starts_with("pcsa.") {
+                        3
+                    } else {
+                        1
+                    };
+                    (
+                        Restriction::AnyOf(vec![(self.intern(label), self.intern(value))]),
+                        class,
+                    )
                 }
                 Node::In { label, values } => {
                     let l = self.intern(label);
-                    Restriction::AnyOf(
-                        values
-                            .as_slice()
-                            .iter()
-                            .map(|v| (l.clone(), self.intern(v)))
-                            .collect(),
-                    )
+                    let kvs = values
+                        .as_slice()
+                        .iter()
+                        .map(|v| (l.clone(), self.intern(v)))
+                        .collect();
+                    (Restriction::AnyOf(kvs), 2)
                 }
-                Node::Has { label } => Restriction::HasKey(self.intern(label)),
+                Node::Has { label } => (Restriction::HasKey(self.intern(label)), 4),
                 _ => continue,
             };
-            consider(r, self);
+            let size = match &r {
+                Restriction::AnyOf(kvs) => kvs
+                    .iter()
+                    .map(|kv| self.items_by_kv.get(kv).map_or(0, |s| s.len()))
+                    .sum(),
+                Restriction::HasKey(k) => self.items_by_key.get(k).map_or(0, |s| s.len()),
+                Restriction::None => usize::MAX,
+            };
+            let score = if data_driven {
+                (size, class)
+            } else {
+                (class, size)
+            };
+            if best.as_ref().is_none_or(|(b, _)| score < *b) {
+                best = Some((score, r));
+            }
         }
         best.map_or(Restriction::None, |(_, r)| r)
     }
@@ -214,6 +256,7 @@ impl LabelIndex {
         let mut matches = FxHashSet::default();
         for item_id in candidates {
             let item = self.items.get_mut(&item_id).expect("indexed item exists");
+            self.evaluations += 1;
             if (!endpoints_only || item.class == ItemClass::Endpoint)
                 && sel.evaluate(&Effective(&item.effective))
             {
@@ -317,6 +360,12 @@ impl LabelIndex {
             for p in &old_parents {
                 if let Some(parent) = self.parents.get_mut(p) {
                     parent.children.remove(&id);
+                    if parent.children.is_empty()
+                        && parent.labels.is_empty()
+                        && !parents.contains(p)
+                    {
+                        self.parents.remove(p);
+                    }
                 }
             }
         }
@@ -381,6 +430,7 @@ impl LabelIndex {
             let Some(entry) = self.selectors.get_mut(&sid) else {
                 continue;
             };
+            self.evaluations += 1;
             let now = (!entry.endpoints_only || item.class == ItemClass::Endpoint)
                 && entry.sel.evaluate(&Effective(&item.effective));
             let before = item.matched.contains(&sid);

@@ -175,16 +175,10 @@ impl StreamModel {
                 self.workload_endpoints.insert(workload_key(&u.id), ep);
             }
             Payload::WorkloadEndpointRemove(r) => {
-                if self
-                    .workload_endpoints
-                    .remove(&workload_key(&r.id))
-                    .is_none()
-                {
-                    return Err(format!(
-                        "WorkloadEndpointRemove of unknown {}",
-                        workload_key(&r.id)
-                    ));
-                }
+                let key = workload_key(&r.id);
+                self.workload_endpoints
+                    .remove(&key)
+                    .ok_or_else(|| format!("WorkloadEndpointRemove of unknown {key}"))?;
             }
             Payload::HostEndpointUpdate(u) => {
                 let ep = u.endpoint.clone().unwrap_or_default();
@@ -199,9 +193,9 @@ impl StreamModel {
             }
             Payload::HostEndpointRemove(r) => {
                 let id = r.id.clone().unwrap_or_default().endpoint_id;
-                if self.host_endpoints.remove(&id).is_none() {
-                    return Err(format!("HostEndpointRemove of unknown {id}"));
-                }
+                self.host_endpoints
+                    .remove(&id)
+                    .ok_or_else(|| format!("HostEndpointRemove of unknown {id}"))?;
             }
             Payload::HostMetadataUpdate(u) => {
                 self.host_metadata.insert(u.hostname.clone(), u.clone());

@@ -75,10 +75,10 @@ fn run(states: &[&State], node: &str, reverse: bool, flush: Flush) -> StreamMode
     g.subscribe(node);
     let mut dp = StreamModel::default();
     let mut prev: &[Resource] = &[];
-    let mut drain = |g: &mut CalcGraph, dp: &mut StreamModel, ctx: &str| {
+    let drain = |g: &mut CalcGraph, dp: &mut StreamModel, ctx: &str| {
         for b in g.flush() {
             assert_eq!(b.node, node);
-            if let Err(e) = dp.apply_all(&b.messages) {
+            if let Err(e) = dp.apply_all(b.messages.iter().map(|m| &**m)) {
                 panic!("{ctx}: stream contract broken: {e}\n{:#?}", b.messages);
             }
         }

@@ -17,6 +17,11 @@ use serde::{Deserialize, Serialize};
 
 pub use rule::{Action, EntityRule, IcmpFields, Port, Protocol, Rule};
 
+/// Label Calico puts on namespaced endpoints and network sets.
+pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
+/// Label Calico puts on workload endpoints naming their orchestrator.
+pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
+
 /// The API group and version of every resource we read.
 pub const API_VERSION: &str = "projectcalico.org/v3";
 
@@ -549,6 +554,19 @@ impl Resource {
             Resource::Tier(_, s) if s.default_action.is_empty() => {
                 s.default_action = "Deny".into();
             }
+            // Calico's client labels every workload endpoint with its namespace and
+            // orchestrator on write; policies select on those labels. The namespace label is
+            // always overwritten so an endpoint cannot claim another namespace.
+            Resource::WorkloadEndpoint(m, s) => {
+                if let Some(ns) = m.namespace.clone() {
+                    m.labels.insert(LABEL_NAMESPACE.into(), ns);
+                }
+                if !s.orchestrator.is_empty() {
+                    m.labels
+                        .entry(LABEL_ORCHESTRATOR.into())
+                        .or_insert_with(|| s.orchestrator.clone());
+                }
+            }
             _ => {}
         }
     }
@@ -783,5 +801,21 @@ mod tests {
         let (_, res) = decode(v);
         let (_, again) = decode(res.to_value());
         assert_eq!(res, again);
+    }
+
+    #[test]
+    fn workload_endpoints_get_calico_labels() {
+        let (_, res) = decode(json!({
+            "kind": "WorkloadEndpoint", "apiVersion": "projectcalico.org/v3",
+            "metadata": {"name": "n-k8s-p-eth0", "namespace": "shop",
+                         "labels": {"projectcalico.org/namespace": "other"}},
+            "spec": {"orchestrator": "k8s", "node": "n"}
+        }));
+        let labels = &res.meta().labels;
+        assert_eq!(
+            labels[LABEL_NAMESPACE], "shop",
+            "cannot pretend to be in another namespace"
+        );
+        assert_eq!(labels[LABEL_ORCHESTRATOR], "k8s");
     }
 }

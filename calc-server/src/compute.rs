@@ -1,0 +1,120 @@
+//! `calc-server compute`: runs the graph once over a datastore snapshot and prints what the
+//! requested nodes would be sent.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use calc_graph::graph::CalcGraph;
+use felix_proto as pb;
+
+use crate::datastore::{self, DatastoreArgs};
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct ComputeArgs {
+    #[command(flatten)]
+    pub datastore: DatastoreArgs,
+    /// Node to compute (repeat for several).
+    #[arg(
+        long = "node",
+        env = "CALC_SERVER_NODES",
+        value_delimiter = ',',
+        required_unless_present = "all_nodes"
+    )]
+    pub nodes: Vec<String>,
+    /// Compute every node that has endpoints or a Node resource.
+    #[arg(long, env = "CALC_SERVER_ALL_NODES", conflicts_with = "nodes")]
+    pub all_nodes: bool,
+    /// Write `<node>.jsonl` per node into this directory instead of printing to stdout.
+    #[arg(long, env = "CALC_SERVER_OUT_DIR")]
+    pub out_dir: Option<PathBuf>,
+}
+
+/// Builds the graph from a snapshot and returns each node's stream (sequence numbers from 1).
+pub fn compute(
+    updates: Vec<calc_graph::graph::Update>,
+    nodes: Option<&[String]>,
+    mut on_rejection: impl FnMut(String),
+) -> Vec<(String, Vec<pb::ToDataplane>)> {
+    let mut g = CalcGraph::new();
+    for u in updates {
+        if let Err(rejection) = g.apply(u) {
+            on_rejection(rejection.to_string());
+        }
+    }
+    let nodes: Vec<String> = match nodes {
+        Some(n) => n.to_vec(),
+        None => g.known_nodes(),
+    };
+    for n in &nodes {
+        g.subscribe(n);
+    }
+    let mut by_node: std::collections::BTreeMap<String, Vec<pb::ToDataplane>> =
+        nodes.iter().map(|n| (n.clone(), Vec::new())).collect();
+    for batch in g.flush() {
+        by_node
+            .entry(batch.node)
+            .or_default()
+            .extend(batch.messages.iter().map(|m| (**m).clone()));
+    }
+    by_node
+        .into_iter()
+        .map(|(n, mut msgs)| {
+            for (i, m) in msgs.iter_mut().enumerate() {
+                m.sequence_number = i as u64 + 1;
+            }
+            (n, msgs)
+        })
+        .collect()
+}
+
+pub fn run(args: &ComputeArgs) -> anyhow::Result<ExitCode> {
+    let snap = datastore::snapshot(&args.datastore)?;
+    for p in &snap.problems {
+        eprintln!("warning: skipped: {p}");
+    }
+    let nodes = (!args.all_nodes).then_some(args.nodes.as_slice());
+    let streams = compute(snap.updates, nodes, |r| eprintln!("warning: rejected: {r}"));
+    if let Some(dir) = &args.out_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let stdout = std::io::stdout();
+    for (node, msgs) in &streams {
+        let endpoints = msgs
+            .iter()
+            .filter(|m| {
+                matches!(
+                    m.payload,
+                    Some(
+                        pb::to_dataplane::Payload::WorkloadEndpointUpdate(_)
+                            | pb::to_dataplane::Payload::HostEndpointUpdate(_)
+                    )
+                )
+            })
+            .count();
+        if endpoints == 0 {
+            eprintln!("note: node {node} has no endpoints in the datastore");
+        }
+        let mut text = String::new();
+        for m in msgs {
+            text.push_str(&serde_json::to_string(m)?);
+            text.push('\n');
+        }
+        match &args.out_dir {
+            Some(dir) => {
+                let path = dir.join(format!("{node}.jsonl"));
+                std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("{node}: {} messages → {}", msgs.len(), path.display());
+            }
+            None => {
+                if streams.len() > 1 {
+                    eprintln!("== {node}: {} messages", msgs.len());
+                }
+                stdout.lock().write_all(text.as_bytes())?;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,61 @@
+//! Datastore adapters: each turns its source into graph [`Update`]s. Thin by design
+//! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph.
+//!
+//! Today: the file datastore (a directory of Calico v3 manifests) as a one-shot snapshot.
+
+use std::path::{Path, PathBuf};
+
+use calc_graph::graph::Update;
+
+use crate::manifest_dir;
+
+/// Which datastore to read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DatastoreType {
+    /// A directory of Calico v3 YAML/JSON manifests (the embedded default).
+    File,
+    /// Calico's etcd v3 layout (not implemented yet).
+    Etcdv3,
+    /// Calico CRDs and Kubernetes objects (not implemented yet).
+    Kubernetes,
+}
+
+/// Datastore selection flags shared by `compute` and (later) `serve`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DatastoreArgs {
+    /// Where the cluster's Calico resources come from.
+    #[arg(long, env = "DATASTORE_TYPE", value_enum, default_value = "file")]
+    pub datastore_type: DatastoreType,
+    /// Directory of manifests for the file datastore (searched recursively; `status/` ignored).
+    #[arg(long, env = "CALC_SERVER_FILE_DIR", default_value = "examples/cluster")]
+    pub file_dir: PathBuf,
+}
+
+/// A complete snapshot: every valid object as an `Apply`, then `InSync`; problems by name.
+pub struct Snapshot {
+    pub updates: Vec<Update>,
+    pub problems: Vec<String>,
+}
+
+/// Reads the whole datastore once.
+pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
+    match args.datastore_type {
+        DatastoreType::File => Ok(file_snapshot(&args.file_dir)),
+        other => anyhow::bail!(
+            "--datastore-type {} is not implemented yet; use --datastore-type file",
+            format!("{other:?}").to_lowercase()
+        ),
+    }
+}
+
+fn file_snapshot(dir: &Path) -> Snapshot {
+    let report = manifest_dir::load(&[dir.to_path_buf()]);
+    let problems = report.problems.iter().map(ToString::to_string).collect();
+    let mut updates: Vec<Update> = report
+        .resources
+        .into_values()
+        .map(|(_, res)| Update::Apply(res))
+        .collect();
+    updates.push(Update::InSync);
+    Snapshot { updates, problems }
+}
