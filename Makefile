@@ -31,7 +31,7 @@ demo: build
 
 ## bench: print the benchmark figures recorded in docs/benchmarks.md
 bench: deps
-	$(CARGO) bench -p calc-graph --bench selectors
+	./scripts/bench.sh
 
 ## lint: formatting and clippy, warnings are errors
 lint:

@@ -23,9 +23,7 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::convert::{
-    self, EndpointKind, EndpointModel, LABEL_NAMESPACE, NamedPort, PolicyId, PolicyModel,
-};
+use crate::convert::{self, EndpointKind, EndpointModel, LABEL_NAMESPACE, PolicyId, PolicyModel};
 use crate::label_index::{ItemClass, ItemId, LabelIndex, SelectorId};
 use crate::model::validate::validate;
 use crate::model::{Kind, NodeSpec, ObjectMeta, Resource, ResourceKey};
@@ -59,10 +57,12 @@ struct EndpointState {
     model: EndpointModel,
     node: Name,
     policies: FxHashSet<Key>,
+    /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
+    nets: Vec<Arc<str>>,
 }
 
 struct NetSetState {
-    nets: Vec<String>,
+    nets: Vec<Arc<str>>,
 }
 
 struct PolicyState {
@@ -118,7 +118,8 @@ struct Subscription {
     ipsets: FxHashSet<Name>,
     policies: FxHashMap<Key, Arc<pb::Policy>>,
     profiles: FxHashMap<Name, Arc<pb::Profile>>,
-    endpoints: FxHashMap<Key, Payload>,
+    /// Per endpoint: its removal message and a fingerprint of the update last sent.
+    endpoints: FxHashMap<Key, (Payload, u64)>,
 }
 
 /// See the module documentation.
@@ -127,7 +128,7 @@ pub struct CalcGraph {
     index: LabelIndex,
     next_item: ItemId,
     next_selector: SelectorId,
-    /// Last good version of every accepted resource.
+    /// Last good version of every accepted resource except endpoints (kept converted).
     resources: FxHashMap<Key, Resource>,
     item_of: FxHashMap<Key, ItemId>,
     endpoints: FxHashMap<ItemId, EndpointState>,
@@ -256,7 +257,10 @@ impl CalcGraph {
                         reason,
                     });
                 }
-                if self.resources.get(&key) == Some(&res) {
+                // Endpoints are the bulk of a cluster: their converted form is kept (and compared
+                // for no-op updates) instead of the whole resource.
+                let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+                if !endpoint && self.resources.get(&key) == Some(&res) {
                     return Ok(());
                 }
                 self.install(key.clone(), &res)
@@ -264,14 +268,17 @@ impl CalcGraph {
                         key: (*key).clone(),
                         reason,
                     })?;
-                self.resources.insert(key, res);
+                if !endpoint {
+                    self.resources.insert(key, res);
+                }
                 Ok(())
             }
         }
     }
 
     fn delete(&mut self, key: Key) {
-        if self.resources.remove(&key).is_none() {
+        let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+        if !endpoint && self.resources.remove(&key).is_none() {
             return;
         }
         match key.kind {
@@ -433,28 +440,21 @@ fn members_of(
     ep: Option<&EndpointState>,
     ns: Option<&NetSetState>,
     kind: &IpSetKind,
-) -> Vec<String> {
+) -> Vec<Arc<str>> {
     match (kind, ep, ns) {
-        (IpSetKind::Net, Some(ep), _) => ep
-            .model
-            .ipv4_nets
-            .iter()
-            .chain(&ep.model.ipv6_nets)
-            .cloned()
-            .collect(),
+        (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
         (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
         (IpSetKind::NamedPort { protocol, name }, Some(ep), _) => {
-            let ports: Vec<&NamedPort> = ep
+            let mut out = Vec::new();
+            for p in ep
                 .model
                 .ports
                 .iter()
                 .filter(|p| &p.name == name && &p.protocol == protocol)
-                .collect();
-            let mut out = Vec::new();
-            for net in ep.model.ipv4_nets.iter().chain(&ep.model.ipv6_nets) {
-                let ip = net.split('/').next().unwrap_or_default();
-                for p in &ports {
-                    out.push(format!("{ip},{}:{}", p.protocol, p.port));
+            {
+                for net in &ep.nets {
+                    let ip = net.split('/').next().unwrap_or_default();
+                    out.push(Arc::from(format!("{ip},{}:{}", p.protocol, p.port)));
                 }
             }
             out
@@ -514,11 +514,10 @@ impl CalcGraph {
         }
     }
 
-    fn member_change(&mut self, id: &Name, member: String, add: bool) {
+    fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
         let Some(set) = self.ipsets.get_mut(id) else {
             return;
         };
-        let member: Arc<str> = Arc::from(member);
         let changed = if add {
             let c = set.members.entry(member.clone()).or_insert(0);
             *c += 1;
@@ -870,6 +869,11 @@ impl CalcGraph {
     }
 
     fn set_endpoint(&mut self, key: Key, model: EndpointModel) {
+        if let Some(item) = self.item_of.get(&key)
+            && self.endpoints.get(item).is_some_and(|e| e.model == model)
+        {
+            return;
+        }
         self.remove_endpoint(&key);
         self.next_item += 1;
         let item = self.next_item;
@@ -885,6 +889,12 @@ impl CalcGraph {
             self.node_profile_inc(&node, &Arc::from(p.as_str()));
         }
         self.item_of.insert(key.clone(), item);
+        let nets = model
+            .ipv4_nets
+            .iter()
+            .chain(&model.ipv6_nets)
+            .map(|n| Arc::from(n.as_str()))
+            .collect();
         self.endpoints.insert(
             item,
             EndpointState {
@@ -892,6 +902,7 @@ impl CalcGraph {
                 model,
                 node,
                 policies: FxHashSet::default(),
+                nets,
             },
         );
         self.index
@@ -940,7 +951,8 @@ impl CalcGraph {
         masked.sort();
         masked.dedup();
         self.item_of.insert(key, item);
-        self.netsets.insert(item, NetSetState { nets: masked });
+        let nets = masked.iter().map(|n| Arc::from(n.as_str())).collect();
+        self.netsets.insert(item, NetSetState { nets });
         self.index
             .set_item(item, ItemClass::NetworkSet, &labels, &parents);
         self.process_events();
@@ -1223,6 +1235,14 @@ impl CalcGraph {
     /// node name; nodes with nothing to send are omitted. Identical messages (IP sets, policies,
     /// profiles, broadcast state) are one shared allocation across nodes.
     pub fn flush(&mut self) -> Vec<NodeBatch> {
+        let mut batches = Vec::new();
+        self.flush_with(|b| batches.push(b));
+        batches
+    }
+
+    /// Like [`flush`](Self::flush), handing each node's batch to `sink` as soon as it is built,
+    /// so a caller that encodes and sends holds one node's batch at a time.
+    pub fn flush_with(&mut self, mut sink: impl FnMut(NodeBatch)) {
         let mut names: Vec<Name> = self
             .nodes
             .iter()
@@ -1231,11 +1251,10 @@ impl CalcGraph {
             .collect();
         names.sort();
         let mut cache = FlushCache::default();
-        let mut batches = Vec::new();
         for name in names {
             let messages = self.flush_node(&name, &mut cache);
             if !messages.is_empty() {
-                batches.push(NodeBatch {
+                sink(NodeBatch {
                     node: name.to_string(),
                     messages,
                 });
@@ -1262,7 +1281,6 @@ impl CalcGraph {
         for n in stale {
             self.prune_node(&n);
         }
-        batches
     }
 
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot
@@ -1461,23 +1479,16 @@ impl CalcGraph {
                 .flatten();
             match current {
                 Some(m) => {
-                    if sub.endpoints.get(&key) != Some(&m) {
-                        // An endpoint whose identity changed (e.g. a new workload id) must
-                        // first be removed under its old id.
-                        if let Some(old) = sub.endpoints.get(&key)
-                            && let Some(r) = removal_for(old)
-                            && removal_for(&m).as_ref() != Some(&r)
-                        {
-                            ep_removes.push(Arc::new(msg(r)));
+                    let print = fingerprint(&m);
+                    if sub.endpoints.get(&key).map(|(_, f)| *f) != Some(print) {
+                        if let Some(r) = removal_for(&m) {
+                            sub.endpoints.insert(key.clone(), (r, print));
                         }
-                        sub.endpoints.insert(key.clone(), m.clone());
                         ep_updates.push(Arc::new(msg(m)));
                     }
                 }
                 None => {
-                    if let Some(old) = sub.endpoints.remove(&key)
-                        && let Some(r) = removal_for(&old)
-                    {
+                    if let Some((r, _)) = sub.endpoints.remove(&key) {
                         ep_removes.push(Arc::new(msg(r)));
                     }
                 }
@@ -1515,6 +1526,17 @@ impl CalcGraph {
         self.nodes.get_mut(name).expect("node exists").sub = Some(sub);
         out
     }
+}
+
+/// A 64-bit fingerprint of a message's encoding: enough to tell "unchanged" without keeping
+/// a copy of every endpoint message per node.
+fn fingerprint(p: &Payload) -> u64 {
+    use prost::Message;
+    use std::hash::{Hash, Hasher};
+    let bytes = msg(p.clone()).encode_to_vec();
+    let mut h = rustc_hash::FxHasher::default();
+    bytes.hash(&mut h);
+    h.finish()
 }
 
 fn removal_for(update: &Payload) -> Option<Payload> {

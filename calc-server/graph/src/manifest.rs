@@ -42,29 +42,43 @@ pub enum SyntaxError {
 
 /// Parses manifest text. JSON is recognised by a leading `{` or `[`; anything else is YAML.
 pub fn parse_manifest(text: &str) -> Result<Vec<Entry>, SyntaxError> {
-    let trimmed = text.trim_start_matches('\u{feff}').trim_start();
-    let docs: Vec<serde_json::Value> = if trimmed.starts_with('{') || trimmed.starts_with('[') {
-        match serde_json::from_str(trimmed)? {
-            serde_json::Value::Array(items) => items,
-            other => vec![other],
-        }
-    } else {
-        serde_saphyr::from_multiple::<serde_json::Value>(text)
-            .map_err(|e| SyntaxError::Yaml(e.to_string()))?
-    };
     let mut out = Vec::new();
-    for (i, doc) in docs.into_iter().enumerate() {
+    for_each_entry(text, |e| out.push(e))?;
+    Ok(out)
+}
+
+/// Like [`parse_manifest`], handing each entry to `f` as soon as it is decoded, so a large
+/// file never holds all its objects at once. On a syntax error some entries may already have
+/// been handed over (JSON arrays are checked whole before the first one).
+pub fn for_each_entry(text: &str, mut f: impl FnMut(Entry)) -> Result<(), SyntaxError> {
+    let trimmed = text.trim_start_matches('\u{feff}').trim_start();
+    let mut push_doc = |i: usize, doc: serde_json::Value| {
         if doc.is_null() {
-            continue; // An empty document (a trailing `---`) is not an object.
+            return; // An empty document (a trailing `---`) is not an object.
         }
         for value in flatten_lists(doc) {
-            out.push(Entry {
+            f(Entry {
                 document: i + 1,
                 outcome: decode_and_validate(value),
             });
         }
+    };
+    if trimmed.starts_with('[') {
+        // Decode array items one at a time so a large file never exists as one value tree.
+        let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(trimmed)?;
+        for (i, raw) in items.into_iter().enumerate() {
+            push_doc(i, serde_json::from_str(raw.get())?);
+        }
+    } else if trimmed.starts_with('{') {
+        push_doc(0, serde_json::from_str(trimmed)?);
+    } else {
+        let docs = serde_saphyr::from_multiple::<serde_json::Value>(text)
+            .map_err(|e| SyntaxError::Yaml(e.to_string()))?;
+        for (i, doc) in docs.into_iter().enumerate() {
+            push_doc(i, doc);
+        }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Decodes and validates one object.
