@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo on the embedded default datastore (the YAML directory examples/cluster).
-# Today it runs the offline tools; it grows with the serving path.
+# Today it runs the calculation offline (compute) and the tools; `serve` and the agents join it
+# with the Sync stream.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-./target/debug/calc-server}
@@ -24,4 +25,16 @@ run "$BIN" selector eval --labels "$labels" "app == 'api' && pcns.team == 'store
 run "$BIN" selector eval --labels "$labels" "app in {'web', 'postgres'}"
 run "$BIN" selector eval --labels "$labels" "has(pcsa.role) && version starts with 'v'"
 
-say "Try your own: $BIN selector eval --labels '{\"a\":\"b\"}' \"a == 'b'\""
+say "5. The calculation: what each node would be sent (snapshot through InSync)"
+for node in node-1 node-2; do
+  printf '$ %s compute --file-dir examples/cluster --node %s | <count by message type>\n' "$BIN" "$node"
+  "$BIN" compute --file-dir examples/cluster --node "$node" \
+    | sed -E 's/^\{"sequenceNumber":"[0-9]+","([a-zA-Z]+)".*/\1/' | sort | uniq -c | sort -rn
+done
+
+say "6. One endpoint's stream entry, as proto3 JSON (node-2's postgres pod)"
+run sh -c "$BIN compute --file-dir examples/cluster --node node-2 | grep -m1 'postgres-0'"
+
+say "Try your own: edit examples/cluster/policies.yaml and re-run"
+echo "  $BIN compute --file-dir examples/cluster --node node-1"
+echo "  $BIN selector eval --labels '{\"a\":\"b\"}' \"a == 'b'\""

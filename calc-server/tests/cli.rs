@@ -168,3 +168,119 @@ fn validate_without_paths_is_a_usage_error() {
     let o = calc_server(&["validate"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+fn examples() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/cluster")
+}
+
+fn payload_type(v: &serde_json::Value) -> String {
+    v.as_object()
+        .unwrap()
+        .keys()
+        .find(|k| *k != "sequenceNumber")
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[test]
+fn compute_prints_one_todataplane_per_line_through_in_sync() {
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        examples().to_str().unwrap(),
+        "--node",
+        "node-1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is one JSON object"))
+        .collect();
+    let seqs: Vec<u64> = lines
+        .iter()
+        .map(|l| l["sequenceNumber"].as_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (1..=lines.len() as u64).collect::<Vec<_>>(),
+        "sequence numbers count from 1"
+    );
+    let types: Vec<String> = lines.iter().map(payload_type).collect();
+    assert_eq!(types.first().map(String::as_str), Some("configUpdate"));
+    assert_eq!(
+        types.last().map(String::as_str),
+        Some("inSync"),
+        "snapshot ends with InSync"
+    );
+    assert_eq!(
+        types
+            .iter()
+            .filter(|t| *t == "workloadEndpointUpdate")
+            .count(),
+        3,
+        "node-1 has three pods"
+    );
+    // Dependencies first: every IP set before every policy, every policy before every endpoint.
+    let first = |t: &str| types.iter().position(|x| x == t).unwrap();
+    let last = |t: &str| types.iter().rposition(|x| x == t).unwrap();
+    assert!(last("ipsetUpdate") < first("activePolicyUpdate"));
+    assert!(last("activePolicyUpdate") < first("activeProfileUpdate"));
+    assert!(last("activeProfileUpdate") < first("workloadEndpointUpdate"));
+    // Node 1 does not run node 2's database, so it does not get postgres's policy.
+    assert!(!stdout(&o).contains("\"allow-postgres\""));
+}
+
+#[test]
+fn compute_all_nodes_writes_a_file_per_node() {
+    let out = tempfile::tempdir().unwrap();
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        examples().to_str().unwrap(),
+        "--all-nodes",
+        "--out-dir",
+        out.path().to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for node in ["node-1", "node-2"] {
+        let text = std::fs::read_to_string(out.path().join(format!("{node}.jsonl"))).unwrap();
+        assert!(text.lines().last().unwrap().contains("inSync"), "{node}");
+    }
+    let node2 = std::fs::read_to_string(out.path().join("node-2.jsonl")).unwrap();
+    assert!(node2.contains("\"allow-postgres\"") && node2.contains("hostEndpointUpdate"));
+}
+
+#[test]
+fn compute_reports_bad_manifests_and_computes_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(examples()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+    }
+    write(
+        dir.path(),
+        "zz-bad.yaml",
+        "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: broken}\nspec: {selector: \"a ==\"}\n",
+    );
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        dir.path().to_str().unwrap(),
+        "--node",
+        "node-1",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(
+        stderr(&o).contains("zz-bad.yaml: document 1: GlobalNetworkPolicy broken"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stdout(&o).lines().last().unwrap().contains("inSync"));
+}
+
+#[test]
+fn compute_rejects_datastores_not_implemented_yet() {
+    let o = calc_server(&["compute", "--datastore-type", "etcdv3", "--node", "n"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not implemented yet"), "{}", stderr(&o));
+}

@@ -726,20 +726,23 @@ impl CalcGraph {
             },
         );
         if everywhere {
+            // Needed on every node, including nodes that appear later: not reference counted
+            // per node; flush treats the policy and its IP sets as needed everywhere.
             self.everywhere.insert(key.clone());
-            let nodes: Vec<Name> = self.nodes.keys().cloned().collect();
-            for node in nodes {
-                self.node_mut(&node).dirty_policies.insert(key.clone());
-                for id in &ipsets {
-                    self.node_ipset_inc(&node, id);
-                }
-            }
+            self.mark_everywhere_dirty(&key, &ipsets);
         }
         self.index.add_selector(sel, selector, true);
         self.process_events();
         // Nodes already running the policy need its new content.
         self.touch_policy(&key);
         Ok(())
+    }
+
+    fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {
+        for n in self.nodes.values_mut() {
+            n.dirty_policies.insert(key.clone());
+            n.dirty_ipsets.extend(ipsets.iter().cloned());
+        }
     }
 
     fn remove_policy(&mut self, key: &Key) {
@@ -751,13 +754,7 @@ impl CalcGraph {
         self.selector_owner.remove(&sel);
         let state = self.policies.remove(key).expect("checked above");
         if self.everywhere.remove(key) {
-            let nodes: Vec<Name> = self.nodes.keys().cloned().collect();
-            for node in nodes {
-                self.node_mut(&node).dirty_policies.insert(key.clone());
-                for id in &state.ipsets {
-                    self.node_ipset_dec(&node, id);
-                }
-            }
+            self.mark_everywhere_dirty(key, &state.ipsets);
         }
         self.undefine_ipsets(&state.ipsets);
         self.touch_policy(key);
@@ -1286,14 +1283,29 @@ impl CalcGraph {
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot
     /// then `InSync` if the datastore is in sync). Does not disturb subscriptions.
     pub fn snapshot(&mut self, node: &str) -> Vec<SharedMessage> {
-        let existing = self.nodes.get_mut(node).and_then(|n| n.sub.take());
-        self.node_mut(node).sub = Some(Subscription::default());
+        let n = self.node_mut(node);
+        let existing = n.sub.take();
+        // flush_node consumes the dirty marks; the real subscription still needs them.
+        let dirty = (
+            n.dirty_ipsets.clone(),
+            n.dirty_policies.clone(),
+            n.dirty_profiles.clone(),
+            n.dirty_endpoints.clone(),
+        );
+        n.sub = Some(Subscription::default());
         let out = self.flush_node(&Arc::from(node), &mut FlushCache::default());
         // The throwaway subscription must not count as a receiver of IP-set deltas.
         if let Some(tmp) = self.node_mut(node).sub.take() {
             self.forget_sent_ipsets(&tmp);
         }
-        self.node_mut(node).sub = existing;
+        let n = self.node_mut(node);
+        (
+            n.dirty_ipsets,
+            n.dirty_policies,
+            n.dirty_profiles,
+            n.dirty_endpoints,
+        ) = dirty;
+        n.sub = existing;
         out
     }
 
