@@ -10,6 +10,8 @@ mod compute;
 mod datastore;
 mod gen_cluster;
 mod manifest_dir;
+mod serve;
+mod status_cmd;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -27,14 +29,10 @@ use clap::{Parser, Subcommand};
     about = "Calico policy calculation server: computes tiered policy once for the whole cluster and streams each node what it needs."
 )]
 struct Cli {
-    /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
-    #[arg(
-        long,
-        env = "CALC_SERVER_LOG_LEVEL",
-        default_value = "warn",
-        global = true
-    )]
-    log_level: String,
+    /// Log level (error, warn, info, debug, trace) or a tracing filter directive. Default:
+    /// info for serve, warn for the other commands.
+    #[arg(long, env = "CALC_SERVER_LOG_LEVEL", global = true)]
+    log_level: Option<String>,
 
     #[command(subcommand)]
     command: Command,
@@ -45,6 +43,11 @@ enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
     /// per line: the proto3 JSON mapping of each ToDataplane.
     Compute(compute::ComputeArgs),
+    /// Serve the CalcServer.Sync gRPC stream: each connected agent gets its node's snapshot,
+    /// InSync, then deltas; endpoint status flows back and is written to the datastore.
+    Serve(serve::ServeArgs),
+    /// Show connected nodes and their reported status (from a server's admin endpoint).
+    Status(status_cmd::StatusArgs),
     /// Write a synthetic Calico cluster (JSON manifests) for benchmarks.
     GenCluster(gen_cluster::GenClusterArgs),
     /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
@@ -81,9 +84,16 @@ enum SelectorCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli.log_level);
+    let default_level = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    init_logging(cli.log_level.as_deref().unwrap_or(default_level));
     let result = match cli.command {
         Command::Compute(args) => compute::run(&args),
+        Command::Serve(args) => serve::run(&args),
+        Command::Status(args) => status_cmd::run(&args),
         Command::GenCluster(args) => gen_cluster::run(&args).map(|stats| {
             eprintln!("{stats}");
             ExitCode::SUCCESS

@@ -1,0 +1,193 @@
+//! The engine: the one task that owns the calculation graph (DESIGN.md invariant 2).
+//!
+//! It receives datastore updates, agent connections and disconnections, applies them to the
+//! graph, flushes, and hands each node's batch to that node's connection. Each connection has
+//! an unbounded queue whose length is tracked: when an agent falls further behind than the
+//! backlog limit, its stream is closed with RESOURCE_EXHAUSTED and its node unsubscribed, so a
+//! stalled agent costs bounded memory; the agent reconnects and receives a fresh snapshot.
+//! A second connection for a node replaces the first (closed with ABORTED).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use calc_graph::graph::{CalcGraph, SharedMessage, Update};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use super::status::Board;
+
+/// What a connection's outgoing stream carries.
+pub enum Out {
+    Msg(SharedMessage),
+    /// End the stream with this status.
+    Close(Status),
+}
+
+/// One agent connection, as the engine sees it.
+pub struct Conn {
+    pub id: u64,
+    pub tx: mpsc::UnboundedSender<Out>,
+    /// Messages queued but not yet taken by the stream.
+    pub backlog: Arc<AtomicUsize>,
+}
+
+pub enum Input {
+    /// A batch of datastore updates.
+    Datastore(Vec<Update>),
+    /// An agent said hello; `reply` says whether it is accepted.
+    Connect {
+        node: String,
+        agent_version: String,
+        conn: Conn,
+        reply: oneshot::Sender<Result<(), Status>>,
+    },
+    Disconnect {
+        node: String,
+        id: u64,
+    },
+    /// Close every stream (server shutting down).
+    Shutdown,
+}
+
+pub struct Engine {
+    graph: CalcGraph,
+    conns: HashMap<String, Conn>,
+    board: Arc<Board>,
+    backlog_limit: usize,
+    /// Whether a node not in the datastore may connect (it then gets config and InSync only).
+    allow_unknown_nodes: bool,
+    /// Set once the datastore's snapshot is in the graph (readiness).
+    ready: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Engine {
+    pub fn new(
+        board: Arc<Board>,
+        backlog_limit: usize,
+        allow_unknown_nodes: bool,
+        ready: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Engine {
+        Engine {
+            graph: CalcGraph::new(),
+            conns: HashMap::new(),
+            board,
+            backlog_limit,
+            allow_unknown_nodes,
+            ready,
+        }
+    }
+
+    /// Runs until the input channel closes or a Shutdown arrives.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Input>) {
+        while let Some(first) = rx.recv().await {
+            let mut inputs = vec![first];
+            // Take everything already waiting: one flush for the whole burst.
+            while inputs.len() < 4096 {
+                match rx.try_recv() {
+                    Ok(i) => inputs.push(i),
+                    Err(_) => break,
+                }
+            }
+            let mut stop = false;
+            for input in inputs {
+                stop |= self.handle(input);
+            }
+            self.flush();
+            if self.graph.in_sync() {
+                self.ready.store(true, Ordering::Relaxed);
+            }
+            if stop {
+                for (node, conn) in self.conns.drain() {
+                    let _ = conn.tx.send(Out::Close(Status::unavailable(
+                        "calc-server is shutting down",
+                    )));
+                    self.board.disconnected(&node);
+                }
+                return;
+            }
+        }
+    }
+
+    fn handle(&mut self, input: Input) -> bool {
+        match input {
+            Input::Datastore(updates) => {
+                let span = tracing::debug_span!("datastore_batch", updates = updates.len());
+                let _enter = span.enter();
+                for u in updates {
+                    if let Err(rejection) = self.graph.apply(u) {
+                        tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
+                    }
+                }
+            }
+            Input::Connect {
+                node,
+                agent_version,
+                conn,
+                reply,
+            } => {
+                if !self.allow_unknown_nodes
+                    && self.graph.in_sync()
+                    && !self.graph.known_nodes().iter().any(|n| n == &node)
+                {
+                    let _ = reply.send(Err(Status::not_found(format!(
+                        "node {node:?} is not in the datastore (no Node resource and no endpoints)"
+                    ))));
+                    return false;
+                }
+                if let Some(old) = self.conns.remove(&node) {
+                    tracing::info!(%node, old = old.id, new = conn.id, "a newer connection replaces the node's stream");
+                    let _ = old.tx.send(Out::Close(Status::aborted(format!(
+                        "replaced by a newer connection for node {node}"
+                    ))));
+                }
+                self.graph.subscribe(&node);
+                self.board.connected(&node, &agent_version);
+                self.conns.insert(node, conn);
+                let _ = reply.send(Ok(()));
+            }
+            Input::Disconnect { node, id } => {
+                if self.conns.get(&node).is_some_and(|c| c.id == id) {
+                    self.conns.remove(&node);
+                    self.graph.unsubscribe(&node);
+                    self.board.disconnected(&node);
+                }
+            }
+            Input::Shutdown => return true,
+        }
+        false
+    }
+
+    fn flush(&mut self) {
+        let conns = &mut self.conns;
+        let board = &self.board;
+        let limit = self.backlog_limit;
+        let mut overflowed = Vec::new();
+        self.graph.flush_with(|batch| {
+            let Some(conn) = conns.get(&batch.node) else {
+                return;
+            };
+            let queued = conn.backlog.load(Ordering::Relaxed);
+            if queued + batch.messages.len() > limit && queued > 0 {
+                overflowed.push(batch.node.clone());
+                return;
+            }
+            conn.backlog
+                .fetch_add(batch.messages.len(), Ordering::Relaxed);
+            board.sent(&batch.node, batch.messages.len() as u64);
+            for m in batch.messages {
+                let _ = conn.tx.send(Out::Msg(m));
+            }
+        });
+        for node in overflowed {
+            if let Some(conn) = self.conns.remove(&node) {
+                tracing::warn!(%node, limit, "agent fell too far behind; closing its stream so it resyncs");
+                let _ = conn.tx.send(Out::Close(Status::resource_exhausted(format!(
+                    "node {node} fell more than {limit} messages behind; reconnect for a fresh snapshot"
+                ))));
+                self.graph.unsubscribe(&node);
+                self.board.disconnected(&node);
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! `calc-server serve`: the datastore adapter, the engine that owns the graph, the gRPC Sync
+//! service and the admin endpoint, wired together.
+//!
+//! Tasks: the watcher (datastore → engine), the engine (graph, per-node queues), one task per
+//! agent stream (its outgoing queue) and one per agent's reports, the status writer, the admin
+//! HTTP server. SIGTERM/SIGINT: every stream is closed with UNAVAILABLE, then the process exits 0.
+
+mod admin;
+mod engine;
+mod service;
+pub mod status;
+mod watch;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::mpsc;
+
+use crate::datastore::{DatastoreArgs, DatastoreType};
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub datastore: DatastoreArgs,
+    /// Address the gRPC Sync service listens on.
+    #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness).
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_LISTEN",
+        default_value = "127.0.0.1:9099"
+    )]
+    pub admin_listen: SocketAddr,
+    /// How often the file datastore directory is checked for changes.
+    #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
+    pub file_poll_interval: Duration,
+    /// An agent that falls this many messages behind is disconnected and resent a snapshot.
+    #[arg(
+        long,
+        env = "CALC_SERVER_AGENT_BACKLOG_LIMIT",
+        default_value_t = 200_000
+    )]
+    pub agent_backlog_limit: usize,
+    /// Time an agent has to send its AgentHello.
+    #[arg(long, env = "CALC_SERVER_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub hello_timeout: Duration,
+    /// HTTP/2 keepalive ping interval; a peer that does not answer within the timeout is dropped.
+    #[arg(long, env = "CALC_SERVER_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub keepalive_interval: Duration,
+    #[arg(long, env = "CALC_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub keepalive_timeout: Duration,
+    /// Largest message accepted from an agent.
+    #[arg(long, env = "CALC_SERVER_MAX_RECV_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_recv_bytes: usize,
+    /// Accept agents for nodes the datastore does not know (they get config and InSync only).
+    #[arg(long, env = "CALC_SERVER_ALLOW_UNKNOWN_NODES")]
+    pub allow_unknown_nodes: bool,
+    /// How often changed endpoint status is written to the datastore.
+    #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub status_interval: Duration,
+}
+
+/// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(args.clone()))
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.datastore.datastore_type == DatastoreType::File,
+        "--datastore-type {:?} is not implemented yet; use --datastore-type file",
+        args.datastore.datastore_type
+    );
+    let dir: PathBuf = args.datastore.file_dir.clone();
+    anyhow::ensure!(
+        dir.is_dir(),
+        "--file-dir {} is not a directory",
+        dir.display()
+    );
+
+    let board = Arc::new(status::Board::default());
+    let ready = Arc::new(AtomicBool::new(false));
+    let (engine_tx, engine_rx) = mpsc::channel(1024);
+    let engine = engine::Engine::new(
+        board.clone(),
+        args.agent_backlog_limit,
+        args.allow_unknown_nodes,
+        ready.clone(),
+    );
+    let engine_task = tokio::spawn(engine.run(engine_rx));
+    tokio::spawn(watch::run(
+        dir.clone(),
+        args.file_poll_interval,
+        engine_tx.clone(),
+    ));
+    tokio::spawn(status::file_writer(
+        board.clone(),
+        dir.clone(),
+        args.status_interval,
+    ));
+
+    let admin = tokio::net::TcpListener::bind(args.admin_listen)
+        .await
+        .with_context(|| format!("binding the admin endpoint {}", args.admin_listen))?;
+    let admin_router = admin::router(admin::AdminState {
+        board: board.clone(),
+        ready,
+    });
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(admin, admin_router).await {
+            tracing::error!(%error, "admin endpoint failed");
+        }
+    });
+
+    let service = service::SyncService {
+        engine: engine_tx.clone(),
+        board,
+        hello_timeout: args.hello_timeout,
+        next_id: AtomicU64::new(1),
+    };
+    let svc = felix_proto::calc_server_server::CalcServerServer::new(service)
+        .max_decoding_message_size(args.max_recv_bytes)
+        .max_encoding_message_size(usize::MAX);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, dir = %dir.display(), "calc-server serving");
+    eprintln!(
+        "calc-server: serving {} on {} (admin http://{})",
+        dir.display(),
+        args.listen,
+        args.admin_listen
+    );
+
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: closing agent streams");
+        let _ = engine_tx.send(engine::Input::Shutdown).await;
+        let _ = engine_task.await;
+    };
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(args.keepalive_interval))
+        .http2_keepalive_timeout(Some(args.keepalive_timeout))
+        .add_service(svc)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+        .context("gRPC server")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,187 @@
+//! The gRPC `CalcServer.Sync` service: one bidirectional stream per agent.
+//!
+//! The agent's first message must be an AgentHello (within the hello timeout) naming its node;
+//! the server answers with a ServerHello, then whatever the engine sends for that node (its
+//! snapshot, InSync, deltas), numbering every message from 1. Reports coming back go to the
+//! status board. Protocol errors end the stream with a status that says what was wrong.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use felix_proto as pb;
+use pb::from_dataplane::Payload as FromPayload;
+use pb::to_dataplane::Payload as ToPayload;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::engine::{Conn, Input, Out};
+use super::status::Board;
+
+pub const CAPABILITIES: &[&str] = &[];
+
+pub struct SyncService {
+    pub engine: mpsc::Sender<Input>,
+    pub board: Arc<Board>,
+    pub hello_timeout: Duration,
+    pub next_id: AtomicU64,
+}
+
+type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Send>>;
+
+/// Takes the node's queue and numbers each message; ends at a Close.
+fn outgoing(
+    hello: pb::ToDataplane,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    backlog: Arc<AtomicUsize>,
+) -> OutStream {
+    Box::pin(async_stream(
+        move |tx: mpsc::Sender<Result<pb::ToDataplane, Status>>| async move {
+            let mut seq = 1u64;
+            let mut hello = hello;
+            hello.sequence_number = seq;
+            if tx.send(Ok(hello)).await.is_err() {
+                return;
+            }
+            while let Some(item) = rx.recv().await {
+                match item {
+                    Out::Msg(m) => {
+                        backlog.fetch_sub(1, Ordering::Relaxed);
+                        seq += 1;
+                        let mut m = (*m).clone();
+                        m.sequence_number = seq;
+                        if tx.send(Ok(m)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Out::Close(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                }
+            }
+        },
+    ))
+}
+
+/// A stream fed by a task writing into a small channel: the task stops as soon as the client
+/// goes away (the receiver is dropped).
+fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<pb::ToDataplane, Status>> + Send
+where
+    F: FnOnce(mpsc::Sender<Result<pb::ToDataplane, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(f(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+#[tonic::async_trait]
+impl pb::calc_server_server::CalcServer for SyncService {
+    type SyncStream = OutStream;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<pb::FromDataplane>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let peer = request.remote_addr();
+        let mut inbound = request.into_inner();
+        let first = tokio::time::timeout(self.hello_timeout, inbound.next())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no AgentHello within the hello timeout"))?
+            .ok_or_else(|| Status::invalid_argument("stream ended before the AgentHello"))?
+            .map_err(|e| {
+                Status::invalid_argument(format!(
+                    "could not read the first message: {}",
+                    e.message()
+                ))
+            })?;
+        let hello = match first.payload {
+            Some(FromPayload::AgentHello(h)) => h,
+            other => {
+                let what = other.map_or("an empty message".to_string(), |p| {
+                    format!("{p:?}")
+                        .split('(')
+                        .next()
+                        .unwrap_or("?")
+                        .to_string()
+                });
+                tracing::warn!(?peer, got = %what, "refused a stream that did not start with AgentHello");
+                return Err(Status::invalid_argument(format!(
+                    "the first message must be an AgentHello, got {what}"
+                )));
+            }
+        };
+        if hello.node_name.is_empty() {
+            return Err(Status::invalid_argument("AgentHello.node_name is empty"));
+        }
+        let node = hello.node_name.clone();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::info_span!("agent", %node, conn = id);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let backlog = Arc::new(AtomicUsize::new(0));
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.engine
+            .send(Input::Connect {
+                node: node.clone(),
+                agent_version: hello.agent_version.clone(),
+                conn: Conn {
+                    id,
+                    tx,
+                    backlog: backlog.clone(),
+                },
+                reply: reply_tx,
+            })
+            .await
+            .map_err(|_| Status::unavailable("calc-server is shutting down"))?;
+        reply_rx
+            .await
+            .map_err(|_| Status::unavailable("calc-server is shutting down"))??;
+        span.in_scope(
+            || tracing::info!(?peer, agent_version = %hello.agent_version, "agent connected"),
+        );
+
+        // Reports back: to the board until the agent's side ends, then tell the engine.
+        let engine = self.engine.clone();
+        let board = self.board.clone();
+        let reader_node = node.clone();
+        tokio::spawn(async move {
+            let mut last = first.sequence_number;
+            let reason = loop {
+                match inbound.next().await {
+                    Some(Ok(m)) => {
+                        if m.sequence_number <= last && m.sequence_number != 0 {
+                            break format!(
+                                "sequence number went from {last} to {}",
+                                m.sequence_number
+                            );
+                        }
+                        last = m.sequence_number;
+                        board.report(&reader_node, &m);
+                    }
+                    Some(Err(e)) => break format!("receive error: {}", e.message()),
+                    None => break "agent closed its side".to_string(),
+                }
+            };
+            span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
+            let _ = engine
+                .send(Input::Disconnect {
+                    node: reader_node,
+                    id,
+                })
+                .await;
+        });
+
+        let server_hello = pb::ToDataplane {
+            sequence_number: 0,
+            payload: Some(ToPayload::ServerHello(pb::ServerHello {
+                server_version: env!("CARGO_PKG_VERSION").to_string(),
+                capabilities: CAPABILITIES.iter().map(|c| c.to_string()).collect(),
+                node_name: node,
+            })),
+        };
+        Ok(Response::new(outgoing(server_hello, rx, backlog)))
+    }
+}

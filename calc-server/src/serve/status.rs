@@ -1,0 +1,241 @@
+//! What the agents report back, per node, and the file status writer.
+//!
+//! The board keeps, per node, the latest ProcessStatusUpdate, WorkloadEndpointStatus and
+//! HostEndpointStatus, plus connection facts (connected since, dataplane in sync, last sequence
+//! number received). The admin endpoint reads it; the status writer persists it. The file
+//! datastore writes `status/<node>.json` inside the datastore directory (the manifest loader
+//! skips that directory), atomically and at most once per interval per node.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use felix_proto as pb;
+use pb::from_dataplane::Payload;
+use serde::Serialize;
+
+/// One node's reported state.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct NodeStatus {
+    pub node: String,
+    /// Whether an agent is connected now.
+    pub connected: bool,
+    /// RFC 3339 time the current (or last) stream started.
+    pub connected_since: String,
+    /// The agent reported DataplaneInSync on the current stream.
+    pub dataplane_in_sync: bool,
+    /// Highest FromDataplane sequence number received on the current stream.
+    pub last_sequence_received: u64,
+    /// Messages sent to the node on the current stream.
+    pub messages_sent: u64,
+    pub agent_version: String,
+    /// Latest heartbeat: timestamp and uptime as the agent reported them.
+    pub last_heartbeat: Option<Heartbeat>,
+    /// `<orchestrator>/<workload>/<endpoint>` → `up` / `down` / `error`.
+    pub workload_endpoints: BTreeMap<String, String>,
+    /// Host endpoint id → status.
+    pub host_endpoints: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Heartbeat {
+    pub iso_timestamp: String,
+    pub uptime_seconds: f64,
+}
+
+/// Shared between the engine (writer) and the admin endpoint and status writer (readers).
+#[derive(Default)]
+pub struct Board {
+    nodes: Mutex<BTreeMap<String, NodeStatus>>,
+    dirty: Mutex<std::collections::BTreeSet<String>>,
+}
+
+fn workload_key(id: &Option<pb::WorkloadEndpointId>) -> String {
+    let id = id.clone().unwrap_or_default();
+    format!(
+        "{}/{}/{}",
+        id.orchestrator_id, id.workload_id, id.endpoint_id
+    )
+}
+
+/// RFC 3339 in UTC, seconds precision, without a date library.
+pub fn rfc3339(t: SystemTime) -> String {
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+impl Board {
+    fn with(&self, node: &str, f: impl FnOnce(&mut NodeStatus)) {
+        let mut nodes = self.nodes.lock().expect("status board lock");
+        let st = nodes.entry(node.to_string()).or_insert_with(|| NodeStatus {
+            node: node.to_string(),
+            ..Default::default()
+        });
+        f(st);
+        self.dirty
+            .lock()
+            .expect("status dirty lock")
+            .insert(node.to_string());
+    }
+
+    /// A new stream for `node` started (replacing any previous one).
+    pub fn connected(&self, node: &str, agent_version: &str) {
+        self.with(node, |s| {
+            s.connected = true;
+            s.connected_since = rfc3339(SystemTime::now());
+            s.dataplane_in_sync = false;
+            s.last_sequence_received = 1;
+            s.messages_sent = 0;
+            s.agent_version = agent_version.to_string();
+        });
+    }
+
+    pub fn disconnected(&self, node: &str) {
+        self.with(node, |s| s.connected = false);
+    }
+
+    pub fn sent(&self, node: &str, n: u64) {
+        if let Some(s) = self.nodes.lock().expect("status board lock").get_mut(node) {
+            s.messages_sent += n;
+        }
+    }
+
+    /// Records one report from a node's agent.
+    pub fn report(&self, node: &str, msg: &pb::FromDataplane) {
+        self.with(node, |s| {
+            s.last_sequence_received = s.last_sequence_received.max(msg.sequence_number);
+            match &msg.payload {
+                Some(Payload::ProcessStatusUpdate(p)) => {
+                    s.last_heartbeat = Some(Heartbeat {
+                        iso_timestamp: p.iso_timestamp.clone(),
+                        uptime_seconds: p.uptime,
+                    });
+                }
+                Some(Payload::DataplaneInSync(_)) => s.dataplane_in_sync = true,
+                Some(Payload::WorkloadEndpointStatusUpdate(u)) => {
+                    let status = u.status.clone().unwrap_or_default().status;
+                    s.workload_endpoints.insert(workload_key(&u.id), status);
+                }
+                Some(Payload::WorkloadEndpointStatusRemove(r)) => {
+                    s.workload_endpoints.remove(&workload_key(&r.id));
+                }
+                Some(Payload::HostEndpointStatusUpdate(u)) => {
+                    let id = u.id.clone().unwrap_or_default().endpoint_id;
+                    s.host_endpoints
+                        .insert(id, u.status.clone().unwrap_or_default().status);
+                }
+                Some(Payload::HostEndpointStatusRemove(r)) => {
+                    s.host_endpoints
+                        .remove(&r.id.clone().unwrap_or_default().endpoint_id);
+                }
+                _ => {}
+            }
+        });
+    }
+
+    pub fn snapshot(&self) -> Vec<NodeStatus> {
+        self.nodes
+            .lock()
+            .expect("status board lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn take_dirty(&self) -> Vec<NodeStatus> {
+        let dirty = std::mem::take(&mut *self.dirty.lock().expect("status dirty lock"));
+        let nodes = self.nodes.lock().expect("status board lock");
+        dirty.iter().filter_map(|n| nodes.get(n).cloned()).collect()
+    }
+}
+
+/// Writes changed node statuses to `<dir>/status/<node>.json` every `interval`.
+pub async fn file_writer(board: Arc<Board>, dir: PathBuf, interval: std::time::Duration) {
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        for st in board.take_dirty() {
+            if let Err(error) = write_atomic(&dir.join("status"), &st).await {
+                tracing::warn!(%error, node = %st.node, "writing endpoint status failed");
+            }
+        }
+    }
+}
+
+async fn write_atomic(dir: &Path, st: &NodeStatus) -> std::io::Result<()> {
+    tokio::fs::create_dir_all(dir).await?;
+    let body = serde_json::to_vec_pretty(st).map_err(std::io::Error::other)?;
+    let tmp = dir.join(format!(".{}.json.tmp", st.node));
+    tokio::fs::write(&tmp, body).await?;
+    tokio::fs::rename(&tmp, dir.join(format!("{}.json", st.node))).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_utc() {
+        let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_795_000_000);
+        assert_eq!(rfc3339(t), "2026-11-18T11:06:40Z");
+        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn reports_update_the_board() {
+        let b = Board::default();
+        b.connected("n1", "0.1.0");
+        let id = pb::WorkloadEndpointId {
+            orchestrator_id: "k8s".into(),
+            workload_id: "ns/pod".into(),
+            endpoint_id: "eth0".into(),
+        };
+        b.report(
+            "n1",
+            &pb::FromDataplane {
+                sequence_number: 4,
+                payload: Some(Payload::WorkloadEndpointStatusUpdate(
+                    pb::WorkloadEndpointStatusUpdate {
+                        id: Some(id.clone()),
+                        status: Some(pb::EndpointStatus {
+                            status: "up".into(),
+                        }),
+                        endpoint: None,
+                    },
+                )),
+            },
+        );
+        let s = &b.snapshot()[0];
+        assert_eq!(s.workload_endpoints["k8s/ns/pod/eth0"], "up");
+        assert_eq!(s.last_sequence_received, 4);
+        b.report(
+            "n1",
+            &pb::FromDataplane {
+                sequence_number: 5,
+                payload: Some(Payload::WorkloadEndpointStatusRemove(
+                    pb::WorkloadEndpointStatusRemove { id: Some(id) },
+                )),
+            },
+        );
+        assert!(b.snapshot()[0].workload_endpoints.is_empty());
+    }
+}
