@@ -6,6 +6,7 @@
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
 mod bench;
+mod bench_sync;
 mod compute;
 mod datastore;
 mod gen_cluster;
@@ -52,6 +53,8 @@ enum Command {
     GenCluster(gen_cluster::GenClusterArgs),
     /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
     Bench(bench::BenchArgs),
+    /// Simulated agents against a running server: time to sync, memory, change latency.
+    BenchSync(bench_sync::BenchSyncArgs),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }),
         Command::Bench(args) => bench::run(&args),
+        Command::BenchSync(args) => bench_sync::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             selector_eval(&labels, &selector)
         }

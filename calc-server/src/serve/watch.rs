@@ -47,48 +47,53 @@ fn listing(dir: &Path) -> Listing {
     out
 }
 
-/// Loads the directory; returns the valid resources and logs new problems.
-fn load(dir: &Path, seen_problems: &mut BTreeSet<String>) -> BTreeMap<ResourceKey, Resource> {
-    let report = manifest_dir::load(&[dir.to_path_buf()]);
-    let mut now = BTreeSet::new();
-    for p in &report.problems {
-        let p = p.to_string();
-        if !seen_problems.contains(&p) {
+/// Loads some manifest files; returns each file's valid resources and logs new problems.
+fn load_files(
+    files: &[PathBuf],
+    seen_problems: &mut BTreeMap<PathBuf, BTreeSet<String>>,
+) -> BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>> {
+    let mut out = BTreeMap::new();
+    for f in files {
+        let report = manifest_dir::load(std::slice::from_ref(f));
+        let now: BTreeSet<String> = report.problems.iter().map(ToString::to_string).collect();
+        let before = seen_problems.remove(f).unwrap_or_default();
+        for p in now.difference(&before) {
             tracing::warn!(problem = %p, "manifest skipped");
         }
-        now.insert(p);
+        seen_problems.insert(f.clone(), now);
+        out.insert(
+            f.clone(),
+            report
+                .resources
+                .into_iter()
+                .map(|(k, (_, r))| (k, r))
+                .collect(),
+        );
     }
-    *seen_problems = now;
-    report
-        .resources
-        .into_iter()
-        .map(|(k, (_, r))| (k, r))
-        .collect()
+    out
 }
 
-/// The updates that move `old` to `new`.
-pub fn diff(
-    old: &BTreeMap<ResourceKey, Resource>,
-    new: &BTreeMap<ResourceKey, Resource>,
-) -> Vec<Update> {
-    let mut out: Vec<Update> = new
-        .iter()
-        .filter(|(k, r)| old.get(*k) != Some(*r))
-        .map(|(_, r)| Update::Apply(r.clone()))
-        .collect();
-    out.extend(
-        old.keys()
-            .filter(|k| !new.contains_key(*k))
-            .map(|k| Update::Delete(k.clone())),
-    );
+/// Every file's objects merged; a key defined twice keeps the later file's (path order).
+fn merged(
+    by_file: &BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
+) -> BTreeMap<ResourceKey, Resource> {
+    let mut out = BTreeMap::new();
+    for objects in by_file.values() {
+        for (k, r) in objects {
+            out.insert(k.clone(), r.clone());
+        }
+    }
     out
 }
 
 /// Sends the initial snapshot and InSync, then changes as they appear, until the engine goes.
+/// Only files whose size or modification time changed are read again.
 pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) {
-    let mut problems = BTreeSet::new();
+    let mut problems = BTreeMap::new();
     let mut seen = listing(&dir);
-    let mut state = load(&dir, &mut problems);
+    let files: Vec<PathBuf> = seen.keys().cloned().collect();
+    let mut by_file = load_files(&files, &mut problems);
+    let mut state = merged(&by_file);
     tracing::info!(dir = %dir.display(), objects = state.len(), "file datastore loaded");
     let mut first: Vec<Update> = state.values().cloned().map(Update::Apply).collect();
     first.push(Update::InSync);
@@ -102,14 +107,52 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
         if now == seen {
             continue;
         }
+        let changed: Vec<PathBuf> = now
+            .iter()
+            .filter(|(p, meta)| seen.get(*p) != Some(*meta))
+            .map(|(p, _)| p.clone())
+            .collect();
+        let gone: Vec<PathBuf> = seen
+            .keys()
+            .filter(|p| !now.contains_key(*p))
+            .cloned()
+            .collect();
         seen = now;
-        let next = load(&dir, &mut problems);
-        let updates = diff(&state, &next);
-        state = next;
+        // Only the keys of the files that changed can change.
+        let mut keys: BTreeSet<ResourceKey> = BTreeSet::new();
+        for f in changed.iter().chain(&gone) {
+            if let Some(old) = by_file.remove(f) {
+                keys.extend(old.into_keys());
+            }
+            problems.remove(f);
+        }
+        for (f, objects) in load_files(&changed, &mut problems) {
+            keys.extend(objects.keys().cloned());
+            by_file.insert(f, objects);
+        }
+        let mut updates = Vec::new();
+        for k in keys {
+            let now = by_file.values().rev().find_map(|objs| objs.get(&k));
+            match (state.get(&k), now) {
+                (old, Some(new)) if old != Some(new) => {
+                    state.insert(k, new.clone());
+                    updates.push(Update::Apply(new.clone()));
+                }
+                (Some(_), None) => {
+                    state.remove(&k);
+                    updates.push(Update::Delete(k));
+                }
+                _ => {}
+            }
+        }
         if updates.is_empty() {
             continue;
         }
-        tracing::info!(changes = updates.len(), "file datastore changed");
+        tracing::info!(
+            changes = updates.len(),
+            files = changed.len() + gone.len(),
+            "file datastore changed"
+        );
         if engine.send(Input::Datastore(updates)).await.is_err() {
             return;
         }

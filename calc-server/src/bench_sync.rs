@@ -1,0 +1,229 @@
+//! `calc-server bench-sync`: simulated agents against a running `calc-server serve`.
+//!
+//! Opens one Sync stream per node (all at once), measures the time until every stream has
+//! received InSync, then edits the datastore (a global policy every node runs) and measures how
+//! long the change takes to reach each agent. Reads the server's resident memory from /proc
+//! when given its pid. Measures; does not judge (docs/benchmarks.md).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use felix_proto as pb;
+use pb::to_dataplane::Payload as To;
+use tokio::sync::{Mutex, mpsc};
+use tokio_stream::StreamExt;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchSyncArgs {
+    /// The server's gRPC URL.
+    #[arg(
+        long,
+        env = "BENCH_SYNC_SERVER",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub server: String,
+    /// Node names are `<prefix><i>` for i in 0..nodes (gen-cluster names nodes `node-<i>`).
+    #[arg(long, env = "BENCH_SYNC_NODES", default_value_t = 1000)]
+    pub nodes: usize,
+    #[arg(long, env = "BENCH_SYNC_NODE_PREFIX", default_value = "node-")]
+    pub node_prefix: String,
+    /// The server's datastore directory: the file whose edit is timed lives there.
+    #[arg(long, env = "BENCH_SYNC_FILE_DIR")]
+    pub file_dir: PathBuf,
+    /// The server's process id, to read its memory from /proc.
+    #[arg(long, env = "BENCH_SYNC_SERVER_PID")]
+    pub server_pid: Option<u32>,
+    /// How many global changes to time.
+    #[arg(long, env = "BENCH_SYNC_CHANGES", default_value_t = 20)]
+    pub changes: usize,
+}
+
+fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    Some((field("VmRSS:"), field("VmHWM:")))
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+/// What each simulated agent reports to the coordinator.
+enum Event {
+    InSync(usize),
+    /// An agent saw the marker policy with this port.
+    Marker(i32),
+    Failed(usize, String),
+}
+
+async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSender<Event>) {
+    let run = async {
+        let mut client = pb::calc_server_client::CalcServerClient::connect(url)
+            .await
+            .map_err(|e| e.to_string())?
+            .max_decoding_message_size(usize::MAX);
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(pb::FromDataplane {
+            sequence_number: 1,
+            payload: Some(pb::from_dataplane::Payload::AgentHello(pb::AgentHello {
+                node_name: node,
+                agent_version: "bench-sync".into(),
+                capabilities: vec![],
+            })),
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut stream = client
+            .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|e| e.to_string())?
+            .into_inner();
+        while let Some(m) = stream.next().await {
+            let m = m.map_err(|e| e.to_string())?;
+            match m.payload {
+                Some(To::InSync(_)) => {
+                    let _ = events.send(Event::InSync(i));
+                }
+                Some(To::ActivePolicyUpdate(u)) => {
+                    let port = u
+                        .policy
+                        .as_ref()
+                        .and_then(|p| p.inbound_rules.first())
+                        .and_then(|r| r.dst_ports.first())
+                        .map(|p| p.first);
+                    if let Some(p) = port
+                        && u.id
+                            .as_ref()
+                            .is_some_and(|id| id.name == "bench-sync-marker")
+                    {
+                        let _ = events.send(Event::Marker(p));
+                    }
+                }
+                _ => {}
+            }
+        }
+        drop(tx);
+        Ok::<(), String>(())
+    };
+    if let Err(e) = run.await {
+        let _ = events.send(Event::Failed(i, e));
+    }
+}
+
+fn marker_policy(port: i32) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata:\n  name: bench-sync-marker\nspec:\n  order: 1\n  selector: all()\n  types: [Ingress]\n  ingress:\n  - action: Allow\n    protocol: TCP\n    destination:\n      ports: [{port}]\n"
+    )
+}
+
+pub fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(bench(args.clone()))
+}
+
+async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
+    let marker = args.file_dir.join("zz-bench-sync-marker.yaml");
+    std::fs::write(&marker, marker_policy(1)).context("writing the marker policy")?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle = rss_of(args.server_pid);
+
+    let (etx, mut erx) = mpsc::unbounded_channel();
+    let start = Instant::now();
+    for i in 0..args.nodes {
+        tokio::spawn(agent(
+            i,
+            args.server.clone(),
+            format!("{}{i}", args.node_prefix),
+            etx.clone(),
+        ));
+    }
+    let seen = Arc::new(Mutex::new(vec![false; args.nodes]));
+    let mut in_sync = 0usize;
+    let mut peak_during_sync = 0u64;
+    while in_sync < args.nodes {
+        match tokio::time::timeout(Duration::from_secs(120), erx.recv()).await {
+            Ok(Some(Event::InSync(i))) => {
+                let mut s = seen.lock().await;
+                if !s[i] {
+                    s[i] = true;
+                    in_sync += 1;
+                }
+                if in_sync % 100 == 0
+                    && let Some((rss, _)) = rss_of(args.server_pid)
+                {
+                    peak_during_sync = peak_during_sync.max(rss);
+                }
+            }
+            Ok(Some(Event::Failed(i, e))) => anyhow::bail!("agent {i} failed: {e}"),
+            Ok(Some(Event::Marker(_))) => {}
+            Ok(None) | Err(_) => {
+                anyhow::bail!("timed out with {in_sync} of {} agents in sync", args.nodes)
+            }
+        }
+    }
+    let all_in_sync = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let steady = rss_of(args.server_pid);
+
+    let mut lat_all = Vec::new();
+    let mut lat_each = Vec::new();
+    for c in 0..args.changes {
+        let port = 1000 + c as i32;
+        let t = Instant::now();
+        std::fs::write(&marker, marker_policy(port))?;
+        let mut got = 0usize;
+        while got < args.nodes {
+            match tokio::time::timeout(Duration::from_secs(30), erx.recv()).await {
+                Ok(Some(Event::Marker(p))) if p == port => {
+                    got += 1;
+                    lat_each.push(t.elapsed());
+                }
+                Ok(Some(Event::Failed(i, e))) => anyhow::bail!("agent {i} failed: {e}"),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => {
+                    anyhow::bail!("change {c}: only {got} of {} agents got it", args.nodes)
+                }
+            }
+        }
+        lat_all.push(t.elapsed());
+    }
+    let _ = std::fs::remove_file(&marker);
+    lat_all.sort();
+    lat_each.sort();
+    let pct = |v: &[Duration], p: f64| {
+        v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
+    };
+    println!("agents: {}", args.nodes);
+    println!("time until all in sync: {:.2} s", all_in_sync.as_secs_f64());
+    if let (Some((idle_rss, _)), Some((steady_rss, hwm))) = (idle, steady) {
+        println!(
+            "server RSS: idle {:.1} MiB, with all agents in sync {:.1} MiB (+{:.1} MiB), peak during the initial sync {:.1} MiB (high-water {:.1} MiB)",
+            mib(idle_rss),
+            mib(steady_rss),
+            mib(steady_rss.saturating_sub(idle_rss)),
+            mib(peak_during_sync.max(steady_rss)),
+            mib(hwm)
+        );
+    }
+    println!(
+        "one global change (file write → every agent has it; includes the datastore poll interval): p50 {:.1} ms, p99 {:.1} ms over {} changes; per agent p50 {:.1} ms, p99 {:.1} ms",
+        pct(&lat_all, 0.5),
+        pct(&lat_all, 0.99),
+        lat_all.len(),
+        pct(&lat_each, 0.5),
+        pct(&lat_each, 0.99)
+    );
+    Ok(ExitCode::SUCCESS)
+}
