@@ -160,7 +160,7 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
                     s[i] = true;
                     in_sync += 1;
                 }
-                if in_sync % 100 == 0
+                if in_sync.is_multiple_of(100)
                     && let Some((rss, _)) = rss_of(args.server_pid)
                 {
                     peak_during_sync = peak_during_sync.max(rss);
