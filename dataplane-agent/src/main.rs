@@ -1,32 +1,105 @@
 //! dataplane-agent: follows a calc-server's Sync stream and programs this node's dataplane.
 //!
-//! Not implemented yet: the session, the driver trait and the dry-run driver land with the
-//! Sync-stream issue, the Linux driver after it. Until then the binary only parses its
-//! command line and says so, rather than pretending to run.
+//! `dataplane-agent --server URL --node NAME --driver dry-run [--state-file PATH]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
-
-#[derive(Parser)]
-#[command(
-    name = "dataplane-agent",
-    version,
-    about = "Follows a calc-server's Sync stream and programs this node's dataplane (iptables, ipsets, routes) through a pluggable driver."
-)]
-struct Cli {
-    /// calc-server URL(s), tried in order (e.g. http://calc-server:50051).
-    #[arg(long = "server", env = "DATAPLANE_AGENT_SERVER", value_delimiter = ',')]
-    servers: Vec<String>,
-    /// This node's name, as in the datastore's WorkloadEndpoint spec.node.
-    #[arg(long, env = "DATAPLANE_AGENT_NODE")]
-    node: Option<String>,
-}
+use dataplane_agent::cli::{Cli, LogFormat};
+use dataplane_agent::driver::{self, DriverOptions};
+use dataplane_agent::session;
+use tracing::info;
 
 fn main() -> ExitCode {
-    let _cli = Cli::parse();
-    eprintln!(
-        "dataplane-agent: the Sync session is not implemented yet; see `dataplane-agent --help` and docs/proto.md"
+    let cli = Cli::parse();
+    init_logging(&cli.log_level, cli.log_format);
+    let config = match cli.session_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("dataplane-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let driver = match driver::build(
+        cli.driver,
+        &DriverOptions {
+            node_name: config.node_name.clone(),
+            state_file: cli.state_file.clone(),
+        },
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("dataplane-agent: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dataplane-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    info!(
+        node = %config.node_name,
+        servers = ?config.servers,
+        driver = cli.driver.name(),
+        version = env!("CARGO_PKG_VERSION"),
+        "starting"
     );
-    ExitCode::from(2)
+    let result = runtime.block_on(async move {
+        // The session runs on a worker thread so a driver's blocking apply can use
+        // block_in_place.
+        let task = tokio::spawn(session::run(config, driver, shutdown_signal()));
+        task.await
+    });
+    match result {
+        Ok(_driver) => {
+            info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("dataplane-agent: session task failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => info!("SIGINT received"),
+        () = term => info!("SIGTERM received"),
+    }
+}
+
+fn init_logging(level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Plain => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
 }

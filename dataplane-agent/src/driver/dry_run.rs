@@ -1,0 +1,694 @@
+//! The dry-run driver: keeps the full desired state, logs every change, and (with
+//! `--state-file`) writes that state as pretty JSON on each apply. It touches nothing else, so it
+//! is safe anywhere: for trying the agent, for tests, and as the reference for driver authors.
+//!
+//! The state file is rewritten atomically (a temporary file in the same directory, then a
+//! rename), so a reader never sees a half-written file. Its shape, with keys in a fixed order and
+//! every map sorted:
+//!
+//! ```json
+//! {
+//!   "node": "node-1",
+//!   "in_sync": true,
+//!   "config": {"LogSeverityScreen": "Info"},
+//!   "ipsets": {"s:abc": {"type": "IP", "members": ["10.0.0.1"]}},
+//!   "policies": {"GlobalNetworkPolicy/allow-dns": {…}, "NetworkPolicy/ns/web": {…}},
+//!   "profiles": {"kns.default": {…}},
+//!   "workload_endpoints": {"k8s/default/web-0/eth0": {…}},
+//!   "host_endpoints": {"eth0-hep": {…}},
+//!   "host_metadata": {"node-1": {…}},
+//!   "ipam_pools": {"10.0.0.0-16": {…}},
+//!   "routes": {"10.0.1.0/26": {…}},
+//!   "vteps": {"node-2": {…}},
+//!   "encapsulation": {…} | null
+//! }
+//! ```
+//!
+//! Objects are the proto3 canonical JSON mapping of the felixbackend messages (`docs/proto.md`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use felix_proto::to_dataplane::Payload;
+use felix_proto::{
+    Encapsulation, HostEndpoint, HostMetadataUpdate, IpamPool, Policy, PolicyId, Profile,
+    RouteUpdate, ToDataplane, VxlanTunnelEndpointUpdate, WorkloadEndpoint, ip_set_update,
+};
+use serde::Serialize;
+use tracing::{debug, info, warn};
+
+use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
+
+/// The state-file key of a policy: `<kind>/<name>` for a global policy, `<kind>/<namespace>/<name>`
+/// for a namespaced one.
+pub fn policy_key(id: Option<&PolicyId>) -> String {
+    match id {
+        None => String::new(),
+        Some(id) if id.namespace.is_empty() => format!("{}/{}", id.kind, id.name),
+        Some(id) => format!("{}/{}/{}", id.kind, id.namespace, id.name),
+    }
+}
+
+/// One IP set as the dry-run driver keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IpSet {
+    /// `IP`, `IP_AND_PORT` or `NET`.
+    #[serde(rename = "type")]
+    pub set_type: String,
+    /// Members, sorted.
+    pub members: BTreeSet<String>,
+}
+
+/// Records the desired dataplane state; optionally writes it to a file on apply.
+#[derive(Debug, Default)]
+pub struct DryRunDriver {
+    node: String,
+    state_file: Option<PathBuf>,
+    state: State,
+    /// Changes recorded since the last successful apply.
+    pending: usize,
+    /// Whether the state file has been written by this process.
+    written: bool,
+    applies: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    in_sync: bool,
+    config: BTreeMap<String, String>,
+    ipsets: BTreeMap<String, IpSet>,
+    policies: BTreeMap<String, Policy>,
+    profiles: BTreeMap<String, Profile>,
+    workload_endpoints: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
+    host_endpoints: BTreeMap<String, HostEndpoint>,
+    host_metadata: BTreeMap<String, HostMetadataUpdate>,
+    ipam_pools: BTreeMap<String, IpamPool>,
+    routes: BTreeMap<String, RouteUpdate>,
+    vteps: BTreeMap<String, VxlanTunnelEndpointUpdate>,
+    encapsulation: Option<Encapsulation>,
+}
+
+/// The serialised form, borrowing the state. Field order here is the key order in the file.
+#[derive(Serialize)]
+struct StateFile<'a> {
+    node: &'a str,
+    in_sync: bool,
+    config: &'a BTreeMap<String, String>,
+    ipsets: &'a BTreeMap<String, IpSet>,
+    policies: &'a BTreeMap<String, Policy>,
+    profiles: &'a BTreeMap<String, Profile>,
+    workload_endpoints: BTreeMap<String, &'a WorkloadEndpoint>,
+    host_endpoints: &'a BTreeMap<String, HostEndpoint>,
+    host_metadata: &'a BTreeMap<String, HostMetadataUpdate>,
+    ipam_pools: &'a BTreeMap<String, IpamPool>,
+    routes: &'a BTreeMap<String, RouteUpdate>,
+    vteps: &'a BTreeMap<String, VxlanTunnelEndpointUpdate>,
+    encapsulation: &'a Option<Encapsulation>,
+}
+
+fn verb(existed: bool) -> &'static str {
+    if existed { "updated" } else { "added" }
+}
+
+fn ipset_type_name(value: i32) -> String {
+    ip_set_update::IpSetType::try_from(value)
+        .map(|t| t.as_str_name().to_owned())
+        .unwrap_or_else(|_| value.to_string())
+}
+
+impl DryRunDriver {
+    /// A driver for `node`, writing its state to `state_file` on each apply if given.
+    pub fn new(node: impl Into<String>, state_file: Option<PathBuf>) -> Self {
+        Self {
+            node: node.into(),
+            state_file,
+            ..Self::default()
+        }
+    }
+
+    /// How many times `apply` succeeded.
+    pub fn apply_count(&self) -> u64 {
+        self.applies
+    }
+
+    /// Whether an `InSync` was recorded.
+    pub fn in_sync(&self) -> bool {
+        self.state.in_sync
+    }
+
+    /// The members of an IP set, sorted, if the set exists.
+    pub fn ipset(&self, id: &str) -> Option<&IpSet> {
+        self.state.ipsets.get(id)
+    }
+
+    /// The effective config.
+    pub fn config(&self) -> &BTreeMap<String, String> {
+        &self.state.config
+    }
+
+    /// The state as the pretty JSON written to the state file (ends with a newline).
+    pub fn render(&self) -> String {
+        let s = &self.state;
+        let file = StateFile {
+            node: &self.node,
+            in_sync: s.in_sync,
+            config: &s.config,
+            ipsets: &s.ipsets,
+            policies: &s.policies,
+            profiles: &s.profiles,
+            workload_endpoints: s
+                .workload_endpoints
+                .iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            host_endpoints: &s.host_endpoints,
+            host_metadata: &s.host_metadata,
+            ipam_pools: &s.ipam_pools,
+            routes: &s.routes,
+            vteps: &s.vteps,
+            encapsulation: &s.encapsulation,
+        };
+        // Serialising plain maps and prost/pbjson messages into a String cannot fail.
+        let mut out = serde_json::to_string_pretty(&file).unwrap_or_default();
+        out.push('\n');
+        out
+    }
+
+    fn record(&mut self, payload: &Payload) -> bool {
+        let s = &mut self.state;
+        match payload {
+            Payload::InSync(_) => {
+                info!("dry-run: in sync");
+                s.in_sync = true;
+            }
+            Payload::ConfigUpdate(u) => {
+                info!(entries = u.config.len(), "dry-run: config updated");
+                s.config = u.config.clone();
+            }
+            Payload::IpsetUpdate(u) => {
+                let set = IpSet {
+                    set_type: ipset_type_name(u.r#type),
+                    members: u.members.iter().cloned().collect(),
+                };
+                let existed = s.ipsets.insert(u.id.clone(), set).is_some();
+                info!(ipset = %u.id, set_type = %ipset_type_name(u.r#type), members = u.members.len(), "dry-run: ipset {}", verb(existed));
+            }
+            Payload::IpsetDeltaUpdate(u) => match s.ipsets.get_mut(&u.id) {
+                Some(set) => {
+                    for m in &u.removed_members {
+                        set.members.remove(m);
+                    }
+                    set.members.extend(u.added_members.iter().cloned());
+                    info!(ipset = %u.id, added = u.added_members.len(), removed = u.removed_members.len(), members = set.members.len(), "dry-run: ipset members changed");
+                }
+                None => {
+                    warn!(ipset = %u.id, "dry-run: delta for an IP set that was never sent; ignored");
+                    return false;
+                }
+            },
+            Payload::IpsetRemove(u) => {
+                if s.ipsets.remove(&u.id).is_none() {
+                    return false;
+                }
+                info!(ipset = %u.id, "dry-run: ipset removed");
+            }
+            Payload::ActivePolicyUpdate(u) => {
+                let key = policy_key(u.id.as_ref());
+                let existed = s
+                    .policies
+                    .insert(key.clone(), u.policy.clone().unwrap_or_default())
+                    .is_some();
+                info!(policy = %key, "dry-run: policy {}", verb(existed));
+            }
+            Payload::ActivePolicyRemove(u) => {
+                let key = policy_key(u.id.as_ref());
+                if s.policies.remove(&key).is_none() {
+                    return false;
+                }
+                info!(policy = %key, "dry-run: policy removed");
+            }
+            Payload::ActiveProfileUpdate(u) => {
+                let key = u.id.as_ref().map(|id| id.name.clone()).unwrap_or_default();
+                let existed = s
+                    .profiles
+                    .insert(key.clone(), u.profile.clone().unwrap_or_default())
+                    .is_some();
+                info!(profile = %key, "dry-run: profile {}", verb(existed));
+            }
+            Payload::ActiveProfileRemove(u) => {
+                let key = u.id.as_ref().map(|id| id.name.as_str()).unwrap_or_default();
+                if s.profiles.remove(key).is_none() {
+                    return false;
+                }
+                info!(profile = %key, "dry-run: profile removed");
+            }
+            Payload::WorkloadEndpointUpdate(u) => {
+                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
+                let ep = u.endpoint.clone().unwrap_or_default();
+                info!(endpoint = %key, iface = %ep.name, ipv4 = ?ep.ipv4_nets, ipv6 = ?ep.ipv6_nets, tiers = ep.tiers.len(), "dry-run: workload endpoint {}", verb(s.workload_endpoints.contains_key(&key)));
+                s.workload_endpoints.insert(key, ep);
+            }
+            Payload::WorkloadEndpointRemove(u) => {
+                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
+                if s.workload_endpoints.remove(&key).is_none() {
+                    return false;
+                }
+                info!(endpoint = %key, "dry-run: workload endpoint removed");
+            }
+            Payload::HostEndpointUpdate(u) => {
+                let key =
+                    u.id.as_ref()
+                        .map(|id| id.endpoint_id.clone())
+                        .unwrap_or_default();
+                let ep = u.endpoint.clone().unwrap_or_default();
+                info!(endpoint = %key, iface = %ep.name, tiers = ep.tiers.len(), "dry-run: host endpoint {}", verb(s.host_endpoints.contains_key(&key)));
+                s.host_endpoints.insert(key, ep);
+            }
+            Payload::HostEndpointRemove(u) => {
+                let key =
+                    u.id.as_ref()
+                        .map(|id| id.endpoint_id.as_str())
+                        .unwrap_or_default();
+                if s.host_endpoints.remove(key).is_none() {
+                    return false;
+                }
+                info!(endpoint = %key, "dry-run: host endpoint removed");
+            }
+            Payload::HostMetadataUpdate(u) => {
+                let existed = s.host_metadata.insert(u.hostname.clone(), u.clone());
+                info!(host = %u.hostname, ipv4 = %u.ipv4_addr, "dry-run: host metadata {}", verb(existed.is_some()));
+            }
+            Payload::HostMetadataRemove(u) => {
+                if s.host_metadata.remove(&u.hostname).is_none() {
+                    return false;
+                }
+                info!(host = %u.hostname, "dry-run: host metadata removed");
+            }
+            Payload::IpamPoolUpdate(u) => {
+                let existed = s
+                    .ipam_pools
+                    .insert(u.id.clone(), u.pool.clone().unwrap_or_default());
+                info!(pool = %u.id, "dry-run: IPAM pool {}", verb(existed.is_some()));
+            }
+            Payload::IpamPoolRemove(u) => {
+                if s.ipam_pools.remove(&u.id).is_none() {
+                    return false;
+                }
+                info!(pool = %u.id, "dry-run: IPAM pool removed");
+            }
+            Payload::RouteUpdate(u) => {
+                let existed = s.routes.insert(u.dst.clone(), u.clone());
+                info!(dst = %u.dst, "dry-run: route {}", verb(existed.is_some()));
+            }
+            Payload::RouteRemove(u) => {
+                if s.routes.remove(&u.dst).is_none() {
+                    return false;
+                }
+                info!(dst = %u.dst, "dry-run: route removed");
+            }
+            Payload::VtepUpdate(u) => {
+                let existed = s.vteps.insert(u.node.clone(), u.clone());
+                info!(node = %u.node, "dry-run: VXLAN tunnel endpoint {}", verb(existed.is_some()));
+            }
+            Payload::VtepRemove(u) => {
+                if s.vteps.remove(&u.node).is_none() {
+                    return false;
+                }
+                info!(node = %u.node, "dry-run: VXLAN tunnel endpoint removed");
+            }
+            Payload::Encapsulation(u) => {
+                info!(
+                    ipip = u.ipip_enabled,
+                    vxlan = u.vxlan_enabled,
+                    "dry-run: encapsulation updated"
+                );
+                s.encapsulation = Some(*u);
+            }
+            Payload::ServerHello(_) => return false,
+            other => {
+                debug!(message = ?other, "dry-run: message not modelled; ignored");
+                return false;
+            }
+        }
+        true
+    }
+
+    fn write_state_file(&self, path: &Path) -> Result<(), DriverError> {
+        let io = |source| DriverError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        let name = path
+            .file_name()
+            .ok_or_else(|| DriverError::Other(format!("{}: not a file path", path.display())))?;
+        let tmp = dir.join(format!(
+            ".{}.tmp-{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let result = (|| {
+            let mut file = std::fs::File::create(&tmp)?;
+            file.write_all(self.render().as_bytes())?;
+            file.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result.map_err(io)
+    }
+}
+
+impl Driver for DryRunDriver {
+    fn on_update(&mut self, msg: &ToDataplane) {
+        if let Some(payload) = &msg.payload
+            && self.record(payload)
+        {
+            self.pending += 1;
+        }
+    }
+
+    fn apply(&mut self) -> Result<(), DriverError> {
+        if self.pending == 0 && self.written {
+            return Ok(());
+        }
+        if let Some(path) = &self.state_file {
+            self.write_state_file(path)?;
+            self.written = true;
+        }
+        let s = &self.state;
+        info!(
+            changes = self.pending,
+            ipsets = s.ipsets.len(),
+            policies = s.policies.len(),
+            profiles = s.profiles.len(),
+            workload_endpoints = s.workload_endpoints.len(),
+            host_endpoints = s.host_endpoints.len(),
+            "dry-run: would program the dataplane"
+        );
+        self.pending = 0;
+        self.applies += 1;
+        Ok(())
+    }
+
+    fn endpoint_statuses(&self) -> EndpointStatuses {
+        EndpointStatuses {
+            workloads: self
+                .state
+                .workload_endpoints
+                .keys()
+                .map(|k| (k.clone(), "up".to_owned()))
+                .collect(),
+            hosts: self
+                .state
+                .host_endpoints
+                .keys()
+                .map(|k| (k.clone(), "up".to_owned()))
+                .collect(),
+        }
+    }
+
+    fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
+        self.state.workload_endpoints.get(id).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use felix_proto::{
+        ActivePolicyRemove, ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, HostEndpointId,
+        HostEndpointUpdate, InSync, IpSetDeltaUpdate, IpSetRemove, IpSetUpdate, ProfileId, Rule,
+        WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
+    };
+    use serde_json::{Value, json};
+
+    fn msg(payload: Payload) -> ToDataplane {
+        ToDataplane {
+            payload: Some(payload),
+            sequence_number: 0,
+        }
+    }
+
+    fn ipset(id: &str, members: &[&str], t: ip_set_update::IpSetType) -> ToDataplane {
+        msg(Payload::IpsetUpdate(IpSetUpdate {
+            id: id.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+            r#type: t as i32,
+        }))
+    }
+
+    fn delta(id: &str, added: &[&str], removed: &[&str]) -> ToDataplane {
+        msg(Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
+            id: id.into(),
+            added_members: added.iter().map(|m| m.to_string()).collect(),
+            removed_members: removed.iter().map(|m| m.to_string()).collect(),
+        }))
+    }
+
+    fn pid(kind: &str, ns: &str, name: &str) -> PolicyId {
+        PolicyId {
+            kind: kind.into(),
+            namespace: ns.into(),
+            name: name.into(),
+        }
+    }
+
+    fn wep_id(wl: &str) -> WorkloadEndpointId {
+        WorkloadEndpointId {
+            orchestrator_id: "k8s".into(),
+            workload_id: wl.into(),
+            endpoint_id: "eth0".into(),
+        }
+    }
+
+    fn wep(wl: &str, ip: &str) -> ToDataplane {
+        msg(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+            id: Some(wep_id(wl)),
+            endpoint: Some(WorkloadEndpoint {
+                name: format!("cali{wl}"),
+                ipv4_nets: vec![ip.into()],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    fn json_of(d: &DryRunDriver) -> Value {
+        serde_json::from_str(&d.render()).expect("state renders as JSON")
+    }
+
+    #[test]
+    fn ipset_update_replaces_delta_edits_remove_deletes() {
+        use ip_set_update::IpSetType;
+        let mut d = DryRunDriver::new("n1", None);
+        d.on_update(&ipset("s:a", &["10.0.0.2", "10.0.0.1"], IpSetType::Ip));
+        assert_eq!(
+            d.ipset("s:a")
+                .map(|s| s.members.iter().cloned().collect::<Vec<_>>()),
+            Some(vec!["10.0.0.1".to_owned(), "10.0.0.2".to_owned()])
+        );
+        d.on_update(&delta("s:a", &["10.0.0.3"], &["10.0.0.1"]));
+        assert_eq!(
+            json_of(&d)["ipsets"]["s:a"],
+            json!({"type": "IP", "members": ["10.0.0.2", "10.0.0.3"]})
+        );
+        // A full update replaces the membership (and the type).
+        d.on_update(&ipset("s:a", &["10.1.0.0/16"], IpSetType::Net));
+        assert_eq!(
+            json_of(&d)["ipsets"]["s:a"],
+            json!({"type": "NET", "members": ["10.1.0.0/16"]})
+        );
+        // A delta for an unknown set changes nothing and is not counted.
+        d.on_update(&delta("s:zz", &["1.2.3.4"], &[]));
+        assert!(d.ipset("s:zz").is_none());
+        d.on_update(&msg(Payload::IpsetRemove(IpSetRemove { id: "s:a".into() })));
+        assert!(d.ipset("s:a").is_none());
+        // Removing again is harmless.
+        d.on_update(&msg(Payload::IpsetRemove(IpSetRemove { id: "s:a".into() })));
+        assert_eq!(json_of(&d)["ipsets"], json!({}));
+    }
+
+    #[test]
+    fn policies_profiles_endpoints_are_keyed_and_replaced() {
+        let mut d = DryRunDriver::new("n1", None);
+        let rule = Rule {
+            action: "allow".into(),
+            src_ip_set_ids: vec!["s:a".into()],
+            ..Default::default()
+        };
+        d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pid("GlobalNetworkPolicy", "", "g1")),
+            policy: Some(Policy {
+                tier: "default".into(),
+                inbound_rules: vec![rule.clone()],
+                ..Default::default()
+            }),
+        })));
+        d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pid("NetworkPolicy", "prod", "web")),
+            policy: Some(Policy::default()),
+        })));
+        d.on_update(&msg(Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+            id: Some(ProfileId {
+                name: "kns.prod".into(),
+            }),
+            profile: Some(Profile {
+                outbound_rules: vec![rule],
+                ..Default::default()
+            }),
+        })));
+        d.on_update(&wep("prod/web-0", "10.0.0.1/32"));
+        d.on_update(&wep("prod/web-0", "10.0.0.9/32"));
+        d.on_update(&msg(Payload::HostEndpointUpdate(HostEndpointUpdate {
+            id: Some(HostEndpointId {
+                endpoint_id: "hep1".into(),
+            }),
+            endpoint: Some(HostEndpoint {
+                name: "eth0".into(),
+                ..Default::default()
+            }),
+        })));
+
+        let v = json_of(&d);
+        assert_eq!(
+            v["policies"]["GlobalNetworkPolicy/g1"],
+            json!({"inboundRules": [{"action": "allow", "srcIpSetIds": ["s:a"]}], "tier": "default"})
+        );
+        assert_eq!(v["policies"]["NetworkPolicy/prod/web"], json!({}));
+        assert_eq!(
+            v["profiles"]["kns.prod"]["outboundRules"][0]["action"],
+            "allow"
+        );
+        assert_eq!(
+            v["workload_endpoints"]["k8s/prod/web-0/eth0"],
+            json!({"name": "caliprod/web-0", "ipv4Nets": ["10.0.0.9/32"]})
+        );
+        assert_eq!(v["host_endpoints"]["hep1"], json!({"name": "eth0"}));
+
+        let statuses = d.endpoint_statuses();
+        assert_eq!(
+            statuses.workloads.values().collect::<Vec<_>>(),
+            vec!["up"],
+            "every endpoint is up"
+        );
+        assert_eq!(statuses.hosts.get("hep1").map(String::as_str), Some("up"));
+
+        d.on_update(&msg(Payload::ActivePolicyRemove(ActivePolicyRemove {
+            id: Some(pid("NetworkPolicy", "prod", "web")),
+        })));
+        d.on_update(&msg(Payload::WorkloadEndpointRemove(
+            WorkloadEndpointRemove {
+                id: Some(wep_id("prod/web-0")),
+            },
+        )));
+        let v = json_of(&d);
+        assert!(v["policies"].get("NetworkPolicy/prod/web").is_none());
+        assert!(v["policies"].get("GlobalNetworkPolicy/g1").is_some());
+        assert_eq!(v["workload_endpoints"], json!({}));
+        assert!(d.endpoint_statuses().workloads.is_empty());
+    }
+
+    #[test]
+    fn state_file_is_written_on_apply_only_and_atomically() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        let mut d = DryRunDriver::new("node-a", Some(path.clone()));
+        let mut config = BTreeMap::new();
+        config.insert("LogSeverityScreen".to_owned(), "Info".to_owned());
+        d.on_update(&msg(Payload::ConfigUpdate(ConfigUpdate {
+            config,
+            ..Default::default()
+        })));
+        d.on_update(&ipset(
+            "s:b",
+            &["10.0.0.1,tcp:80"],
+            ip_set_update::IpSetType::IpAndPort,
+        ));
+        d.on_update(&msg(Payload::InSync(InSync {})));
+        assert!(!path.exists(), "on_update does no IO");
+
+        d.apply().expect("apply");
+        assert_eq!(d.apply_count(), 1);
+        let text = std::fs::read_to_string(&path).expect("state file");
+        assert_eq!(text, d.render());
+        let v: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v["node"], "node-a");
+        assert_eq!(v["in_sync"], true);
+        assert_eq!(v["config"], json!({"LogSeverityScreen": "Info"}));
+        assert_eq!(
+            v["ipsets"],
+            json!({"s:b": {"type": "IP_AND_PORT", "members": ["10.0.0.1,tcp:80"]}})
+        );
+        // Top-level keys come out in a fixed order.
+        let keys: Vec<&str> = v
+            .as_object()
+            .expect("object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let first = text.lines().nth(1).expect("second line").trim().to_owned();
+        assert!(first.starts_with("\"node\""), "{first}");
+        assert!(keys.contains(&"workload_endpoints"));
+        // No temporary files are left behind.
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("read_dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["state.json".to_owned()]);
+
+        // Nothing recorded: apply is a no-op. A change: the file is rewritten.
+        d.apply().expect("apply");
+        assert_eq!(d.apply_count(), 1);
+        d.on_update(&delta("s:b", &["10.0.0.2,tcp:80"], &[]));
+        assert_eq!(std::fs::read_to_string(&path).expect("state"), text);
+        d.apply().expect("apply");
+        assert_eq!(d.apply_count(), 2);
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("state")).expect("json");
+        assert_eq!(
+            v["ipsets"]["s:b"]["members"],
+            json!(["10.0.0.1,tcp:80", "10.0.0.2,tcp:80"])
+        );
+    }
+
+    #[test]
+    fn failed_write_keeps_work_pending() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("missing-dir").join("state.json");
+        let mut d = DryRunDriver::new("n", Some(path.clone()));
+        d.on_update(&ipset("s:a", &["10.0.0.1"], ip_set_update::IpSetType::Ip));
+        let err = d.apply().expect_err("directory does not exist");
+        assert!(err.to_string().contains("state.json"), "{err}");
+        assert_eq!(d.apply_count(), 0);
+        std::fs::create_dir(dir.path().join("missing-dir")).expect("mkdir");
+        d.apply().expect("retry succeeds");
+        assert!(
+            std::fs::read_to_string(&path)
+                .expect("state")
+                .contains("10.0.0.1")
+        );
+    }
+
+    #[test]
+    fn render_is_deterministic() {
+        let build = |order: &[usize]| {
+            let msgs = [
+                ipset("s:b", &["2", "1"], ip_set_update::IpSetType::Ip),
+                ipset("s:a", &["3"], ip_set_update::IpSetType::Ip),
+                wep("ns/b", "10.0.0.2/32"),
+                wep("ns/a", "10.0.0.1/32"),
+            ];
+            let mut d = DryRunDriver::new("n", None);
+            for &i in order {
+                d.on_update(&msgs[i]);
+            }
+            d.render()
+        };
+        assert_eq!(build(&[0, 1, 2, 3]), build(&[3, 2, 1, 0]));
+    }
+}

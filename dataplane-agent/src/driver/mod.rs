@@ -1,0 +1,178 @@
+//! The seam between the session (which follows the calc-server's stream) and a dataplane.
+//!
+//! A driver is two-phase (DESIGN.md invariant 7): [`Driver::on_update`] records the desired
+//! change and does no IO; [`Driver::apply`] does the work for everything recorded since the last
+//! successful apply. The session guarantees the ordering described on [`Driver`]; the contract is
+//! written out for driver authors in `docs/drivers.md`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+
+use felix_proto::{ToDataplane, WorkloadEndpoint, WorkloadEndpointId};
+
+pub mod dry_run;
+
+pub use dry_run::DryRunDriver;
+
+/// A dataplane the session can drive.
+///
+/// What the session guarantees (see `docs/drivers.md`):
+///
+/// * Messages reach `on_update` in the server's order, which keeps dependencies before users
+///   (IP sets before the policies using them, policies and profiles before the endpoints using
+///   them) and removals in the reverse order. No message names an IP set, policy or profile the
+///   driver has not been given.
+/// * An `*Update` carries the complete object and replaces what the driver had; a `*Remove` of
+///   something the driver does not have is harmless and must be ignored.
+/// * `ToDataplane::in_sync` is passed through as well (a driver may ignore it). `ServerHello` is
+///   not: it belongs to the session.
+/// * `apply` is never called before the process saw its first `InSync`, and never while a
+///   reconnect's snapshot is still arriving. After a reconnect, the session feeds the new snapshot
+///   (updates replace) and at its `InSync` sends synthetic `*Remove`s for every object the new
+///   snapshot did not contain (mark and sweep), endpoints first and IP sets last, then applies.
+///   Synthetic messages carry `sequence_number` 0.
+/// * Calls are sequential; a driver needs no locking of its own.
+pub trait Driver: Send {
+    /// Records the desired change. Cheap and without IO: an `*Update` replaces the object, a
+    /// `*Remove` deletes it, an `IPSetDeltaUpdate` adds and removes members.
+    fn on_update(&mut self, msg: &ToDataplane);
+
+    /// Does the work for everything recorded since the last successful apply. On error the
+    /// failed work must stay recorded (dirty): the session retries with back-off, and keeps
+    /// calling `on_update` in between.
+    fn apply(&mut self) -> Result<(), DriverError>;
+
+    /// The oper status of every endpoint the driver knows ("up", "down" or "error"). The session
+    /// diffs this against what it reported before and sends only the changes (everything again
+    /// on a new stream).
+    fn endpoint_statuses(&self) -> EndpointStatuses;
+
+    /// The endpoint as programmed, sent along with its status update when available.
+    fn workload_endpoint(&self, _id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
+        None
+    }
+}
+
+impl<D: Driver + ?Sized> Driver for Box<D> {
+    fn on_update(&mut self, msg: &ToDataplane) {
+        (**self).on_update(msg);
+    }
+    fn apply(&mut self) -> Result<(), DriverError> {
+        (**self).apply()
+    }
+    fn endpoint_statuses(&self) -> EndpointStatuses {
+        (**self).endpoint_statuses()
+    }
+    fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
+        (**self).workload_endpoint(id)
+    }
+}
+
+/// Why an apply failed. The session logs it and retries with back-off.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Anything else, described.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A workload endpoint's identity: `orchestrator/workload/endpoint`, ordered.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkloadEndpointKey {
+    /// e.g. "k8s".
+    pub orchestrator_id: String,
+    /// e.g. "default/web-0".
+    pub workload_id: String,
+    /// e.g. "eth0".
+    pub endpoint_id: String,
+}
+
+impl WorkloadEndpointKey {
+    /// The key of a proto id (a missing id is the empty key).
+    pub fn from_proto(id: Option<&WorkloadEndpointId>) -> Self {
+        let id = id.cloned().unwrap_or_default();
+        Self {
+            orchestrator_id: id.orchestrator_id,
+            workload_id: id.workload_id,
+            endpoint_id: id.endpoint_id,
+        }
+    }
+
+    /// The proto id of this key.
+    pub fn to_proto(&self) -> WorkloadEndpointId {
+        WorkloadEndpointId {
+            orchestrator_id: self.orchestrator_id.clone(),
+            workload_id: self.workload_id.clone(),
+            endpoint_id: self.endpoint_id.clone(),
+        }
+    }
+}
+
+impl fmt::Display for WorkloadEndpointKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}/{}",
+            self.orchestrator_id, self.workload_id, self.endpoint_id
+        )
+    }
+}
+
+/// Per-endpoint oper status, as a driver reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointStatuses {
+    /// Workload endpoint -> "up" | "down" | "error".
+    pub workloads: BTreeMap<WorkloadEndpointKey, String>,
+    /// Host endpoint id -> "up" | "down" | "error".
+    pub hosts: BTreeMap<String, String>,
+}
+
+/// The `--driver` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DriverKind {
+    /// Records the desired state, logs every change, optionally writes it to `--state-file`.
+    DryRun,
+    /// Programs iptables, ipsets and routes (not implemented yet).
+    Linux,
+}
+
+impl DriverKind {
+    /// The name used on the command line and in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverKind::DryRun => "dry-run",
+            DriverKind::Linux => "linux",
+        }
+    }
+}
+
+/// What a driver needs to start.
+#[derive(Clone, Debug, Default)]
+pub struct DriverOptions {
+    /// This node's name.
+    pub node_name: String,
+    /// Where the dry-run driver writes its state (JSON), if anywhere.
+    pub state_file: Option<PathBuf>,
+}
+
+/// Builds the driver selected on the command line.
+pub fn build(kind: DriverKind, options: &DriverOptions) -> anyhow::Result<Box<dyn Driver>> {
+    match kind {
+        DriverKind::DryRun => Ok(Box::new(DryRunDriver::new(
+            options.node_name.clone(),
+            options.state_file.clone(),
+        ))),
+        DriverKind::Linux => anyhow::bail!(
+            "the linux driver is not implemented yet; use --driver dry-run (see docs/drivers.md)"
+        ),
+    }
+}

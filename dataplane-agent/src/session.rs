@@ -1,0 +1,680 @@
+//! The session: follows a calc-server's `CalcServer.Sync` stream and drives a [`Driver`].
+//!
+//! One stream at a time (docs/proto.md): send `AgentHello`, expect `ServerHello`, feed the
+//! snapshot to the driver, and at `InSync` sweep what the previous streams left behind and apply;
+//! then apply deltas in bursts. Reports go back on the same stream: `DataplaneInSync` once per
+//! stream after the first successful apply, endpoint status changes after every apply, and a
+//! `ProcessStatusUpdate` heartbeat every `heartbeat_interval`.
+//!
+//! The session never opens a window (DESIGN.md invariant 6): `apply` is not called before the
+//! process's first `InSync`, nor while a reconnect's snapshot is arriving; on a lost server the
+//! dataplane stays as it is until the next stream's `InSync`.
+//!
+//! Reconnects use jittered exponential back-off between `reconnect_min_delay` and
+//! `reconnect_max_delay`, moving to the next `--server` URL after each failed or ended stream.
+//! A stream that reached `InSync` resets the back-off. Special cases:
+//!
+//! * `RESOURCE_EXHAUSTED` ("you fell behind"): reconnect to the same server at once, without
+//!   back-off (once; if the retry also ends that way before `InSync`, normal back-off applies);
+//! * `PERMISSION_DENIED`, `INVALID_ARGUMENT`, `NOT_FOUND`, or a `ServerHello` bound to another
+//!   node: logged as errors, next attempt after `reconnect_max_delay`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::{Duration, Instant, SystemTime};
+
+use felix_proto::calc_server_client::CalcServerClient;
+use felix_proto::from_dataplane::Payload as Report;
+use felix_proto::to_dataplane::Payload;
+use felix_proto::{
+    AgentHello, DataplaneInSync, EndpointStatus, FromDataplane, HostEndpointId,
+    HostEndpointStatusRemove, HostEndpointStatusUpdate, ProcessStatusUpdate, ToDataplane,
+    WorkloadEndpointStatusRemove, WorkloadEndpointStatusUpdate,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::Code;
+use tonic::transport::Endpoint;
+use tracing::{debug, error, info, warn};
+
+use crate::backoff::Backoff;
+use crate::clock::rfc3339_utc;
+use crate::driver::{Driver, EndpointStatuses};
+use crate::tracker::Tracker;
+
+/// Everything the session needs; build with [`SessionConfig::new`] and adjust the fields.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// calc-server URLs, tried in order and cycled through on failure. A URL without a scheme
+    /// gets `http://`.
+    pub servers: Vec<String>,
+    /// This node's name, sent in `AgentHello`.
+    pub node_name: String,
+    /// Sent in `AgentHello.agent_version`.
+    pub agent_version: String,
+    /// Sent in `AgentHello.capabilities`.
+    pub capabilities: Vec<String>,
+    /// How often to send a `ProcessStatusUpdate`.
+    pub heartbeat_interval: Duration,
+    /// Shortest reconnect (and apply retry) delay.
+    pub reconnect_min_delay: Duration,
+    /// Longest reconnect (and apply retry) delay.
+    pub reconnect_max_delay: Duration,
+    /// Limit for establishing the connection.
+    pub connect_timeout: Duration,
+    /// Limit for the `ServerHello` to arrive after the stream opened.
+    pub hello_timeout: Duration,
+    /// HTTP/2 keep-alive ping interval (a dead peer is noticed within interval + timeout).
+    pub keepalive_interval: Duration,
+    /// HTTP/2 keep-alive ping timeout.
+    pub keepalive_timeout: Duration,
+    /// Apply after at most this many messages even if more are already queued.
+    pub max_batch: usize,
+    /// When the process started, for `ProcessStatusUpdate.uptime`.
+    pub process_start: Instant,
+}
+
+impl SessionConfig {
+    /// Defaults: heartbeat 5 s, reconnect 200 ms..10 s, connect and hello timeouts 10 s / 30 s,
+    /// keep-alive 20 s / 10 s, batches of at most 10 000 messages, no capabilities.
+    pub fn new(servers: Vec<String>, node_name: impl Into<String>) -> Self {
+        Self {
+            servers,
+            node_name: node_name.into(),
+            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            capabilities: Vec::new(),
+            heartbeat_interval: Duration::from_secs(5),
+            reconnect_min_delay: Duration::from_millis(200),
+            reconnect_max_delay: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            hello_timeout: Duration::from_secs(30),
+            keepalive_interval: Duration::from_secs(20),
+            keepalive_timeout: Duration::from_secs(10),
+            max_batch: 10_000,
+            process_start: Instant::now(),
+        }
+    }
+}
+
+/// Adds `http://` to a URL without a scheme and checks that tonic accepts it.
+pub fn normalize_server_url(url: &str) -> Result<String, String> {
+    let url = url.trim();
+    if url.is_empty() {
+        return Err("empty server URL".to_owned());
+    }
+    let url = if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    };
+    Endpoint::from_shared(url.clone()).map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+    Ok(url)
+}
+
+/// Runs the session until `shutdown` completes, then returns the driver. The dataplane is left
+/// as it is. Never gives up on its own: every failure is retried.
+pub async fn run<D: Driver>(
+    config: SessionConfig,
+    mut driver: D,
+    shutdown: impl Future<Output = ()>,
+) -> D {
+    tokio::pin!(shutdown);
+    if config.servers.is_empty() {
+        error!("no calc-server URL configured; waiting for shutdown");
+        shutdown.await;
+        return driver;
+    }
+    let mut agent = AgentState::new(&config);
+    let mut backoff = Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay);
+    let mut index = 0usize;
+    let mut immediate_used = false;
+    loop {
+        let url = config.servers[index % config.servers.len()].clone();
+        let result = tokio::select! {
+            () = &mut shutdown => break,
+            r = run_stream(&config, &url, &mut driver, &mut agent) => r,
+        };
+        if result.reached_in_sync {
+            backoff.reset();
+            immediate_used = false;
+        }
+        let (delay, same_server) = match &result.end {
+            StreamEnd::Status(status) if status.code() == Code::ResourceExhausted => {
+                if immediate_used {
+                    (backoff.next_delay(), false)
+                } else {
+                    immediate_used = true;
+                    (Duration::ZERO, true)
+                }
+            }
+            StreamEnd::Status(status)
+                if matches!(
+                    status.code(),
+                    Code::PermissionDenied | Code::InvalidArgument | Code::NotFound
+                ) =>
+            {
+                (backoff.max(), false)
+            }
+            StreamEnd::Rejected(_) => (backoff.max(), false),
+            _ => (backoff.next_delay(), false),
+        };
+        result.log(&url, delay);
+        if !same_server {
+            index = index.wrapping_add(1);
+        }
+        if !delay.is_zero() {
+            tokio::select! {
+                () = &mut shutdown => break,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+    }
+    info!("shutting down; the dataplane is left as it is");
+    driver
+}
+
+/// Why a stream ended.
+#[derive(Debug)]
+enum StreamEnd {
+    /// The connection could not be made.
+    Connect(String),
+    /// The call was rejected or the stream ended with a gRPC status.
+    Status(tonic::Status),
+    /// The server ended the stream cleanly.
+    Closed,
+    /// The server broke the protocol (first message not a hello, sequence gap, …).
+    Protocol(String),
+    /// The server bound the stream to another node.
+    Rejected(String),
+}
+
+struct StreamResult {
+    end: StreamEnd,
+    reached_in_sync: bool,
+}
+
+impl StreamResult {
+    fn log(&self, url: &str, delay: Duration) {
+        let retry_in = format!("{delay:?}");
+        match &self.end {
+            StreamEnd::Connect(e) => {
+                warn!(server = url, error = %e, retry_in, "cannot connect to calc-server")
+            }
+            StreamEnd::Status(s)
+                if matches!(
+                    s.code(),
+                    Code::PermissionDenied | Code::InvalidArgument | Code::NotFound
+                ) =>
+            {
+                error!(server = url, code = ?s.code(), message = s.message(), retry_in, "calc-server refused the stream")
+            }
+            StreamEnd::Status(s) if s.code() == Code::ResourceExhausted => {
+                warn!(
+                    server = url,
+                    message = s.message(),
+                    retry_in,
+                    "fell behind the calc-server; reconnecting for a fresh snapshot"
+                )
+            }
+            StreamEnd::Status(s) => {
+                warn!(server = url, code = ?s.code(), message = s.message(), retry_in, "stream ended")
+            }
+            StreamEnd::Closed => info!(server = url, retry_in, "calc-server ended the stream"),
+            StreamEnd::Protocol(e) => {
+                warn!(server = url, error = %e, retry_in, "protocol error; ending the stream")
+            }
+            StreamEnd::Rejected(e) => error!(server = url, error = %e, retry_in, "stream rejected"),
+        }
+    }
+}
+
+/// State that outlives one stream.
+struct AgentState {
+    tracker: Tracker,
+    /// The process has seen an `InSync`: applies are allowed (while a stream is in sync).
+    ever_in_sync: bool,
+    /// Messages given to the driver since its last successful apply.
+    pending: usize,
+    /// Endpoint statuses as last reported (on this or an earlier stream).
+    reported: EndpointStatuses,
+    apply_backoff: Backoff,
+    process_start: Instant,
+}
+
+impl AgentState {
+    fn new(config: &SessionConfig) -> Self {
+        Self {
+            tracker: Tracker::default(),
+            ever_in_sync: false,
+            pending: 0,
+            reported: EndpointStatuses::default(),
+            apply_backoff: Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay),
+            process_start: config.process_start,
+        }
+    }
+}
+
+/// Reports back to the server, numbering them.
+struct Outbound {
+    tx: mpsc::UnboundedSender<FromDataplane>,
+    seq: u64,
+}
+
+impl Outbound {
+    fn send(&mut self, payload: Report) {
+        self.seq += 1;
+        // If the stream is gone the receive side reports why; nothing to do here.
+        let _ = self.tx.send(FromDataplane {
+            payload: Some(payload),
+            sequence_number: self.seq,
+        });
+    }
+}
+
+/// Per-stream state.
+struct StreamState {
+    out: Outbound,
+    /// Next expected `ToDataplane.sequence_number`.
+    expected_seq: u64,
+    in_sync: bool,
+    dataplane_in_sync_sent: bool,
+    /// Statuses not yet sent on this stream: the next report sends all of them.
+    resend_statuses: bool,
+    retry_at: Option<tokio::time::Instant>,
+    messages: u64,
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        source = inner.source();
+    }
+    s
+}
+
+async fn connect(
+    config: &SessionConfig,
+    url: &str,
+) -> Result<CalcServerClient<tonic::transport::Channel>, String> {
+    let url = normalize_server_url(url)?;
+    let endpoint = Endpoint::from_shared(url)
+        .map_err(|e| error_chain(&e))?
+        .connect_timeout(config.connect_timeout)
+        .http2_keep_alive_interval(config.keepalive_interval)
+        .keep_alive_timeout(config.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true);
+    match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
+        Ok(Ok(channel)) => Ok(CalcServerClient::new(channel)),
+        Ok(Err(e)) => Err(error_chain(&e)),
+        Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
+    }
+}
+
+/// Polls `stream` once: `Some(item)` if something was ready, `None` if it would wait.
+async fn poll_ready<S: Stream + Unpin>(stream: &mut S) -> Option<Option<S::Item>> {
+    std::future::poll_fn(|cx| match Pin::new(&mut *stream).poll_next(cx) {
+        Poll::Ready(item) => Poll::Ready(Some(item)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
+}
+
+/// Runs `f`, letting the runtime move other tasks off this thread if it can (apply may block).
+fn run_blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+async fn run_stream<D: Driver>(
+    config: &SessionConfig,
+    url: &str,
+    driver: &mut D,
+    agent: &mut AgentState,
+) -> StreamResult {
+    let mut reached_in_sync = false;
+    let end = stream_inner(config, url, driver, agent, &mut reached_in_sync).await;
+    StreamResult {
+        end,
+        reached_in_sync,
+    }
+}
+
+async fn stream_inner<D: Driver>(
+    config: &SessionConfig,
+    url: &str,
+    driver: &mut D,
+    agent: &mut AgentState,
+    reached_in_sync: &mut bool,
+) -> StreamEnd {
+    debug!(server = url, "connecting");
+    let mut client = match connect(config, url).await {
+        Ok(c) => c,
+        Err(e) => return StreamEnd::Connect(e),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut out = Outbound { tx, seq: 0 };
+    out.send(Report::AgentHello(AgentHello {
+        node_name: config.node_name.clone(),
+        agent_version: config.agent_version.clone(),
+        capabilities: config.capabilities.clone(),
+    }));
+    let mut inbound = match client.sync(UnboundedReceiverStream::new(rx)).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return StreamEnd::Status(status),
+    };
+
+    // The ServerHello comes first, numbered 1.
+    let first = match tokio::time::timeout(config.hello_timeout, inbound.next()).await {
+        Err(_) => {
+            return StreamEnd::Protocol(format!(
+                "no ServerHello within {:?}",
+                config.hello_timeout
+            ));
+        }
+        Ok(None) => return StreamEnd::Closed,
+        Ok(Some(Err(status))) => return StreamEnd::Status(status),
+        Ok(Some(Ok(msg))) => msg,
+    };
+    let hello = match first.payload {
+        Some(Payload::ServerHello(h)) if first.sequence_number == 1 => h,
+        Some(Payload::ServerHello(_)) => {
+            return StreamEnd::Protocol(format!(
+                "ServerHello carries sequence number {}, expected 1",
+                first.sequence_number
+            ));
+        }
+        other => {
+            return StreamEnd::Protocol(format!(
+                "first message is not a ServerHello: {}",
+                payload_name(other.as_ref())
+            ));
+        }
+    };
+    if !hello.node_name.is_empty() && hello.node_name != config.node_name {
+        return StreamEnd::Rejected(format!(
+            "the server bound the stream to node {:?}, this agent is {:?}",
+            hello.node_name, config.node_name
+        ));
+    }
+    info!(
+        server = url,
+        server_version = %hello.server_version,
+        capabilities = ?hello.capabilities,
+        node = %config.node_name,
+        "connected to calc-server"
+    );
+    if agent.ever_in_sync {
+        info!(
+            known_objects = agent.tracker.known_len(),
+            "resyncing: the dataplane stays as it is until the new snapshot is complete"
+        );
+    }
+    agent.tracker.begin_stream();
+
+    let mut st = StreamState {
+        out,
+        expected_seq: 2,
+        in_sync: false,
+        dataplane_in_sync_sent: false,
+        resend_statuses: true,
+        retry_at: None,
+        messages: 0,
+    };
+    // The first tick is immediate: a heartbeat right after the hello, then one per interval.
+    let mut heartbeat =
+        tokio::time::interval(config.heartbeat_interval.max(Duration::from_millis(1)));
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+    loop {
+        let retry_at = st.retry_at;
+        let retry = async move {
+            match retry_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            item = inbound.next() => {
+                let mut item = item;
+                let mut batch = 0usize;
+                loop {
+                    match item {
+                        None => return StreamEnd::Closed,
+                        Some(Err(status)) => return StreamEnd::Status(status),
+                        Some(Ok(msg)) => {
+                            if let Err(e) = handle(msg, &mut st, driver, agent) {
+                                return StreamEnd::Protocol(e);
+                            }
+                            if st.in_sync {
+                                *reached_in_sync = true;
+                            }
+                        }
+                    }
+                    batch += 1;
+                    if batch >= config.max_batch {
+                        break;
+                    }
+                    match poll_ready(&mut inbound).await {
+                        Some(next) => item = next,
+                        None => break,
+                    }
+                }
+                if st.retry_at.is_none() {
+                    maybe_apply(&mut st, driver, agent);
+                }
+            }
+            _ = heartbeat.tick() => {
+                st.out.send(Report::ProcessStatusUpdate(ProcessStatusUpdate {
+                    iso_timestamp: rfc3339_utc(SystemTime::now()),
+                    uptime: agent.process_start.elapsed().as_secs_f64(),
+                }));
+            }
+            () = retry => {
+                st.retry_at = None;
+                maybe_apply(&mut st, driver, agent);
+            }
+        }
+    }
+}
+
+fn payload_name(payload: Option<&Payload>) -> String {
+    match payload {
+        None => "empty payload".to_owned(),
+        Some(p) => {
+            let debug = format!("{p:?}");
+            debug.split('(').next().unwrap_or_default().to_owned()
+        }
+    }
+}
+
+/// Checks the sequence number and gives one message to the driver (and the tracker).
+fn handle<D: Driver>(
+    msg: ToDataplane,
+    st: &mut StreamState,
+    driver: &mut D,
+    agent: &mut AgentState,
+) -> Result<(), String> {
+    if msg.sequence_number != st.expected_seq {
+        return Err(format!(
+            "sequence gap: expected {}, got {}",
+            st.expected_seq, msg.sequence_number
+        ));
+    }
+    st.expected_seq += 1;
+    st.messages += 1;
+    match &msg.payload {
+        None => {
+            debug!(
+                seq = msg.sequence_number,
+                "message with an unknown or empty payload; ignored"
+            );
+        }
+        Some(Payload::ServerHello(_)) => {
+            return Err("a second ServerHello on one stream".to_owned());
+        }
+        Some(Payload::InSync(_)) if st.in_sync => {
+            warn!(
+                seq = msg.sequence_number,
+                "a second InSync on one stream; ignored"
+            );
+        }
+        Some(Payload::InSync(_)) => {
+            driver.on_update(&msg);
+            agent.pending += 1;
+            let stale = agent.tracker.sweep();
+            for remove in &stale {
+                debug!(message = ?remove.payload, "sweeping an object the new snapshot lacks");
+                driver.on_update(remove);
+            }
+            agent.pending += stale.len();
+            if agent.ever_in_sync {
+                info!(
+                    snapshot_messages = st.messages,
+                    removed_stale = stale.len(),
+                    "resync complete"
+                );
+            } else {
+                info!(snapshot_messages = st.messages, "in sync with calc-server");
+            }
+            st.in_sync = true;
+            agent.ever_in_sync = true;
+        }
+        Some(_) => {
+            agent.tracker.observe(&msg);
+            driver.on_update(&msg);
+            agent.pending += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Applies if the stream is in sync and something is pending, then reports.
+fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut AgentState) {
+    if !(st.in_sync && agent.ever_in_sync) || agent.pending == 0 {
+        return;
+    }
+    let started = Instant::now();
+    let changes = agent.pending;
+    let result = run_blocking(|| driver.apply());
+    let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    match result {
+        Ok(()) => {
+            info!(changes, elapsed_ms, "applied");
+            agent.pending = 0;
+            agent.apply_backoff.reset();
+            if !st.dataplane_in_sync_sent {
+                st.dataplane_in_sync_sent = true;
+                st.out.send(Report::DataplaneInSync(DataplaneInSync {}));
+                info!("dataplane in sync; reported to calc-server");
+            }
+        }
+        Err(e) => {
+            let delay = agent.apply_backoff.next_delay();
+            warn!(error = %e, changes, elapsed_ms, retry_in = ?delay, "apply failed; will retry");
+            st.retry_at = Some(tokio::time::Instant::now() + delay);
+        }
+    }
+    report_statuses(st, driver, agent);
+}
+
+/// Sends what changed in the endpoint statuses since the last report (everything, once per
+/// stream), including removes for endpoints that are gone.
+fn report_statuses<D: Driver>(st: &mut StreamState, driver: &D, agent: &mut AgentState) {
+    let now = driver.endpoint_statuses();
+    let all = std::mem::replace(&mut st.resend_statuses, false);
+    let prev = &agent.reported;
+    let mut sent = 0usize;
+    for (key, status) in &now.workloads {
+        if all || prev.workloads.get(key) != Some(status) {
+            st.out.send(Report::WorkloadEndpointStatusUpdate(
+                WorkloadEndpointStatusUpdate {
+                    id: Some(key.to_proto()),
+                    status: Some(EndpointStatus {
+                        status: status.clone(),
+                    }),
+                    endpoint: driver.workload_endpoint(key),
+                },
+            ));
+            sent += 1;
+        }
+    }
+    for key in prev.workloads.keys() {
+        if !now.workloads.contains_key(key) {
+            st.out.send(Report::WorkloadEndpointStatusRemove(
+                WorkloadEndpointStatusRemove {
+                    id: Some(key.to_proto()),
+                },
+            ));
+            sent += 1;
+        }
+    }
+    for (id, status) in &now.hosts {
+        if all || prev.hosts.get(id) != Some(status) {
+            st.out
+                .send(Report::HostEndpointStatusUpdate(HostEndpointStatusUpdate {
+                    id: Some(HostEndpointId {
+                        endpoint_id: id.clone(),
+                    }),
+                    status: Some(EndpointStatus {
+                        status: status.clone(),
+                    }),
+                }));
+            sent += 1;
+        }
+    }
+    for id in prev.hosts.keys() {
+        if !now.hosts.contains_key(id) {
+            st.out
+                .send(Report::HostEndpointStatusRemove(HostEndpointStatusRemove {
+                    id: Some(HostEndpointId {
+                        endpoint_id: id.clone(),
+                    }),
+                }));
+            sent += 1;
+        }
+    }
+    if sent > 0 {
+        debug!(reports = sent, "endpoint status reported");
+    }
+    agent.reported = now;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_get_a_scheme() {
+        assert_eq!(
+            normalize_server_url("calc:50051").as_deref(),
+            Ok("http://calc:50051")
+        );
+        assert_eq!(
+            normalize_server_url(" https://calc.example:443 ").as_deref(),
+            Ok("https://calc.example:443")
+        );
+        assert!(normalize_server_url("").is_err());
+        assert!(normalize_server_url("http://bad host").is_err());
+    }
+
+    #[test]
+    fn payload_names_are_short() {
+        assert_eq!(
+            payload_name(Some(&Payload::InSync(felix_proto::InSync {}))),
+            "InSync"
+        );
+        assert_eq!(payload_name(None), "empty payload");
+    }
+}

@@ -1,0 +1,1135 @@
+//! Session tests against an in-process fake calc-server.
+//!
+//! The fake implements `CalcServer.Sync` with tonic on 127.0.0.1:0 and plays one script per
+//! accepted stream (send messages, wait for reports, wait for the test, end with a status). The
+//! agent runs the real session with a recording wrapper around the dry-run driver, so the tests
+//! see both what reached the driver (and when `apply` ran) and the state file it wrote.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dataplane_agent::driver::{
+    Driver, DriverError, DryRunDriver, EndpointStatuses, WorkloadEndpointKey,
+};
+use dataplane_agent::session::{self, SessionConfig};
+use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
+use felix_proto::from_dataplane::Payload as Report;
+use felix_proto::to_dataplane::Payload;
+use felix_proto::{
+    ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, FromDataplane, HostEndpoint,
+    HostEndpointId, HostEndpointUpdate, HostMetadataUpdate, InSync, IpSetDeltaUpdate, IpSetUpdate,
+    IpamPool, IpamPoolUpdate, Policy, PolicyId, Profile, ProfileId, Rule, ServerHello, TierInfo,
+    ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
+    WorkloadEndpointUpdate,
+};
+use serde_json::Value;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+const NODE: &str = "node-1";
+const WAIT: Duration = Duration::from_secs(5);
+
+// ------------------------------------------------------------------------------------------------
+// The fake calc-server
+// ------------------------------------------------------------------------------------------------
+
+type Predicate = Box<dyn Fn(&[FromDataplane]) -> bool + Send + Sync>;
+
+enum Step {
+    /// Send a payload with the next sequence number.
+    Send(Payload),
+    /// Send a message exactly as given (to break the numbering).
+    SendRaw(ToDataplane),
+    /// Wait until the reports received on this stream satisfy the predicate.
+    WaitFor(&'static str, Predicate),
+    /// Wait until the test calls `notify_one`.
+    Gate(Arc<Notify>),
+    /// Tell the test this point was reached.
+    Signal(Arc<Notify>),
+    /// End the stream: cleanly (`None`) or with a status.
+    End(Option<Status>),
+    /// Keep the stream open until the agent goes away.
+    Hold,
+}
+
+#[derive(Default)]
+struct Connection {
+    received: Vec<FromDataplane>,
+    opened: Option<Instant>,
+    ended: Option<Instant>,
+}
+
+#[derive(Default)]
+struct FakeState {
+    scripts: Mutex<VecDeque<Vec<Step>>>,
+    connections: Mutex<Vec<Connection>>,
+}
+
+struct Fake {
+    state: Arc<FakeState>,
+    changed: watch::Sender<u64>,
+}
+
+impl FakeState {
+    fn connection_count(&self) -> usize {
+        self.connections.lock().expect("lock").len()
+    }
+    fn received(&self, conn: usize) -> Vec<FromDataplane> {
+        self.connections
+            .lock()
+            .expect("lock")
+            .get(conn)
+            .map(|c| c.received.clone())
+            .unwrap_or_default()
+    }
+    fn times(&self, conn: usize) -> (Option<Instant>, Option<Instant>) {
+        let c = &self.connections.lock().expect("lock")[conn];
+        (c.opened, c.ended)
+    }
+}
+
+#[tonic::async_trait]
+impl CalcServer for Fake {
+    type SyncStream = ReceiverStream<Result<ToDataplane, Status>>;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<FromDataplane>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let script = self
+            .state
+            .scripts
+            .lock()
+            .expect("lock")
+            .pop_front()
+            .unwrap_or_else(|| vec![Step::End(Some(Status::unavailable("no script left")))]);
+        let conn = {
+            let mut conns = self.state.connections.lock().expect("lock");
+            conns.push(Connection {
+                opened: Some(Instant::now()),
+                ..Connection::default()
+            });
+            conns.len() - 1
+        };
+        // Reader: records every report of this stream.
+        let mut inbound = request.into_inner();
+        let state = self.state.clone();
+        let changed = self.changed.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(msg)) = inbound.next().await {
+                state.connections.lock().expect("lock")[conn]
+                    .received
+                    .push(msg);
+                changed.send_modify(|n| *n += 1);
+            }
+        });
+        // Writer: plays the script.
+        let (tx, rx) = mpsc::channel(1024);
+        let state = self.state.clone();
+        let mut changed = self.changed.subscribe();
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            for step in script {
+                match step {
+                    Step::Send(payload) => {
+                        seq += 1;
+                        let msg = ToDataplane {
+                            payload: Some(payload),
+                            sequence_number: seq,
+                        };
+                        if tx.send(Ok(msg)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Step::SendRaw(msg) => {
+                        seq = msg.sequence_number;
+                        if tx.send(Ok(msg)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Step::WaitFor(what, predicate) => {
+                        let deadline = tokio::time::Instant::now() + WAIT;
+                        loop {
+                            if predicate(&state.received(conn)) {
+                                break;
+                            }
+                            if tokio::time::timeout_at(deadline, changed.changed())
+                                .await
+                                .is_err()
+                            {
+                                panic!("fake server: timed out waiting for {what}");
+                            }
+                        }
+                    }
+                    Step::Gate(gate) => gate.notified().await,
+                    Step::Signal(signal) => signal.notify_one(),
+                    Step::End(status) => {
+                        state.connections.lock().expect("lock")[conn].ended = Some(Instant::now());
+                        if let Some(status) = status {
+                            let _ = tx.send(Err(status)).await;
+                        }
+                        return;
+                    }
+                    Step::Hold => {
+                        tx.closed().await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Starts a fake calc-server that plays `scripts`, one per accepted stream, in order.
+async fn start_fake(scripts: Vec<Vec<Step>>) -> (String, Arc<FakeState>) {
+    let state = Arc::new(FakeState {
+        scripts: Mutex::new(scripts.into()),
+        connections: Mutex::new(Vec::new()),
+    });
+    let (changed, _) = watch::channel(0);
+    let fake = Fake {
+        state: state.clone(),
+        changed,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr: SocketAddr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(CalcServerServer::new(fake))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    (format!("http://{addr}"), state)
+}
+
+// ------------------------------------------------------------------------------------------------
+// The agent side: a recording wrapper around the dry-run driver
+// ------------------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct Log {
+    updates: Vec<ToDataplane>,
+    /// How many updates had been recorded at each successful apply.
+    applied_at: Vec<usize>,
+    failed_applies: usize,
+}
+
+struct Recording {
+    inner: DryRunDriver,
+    log: Arc<Mutex<Log>>,
+    fail_applies: usize,
+}
+
+impl Driver for Recording {
+    fn on_update(&mut self, msg: &ToDataplane) {
+        self.log.lock().expect("lock").updates.push(msg.clone());
+        self.inner.on_update(msg);
+    }
+    fn apply(&mut self) -> Result<(), DriverError> {
+        let mut log = self.log.lock().expect("lock");
+        if self.fail_applies > 0 {
+            self.fail_applies -= 1;
+            log.failed_applies += 1;
+            return Err(DriverError::Other("injected failure".into()));
+        }
+        self.inner.apply()?;
+        let n = log.updates.len();
+        log.applied_at.push(n);
+        Ok(())
+    }
+    fn endpoint_statuses(&self) -> EndpointStatuses {
+        self.inner.endpoint_statuses()
+    }
+    fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
+        self.inner.workload_endpoint(id)
+    }
+}
+
+struct Agent {
+    log: Arc<Mutex<Log>>,
+    state_file: PathBuf,
+    dir: tempfile::TempDir,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Recording>,
+}
+
+impl Agent {
+    fn applies(&self) -> usize {
+        self.log.lock().expect("lock").applied_at.len()
+    }
+    fn updates(&self) -> Vec<ToDataplane> {
+        self.log.lock().expect("lock").updates.clone()
+    }
+    fn state(&self) -> Option<Value> {
+        read_state(&self.state_file)
+    }
+    /// Stops the session; returns the driver and the directory holding the state file.
+    async fn stop(mut self) -> (Recording, tempfile::TempDir) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let driver = tokio::time::timeout(Duration::from_secs(1), self.task)
+            .await
+            .expect("agent stops promptly")
+            .expect("agent task");
+        (driver, self.dir)
+    }
+}
+
+fn test_config(servers: Vec<String>) -> SessionConfig {
+    let mut config = SessionConfig::new(servers, NODE);
+    config.heartbeat_interval = Duration::from_secs(3600);
+    config.reconnect_min_delay = Duration::from_millis(20);
+    config.reconnect_max_delay = Duration::from_millis(100);
+    config.connect_timeout = Duration::from_secs(2);
+    config.hello_timeout = Duration::from_secs(2);
+    config
+}
+
+fn start_agent(config: SessionConfig, fail_applies: usize) -> Agent {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state_file = dir.path().join("state.json");
+    let log = Arc::new(Mutex::new(Log::default()));
+    let driver = Recording {
+        inner: DryRunDriver::new(NODE, Some(state_file.clone())),
+        log: log.clone(),
+        fail_applies,
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(session::run(config, driver, async move {
+        let _ = stopped.await;
+    }));
+    Agent {
+        log,
+        state_file,
+        dir,
+        stop: Some(stop),
+        task,
+    }
+}
+
+fn read_state(path: &Path) -> Option<Value> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(serde_json::from_str(&text).expect("state file is JSON"))
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Messages
+// ------------------------------------------------------------------------------------------------
+
+fn server_hello(node: &str) -> Payload {
+    Payload::ServerHello(ServerHello {
+        server_version: "fake".into(),
+        capabilities: vec![],
+        node_name: node.into(),
+    })
+}
+
+fn in_sync() -> Payload {
+    Payload::InSync(InSync {})
+}
+
+fn config(marker: &str) -> Payload {
+    Payload::ConfigUpdate(ConfigUpdate {
+        config: [("Marker".to_owned(), marker.to_owned())].into(),
+        ..Default::default()
+    })
+}
+
+fn ipset(id: &str, members: &[&str]) -> Payload {
+    Payload::IpsetUpdate(IpSetUpdate {
+        id: id.into(),
+        members: members.iter().map(|m| m.to_string()).collect(),
+        r#type: 0,
+    })
+}
+
+fn pid(name: &str) -> PolicyId {
+    PolicyId {
+        name: name.into(),
+        namespace: String::new(),
+        kind: "GlobalNetworkPolicy".into(),
+    }
+}
+
+fn policy(name: &str, ipset: &str) -> Payload {
+    Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+        id: Some(pid(name)),
+        policy: Some(Policy {
+            tier: "default".into(),
+            inbound_rules: vec![Rule {
+                action: "allow".into(),
+                src_ip_set_ids: vec![ipset.into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+    })
+}
+
+fn profile(name: &str) -> Payload {
+    Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+        id: Some(ProfileId { name: name.into() }),
+        profile: Some(Profile::default()),
+    })
+}
+
+fn wep_id(workload: &str) -> WorkloadEndpointId {
+    WorkloadEndpointId {
+        orchestrator_id: "k8s".into(),
+        workload_id: workload.into(),
+        endpoint_id: "eth0".into(),
+    }
+}
+
+fn wep(workload: &str, ip: &str, policy: &str, profile: &str) -> Payload {
+    Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+        id: Some(wep_id(workload)),
+        endpoint: Some(WorkloadEndpoint {
+            state: "active".into(),
+            name: format!("cali-{}", workload.replace('/', "-")),
+            ipv4_nets: vec![ip.into()],
+            profile_ids: vec![profile.into()],
+            tiers: vec![TierInfo {
+                name: "default".into(),
+                ingress_policies: vec![pid(policy)],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+    })
+}
+
+fn hep(id: &str) -> Payload {
+    Payload::HostEndpointUpdate(HostEndpointUpdate {
+        id: Some(HostEndpointId {
+            endpoint_id: id.into(),
+        }),
+        endpoint: Some(HostEndpoint {
+            name: "eth0".into(),
+            ..Default::default()
+        }),
+    })
+}
+
+fn host_metadata(host: &str, ip: &str) -> Payload {
+    Payload::HostMetadataUpdate(HostMetadataUpdate {
+        hostname: host.into(),
+        ipv4_addr: ip.into(),
+        ..Default::default()
+    })
+}
+
+fn ipam_pool(cidr: &str) -> Payload {
+    Payload::IpamPoolUpdate(IpamPoolUpdate {
+        id: cidr.replace('/', "-"),
+        pool: Some(IpamPool {
+            cidr: cidr.into(),
+            masquerade: true,
+            ..Default::default()
+        }),
+    })
+}
+
+/// Wait for the AgentHello, answer with a ServerHello.
+fn handshake() -> Vec<Step> {
+    vec![
+        Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
+        Step::Send(server_hello(NODE)),
+    ]
+}
+
+fn script(parts: Vec<Vec<Step>>) -> Vec<Step> {
+    parts.into_iter().flatten().collect()
+}
+
+fn sends(payloads: Vec<Payload>) -> Vec<Step> {
+    payloads.into_iter().map(Step::Send).collect()
+}
+
+fn is_dataplane_in_sync(m: &FromDataplane) -> bool {
+    matches!(m.payload, Some(Report::DataplaneInSync(_)))
+}
+
+fn count(reports: &[FromDataplane], f: impl Fn(&Report) -> bool) -> usize {
+    reports
+        .iter()
+        .filter(|m| m.payload.as_ref().is_some_and(&f))
+        .count()
+}
+
+fn wep_status_update(workload: &'static str) -> impl Fn(&Report) -> bool {
+    move |p| matches!(p, Report::WorkloadEndpointStatusUpdate(u) if u.id.as_ref().is_some_and(|id| id.workload_id == workload))
+}
+
+fn wep_status_remove(workload: &'static str) -> impl Fn(&Report) -> bool {
+    move |p| matches!(p, Report::WorkloadEndpointStatusRemove(u) if u.id.as_ref().is_some_and(|id| id.workload_id == workload))
+}
+
+fn assert_sequence_numbers(reports: &[FromDataplane]) {
+    let seqs: Vec<u64> = reports.iter().map(|m| m.sequence_number).collect();
+    let expected: Vec<u64> = (1..=reports.len() as u64).collect();
+    assert_eq!(
+        seqs, expected,
+        "FromDataplane numbered 1, 2, 3, … per stream"
+    );
+}
+
+fn keys(v: &Value) -> Vec<String> {
+    v.as_object()
+        .map(|o| o.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tests
+// ------------------------------------------------------------------------------------------------
+
+/// Hello first; the snapshot reaches the driver but nothing is applied (no state file) until
+/// InSync; then one apply for the whole snapshot, DataplaneInSync, and deltas reach the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hello_snapshot_in_sync_then_deltas() {
+    let gate = Arc::new(Notify::new());
+    let deltas = Arc::new(Notify::new());
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![
+            config("one"),
+            ipset("s:a", &["10.0.0.1"]),
+            policy("allow-a", "s:a"),
+            profile("kns.default"),
+            wep("default/web-0", "10.0.0.1/32", "allow-a", "kns.default"),
+        ]),
+        vec![Step::Gate(gate.clone()), Step::Send(in_sync())],
+        vec![
+            Step::WaitFor(
+                "DataplaneInSync",
+                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+            ),
+            Step::Gate(deltas.clone()),
+        ],
+        sends(vec![
+            Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
+                id: "s:a".into(),
+                added_members: vec!["10.0.0.2".into()],
+                removed_members: vec!["10.0.0.1".into()],
+            }),
+            wep("default/web-1", "10.0.0.2/32", "allow-a", "kns.default"),
+            Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
+                id: Some(wep_id("default/web-0")),
+            }),
+        ]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+
+    eventually("the snapshot reaches the driver", || {
+        agent.updates().len() == 5
+    })
+    .await;
+    // Give the session every chance to (wrongly) apply before InSync.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(agent.applies(), 0, "nothing applied before InSync");
+    assert!(agent.state().is_none(), "no state file before InSync");
+
+    let hello = &fake.received(0)[0];
+    assert_eq!(hello.sequence_number, 1);
+    match &hello.payload {
+        Some(Report::AgentHello(h)) => {
+            assert_eq!(h.node_name, NODE);
+            assert_eq!(h.agent_version, env!("CARGO_PKG_VERSION"));
+            assert!(h.capabilities.is_empty());
+        }
+        other => panic!("first report must be AgentHello, got {other:?}"),
+    }
+
+    gate.notify_one();
+    eventually("the state file is written", || agent.state().is_some()).await;
+    let state = agent.state().expect("state");
+    assert_eq!(state["node"], NODE);
+    assert_eq!(state["in_sync"], true);
+    assert_eq!(state["config"]["Marker"], "one");
+    assert_eq!(
+        state["ipsets"]["s:a"]["members"],
+        serde_json::json!(["10.0.0.1"])
+    );
+    assert_eq!(
+        keys(&state["policies"]),
+        vec!["GlobalNetworkPolicy/allow-a"]
+    );
+    assert_eq!(
+        keys(&state["workload_endpoints"]),
+        vec!["k8s/default/web-0/eth0"]
+    );
+    assert_eq!(
+        agent.log.lock().expect("lock").applied_at.first().copied(),
+        Some(6),
+        "the first apply covers the whole snapshot and InSync at once"
+    );
+
+    deltas.notify_one();
+
+    eventually("deltas reach the state file", || {
+        agent.state().is_some_and(|s| {
+            s["ipsets"]["s:a"]["members"] == serde_json::json!(["10.0.0.2"])
+                && keys(&s["workload_endpoints"]) == vec!["k8s/default/web-1/eth0"]
+        })
+    })
+    .await;
+
+    let reports = fake.received(0);
+    assert_eq!(
+        reports.iter().filter(|m| is_dataplane_in_sync(m)).count(),
+        1
+    );
+    assert_sequence_numbers(&reports);
+
+    let (driver, _dir) = agent.stop().await;
+    assert!(driver.inner.in_sync());
+    assert_eq!(fake.connection_count(), 1);
+}
+
+/// A first message that is not a ServerHello is a protocol error: nothing from that stream
+/// reaches the driver and the agent reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_hello_must_come_first() {
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            vec![Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty()))],
+            sends(vec![config("bad"), in_sync()]),
+            vec![Step::Hold],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![config("good"), ipset("s:x", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    eventually("the second stream is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| s["config"]["Marker"] == "good")
+    })
+    .await;
+    assert_eq!(fake.connection_count(), 2);
+    let marker_bad = agent.updates().iter().any(|m| {
+        matches!(&m.payload, Some(Payload::ConfigUpdate(c)) if c.config.get("Marker").map(String::as_str) == Some("bad"))
+    });
+    assert!(
+        !marker_bad,
+        "nothing from the broken stream reached the driver"
+    );
+    assert_eq!(agent.applies(), 1);
+    // Each stream opens with a fresh AgentHello numbered 1.
+    for conn in 0..2 {
+        let first = &fake.received(conn)[0];
+        assert_eq!(first.sequence_number, 1);
+        assert!(matches!(first.payload, Some(Report::AgentHello(_))));
+    }
+    agent.stop().await;
+}
+
+/// Mark and sweep: the second stream's snapshot lacks some objects; they stay until its InSync
+/// (no apply, no remove before), then are removed in dependency order; the rest is kept/updated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
+    let gate = Arc::new(Notify::new());
+    let first = script(vec![
+        handshake(),
+        sends(vec![
+            ipset("s:a", &["10.0.0.1"]),
+            ipset("s:b", &["10.0.0.2"]),
+            policy("p1", "s:a"),
+            policy("p2", "s:b"),
+            profile("pr1"),
+            profile("pr2"),
+            wep("ns/w1", "10.0.0.1/32", "p1", "pr1"),
+            wep("ns/w2", "10.0.0.2/32", "p2", "pr2"),
+            hep("h1"),
+            host_metadata("n1", "192.168.0.1"),
+            host_metadata("n2", "192.168.0.2"),
+            ipam_pool("10.0.0.0/16"),
+            ipam_pool("10.1.0.0/16"),
+            in_sync(),
+        ]),
+        vec![
+            Step::WaitFor(
+                "DataplaneInSync",
+                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+            ),
+            Step::End(None),
+        ],
+    ]);
+    let second_snapshot = vec![
+        ipset("s:a", &["10.0.0.1", "10.0.0.9"]),
+        policy("p1", "s:a"),
+        profile("pr1"),
+        wep("ns/w1", "10.0.0.9/32", "p1", "pr1"),
+        host_metadata("n1", "192.168.0.1"),
+        ipam_pool("10.0.0.0/16"),
+    ];
+    let second_len = second_snapshot.len();
+    let second = script(vec![
+        handshake(),
+        sends(second_snapshot),
+        vec![Step::Gate(gate.clone()), Step::Send(in_sync()), Step::Hold],
+    ]);
+    let (url, fake) = start_fake(vec![first, second]).await;
+    let agent = start_agent(test_config(vec![url]), 0);
+
+    let first_updates = 14;
+    eventually("the second snapshot reaches the driver", || {
+        agent.updates().len() == first_updates + second_len
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        agent.applies(),
+        1,
+        "no apply while the resync snapshot arrives"
+    );
+    let removes_before = agent
+        .updates()
+        .iter()
+        .filter(|m| format!("{:?}", m.payload).contains("Remove("))
+        .count();
+    assert_eq!(removes_before, 0, "nothing removed before the new InSync");
+    let state = agent.state().expect("state from the first stream");
+    assert_eq!(keys(&state["ipsets"]), vec!["s:a", "s:b"]);
+    assert_eq!(
+        keys(&state["workload_endpoints"]),
+        vec!["k8s/ns/w1/eth0", "k8s/ns/w2/eth0"]
+    );
+
+    gate.notify_one();
+    eventually("the sweep reaches the state file", || {
+        agent
+            .state()
+            .is_some_and(|s| keys(&s["ipsets"]) == vec!["s:a"])
+    })
+    .await;
+    let state = agent.state().expect("state");
+    assert_eq!(keys(&state["policies"]), vec!["GlobalNetworkPolicy/p1"]);
+    assert_eq!(keys(&state["profiles"]), vec!["pr1"]);
+    assert_eq!(keys(&state["workload_endpoints"]), vec!["k8s/ns/w1/eth0"]);
+    assert_eq!(keys(&state["host_endpoints"]), Vec::<String>::new());
+    assert_eq!(keys(&state["host_metadata"]), vec!["n1"]);
+    assert_eq!(keys(&state["ipam_pools"]), vec!["10.0.0.0-16"]);
+    assert_eq!(
+        state["ipsets"]["s:a"]["members"],
+        serde_json::json!(["10.0.0.1", "10.0.0.9"]),
+        "kept objects take the new snapshot's content"
+    );
+    assert_eq!(
+        state["workload_endpoints"]["k8s/ns/w1/eth0"]["ipv4Nets"],
+        serde_json::json!(["10.0.0.9/32"])
+    );
+
+    // The synthetic removes follow the second InSync, users before what they use.
+    let updates = agent.updates();
+    let in_syncs: Vec<usize> = updates
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| matches!(m.payload, Some(Payload::InSync(_))))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(in_syncs.len(), 2);
+    let sweep: Vec<String> = updates[in_syncs[1] + 1..]
+        .iter()
+        .map(|m| {
+            assert_eq!(
+                m.sequence_number, 0,
+                "synthetic removes carry no sequence number"
+            );
+            match m.payload.as_ref().expect("payload") {
+                Payload::WorkloadEndpointRemove(r) => {
+                    format!("wep {}", r.id.as_ref().expect("id").workload_id)
+                }
+                Payload::HostEndpointRemove(r) => {
+                    format!("hep {}", r.id.as_ref().expect("id").endpoint_id)
+                }
+                Payload::ActiveProfileRemove(r) => {
+                    format!("profile {}", r.id.as_ref().expect("id").name)
+                }
+                Payload::ActivePolicyRemove(r) => {
+                    format!("policy {}", r.id.as_ref().expect("id").name)
+                }
+                Payload::IpsetRemove(r) => format!("ipset {}", r.id),
+                Payload::HostMetadataRemove(r) => format!("host {} {}", r.hostname, r.ipv4_addr),
+                Payload::IpamPoolRemove(r) => format!("pool {}", r.id),
+                other => panic!("unexpected {other:?}"),
+            }
+        })
+        .collect();
+    assert_eq!(
+        sweep,
+        vec![
+            "wep ns/w2",
+            "hep h1",
+            "profile pr2",
+            "policy p2",
+            "ipset s:b",
+            "host n2 192.168.0.2",
+            "pool 10.1.0.0-16",
+        ]
+    );
+
+    // The new stream gets DataplaneInSync and a full status report again, plus removes.
+    eventually("status reports on the second stream", || {
+        let r = fake.received(1);
+        r.iter().any(is_dataplane_in_sync)
+            && count(&r, wep_status_update("ns/w1")) == 1
+            && count(&r, wep_status_remove("ns/w2")) == 1
+            && count(&r, |p| matches!(p, Report::HostEndpointStatusRemove(_))) == 1
+    })
+    .await;
+    assert_sequence_numbers(&fake.received(1));
+    assert_eq!(agent.applies(), 2);
+    agent.stop().await;
+}
+
+/// The first --server refuses connections; the agent fails over to the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_over_to_the_next_server() {
+    let refused = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        format!("http://{addr}")
+    };
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:failover", &["10.9.9.9"]), in_sync()]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let started = Instant::now();
+    let agent = start_agent(test_config(vec![refused, url]), 0);
+    eventually("the snapshot from the second server is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| s["ipsets"].get("s:failover").is_some())
+    })
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(fake.connection_count(), 1);
+    agent.stop().await;
+}
+
+/// A gap in the server's sequence numbers ends the stream; the message after the gap never
+/// reaches the driver, and the agent resyncs on a new stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequence_gap_reconnects() {
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:before-gap", &[])]),
+            vec![
+                Step::SendRaw(ToDataplane {
+                    payload: Some(ipset("s:after-gap", &[])),
+                    sequence_number: 4,
+                }),
+                Step::Send(in_sync()),
+                Step::Hold,
+            ],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:second", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    eventually("the second stream is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| s["ipsets"].get("s:second").is_some())
+    })
+    .await;
+    assert_eq!(fake.connection_count(), 2);
+    let updates = format!("{:?}", agent.updates());
+    assert!(!updates.contains("s:after-gap"), "{updates}");
+    let state = agent.state().expect("state");
+    assert_eq!(
+        keys(&state["ipsets"]),
+        vec!["s:second"],
+        "the partial first stream's set is swept at the second InSync"
+    );
+    assert_eq!(agent.applies(), 1, "the broken stream never applied");
+    agent.stop().await;
+}
+
+/// Heartbeats, DataplaneInSync and endpoint status (updates, then changes only) reach the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_heartbeats_in_sync_and_endpoint_status() {
+    let done = Arc::new(Notify::new());
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![
+            ipset("s:a", &[]),
+            policy("p", "s:a"),
+            profile("pr"),
+            wep("ns/w1", "10.0.0.1/32", "p", "pr"),
+            wep("ns/w2", "10.0.0.2/32", "p", "pr"),
+            hep("h1"),
+            in_sync(),
+        ]),
+        vec![Step::WaitFor(
+            "DataplaneInSync, statuses and two heartbeats",
+            Box::new(|r| {
+                r.iter().any(is_dataplane_in_sync)
+                    && count(r, wep_status_update("ns/w1")) == 1
+                    && count(r, wep_status_update("ns/w2")) == 1
+                    && count(r, |p| matches!(p, Report::HostEndpointStatusUpdate(_))) == 1
+                    && count(r, |p| matches!(p, Report::ProcessStatusUpdate(_))) >= 2
+            }),
+        )],
+        sends(vec![
+            Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
+                id: Some(wep_id("ns/w1")),
+            }),
+            wep("ns/w3", "10.0.0.3/32", "p", "pr"),
+        ]),
+        vec![
+            Step::WaitFor(
+                "status remove of w1 and update of w3",
+                Box::new(|r| {
+                    count(r, wep_status_remove("ns/w1")) == 1
+                        && count(r, wep_status_update("ns/w3")) == 1
+                }),
+            ),
+            Step::Signal(done.clone()),
+            Step::Hold,
+        ],
+    ])])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.heartbeat_interval = Duration::from_millis(50);
+    let agent = start_agent(config, 0);
+    tokio::time::timeout(WAIT, done.notified())
+        .await
+        .expect("the fake saw every report");
+
+    let reports = fake.received(0);
+    assert_sequence_numbers(&reports);
+    assert_eq!(
+        reports.iter().filter(|m| is_dataplane_in_sync(m)).count(),
+        1
+    );
+    // Unchanged endpoints are not re-reported after the second apply.
+    assert_eq!(count(&reports, wep_status_update("ns/w2")), 1);
+    let in_sync_at = reports
+        .iter()
+        .position(is_dataplane_in_sync)
+        .expect("in sync");
+    let first_status = reports
+        .iter()
+        .position(|m| matches!(m.payload, Some(Report::WorkloadEndpointStatusUpdate(_))))
+        .expect("status");
+    assert!(in_sync_at < first_status);
+    for m in &reports {
+        match &m.payload {
+            Some(Report::WorkloadEndpointStatusUpdate(u)) => {
+                assert_eq!(u.status.as_ref().expect("status").status, "up");
+                let ep = u.endpoint.as_ref().expect("endpoint sent along");
+                assert_eq!(ep.ipv4_nets.len(), 1);
+            }
+            Some(Report::HostEndpointStatusUpdate(u)) => {
+                assert_eq!(u.id.as_ref().expect("id").endpoint_id, "h1");
+                assert_eq!(u.status.as_ref().expect("status").status, "up");
+            }
+            _ => {}
+        }
+    }
+    let heartbeats: Vec<(String, f64)> = reports
+        .iter()
+        .filter_map(|m| match &m.payload {
+            Some(Report::ProcessStatusUpdate(p)) => Some((p.iso_timestamp.clone(), p.uptime)),
+            _ => None,
+        })
+        .collect();
+    assert!(heartbeats.len() >= 2);
+    for (ts, _) in &heartbeats {
+        let b = ts.as_bytes();
+        assert!(
+            ts.len() == 20
+                && b[4] == b'-'
+                && b[7] == b'-'
+                && b[10] == b'T'
+                && b[13] == b':'
+                && b[16] == b':'
+                && b[19] == b'Z'
+                && ts.starts_with("20"),
+            "RFC 3339 UTC timestamp: {ts}"
+        );
+    }
+    assert!(
+        heartbeats.windows(2).all(|w| w[0].1 <= w[1].1),
+        "uptime grows"
+    );
+    agent.stop().await;
+}
+
+/// RESOURCE_EXHAUSTED means "fell behind": reconnect at once, ignoring the (long) back-off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resource_exhausted_reconnects_without_back_off() {
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &[]), in_sync()]),
+            vec![
+                Step::WaitFor(
+                    "DataplaneInSync",
+                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+                ),
+                Step::End(Some(Status::resource_exhausted("agent fell behind"))),
+            ],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:b", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_secs(3);
+    config.reconnect_max_delay = Duration::from_secs(6);
+    let agent = start_agent(config, 0);
+    eventually("the fresh snapshot is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| keys(&s["ipsets"]) == vec!["s:b"])
+    })
+    .await;
+    let (_, ended) = fake.times(0);
+    let (opened, _) = fake.times(1);
+    let gap = opened.expect("opened") - ended.expect("ended");
+    assert!(gap < Duration::from_secs(1), "reconnected after {gap:?}");
+    agent.stop().await;
+}
+
+/// PERMISSION_DENIED is logged as an error and retried only after the maximum delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permission_denied_backs_off_at_the_max_delay() {
+    let (url, fake) = start_fake(vec![
+        vec![Step::End(Some(Status::permission_denied(
+            "certificate is for another node",
+        )))],
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_millis(10);
+    config.reconnect_max_delay = Duration::from_millis(400);
+    let agent = start_agent(config, 0);
+    eventually("the second stream is applied", || agent.state().is_some()).await;
+    let (_, ended) = fake.times(0);
+    let (opened, _) = fake.times(1);
+    let gap = opened.expect("opened") - ended.expect("ended");
+    assert!(gap >= Duration::from_millis(380), "retried after {gap:?}");
+    agent.stop().await;
+}
+
+/// A ServerHello bound to another node is refused like PERMISSION_DENIED; nothing of that
+/// stream reaches the driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_hello_for_another_node_is_refused() {
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            vec![
+                Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
+                Step::Send(server_hello("someone-else")),
+            ],
+            sends(vec![ipset("s:foreign", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:mine", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_millis(10);
+    config.reconnect_max_delay = Duration::from_millis(300);
+    let started = Instant::now();
+    let agent = start_agent(config, 0);
+    eventually("the second stream is applied", || agent.state().is_some()).await;
+    assert!(started.elapsed() >= Duration::from_millis(280));
+    assert_eq!(fake.connection_count(), 2);
+    assert!(!format!("{:?}", agent.updates()).contains("s:foreign"));
+    agent.stop().await;
+}
+
+/// A failing apply is retried with back-off; DataplaneInSync waits for the first success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_apply_is_retried_and_in_sync_waits_for_success() {
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 2);
+    eventually("DataplaneInSync", || {
+        fake.received(0).iter().any(is_dataplane_in_sync)
+    })
+    .await;
+    let log = agent.log.clone();
+    assert_eq!(log.lock().expect("lock").failed_applies, 2);
+    assert_eq!(agent.applies(), 1);
+    assert!(agent.state().is_some());
+    assert_eq!(
+        fake.connection_count(),
+        1,
+        "apply failures do not drop the stream"
+    );
+    agent.stop().await;
+}
+
+/// Shutdown returns promptly and leaves the dataplane (the state file) as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_the_dataplane_in_place() {
+    let (url, _fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    eventually("applied", || agent.state().is_some()).await;
+    let path = agent.state_file.clone();
+    let before = std::fs::read_to_string(&path).expect("state");
+    let (driver, _dir) = agent.stop().await;
+    assert_eq!(driver.log.lock().expect("lock").applied_at.len(), 1);
+    assert!(driver.inner.in_sync());
+    assert_eq!(
+        std::fs::read_to_string(&path).expect("state file still there"),
+        before
+    );
+}
