@@ -1,40 +1,71 @@
 #!/usr/bin/env bash
-# The demo on the embedded default datastore (the YAML directory examples/cluster).
-# Today it runs the calculation offline (compute) and the tools; `serve` and the agents join it
-# with the Sync stream.
+# The demo on the embedded default datastore (the YAML directory examples/cluster):
+# calc-server serves it, one dry-run agent per example node follows its stream, and edits to
+# the manifests reach the agents live. Ctrl-C stops everything cleanly.
+# DEMO_SECONDS=N stops after N seconds instead (for scripts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BIN=${BIN:-./target/debug/calc-server}
+BIN=${BIN:-./target/debug}
+DIR=examples/cluster
+GRPC=${DEMO_GRPC:-127.0.0.1:50051}
+ADMIN=${DEMO_ADMIN:-127.0.0.1:9099}
+WORK=$(mktemp -d)
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-run() { printf '$ %s\n' "$*"; "$@"; }
 
-say "1. Validate the example cluster (Calico v3 YAML, 2 nodes, 3 namespaces, 3 tiers)"
-run "$BIN" validate examples/cluster || exit 1
+pids=()
+cleanup() {
+  trap - INT TERM EXIT
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$WORK"
+  printf '\nstopped (agents keep their dataplane; nothing was programmed: dry-run)\n'
+  exit 0
+}
+trap cleanup INT TERM EXIT
 
-say "2. The same tool on a file of common mistakes: every problem, with object and field"
-run "$BIN" validate examples/broken
-echo "(exit code $? : 1 means invalid objects were found)"
+say "1. Validate the example cluster (Calico v3 YAML: 2 nodes, 3 namespaces, 3 tiers)"
+"$BIN/calc-server" validate "$DIR" || exit 1
 
-say "3. Selectors: canonical form and the IP-set id Calico would use"
-run "$BIN" selector normalize "app=='web'&&has(version)"
-run "$BIN" selector normalize " all() "
-
-say "4. Selectors: evaluate against an endpoint's labels (its own, then its profiles')"
-labels='{"app":"api","version":"v2","projectcalico.org/namespace":"shop","pcns.team":"storefront","pcsa.role":"backend"}'
-run "$BIN" selector eval --labels "$labels" "app == 'api' && pcns.team == 'storefront'"
-run "$BIN" selector eval --labels "$labels" "app in {'web', 'postgres'}"
-run "$BIN" selector eval --labels "$labels" "has(pcsa.role) && version starts with 'v'"
-
-say "5. The calculation: what each node would be sent (snapshot through InSync)"
-for node in node-1 node-2; do
-  printf '$ %s compute --file-dir examples/cluster --node %s | <count by message type>\n' "$BIN" "$node"
-  "$BIN" compute --file-dir examples/cluster --node "$node" \
-    | sed -E 's/^\{"sequenceNumber":"[0-9]+","([a-zA-Z]+)".*/\1/' | sort | uniq -c | sort -rn
+say "2. Start calc-server on $DIR (gRPC $GRPC, admin http://$ADMIN)"
+"$BIN/calc-server" serve --file-dir "$DIR" --listen "$GRPC" --admin-listen "$ADMIN" \
+  --file-poll-interval 300ms >"$WORK/server.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do
+  "$BIN/calc-server" status --server "$ADMIN" >/dev/null 2>&1 && break
+  sleep 0.1
 done
 
-say "6. One endpoint's stream entry, as proto3 JSON (node-2's postgres pod)"
-run sh -c "$BIN compute --file-dir examples/cluster --node node-2 | grep -m1 'postgres-0'"
+say "3. Start one dry-run agent per node"
+for node in node-1 node-2; do
+  "$BIN/dataplane-agent" --server "$GRPC" --node "$node" --driver dry-run \
+    --state-file "$WORK/$node.json" >"$WORK/$node.log" 2>&1 &
+  pids+=($!)
+  echo "$node: state file $WORK/$node.json"
+done
+for _ in $(seq 100); do
+  [ -s "$WORK/node-1.json" ] && [ -s "$WORK/node-2.json" ] && break
+  sleep 0.1
+done
+sleep 0.5
 
-say "Try your own: edit examples/cluster/policies.yaml and re-run"
-echo "  $BIN compute --file-dir examples/cluster --node node-1"
-echo "  $BIN selector eval --labels '{\"a\":\"b\"}' \"a == 'b'\""
+say "4. What each node would program (from the dry-run driver)"
+for node in node-1 node-2; do
+  echo "-- $node"
+  grep -h "would program" "$WORK/$node.log" | sed -E 's/\x1b\[[0-9;]*m//g; s/.*would program the dataplane/  would program:/'
+  grep -o '"k8s/[^"]*": {' "$WORK/$node.json" | sed 's/: {//; s/^/  endpoint /'
+done
+
+say "5. calc-server status"
+"$BIN/calc-server" status --server "$ADMIN"
+
+say "Now edit a manifest and watch the change arrive, e.g. in another terminal:"
+echo "  sed -i 's/ports: \[80, 443\]/ports: [80, 8443]/' $DIR/policies.yaml"
+echo "  (undo with: git checkout $DIR)"
+echo "Agent logs follow; Ctrl-C stops the demo."
+tail -n 0 -f "$WORK/node-1.log" "$WORK/node-2.log" | sed -u -E 's/\x1b\[[0-9;]*m//g' &
+pids+=($!)
+if [ -n "${DEMO_SECONDS:-}" ]; then
+  sleep "$DEMO_SECONDS"
+else
+  wait
+fi

@@ -181,3 +181,62 @@ pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     let code = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body.to_string()))
 }
+
+/// A running `dataplane-agent --driver dry-run`, killed on drop.
+pub struct Agent {
+    pub child: std::process::Child,
+    pub state: std::path::PathBuf,
+    pub log: std::path::PathBuf,
+}
+
+impl Agent {
+    /// Starts an agent for `node` against `servers` (comma-separated), writing its state file
+    /// and log into `dir`.
+    pub fn start(dir: &std::path::Path, servers: &str, node: &str) -> Agent {
+        let state = dir.join(format!("{node}.state.json"));
+        let log = dir.join(format!("{node}.agent.log"));
+        let _ = std::fs::remove_file(&state);
+        let out = std::fs::File::create(&log).expect("agent log");
+        let child = std::process::Command::new(binary("dataplane-agent"))
+            .args(["--server", servers, "--node", node, "--driver", "dry-run", "--state-file"])
+            .arg(&state)
+            .args(["--reconnect-min-delay", "100ms", "--reconnect-max-delay", "500ms"])
+            .args(["--heartbeat-interval", "1s"])
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("start dataplane-agent");
+        Agent { child, state, log }
+    }
+
+    /// The state file as JSON, if written.
+    pub fn state(&self) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(&self.state).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Waits until `pred` holds for the state file (up to 20 s).
+    pub fn wait_for(&self, what: &str, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::time::Instant::now() < deadline {
+            if let Some(s) = self.state()
+                && pred(&s)
+            {
+                return s;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!(
+            "agent state never reached: {what}\nstate: {:?}\nlog:\n{}",
+            self.state(),
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
