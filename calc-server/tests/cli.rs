@@ -255,7 +255,9 @@ fn compute_reports_bad_manifests_and_computes_the_rest() {
     let dir = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(examples()).unwrap() {
         let f = f.unwrap().path();
-        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+        if f.is_file() {
+            std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+        }
     }
     write(
         dir.path(),

@@ -92,7 +92,10 @@ pub fn example_datastore() -> tempfile::TempDir {
     let src = workspace_root().join("examples/cluster");
     for f in std::fs::read_dir(&src).expect("examples/cluster") {
         let f = f.expect("dir entry").path();
-        std::fs::copy(&f, dir.path().join(f.file_name().expect("file name"))).expect("copy");
+        // Only the manifests: a demo run may have left a status/ directory beside them.
+        if f.is_file() {
+            std::fs::copy(&f, dir.path().join(f.file_name().expect("file name"))).expect("copy");
+        }
     }
     dir
 }
@@ -198,9 +201,22 @@ impl Agent {
         let _ = std::fs::remove_file(&state);
         let out = std::fs::File::create(&log).expect("agent log");
         let child = std::process::Command::new(binary("dataplane-agent"))
-            .args(["--server", servers, "--node", node, "--driver", "dry-run", "--state-file"])
+            .args([
+                "--server",
+                servers,
+                "--node",
+                node,
+                "--driver",
+                "dry-run",
+                "--state-file",
+            ])
             .arg(&state)
-            .args(["--reconnect-min-delay", "100ms", "--reconnect-max-delay", "500ms"])
+            .args([
+                "--reconnect-min-delay",
+                "100ms",
+                "--reconnect-max-delay",
+                "500ms",
+            ])
             .args(["--heartbeat-interval", "1s"])
             .stdout(out.try_clone().expect("log"))
             .stderr(out)
@@ -216,7 +232,11 @@ impl Agent {
     }
 
     /// Waits until `pred` holds for the state file (up to 20 s).
-    pub fn wait_for(&self, what: &str, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    pub fn wait_for(
+        &self,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while std::time::Instant::now() < deadline {
             if let Some(s) = self.state()

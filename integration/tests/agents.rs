@@ -7,7 +7,10 @@ use integration::{Agent, Server, example_datastore, free_port};
 use serde_json::Value;
 
 fn keys(v: &Value, field: &str) -> Vec<String> {
-    v[field].as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+    v[field]
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 /// The dataplane part of a state file (everything the stream determines).
@@ -28,25 +31,54 @@ fn agents_get_disjoint_spans_and_follow_edits() {
     let b = Agent::start(work.path(), &server.grpc, "node-2");
     let sa = a.wait_for("node-1 in sync", |s| s["in_sync"] == true);
     let sb = b.wait_for("node-2 in sync", |s| s["in_sync"] == true);
-    let (wa, wb) = (keys(&sa, "workload_endpoints"), keys(&sb, "workload_endpoints"));
-    assert_eq!(wa, ["k8s/monitoring/prometheus-0/eth0", "k8s/shop/api-1/eth0", "k8s/shop/web-1/eth0"]);
+    let (wa, wb) = (
+        keys(&sa, "workload_endpoints"),
+        keys(&sb, "workload_endpoints"),
+    );
+    assert_eq!(
+        wa,
+        [
+            "k8s/monitoring/prometheus-0/eth0",
+            "k8s/shop/api-1/eth0",
+            "k8s/shop/web-1/eth0"
+        ]
+    );
     assert_eq!(wb.len(), 3);
     assert!(wa.iter().all(|w| !wb.contains(w)));
-    assert!(keys(&sb, "policies").contains(&"NetworkPolicy/db/allow-postgres".to_string()), "{:?}", keys(&sb, "policies"));
-    assert!(!keys(&sa, "policies").iter().any(|p| p.contains("allow-postgres")));
+    assert!(
+        keys(&sb, "policies").contains(&"NetworkPolicy/db/allow-postgres".to_string()),
+        "{:?}",
+        keys(&sb, "policies")
+    );
+    assert!(
+        !keys(&sa, "policies")
+            .iter()
+            .any(|p| p.contains("allow-postgres"))
+    );
     assert_eq!(keys(&sb, "host_endpoints"), ["node-2-eth0"]);
 
     // Delete web-1 from the manifests: node-1's agent drops it, node-2 is untouched.
     let path = ds.path().join("workloads.yaml");
     let text = std::fs::read_to_string(&path).unwrap();
-    let docs: Vec<&str> = text.split("\n---\n").filter(|d| !d.contains("name: node--1-k8s-web--1-eth0")).collect();
+    let docs: Vec<&str> = text
+        .split("\n---\n")
+        .filter(|d| !d.contains("name: node--1-k8s-web--1-eth0"))
+        .collect();
     std::fs::write(&path, docs.join("\n---\n")).unwrap();
-    a.wait_for("web-1 gone", |s| !keys(s, "workload_endpoints").contains(&"k8s/shop/web-1/eth0".to_string()));
+    a.wait_for("web-1 gone", |s| {
+        !keys(s, "workload_endpoints").contains(&"k8s/shop/web-1/eth0".to_string())
+    });
     assert_eq!(keys(&b.state().unwrap(), "workload_endpoints"), wb);
 
     // The server has the agents' reports.
     let st = server.status();
-    let n1 = st.as_array().unwrap().iter().find(|n| n["node"] == "node-1").unwrap().clone();
+    let n1 = st
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == "node-1")
+        .unwrap()
+        .clone();
     assert_eq!(n1["connected"], true);
     assert_eq!(n1["dataplane_in_sync"], true, "{n1}");
 }
@@ -64,16 +96,26 @@ fn a_restarted_server_converges_the_agent_to_a_fresh_agents_state() {
     // Kill the server mid-stream. The agent keeps its dataplane as it is.
     drop(server);
     std::thread::sleep(std::time::Duration::from_millis(800));
-    assert_eq!(agent.state().unwrap(), before, "nothing changes while the server is gone");
+    assert_eq!(
+        agent.state().unwrap(),
+        before,
+        "nothing changes while the server is gone"
+    );
 
     // While it is down: delete api-1 and drop one policy.
     let wl = ds.path().join("workloads.yaml");
     let text = std::fs::read_to_string(&wl).unwrap();
-    let docs: Vec<&str> = text.split("\n---\n").filter(|d| !d.contains("name: node--1-k8s-api--1-eth0")).collect();
+    let docs: Vec<&str> = text
+        .split("\n---\n")
+        .filter(|d| !d.contains("name: node--1-k8s-api--1-eth0"))
+        .collect();
     std::fs::write(&wl, docs.join("\n---\n")).unwrap();
     let pol = ds.path().join("policies.yaml");
     let text = std::fs::read_to_string(&pol).unwrap();
-    let docs: Vec<&str> = text.split("\n---\n").filter(|d| !d.contains("name: allow-ping")).collect();
+    let docs: Vec<&str> = text
+        .split("\n---\n")
+        .filter(|d| !d.contains("name: allow-ping"))
+        .collect();
     std::fs::write(&pol, docs.join("\n---\n")).unwrap();
 
     // Restart on the same address: the agent reconnects, resyncs and sweeps.

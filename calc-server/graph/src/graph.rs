@@ -703,6 +703,14 @@ impl CalcGraph {
         )?;
         // Define the new IP sets before dropping the old ones so shared sets keep their members.
         let ipsets = self.define_ipsets(&scanned.ipsets);
+        if self
+            .policies
+            .get(&key)
+            .is_some_and(|old| same_placement(&old.model, &model))
+        {
+            self.replace_policy_rules(&key, model, &scanned, ipsets);
+            return Ok(());
+        }
         self.remove_policy(&key);
         let message = Arc::new(policy_message(&model, &scanned));
         let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
@@ -733,9 +741,52 @@ impl CalcGraph {
         }
         self.index.add_selector(sel, selector, true);
         self.process_events();
-        // Nodes already running the policy need its new content.
-        self.touch_policy(&key);
+        // Nodes that were sent the previous version need the new content.
+        self.touch_policy(&key, false);
         Ok(())
+    }
+
+    /// A new version of a policy that applies to the same endpoints in the same place (only
+    /// its rules differ): swap the rules and IP sets in place. Endpoints are untouched, so a
+    /// rule edit costs the nodes running the policy, not every endpoint it selects.
+    fn replace_policy_rules(
+        &mut self,
+        key: &Key,
+        model: PolicyModel,
+        scanned: &ScannedRules,
+        ipsets: Vec<Name>,
+    ) {
+        let message = Arc::new(policy_message(&model, scanned));
+        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+            id: Some(policy_id_proto(&model.id)),
+            policy: Some((*message).clone()),
+        })));
+        let state = self.policies.get_mut(key).expect("checked by the caller");
+        let old_ipsets = std::mem::replace(&mut state.ipsets, ipsets.clone());
+        state.model = model;
+        state.message = message;
+        state.update = update;
+        if self.everywhere.contains(key) {
+            let both: Vec<Name> = ipsets.iter().chain(&old_ipsets).cloned().collect();
+            self.mark_everywhere_dirty(key, &both);
+        } else {
+            let active_on: Vec<Name> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.policy_refs.contains_key(key))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for node in &active_on {
+                for id in &ipsets {
+                    self.node_ipset_inc(node, id);
+                }
+                for id in &old_ipsets {
+                    self.node_ipset_dec(node, id);
+                }
+            }
+        }
+        self.undefine_ipsets(&old_ipsets);
+        self.touch_policy(key, false);
     }
 
     fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {
@@ -757,12 +808,12 @@ impl CalcGraph {
             self.mark_everywhere_dirty(key, &state.ipsets);
         }
         self.undefine_ipsets(&state.ipsets);
-        self.touch_policy(key);
+        self.touch_policy(key, false);
     }
 
-    /// Marks a policy dirty on every node that runs it or was sent it, and the endpoints it
-    /// applies to (their tier lists may change).
-    fn touch_policy(&mut self, key: &Key) {
+    /// Marks a policy dirty on every node that runs it or was sent it and, with `endpoints`,
+    /// the endpoints it applies to (their tier lists change when its tier is reordered).
+    fn touch_policy(&mut self, key: &Key, endpoints: bool) {
         let sel = self.policies.get(key).map(|p| p.selector);
         for n in self.nodes.values_mut() {
             if n.policy_refs.contains_key(key)
@@ -772,7 +823,7 @@ impl CalcGraph {
                 n.dirty_policies.insert(key.clone());
             }
         }
-        if let Some(sel) = sel {
+        if let Some(sel) = sel.filter(|_| endpoints) {
             let items: Vec<ItemId> = self.index.matches(sel).collect();
             for item in items {
                 if let Some(ep) = self.endpoints.get(&item) {
@@ -792,7 +843,7 @@ impl CalcGraph {
             .map(|(k, _)| k.clone())
             .collect();
         for k in keys {
-            self.touch_policy(&k);
+            self.touch_policy(&k, true);
         }
     }
 
@@ -967,6 +1018,21 @@ impl CalcGraph {
         self.item_of.remove(key);
         self.netsets.remove(&item);
     }
+}
+
+/// Whether two versions of a policy select the same endpoints and sit in the same place in
+/// their tier lists (so only the rules can differ).
+fn same_placement(a: &PolicyModel, b: &PolicyModel) -> bool {
+    a.id == b.id
+        && a.tier == b.tier
+        && a.order.map(f64::to_bits) == b.order.map(f64::to_bits)
+        && a.selector.canonical() == b.selector.canonical()
+        && a.ingress == b.ingress
+        && a.egress == b.egress
+        && a.untracked == b.untracked
+        && a.pre_dnat == b.pre_dnat
+        && a.apply_on_forward == b.apply_on_forward
+        && a.performance_hints == b.performance_hints
 }
 
 fn policy_message(model: &PolicyModel, scanned: &ScannedRules) -> pb::Policy {

@@ -6,8 +6,11 @@
 //! backlog limit, its stream is closed with RESOURCE_EXHAUSTED and its node unsubscribed, so a
 //! stalled agent costs bounded memory; the agent reconnects and receives a fresh snapshot.
 //! A second connection for a node replaces the first (closed with ABORTED).
+//! Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
+//! under way until its queue has drained, so a thousand agents connecting at once do not put a
+//! thousand snapshots in flight at once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -59,6 +62,11 @@ pub struct Engine {
     allow_unknown_nodes: bool,
     /// Set once the datastore's snapshot is in the graph (readiness).
     ready: Arc<std::sync::atomic::AtomicBool>,
+    max_concurrent_snapshots: usize,
+    /// Connected nodes waiting for their snapshot to start.
+    waiting: VecDeque<String>,
+    /// Nodes whose snapshot is being delivered.
+    snapshotting: HashSet<String>,
 }
 
 impl Engine {
@@ -67,6 +75,7 @@ impl Engine {
         backlog_limit: usize,
         allow_unknown_nodes: bool,
         ready: Arc<std::sync::atomic::AtomicBool>,
+        max_concurrent_snapshots: usize,
     ) -> Engine {
         Engine {
             graph: CalcGraph::new(),
@@ -75,13 +84,45 @@ impl Engine {
             backlog_limit,
             allow_unknown_nodes,
             ready,
+            max_concurrent_snapshots: max_concurrent_snapshots.max(1),
+            waiting: VecDeque::new(),
+            snapshotting: HashSet::new(),
+        }
+    }
+
+    /// Ends finished snapshots and starts waiting ones, up to the limit.
+    fn admit(&mut self) {
+        let conns = &self.conns;
+        self.snapshotting.retain(|n| {
+            conns
+                .get(n)
+                .is_some_and(|c| c.backlog.load(Ordering::Relaxed) > 0)
+        });
+        while self.snapshotting.len() < self.max_concurrent_snapshots {
+            let Some(node) = self.waiting.pop_front() else {
+                break;
+            };
+            if self.conns.contains_key(&node) {
+                self.graph.subscribe(&node);
+                self.snapshotting.insert(node);
+            }
         }
     }
 
     /// Runs until the input channel closes or a Shutdown arrives.
     pub async fn run(mut self, mut rx: mpsc::Receiver<Input>) {
-        while let Some(first) = rx.recv().await {
-            let mut inputs = vec![first];
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(10));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let busy = !self.waiting.is_empty() || !self.snapshotting.is_empty();
+            let first = tokio::select! {
+                i = rx.recv() => match i {
+                    Some(i) => Some(i),
+                    None => return,
+                },
+                _ = tick.tick(), if busy => None,
+            };
+            let mut inputs: Vec<Input> = first.into_iter().collect();
             // Take everything already waiting: one flush for the whole burst.
             while inputs.len() < 4096 {
                 match rx.try_recv() {
@@ -93,6 +134,7 @@ impl Engine {
             for input in inputs {
                 stop |= self.handle(input);
             }
+            self.admit();
             self.flush();
             if self.graph.in_sync() {
                 self.ready.store(true, Ordering::Relaxed);
@@ -141,7 +183,11 @@ impl Engine {
                         "replaced by a newer connection for node {node}"
                     ))));
                 }
-                self.graph.subscribe(&node);
+                // The snapshot starts when there is room (admit); until then nothing is sent.
+                self.graph.unsubscribe(&node);
+                self.snapshotting.remove(&node);
+                self.waiting.retain(|n| n != &node);
+                self.waiting.push_back(node.clone());
                 self.board.connected(&node, &agent_version);
                 self.conns.insert(node, conn);
                 let _ = reply.send(Ok(()));
@@ -150,6 +196,8 @@ impl Engine {
                 if self.conns.get(&node).is_some_and(|c| c.id == id) {
                     self.conns.remove(&node);
                     self.graph.unsubscribe(&node);
+                    self.snapshotting.remove(&node);
+                    self.waiting.retain(|n| n != &node);
                     self.board.disconnected(&node);
                 }
             }
@@ -186,6 +234,7 @@ impl Engine {
                     "node {node} fell more than {limit} messages behind; reconnect for a fresh snapshot"
                 ))));
                 self.graph.unsubscribe(&node);
+                self.snapshotting.remove(&node);
                 self.board.disconnected(&node);
             }
         }

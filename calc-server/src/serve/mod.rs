@@ -47,6 +47,13 @@ pub struct ServeArgs {
         default_value_t = 200_000
     )]
     pub agent_backlog_limit: usize,
+    /// How many nodes' snapshots may be in flight at once (others wait their turn).
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_CONCURRENT_SNAPSHOTS",
+        default_value_t = 32
+    )]
+    pub max_concurrent_snapshots: usize,
     /// Time an agent has to send its AgentHello.
     #[arg(long, env = "CALC_SERVER_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub hello_timeout: Duration,
@@ -115,6 +122,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.agent_backlog_limit,
         args.allow_unknown_nodes,
         ready.clone(),
+        args.max_concurrent_snapshots,
     );
     let engine_task = tokio::spawn(engine.run(engine_rx));
     tokio::spawn(watch::run(
