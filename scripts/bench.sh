@@ -21,3 +21,16 @@ run c100k 100 1000 1000 100
 a=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c10k.out")
 b=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c100k.out")
 echo; echo "memory per endpoint (slope 10k -> 100k endpoints): $(( (b - a) / 90000 )) bytes"
+
+echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
+"$BIN" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
+PORT=${BENCH_GRPC_PORT:-50771}
+"$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
+  --file-poll-interval 10ms --log-level warn >"$WORK/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null' EXIT
+for _ in $(seq 100); do
+  "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+"$BIN" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20
