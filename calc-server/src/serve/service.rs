@@ -31,51 +31,66 @@ pub struct SyncService {
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Send>>;
 
-/// Takes the node's queue and numbers each message; ends at a Close.
-fn outgoing(
-    hello: pb::ToDataplane,
-    mut rx: mpsc::UnboundedReceiver<Out>,
+/// The outgoing stream: the ServerHello, then the node's queue, numbering every message;
+/// it ends at a Close (with that status) or when the engine drops the queue. Polled directly
+/// by the transport, so a message costs no extra task hop.
+struct Outgoing {
+    hello: Option<pb::ToDataplane>,
+    rx: mpsc::UnboundedReceiver<Out>,
     backlog: Arc<AtomicUsize>,
-) -> OutStream {
-    Box::pin(async_stream(
-        move |tx: mpsc::Sender<Result<pb::ToDataplane, Status>>| async move {
-            let mut seq = 1u64;
-            let mut hello = hello;
-            hello.sequence_number = seq;
-            if tx.send(Ok(hello)).await.is_err() {
-                return;
-            }
-            while let Some(item) = rx.recv().await {
-                match item {
-                    Out::Msg(m) => {
-                        backlog.fetch_sub(1, Ordering::Relaxed);
-                        seq += 1;
-                        let mut m = (*m).clone();
-                        m.sequence_number = seq;
-                        if tx.send(Ok(m)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Out::Close(status) => {
-                        let _ = tx.send(Err(status)).await;
-                        return;
-                    }
-                }
-            }
-        },
-    ))
+    seq: u64,
+    done: bool,
 }
 
-/// A stream fed by a task writing into a small channel: the task stops as soon as the client
-/// goes away (the receiver is dropped).
-fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<pb::ToDataplane, Status>> + Send
-where
-    F: FnOnce(mpsc::Sender<Result<pb::ToDataplane, Status>>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(f(tx));
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+impl Stream for Outgoing {
+    type Item = Result<pb::ToDataplane, Status>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if let Some(mut hello) = self.hello.take() {
+            self.seq = 1;
+            hello.sequence_number = 1;
+            return Poll::Ready(Some(Ok(hello)));
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(Out::Msg(m))) => {
+                self.backlog.fetch_sub(1, Ordering::Relaxed);
+                self.seq += 1;
+                let mut m = (*m).clone();
+                m.sequence_number = self.seq;
+                Poll::Ready(Some(Ok(m)))
+            }
+            Poll::Ready(Some(Out::Close(status))) => {
+                self.done = true;
+                Poll::Ready(Some(Err(status)))
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+fn outgoing(
+    hello: pb::ToDataplane,
+    rx: mpsc::UnboundedReceiver<Out>,
+    backlog: Arc<AtomicUsize>,
+) -> OutStream {
+    Box::pin(Outgoing {
+        hello: Some(hello),
+        rx,
+        backlog,
+        seq: 0,
+        done: false,
+    })
 }
 
 #[tonic::async_trait]
