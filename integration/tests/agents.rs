@@ -70,6 +70,21 @@ fn agents_get_disjoint_spans_and_follow_edits() {
     });
     assert_eq!(keys(&b.state().unwrap(), "workload_endpoints"), wb);
 
+    // Remove a whole file: the threat feed's CIDRs leave the IP set every node holds for it.
+    let threats = "s:qvKxGNdSpt4DbUMswvbD0TY46HvXS70GrYL2zQ";
+    assert_eq!(
+        sa["ipsets"][threats]["members"].as_array().map(Vec::len),
+        Some(3),
+        "{}",
+        sa["ipsets"]
+    );
+    std::fs::remove_file(ds.path().join("network-sets.yaml")).unwrap();
+    a.wait_for("threat feed emptied", |s| {
+        s["ipsets"][threats]["members"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    });
+
     // The server has the agents' reports.
     let st = server.status();
     let n1 = st

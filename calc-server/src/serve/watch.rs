@@ -86,16 +86,24 @@ fn merged(
     out
 }
 
+/// The object a key currently has: the last file (in path order) that defines it.
+fn winner<'a>(
+    by_file: &'a BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
+    k: &ResourceKey,
+) -> Option<&'a Resource> {
+    by_file.values().rev().find_map(|objs| objs.get(k))
+}
+
 /// Sends the initial snapshot and InSync, then changes as they appear, until the engine goes.
-/// Only files whose size or modification time changed are read again.
+/// Only files whose size or modification time changed are read again, and only their keys are
+/// compared. One copy of the objects is kept (per file), to tell what an edit changed.
 pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) {
     let mut problems = BTreeMap::new();
     let mut seen = listing(&dir);
     let files: Vec<PathBuf> = seen.keys().cloned().collect();
     let mut by_file = load_files(&files, &mut problems);
-    let mut state = merged(&by_file);
-    tracing::info!(dir = %dir.display(), objects = state.len(), "file datastore loaded");
-    let mut first: Vec<Update> = state.values().cloned().map(Update::Apply).collect();
+    let mut first: Vec<Update> = merged(&by_file).into_values().map(Update::Apply).collect();
+    tracing::info!(dir = %dir.display(), objects = first.len(), "file datastore loaded");
     first.push(Update::InSync);
     if engine.send(Input::Datastore(first)).await.is_err() {
         return;
@@ -118,30 +126,33 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
             .cloned()
             .collect();
         seen = now;
+        let fresh = load_files(&changed, &mut problems);
         // Only the keys of the files that changed can change.
         let mut keys: BTreeSet<ResourceKey> = BTreeSet::new();
         for f in changed.iter().chain(&gone) {
-            if let Some(old) = by_file.remove(f) {
-                keys.extend(old.into_keys());
+            if let Some(old) = by_file.get(f) {
+                keys.extend(old.keys().cloned());
             }
+        }
+        for objects in fresh.values() {
+            keys.extend(objects.keys().cloned());
+        }
+        let before: BTreeMap<ResourceKey, Option<Resource>> = keys
+            .iter()
+            .map(|k| (k.clone(), winner(&by_file, k).cloned()))
+            .collect();
+        for f in &gone {
+            by_file.remove(f);
             problems.remove(f);
         }
-        for (f, objects) in load_files(&changed, &mut problems) {
-            keys.extend(objects.keys().cloned());
-            by_file.insert(f, objects);
-        }
+        by_file.extend(fresh);
         let mut updates = Vec::new();
-        for k in keys {
-            let now = by_file.values().rev().find_map(|objs| objs.get(&k));
-            match (state.get(&k), now) {
-                (old, Some(new)) if old != Some(new) => {
-                    state.insert(k, new.clone());
-                    updates.push(Update::Apply(new.clone()));
+        for (k, old) in before {
+            match (old, winner(&by_file, &k)) {
+                (old, Some(new)) if old.as_ref() != Some(new) => {
+                    updates.push(Update::Apply(new.clone()))
                 }
-                (Some(_), None) => {
-                    state.remove(&k);
-                    updates.push(Update::Delete(k));
-                }
+                (Some(_), None) => updates.push(Update::Delete(k)),
                 _ => {}
             }
         }
