@@ -339,3 +339,30 @@ async fn a_stalled_agent_is_cut_off_not_buffered_forever() {
     );
     drop(stalled);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_reports_close_the_stream_with_a_clear_status() {
+    let ds = example_datastore();
+    let server = Server::start(ds.path(), &["--max-recv-bytes", "65536"]);
+    let mut a = connect(&server.grpc, hello("node-1")).await.unwrap();
+    a.next().await.unwrap();
+    a.snapshot().await;
+    // A 1 MiB heartbeat timestamp: far above the limit.
+    a.tx.send(pb::FromDataplane {
+        sequence_number: 2,
+        payload: Some(From::ProcessStatusUpdate(pb::ProcessStatusUpdate {
+            iso_timestamp: "x".repeat(1 << 20),
+            uptime: 1.0,
+        })),
+    })
+    .await
+    .unwrap();
+    let err = loop {
+        match a.next().await {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
+    assert!(err.message().contains("too large"), "{}", err.message());
+}

@@ -45,9 +45,12 @@ pub enum Input {
         conn: Conn,
         reply: oneshot::Sender<Result<(), Status>>,
     },
+    /// The agent's side of stream `id` ended; `status`, when set, is sent to the agent as the
+    /// reason its stream is closed (a protocol error on its side).
     Disconnect {
         node: String,
         id: u64,
+        status: Option<Status>,
     },
     /// Close every stream (server shutting down).
     Shutdown,
@@ -192,9 +195,13 @@ impl Engine {
                 self.conns.insert(node, conn);
                 let _ = reply.send(Ok(()));
             }
-            Input::Disconnect { node, id } => {
+            Input::Disconnect { node, id, status } => {
                 if self.conns.get(&node).is_some_and(|c| c.id == id) {
-                    self.conns.remove(&node);
+                    if let Some(conn) = self.conns.remove(&node)
+                        && let Some(status) = status
+                    {
+                        let _ = conn.tx.send(Out::Close(status));
+                    }
                     self.graph.unsubscribe(&node);
                     self.snapshotting.remove(&node);
                     self.waiting.retain(|n| n != &node);

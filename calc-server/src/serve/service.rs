@@ -164,20 +164,27 @@ impl pb::calc_server_server::CalcServer for SyncService {
         let reader_node = node.clone();
         tokio::spawn(async move {
             let mut last = first.sequence_number;
-            let reason = loop {
+            let (reason, status) = loop {
                 match inbound.next().await {
                     Some(Ok(m)) => {
                         if m.sequence_number <= last && m.sequence_number != 0 {
-                            break format!(
+                            let why = format!(
                                 "sequence number went from {last} to {}",
                                 m.sequence_number
                             );
+                            break (why.clone(), Some(Status::invalid_argument(why)));
                         }
                         last = m.sequence_number;
                         board.report(&reader_node, &m);
                     }
-                    Some(Err(e)) => break format!("receive error: {}", e.message()),
-                    None => break "agent closed its side".to_string(),
+                    // Oversized or undecodable messages: the agent is told why.
+                    Some(Err(e)) => {
+                        break (
+                            format!("receive error: {}", e.message()),
+                            Some(Status::new(e.code(), e.message().to_string())),
+                        );
+                    }
+                    None => break ("agent closed its side".to_string(), None),
                 }
             };
             span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
@@ -185,6 +192,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 .send(Input::Disconnect {
                     node: reader_node,
                     id,
+                    status,
                 })
                 .await;
         });
