@@ -61,7 +61,8 @@ pub fn load(paths: &[PathBuf]) -> Report {
     report
 }
 
-fn is_manifest(p: &Path) -> bool {
+/// Whether a path is a manifest file by its extension (editor backups such as `a.yaml~` are not).
+pub fn is_manifest(p: &Path) -> bool {
     matches!(
         p.extension().and_then(|e| e.to_str()),
         Some("yaml" | "yml" | "json")

@@ -148,3 +148,44 @@ fn a_restarted_server_converges_the_agent_to_a_fresh_agents_state() {
     // The fresh agent replaced the first one's stream; compare what both programmed.
     assert_eq!(dataplane(&agent.state().unwrap()), dataplane(&f));
 }
+
+#[test]
+fn a_broken_edit_keeps_the_last_good_version() {
+    let ds = example_datastore();
+    let work = tempfile::tempdir().unwrap();
+    let server = Server::start(ds.path(), &[]);
+    let b = Agent::start(work.path(), &server.grpc, "node-2");
+    b.wait_for("in sync", |s| s["in_sync"] == true);
+    let path = ds.path().join("policies.yaml");
+    let good = std::fs::read_to_string(&path).unwrap();
+    // An editor's backup of an older version next to the file is not a manifest.
+    std::fs::write(ds.path().join("policies.yaml~"), "garbage: [").unwrap();
+    // Break allow-postgres's selector: the policy must stay as it was on the node.
+    let broken = good.replace("  selector: app == 'postgres'", "  selector: app ==");
+    assert_ne!(broken, good);
+    std::fs::write(&path, &broken).unwrap();
+    let mut logged = false;
+    for _ in 0..100 {
+        if server.log_text().contains("allow-postgres") {
+            logged = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        logged,
+        "the bad object is reported by name: {}",
+        server.log_text()
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let s = b.state().unwrap();
+    assert!(
+        keys(&s, "policies").contains(&"NetworkPolicy/db/allow-postgres".to_string()),
+        "{:?}",
+        keys(&s, "policies")
+    );
+    assert!(
+        !server.log_text().contains("policies.yaml~"),
+        "backups are ignored"
+    );
+}

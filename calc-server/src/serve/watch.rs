@@ -1,7 +1,9 @@
 //! File datastore watcher: polls the manifest directory and turns changes into graph updates.
 //!
-//! Polling (a listing of paths, sizes and modification times, every interval) is used rather
-//! than inotify so it works the same on every filesystem, including bind-mounted ConfigMaps.
+//! Polling (a listing of manifest paths, sizes and modification times, every interval, following
+//! symlinks) is used rather than inotify so it works the same on every filesystem, including
+//! ConfigMap volumes (whose files are links into a directory swapped on update). An edit that
+//! makes an object invalid keeps its last good version.
 //! On a change the directory is reloaded and compared with the last load: changed or new
 //! objects become `Apply`, vanished ones `Delete`. Problems are logged once each, by file.
 
@@ -30,15 +32,17 @@ fn listing(dir: &Path) -> Listing {
             if name.starts_with('.') || (p == root && name == "status") {
                 continue;
             }
-            match e.metadata() {
+            // Follow symlinks: a Kubernetes ConfigMap volume is `name -> ..data/name` and an update
+            // swaps `..data`, which only shows through the link's target.
+            match std::fs::metadata(&path) {
                 Ok(m) if m.is_dir() => walk(root, &path, out),
-                Ok(m) => {
+                Ok(m) if manifest_dir::is_manifest(&path) => {
                     out.insert(
                         path,
                         (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
                     );
                 }
-                Err(_) => {}
+                _ => {}
             }
         }
     }
@@ -48,27 +52,36 @@ fn listing(dir: &Path) -> Listing {
 }
 
 /// Loads some manifest files; returns each file's valid resources and logs new problems.
+/// A file with any problem (unreadable, not YAML/JSON, an invalid object) keeps the objects it
+/// had before that are missing now: an edit that breaks an object must not delete it (the last
+/// good version stays), and a deletion from a broken file waits until the file is fixed.
 fn load_files(
     files: &[PathBuf],
     seen_problems: &mut BTreeMap<PathBuf, BTreeSet<String>>,
+    previous: &BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
 ) -> BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>> {
     let mut out = BTreeMap::new();
     for f in files {
         let report = manifest_dir::load(std::slice::from_ref(f));
+        let mut objects: BTreeMap<ResourceKey, Resource> = report
+            .resources
+            .into_iter()
+            .map(|(k, (_, r))| (k, r))
+            .collect();
+        if !report.problems.is_empty()
+            && let Some(old) = previous.get(f)
+        {
+            for (k, r) in old {
+                objects.entry(k.clone()).or_insert_with(|| r.clone());
+            }
+        }
         let now: BTreeSet<String> = report.problems.iter().map(ToString::to_string).collect();
         let before = seen_problems.remove(f).unwrap_or_default();
         for p in now.difference(&before) {
             tracing::warn!(problem = %p, "manifest skipped");
         }
         seen_problems.insert(f.clone(), now);
-        out.insert(
-            f.clone(),
-            report
-                .resources
-                .into_iter()
-                .map(|(k, (_, r))| (k, r))
-                .collect(),
-        );
+        out.insert(f.clone(), objects);
     }
     out
 }
@@ -101,7 +114,7 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
     let mut problems = BTreeMap::new();
     let mut seen = listing(&dir);
     let files: Vec<PathBuf> = seen.keys().cloned().collect();
-    let mut by_file = load_files(&files, &mut problems);
+    let mut by_file = load_files(&files, &mut problems, &BTreeMap::new());
     let mut first: Vec<Update> = merged(&by_file).into_values().map(Update::Apply).collect();
     tracing::info!(dir = %dir.display(), objects = first.len(), "file datastore loaded");
     first.push(Update::InSync);
@@ -126,7 +139,7 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
             .cloned()
             .collect();
         seen = now;
-        let fresh = load_files(&changed, &mut problems);
+        let fresh = load_files(&changed, &mut problems, &by_file);
         // Only the keys of the files that changed can change.
         let mut keys: BTreeSet<ResourceKey> = BTreeSet::new();
         for f in changed.iter().chain(&gone) {
