@@ -295,10 +295,16 @@ fn convert_rule(r: &Rule, ns: &str) -> Result<ModelRule, String> {
             .as_ref()
             .map(|m| (m.names.clone(), m.selector.clone()))
     };
+    // A service named in a namespaced policy without a namespace is in the policy's.
     let svc = |er: &EntityRule| {
-        er.services
-            .as_ref()
-            .map(|s| (s.name.clone(), s.namespace.clone()))
+        er.services.as_ref().map(|s| {
+            let ns = if s.namespace.is_empty() {
+                ns.to_string()
+            } else {
+                s.namespace.clone()
+            };
+            (s.name.clone(), ns)
+        })
     };
     Ok(ModelRule {
         action,
@@ -417,10 +423,16 @@ fn named_ports(ports: &[crate::model::EndpointPort]) -> Vec<NamedPort> {
         .iter()
         .filter(|p| !p.name.is_empty())
         .filter_map(|p| {
-            let proto = p.protocol.as_ref()?.lowercase_name()?;
+            // Numeric protocols match as Felix's named-port index does (6, 17, 132).
+            let proto = match p.protocol.as_ref()?.number()? {
+                6 => "tcp",
+                17 => "udp",
+                132 => "sctp",
+                _ => return None,
+            };
             Some(NamedPort {
                 name: p.name.clone(),
-                protocol: proto,
+                protocol: proto.to_string(),
                 port: u16::try_from(p.port).ok()?,
             })
         })
@@ -507,12 +519,18 @@ pub fn convert_workload_endpoint(
 
 /// Converts a HostEndpoint.
 pub fn convert_host_endpoint(meta: &ObjectMeta, spec: &HostEndpointSpec) -> EndpointModel {
+    // Canonical text ("FD00::1" → "fd00::1") so a host and a workload with one address make
+    // one IP-set member.
     let (mut v4, mut v6) = (Vec::new(), Vec::new());
-    for ip in &spec.expected_ips {
-        if ip.contains(':') {
-            v6.push(ip.clone());
+    for ip in spec
+        .expected_ips
+        .iter()
+        .filter_map(|ip| ip.parse::<std::net::IpAddr>().ok())
+    {
+        if ip.is_ipv6() {
+            v6.push(ip.to_string());
         } else {
-            v4.push(ip.clone());
+            v4.push(ip.to_string());
         }
     }
     let as_nets = |ips: &[String], bits: u8| -> Vec<String> {

@@ -568,10 +568,13 @@ impl CalcGraph {
                         members: FxHashMap::default(),
                     },
                 );
-                let endpoints_only = matches!(spec.kind, IpSetKind::NamedPort { .. });
-                self.index
-                    .add_selector(sel, spec.selector.clone(), endpoints_only);
-                self.process_events();
+                // Service sets have no label selector (and no members until services are tracked).
+                if !matches!(spec.kind, IpSetKind::Service { .. }) {
+                    let endpoints_only = matches!(spec.kind, IpSetKind::NamedPort { .. });
+                    self.index
+                        .add_selector(sel, spec.selector.clone(), endpoints_only);
+                    self.process_events();
+                }
             }
             ids.push(id);
         }

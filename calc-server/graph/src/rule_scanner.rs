@@ -26,6 +26,13 @@ pub enum IpSetKind {
     Net,
     /// `ip,proto:port` of matching endpoints' named port.
     NamedPort { protocol: String, name: String },
+    /// A Kubernetes Service's addresses (`<namespace>/<name>`), with its ports for a
+    /// destination match. Services are not tracked yet, so such a set stays empty and a rule
+    /// that uses it matches nothing, as Felix's does for an unknown service (never wider).
+    Service {
+        service: String,
+        include_ports: bool,
+    },
 }
 
 /// One IP set a rule needs.
@@ -56,10 +63,31 @@ impl IpSetSpec {
         }
     }
 
+    fn service(service: String, include_ports: bool) -> IpSetSpec {
+        let prefix = if include_ports { "svc" } else { "svcnoport" };
+        IpSetSpec {
+            id: crate::hash::make_unique_id(prefix, &service),
+            // Not used: service sets are not matched against labels.
+            selector: Selector::all(),
+            kind: IpSetKind::Service {
+                service,
+                include_ports,
+            },
+        }
+    }
+
     pub fn proto_type(&self) -> pb::ip_set_update::IpSetType {
         match self.kind {
-            IpSetKind::Net => pb::ip_set_update::IpSetType::Net,
-            IpSetKind::NamedPort { .. } => pb::ip_set_update::IpSetType::IpAndPort,
+            IpSetKind::Net
+            | IpSetKind::Service {
+                include_ports: false,
+                ..
+            } => pb::ip_set_update::IpSetType::Net,
+            IpSetKind::NamedPort { .. }
+            | IpSetKind::Service {
+                include_ports: true,
+                ..
+            } => pb::ip_set_update::IpSetType::IpAndPort,
         }
     }
 }
@@ -148,9 +176,13 @@ fn ip_version(v: Option<i64>, proto: &Option<Protocol>) -> i32 {
     match v {
         Some(4) => pb::IpVersion::Ipv4 as i32,
         Some(6) => pb::IpVersion::Ipv6 as i32,
+        // Felix infers the version from the protocol's name only (`icmp`, `icmpv6`), not
+        // from numbers 1 or 58.
         _ => match proto {
-            Some(p) if p.is_icmp() => pb::IpVersion::Ipv4 as i32,
-            Some(p) if p.is_icmpv6() => pb::IpVersion::Ipv6 as i32,
+            Some(Protocol::Name(n)) if n.eq_ignore_ascii_case("icmp") => pb::IpVersion::Ipv4 as i32,
+            Some(Protocol::Name(n)) if n.eq_ignore_ascii_case("icmpv6") => {
+                pb::IpVersion::Ipv6 as i32
+            }
             _ => pb::IpVersion::Any as i32,
         },
     }
@@ -211,6 +243,17 @@ pub fn scan_rule(r: &ModelRule) -> Result<(pb::Rule, Vec<IpSetSpec>), String> {
     };
     let not_src_sel: Vec<IpSetSpec> = not_src.iter().map(IpSetSpec::selector).collect();
     let not_dst_sel: Vec<IpSetSpec> = not_dst.iter().map(IpSetSpec::selector).collect();
+    // Services, as Felix's rule scanner: the destination's addresses and ports, the source's
+    // addresses.
+    let mut src_sel = src_sel;
+    if let Some((name, ns)) = &r.src_service {
+        src_sel.push(IpSetSpec::service(format!("{ns}/{name}"), false));
+    }
+    let dst_port_sets: Vec<IpSetSpec> = r
+        .dst_service
+        .iter()
+        .map(|(name, ns)| IpSetSpec::service(format!("{ns}/{name}"), true))
+        .collect();
 
     let ids = |v: &[IpSetSpec]| v.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
     let icmp = |t: Option<i64>, c: Option<i64>| match (t, c) {
@@ -230,6 +273,7 @@ pub fn scan_rule(r: &ModelRule) -> Result<(pb::Rule, Vec<IpSetSpec>), String> {
         dst_named_port_ip_set_ids: ids(&dst_np),
         src_ip_set_ids: ids(&src_sel),
         dst_ip_set_ids: ids(&dst_sel),
+        dst_ip_port_set_ids: ids(&dst_port_sets),
         not_protocol: proto_protocol(&r.not_protocol),
         not_src_net: r.not_src_nets.clone(),
         not_src_ports,
@@ -306,6 +350,7 @@ pub fn scan_rule(r: &ModelRule) -> Result<(pb::Rule, Vec<IpSetSpec>), String> {
         not_dst_np,
         src_sel,
         dst_sel,
+        dst_port_sets,
         not_src_sel,
         not_dst_sel,
     ] {
@@ -425,6 +470,29 @@ mod tests {
                 r#type: 1,
                 code: 4
             }))
+        );
+    }
+
+    #[test]
+    fn service_matches_use_empty_service_sets() {
+        // Felix: an unknown service's set is empty, so the rule matches nothing (never wider).
+        let (r, sets) = scan_rule(&rule(|r| {
+            r.dst_service = Some(("db".into(), "prod".into()));
+            r.src_service = Some(("web".into(), "prod".into()));
+        }))
+        .unwrap();
+        assert_eq!(
+            r.dst_ip_port_set_ids,
+            vec![crate::hash::make_unique_id("svc", "prod/db")]
+        );
+        assert_eq!(
+            r.src_ip_set_ids,
+            vec![crate::hash::make_unique_id("svcnoport", "prod/web")]
+        );
+        assert_eq!(sets.len(), 2);
+        assert_eq!(
+            sets[1].proto_type(),
+            pb::ip_set_update::IpSetType::IpAndPort
         );
     }
 
