@@ -235,6 +235,12 @@ async fn bad_first_messages_are_refused_while_a_good_agent_syncs() {
         Ok(mut a) => a.next().await.expect_err("refused"),
     };
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    // A node name that is not a DNS name (it would become a status file path).
+    let err = match connect(&server.grpc, hello("../../etc/x")).await {
+        Err(e) => e,
+        Ok(mut a) => a.next().await.expect_err("refused"),
+    };
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     // Silence: no hello within the timeout.
     let mut client = CalcServerClient::connect(server.grpc.clone())
         .await

@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use calc_graph::graph::{CalcGraph, SharedMessage, Update};
 use tokio::sync::{mpsc, oneshot};
@@ -31,8 +31,29 @@ pub enum Out {
 pub struct Conn {
     pub id: u64,
     pub tx: mpsc::UnboundedSender<Out>,
-    /// Messages queued but not yet taken by the stream.
-    pub backlog: Arc<AtomicUsize>,
+    /// Messages the stream has taken from the queue (counted by the stream).
+    pub taken: Arc<AtomicU64>,
+    /// Messages the engine has queued.
+    pub queued: u64,
+    /// Where the node's snapshot ends in the queue, once it has been queued.
+    pub snapshot_end: Option<u64>,
+}
+
+impl Conn {
+    pub fn new(id: u64, tx: mpsc::UnboundedSender<Out>, taken: Arc<AtomicU64>) -> Conn {
+        Conn {
+            id,
+            tx,
+            taken,
+            queued: 0,
+            snapshot_end: None,
+        }
+    }
+
+    fn backlog(&self) -> u64 {
+        self.queued
+            .saturating_sub(self.taken.load(Ordering::Relaxed))
+    }
 }
 
 pub enum Input {
@@ -93,13 +114,15 @@ impl Engine {
         }
     }
 
-    /// Ends finished snapshots and starts waiting ones, up to the limit.
+    /// Ends finished snapshots and starts waiting ones, up to the limit. A snapshot is
+    /// finished when the stream has taken its last message, whatever came after it.
     fn admit(&mut self) {
         let conns = &self.conns;
         self.snapshotting.retain(|n| {
-            conns
-                .get(n)
-                .is_some_and(|c| c.backlog.load(Ordering::Relaxed) > 0)
+            conns.get(n).is_some_and(|c| {
+                c.snapshot_end
+                    .is_none_or(|end| c.taken.load(Ordering::Relaxed) < end)
+            })
         });
         while self.snapshotting.len() < self.max_concurrent_snapshots {
             let Some(node) = self.waiting.pop_front() else {
@@ -137,6 +160,7 @@ impl Engine {
             for input in inputs {
                 stop |= self.handle(input);
             }
+            self.sweep_closed();
             self.admit();
             self.flush();
             if self.graph.in_sync() {
@@ -152,6 +176,29 @@ impl Engine {
                 return;
             }
         }
+    }
+
+    /// Forgets connections whose stream is gone (the agent went away, or the handshake was
+    /// abandoned after the engine accepted it).
+    fn sweep_closed(&mut self) {
+        let closed: Vec<String> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.tx.is_closed())
+            .map(|(n, _)| n.clone())
+            .collect();
+        for node in closed {
+            self.drop_conn(&node);
+        }
+    }
+
+    fn drop_conn(&mut self, node: &str) -> Option<Conn> {
+        let conn = self.conns.remove(node)?;
+        self.graph.unsubscribe(node);
+        self.snapshotting.remove(node);
+        self.waiting.retain(|n| n != node);
+        self.board.disconnected(node);
+        Some(conn)
     }
 
     fn handle(&mut self, input: Input) -> bool {
@@ -191,21 +238,16 @@ impl Engine {
                 self.snapshotting.remove(&node);
                 self.waiting.retain(|n| n != &node);
                 self.waiting.push_back(node.clone());
-                self.board.connected(&node, &agent_version);
+                self.board.connected(&node, conn.id, &agent_version);
                 self.conns.insert(node, conn);
                 let _ = reply.send(Ok(()));
             }
             Input::Disconnect { node, id, status } => {
-                if self.conns.get(&node).is_some_and(|c| c.id == id) {
-                    if let Some(conn) = self.conns.remove(&node)
-                        && let Some(status) = status
-                    {
-                        let _ = conn.tx.send(Out::Close(status));
-                    }
-                    self.graph.unsubscribe(&node);
-                    self.snapshotting.remove(&node);
-                    self.waiting.retain(|n| n != &node);
-                    self.board.disconnected(&node);
+                if self.conns.get(&node).is_some_and(|c| c.id == id)
+                    && let Some(conn) = self.drop_conn(&node)
+                    && let Some(status) = status
+                {
+                    let _ = conn.tx.send(Out::Close(status));
                 }
             }
             Input::Shutdown => return true,
@@ -216,33 +258,35 @@ impl Engine {
     fn flush(&mut self) {
         let conns = &mut self.conns;
         let board = &self.board;
-        let limit = self.backlog_limit;
+        let snapshotting = &self.snapshotting;
+        let limit = self.backlog_limit as u64;
         let mut overflowed = Vec::new();
         self.graph.flush_with(|batch| {
-            let Some(conn) = conns.get(&batch.node) else {
+            let Some(conn) = conns.get_mut(&batch.node) else {
                 return;
             };
-            let queued = conn.backlog.load(Ordering::Relaxed);
-            if queued + batch.messages.len() > limit && queued > 0 {
+            let n = batch.messages.len() as u64;
+            let backlog = conn.backlog();
+            if backlog + n > limit && backlog > 0 {
                 overflowed.push(batch.node.clone());
                 return;
             }
-            conn.backlog
-                .fetch_add(batch.messages.len(), Ordering::Relaxed);
-            board.sent(&batch.node, batch.messages.len() as u64);
+            conn.queued += n;
+            // The node's first batch after it was admitted is its snapshot.
+            if conn.snapshot_end.is_none() && snapshotting.contains(&batch.node) {
+                conn.snapshot_end = Some(conn.queued);
+            }
+            board.sent(&batch.node, n);
             for m in batch.messages {
                 let _ = conn.tx.send(Out::Msg(m));
             }
         });
         for node in overflowed {
-            if let Some(conn) = self.conns.remove(&node) {
+            if let Some(conn) = self.drop_conn(&node) {
                 tracing::warn!(%node, limit, "agent fell too far behind; closing its stream so it resyncs");
                 let _ = conn.tx.send(Out::Close(Status::resource_exhausted(format!(
                     "node {node} fell more than {limit} messages behind; reconnect for a fresh snapshot"
                 ))));
-                self.graph.unsubscribe(&node);
-                self.snapshotting.remove(&node);
-                self.board.disconnected(&node);
             }
         }
     }

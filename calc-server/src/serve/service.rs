@@ -7,7 +7,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use felix_proto as pb;
@@ -37,7 +37,7 @@ type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Se
 struct Outgoing {
     hello: Option<pb::ToDataplane>,
     rx: mpsc::UnboundedReceiver<Out>,
-    backlog: Arc<AtomicUsize>,
+    taken: Arc<AtomicU64>,
     seq: u64,
     done: bool,
 }
@@ -60,7 +60,7 @@ impl Stream for Outgoing {
         }
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(Out::Msg(m))) => {
-                self.backlog.fetch_sub(1, Ordering::Relaxed);
+                self.taken.fetch_add(1, Ordering::Relaxed);
                 self.seq += 1;
                 let mut m = (*m).clone();
                 m.sequence_number = self.seq;
@@ -82,12 +82,12 @@ impl Stream for Outgoing {
 fn outgoing(
     hello: pb::ToDataplane,
     rx: mpsc::UnboundedReceiver<Out>,
-    backlog: Arc<AtomicUsize>,
+    taken: Arc<AtomicU64>,
 ) -> OutStream {
     Box::pin(Outgoing {
         hello: Some(hello),
         rx,
-        backlog,
+        taken,
         seq: 0,
         done: false,
     })
@@ -129,24 +129,40 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 )));
             }
         };
-        if hello.node_name.is_empty() {
-            return Err(Status::invalid_argument("AgentHello.node_name is empty"));
+        if !calc_graph::model::validate::is_subdomain(&hello.node_name) {
+            return Err(Status::invalid_argument(format!(
+                "AgentHello.node_name {:?} is not a valid node name (a DNS subdomain)",
+                hello.node_name
+            )));
         }
         let node = hello.node_name.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
-        let backlog = Arc::new(AtomicUsize::new(0));
+        let taken = Arc::new(AtomicU64::new(0));
+        // When the outgoing stream goes away (the agent left, or this handshake was abandoned
+        // even after the engine accepted it), the engine forgets the connection.
+        {
+            let watch = tx.clone();
+            let engine = self.engine.clone();
+            let node = node.clone();
+            tokio::spawn(async move {
+                watch.closed().await;
+                let _ = engine
+                    .send(Input::Disconnect {
+                        node,
+                        id,
+                        status: None,
+                    })
+                    .await;
+            });
+        }
         let (reply_tx, reply_rx) = oneshot::channel();
         self.engine
             .send(Input::Connect {
                 node: node.clone(),
                 agent_version: hello.agent_version.clone(),
-                conn: Conn {
-                    id,
-                    tx,
-                    backlog: backlog.clone(),
-                },
+                conn: Conn::new(id, tx, taken.clone()),
                 reply: reply_tx,
             })
             .await
@@ -158,43 +174,49 @@ impl pb::calc_server_server::CalcServer for SyncService {
             || tracing::info!(?peer, agent_version = %hello.agent_version, "agent connected"),
         );
 
-        // Reports back: to the board until the agent's side ends, then tell the engine.
+        // Reports back: to the board. A protocol error ends the stream with its reason; an
+        // agent that only closes its sending side keeps receiving.
         let engine = self.engine.clone();
         let board = self.board.clone();
         let reader_node = node.clone();
         tokio::spawn(async move {
             let mut last = first.sequence_number;
-            let (reason, status) = loop {
+            let failure = loop {
                 match inbound.next().await {
                     Some(Ok(m)) => {
-                        if m.sequence_number <= last && m.sequence_number != 0 {
+                        if m.sequence_number != last + 1 {
                             let why = format!(
-                                "sequence number went from {last} to {}",
+                                "sequence number {} after {last}: reports must be numbered one by one",
                                 m.sequence_number
                             );
-                            break (why.clone(), Some(Status::invalid_argument(why)));
+                            break Some((why.clone(), Status::invalid_argument(why)));
                         }
                         last = m.sequence_number;
-                        board.report(&reader_node, &m);
+                        board.report(&reader_node, id, &m);
                     }
                     // Oversized or undecodable messages: the agent is told why.
                     Some(Err(e)) => {
-                        break (
+                        break Some((
                             format!("receive error: {}", e.message()),
-                            Some(Status::new(e.code(), e.message().to_string())),
-                        );
+                            Status::new(e.code(), e.message().to_string()),
+                        ));
                     }
-                    None => break ("agent closed its side".to_string(), None),
+                    None => break None,
                 }
             };
-            span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
-            let _ = engine
-                .send(Input::Disconnect {
-                    node: reader_node,
-                    id,
-                    status,
-                })
-                .await;
+            match failure {
+                Some((reason, status)) => {
+                    span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
+                    let _ = engine
+                        .send(Input::Disconnect {
+                            node: reader_node,
+                            id,
+                            status: Some(status),
+                        })
+                        .await;
+                }
+                None => span.in_scope(|| tracing::debug!("agent closed its sending side")),
+            }
         });
 
         let server_hello = pb::ToDataplane {
@@ -205,6 +227,6 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 node_name: node,
             })),
         };
-        Ok(Response::new(outgoing(server_hello, rx, backlog)))
+        Ok(Response::new(outgoing(server_hello, rx, taken)))
     }
 }

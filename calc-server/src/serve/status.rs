@@ -29,6 +29,9 @@ pub struct NodeStatus {
     pub last_sequence_received: u64,
     /// Messages sent to the node on the current stream.
     pub messages_sent: u64,
+    /// The current stream's connection id: reports from an older stream are ignored.
+    #[serde(skip)]
+    pub conn_id: u64,
     pub agent_version: String,
     /// Latest heartbeat: timestamp and uptime as the agent reported them.
     pub last_heartbeat: Option<Heartbeat>,
@@ -98,8 +101,9 @@ impl Board {
     }
 
     /// A new stream for `node` started (replacing any previous one).
-    pub fn connected(&self, node: &str, agent_version: &str) {
+    pub fn connected(&self, node: &str, conn_id: u64, agent_version: &str) {
         self.with(node, |s| {
+            s.conn_id = conn_id;
             s.connected = true;
             s.connected_since = rfc3339(SystemTime::now());
             s.dataplane_in_sync = false;
@@ -119,8 +123,26 @@ impl Board {
         }
     }
 
-    /// Records one report from a node's agent.
-    pub fn report(&self, node: &str, msg: &pb::FromDataplane) {
+    /// Marks a node's status for writing again (after a failed write).
+    pub fn mark_dirty(&self, node: &str) {
+        self.dirty
+            .lock()
+            .expect("status dirty lock")
+            .insert(node.to_string());
+    }
+
+    /// Records one report from a node's agent on stream `conn_id`; a report from a stream that
+    /// has since been replaced is ignored.
+    pub fn report(&self, node: &str, conn_id: u64, msg: &pb::FromDataplane) {
+        let current = self
+            .nodes
+            .lock()
+            .expect("status board lock")
+            .get(node)
+            .is_some_and(|s| s.conn_id == conn_id);
+        if !current {
+            return;
+        }
         self.with(node, |s| {
             s.last_sequence_received = s.last_sequence_received.max(msg.sequence_number);
             match &msg.payload {
@@ -161,7 +183,8 @@ impl Board {
             .collect()
     }
 
-    fn take_dirty(&self) -> Vec<NodeStatus> {
+    /// The nodes whose status changed since the last call (status writers).
+    pub fn take_dirty(&self) -> Vec<NodeStatus> {
         let dirty = std::mem::take(&mut *self.dirty.lock().expect("status dirty lock"));
         let nodes = self.nodes.lock().expect("status board lock");
         dirty.iter().filter_map(|n| nodes.get(n).cloned()).collect()
@@ -175,7 +198,8 @@ pub async fn file_writer(board: Arc<Board>, dir: PathBuf, interval: std::time::D
         tick.tick().await;
         for st in board.take_dirty() {
             if let Err(error) = write_atomic(&dir.join("status"), &st).await {
-                tracing::warn!(%error, node = %st.node, "writing endpoint status failed");
+                tracing::warn!(%error, node = %st.node, "writing endpoint status failed; will retry");
+                board.mark_dirty(&st.node);
             }
         }
     }
@@ -203,7 +227,7 @@ mod tests {
     #[test]
     fn reports_update_the_board() {
         let b = Board::default();
-        b.connected("n1", "0.1.0");
+        b.connected("n1", 7, "0.1.0");
         let id = pb::WorkloadEndpointId {
             orchestrator_id: "k8s".into(),
             workload_id: "ns/pod".into(),
@@ -211,6 +235,7 @@ mod tests {
         };
         b.report(
             "n1",
+            7,
             &pb::FromDataplane {
                 sequence_number: 4,
                 payload: Some(Payload::WorkloadEndpointStatusUpdate(
@@ -227,8 +252,19 @@ mod tests {
         let s = &b.snapshot()[0];
         assert_eq!(s.workload_endpoints["k8s/ns/pod/eth0"], "up");
         assert_eq!(s.last_sequence_received, 4);
+        // A report from an older, replaced stream is ignored.
         b.report(
             "n1",
+            6,
+            &pb::FromDataplane {
+                sequence_number: 9,
+                payload: Some(Payload::DataplaneInSync(pb::DataplaneInSync {})),
+            },
+        );
+        assert!(!b.snapshot()[0].dataplane_in_sync);
+        b.report(
+            "n1",
+            7,
             &pb::FromDataplane {
                 sequence_number: 5,
                 payload: Some(Payload::WorkloadEndpointStatusRemove(
