@@ -128,6 +128,10 @@ pub struct CalcGraph {
     index: LabelIndex,
     next_item: ItemId,
     next_selector: SelectorId,
+    /// Ids given back by deleted items and selectors, reused first so ids stay small and never
+    /// run out however many updates a long-running server sees.
+    free_items: Vec<ItemId>,
+    free_selectors: Vec<SelectorId>,
     /// Last good version of every accepted resource except endpoints (kept converted).
     resources: FxHashMap<Key, Resource>,
     item_of: FxHashMap<Key, ItemId>,
@@ -465,8 +469,19 @@ fn members_of(
 
 impl CalcGraph {
     fn alloc_selector(&mut self) -> SelectorId {
+        if let Some(id) = self.free_selectors.pop() {
+            return id;
+        }
         self.next_selector += 1;
         self.next_selector
+    }
+
+    fn alloc_item(&mut self) -> ItemId {
+        if let Some(id) = self.free_items.pop() {
+            return id;
+        }
+        self.next_item += 1;
+        self.next_item
     }
 
     /// Routes the label index's match events to their owners.
@@ -592,6 +607,7 @@ impl CalcGraph {
                 self.index.remove_selector(sel);
                 self.process_events();
                 self.selector_owner.remove(&sel);
+                self.free_selectors.push(sel);
                 self.ipsets.remove(id);
             }
         }
@@ -806,6 +822,7 @@ impl CalcGraph {
         self.index.remove_selector(sel);
         self.process_events();
         self.selector_owner.remove(&sel);
+        self.free_selectors.push(sel);
         let state = self.policies.remove(key).expect("checked above");
         if self.everywhere.remove(key) {
             self.mark_everywhere_dirty(key, &state.ipsets);
@@ -926,8 +943,7 @@ impl CalcGraph {
             return;
         }
         self.remove_endpoint(&key);
-        self.next_item += 1;
-        let item = self.next_item;
+        let item = self.alloc_item();
         let node: Name = Arc::from(model.node.as_str());
         let labels = model.labels.clone();
         let profiles = model.profile_ids.clone();
@@ -972,6 +988,7 @@ impl CalcGraph {
         self.process_events();
         self.item_of.remove(key);
         let ep = self.endpoints.remove(&item).expect("checked above");
+        self.free_items.push(item);
         {
             let n = self.node_mut(&ep.node);
             n.endpoints.remove(key);
@@ -985,8 +1002,7 @@ impl CalcGraph {
 
     fn set_netset(&mut self, key: Key, meta: &ObjectMeta, nets: &[String]) {
         self.remove_netset(&key);
-        self.next_item += 1;
-        let item = self.next_item;
+        let item = self.alloc_item();
         let mut labels = meta.labels.clone();
         let mut parents = Vec::new();
         if let Some(ns) = &key.namespace {
@@ -1020,6 +1036,7 @@ impl CalcGraph {
         self.process_events();
         self.item_of.remove(key);
         self.netsets.remove(&item);
+        self.free_items.push(item);
     }
 }
 
@@ -1347,6 +1364,7 @@ impl CalcGraph {
         for n in stale {
             self.prune_node(&n);
         }
+        self.index.collect_garbage();
     }
 
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot

@@ -103,6 +103,8 @@ pub struct LabelIndex {
     sels_by_key: FxHashMap<Sym, FxHashSet<SelectorId>>,
     unrestricted: FxHashSet<SelectorId>,
     interned: FxHashSet<Sym>,
+    /// Interned strings after the last clean-up (see `collect_garbage`).
+    interned_after_gc: usize,
     events: Vec<MatchEvent>,
 }
 
@@ -118,6 +120,17 @@ impl LabelIndex {
         let x: Sym = Arc::from(s);
         self.interned.insert(x.clone());
         x
+    }
+
+    /// Forgets interned label strings nothing uses any more, once the table has doubled since
+    /// the last clean-up: labels with unique values (pod hashes, job ids) must not make the
+    /// index grow for ever. Cheap to call often.
+    pub fn collect_garbage(&mut self) {
+        if self.interned.len() <= 2 * self.interned_after_gc + 1024 {
+            return;
+        }
+        self.interned.retain(|s| Arc::strong_count(s) > 1);
+        self.interned_after_gc = self.interned.len();
     }
 
     /// Drains the match events produced since the last call, in the order they happened.
@@ -604,6 +617,25 @@ mod tests {
         ix.set_parent_labels("late", &labels(&[("color", "red")]));
         ix.set_item(3, ItemClass::Endpoint, &labels(&[]), &["late".into()]);
         assert_eq!(matched(&ix, 2), vec![3]);
+    }
+
+    #[test]
+    fn unused_interned_strings_are_collected() {
+        let mut ix = LabelIndex::new();
+        for i in 0..5000u32 {
+            ix.set_item(
+                1,
+                ItemClass::Endpoint,
+                &labels(&[("pod-hash", &format!("h{i}"))]),
+                &[],
+            );
+        }
+        ix.collect_garbage();
+        assert!(
+            ix.interned.len() < 10,
+            "only live strings stay: {}",
+            ix.interned.len()
+        );
     }
 
     #[test]
