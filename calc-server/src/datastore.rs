@@ -1,12 +1,14 @@
 //! Datastore adapters: each turns its source into graph [`Update`]s. Thin by design
 //! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph.
 //!
-//! Today: the file datastore (a directory of Calico v3 manifests) as a one-shot snapshot.
+//! One-shot snapshots (for `compute`): the file datastore (a directory of Calico v3 manifests)
+//! and etcd v3 in Calico's layout (`crate::etcd`). `serve` watches both.
 
 use std::path::{Path, PathBuf};
 
 use calc_graph::graph::Update;
 
+use crate::etcd::EtcdArgs;
 use crate::manifest_dir;
 
 /// Which datastore to read.
@@ -14,13 +16,13 @@ use crate::manifest_dir;
 pub enum DatastoreType {
     /// A directory of Calico v3 YAML/JSON manifests (the embedded default).
     File,
-    /// Calico's etcd v3 layout (not implemented yet).
+    /// Calico's etcd v3 layout (`/calico/resources/v3/projectcalico.org/...`).
     Etcdv3,
     /// Calico CRDs and Kubernetes objects (not implemented yet).
     Kubernetes,
 }
 
-/// Datastore selection flags shared by `compute` and (later) `serve`.
+/// Datastore selection flags shared by `compute` and `serve`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct DatastoreArgs {
     /// Where the cluster's Calico resources come from.
@@ -29,6 +31,9 @@ pub struct DatastoreArgs {
     /// Directory of manifests for the file datastore (searched recursively; `status/` ignored).
     #[arg(long, env = "CALC_SERVER_FILE_DIR", default_value = "examples/cluster")]
     pub file_dir: PathBuf,
+    /// etcd connection (for `--datastore-type etcdv3`).
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 /// A complete snapshot: every valid object as an `Apply`, then `InSync`; problems by name.
@@ -41,8 +46,9 @@ pub struct Snapshot {
 pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
     match args.datastore_type {
         DatastoreType::File => Ok(file_snapshot(&args.file_dir)),
+        DatastoreType::Etcdv3 => etcd_snapshot(&args.etcd),
         other => anyhow::bail!(
-            "--datastore-type {} is not implemented yet; use --datastore-type file",
+            "--datastore-type {} is not implemented yet; use --datastore-type file or etcdv3",
             format!("{other:?}").to_lowercase()
         ),
     }
@@ -58,4 +64,18 @@ fn file_snapshot(dir: &Path) -> Snapshot {
         .collect();
     updates.push(Update::InSync);
     Snapshot { updates, problems }
+}
+
+fn etcd_snapshot(args: &EtcdArgs) -> anyhow::Result<Snapshot> {
+    // Two workers: one fetches the next page while the other decodes the current one.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (updates, problems) = rt.block_on(crate::etcd::watcher::snapshot(args))?;
+    let problems = problems
+        .into_iter()
+        .map(|p| format!("{}: {}", p.key, p.reason))
+        .collect();
+    Ok(Snapshot { updates, problems })
 }

@@ -9,6 +9,7 @@ mod bench;
 mod bench_sync;
 mod compute;
 mod datastore;
+mod etcd;
 mod gen_cluster;
 mod manifest_dir;
 mod serve;

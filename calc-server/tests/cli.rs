@@ -282,7 +282,7 @@ fn compute_reports_bad_manifests_and_computes_the_rest() {
 
 #[test]
 fn compute_rejects_datastores_not_implemented_yet() {
-    let o = calc_server(&["compute", "--datastore-type", "etcdv3", "--node", "n"]);
+    let o = calc_server(&["compute", "--datastore-type", "kubernetes", "--node", "n"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("not implemented yet"), "{}", stderr(&o));
 }

@@ -71,6 +71,9 @@ pub struct ServeArgs {
     /// How often changed endpoint status is written to the datastore.
     #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_interval: Duration,
+    /// etcd watch and status settings (for `--datastore-type etcdv3`).
+    #[command(flatten)]
+    pub etcd: crate::etcd::EtcdServeArgs,
 }
 
 /// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
@@ -102,17 +105,25 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        args.datastore.datastore_type == DatastoreType::File,
-        "--datastore-type {:?} is not implemented yet; use --datastore-type file",
-        args.datastore.datastore_type
-    );
-    let dir: PathBuf = args.datastore.file_dir.clone();
-    anyhow::ensure!(
-        dir.is_dir(),
-        "--file-dir {} is not a directory",
-        dir.display()
-    );
+    let source = match args.datastore.datastore_type {
+        DatastoreType::File => {
+            let dir: PathBuf = args.datastore.file_dir.clone();
+            anyhow::ensure!(
+                dir.is_dir(),
+                "--file-dir {} is not a directory",
+                dir.display()
+            );
+            dir.display().to_string()
+        }
+        DatastoreType::Etcdv3 => {
+            // Fail fast on bad URLs or TLS files; an unreachable etcd is retried.
+            crate::etcd::connect(&args.datastore.etcd).await?;
+            format!("etcd {}", args.datastore.etcd.etcd_endpoints.join(","))
+        }
+        DatastoreType::Kubernetes => {
+            anyhow::bail!("--datastore-type kubernetes is not implemented yet; use file or etcdv3")
+        }
+    };
 
     let board = Arc::new(status::Board::default());
     let ready = Arc::new(AtomicBool::new(false));
@@ -125,16 +136,54 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.max_concurrent_snapshots,
     );
     let engine_task = tokio::spawn(engine.run(engine_rx));
-    tokio::spawn(watch::run(
-        dir.clone(),
-        args.file_poll_interval,
-        engine_tx.clone(),
-    ));
-    tokio::spawn(status::file_writer(
-        board.clone(),
-        dir.clone(),
-        args.status_interval,
-    ));
+    match args.datastore.datastore_type {
+        DatastoreType::Etcdv3 => {
+            // Values the adapter rejected (a metric to surface on /metrics).
+            let rejected = Arc::new(AtomicU64::new(0));
+            let (tx, mut rx) = mpsc::channel(64);
+            let watcher = crate::etcd::watcher::Watcher::new(
+                crate::etcd::watcher::WatchConfig {
+                    args: args.datastore.etcd.clone(),
+                    resync_interval: args.etcd.etcd_resync_interval,
+                    min_backoff: Duration::from_millis(100),
+                    max_backoff: args.etcd.etcd_max_backoff,
+                },
+                tx,
+                rejected,
+            );
+            tokio::spawn(watcher.run());
+            let engine = engine_tx.clone();
+            tokio::spawn(async move {
+                while let Some(batch) = rx.recv().await {
+                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let writer = crate::etcd::status::StatusWriter::new(
+                board.clone(),
+                crate::etcd::status::StatusConfig {
+                    args: args.datastore.etcd.clone(),
+                    interval: args.status_interval,
+                    resync_interval: args.etcd.etcd_status_resync_interval,
+                },
+            );
+            tokio::spawn(writer.run());
+        }
+        _ => {
+            let dir = args.datastore.file_dir.clone();
+            tokio::spawn(watch::run(
+                dir.clone(),
+                args.file_poll_interval,
+                engine_tx.clone(),
+            ));
+            tokio::spawn(status::file_writer(
+                board.clone(),
+                dir,
+                args.status_interval,
+            ));
+        }
+    }
 
     let admin = tokio::net::TcpListener::bind(args.admin_listen)
         .await
@@ -161,12 +210,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, admin = %args.admin_listen, dir = %dir.display(), "calc-server serving");
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, datastore = %source, "calc-server serving");
     eprintln!(
-        "calc-server: serving {} on {} (admin http://{})",
-        dir.display(),
-        args.listen,
-        args.admin_listen
+        "calc-server: serving {source} on {} (admin http://{})",
+        args.listen, args.admin_listen
     );
 
     let shutdown = async move {

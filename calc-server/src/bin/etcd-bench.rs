@@ -1,0 +1,184 @@
+//! etcd-bench: helpers for the etcd cold-start benchmark (docs/benchmarks.md).
+//!
+//! - `load`: writes a `calc-server gen-cluster` directory into etcd in Calico's v3 layout
+//!   (`/calico/resources/v3/projectcalico.org/<plural>/[<ns>/]<name>`, compact JSON values),
+//!   in transactions of `--batch` puts, several in flight.
+//! - `list`: the floor: a bare paginated range read of the same prefix at one revision (values
+//!   received and kept, nothing decoded), timed.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use calc_graph::model::{Decoded, Resource};
+use clap::{Parser, Subcommand};
+use etcd_client::{Client, GetOptions, Txn, TxnOp};
+
+const PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
+
+#[derive(Parser)]
+#[command(
+    name = "etcd-bench",
+    about = "Load a generated cluster into etcd; time a bare list."
+)]
+struct Cli {
+    /// etcd endpoint URLs, comma-separated.
+    #[arg(long, default_value = "http://127.0.0.1:2379", value_delimiter = ',')]
+    endpoints: Vec<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write every object of a gen-cluster directory (JSON arrays) into etcd.
+    Load {
+        #[arg(long)]
+        dir: PathBuf,
+        /// Puts per transaction (etcd allows 128 by default).
+        #[arg(long, default_value_t = 128)]
+        batch: usize,
+        /// Transactions in flight.
+        #[arg(long, default_value_t = 4)]
+        parallel: usize,
+    },
+    /// Time a paginated range read of the Calico v3 prefix at one revision.
+    List {
+        #[arg(long, default_value_t = 4000)]
+        page_size: i64,
+        /// Repetitions; the median is reported.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let client = Client::connect(&cli.endpoints, None)
+            .await
+            .context("connecting to etcd")?;
+        match cli.command {
+            Command::Load {
+                dir,
+                batch,
+                parallel,
+            } => load(client, &dir, batch.max(1), parallel.max(1)).await,
+            Command::List { page_size, runs } => list(client, page_size, runs.max(1)).await,
+        }
+    })
+}
+
+async fn load(
+    client: Client,
+    dir: &std::path::Path,
+    batch: usize,
+    parallel: usize,
+) -> anyhow::Result<()> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    let started = Instant::now();
+    let (mut keys, mut bytes) = (0usize, 0usize);
+    let mut pending: Vec<(String, String)> = Vec::with_capacity(batch);
+    let mut inflight = tokio::task::JoinSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f)?;
+        let items: Vec<serde_json::Value> =
+            serde_json::from_str(&text).with_context(|| format!("{}", f.display()))?;
+        for v in items {
+            let value = serde_json::to_string(&v)?;
+            let key = match Resource::from_value(v) {
+                Ok(Decoded::Resource(key, _)) => key.etcd_path(),
+                _ => continue,
+            };
+            keys += 1;
+            bytes += value.len();
+            pending.push((key, value));
+            if pending.len() == batch {
+                if inflight.len() >= parallel
+                    && let Some(done) = inflight.join_next().await
+                {
+                    done??;
+                }
+                inflight.spawn(put_all(client.clone(), std::mem::take(&mut pending)));
+            }
+        }
+    }
+    if !pending.is_empty() {
+        inflight.spawn(put_all(client.clone(), pending));
+    }
+    while let Some(r) = inflight.join_next().await {
+        r??;
+    }
+    println!(
+        "loaded {keys} keys, {:.1} MiB of values, in {:.2} s",
+        bytes as f64 / 1048576.0,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn put_all(mut client: Client, kvs: Vec<(String, String)>) -> anyhow::Result<()> {
+    let ops: Vec<TxnOp> = kvs
+        .into_iter()
+        .map(|(k, v)| TxnOp::put(k, v, None))
+        .collect();
+    client.txn(Txn::new().and_then(ops)).await?;
+    Ok(())
+}
+
+async fn list(client: Client, page_size: i64, runs: usize) -> anyhow::Result<()> {
+    let mut kv = client
+        .kv_client()
+        .max_decoding_message_size(256 * 1024 * 1024);
+    let mut end = PREFIX.as_bytes().to_vec();
+    *end.last_mut().expect("non-empty prefix") += 1;
+    let mut times = Vec::new();
+    let (mut keys, mut bytes) = (0usize, 0usize);
+    for _ in 0..runs {
+        let started = Instant::now();
+        let (mut revision, mut next) = (0i64, PREFIX.as_bytes().to_vec());
+        let mut kept = Vec::new();
+        loop {
+            let mut opts = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(page_size);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let mut resp = kv.get(next.clone(), Some(opts)).await?;
+            if revision == 0 {
+                revision = resp.header().map_or(0, |h| h.revision());
+            }
+            let more = resp.more();
+            let page = resp.take_kvs();
+            if let Some(last) = page.last() {
+                next = last.key().to_vec();
+                next.push(0);
+            }
+            kept.extend(page);
+            if !more {
+                break;
+            }
+        }
+        times.push(started.elapsed().as_secs_f64());
+        keys = kept.len();
+        bytes = kept.iter().map(|k| k.value().len()).sum();
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "listed {keys} keys, {:.1} MiB of values: median {:.0} ms (min {:.0}, max {:.0}) over {runs} runs",
+        bytes as f64 / 1048576.0,
+        times[times.len() / 2] * 1000.0,
+        times[0] * 1000.0,
+        times[times.len() - 1] * 1000.0
+    );
+    Ok(())
+}

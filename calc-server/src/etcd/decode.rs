@@ -1,0 +1,328 @@
+//! One etcd key/value of Calico's v3 layout → a graph resource.
+//!
+//! Key: `/calico/resources/v3/projectcalico.org/<plural>/[<namespace>/]<name>`; value: the JSON
+//! of the v3 object as calicoctl (libcalico-go's `clientv3`) writes it. Before decoding with
+//! [`decode_and_validate`] (the same path manifests take):
+//! - `kind` and `apiVersion` are filled in from the key when the value lacks them;
+//! - `metadata.name` and `metadata.namespace` are taken from the key: the key is the object's
+//!   identity in etcd (a value that disagrees is logged at debug and the key wins, so a delete of
+//!   the key always removes what its put created);
+//! - policies (NetworkPolicy, GlobalNetworkPolicy) get their v3 name back as
+//!   `model.determinePolicyName` does: from the `projectcalico.org/metadata` annotation
+//!   (`{"name":"<v3 name>"}`) when present, else a legacy `default.` prefix is stripped when the
+//!   tier is `default` or empty.
+//!
+//! Plurals of kinds the graph does not use (BGP, IPAM, staged policies, …) are skipped without
+//! reading the value.
+
+use calc_graph::manifest::{Outcome, decode_and_validate};
+use calc_graph::model::{API_VERSION, Kind, Resource};
+use serde_json::{Map, Value};
+
+use super::RESOURCE_PREFIX;
+
+/// The annotation Calico's etcd backend stores a policy's v3 name in.
+pub const POLICY_NAME_ANNOTATION: &str = "projectcalico.org/metadata";
+
+/// The profile Calico's client synthesises (never stored): allow everything both ways.
+pub const DEFAULT_ALLOW_PROFILE: &str = "projectcalico-default-allow";
+
+/// What one key/value means for the graph.
+#[derive(Debug)]
+// A transient value, consumed at once; boxing would only add an allocation per object.
+#[allow(clippy::large_enum_variant)]
+pub enum Decision {
+    /// A valid resource of a kind the graph uses.
+    Apply(Resource),
+    /// Not something the graph reads (another key family, an unused kind).
+    Skip,
+    /// The value cannot be used; the reason (the caller names the key).
+    Reject(String),
+}
+
+/// The graph kind stored under `<plural>`, if any.
+pub fn kind_of_plural(plural: &str) -> Option<Kind> {
+    Kind::ALL.into_iter().find(|k| k.plural() == plural)
+}
+
+/// A key split into kind, namespace (namespaced kinds) and name.
+pub type KeyParts<'a> = (Kind, Option<&'a str>, &'a str);
+
+/// Splits a key into its parts. `Ok(None)`: not a key the graph reads.
+pub fn parse_key(key: &str) -> Result<Option<KeyParts<'_>>, String> {
+    let Some(rest) = key.strip_prefix(RESOURCE_PREFIX) else {
+        return Ok(None);
+    };
+    let Some((plural, path)) = rest.split_once('/') else {
+        return Ok(None);
+    };
+    let Some(kind) = kind_of_plural(plural) else {
+        return Ok(None);
+    };
+    let parts: Vec<&str> = path.split('/').collect();
+    match (kind.namespaced(), parts.as_slice()) {
+        (true, [ns, name]) if !ns.is_empty() && !name.is_empty() => {
+            Ok(Some((kind, Some(*ns), *name)))
+        }
+        (false, [name]) if !name.is_empty() => Ok(Some((kind, None, *name))),
+        (true, _) => Err(format!(
+            "malformed key: {plural} are namespaced, expected {RESOURCE_PREFIX}{plural}/<namespace>/<name>"
+        )),
+        (false, _) => Err(format!(
+            "malformed key: expected {RESOURCE_PREFIX}{plural}/<name>"
+        )),
+    }
+}
+
+/// Decodes one key/value (see the module documentation).
+pub fn decode(key: &str, value: &[u8]) -> Decision {
+    let (kind, namespace, name) = match parse_key(key) {
+        Ok(Some(parts)) => parts,
+        Ok(None) => return Decision::Skip,
+        Err(reason) => return Decision::Reject(reason),
+    };
+    let mut v: Value = match serde_json::from_slice(value) {
+        Ok(v) => v,
+        Err(e) => return Decision::Reject(format!("value is not valid JSON: {e}")),
+    };
+    let Value::Object(obj) = &mut v else {
+        return Decision::Reject("value is not a JSON object".into());
+    };
+    match obj.get("kind") {
+        None | Some(Value::Null) => {
+            obj.insert("kind".into(), kind.as_str().into());
+        }
+        Some(Value::String(k)) if k == kind.as_str() => {}
+        Some(other) => {
+            return Decision::Reject(format!(
+                "value has kind {other}, but the key is under {}",
+                kind.plural()
+            ));
+        }
+    }
+    if matches!(obj.get("apiVersion"), None | Some(Value::Null)) {
+        obj.insert("apiVersion".into(), API_VERSION.into());
+    }
+    let tier = obj
+        .get("spec")
+        .and_then(|s| s.get("tier"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let meta = obj
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if meta.is_null() {
+        *meta = Value::Object(Map::new());
+    }
+    let Value::Object(meta) = meta else {
+        return Decision::Reject("metadata is not a JSON object".into());
+    };
+    for (field, from_key) in [("name", Some(name)), ("namespace", namespace)] {
+        let Some(from_key) = from_key else { continue };
+        match meta.get(field).and_then(Value::as_str) {
+            Some(v) if v == from_key => {}
+            Some(v) if !v.is_empty() => {
+                tracing::debug!(%key, field, value = v, "metadata disagrees with the key; the key wins");
+                meta.insert(field.into(), from_key.into());
+            }
+            _ => {
+                meta.insert(field.into(), from_key.into());
+            }
+        }
+    }
+    if matches!(kind, Kind::NetworkPolicy | Kind::GlobalNetworkPolicy) {
+        let restored = policy_name(meta, name, &tier);
+        meta.insert("name".into(), restored.into());
+    }
+    match decode_and_validate(v) {
+        Outcome::Valid(_, res) => Decision::Apply(res),
+        Outcome::Ignored(..) => Decision::Skip,
+        Outcome::Undecodable(e) => Decision::Reject(e.to_string()),
+        Outcome::Invalid(inv) => Decision::Reject(inv.to_string()),
+    }
+}
+
+/// `model.determinePolicyName`: the annotation's name, else `default.` stripped in the default
+/// tier, else the stored name.
+fn policy_name(meta: &Map<String, Value>, stored: &str, tier: &str) -> String {
+    let annotated = meta
+        .get("annotations")
+        .and_then(|a| a.get(POLICY_NAME_ANNOTATION))
+        .and_then(Value::as_str)
+        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+        .and_then(|m| m.get("name").and_then(Value::as_str).map(str::to_string))
+        .filter(|n| !n.is_empty());
+    if let Some(n) = annotated {
+        return n;
+    }
+    if (tier.is_empty() || tier == "default")
+        && let Some(stripped) = stored.strip_prefix("default.").filter(|s| !s.is_empty())
+    {
+        return stripped.to_string();
+    }
+    stored.to_string()
+}
+
+/// Calico's synthesised `projectcalico-default-allow` profile (ingress and egress Allow).
+pub fn default_allow_profile() -> Resource {
+    let v = serde_json::json!({
+        "kind": "Profile",
+        "apiVersion": API_VERSION,
+        "metadata": {"name": DEFAULT_ALLOW_PROFILE},
+        "spec": {"ingress": [{"action": "Allow"}], "egress": [{"action": "Allow"}]},
+    });
+    match decode_and_validate(v) {
+        Outcome::Valid(_, res) => res,
+        other => unreachable!("the built-in default-allow profile is valid: {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use calc_graph::model::ResourceKey;
+
+    fn applied(key: &str, value: &str) -> Resource {
+        match decode(key, value.as_bytes()) {
+            Decision::Apply(r) => r,
+            other => panic!("{key}: expected Apply, got {other:?}"),
+        }
+    }
+
+    fn rejected(key: &str, value: &str) -> String {
+        match decode(key, value.as_bytes()) {
+            Decision::Reject(r) => r,
+            other => panic!("{key}: expected Reject, got {other:?}"),
+        }
+    }
+
+    const P: &str = RESOURCE_PREFIX;
+
+    #[test]
+    fn calicoctl_examples_decode() {
+        let tier = applied(
+            &format!("{P}tiers/default"),
+            r#"{"kind":"Tier","apiVersion":"projectcalico.org/v3","metadata":{"name":"default","uid":"6f1c2d0e-0c4e-4c55-9d1e-2b7c3e1d9a10","creationTimestamp":"2025-06-01T12:00:00Z"},"spec":{"order":1000000,"defaultAction":"Deny"}}"#,
+        );
+        assert_eq!(tier.key(), ResourceKey::new(Kind::Tier, None, "default"));
+        let np = applied(
+            &format!("{P}networkpolicies/prod/allow-frontend"),
+            r#"{"kind":"NetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"allow-frontend","namespace":"prod","uid":"b3f1","creationTimestamp":"2025-06-01T12:00:00Z","labels":{"projectcalico.org/tier":"default"},"annotations":{"projectcalico.org/metadata":"{\"name\":\"allow-frontend\"}"}},"spec":{"order":100,"ingress":[{"action":"Allow","protocol":"TCP","source":{"selector":"role == 'frontend'"},"destination":{"ports":[8080]}}],"selector":"app == 'backend'","types":["Ingress"]}}"#,
+        );
+        assert_eq!(
+            np.key(),
+            ResourceKey::new(Kind::NetworkPolicy, Some("prod"), "allow-frontend")
+        );
+        let wep = applied(
+            &format!("{P}workloadendpoints/default/node1-k8s-nginx--5d8f-eth0"),
+            r#"{"kind":"WorkloadEndpoint","apiVersion":"projectcalico.org/v3","metadata":{"name":"node1-k8s-nginx--5d8f-eth0","namespace":"default","uid":"x","creationTimestamp":"2025-06-01T12:00:00Z","labels":{"app":"nginx","projectcalico.org/namespace":"default","projectcalico.org/orchestrator":"k8s"}},"spec":{"orchestrator":"k8s","node":"node1","containerID":"4a1b","pod":"nginx-5d8f","endpoint":"eth0","serviceAccountName":"default","ipNetworks":["10.65.0.5/32"],"profiles":["kns.default","ksa.default.default"],"interfaceName":"calia37792c9b43","mac":"ee:ee:ee:ee:ee:ee"}}"#,
+        );
+        assert_eq!(wep.kind(), Kind::WorkloadEndpoint);
+        assert_eq!(wep.meta().namespace.as_deref(), Some("default"));
+    }
+
+    #[test]
+    fn policy_names_are_restored() {
+        // Annotation wins over the stored (backend) name.
+        let r = applied(
+            &format!("{P}globalnetworkpolicies/default.allow-dns"),
+            r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"default.allow-dns","annotations":{"projectcalico.org/metadata":"{\"name\":\"allow-dns\"}"}},"spec":{"selector":"all()"}}"#,
+        );
+        assert_eq!(r.meta().name, "allow-dns");
+        // Legacy key without annotation: `default.` stripped in the default (or empty) tier.
+        let r = applied(
+            &format!("{P}globalnetworkpolicies/default.legacy"),
+            r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"default.legacy"},"spec":{"selector":"all()"}}"#,
+        );
+        assert_eq!(r.meta().name, "legacy");
+        let r = applied(
+            &format!("{P}networkpolicies/ns1/default.legacy"),
+            r#"{"kind":"NetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{},"spec":{"tier":"default","selector":"all()"}}"#,
+        );
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::NetworkPolicy, Some("ns1"), "legacy")
+        );
+        // Another tier keeps its prefixed name.
+        let r = applied(
+            &format!("{P}globalnetworkpolicies/security.block"),
+            r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"security.block"},"spec":{"tier":"security","selector":"all()"}}"#,
+        );
+        assert_eq!(r.meta().name, "security.block");
+        // A `default.` name in another tier is not stripped.
+        let r = applied(
+            &format!("{P}globalnetworkpolicies/default.x"),
+            r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"default.x"},"spec":{"tier":"platform","selector":"all()"}}"#,
+        );
+        assert_eq!(r.meta().name, "default.x");
+    }
+
+    #[test]
+    fn metadata_kind_and_api_version_come_from_the_key_when_missing() {
+        let r = applied(
+            &format!("{P}networksets/ns2/blocked"),
+            r#"{"spec":{"nets":["10.0.0.0/8"]}}"#,
+        );
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::NetworkSet, Some("ns2"), "blocked")
+        );
+        // The key is the identity: a disagreeing value does not move the object elsewhere.
+        let r = applied(
+            &format!("{P}networksets/ns2/blocked"),
+            r#"{"kind":"NetworkSet","apiVersion":"projectcalico.org/v3","metadata":{"name":"other","namespace":"ns3"},"spec":{}}"#,
+        );
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::NetworkSet, Some("ns2"), "blocked")
+        );
+    }
+
+    #[test]
+    fn other_key_families_are_skipped() {
+        for key in [
+            format!("{P}bgppeers/rr1"),
+            format!("{P}stagednetworkpolicies/ns/x"),
+            format!("{P}kubecontrollersconfigurations/default"),
+            "/calico/ipam/v2/assignment/ipv4/block/10.65.0.0-26".to_string(),
+            format!("{P}tiers"),
+        ] {
+            assert!(matches!(decode(&key, b"not json"), Decision::Skip), "{key}");
+        }
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_a_reason() {
+        assert!(rejected(&format!("{P}tiers/t"), "{not json").contains("not valid JSON"));
+        assert!(rejected(&format!("{P}tiers/t"), "[1]").contains("not a JSON object"));
+        assert!(
+            rejected(
+                &format!("{P}tiers/t"),
+                r#"{"kind":"Profile","apiVersion":"projectcalico.org/v3","metadata":{"name":"t"}}"#
+            )
+            .contains("kind \"Profile\"")
+        );
+        let r = rejected(
+            &format!("{P}globalnetworkpolicies/p"),
+            r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"p"},"spec":{"selector":"a ="}}"#,
+        );
+        assert!(r.contains("GlobalNetworkPolicy p"), "{r}");
+        assert!(rejected(&format!("{P}workloadendpoints/only-name"), "{}").contains("malformed"));
+        assert!(rejected(&format!("{P}tiers/a/b"), "{}").contains("malformed"));
+    }
+
+    #[test]
+    fn default_allow_profile_allows_both_ways() {
+        let r = default_allow_profile();
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::Profile, None, DEFAULT_ALLOW_PROFILE)
+        );
+        let Resource::Profile(_, spec) = r else {
+            unreachable!()
+        };
+        assert_eq!(spec.ingress.len(), 1);
+        assert_eq!(spec.egress.len(), 1);
+    }
+}

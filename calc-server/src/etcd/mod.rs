@@ -1,0 +1,175 @@
+//! The etcd v3 datastore: Calico's key layout, read with a paginated list at one revision and
+//! then watched; endpoint status written back under Calico's status keys.
+//!
+//! - [`decode`]: one etcd key/value → a graph resource (policy names restored, metadata filled
+//!   from the key) or a rejection naming the key. Pure.
+//! - [`mirror`]: what was last delivered per etcd key, so a re-list (after compaction, a lost
+//!   connection, a new cluster ID or the periodic anti-entropy pass) becomes exactly the
+//!   `Apply`/`Delete` updates that reconcile the graph (mark and sweep). Pure.
+//! - [`watcher`]: the IO: connect, list, watch, back off, re-list.
+//! - [`status`]: the status writer (endpoint status and node liveness keys).
+//!
+//! The adapter is thin (DESIGN.md invariant 2): meaning and validation stay in `calc-graph`.
+
+pub mod decode;
+pub mod mirror;
+pub mod status;
+pub mod watcher;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+
+use crate::serve::parse_duration;
+
+/// Where Calico keeps the v3 resources.
+pub const RESOURCE_PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
+
+/// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`). The env
+/// names are Felix's.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EtcdArgs {
+    /// etcd v3 endpoints, comma-separated URLs (`http://` or `https://`).
+    #[arg(
+        long,
+        env = "ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+    /// PEM CA bundle that signs the etcd servers' certificates (needed for https endpoints).
+    #[arg(long, env = "ETCD_CA_CERT_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// PEM client certificate for etcd (with --etcd-key-file).
+    #[arg(long, env = "ETCD_CERT_FILE", requires = "etcd_key_file")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate (with --etcd-cert-file).
+    #[arg(long, env = "ETCD_KEY_FILE", requires = "etcd_cert_file")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// Keys per range request when listing (all pages are read at one revision).
+    #[arg(
+        long,
+        env = "CALC_SERVER_ETCD_PAGE_SIZE",
+        default_value_t = 4000,
+        value_parser = clap::value_parser!(i64).range(1..)
+    )]
+    pub etcd_page_size: i64,
+}
+
+/// Flags only `serve` needs (flattened into `ServeArgs`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct EtcdServeArgs {
+    /// Anti-entropy: re-list everything this often and reconcile (only differences are sent).
+    #[arg(long, env = "CALC_SERVER_ETCD_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    pub etcd_resync_interval: Duration,
+    /// How often this server's own status keys are listed and repaired (rewritten if they
+    /// differ, deleted if stale).
+    #[arg(long, env = "CALC_SERVER_ETCD_STATUS_RESYNC_INTERVAL", default_value = "1m", value_parser = parse_duration)]
+    pub etcd_status_resync_interval: Duration,
+    /// Longest wait between reconnection attempts (the back-off doubles from 100 ms, jittered).
+    #[arg(long, env = "CALC_SERVER_ETCD_MAX_BACKOFF", default_value = "10s", value_parser = parse_duration)]
+    pub etcd_max_backoff: Duration,
+}
+
+/// A client for `args`. Connecting is lazy: this fails only on bad arguments (URLs, TLS files);
+/// an unreachable etcd shows up as errors of the first requests.
+pub async fn connect(args: &EtcdArgs) -> anyhow::Result<Client> {
+    anyhow::ensure!(
+        args.etcd_endpoints.iter().any(|e| !e.trim().is_empty()),
+        "--etcd-endpoints is empty"
+    );
+    let endpoints: Vec<&str> = args
+        .etcd_endpoints
+        .iter()
+        .map(|e| e.trim())
+        .filter(|e| !e.is_empty())
+        .collect();
+    let mut opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+        .with_keep_alive_while_idle(true)
+        // A member cut off from its cluster fails requests and watches instead of serving a
+        // stale view (as Calico's client does for watches).
+        .with_require_leader(true);
+    if args.etcd_ca_file.is_some() || args.etcd_cert_file.is_some() {
+        let mut tls = TlsOptions::new();
+        if let Some(ca) = &args.etcd_ca_file {
+            let pem = std::fs::read(ca)
+                .with_context(|| format!("reading --etcd-ca-file {}", ca.display()))?;
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        if let (Some(cert), Some(key)) = (&args.etcd_cert_file, &args.etcd_key_file) {
+            let cert_pem = std::fs::read(cert)
+                .with_context(|| format!("reading --etcd-cert-file {}", cert.display()))?;
+            let key_pem = std::fs::read(key)
+                .with_context(|| format!("reading --etcd-key-file {}", key.display()))?;
+            tls = tls.identity(Identity::from_pem(cert_pem, key_pem));
+        }
+        opts = opts.with_tls(tls);
+    }
+    Client::connect(&endpoints, Some(opts))
+        .await
+        .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
+}
+
+/// Exponential back-off with jitter: doubles from `min` up to `max`; each delay is drawn
+/// uniformly from [delay/2, delay] so a fleet of servers does not reconnect in lockstep.
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        let max = max.max(min);
+        Backoff {
+            min,
+            max,
+            next: min,
+        }
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.min;
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d.mul_f64(0.5 + 0.5 * unit_random())
+    }
+}
+
+/// A number in [0, 1) from the standard library's randomly keyed hasher (no RNG dependency).
+fn unit_random() -> f64 {
+    use std::hash::BuildHasher;
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let h = std::collections::hash_map::RandomState::new().hash_one(n);
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(1000));
+        let ds: Vec<Duration> = (0..6).map(|_| b.next_delay()).collect();
+        let caps = [100, 200, 400, 800, 1000, 1000];
+        for (d, cap) in ds.iter().zip(caps) {
+            let cap = Duration::from_millis(cap);
+            assert!(
+                *d <= cap && *d >= cap / 2,
+                "{d:?} not in [{:?}, {cap:?}]",
+                cap / 2
+            );
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+}
