@@ -131,7 +131,7 @@ async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSende
 /// Where the timed change is written.
 enum Target {
     File(PathBuf),
-    Etcd(etcd_client::Client),
+    Etcd(Box<etcd_client::Client>),
 }
 
 const MARKER_KEY: &str =
@@ -185,11 +185,11 @@ pub fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
 
 async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
     let mut target = match (&args.etcd_endpoint, &args.file_dir) {
-        (Some(e), _) => Target::Etcd(
+        (Some(e), _) => Target::Etcd(Box::new(
             etcd_client::Client::connect([e.as_str()], None)
                 .await
                 .context("connecting to etcd")?,
-        ),
+        )),
         (None, Some(dir)) => Target::File(dir.join("zz-bench-sync-marker.yaml")),
         (None, None) => anyhow::bail!("--file-dir or --etcd-endpoint is required"),
     };
