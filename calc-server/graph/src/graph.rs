@@ -410,6 +410,27 @@ impl CalcGraph {
     }
 }
 
+/// Adds a reference (`up`) or drops one; true when the count went from or to zero. Dropping
+/// an absent key is a no-op.
+fn bump<K: std::hash::Hash + Eq + Clone>(map: &mut FxHashMap<K, u32>, key: &K, up: bool) -> bool {
+    if up {
+        let c = map.entry(key.clone()).or_insert(0);
+        *c += 1;
+        return *c == 1;
+    }
+    match map.get_mut(key) {
+        Some(c) if *c > 1 => {
+            *c -= 1;
+            false
+        }
+        Some(_) => {
+            map.remove(key);
+            true
+        }
+        None => false,
+    }
+}
+
 /// Felix's parameter name for a FelixConfiguration field: `iptablesRefreshInterval` →
 /// `IptablesRefreshInterval`.
 fn felix_param_name(field: &str) -> String {
@@ -613,102 +634,74 @@ impl CalcGraph {
         }
     }
 
-    fn node_ipset_inc(&mut self, node: &str, id: &Name) {
+    /// One more (`up`) or one fewer reference to an IP set on a node.
+    fn node_ipset_ref(&mut self, node: &str, id: &Name, up: bool) {
         let n = self.node_mut(node);
-        let c = n.ipset_refs.entry(id.clone()).or_insert(0);
-        *c += 1;
-        if *c == 1 {
+        if bump(&mut n.ipset_refs, id, up) {
             n.dirty_ipsets.insert(id.clone());
         }
     }
 
+    fn node_ipset_inc(&mut self, node: &str, id: &Name) {
+        self.node_ipset_ref(node, id, true);
+    }
+
     fn node_ipset_dec(&mut self, node: &str, id: &Name) {
+        self.node_ipset_ref(node, id, false);
+    }
+
+    /// One more or one fewer endpoint on a node selected by a policy; the policy's IP sets
+    /// follow its activation there (hinted policies' sets are needed everywhere, not counted).
+    fn node_policy_ref(&mut self, node: &str, pkey: &Key, up: bool) {
         let n = self.node_mut(node);
-        if let Some(c) = n.ipset_refs.get_mut(id) {
-            *c -= 1;
-            if *c == 0 {
-                n.ipset_refs.remove(id);
-                n.dirty_ipsets.insert(id.clone());
-            }
+        if !bump(&mut n.policy_refs, pkey, up) {
+            return;
+        }
+        n.dirty_policies.insert(pkey.clone());
+        if self.everywhere.contains(pkey) {
+            return;
+        }
+        let ipsets = self
+            .policies
+            .get(pkey)
+            .map(|p| p.ipsets.clone())
+            .unwrap_or_default();
+        for id in &ipsets {
+            self.node_ipset_ref(node, id, up);
         }
     }
 
     fn node_policy_inc(&mut self, node: &str, pkey: &Key) {
-        let n = self.node_mut(node);
-        let c = n.policy_refs.entry(pkey.clone()).or_insert(0);
-        *c += 1;
-        if *c == 1 {
-            n.dirty_policies.insert(pkey.clone());
-            if !self.everywhere.contains(pkey) {
-                let ipsets = self
-                    .policies
-                    .get(pkey)
-                    .map(|p| p.ipsets.clone())
-                    .unwrap_or_default();
-                for id in &ipsets {
-                    self.node_ipset_inc(node, id);
-                }
-            }
-        }
+        self.node_policy_ref(node, pkey, true);
     }
 
     fn node_policy_dec(&mut self, node: &str, pkey: &Key) {
+        self.node_policy_ref(node, pkey, false);
+    }
+
+    /// One more or one fewer endpoint on a node listing a profile; its IP sets follow.
+    fn node_profile_ref(&mut self, node: &str, name: &Name, up: bool) {
         let n = self.node_mut(node);
-        let Some(c) = n.policy_refs.get_mut(pkey) else {
+        if !bump(&mut n.profile_refs, name, up) {
             return;
-        };
-        *c -= 1;
-        if *c == 0 {
-            n.policy_refs.remove(pkey);
-            n.dirty_policies.insert(pkey.clone());
-            if !self.everywhere.contains(pkey) {
-                let ipsets = self
-                    .policies
-                    .get(pkey)
-                    .map(|p| p.ipsets.clone())
-                    .unwrap_or_default();
-                for id in &ipsets {
-                    self.node_ipset_dec(node, id);
-                }
-            }
+        }
+        n.dirty_profiles.insert(name.clone());
+        let ipsets = self
+            .profiles
+            .get(name)
+            .map(|p| p.ipsets.clone())
+            .unwrap_or_default();
+        for id in &ipsets {
+            self.node_ipset_ref(node, id, up);
         }
     }
 
     fn node_profile_inc(&mut self, node: &str, name: &Name) {
-        let n = self.node_mut(node);
-        let c = n.profile_refs.entry(name.clone()).or_insert(0);
-        *c += 1;
-        if *c == 1 {
-            n.dirty_profiles.insert(name.clone());
-            let ipsets = self
-                .profiles
-                .get(name)
-                .map(|p| p.ipsets.clone())
-                .unwrap_or_default();
-            for id in &ipsets {
-                self.node_ipset_inc(node, id);
-            }
-        }
+        self.node_profile_ref(node, name, true);
     }
 
     fn node_profile_dec(&mut self, node: &str, name: &Name) {
-        let n = self.node_mut(node);
-        let Some(c) = n.profile_refs.get_mut(name) else {
-            return;
-        };
-        *c -= 1;
-        if *c == 0 {
-            n.profile_refs.remove(name);
-            n.dirty_profiles.insert(name.clone());
-            let ipsets = self
-                .profiles
-                .get(name)
-                .map(|p| p.ipsets.clone())
-                .unwrap_or_default();
-            for id in &ipsets {
-                self.node_ipset_dec(node, id);
-            }
-        }
+        self.node_profile_ref(node, name, false);
     }
 
     fn set_policy(&mut self, key: Key, model: PolicyModel) -> Result<(), String> {
