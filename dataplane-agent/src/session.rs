@@ -157,6 +157,9 @@ pub async fn run<D: Driver>(
             {
                 (backoff.max(), false)
             }
+            // Another agent for this node replaced our stream: wait the longest delay so two
+            // agents for one node do not keep replacing each other at the shortest one.
+            StreamEnd::Status(status) if status.code() == Code::Aborted => (backoff.max(), false),
             StreamEnd::Rejected(_) => (backoff.max(), false),
             _ => (backoff.next_delay(), false),
         };
@@ -216,6 +219,14 @@ impl StreamResult {
                     message = s.message(),
                     retry_in,
                     "fell behind the calc-server; reconnecting for a fresh snapshot"
+                )
+            }
+            StreamEnd::Status(s) if s.code() == Code::Aborted => {
+                warn!(
+                    server = url,
+                    message = s.message(),
+                    retry_in,
+                    "another connection for this node replaced the stream"
                 )
             }
             StreamEnd::Status(s) => {

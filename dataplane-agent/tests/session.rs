@@ -1054,6 +1054,33 @@ async fn permission_denied_backs_off_at_the_max_delay() {
     agent.stop().await;
 }
 
+/// ABORTED (another agent for this node replaced our stream) waits the maximum delay too, so
+/// two agents for one node do not keep replacing each other at the shortest delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaced_stream_backs_off_at_the_max_delay() {
+    let (url, fake) = start_fake(vec![
+        vec![Step::End(Some(Status::aborted(
+            "replaced by a newer connection for node node-1",
+        )))],
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_millis(10);
+    config.reconnect_max_delay = Duration::from_millis(400);
+    let agent = start_agent(config, 0);
+    eventually("the second stream is applied", || agent.state().is_some()).await;
+    let (_, ended) = fake.times(0);
+    let (opened, _) = fake.times(1);
+    let gap = opened.expect("opened") - ended.expect("ended");
+    assert!(gap >= Duration::from_millis(380), "retried after {gap:?}");
+    agent.stop().await;
+}
+
 /// A ServerHello bound to another node is refused like PERMISSION_DENIED; nothing of that
 /// stream reaches the driver.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
