@@ -64,9 +64,9 @@ fn policy_id(m: &PolicyModel) -> pb::PolicyId {
 
 /// Orders `policies` (all those matching one endpoint) into tier lists. `tier` looks up a tier
 /// resource by name.
-pub fn resolve<'a>(
-    mut policies: Vec<PolicyRef<'a>>,
-    tier: impl Fn(&str) -> Option<&'a TierMeta>,
+pub fn resolve<'p, 't>(
+    mut policies: Vec<PolicyRef<'p>>,
+    tier: impl Fn(&str) -> Option<&'t TierMeta>,
 ) -> ResolvedTiers {
     policies.sort_by(|a, b| {
         cmp_tiers(
@@ -158,6 +158,22 @@ mod tests {
         }
     }
 
+    fn resolve_all<'a>(
+        ps: &'a [PolicyModel],
+        tier: impl Fn(&str) -> Option<&'a TierMeta>,
+    ) -> ResolvedTiers {
+        let sorts: Vec<String> = ps.iter().map(|p| p.id.sort_string()).collect();
+        let refs = ps
+            .iter()
+            .zip(&sorts)
+            .map(|(m, s)| PolicyRef {
+                model: m,
+                sort_string: s,
+            })
+            .collect();
+        resolve(refs, tier)
+    }
+
     fn names(t: &pb::TierInfo) -> Vec<&str> {
         t.ingress_policies.iter().map(|p| p.name.as_str()).collect()
     }
@@ -196,16 +212,7 @@ mod tests {
             pol("r", "c", Some(1.0)),
             pol("s", "missing", Some(1.0)),
         ];
-        let sorts: Vec<String> = ps.iter().map(|p| p.id.sort_string()).collect();
-        let refs = ps
-            .iter()
-            .zip(&sorts)
-            .map(|(m, s)| PolicyRef {
-                model: m,
-                sort_string: s,
-            })
-            .collect();
-        let r = resolve(refs, lookup);
+        let r = resolve_all(&ps, lookup);
         let order: Vec<&str> = r.normal.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(order, vec!["b", "a", "c", "missing"]);
         assert_eq!(names(&r.normal[1]), vec!["p1", "p2", "p3"]);
@@ -227,16 +234,7 @@ mod tests {
         let mut f = pol("f", "default", Some(3.0));
         f.apply_on_forward = true;
         let ps = [u, d, f];
-        let sorts: Vec<String> = ps.iter().map(|p| p.id.sort_string()).collect();
-        let refs = ps
-            .iter()
-            .zip(&sorts)
-            .map(|(m, s)| PolicyRef {
-                model: m,
-                sort_string: s,
-            })
-            .collect();
-        let r = resolve(refs, |_| None);
+        let r = resolve_all(&ps, |_| None);
         assert_eq!(names(&r.untracked[0]), vec!["u"]);
         assert_eq!(r.untracked[0].default_action, "Pass");
         assert_eq!(names(&r.pre_dnat[0]), vec!["d"]);
