@@ -5,7 +5,11 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
-use crate::driver::DriverKind;
+use crate::driver::linux::iptables::Backend;
+use crate::driver::linux::rules::static_chains::{
+    EndpointToHostAction, Failsafe, default_failsafes_in, default_failsafes_out,
+};
+use crate::driver::{DriverKind, LinuxOptions};
 use crate::session::{SessionConfig, normalize_server_url};
 
 /// Log line format.
@@ -45,19 +49,55 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_NODE", value_name = "NAME")]
     pub node: String,
 
-    /// The dataplane driver.
-    #[arg(
-        long,
-        env = "DATAPLANE_AGENT_DRIVER",
-        value_enum,
-        default_value = "dry-run"
-    )]
-    pub driver: DriverKind,
+    /// The dataplane driver. Default: `linux` when running as root on Linux, `dry-run`
+    /// otherwise.
+    #[arg(long, env = "DATAPLANE_AGENT_DRIVER", value_enum)]
+    pub driver: Option<DriverKind>,
 
     /// dry-run driver: after each apply, write the whole desired state here as pretty JSON
     /// (atomically: temporary file in the same directory, then rename).
     #[arg(long, env = "DATAPLANE_AGENT_STATE_FILE", value_name = "PATH")]
     pub state_file: Option<PathBuf>,
+
+    /// linux driver: the iptables implementation. `auto` follows whichever of legacy and nft
+    /// already holds rules (Kubernetes' hint chain first), else `iptables --version`.
+    #[arg(long, env = "DATAPLANE_AGENT_IPTABLES_BACKEND", value_enum, default_value = "auto")]
+    pub iptables_backend: Backend,
+
+    /// linux driver: also program ip6tables and IPv6 sets.
+    #[arg(long, env = "DATAPLANE_AGENT_IPV6_SUPPORT", default_value = "true", action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub ipv6_support: bool,
+
+    /// linux driver: workload interface prefixes (Felix's InterfacePrefix), comma-separated.
+    #[arg(long, env = "DATAPLANE_AGENT_INTERFACE_PREFIX", value_delimiter = ',', default_value = "cali", value_name = "PREFIX")]
+    pub interface_prefix: Vec<String>,
+
+    /// linux driver: what happens to workload-to-host traffic that egress policy allowed
+    /// (Felix's DefaultEndpointToHostAction).
+    #[arg(long, env = "DATAPLANE_AGENT_DEFAULT_ENDPOINT_TO_HOST_ACTION", value_enum, default_value = "drop")]
+    pub default_endpoint_to_host_action: EndpointToHostAction,
+
+    /// linux driver: ports always open to this host whatever host endpoint policy says,
+    /// `proto:port` comma-separated (Felix's FailsafeInboundHostPorts; empty for none).
+    #[arg(long, env = "DATAPLANE_AGENT_FAILSAFE_INBOUND_HOST_PORTS", value_delimiter = ',', value_name = "PROTO:PORT")]
+    pub failsafe_inbound_host_ports: Option<Vec<String>>,
+
+    /// linux driver: ports this host may always reach (Felix's FailsafeOutboundHostPorts).
+    #[arg(long, env = "DATAPLANE_AGENT_FAILSAFE_OUTBOUND_HOST_PORTS", value_delimiter = ',', value_name = "PROTO:PORT")]
+    pub failsafe_outbound_host_ports: Option<Vec<String>>,
+
+    /// linux driver: how often iptables and ipsets are read back and out-of-band changes
+    /// repaired (0 turns it off).
+    #[arg(long, env = "DATAPLANE_AGENT_REFRESH_INTERVAL", value_name = "DURATION", default_value = "90s", value_parser = parse_duration)]
+    pub refresh_interval: Duration,
+
+    /// linux driver: how long iptables-restore waits for the xtables lock.
+    #[arg(long, env = "DATAPLANE_AGENT_XTABLES_LOCK_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub xtables_lock_timeout: Duration,
+
+    /// linux driver: prefix of the LOG rules that `action: Log` renders.
+    #[arg(long, env = "DATAPLANE_AGENT_LOG_PREFIX", default_value = "calico-packet")]
+    pub log_prefix: String,
 
     /// How often to send a ProcessStatusUpdate heartbeat (e.g. 5s, 500ms, 1m).
     #[arg(long, env = "DATAPLANE_AGENT_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
@@ -123,6 +163,83 @@ impl Cli {
     }
 }
 
+impl Cli {
+    /// The driver to use: the flag, or the default for this process.
+    pub fn driver_kind(&self) -> DriverKind {
+        self.driver.unwrap_or_else(|| {
+            if running_as_root_on_linux() {
+                DriverKind::Linux
+            } else {
+                DriverKind::DryRun
+            }
+        })
+    }
+
+    /// The Linux driver's settings from the flags.
+    pub fn linux_options(&self) -> Result<LinuxOptions, String> {
+        let prefixes: Vec<String> = self
+            .interface_prefix
+            .iter()
+            .map(|p| p.trim().to_owned())
+            .filter(|p| !p.is_empty())
+            .collect();
+        if prefixes.is_empty() {
+            return Err("--interface-prefix must name at least one prefix".to_owned());
+        }
+        if let Some(bad) = prefixes
+            .iter()
+            .find(|p| !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.'))
+        {
+            return Err(format!("--interface-prefix {bad:?}: not an interface name prefix"));
+        }
+        let failsafes = |flag: &str, v: &Option<Vec<String>>, default: Vec<Failsafe>| {
+            match v {
+                None => Ok(default),
+                Some(list) => list
+                    .iter()
+                    .map(|s| s.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse::<Failsafe>().map_err(|e| format!("{flag}: {e}")))
+                    .collect(),
+            }
+        };
+        let mut opts = LinuxOptions {
+            backend: self.iptables_backend,
+            ipv6: self.ipv6_support,
+            refresh_interval: self.refresh_interval,
+            lock_wait_secs: self.xtables_lock_timeout.as_secs().clamp(1, 3600) as u32,
+            ..LinuxOptions::default()
+        };
+        opts.statics.workload_prefixes = prefixes;
+        opts.statics.endpoint_to_host = self.default_endpoint_to_host_action;
+        opts.statics.failsafe_in = failsafes(
+            "--failsafe-inbound-host-ports",
+            &self.failsafe_inbound_host_ports,
+            default_failsafes_in(),
+        )?;
+        opts.statics.failsafe_out = failsafes(
+            "--failsafe-outbound-host-ports",
+            &self.failsafe_outbound_host_ports,
+            default_failsafes_out(),
+        )?;
+        opts.render.log_prefix = self.log_prefix.clone();
+        Ok(opts)
+    }
+}
+
+/// Effective uid 0 on Linux (the owner of `/proc/self` is the effective uid).
+fn running_as_root_on_linux() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
 /// Parses `500ms`, `5s`, `1.5s`, `2m`, `1h`; a bare number is seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
@@ -178,7 +295,11 @@ mod tests {
             "/tmp/state.json",
         ])
         .expect("parses");
-        assert_eq!(cli.driver, DriverKind::DryRun);
+        assert_eq!(cli.driver_kind(), DriverKind::DryRun);
+        let linux = cli.linux_options().expect("defaults are valid");
+        assert_eq!(linux.statics.workload_prefixes, vec!["cali"]);
+        assert_eq!(linux.statics.failsafe_in.len(), 9);
+        assert!(linux.ipv6);
         assert_eq!(cli.log_format, LogFormat::Plain);
         let config = cli.session_config().expect("valid");
         assert_eq!(
@@ -190,6 +311,27 @@ mod tests {
         assert_eq!(config.reconnect_min_delay, Duration::from_millis(200));
         assert_eq!(config.reconnect_max_delay, Duration::from_secs(10));
         assert!(config.capabilities.is_empty());
+    }
+
+    #[test]
+    fn linux_flags_are_checked() {
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["dataplane-agent", "--server", "a:1", "--node", "n"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).expect("parses")
+        };
+        let cli = parse(&["--failsafe-inbound-host-ports", "tcp:22,udp:x"]);
+        let err = cli.linux_options().unwrap_err();
+        assert!(err.contains("--failsafe-inbound-host-ports") && err.contains("udp:x"), "{err}");
+        let cli = parse(&["--failsafe-inbound-host-ports", "", "--ipv6-support", "false"]);
+        let opts = cli.linux_options().unwrap();
+        assert!(opts.statics.failsafe_in.is_empty());
+        assert!(!opts.ipv6);
+        assert!(parse(&["--interface-prefix", "ca li"]).linux_options().is_err());
+        let cli = parse(&["--interface-prefix", "cali,tap", "--iptables-backend", "legacy"]);
+        let opts = cli.linux_options().unwrap();
+        assert_eq!(opts.statics.workload_prefixes, vec!["cali", "tap"]);
+        assert_eq!(opts.backend, Backend::Legacy);
     }
 
     #[test]

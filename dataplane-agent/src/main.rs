@@ -20,11 +20,20 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let linux = match cli.linux_options() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("dataplane-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let driver_kind = cli.driver_kind();
     let driver = match driver::build(
-        cli.driver,
+        driver_kind,
         &DriverOptions {
             node_name: config.node_name.clone(),
             state_file: cli.state_file.clone(),
+            linux,
         },
     ) {
         Ok(d) => d,
@@ -46,7 +55,7 @@ fn main() -> ExitCode {
     info!(
         node = %config.node_name,
         servers = ?config.servers,
-        driver = cli.driver.name(),
+        driver = driver_kind.name(),
         version = env!("CARGO_PKG_VERSION"),
         "starting"
     );

@@ -447,6 +447,13 @@ async fn stream_inner<D: Driver>(
     let mut heartbeat =
         tokio::time::interval(config.heartbeat_interval.max(Duration::from_millis(1)));
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Periodic read-back and repair, for drivers that want it.
+    let refresh_every = driver.refresh_interval().filter(|d| !d.is_zero());
+    let mut refresh = tokio::time::interval_at(
+        tokio::time::Instant::now() + refresh_every.unwrap_or(Duration::from_secs(3600)),
+        refresh_every.unwrap_or(Duration::from_secs(3600)),
+    );
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         let retry_at = st.retry_at;
@@ -495,6 +502,16 @@ async fn stream_inner<D: Driver>(
             () = retry => {
                 st.retry_at = None;
                 maybe_apply(&mut st, driver, agent);
+            }
+            _ = refresh.tick(), if refresh_every.is_some() => {
+                if st.in_sync && agent.ever_in_sync {
+                    debug!("periodic dataplane refresh");
+                    driver.request_refresh();
+                    agent.pending += 1;
+                    if st.retry_at.is_none() {
+                        maybe_apply(&mut st, driver, agent);
+                    }
+                }
             }
         }
     }

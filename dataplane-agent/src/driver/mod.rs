@@ -8,12 +8,15 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use felix_proto::{ToDataplane, WorkloadEndpoint, WorkloadEndpointId};
 
 pub mod dry_run;
+pub mod linux;
 
 pub use dry_run::DryRunDriver;
+pub use linux::{LinuxDriver, LinuxOptions};
 
 /// A dataplane the session can drive.
 ///
@@ -52,6 +55,15 @@ pub trait Driver: Send {
     fn workload_endpoint(&self, _id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
         None
     }
+
+    /// How often the session should ask for a refresh (a read-back of the kernel that repairs
+    /// out-of-band changes), if the driver wants one.
+    fn refresh_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Makes the next `apply` re-read and repair the dataplane, even with nothing pending.
+    fn request_refresh(&mut self) {}
 }
 
 impl<D: Driver + ?Sized> Driver for Box<D> {
@@ -66,6 +78,12 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
     fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
         (**self).workload_endpoint(id)
+    }
+    fn refresh_interval(&self) -> Option<Duration> {
+        (**self).refresh_interval()
+    }
+    fn request_refresh(&mut self) {
+        (**self).request_refresh();
     }
 }
 
@@ -141,7 +159,7 @@ pub struct EndpointStatuses {
 pub enum DriverKind {
     /// Records the desired state, logs every change, optionally writes it to `--state-file`.
     DryRun,
-    /// Programs iptables, ipsets and routes (not implemented yet).
+    /// Programs iptables and ipsets in Calico's layout (routes: not yet).
     Linux,
 }
 
@@ -162,6 +180,8 @@ pub struct DriverOptions {
     pub node_name: String,
     /// Where the dry-run driver writes its state (JSON), if anywhere.
     pub state_file: Option<PathBuf>,
+    /// Settings of the Linux driver.
+    pub linux: LinuxOptions,
 }
 
 /// Builds the driver selected on the command line.
@@ -171,8 +191,14 @@ pub fn build(kind: DriverKind, options: &DriverOptions) -> anyhow::Result<Box<dy
             options.node_name.clone(),
             options.state_file.clone(),
         ))),
-        DriverKind::Linux => anyhow::bail!(
-            "the linux driver is not implemented yet; use --driver dry-run (see docs/drivers.md)"
-        ),
+        DriverKind::Linux => {
+            if !cfg!(target_os = "linux") {
+                anyhow::bail!("--driver linux needs Linux; use --driver dry-run");
+            }
+            Ok(Box::new(LinuxDriver::new(
+                options.linux.clone(),
+                Box::new(linux::runner::SystemRunner),
+            )))
+        }
     }
 }

@@ -1,0 +1,529 @@
+//! IP sets: the calc-server's set ids (one id, v4 and v6 members mixed) become kernel sets
+//! `cali40<id>` / `cali60<id>` cut to 31 characters, as Calico names them.
+//!
+//! Contract: `replace`/`delta`/`remove` only record. [`IpSets::apply_updates`] (before the
+//! iptables tables) creates missing sets and writes membership deltas with one `ipset restore`;
+//! a set whose kernel type or family is wrong is rebuilt in a temporary set (`cali4t0`…) and
+//! swapped in, so rules using it never see it empty. [`IpSets::apply_deletions`] (after the
+//! tables, once no rule refers to them) destroys sets of ours that are no longer wanted. The
+//! kernel view is read back with `ipset save` on the first apply, after a failure and after
+//! [`IpSets::invalidate`], which is how out-of-band changes get repaired.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use super::rules::{IpVersion, ipset_name};
+use super::runner::CommandRunner;
+
+/// Sets we own start with one of these.
+const OUR_SET_PREFIXES: [&str; 4] = ["cali40", "cali60", "cali4t", "cali6t"];
+
+/// The kernel set type of a proto set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetKind {
+    Ip,
+    IpPort,
+    Net,
+}
+
+impl SetKind {
+    /// From `IPSetUpdate.type`.
+    pub fn from_proto(t: i32) -> Self {
+        match t {
+            0 => SetKind::Ip,
+            1 => SetKind::IpPort,
+            _ => SetKind::Net,
+        }
+    }
+
+    fn kernel_type(self) -> &'static str {
+        match self {
+            SetKind::Ip => "hash:ip",
+            SetKind::IpPort => "hash:ip,port",
+            SetKind::Net => "hash:net",
+        }
+    }
+}
+
+fn family(v: IpVersion) -> &'static str {
+    match v {
+        IpVersion::V4 => "inet",
+        IpVersion::V6 => "inet6",
+    }
+}
+
+/// A member in the form `ipset save` prints it, with its family; `None` if it does not parse.
+pub fn normalize_member(kind: SetKind, member: &str) -> Option<(IpVersion, String)> {
+    fn addr(s: &str) -> Option<IpAddr> {
+        s.trim().parse().ok()
+    }
+    let version = |a: &IpAddr| if a.is_ipv4() { IpVersion::V4 } else { IpVersion::V6 };
+    match kind {
+        SetKind::Ip => {
+            let a = addr(member.split('/').next()?)?;
+            Some((version(&a), a.to_string()))
+        }
+        SetKind::Net => {
+            let (a, len) = match member.split_once('/') {
+                Some((a, l)) => (addr(a)?, l.trim().parse::<u8>().ok()?),
+                None => {
+                    let a = addr(member)?;
+                    (a, if a.is_ipv4() { 32 } else { 128 })
+                }
+            };
+            let net = ipnetwork::IpNetwork::new(a, len).ok()?;
+            let base = net.network();
+            let full = if base.is_ipv4() { 32 } else { 128 };
+            if len == full {
+                Some((version(&base), base.to_string()))
+            } else {
+                Some((version(&base), format!("{base}/{len}")))
+            }
+        }
+        SetKind::IpPort => {
+            let (a, rest) = member.split_once(',')?;
+            let a = addr(a)?;
+            let (proto, port) = rest.split_once(':')?;
+            let port: u16 = port.trim().parse().ok()?;
+            Some((version(&a), format!("{a},{}:{port}", proto.trim().to_ascii_lowercase())))
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct DesiredSet {
+    kind: SetKind,
+    version: IpVersion,
+    members: HashSet<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct KernelSet {
+    kind: String,
+    family: String,
+    members: HashSet<String>,
+}
+
+/// Why the sets could not be programmed.
+#[derive(Debug, thiserror::Error)]
+pub enum IpSetError {
+    #[error("ipset: cannot run: {0}")]
+    Spawn(std::io::Error),
+    #[error("ipset {what} failed: {stderr}")]
+    Failed { what: &'static str, stderr: String },
+}
+
+/// What one `apply_updates` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IpSetStats {
+    pub created: usize,
+    pub rewritten: usize,
+    pub added: usize,
+    pub removed: usize,
+    pub read_back: bool,
+}
+
+/// Our kernel IP sets.
+pub struct IpSets {
+    desired: HashMap<String, DesiredSet>,
+    kernel: Option<HashMap<String, KernelSet>>,
+    dirty: HashSet<String>,
+    /// Families to program (IPv6 sets are skipped when IPv6 is off).
+    versions: Vec<IpVersion>,
+    pub max_elem: u32,
+}
+
+impl IpSets {
+    pub fn new(versions: Vec<IpVersion>) -> Self {
+        Self {
+            desired: HashMap::new(),
+            kernel: None,
+            dirty: HashSet::new(),
+            versions,
+            max_elem: 1_048_576,
+        }
+    }
+
+    /// Replaces a set's type and members (`IPSetUpdate`).
+    pub fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) {
+        for v in self.versions.clone() {
+            let name = ipset_name(v, id);
+            let set = DesiredSet {
+                kind,
+                version: v,
+                members: members
+                    .iter()
+                    .filter_map(|m| normalize_member(kind, m))
+                    .filter(|(mv, _)| *mv == v)
+                    .map(|(_, m)| m)
+                    .collect(),
+            };
+            self.desired.insert(name.clone(), set);
+            self.dirty.insert(name);
+        }
+    }
+
+    /// Adds and removes members (`IPSetDeltaUpdate`).
+    pub fn delta(&mut self, id: &str, added: &[String], removed: &[String]) {
+        for v in self.versions.clone() {
+            let name = ipset_name(v, id);
+            let Some(set) = self.desired.get_mut(&name) else {
+                continue;
+            };
+            let kind = set.kind;
+            for m in removed.iter().filter_map(|m| normalize_member(kind, m)) {
+                if m.0 == v {
+                    set.members.remove(&m.1);
+                }
+            }
+            for m in added.iter().filter_map(|m| normalize_member(kind, m)) {
+                if m.0 == v {
+                    set.members.insert(m.1);
+                }
+            }
+            self.dirty.insert(name);
+        }
+    }
+
+    /// Forgets a set (`IPSetRemove`); it is destroyed by the next `apply_deletions`.
+    pub fn remove(&mut self, id: &str) {
+        for v in IpVersion::BOTH {
+            let name = ipset_name(v, id);
+            self.desired.remove(&name);
+            self.dirty.remove(&name);
+        }
+    }
+
+    /// The next apply reads the kernel back and repairs what differs.
+    pub fn invalidate(&mut self) {
+        self.kernel = None;
+    }
+
+    /// Number of sets and members we want in the kernel.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.desired.len(),
+            self.desired.values().map(|s| s.members.len()).sum(),
+        )
+    }
+
+    fn read_back(
+        &self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<HashMap<String, KernelSet>, IpSetError> {
+        let out = runner
+            .run("ipset", &["save"], None)
+            .map_err(IpSetError::Spawn)?;
+        if !out.success {
+            return Err(IpSetError::Failed {
+                what: "save",
+                stderr: out.stderr_summary(),
+            });
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut sets: HashMap<String, KernelSet> = HashMap::new();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.next()) {
+                (Some("create"), Some(name)) if is_ours(name) => {
+                    let kind = words.next().unwrap_or_default().to_owned();
+                    let rest: Vec<&str> = words.collect();
+                    let family = rest
+                        .windows(2)
+                        .find(|w| w[0] == "family")
+                        .map(|w| w[1].to_owned())
+                        .unwrap_or_default();
+                    sets.insert(
+                        name.to_owned(),
+                        KernelSet {
+                            kind,
+                            family,
+                            members: HashSet::new(),
+                        },
+                    );
+                }
+                (Some("add"), Some(name)) => {
+                    if let (Some(set), Some(m)) = (sets.get_mut(name), words.next()) {
+                        set.members.insert(m.to_owned());
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(sets)
+    }
+
+    /// Creates and updates sets (see the module doc).
+    pub fn apply_updates(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<IpSetStats, IpSetError> {
+        let mut stats = IpSetStats::default();
+        if self.kernel.is_none() {
+            self.kernel = Some(self.read_back(runner)?);
+            stats.read_back = true;
+            self.dirty = self.desired.keys().cloned().collect();
+        }
+        if self.dirty.is_empty() {
+            return Ok(stats);
+        }
+        let kernel = self.kernel.as_ref().expect("read back above");
+        let mut script = String::new();
+        let mut dirty: Vec<&String> = self.dirty.iter().collect();
+        dirty.sort();
+        let mut temp_used = false;
+        for name in dirty {
+            let Some(d) = self.desired.get(name) else {
+                continue;
+            };
+            let ty = d.kind.kernel_type();
+            let fam = family(d.version);
+            match kernel.get(name) {
+                None => {
+                    let _ = writeln!(
+                        script,
+                        "create {name} {ty} family {fam} maxelem {}",
+                        self.max_elem
+                    );
+                    for m in sorted(&d.members) {
+                        let _ = writeln!(script, "add {name} {m}");
+                    }
+                    stats.created += 1;
+                    stats.added += d.members.len();
+                }
+                Some(k) if k.kind != ty || k.family != fam => {
+                    // Rebuild beside it and swap, so the set is never seen empty.
+                    let temp = format!("cali{}t0", d.version.number());
+                    if !temp_used && kernel.contains_key(&temp) {
+                        let _ = writeln!(script, "destroy {temp}");
+                    }
+                    temp_used = true;
+                    let _ = writeln!(
+                        script,
+                        "create {temp} {ty} family {fam} maxelem {}",
+                        self.max_elem
+                    );
+                    for m in sorted(&d.members) {
+                        let _ = writeln!(script, "add {temp} {m}");
+                    }
+                    let _ = writeln!(script, "swap {temp} {name}");
+                    let _ = writeln!(script, "destroy {temp}");
+                    stats.rewritten += 1;
+                    stats.added += d.members.len();
+                }
+                Some(k) => {
+                    for m in sorted_diff(&k.members, &d.members) {
+                        let _ = writeln!(script, "del {name} {m}");
+                        stats.removed += 1;
+                    }
+                    for m in sorted_diff(&d.members, &k.members) {
+                        let _ = writeln!(script, "add {name} {m}");
+                        stats.added += 1;
+                    }
+                }
+            }
+        }
+        if !script.is_empty() {
+            self.restore(runner, &script, "restore")?;
+        }
+        let kernel = self.kernel.as_mut().expect("read back above");
+        for name in self.dirty.drain() {
+            if let Some(d) = self.desired.get(&name) {
+                kernel.insert(
+                    name,
+                    KernelSet {
+                        kind: d.kind.kernel_type().to_owned(),
+                        family: family(d.version).to_owned(),
+                        members: d.members.clone(),
+                    },
+                );
+            }
+        }
+        kernel.retain(|n, _| !n.starts_with("cali4t") && !n.starts_with("cali6t"));
+        Ok(stats)
+    }
+
+    /// Destroys sets of ours nothing wants any more. A set still in use by a rule that is not
+    /// ours is kept and retried next time (logged), rather than failing the whole apply.
+    pub fn apply_deletions(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<usize, IpSetError> {
+        let Some(kernel) = self.kernel.as_ref() else {
+            return Ok(0);
+        };
+        let mut stale: Vec<String> = kernel
+            .keys()
+            .filter(|n| !self.desired.contains_key(*n))
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return Ok(0);
+        }
+        stale.sort();
+        let mut script = String::new();
+        for n in &stale {
+            let _ = writeln!(script, "destroy {n}");
+        }
+        match self.restore(runner, &script, "destroy") {
+            Ok(()) => {
+                let kernel = self.kernel.as_mut().expect("checked above");
+                for n in &stale {
+                    kernel.remove(n);
+                }
+                Ok(stale.len())
+            }
+            Err(error) => {
+                // Some may have gone before the failing line: re-read next time.
+                tracing::warn!(%error, sets = stale.len(), "could not destroy unused IP sets; will retry");
+                self.kernel = None;
+                Ok(0)
+            }
+        }
+    }
+
+    fn restore(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        script: &str,
+        what: &'static str,
+    ) -> Result<(), IpSetError> {
+        let out = runner
+            .run("ipset", &["-exist", "restore"], Some(script.as_bytes()))
+            .map_err(|e| {
+                self.kernel = None;
+                IpSetError::Spawn(e)
+            })?;
+        if !out.success {
+            self.kernel = None;
+            return Err(IpSetError::Failed {
+                what,
+                stderr: out.stderr_summary(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn is_ours(name: &str) -> bool {
+    OUR_SET_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+fn sorted(set: &HashSet<String>) -> Vec<&String> {
+    let mut v: Vec<&String> = set.iter().collect();
+    v.sort();
+    v
+}
+
+fn sorted_diff<'a>(a: &'a HashSet<String>, b: &'a HashSet<String>) -> Vec<&'a String> {
+    let mut v: Vec<&String> = a.difference(b).collect();
+    v.sort();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::linux::fake::FakeKernel;
+
+    fn both() -> IpSets {
+        IpSets::new(IpVersion::BOTH.to_vec())
+    }
+
+    #[test]
+    fn members_are_normalized_as_ipset_prints_them() {
+        assert_eq!(
+            normalize_member(SetKind::Net, "10.65.0.2/32"),
+            Some((IpVersion::V4, "10.65.0.2".into()))
+        );
+        assert_eq!(
+            normalize_member(SetKind::Net, "10.65.1.7/24"),
+            Some((IpVersion::V4, "10.65.1.0/24".into()))
+        );
+        assert_eq!(
+            normalize_member(SetKind::Net, "fd00:0:0::1/128"),
+            Some((IpVersion::V6, "fd00::1".into()))
+        );
+        assert_eq!(
+            normalize_member(SetKind::IpPort, "10.0.0.1,TCP:8080"),
+            Some((IpVersion::V4, "10.0.0.1,tcp:8080".into()))
+        );
+        assert_eq!(
+            normalize_member(SetKind::IpPort, "fd00::1,udp:53"),
+            Some((IpVersion::V6, "fd00::1,udp:53".into()))
+        );
+        assert_eq!(normalize_member(SetKind::Net, "nonsense"), None);
+    }
+
+    #[test]
+    fn one_id_becomes_a_v4_and_a_v6_set_and_deltas_are_minimal() {
+        let mut k = FakeKernel::new();
+        let mut s = both();
+        s.replace("s:abc", SetKind::Net, &["10.0.0.1/32".into(), "fd00::1/128".into()]);
+        let st = s.apply_updates(&mut k).unwrap();
+        assert_eq!((st.created, st.added), (2, 2));
+        assert_eq!(k.set("cali40s:abc").unwrap().members.len(), 1);
+        assert_eq!(k.set("cali60s:abc").unwrap().family, "inet6");
+
+        s.delta("s:abc", &["10.0.0.2/32".into()], &["10.0.0.1/32".into()]);
+        let st = s.apply_updates(&mut k).unwrap();
+        assert_eq!((st.added, st.removed), (1, 1));
+        assert_eq!(
+            k.last_ipset_input(),
+            "del cali40s:abc 10.0.0.1\nadd cali40s:abc 10.0.0.2\n"
+        );
+        // Nothing dirty: no ipset call at all.
+        let calls = k.calls.len();
+        s.apply_updates(&mut k).unwrap();
+        assert_eq!(k.calls.len(), calls);
+    }
+
+    #[test]
+    fn a_set_of_the_wrong_type_is_rebuilt_and_swapped() {
+        let mut k = FakeKernel::new();
+        k.exec_ipset("create cali40s:x hash:ip family inet\nadd cali40s:x 10.0.0.9\n", false)
+            .unwrap();
+        let mut s = IpSets::new(vec![IpVersion::V4]);
+        s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
+        let st = s.apply_updates(&mut k).unwrap();
+        assert_eq!(st.rewritten, 1);
+        let set = k.set("cali40s:x").unwrap();
+        assert_eq!(set.kind, "hash:net");
+        assert_eq!(set.members.iter().collect::<Vec<_>>(), vec!["10.0.0.0/24"]);
+        assert!(k.set("cali4t0").is_none());
+        assert!(k.last_ipset_input().contains("swap cali4t0 cali40s:x"));
+    }
+
+    #[test]
+    fn removed_members_out_of_band_come_back_after_invalidate() {
+        let mut k = FakeKernel::new();
+        let mut s = IpSets::new(vec![IpVersion::V4]);
+        s.replace("s:x", SetKind::Net, &["10.0.0.1".into(), "10.0.0.2".into()]);
+        s.apply_updates(&mut k).unwrap();
+        k.exec_ipset("del cali40s:x 10.0.0.1\nadd cali40s:x 10.9.9.9\n", false).unwrap();
+        s.invalidate();
+        let st = s.apply_updates(&mut k).unwrap();
+        assert_eq!((st.read_back, st.added, st.removed), (true, 1, 1));
+        let members: Vec<_> = k.set("cali40s:x").unwrap().members.iter().cloned().collect();
+        assert_eq!(members, vec!["10.0.0.1", "10.0.0.2"]);
+    }
+
+    #[test]
+    fn unwanted_sets_of_ours_are_destroyed_and_foreign_sets_kept() {
+        let mut k = FakeKernel::new();
+        k.exec_ipset(
+            "create cali40s:old hash:net family inet\ncreate kube-x hash:ip family inet\n",
+            false,
+        )
+        .unwrap();
+        let mut s = IpSets::new(vec![IpVersion::V4]);
+        s.replace("s:new", SetKind::Net, &[]);
+        s.apply_updates(&mut k).unwrap();
+        assert_eq!(s.apply_deletions(&mut k).unwrap(), 1);
+        assert_eq!(k.set_names(), vec!["cali40s:new", "kube-x"]);
+        s.remove("s:new");
+        assert_eq!(s.apply_deletions(&mut k).unwrap(), 1);
+        assert_eq!(k.set_names(), vec!["kube-x"]);
+    }
+}

@@ -1,0 +1,577 @@
+//! One iptables table of one family, kept equal to a desired set of chains.
+//!
+//! Contract: [`Table::set_chain`] / [`Table::remove_chain`] / [`Table::set_hooks`] only record;
+//! [`Table::apply`] reads the kernel back with `iptables-save` when it has no trusted view
+//! (first apply, after a failure, after [`Table::invalidate`]), then writes one
+//! `iptables-restore --noflush` transaction holding only the chains whose rule hashes differ,
+//! the hook rules that are missing or out of place, and the deletion of chains of ours
+//! (`cali-…`) that are no longer wanted. Rules and chains that are not ours are never touched.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+
+use super::rules::static_chains::Hooks;
+use super::rules::{Chain, IpVersion, Rule, rule_hashes};
+use super::runner::CommandRunner;
+
+/// Chains we own start with this.
+pub const OUR_CHAIN_PREFIX: &str = "cali-";
+
+/// Which iptables implementation programs the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// Detect as Felix does: follow whichever backend already holds rules, else what
+    /// `iptables --version` reports.
+    Auto,
+    Legacy,
+    Nft,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Legacy => "legacy",
+            Backend::Nft => "nft",
+        }
+    }
+
+    /// `iptables-legacy-save`, `ip6tables-nft-restore`, …
+    pub fn program(self, v: IpVersion, tool: &str) -> String {
+        let family = match v {
+            IpVersion::V4 => "iptables",
+            IpVersion::V6 => "ip6tables",
+        };
+        match self {
+            Backend::Auto => format!("{family}-{tool}"),
+            Backend::Legacy | Backend::Nft => format!("{family}-{}-{tool}", self.name()),
+        }
+    }
+}
+
+/// Picks legacy or nft. Kubernetes' hint chain wins when present, then whichever backend holds
+/// more rules, then the mode `iptables --version` reports.
+pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
+    let mut count = |b: Backend| -> (usize, bool) {
+        let mut rules = 0;
+        let mut hint = false;
+        for v in IpVersion::BOTH {
+            for table in ["mangle", "nat", "filter"] {
+                let prog = b.program(v, "save");
+                if let Ok(out) = runner.run(&prog, &["-t", table], None) {
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    rules += text.lines().filter(|l| l.starts_with("-A ")).count();
+                    hint |= text.contains(":KUBE-IPTABLES-HINT") || text.contains(":KUBE-KUBELET-CANARY");
+                }
+            }
+        }
+        (rules, hint)
+    };
+    let (legacy_rules, legacy_hint) = count(Backend::Legacy);
+    let (nft_rules, nft_hint) = count(Backend::Nft);
+    if nft_hint && !legacy_hint {
+        return Backend::Nft;
+    }
+    if legacy_hint && !nft_hint {
+        return Backend::Legacy;
+    }
+    if legacy_rules > nft_rules {
+        return Backend::Legacy;
+    }
+    if nft_rules > legacy_rules {
+        return Backend::Nft;
+    }
+    match runner.run("iptables", &["--version"], None) {
+        Ok(out) if String::from_utf8_lossy(&out.stdout).contains("nf_tables") => Backend::Nft,
+        Ok(out) if out.success => Backend::Legacy,
+        _ => Backend::Nft,
+    }
+}
+
+/// Why a table could not be programmed.
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    #[error("{program}: cannot run: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("{program} failed: {stderr}")]
+    Failed { program: String, stderr: String },
+}
+
+/// A kernel rule as read back: its `cali:` hash if it carries one, and the full rule line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct KernelRule {
+    hash: Option<String>,
+    /// The rule's spec without the leading `-A <chain> `.
+    spec: String,
+}
+
+/// What the kernel holds, as far as we care.
+#[derive(Clone, Debug, Default)]
+struct KernelView {
+    /// Our chains: name → rule hashes ("" for a rule without one).
+    ours: HashMap<String, Vec<String>>,
+    /// Every other chain that holds rules of ours or that we hook: name → rules.
+    others: HashMap<String, Vec<KernelRule>>,
+}
+
+/// Extracts the `cali:` hash from a rule line, if any.
+fn hash_of(line: &str) -> Option<&str> {
+    let i = line.find("--comment \"cali:").map(|i| i + 16).or_else(|| {
+        line.find("--comment cali:").map(|i| i + 15)
+    })?;
+    let rest = &line[i..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .unwrap_or(rest.len());
+    Some(&rest[..end])
+}
+
+/// Parses `iptables-save -t <table>` output.
+fn parse_save(text: &str) -> KernelView {
+    let mut view = KernelView::default();
+    for line in text.lines() {
+        if let Some(decl) = line.strip_prefix(':') {
+            let name = decl.split_whitespace().next().unwrap_or_default();
+            if name.starts_with(OUR_CHAIN_PREFIX) {
+                view.ours.entry(name.to_owned()).or_default();
+            }
+        } else if let Some(rest) = line.strip_prefix("-A ") {
+            let (chain, spec) = rest.split_once(' ').unwrap_or((rest, ""));
+            if chain.starts_with(OUR_CHAIN_PREFIX) {
+                view.ours
+                    .entry(chain.to_owned())
+                    .or_default()
+                    .push(hash_of(spec).unwrap_or_default().to_owned());
+            } else {
+                view.others
+                    .entry(chain.to_owned())
+                    .or_default()
+                    .push(KernelRule {
+                        hash: hash_of(spec).map(str::to_owned),
+                        spec: spec.to_owned(),
+                    });
+            }
+        }
+    }
+    view
+}
+
+#[derive(Clone, Debug)]
+struct DesiredChain {
+    rules: Vec<Rule>,
+    hashes: Vec<String>,
+}
+
+/// Counts of what one apply wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    pub chains_written: usize,
+    pub chains_deleted: usize,
+    pub hooks_fixed: usize,
+    pub read_back: bool,
+}
+
+/// One table (`filter`, `raw`, `mangle`, `nat`) of one family.
+pub struct Table {
+    name: &'static str,
+    version: IpVersion,
+    desired: HashMap<String, DesiredChain>,
+    hooks: Hooks,
+    /// Hashes of the hook rules: kernel chain → (inserts, appends).
+    hook_hashes: BTreeMap<String, (Vec<String>, Vec<String>)>,
+    kernel: Option<KernelView>,
+    /// Seconds `iptables-restore` waits for the xtables lock.
+    pub lock_wait_secs: u32,
+}
+
+impl Table {
+    pub fn new(name: &'static str, version: IpVersion) -> Self {
+        Self {
+            name,
+            version,
+            desired: HashMap::new(),
+            hooks: Hooks::default(),
+            hook_hashes: BTreeMap::new(),
+            kernel: None,
+            lock_wait_secs: 10,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn version(&self) -> IpVersion {
+        self.version
+    }
+
+    /// Sets (or replaces) one of our chains.
+    pub fn set_chain(&mut self, chain: Chain) {
+        if let Some(existing) = self.desired.get(&chain.name) {
+            if existing.rules == chain.rules {
+                return;
+            }
+        }
+        let hashes = chain.rule_hashes();
+        self.desired.insert(
+            chain.name,
+            DesiredChain {
+                rules: chain.rules,
+                hashes,
+            },
+        );
+    }
+
+    pub fn remove_chain(&mut self, name: &str) {
+        self.desired.remove(name);
+    }
+
+    pub fn has_chain(&self, name: &str) -> bool {
+        self.desired.contains_key(name)
+    }
+
+    /// Number of rules in our desired chains.
+    pub fn rule_count(&self) -> usize {
+        self.desired.values().map(|c| c.rules.len()).sum()
+    }
+
+    /// Sets the rules we keep in the kernel's own chains.
+    pub fn set_hooks(&mut self, hooks: Hooks) {
+        let mut hashes = BTreeMap::new();
+        let kernel_chains: std::collections::BTreeSet<&String> =
+            hooks.inserts.keys().chain(hooks.appends.keys()).collect();
+        for k in kernel_chains {
+            let ins = hooks
+                .inserts
+                .get(k)
+                .map(|r| rule_hashes(k, r))
+                .unwrap_or_default();
+            let app = hooks
+                .appends
+                .get(k)
+                .map(|r| rule_hashes(&format!("{k}*appends*"), r))
+                .unwrap_or_default();
+            hashes.insert(k.clone(), (ins, app));
+        }
+        self.hooks = hooks;
+        self.hook_hashes = hashes;
+    }
+
+    /// Forgets the kernel view: the next apply reads the kernel back and repairs differences.
+    pub fn invalidate(&mut self) {
+        self.kernel = None;
+    }
+
+    /// Brings the kernel in line with the desired chains (see the module doc).
+    pub fn apply(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+    ) -> Result<ApplyStats, TableError> {
+        let mut stats = ApplyStats::default();
+        if self.kernel.is_none() {
+            self.kernel = Some(self.read_back(runner, backend)?);
+            stats.read_back = true;
+        }
+        let kernel = self.kernel.as_ref().expect("read back above");
+        let mut script = String::new();
+        let mut body = String::new();
+        let mut written: Vec<String> = Vec::new();
+
+        // Chains to (re)write: new ones and those whose hashes differ. Sorted for stable output.
+        let mut names: Vec<&String> = self.desired.keys().collect();
+        names.sort();
+        for name in names {
+            let d = &self.desired[name];
+            if kernel.ours.get(name) == Some(&d.hashes) {
+                continue;
+            }
+            // Declaring an existing chain flushes it under --noflush.
+            let _ = writeln!(script, ":{name} - [0:0]");
+            for (rule, hash) in d.rules.iter().zip(&d.hashes) {
+                body.push_str(&rule.render_with_hash(name, hash));
+                body.push('\n');
+            }
+            written.push(name.clone());
+        }
+        // Stale chains of ours: flushed now, deleted at the end once nothing refers to them.
+        let mut stale: Vec<&String> = kernel
+            .ours
+            .keys()
+            .filter(|n| !self.desired.contains_key(*n))
+            .collect();
+        stale.sort();
+        for name in &stale {
+            let _ = writeln!(script, ":{name} - [0:0]");
+        }
+        script.push_str(&body);
+
+        // Hook rules in the kernel's chains.
+        let mut hook_fixes: Vec<String> = Vec::new();
+        let mut kernel_chains: Vec<&String> = self
+            .hook_hashes
+            .keys()
+            .chain(kernel.others.iter().filter(|(_, r)| r.iter().any(|r| r.hash.is_some())).map(|(k, _)| k))
+            .collect();
+        kernel_chains.sort();
+        kernel_chains.dedup();
+        for chain in kernel_chains {
+            let empty = (Vec::new(), Vec::new());
+            let (ins, app) = self.hook_hashes.get(chain).unwrap_or(&empty);
+            let rules = kernel.others.get(chain).map(Vec::as_slice).unwrap_or(&[]);
+            if hooks_in_place(rules, ins, app) {
+                continue;
+            }
+            // Remove every rule of ours (by value: positions may shift under other writers),
+            // then insert ours at the top in reverse order and append the appends.
+            for r in rules.iter().filter(|r| r.hash.is_some() || r.spec.contains("-j cali-")) {
+                let _ = writeln!(script, "-D {chain} {}", r.spec);
+            }
+            if let Some(inserts) = self.hooks.inserts.get(chain) {
+                for (rule, hash) in inserts.iter().zip(ins).rev() {
+                    let line = rule.render_with_hash(chain, hash);
+                    let _ = writeln!(script, "-I {chain} 1{}", &line[3 + chain.len()..]);
+                }
+            }
+            if let Some(appends) = self.hooks.appends.get(chain) {
+                for (rule, hash) in appends.iter().zip(app) {
+                    script.push_str(&rule.render_with_hash(chain, hash));
+                    script.push('\n');
+                }
+            }
+            hook_fixes.push(chain.clone());
+        }
+        for name in &stale {
+            let _ = writeln!(script, "-X {name}");
+        }
+
+        if script.is_empty() {
+            return Ok(stats);
+        }
+        let input = format!("*{}\n{script}COMMIT\n", self.name);
+        let program = backend.program(self.version, "restore");
+        let wait = format!("--wait={}", self.lock_wait_secs);
+        let result = runner.run(&program, &["--noflush", &wait], Some(input.as_bytes()));
+        let out = match result {
+            Ok(out) => out,
+            Err(source) => {
+                self.kernel = None;
+                return Err(TableError::Spawn { program, source });
+            }
+        };
+        if !out.success {
+            // We no longer know what the kernel holds: read it back before the retry.
+            self.kernel = None;
+            tracing::debug!(table = self.name, input = %input, "failed restore input");
+            return Err(TableError::Failed {
+                program,
+                stderr: out.stderr_summary(),
+            });
+        }
+
+        // The kernel now holds what we wrote.
+        let stale: Vec<String> = stale.into_iter().cloned().collect();
+        let kernel = self.kernel.as_mut().expect("read back above");
+        for name in &written {
+            kernel
+                .ours
+                .insert(name.clone(), self.desired[name].hashes.clone());
+        }
+        for name in &stale {
+            kernel.ours.remove(name);
+        }
+        for chain in &hook_fixes {
+            let mut rules: Vec<KernelRule> = Vec::new();
+            let empty = (Vec::new(), Vec::new());
+            let (ins, app) = self.hook_hashes.get(chain).unwrap_or(&empty);
+            if let Some(inserts) = self.hooks.inserts.get(chain) {
+                rules.extend(inserts.iter().zip(ins).map(|(r, h)| kernel_rule(chain, r, h)));
+            }
+            let foreign = kernel
+                .others
+                .get(chain)
+                .into_iter()
+                .flatten()
+                .filter(|r| r.hash.is_none() && !r.spec.contains("-j cali-"))
+                .cloned()
+                .collect::<Vec<_>>();
+            rules.extend(foreign);
+            if let Some(appends) = self.hooks.appends.get(chain) {
+                rules.extend(appends.iter().zip(app).map(|(r, h)| kernel_rule(chain, r, h)));
+            }
+            kernel.others.insert(chain.clone(), rules);
+        }
+        stats.chains_written = written.len();
+        stats.chains_deleted = stale.len();
+        stats.hooks_fixed = hook_fixes.len();
+        Ok(stats)
+    }
+
+    fn read_back(
+        &self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+    ) -> Result<KernelView, TableError> {
+        let program = backend.program(self.version, "save");
+        let out = runner
+            .run(&program, &["-t", self.name], None)
+            .map_err(|source| TableError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        if !out.success {
+            return Err(TableError::Failed {
+                program,
+                stderr: out.stderr_summary(),
+            });
+        }
+        Ok(parse_save(&String::from_utf8_lossy(&out.stdout)))
+    }
+}
+
+fn kernel_rule(chain: &str, rule: &Rule, hash: &str) -> KernelRule {
+    let line = rule.render_with_hash(chain, hash);
+    KernelRule {
+        hash: Some(hash.to_owned()),
+        spec: line[4 + chain.len()..].to_owned(),
+    }
+}
+
+/// Our inserts are the first rules of the chain, in order; our appends come after every other
+/// rule of ours, in order; and there are no other rules of ours.
+fn hooks_in_place(rules: &[KernelRule], inserts: &[String], appends: &[String]) -> bool {
+    if rules.len() < inserts.len() {
+        return false;
+    }
+    let top_ok = rules
+        .iter()
+        .zip(inserts)
+        .all(|(r, h)| r.hash.as_deref() == Some(h.as_str()));
+    if !top_ok {
+        return false;
+    }
+    let rest: Vec<&str> = rules[inserts.len()..]
+        .iter()
+        .filter_map(|r| r.hash.as_deref())
+        .collect();
+    let stray_jumps = rules[inserts.len()..]
+        .iter()
+        .any(|r| r.hash.is_none() && r.spec.contains("-j cali-"));
+    !stray_jumps && rest == appends.iter().map(String::as_str).collect::<Vec<_>>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::linux::fake::FakeKernel;
+    use crate::driver::linux::rules::{Action, Match};
+
+    fn chain(name: &str, n: usize) -> Chain {
+        Chain::new(
+            name,
+            (0..n)
+                .map(|i| Rule::new(Match::new().src_net(&format!("10.0.0.{i}")), Action::Accept))
+                .collect(),
+        )
+    }
+
+    fn hooks() -> Hooks {
+        let mut h = Hooks::default();
+        h.inserts.insert(
+            "INPUT".into(),
+            vec![Rule::always(Action::Jump("cali-INPUT".into()))],
+        );
+        h
+    }
+
+    #[test]
+    fn hash_extraction_handles_both_quotings() {
+        assert_eq!(hash_of("-m comment --comment \"cali:abc-_1\" -j X"), Some("abc-_1"));
+        assert_eq!(hash_of("-m comment --comment cali:xyz -j X"), Some("xyz"));
+        assert_eq!(hash_of("-j ACCEPT"), None);
+    }
+
+    #[test]
+    fn only_changed_chains_are_written() {
+        let mut k = FakeKernel::new();
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_chain(chain("cali-INPUT", 1));
+        t.set_chain(chain("cali-a", 3));
+        t.set_chain(chain("cali-b", 3));
+        t.set_hooks(hooks());
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!((s.chains_written, s.hooks_fixed, s.read_back), (3, 1, true));
+        assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-a").len(), 3);
+        assert!(k.chain_rules(IpVersion::V4, "filter", "INPUT")[0].contains("cali-INPUT"));
+
+        // Nothing changed: no restore at all.
+        let calls = k.restore_calls();
+        assert_eq!(t.apply(&mut k, Backend::Nft).unwrap(), ApplyStats::default());
+        assert_eq!(k.restore_calls(), calls);
+
+        // One chain changes: only it is in the transaction.
+        t.set_chain(chain("cali-b", 4));
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(s.chains_written, 1);
+        let input = k.last_restore_input();
+        assert!(input.contains(":cali-b - [0:0]"));
+        assert!(!input.contains("cali-a"), "{input}");
+        assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-b").len(), 4);
+    }
+
+    #[test]
+    fn stale_chains_go_and_foreign_rules_stay() {
+        let mut k = FakeKernel::new();
+        k.exec_restore(IpVersion::V4, "*filter\n:cali-old - [0:0]\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\n-A cali-old -j ACCEPT\nCOMMIT\n").unwrap();
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_chain(chain("cali-INPUT", 1));
+        t.set_hooks(hooks());
+        let s = t.apply(&mut k, Backend::Legacy).unwrap();
+        assert_eq!(s.chains_deleted, 1);
+        assert!(!k.has_chain(IpVersion::V4, "filter", "cali-old"));
+        let input = k.chain_rules(IpVersion::V4, "filter", "INPUT");
+        assert_eq!(input.len(), 2);
+        assert!(input[0].contains("cali-INPUT"), "ours go first: {input:?}");
+        assert_eq!(input[1], "-j KUBE-X");
+    }
+
+    #[test]
+    fn out_of_band_changes_are_repaired_after_invalidate() {
+        let mut k = FakeKernel::new();
+        k.exec_restore(IpVersion::V4, "*filter\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\nCOMMIT\n").unwrap();
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_chain(chain("cali-INPUT", 1));
+        t.set_chain(chain("cali-a", 3));
+        t.set_hooks(hooks());
+        t.apply(&mut k, Backend::Nft).unwrap();
+        // Someone deletes a rule of ours and moves our hook below theirs.
+        k.exec_restore(IpVersion::V4, "*filter\n-D cali-a 2\nCOMMIT\n").unwrap();
+        let hook = k.chain_rules(IpVersion::V4, "filter", "INPUT")[0].clone();
+        k.exec_restore(IpVersion::V4, &format!("*filter\n-D INPUT {hook}\n-A INPUT {hook}\nCOMMIT\n")).unwrap();
+        // Without a read-back we trust our view.
+        assert_eq!(t.apply(&mut k, Backend::Nft).unwrap(), ApplyStats::default());
+        t.invalidate();
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!((s.chains_written, s.hooks_fixed), (1, 1));
+        assert!(!k.last_restore_input().contains("cali-INPUT - [0:0]"), "the intact chain is left alone");
+        assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-a").len(), 3);
+        let input = k.chain_rules(IpVersion::V4, "filter", "INPUT");
+        assert!(input[0].contains("cali-INPUT") && input[1] == "-j KUBE-X", "{input:?}");
+    }
+
+    #[test]
+    fn a_failed_restore_forces_a_read_back() {
+        let mut k = FakeKernel::new();
+        let mut t = Table::new("filter", IpVersion::V4);
+        // A jump to a chain that does not exist: the kernel refuses the transaction.
+        t.set_chain(Chain::new("cali-a", vec![Rule::always(Action::Jump("cali-missing".into()))]));
+        assert!(t.apply(&mut k, Backend::Nft).is_err());
+        t.set_chain(chain("cali-missing", 1));
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert!(s.read_back);
+        assert_eq!(s.chains_written, 2);
+    }
+}

@@ -1,0 +1,433 @@
+//! The chains that do not depend on policy: the top-level `cali-INPUT`/`cali-FORWARD`/
+//! `cali-OUTPUT` (and raw/mangle `cali-PREROUTING`/`cali-OUTPUT`), the hook rules that send the
+//! kernel's chains to them, the failsafe chains and the per-interface dispatch chains.
+
+use std::collections::BTreeMap;
+
+use super::endpoint::{
+    ALL_INTERFACES, FAILSAFE_IN, FAILSAFE_OUT, HOST_FROM_FWD_PFX, HOST_FROM_PFX, HOST_TO_FWD_PFX,
+    HOST_TO_PFX, WORKLOAD_FROM_PFX, WORKLOAD_TO_PFX,
+};
+use super::{Action, Chain, IpVersion, Match, Rule, endpoint_chain_name, marks};
+
+pub const FROM_WL_DISPATCH: &str = "cali-from-wl-dispatch";
+pub const TO_WL_DISPATCH: &str = "cali-to-wl-dispatch";
+pub const FROM_HOST_DISPATCH: &str = "cali-from-host-endpoint";
+pub const TO_HOST_DISPATCH: &str = "cali-to-host-endpoint";
+pub const FROM_HEP_FWD_DISPATCH: &str = "cali-from-hep-forward";
+pub const TO_HEP_FWD_DISPATCH: &str = "cali-to-hep-forward";
+pub const WL_TO_HOST: &str = "cali-wl-to-host";
+pub const CIDR_BLOCK: &str = "cali-cidr-block";
+
+/// What happens to traffic from a workload to its own host once egress policy allowed it
+/// (Felix's `DefaultEndpointToHostAction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EndpointToHostAction {
+    Drop,
+    Accept,
+    Return,
+}
+
+/// A protocol and port that stays open whatever the host endpoint policy says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failsafe {
+    pub protocol: String,
+    pub port: u16,
+}
+
+impl std::str::FromStr for Failsafe {
+    type Err = String;
+    /// `tcp:22` or `udp:68`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (p, port) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{s:?}: expected <tcp|udp|sctp>:<port>"))?;
+        let p = p.to_ascii_lowercase();
+        if !matches!(p.as_str(), "tcp" | "udp" | "sctp") {
+            return Err(format!("{s:?}: protocol must be tcp, udp or sctp"));
+        }
+        let port = port
+            .parse()
+            .map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
+        Ok(Self { protocol: p, port })
+    }
+}
+
+/// Felix's default failsafe ports (`FailsafeInboundHostPorts` / `FailsafeOutboundHostPorts`).
+pub fn default_failsafes_in() -> Vec<Failsafe> {
+    parse_list(&["tcp:22", "udp:68", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666", "tcp:6667"])
+}
+
+pub fn default_failsafes_out() -> Vec<Failsafe> {
+    parse_list(&["udp:53", "udp:67", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666", "tcp:6667"])
+}
+
+fn parse_list(items: &[&str]) -> Vec<Failsafe> {
+    items.iter().filter_map(|s| s.parse().ok()).collect()
+}
+
+/// Settings for the static chains.
+#[derive(Clone, Debug)]
+pub struct StaticConfig {
+    /// Workload interface prefixes (`cali`); each becomes a `cali+` style wildcard.
+    pub workload_prefixes: Vec<String>,
+    pub endpoint_to_host: EndpointToHostAction,
+    pub failsafe_in: Vec<Failsafe>,
+    pub failsafe_out: Vec<Failsafe>,
+}
+
+impl Default for StaticConfig {
+    fn default() -> Self {
+        Self {
+            workload_prefixes: vec!["cali".to_owned()],
+            endpoint_to_host: EndpointToHostAction::Drop,
+            failsafe_in: default_failsafes_in(),
+            failsafe_out: default_failsafes_out(),
+        }
+    }
+}
+
+/// Rules we own inside a kernel chain (`INPUT`, `FORWARD`…): inserted at the top, appended at
+/// the bottom.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hooks {
+    pub inserts: BTreeMap<String, Vec<Rule>>,
+    pub appends: BTreeMap<String, Vec<Rule>>,
+}
+
+impl Hooks {
+    fn insert(&mut self, kernel: &str, rule: Rule) {
+        self.inserts.entry(kernel.to_owned()).or_default().push(rule);
+    }
+    fn append(&mut self, kernel: &str, rule: Rule) {
+        self.appends.entry(kernel.to_owned()).or_default().push(rule);
+    }
+}
+
+fn jump(c: &str) -> Rule {
+    Rule::always(Action::Jump(c.to_owned()))
+}
+
+/// The filter table's static chains and hooks for one family.
+pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
+    let mut hooks = Hooks::default();
+    hooks.insert("INPUT", jump("cali-INPUT"));
+    hooks.insert("FORWARD", jump("cali-FORWARD"));
+    hooks.insert("OUTPUT", jump("cali-OUTPUT"));
+    hooks.append(
+        "FORWARD",
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
+            .comment("Policy explicitly accepted packet."),
+    );
+    hooks.append("FORWARD", Rule::always(Action::SetMark(marks::ACCEPT)));
+
+    let mut forward = vec![
+        Rule::always(Action::ClearMark(marks::ALL & !marks::ACCEPT)),
+        Rule::new(
+            Match::new().mark_clear(marks::ACCEPT),
+            Action::Jump(FROM_HEP_FWD_DISPATCH.to_owned()),
+        ),
+    ];
+    for p in &cfg.workload_prefixes {
+        let wild = format!("{p}+");
+        forward.push(
+            Rule::new(
+                Match::new().in_iface(&wild),
+                Action::Jump(FROM_WL_DISPATCH.to_owned()),
+            )
+            .comment("From workload"),
+        );
+        forward.push(
+            Rule::new(
+                Match::new().out_iface(&wild),
+                Action::Jump(TO_WL_DISPATCH.to_owned()),
+            )
+            .comment("To workload"),
+        );
+    }
+    forward.push(jump(TO_HEP_FWD_DISPATCH));
+    forward.push(jump(CIDR_BLOCK));
+
+    let mut input = Vec::new();
+    for p in &cfg.workload_prefixes {
+        input.push(Rule::new(
+            Match::new().in_iface(&format!("{p}+")),
+            Action::Goto(WL_TO_HOST.to_owned()),
+        ));
+    }
+    input.push(Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept));
+    input.push(Rule::always(Action::ClearMark(marks::ALL)));
+    input.push(jump(FROM_HOST_DISPATCH));
+    input.push(
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
+            .comment("Host endpoint policy accepted packet."),
+    );
+
+    let mut output = vec![Rule::new(
+        Match::new().mark_set(marks::ACCEPT),
+        Action::Accept,
+    )];
+    for p in &cfg.workload_prefixes {
+        output.push(Rule::new(
+            Match::new().out_iface(&format!("{p}+")),
+            Action::Return,
+        ));
+    }
+    output.push(Rule::always(Action::ClearMark(marks::ALL)));
+    output.push(Rule::new(
+        Match::new().not_conntrack_state("DNAT"),
+        Action::Jump(TO_HOST_DISPATCH.to_owned()),
+    ));
+    output.push(
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
+            .comment("Host endpoint policy accepted packet."),
+    );
+
+    let mut wl_to_host = Vec::new();
+    if v == IpVersion::V6 {
+        // Neighbour discovery and MLD must reach the host or IPv6 cannot work at all.
+        for ty in [130, 131, 132, 133, 135, 136] {
+            wl_to_host.push(Rule::new(
+                Match::new().protocol("ipv6-icmp").icmp_type(v, ty, None),
+                Action::Accept,
+            ));
+        }
+    }
+    wl_to_host.push(jump(FROM_WL_DISPATCH));
+    wl_to_host.push(
+        Rule::always(match cfg.endpoint_to_host {
+            EndpointToHostAction::Drop => Action::Drop,
+            EndpointToHostAction::Accept => Action::Accept,
+            EndpointToHostAction::Return => Action::Return,
+        })
+        .comment("Configured DefaultEndpointToHostAction"),
+    );
+
+    let chains = vec![
+        Chain::new("cali-FORWARD", forward),
+        Chain::new("cali-INPUT", input),
+        Chain::new("cali-OUTPUT", output),
+        Chain::new(WL_TO_HOST, wl_to_host),
+        Chain::new(CIDR_BLOCK, Vec::new()),
+        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
+        failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out),
+    ];
+    (chains, hooks)
+}
+
+/// The raw table: untracked host endpoint policy.
+pub fn raw(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
+    let mut hooks = Hooks::default();
+    hooks.insert("PREROUTING", jump("cali-PREROUTING"));
+    hooks.insert("OUTPUT", jump("cali-OUTPUT"));
+    let mut pre = vec![Rule::always(Action::ClearMark(marks::ALL))];
+    for p in &cfg.workload_prefixes {
+        // Remember "from a workload" so host endpoint policy skips it.
+        pre.push(Rule::new(
+            Match::new().in_iface(&format!("{p}+")),
+            Action::SetMark(marks::SCRATCH0),
+        ));
+    }
+    pre.push(Rule::new(
+        Match::new().mark_clear(marks::SCRATCH0),
+        Action::Jump(FROM_HOST_DISPATCH.to_owned()),
+    ));
+    pre.push(Rule::new(
+        Match::new().mark_set(marks::ACCEPT),
+        Action::Accept,
+    ));
+    let out = vec![
+        Rule::always(Action::ClearMark(marks::ALL)),
+        jump(TO_HOST_DISPATCH),
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept),
+    ];
+    let chains = vec![
+        Chain::new("cali-PREROUTING", pre),
+        Chain::new("cali-OUTPUT", out),
+        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
+        failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out),
+    ];
+    (chains, hooks)
+}
+
+/// The mangle table: pre-DNAT host endpoint policy.
+pub fn mangle(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
+    let mut hooks = Hooks::default();
+    hooks.insert("PREROUTING", jump("cali-PREROUTING"));
+    let pre = vec![
+        Rule::new(
+            Match::new().conntrack_state("RELATED,ESTABLISHED"),
+            Action::Accept,
+        ),
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept),
+        jump(FROM_HOST_DISPATCH),
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
+            .comment("Host endpoint policy accepted packet."),
+    ];
+    let chains = vec![
+        Chain::new("cali-PREROUTING", pre),
+        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
+    ];
+    (chains, hooks)
+}
+
+/// Inbound failsafes open a port on this host; outbound ones a port on the remote side: both
+/// match the destination port.
+fn failsafe_chain(name: &str, ports: &[Failsafe]) -> Chain {
+    let rules = ports
+        .iter()
+        .map(|f| {
+            let m = Match::new()
+                .protocol(&f.protocol)
+                .dst_ports(&f.port.to_string());
+            Rule::new(m, Action::Accept)
+        })
+        .collect();
+    Chain::new(name, rules)
+}
+
+/// `cali-from-wl-dispatch` and `cali-to-wl-dispatch`: one goto per workload interface (sorted),
+/// then a drop, so an interface with no endpoint yet gets no traffic through.
+pub fn workload_dispatch(ifaces: &[String]) -> [Chain; 2] {
+    let mut sorted: Vec<&String> = ifaces.iter().collect();
+    sorted.sort();
+    sorted.dedup();
+    let mut from = Vec::with_capacity(sorted.len() + 1);
+    let mut to = Vec::with_capacity(sorted.len() + 1);
+    for i in sorted {
+        from.push(Rule::new(
+            Match::new().in_iface(i),
+            Action::Goto(endpoint_chain_name(WORKLOAD_FROM_PFX, i)),
+        ));
+        to.push(Rule::new(
+            Match::new().out_iface(i),
+            Action::Goto(endpoint_chain_name(WORKLOAD_TO_PFX, i)),
+        ));
+    }
+    from.push(Rule::always(Action::Drop).comment("Unknown interface"));
+    to.push(Rule::always(Action::Drop).comment("Unknown interface"));
+    [
+        Chain::new(FROM_WL_DISPATCH, from),
+        Chain::new(TO_WL_DISPATCH, to),
+    ]
+}
+
+/// Host endpoint dispatch (`cali-from-host-endpoint` / `cali-to-host-endpoint`). Interfaces
+/// with no host endpoint fall through (host traffic is not policed there); a `*` endpoint
+/// catches the rest.
+pub fn host_dispatch(ifaces: &[String]) -> [Chain; 2] {
+    dispatch_pair(
+        ifaces,
+        (FROM_HOST_DISPATCH, HOST_FROM_PFX),
+        (TO_HOST_DISPATCH, HOST_TO_PFX),
+        true,
+    )
+}
+
+/// Forward host endpoint dispatch (`cali-from-hep-forward` / `cali-to-hep-forward`); the `*`
+/// endpoint does not apply to forwarded traffic.
+pub fn host_forward_dispatch(ifaces: &[String]) -> [Chain; 2] {
+    dispatch_pair(
+        ifaces,
+        (FROM_HEP_FWD_DISPATCH, HOST_FROM_FWD_PFX),
+        (TO_HEP_FWD_DISPATCH, HOST_TO_FWD_PFX),
+        false,
+    )
+}
+
+fn dispatch_pair(
+    ifaces: &[String],
+    (from_name, from_pfx): (&str, &str),
+    (to_name, to_pfx): (&str, &str),
+    with_wildcard: bool,
+) -> [Chain; 2] {
+    let mut sorted: Vec<&String> = ifaces.iter().filter(|i| i.as_str() != "*").collect();
+    sorted.sort();
+    sorted.dedup();
+    let mut from = Vec::new();
+    let mut to = Vec::new();
+    for i in sorted {
+        from.push(Rule::new(
+            Match::new().in_iface(i),
+            Action::Goto(endpoint_chain_name(from_pfx, i)),
+        ));
+        to.push(Rule::new(
+            Match::new().out_iface(i),
+            Action::Goto(endpoint_chain_name(to_pfx, i)),
+        ));
+    }
+    if with_wildcard && ifaces.iter().any(|i| i == "*") {
+        from.push(Rule::always(Action::Goto(endpoint_chain_name(
+            from_pfx,
+            ALL_INTERFACES,
+        ))));
+        to.push(Rule::always(Action::Goto(endpoint_chain_name(
+            to_pfx,
+            ALL_INTERFACES,
+        ))));
+    }
+    [Chain::new(from_name, from), Chain::new(to_name, to)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(c: &Chain) -> Vec<String> {
+        c.rules.iter().map(|r| r.render_append(&c.name, "")).collect()
+    }
+
+    #[test]
+    fn dispatch_ends_in_a_drop_for_unknown_interfaces() {
+        let [from, to] = workload_dispatch(&["calib".into(), "calia".into()]);
+        assert_eq!(
+            text(&from),
+            vec![
+                "-A cali-from-wl-dispatch --in-interface calia --goto cali-fw-calia",
+                "-A cali-from-wl-dispatch --in-interface calib --goto cali-fw-calib",
+                "-A cali-from-wl-dispatch -m comment --comment \"Unknown interface\" --jump DROP",
+            ]
+        );
+        assert_eq!(text(&to)[0], "-A cali-to-wl-dispatch --out-interface calia --goto cali-tw-calia");
+        let [empty_from, _] = workload_dispatch(&[]);
+        assert_eq!(empty_from.rules.len(), 1);
+    }
+
+    #[test]
+    fn host_dispatch_falls_through_and_wildcard_goes_last() {
+        let [from, to] = host_dispatch(&["*".into(), "eth0".into()]);
+        assert_eq!(
+            text(&from),
+            vec![
+                "-A cali-from-host-endpoint --in-interface eth0 --goto cali-fh-eth0",
+                "-A cali-from-host-endpoint --goto cali-fh-any-interface-at-all",
+            ]
+        );
+        assert_eq!(to.rules.len(), 2);
+        let [fwd_from, _] = host_forward_dispatch(&["*".into()]);
+        assert!(fwd_from.rules.is_empty());
+    }
+
+    #[test]
+    fn filter_hooks_and_forward_chain() {
+        let (chains, hooks) = filter(&StaticConfig::default(), IpVersion::V4);
+        assert_eq!(hooks.inserts["INPUT"][0].action, Action::Jump("cali-INPUT".into()));
+        assert_eq!(hooks.appends["FORWARD"].len(), 2);
+        let fwd = chains.iter().find(|c| c.name == "cali-FORWARD").unwrap();
+        assert_eq!(
+            text(fwd),
+            vec![
+                "-A cali-FORWARD --jump MARK --set-mark 0/0xfffe0000",
+                "-A cali-FORWARD -m mark --mark 0/0x10000 --jump cali-from-hep-forward",
+                "-A cali-FORWARD -m comment --comment \"From workload\" --in-interface cali+ --jump cali-from-wl-dispatch",
+                "-A cali-FORWARD -m comment --comment \"To workload\" --out-interface cali+ --jump cali-to-wl-dispatch",
+                "-A cali-FORWARD --jump cali-to-hep-forward",
+                "-A cali-FORWARD --jump cali-cidr-block",
+            ]
+        );
+        let (v6, _) = filter(&StaticConfig::default(), IpVersion::V6);
+        let wl = v6.iter().find(|c| c.name == WL_TO_HOST).unwrap();
+        assert!(text(wl)[0].contains("--icmpv6-type 130"));
+        assert!(text(wl).last().unwrap().ends_with("--jump DROP"));
+    }
+}
