@@ -61,7 +61,12 @@ pub struct Cli {
 
     /// linux driver: the iptables implementation. `auto` follows whichever of legacy and nft
     /// already holds rules (Kubernetes' hint chain first), else `iptables --version`.
-    #[arg(long, env = "DATAPLANE_AGENT_IPTABLES_BACKEND", value_enum, default_value = "auto")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_IPTABLES_BACKEND",
+        value_enum,
+        default_value = "auto"
+    )]
     pub iptables_backend: Backend,
 
     /// linux driver: also program ip6tables and IPv6 sets.
@@ -69,21 +74,42 @@ pub struct Cli {
     pub ipv6_support: bool,
 
     /// linux driver: workload interface prefixes (Felix's InterfacePrefix), comma-separated.
-    #[arg(long, env = "DATAPLANE_AGENT_INTERFACE_PREFIX", value_delimiter = ',', default_value = "cali", value_name = "PREFIX")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_INTERFACE_PREFIX",
+        value_delimiter = ',',
+        default_value = "cali",
+        value_name = "PREFIX"
+    )]
     pub interface_prefix: Vec<String>,
 
     /// linux driver: what happens to workload-to-host traffic that egress policy allowed
     /// (Felix's DefaultEndpointToHostAction).
-    #[arg(long, env = "DATAPLANE_AGENT_DEFAULT_ENDPOINT_TO_HOST_ACTION", value_enum, default_value = "drop")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_DEFAULT_ENDPOINT_TO_HOST_ACTION",
+        value_enum,
+        default_value = "drop"
+    )]
     pub default_endpoint_to_host_action: EndpointToHostAction,
 
     /// linux driver: ports always open to this host whatever host endpoint policy says,
     /// `proto:port` comma-separated (Felix's FailsafeInboundHostPorts; empty for none).
-    #[arg(long, env = "DATAPLANE_AGENT_FAILSAFE_INBOUND_HOST_PORTS", value_delimiter = ',', value_name = "PROTO:PORT")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_FAILSAFE_INBOUND_HOST_PORTS",
+        value_delimiter = ',',
+        value_name = "PROTO:PORT"
+    )]
     pub failsafe_inbound_host_ports: Option<Vec<String>>,
 
     /// linux driver: ports this host may always reach (Felix's FailsafeOutboundHostPorts).
-    #[arg(long, env = "DATAPLANE_AGENT_FAILSAFE_OUTBOUND_HOST_PORTS", value_delimiter = ',', value_name = "PROTO:PORT")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_FAILSAFE_OUTBOUND_HOST_PORTS",
+        value_delimiter = ',',
+        value_name = "PROTO:PORT"
+    )]
     pub failsafe_outbound_host_ports: Option<Vec<String>>,
 
     /// linux driver: how often iptables and ipsets are read back and out-of-band changes
@@ -96,7 +122,11 @@ pub struct Cli {
     pub xtables_lock_timeout: Duration,
 
     /// linux driver: prefix of the LOG rules that `action: Log` renders.
-    #[arg(long, env = "DATAPLANE_AGENT_LOG_PREFIX", default_value = "calico-packet")]
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_LOG_PREFIX",
+        default_value = "calico-packet"
+    )]
     pub log_prefix: String,
 
     /// How often to send a ProcessStatusUpdate heartbeat (e.g. 5s, 500ms, 1m).
@@ -186,22 +216,22 @@ impl Cli {
         if prefixes.is_empty() {
             return Err("--interface-prefix must name at least one prefix".to_owned());
         }
-        if let Some(bad) = prefixes
-            .iter()
-            .find(|p| !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.'))
-        {
-            return Err(format!("--interface-prefix {bad:?}: not an interface name prefix"));
+        if let Some(bad) = prefixes.iter().find(|p| {
+            !p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        }) {
+            return Err(format!(
+                "--interface-prefix {bad:?}: not an interface name prefix"
+            ));
         }
-        let failsafes = |flag: &str, v: &Option<Vec<String>>, default: Vec<Failsafe>| {
-            match v {
-                None => Ok(default),
-                Some(list) => list
-                    .iter()
-                    .map(|s| s.trim())
-                    .filter(|s| !s.is_empty())
-                    .map(|s| s.parse::<Failsafe>().map_err(|e| format!("{flag}: {e}")))
-                    .collect(),
-            }
+        let failsafes = |flag: &str, v: &Option<Vec<String>>, default: Vec<Failsafe>| match v {
+            None => Ok(default),
+            Some(list) => list
+                .iter()
+                .map(|s| s.trim())
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse::<Failsafe>().map_err(|e| format!("{flag}: {e}")))
+                .collect(),
         };
         let mut opts = LinuxOptions {
             backend: self.iptables_backend,
@@ -322,13 +352,30 @@ mod tests {
         };
         let cli = parse(&["--failsafe-inbound-host-ports", "tcp:22,udp:x"]);
         let err = cli.linux_options().unwrap_err();
-        assert!(err.contains("--failsafe-inbound-host-ports") && err.contains("udp:x"), "{err}");
-        let cli = parse(&["--failsafe-inbound-host-ports", "", "--ipv6-support", "false"]);
+        assert!(
+            err.contains("--failsafe-inbound-host-ports") && err.contains("udp:x"),
+            "{err}"
+        );
+        let cli = parse(&[
+            "--failsafe-inbound-host-ports",
+            "",
+            "--ipv6-support",
+            "false",
+        ]);
         let opts = cli.linux_options().unwrap();
         assert!(opts.statics.failsafe_in.is_empty());
         assert!(!opts.ipv6);
-        assert!(parse(&["--interface-prefix", "ca li"]).linux_options().is_err());
-        let cli = parse(&["--interface-prefix", "cali,tap", "--iptables-backend", "legacy"]);
+        assert!(
+            parse(&["--interface-prefix", "ca li"])
+                .linux_options()
+                .is_err()
+        );
+        let cli = parse(&[
+            "--interface-prefix",
+            "cali,tap",
+            "--iptables-backend",
+            "legacy",
+        ]);
         let opts = cli.linux_options().unwrap();
         assert_eq!(opts.statics.workload_prefixes, vec!["cali", "tap"]);
         assert_eq!(opts.backend, Backend::Legacy);

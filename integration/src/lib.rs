@@ -7,6 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+pub mod netns;
+
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -36,7 +38,7 @@ pub fn binary(name: &str) -> PathBuf {
     // The sources a binary is built from: its own crate (for calc-server, with its graph
     // crate) and the proto crate.
     let dirs: &[&str] = match name {
-        "dataplane-agent" => &["dataplane-agent", "proto"],
+        "dataplane-agent" => &["dataplane-agent", "proto", "calc-server/graph"],
         _ => &["calc-server", "proto"],
     };
     let newest = dirs

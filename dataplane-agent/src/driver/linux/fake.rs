@@ -31,7 +31,10 @@ pub struct FakeKernel {
 const BUILTIN: &[(&str, &[&str])] = &[
     ("filter", &["INPUT", "FORWARD", "OUTPUT"]),
     ("raw", &["PREROUTING", "OUTPUT"]),
-    ("mangle", &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"]),
+    (
+        "mangle",
+        &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"],
+    ),
     ("nat", &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"]),
 ];
 
@@ -95,7 +98,10 @@ impl FakeKernel {
 
     /// How many `*-restore` calls (iptables and ipset) were made.
     pub fn restore_calls(&self) -> usize {
-        self.calls.iter().filter(|c| c.0.ends_with("restore") || c.1.first().is_some_and(|a| a == "restore")).count()
+        self.calls
+            .iter()
+            .filter(|c| c.0.ends_with("restore") || c.1.first().is_some_and(|a| a == "restore"))
+            .count()
     }
 
     /// The stdin of the last iptables restore.
@@ -151,17 +157,21 @@ impl FakeKernel {
             }
             if let Some(t) = line.strip_prefix('*') {
                 current = Some(t.to_owned());
-                work = tables.get(&(v, t.to_owned())).cloned().ok_or_else(|| err("no such table"))?;
+                work = tables
+                    .get(&(v, t.to_owned()))
+                    .cloned()
+                    .ok_or_else(|| err("no such table"))?;
                 continue;
             }
             let table = current.clone().ok_or_else(|| err("no table"))?;
             if line == "COMMIT" {
                 for (chain, rules) in &work {
                     for r in rules {
-                        if let Some(t) = jump_target(r) {
-                            if !is_target_keyword(t) && !work.contains_key(t) {
-                                return Err(err(&format!("{chain}: jump to missing chain {t}")));
-                            }
+                        if let Some(t) = jump_target(r)
+                            && !is_target_keyword(t)
+                            && !work.contains_key(t)
+                        {
+                            return Err(err(&format!("{chain}: jump to missing chain {t}")));
                         }
                     }
                 }
@@ -184,7 +194,9 @@ impl FakeKernel {
                 "-I" => {
                     let rules = work.get_mut(chain).ok_or_else(|| err("no such chain"))?;
                     let (pos, spec) = match spec.split_once(' ') {
-                        Some((p, s)) if p.parse::<usize>().is_ok() => (p.parse::<usize>().unwrap(), s),
+                        Some((p, s)) if p.parse::<usize>().is_ok() => {
+                            (p.parse::<usize>().unwrap(), s)
+                        }
                         _ => (1, spec),
                     };
                     if pos == 0 || pos > rules.len() + 1 {
@@ -216,14 +228,17 @@ impl FakeKernel {
                     }
                     rules[i - 1] = spec.to_owned();
                 }
-                "-F" => work.get_mut(chain).ok_or_else(|| err("no such chain"))?.clear(),
+                "-F" => work
+                    .get_mut(chain)
+                    .ok_or_else(|| err("no such chain"))?
+                    .clear(),
                 "-X" => {
                     if !work.contains_key(chain) {
                         return Err(err("no such chain"));
                     }
-                    let referenced = work
-                        .iter()
-                        .any(|(c, rules)| c != chain && rules.iter().any(|r| jump_target(r) == Some(chain)));
+                    let referenced = work.iter().any(|(c, rules)| {
+                        c != chain && rules.iter().any(|r| jump_target(r) == Some(chain))
+                    });
                     if referenced {
                         return Err(err("chain is still referenced"));
                     }
@@ -246,10 +261,10 @@ impl FakeKernel {
                 for r in rules {
                     let mut it = r.split_whitespace();
                     while let Some(tok) = it.next() {
-                        if tok == "--match-set" {
-                            if let Some(s) = it.next() {
-                                used.insert(s.to_owned());
-                            }
+                        if tok == "--match-set"
+                            && let Some(s) = it.next()
+                        {
+                            used.insert(s.to_owned());
                         }
                     }
                 }
@@ -287,13 +302,19 @@ impl FakeKernel {
                     }
                 }
                 ["add", name, member] => {
-                    let s = self.sets.get_mut(*name).ok_or_else(|| err("set does not exist"))?;
+                    let s = self
+                        .sets
+                        .get_mut(*name)
+                        .ok_or_else(|| err("set does not exist"))?;
                     if !s.members.insert((*member).to_owned()) && !exist {
                         return Err(err("element is already added"));
                     }
                 }
                 ["del", name, member] => {
-                    let s = self.sets.get_mut(*name).ok_or_else(|| err("set does not exist"))?;
+                    let s = self
+                        .sets
+                        .get_mut(*name)
+                        .ok_or_else(|| err("set does not exist"))?;
                     if !s.members.remove(*member) && !exist {
                         return Err(err("element is missing"));
                     }
@@ -306,7 +327,10 @@ impl FakeKernel {
                         .clear();
                 }
                 ["swap", a, b] => {
-                    let sa = self.sets.remove(*a).ok_or_else(|| err("set does not exist"))?;
+                    let sa = self
+                        .sets
+                        .remove(*a)
+                        .ok_or_else(|| err("set does not exist"))?;
                     let Some(sb) = self.sets.remove(*b) else {
                         self.sets.insert((*a).to_owned(), sa);
                         return Err(err("set does not exist"));
@@ -371,7 +395,9 @@ impl CommandRunner for FakeKernel {
         args: &[&str],
         stdin: Option<&[u8]>,
     ) -> std::io::Result<Output> {
-        let input = stdin.map(|s| String::from_utf8_lossy(s).into_owned()).unwrap_or_default();
+        let input = stdin
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .unwrap_or_default();
         self.calls.push((
             program.to_owned(),
             args.iter().map(|s| (*s).to_owned()).collect(),

@@ -58,7 +58,13 @@ pub fn normalize_member(kind: SetKind, member: &str) -> Option<(IpVersion, Strin
     fn addr(s: &str) -> Option<IpAddr> {
         s.trim().parse().ok()
     }
-    let version = |a: &IpAddr| if a.is_ipv4() { IpVersion::V4 } else { IpVersion::V6 };
+    let version = |a: &IpAddr| {
+        if a.is_ipv4() {
+            IpVersion::V4
+        } else {
+            IpVersion::V6
+        }
+    };
     match kind {
         SetKind::Ip => {
             let a = addr(member.split('/').next()?)?;
@@ -86,7 +92,10 @@ pub fn normalize_member(kind: SetKind, member: &str) -> Option<(IpVersion, Strin
             let a = addr(a)?;
             let (proto, port) = rest.split_once(':')?;
             let port: u16 = port.trim().parse().ok()?;
-            Some((version(&a), format!("{a},{}:{port}", proto.trim().to_ascii_lowercase())))
+            Some((
+                version(&a),
+                format!("{a},{}:{port}", proto.trim().to_ascii_lowercase()),
+            ))
         }
     }
 }
@@ -346,10 +355,7 @@ impl IpSets {
 
     /// Destroys sets of ours nothing wants any more. A set still in use by a rule that is not
     /// ours is kept and retried next time (logged), rather than failing the whole apply.
-    pub fn apply_deletions(
-        &mut self,
-        runner: &mut dyn CommandRunner,
-    ) -> Result<usize, IpSetError> {
+    pub fn apply_deletions(&mut self, runner: &mut dyn CommandRunner) -> Result<usize, IpSetError> {
         let Some(kernel) = self.kernel.as_ref() else {
             return Ok(0);
         };
@@ -460,7 +466,11 @@ mod tests {
     fn one_id_becomes_a_v4_and_a_v6_set_and_deltas_are_minimal() {
         let mut k = FakeKernel::new();
         let mut s = both();
-        s.replace("s:abc", SetKind::Net, &["10.0.0.1/32".into(), "fd00::1/128".into()]);
+        s.replace(
+            "s:abc",
+            SetKind::Net,
+            &["10.0.0.1/32".into(), "fd00::1/128".into()],
+        );
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!((st.created, st.added), (2, 2));
         assert_eq!(k.set("cali40s:abc").unwrap().members.len(), 1);
@@ -482,8 +492,11 @@ mod tests {
     #[test]
     fn a_set_of_the_wrong_type_is_rebuilt_and_swapped() {
         let mut k = FakeKernel::new();
-        k.exec_ipset("create cali40s:x hash:ip family inet\nadd cali40s:x 10.0.0.9\n", false)
-            .unwrap();
+        k.exec_ipset(
+            "create cali40s:x hash:ip family inet\nadd cali40s:x 10.0.0.9\n",
+            false,
+        )
+        .unwrap();
         let mut s = IpSets::new(vec![IpVersion::V4]);
         s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
         let st = s.apply_updates(&mut k).unwrap();
@@ -501,11 +514,18 @@ mod tests {
         let mut s = IpSets::new(vec![IpVersion::V4]);
         s.replace("s:x", SetKind::Net, &["10.0.0.1".into(), "10.0.0.2".into()]);
         s.apply_updates(&mut k).unwrap();
-        k.exec_ipset("del cali40s:x 10.0.0.1\nadd cali40s:x 10.9.9.9\n", false).unwrap();
+        k.exec_ipset("del cali40s:x 10.0.0.1\nadd cali40s:x 10.9.9.9\n", false)
+            .unwrap();
         s.invalidate();
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!((st.read_back, st.added, st.removed), (true, 1, 1));
-        let members: Vec<_> = k.set("cali40s:x").unwrap().members.iter().cloned().collect();
+        let members: Vec<_> = k
+            .set("cali40s:x")
+            .unwrap()
+            .members
+            .iter()
+            .cloned()
+            .collect();
         assert_eq!(members, vec!["10.0.0.1", "10.0.0.2"]);
     }
 

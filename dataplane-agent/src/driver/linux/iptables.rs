@@ -61,7 +61,8 @@ pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
                 if let Ok(out) = runner.run(&prog, &["-t", table], None) {
                     let text = String::from_utf8_lossy(&out.stdout);
                     rules += text.lines().filter(|l| l.starts_with("-A ")).count();
-                    hint |= text.contains(":KUBE-IPTABLES-HINT") || text.contains(":KUBE-KUBELET-CANARY");
+                    hint |= text.contains(":KUBE-IPTABLES-HINT")
+                        || text.contains(":KUBE-KUBELET-CANARY");
                 }
             }
         }
@@ -119,9 +120,10 @@ struct KernelView {
 
 /// Extracts the `cali:` hash from a rule line, if any.
 fn hash_of(line: &str) -> Option<&str> {
-    let i = line.find("--comment \"cali:").map(|i| i + 16).or_else(|| {
-        line.find("--comment cali:").map(|i| i + 15)
-    })?;
+    let i = line
+        .find("--comment \"cali:")
+        .map(|i| i + 16)
+        .or_else(|| line.find("--comment cali:").map(|i| i + 15))?;
     let rest = &line[i..];
     let end = rest
         .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
@@ -210,10 +212,12 @@ impl Table {
 
     /// Sets (or replaces) one of our chains.
     pub fn set_chain(&mut self, chain: Chain) {
-        if let Some(existing) = self.desired.get(&chain.name) {
-            if existing.rules == chain.rules {
-                return;
-            }
+        if self
+            .desired
+            .get(&chain.name)
+            .is_some_and(|existing| existing.rules == chain.rules)
+        {
+            return;
         }
         let hashes = chain.rule_hashes();
         self.desired.insert(
@@ -314,7 +318,13 @@ impl Table {
         let mut kernel_chains: Vec<&String> = self
             .hook_hashes
             .keys()
-            .chain(kernel.others.iter().filter(|(_, r)| r.iter().any(|r| r.hash.is_some())).map(|(k, _)| k))
+            .chain(
+                kernel
+                    .others
+                    .iter()
+                    .filter(|(_, r)| r.iter().any(|r| r.hash.is_some()))
+                    .map(|(k, _)| k),
+            )
             .collect();
         kernel_chains.sort();
         kernel_chains.dedup();
@@ -327,7 +337,10 @@ impl Table {
             }
             // Remove every rule of ours (by value: positions may shift under other writers),
             // then insert ours at the top in reverse order and append the appends.
-            for r in rules.iter().filter(|r| r.hash.is_some() || r.spec.contains("-j cali-")) {
+            for r in rules
+                .iter()
+                .filter(|r| r.hash.is_some() || r.spec.contains("-j cali-"))
+            {
                 let _ = writeln!(script, "-D {chain} {}", r.spec);
             }
             if let Some(inserts) = self.hooks.inserts.get(chain) {
@@ -388,7 +401,12 @@ impl Table {
             let empty = (Vec::new(), Vec::new());
             let (ins, app) = self.hook_hashes.get(chain).unwrap_or(&empty);
             if let Some(inserts) = self.hooks.inserts.get(chain) {
-                rules.extend(inserts.iter().zip(ins).map(|(r, h)| kernel_rule(chain, r, h)));
+                rules.extend(
+                    inserts
+                        .iter()
+                        .zip(ins)
+                        .map(|(r, h)| kernel_rule(chain, r, h)),
+                );
             }
             let foreign = kernel
                 .others
@@ -400,7 +418,12 @@ impl Table {
                 .collect::<Vec<_>>();
             rules.extend(foreign);
             if let Some(appends) = self.hooks.appends.get(chain) {
-                rules.extend(appends.iter().zip(app).map(|(r, h)| kernel_rule(chain, r, h)));
+                rules.extend(
+                    appends
+                        .iter()
+                        .zip(app)
+                        .map(|(r, h)| kernel_rule(chain, r, h)),
+                );
             }
             kernel.others.insert(chain.clone(), rules);
         }
@@ -489,7 +512,10 @@ mod tests {
 
     #[test]
     fn hash_extraction_handles_both_quotings() {
-        assert_eq!(hash_of("-m comment --comment \"cali:abc-_1\" -j X"), Some("abc-_1"));
+        assert_eq!(
+            hash_of("-m comment --comment \"cali:abc-_1\" -j X"),
+            Some("abc-_1")
+        );
         assert_eq!(hash_of("-m comment --comment cali:xyz -j X"), Some("xyz"));
         assert_eq!(hash_of("-j ACCEPT"), None);
     }
@@ -509,7 +535,10 @@ mod tests {
 
         // Nothing changed: no restore at all.
         let calls = k.restore_calls();
-        assert_eq!(t.apply(&mut k, Backend::Nft).unwrap(), ApplyStats::default());
+        assert_eq!(
+            t.apply(&mut k, Backend::Nft).unwrap(),
+            ApplyStats::default()
+        );
         assert_eq!(k.restore_calls(), calls);
 
         // One chain changes: only it is in the transaction.
@@ -541,25 +570,43 @@ mod tests {
     #[test]
     fn out_of_band_changes_are_repaired_after_invalidate() {
         let mut k = FakeKernel::new();
-        k.exec_restore(IpVersion::V4, "*filter\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\nCOMMIT\n").unwrap();
+        k.exec_restore(
+            IpVersion::V4,
+            "*filter\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\nCOMMIT\n",
+        )
+        .unwrap();
         let mut t = Table::new("filter", IpVersion::V4);
         t.set_chain(chain("cali-INPUT", 1));
         t.set_chain(chain("cali-a", 3));
         t.set_hooks(hooks());
         t.apply(&mut k, Backend::Nft).unwrap();
         // Someone deletes a rule of ours and moves our hook below theirs.
-        k.exec_restore(IpVersion::V4, "*filter\n-D cali-a 2\nCOMMIT\n").unwrap();
+        k.exec_restore(IpVersion::V4, "*filter\n-D cali-a 2\nCOMMIT\n")
+            .unwrap();
         let hook = k.chain_rules(IpVersion::V4, "filter", "INPUT")[0].clone();
-        k.exec_restore(IpVersion::V4, &format!("*filter\n-D INPUT {hook}\n-A INPUT {hook}\nCOMMIT\n")).unwrap();
+        k.exec_restore(
+            IpVersion::V4,
+            &format!("*filter\n-D INPUT {hook}\n-A INPUT {hook}\nCOMMIT\n"),
+        )
+        .unwrap();
         // Without a read-back we trust our view.
-        assert_eq!(t.apply(&mut k, Backend::Nft).unwrap(), ApplyStats::default());
+        assert_eq!(
+            t.apply(&mut k, Backend::Nft).unwrap(),
+            ApplyStats::default()
+        );
         t.invalidate();
         let s = t.apply(&mut k, Backend::Nft).unwrap();
         assert_eq!((s.chains_written, s.hooks_fixed), (1, 1));
-        assert!(!k.last_restore_input().contains("cali-INPUT - [0:0]"), "the intact chain is left alone");
+        assert!(
+            !k.last_restore_input().contains("cali-INPUT - [0:0]"),
+            "the intact chain is left alone"
+        );
         assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-a").len(), 3);
         let input = k.chain_rules(IpVersion::V4, "filter", "INPUT");
-        assert!(input[0].contains("cali-INPUT") && input[1] == "-j KUBE-X", "{input:?}");
+        assert!(
+            input[0].contains("cali-INPUT") && input[1] == "-j KUBE-X",
+            "{input:?}"
+        );
     }
 
     #[test]
@@ -567,7 +614,10 @@ mod tests {
         let mut k = FakeKernel::new();
         let mut t = Table::new("filter", IpVersion::V4);
         // A jump to a chain that does not exist: the kernel refuses the transaction.
-        t.set_chain(Chain::new("cali-a", vec![Rule::always(Action::Jump("cali-missing".into()))]));
+        t.set_chain(Chain::new(
+            "cali-a",
+            vec![Rule::always(Action::Jump("cali-missing".into()))],
+        ));
         assert!(t.apply(&mut k, Backend::Nft).is_err());
         t.set_chain(chain("cali-missing", 1));
         let s = t.apply(&mut k, Backend::Nft).unwrap();

@@ -403,7 +403,12 @@ impl LinuxDriver {
         for t in &mut self.tables {
             match t.apply(self.runner.as_mut(), backend) {
                 Ok(s) if s != Default::default() => {
-                    debug!(table = t.name(), v = t.version().number(), ?s, "table programmed");
+                    debug!(
+                        table = t.name(),
+                        v = t.version().number(),
+                        ?s,
+                        "table programmed"
+                    );
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -482,14 +487,20 @@ impl Driver for LinuxDriver {
                 self.dirty_weps.insert(key);
             }
             Payload::HostEndpointUpdate(u) => {
-                let id = u.id.as_ref().map(|i| i.endpoint_id.clone()).unwrap_or_default();
+                let id =
+                    u.id.as_ref()
+                        .map(|i| i.endpoint_id.clone())
+                        .unwrap_or_default();
                 if let Some(ep) = &u.endpoint {
                     self.heps.insert(id.clone(), ep.clone());
                     self.dirty_heps.insert(id);
                 }
             }
             Payload::HostEndpointRemove(u) => {
-                let id = u.id.as_ref().map(|i| i.endpoint_id.clone()).unwrap_or_default();
+                let id =
+                    u.id.as_ref()
+                        .map(|i| i.endpoint_id.clone())
+                        .unwrap_or_default();
                 self.heps.remove(&id);
                 self.dirty_heps.insert(id);
             }
@@ -515,7 +526,11 @@ impl Driver for LinuxDriver {
         let mut out = EndpointStatuses::default();
         for (key, wep) in &self.weps {
             let status = if !self.programmed_weps.contains(key) {
-                if self.last_error.is_some() { "error" } else { "down" }
+                if self.last_error.is_some() {
+                    "error"
+                } else {
+                    "down"
+                }
             } else if wep.state == "active" {
                 "up"
             } else {

@@ -18,7 +18,11 @@ impl Output {
     /// The first lines of stderr, for error messages.
     pub fn stderr_summary(&self) -> String {
         let text = String::from_utf8_lossy(&self.stderr);
-        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).take(5).collect();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .take(5)
+            .collect();
         if lines.is_empty() {
             format!("exit code {:?}", self.code)
         } else {
@@ -32,8 +36,12 @@ pub trait CommandRunner: Send {
     /// Runs `program args…`, feeding `stdin` if given. `Err` only when the program could not be
     /// run at all (not installed, not executable); a failing exit is an `Ok` with `success`
     /// false.
-    fn run(&mut self, program: &str, args: &[&str], stdin: Option<&[u8]>)
-    -> std::io::Result<Output>;
+    fn run(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+    ) -> std::io::Result<Output>;
 }
 
 /// Runs real processes.

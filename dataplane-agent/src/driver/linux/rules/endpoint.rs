@@ -12,8 +12,7 @@ use felix_proto::TierInfo;
 use super::policy::RenderConfig;
 use super::{
     Action, Chain, Match, POLICY_INBOUND_PFX, POLICY_OUTBOUND_PFX, PROFILE_INBOUND_PFX,
-    PROFILE_OUTBOUND_PFX, Rule, endpoint_chain_name, marks, policy_chain_name,
-    profile_chain_name,
+    PROFILE_OUTBOUND_PFX, Rule, endpoint_chain_name, marks, policy_chain_name, profile_chain_name,
 };
 
 pub const WORKLOAD_TO_PFX: &str = "cali-tw-";
@@ -115,19 +114,43 @@ pub fn host_filter_chains(
     [
         render(
             cfg,
-            spec(HOST_TO_PFX, tiers, Direction::Egress, Kind::Normal, Some(FAILSAFE_OUT)),
+            spec(
+                HOST_TO_PFX,
+                tiers,
+                Direction::Egress,
+                Kind::Normal,
+                Some(FAILSAFE_OUT),
+            ),
         ),
         render(
             cfg,
-            spec(HOST_FROM_PFX, tiers, Direction::Ingress, Kind::Normal, Some(FAILSAFE_IN)),
+            spec(
+                HOST_FROM_PFX,
+                tiers,
+                Direction::Ingress,
+                Kind::Normal,
+                Some(FAILSAFE_IN),
+            ),
         ),
         render(
             cfg,
-            spec(HOST_TO_FWD_PFX, forward_tiers, Direction::Egress, Kind::Forward, None),
+            spec(
+                HOST_TO_FWD_PFX,
+                forward_tiers,
+                Direction::Egress,
+                Kind::Forward,
+                None,
+            ),
         ),
         render(
             cfg,
-            spec(HOST_FROM_FWD_PFX, forward_tiers, Direction::Ingress, Kind::Forward, None),
+            spec(
+                HOST_FROM_FWD_PFX,
+                forward_tiers,
+                Direction::Ingress,
+                Kind::Forward,
+                None,
+            ),
         ),
     ]
 }
@@ -250,9 +273,7 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
             Rule::always(Action::SetMark(marks::ACCEPT))
                 .comment("Allow forwarded traffic by default"),
         );
-        rules.push(
-            Rule::always(Action::Return).comment("Return for accepted forward traffic"),
-        );
+        rules.push(Rule::always(Action::Return).comment("Return for accepted forward traffic"));
     }
     if s.kind == Kind::Normal {
         for p in s.profiles {
@@ -281,7 +302,10 @@ mod tests {
     }
 
     fn text(c: &Chain) -> Vec<String> {
-        c.rules.iter().map(|r| r.render_append(&c.name, "")).collect()
+        c.rules
+            .iter()
+            .map(|r| r.render_append(&c.name, ""))
+            .collect()
     }
 
     /// The golden layout of a workload with two tiers (the second defaults to Pass) and a
@@ -333,11 +357,17 @@ mod tests {
         // Egress: only the platform tier has egress policies; encapsulated traffic is dropped.
         let fw_text = text(&fw);
         assert_eq!(fw.name, "cali-fw-cali1234");
-        assert!(fw_text[3].contains("--protocol 17 -m multiport --destination-ports 4789 --jump DROP"));
+        assert!(
+            fw_text[3].contains("--protocol 17 -m multiport --destination-ports 4789 --jump DROP")
+        );
         assert!(fw_text[4].contains("--protocol 4 --jump DROP"));
         assert!(fw_text.iter().any(|l| l.ends_with("--jump cali-po-gnp/c")));
         assert!(!fw_text.iter().any(|l| l.contains("tier security")));
-        assert!(fw_text.iter().any(|l| l.ends_with("--jump cali-pro-kns.prod")));
+        assert!(
+            fw_text
+                .iter()
+                .any(|l| l.ends_with("--jump cali-pro-kns.prod"))
+        );
     }
 
     #[test]
@@ -368,7 +398,11 @@ mod tests {
         assert!(text(&fh)[2].ends_with("--jump cali-failsafe-in"));
         assert!(text(&th)[2].ends_with("--jump cali-failsafe-out"));
         // No forward tiers: forwarded traffic is allowed.
-        assert!(text(&fhfw).iter().any(|l| l.contains("Allow forwarded traffic by default")));
+        assert!(
+            text(&fhfw)
+                .iter()
+                .any(|l| l.contains("Allow forwarded traffic by default"))
+        );
         assert_eq!(thfw.name, "cali-thfw-eth0");
         // Untracked: no conntrack, NOTRACK on accept, no end-of-tier drop, no profiles.
         let [_rth, rfh] = host_raw_chains(&RenderConfig::default(), "eth0", &tiers);

@@ -73,8 +73,13 @@ pub enum Action {
     /// Clears the given bits.
     ClearMark(u32),
     /// Sets `mark` within `mask`.
-    SetMaskedMark { mark: u32, mask: u32 },
-    Log { prefix: String },
+    SetMaskedMark {
+        mark: u32,
+        mask: u32,
+    },
+    Log {
+        prefix: String,
+    },
     NoTrack,
     Masquerade,
 }
@@ -443,7 +448,10 @@ mod tests {
             namespace: String::new(),
             kind: "GlobalNetworkPolicy".into(),
         };
-        assert_eq!(policy_chain_name(POLICY_INBOUND_PFX, &id), "cali-pi-gnp/pol-1");
+        assert_eq!(
+            policy_chain_name(POLICY_INBOUND_PFX, &id),
+            "cali-pi-gnp/pol-1"
+        );
         let long = felix_proto::PolicyId {
             name: "long-policy-name-that-gets-hashed".into(),
             namespace: String::new(),
@@ -459,7 +467,10 @@ mod tests {
             namespace: "prod".into(),
             kind: "NetworkPolicy".into(),
         };
-        assert_eq!(policy_chain_name(POLICY_OUTBOUND_PFX, &ns), "cali-po-np/prod/allow-web");
+        assert_eq!(
+            policy_chain_name(POLICY_OUTBOUND_PFX, &ns),
+            "cali-po-np/prod/allow-web"
+        );
     }
 
     #[test]

@@ -495,7 +495,13 @@ mod tests {
             action: "allow".into(),
             protocol: tcp(),
             src_ip_set_ids: vec!["s:abc".into()],
-            dst_ports: vec![port(80), PortRange { first: 8000, last: 8080 }],
+            dst_ports: vec![
+                port(80),
+                PortRange {
+                    first: 8000,
+                    last: 8080,
+                },
+            ],
             ..Default::default()
         };
         let out = rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4);
@@ -585,10 +591,16 @@ mod tests {
             dst_ports: ports,
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4));
+        let out = lines(&rule_to_iptables(
+            &RenderConfig::default(),
+            &r,
+            IpVersion::V4,
+        ));
         assert_eq!(out.len(), 5);
         assert_eq!(out[0], "-A c --jump MARK --set-mark 0x0/0x180000");
-        assert!(out[1].contains("--destination-ports 100:101,") && out[1].ends_with("0x80000/0x80000"));
+        assert!(
+            out[1].contains("--destination-ports 100:101,") && out[1].ends_with("0x80000/0x80000")
+        );
         assert!(out[2].contains("--destination-ports 800:801,900:901,1000:1001"));
         assert_eq!(
             out[3],
@@ -604,7 +616,11 @@ mod tests {
             not_src_net: vec!["10.9.0.0/16".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4));
+        let out = lines(&rule_to_iptables(
+            &RenderConfig::default(),
+            &r,
+            IpVersion::V4,
+        ));
         assert_eq!(
             out,
             vec![
@@ -630,17 +646,34 @@ mod tests {
             dst_named_port_ip_set_ids: vec!["n:web".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4));
-        assert_eq!(out[1], "-A c --protocol tcp -m multiport --destination-ports 80 --jump MARK --set-mark 0x80000/0x80000");
-        assert_eq!(out[2], "-A c -m set --match-set cali40n:web dst,dst --jump MARK --set-mark 0x80000/0x80000");
+        let out = lines(&rule_to_iptables(
+            &RenderConfig::default(),
+            &r,
+            IpVersion::V4,
+        ));
+        assert_eq!(
+            out[1],
+            "-A c --protocol tcp -m multiport --destination-ports 80 --jump MARK --set-mark 0x80000/0x80000"
+        );
+        assert_eq!(
+            out[2],
+            "-A c -m set --match-set cali40n:web dst,dst --jump MARK --set-mark 0x80000/0x80000"
+        );
         // A single named port alone fits in the main rule.
         let single = ProtoRule {
             protocol: tcp(),
             dst_named_port_ip_set_ids: vec!["n:web".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(&RenderConfig::default(), &single, IpVersion::V6));
-        assert_eq!(out[0], "-A c --protocol tcp -m set --match-set cali60n:web dst,dst --jump MARK --set-mark 0x10000/0x10000");
+        let out = lines(&rule_to_iptables(
+            &RenderConfig::default(),
+            &single,
+            IpVersion::V6,
+        ));
+        assert_eq!(
+            out[0],
+            "-A c --protocol tcp -m set --match-set cali60n:web dst,dst --jump MARK --set-mark 0x10000/0x10000"
+        );
     }
 
     #[test]
@@ -649,7 +682,10 @@ mod tests {
             protocol: Some(Protocol {
                 number_or_name: Some(protocol::NumberOrName::Name("icmp".into())),
             }),
-            icmp: Some(rule::Icmp::IcmpTypeCode(IcmpTypeAndCode { r#type: 8, code: 0 })),
+            icmp: Some(rule::Icmp::IcmpTypeCode(IcmpTypeAndCode {
+                r#type: 8,
+                code: 0,
+            })),
             not_dst_ports: vec![port(1)],
             not_src_ip_set_ids: vec!["s:bad".into()],
             metadata: Some(RuleMetadata {
@@ -657,7 +693,11 @@ mod tests {
             }),
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4));
+        let out = lines(&rule_to_iptables(
+            &RenderConfig::default(),
+            &r,
+            IpVersion::V4,
+        ));
         assert_eq!(
             out[0],
             "-A c -m comment --comment \"team=net\" --protocol icmp -m icmp --icmp-type 8/0 \
@@ -687,7 +727,11 @@ mod tests {
         assert_eq!(inb.rules[0].action, Action::SetMark(marks::ACCEPT));
         assert_eq!(inb.rules[0].comments, vec!["NetworkPolicy ns/p ingress"]);
         assert_eq!(outb.name, "cali-po-np/ns/p");
-        assert_eq!(outb.rules.len(), 1, "an empty chain keeps one commented no-op");
+        assert_eq!(
+            outb.rules.len(),
+            1,
+            "an empty chain keeps one commented no-op"
+        );
         assert_eq!(outb.rules[0].action, Action::Return);
     }
 }

@@ -55,11 +55,17 @@ impl std::str::FromStr for Failsafe {
 
 /// Felix's default failsafe ports (`FailsafeInboundHostPorts` / `FailsafeOutboundHostPorts`).
 pub fn default_failsafes_in() -> Vec<Failsafe> {
-    parse_list(&["tcp:22", "udp:68", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666", "tcp:6667"])
+    parse_list(&[
+        "tcp:22", "udp:68", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666",
+        "tcp:6667",
+    ])
 }
 
 pub fn default_failsafes_out() -> Vec<Failsafe> {
-    parse_list(&["udp:53", "udp:67", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666", "tcp:6667"])
+    parse_list(&[
+        "udp:53", "udp:67", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666",
+        "tcp:6667",
+    ])
 }
 
 fn parse_list(items: &[&str]) -> Vec<Failsafe> {
@@ -97,10 +103,16 @@ pub struct Hooks {
 
 impl Hooks {
     fn insert(&mut self, kernel: &str, rule: Rule) {
-        self.inserts.entry(kernel.to_owned()).or_default().push(rule);
+        self.inserts
+            .entry(kernel.to_owned())
+            .or_default()
+            .push(rule);
     }
     fn append(&mut self, kernel: &str, rule: Rule) {
-        self.appends.entry(kernel.to_owned()).or_default().push(rule);
+        self.appends
+            .entry(kernel.to_owned())
+            .or_default()
+            .push(rule);
     }
 }
 
@@ -155,7 +167,10 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
             Action::Goto(WL_TO_HOST.to_owned()),
         ));
     }
-    input.push(Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept));
+    input.push(Rule::new(
+        Match::new().mark_set(marks::ACCEPT),
+        Action::Accept,
+    ));
     input.push(Rule::always(Action::ClearMark(marks::ALL)));
     input.push(jump(FROM_HOST_DISPATCH));
     input.push(
@@ -374,7 +389,10 @@ mod tests {
     use super::*;
 
     fn text(c: &Chain) -> Vec<String> {
-        c.rules.iter().map(|r| r.render_append(&c.name, "")).collect()
+        c.rules
+            .iter()
+            .map(|r| r.render_append(&c.name, ""))
+            .collect()
     }
 
     #[test]
@@ -388,7 +406,10 @@ mod tests {
                 "-A cali-from-wl-dispatch -m comment --comment \"Unknown interface\" --jump DROP",
             ]
         );
-        assert_eq!(text(&to)[0], "-A cali-to-wl-dispatch --out-interface calia --goto cali-tw-calia");
+        assert_eq!(
+            text(&to)[0],
+            "-A cali-to-wl-dispatch --out-interface calia --goto cali-tw-calia"
+        );
         let [empty_from, _] = workload_dispatch(&[]);
         assert_eq!(empty_from.rules.len(), 1);
     }
@@ -411,7 +432,10 @@ mod tests {
     #[test]
     fn filter_hooks_and_forward_chain() {
         let (chains, hooks) = filter(&StaticConfig::default(), IpVersion::V4);
-        assert_eq!(hooks.inserts["INPUT"][0].action, Action::Jump("cali-INPUT".into()));
+        assert_eq!(
+            hooks.inserts["INPUT"][0].action,
+            Action::Jump("cali-INPUT".into())
+        );
         assert_eq!(hooks.appends["FORWARD"].len(), 2);
         let fwd = chains.iter().find(|c| c.name == "cali-FORWARD").unwrap();
         assert_eq!(

@@ -1,0 +1,478 @@
+//! Network-namespace fixtures for the Linux driver tests: a "host" namespace that runs the
+//! calc-server and the agent, and "workload" namespaces wired to it by veth pairs whose host
+//! ends carry the workload prefix, set up the way Calico's CNI plugin does (proxy ARP towards
+//! 169.254.1.1, an `ee:ee:ee:ee:ee:ee` host side, /32 and /128 routes on the host).
+//!
+//! Everything needs root, `ip`, iptables, ipset, `nc`, `ping` and `nft`: [`prerequisites`]
+//! says what is missing, and tests fail on it under CI instead of skipping.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::{binary, in_ci};
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// What is missing for the namespace tests, if anything.
+pub fn prerequisites() -> Result<(), String> {
+    let uid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(str::to_owned))
+        })
+        .unwrap_or_default();
+    if uid != "0" {
+        return Err("not running as root".to_owned());
+    }
+    for tool in [
+        "ip",
+        "iptables-nft-restore",
+        "iptables-legacy-restore",
+        "ip6tables-nft-restore",
+        "ipset",
+        "nc",
+        "ping",
+        "nft",
+    ] {
+        let found = std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+            || Path::new("/usr/sbin").join(tool).is_file();
+        if !found {
+            return Err(format!("{tool} is not installed (make deps installs it)"));
+        }
+    }
+    Ok(())
+}
+
+/// Returns false (skip) when prerequisites are missing outside CI; panics under CI.
+pub fn require() -> bool {
+    match prerequisites() {
+        Ok(()) => true,
+        Err(why) if in_ci() => panic!("namespace test prerequisites missing under CI: {why}"),
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            false
+        }
+    }
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run(args: &[&str]) -> String {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", args[0]));
+    assert!(
+        out.status.success(),
+        "{:?} failed: {}{}",
+        args,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A network namespace, deleted (with its processes) on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(role: &str) -> Netns {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let name = format!("sf-{role}-{}-{n}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        run(&["ip", "netns", "add", &name]);
+        run(&["ip", "-n", &name, "link", "set", "lo", "up"]);
+        // Addresses usable at once: no duplicate address detection in tests.
+        let ns = Netns { name };
+        ns.sysctl("net.ipv6.conf.default.accept_dad", "0");
+        ns.sysctl("net.ipv6.conf.all.accept_dad", "0");
+        ns
+    }
+
+    /// `ip netns exec <ns> args…`, panicking on failure.
+    pub fn exec(&self, args: &[&str]) -> String {
+        let mut full = vec!["ip", "netns", "exec", &self.name];
+        full.extend_from_slice(args);
+        run(&full)
+    }
+
+    /// `ip netns exec <ns> args…`: whether it succeeded.
+    pub fn try_exec(&self, args: &[&str]) -> bool {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Makes this namespace a router like a node: forwarding on, and a default route out of
+    /// an uplink (proxy ARP answers only for addresses routed through another interface).
+    pub fn make_host(&self) {
+        self.sysctl("net.ipv4.ip_forward", "1");
+        self.sysctl("net.ipv6.conf.all.forwarding", "1");
+        self.sysctl("net.ipv4.conf.all.rp_filter", "0");
+        self.sysctl("net.ipv4.conf.default.rp_filter", "0");
+        self.exec(&[
+            "ip", "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1",
+        ]);
+        self.exec(&["ip", "link", "set", "uplink0", "up"]);
+        self.exec(&["ip", "link", "set", "uplink1", "up"]);
+        self.exec(&["ip", "route", "add", "default", "dev", "uplink0"]);
+        self.exec(&["ip", "-6", "route", "add", "default", "dev", "uplink0"]);
+    }
+
+    pub fn sysctl(&self, key: &str, value: &str) {
+        self.exec(&["sysctl", "-qw", &format!("{key}={value}")]);
+    }
+
+    /// Starts a long-running process inside the namespace, logging to `log`.
+    pub fn spawn(&self, program: &Path, args: &[&str], log: &Path) -> Child {
+        let out = std::fs::File::create(log).expect("log file");
+        Command::new("ip")
+            .args(["netns", "exec", &self.name])
+            .arg(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", program.display()))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// A workload: its own namespace, `eth0` inside, `iface` on the host.
+pub struct Workload {
+    pub ns: Netns,
+    pub iface: String,
+    pub ipv4: String,
+    pub ipv6: String,
+    listeners: Vec<Child>,
+}
+
+impl Workload {
+    /// Wires a workload to `host` the way Calico's CNI plugin does.
+    pub fn attach(host: &Netns, iface: &str, ipv4: &str, ipv6: &str) -> Workload {
+        let ns = Netns::new("wl");
+        host.exec(&[
+            "ip", "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ]);
+        host.exec(&["ip", "link", "set", iface, "address", "ee:ee:ee:ee:ee:ee"]);
+        host.sysctl(&format!("net.ipv4.conf.{iface}.proxy_arp"), "1");
+        host.sysctl(&format!("net.ipv4.neigh.{iface}.proxy_delay"), "0");
+        host.sysctl(&format!("net.ipv4.conf.{iface}.rp_filter"), "0");
+        host.exec(&["ip", "link", "set", iface, "up"]);
+        ns.exec(&["ip", "link", "set", "eth0", "up"]);
+        ns.exec(&["ip", "addr", "add", &format!("{ipv4}/32"), "dev", "eth0"]);
+        ns.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{ipv6}/128"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
+        ns.exec(&[
+            "ip",
+            "route",
+            "add",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ]);
+        ns.exec(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+        ]);
+        ns.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            "fe80::ecee:eeff:feee:eeee",
+            "dev",
+            "eth0",
+        ]);
+        host.exec(&["ip", "route", "add", &format!("{ipv4}/32"), "dev", iface]);
+        host.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            &format!("{ipv6}/128"),
+            "dev",
+            iface,
+        ]);
+        Workload {
+            ns,
+            iface: iface.to_owned(),
+            ipv4: ipv4.to_owned(),
+            ipv6: ipv6.to_owned(),
+            listeners: Vec::new(),
+        }
+    }
+
+    /// Accepts TCP connections on `port` (IPv4 and IPv6) until dropped.
+    pub fn listen(&mut self, port: u16) {
+        for family in ["-4", "-6"] {
+            let child = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &self.ns.name,
+                    "nc",
+                    family,
+                    "-lk",
+                    &port.to_string(),
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("nc listener");
+            self.listeners.push(child);
+        }
+        // Wait until both listeners are bound.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let ss = self.ns.exec(&["ss", "-ltnH"]);
+            if ss.matches(&format!(":{port} ")).count() >= 2 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("nc never listened on {port}");
+    }
+
+    /// Whether a TCP connection from this workload to `addr:port` succeeds within 1 s.
+    pub fn connects(&self, addr: &str, port: u16) -> bool {
+        self.ns
+            .try_exec(&["nc", "-z", "-w", "1", addr, &port.to_string()])
+    }
+
+    /// Whether one ping from this workload is answered within 1 s.
+    pub fn pings(&self, addr: &str) -> bool {
+        self.ns.try_exec(&["ping", "-c", "1", "-W", "1", addr])
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        for l in &mut self.listeners {
+            let _ = l.kill();
+            let _ = l.wait();
+        }
+    }
+}
+
+/// A calc-server (file datastore in `dir`) and a `--driver linux` agent, both inside `host`.
+pub struct ControlPlane {
+    pub server: Child,
+    pub agent: Option<Child>,
+    pub agent_log: PathBuf,
+    pub server_log: PathBuf,
+    pub node: String,
+    agent_args: Vec<String>,
+    restarts: usize,
+}
+
+impl ControlPlane {
+    pub fn start(host: &Netns, dir: &Path, node: &str, agent_extra: &[&str]) -> ControlPlane {
+        let server_log = dir.with_extension("server.log");
+        let server = host.spawn(
+            &binary("calc-server"),
+            &[
+                "serve",
+                "--file-dir",
+                dir.to_str().expect("UTF-8 path"),
+                "--listen",
+                "127.0.0.1:50051",
+                "--admin-listen",
+                "127.0.0.1:9099",
+                "--file-poll-interval",
+                "100ms",
+                "--status-interval",
+                "100ms",
+            ],
+            &server_log,
+        );
+        let mut agent_args: Vec<String> = [
+            "--server",
+            "127.0.0.1:50051",
+            "--node",
+            node,
+            "--driver",
+            "linux",
+            "--reconnect-min-delay",
+            "100ms",
+            "--reconnect-max-delay",
+            "500ms",
+            "--log-level",
+            "info,dataplane_agent::driver::linux=debug",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        agent_args.extend(agent_extra.iter().map(|s| (*s).to_owned()));
+        let mut cp = ControlPlane {
+            server,
+            agent: None,
+            agent_log: dir.with_extension("agent.log"),
+            server_log,
+            node: node.to_owned(),
+            agent_args,
+            restarts: 0,
+        };
+        cp.start_agent(host);
+        cp
+    }
+
+    /// (Re)starts the agent; its log goes to a new file per start.
+    pub fn start_agent(&mut self, host: &Netns) {
+        if self.restarts > 0 {
+            let s = self.agent_log.to_string_lossy().replace(".agent.log", "");
+            self.agent_log = PathBuf::from(format!("{s}.agent{}.log", self.restarts));
+        }
+        self.restarts += 1;
+        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        self.agent = Some(host.spawn(&binary("dataplane-agent"), &args, &self.agent_log));
+    }
+
+    /// Kills the agent (SIGKILL: no chance to clean up, as in a crash).
+    pub fn kill_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+
+    pub fn agent_log_text(&self) -> String {
+        std::fs::read_to_string(&self.agent_log).unwrap_or_default()
+    }
+
+    /// Waits until the agent has reported its dataplane in sync.
+    pub fn wait_programmed(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if self.agent_log_text().contains("dataplane in sync") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "agent never programmed the dataplane; agent log:\n{}\nserver log:\n{}",
+            self.agent_log_text(),
+            std::fs::read_to_string(&self.server_log).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.kill_agent();
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+/// One expected verdict: from a workload to an address and port (`None` = ping).
+pub struct Probe<'a> {
+    pub from: &'a Workload,
+    pub to: String,
+    pub port: Option<u16>,
+    pub allowed: bool,
+}
+
+impl Probe<'_> {
+    fn passes(&self) -> bool {
+        let ok = match self.port {
+            Some(p) => self.from.connects(&self.to, p),
+            None => self.from.pings(&self.to),
+        };
+        ok == self.allowed
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{} -> {}{} should be {}",
+            self.from.ipv4,
+            self.to,
+            self.port
+                .map(|p| format!(":{p}"))
+                .unwrap_or_else(|| " (ping)".into()),
+            if self.allowed { "allowed" } else { "denied" }
+        )
+    }
+}
+
+/// Runs every probe in parallel; the ones whose verdict is wrong.
+pub fn failing<'a>(probes: &'a [Probe<'a>]) -> Vec<&'a Probe<'a>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = probes
+            .iter()
+            .map(|p| s.spawn(move || (p, p.passes())))
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| {
+                let (p, ok) = h.join().expect("probe thread");
+                (!ok).then_some(p)
+            })
+            .collect()
+    })
+}
+
+/// Waits (up to 20 s) until every probe gives the expected verdict.
+pub fn expect_eventually(what: &str, probes: &[Probe<'_>], cp: &ControlPlane) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let bad = failing(probes);
+        if bad.is_empty() {
+            return;
+        }
+        if Instant::now() > deadline {
+            let list: Vec<String> = bad.iter().map(|p| p.describe()).collect();
+            panic!(
+                "{what}: wrong verdicts:\n  {}\nagent log:\n{}",
+                list.join("\n  "),
+                cp.agent_log_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -1,0 +1,429 @@
+//! The Linux driver on real packets: a host network namespace runs calc-server and
+//! `dataplane-agent --driver linux`; workload namespaces hang off it by veth pairs named with
+//! the workload prefix; TCP connects and pings show which pairs policy lets through.
+//!
+//! Needs root, iptables (nft and legacy), ipset, nc, ping and nft; under CI a missing one fails
+//! the test (see `integration::netns::require`).
+
+use std::path::Path;
+
+use integration::netns::{ControlPlane, Netns, Probe, Workload, expect_eventually, failing};
+
+const NODE: &str = "node-a";
+
+fn write(dir: &Path, name: &str, text: &str) {
+    // Write beside and rename, so the server's watcher never reads half a file.
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).expect("write manifest");
+    std::fs::rename(&tmp, dir.join(name)).expect("rename manifest");
+}
+
+fn profile(ns: &str, env: &str) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: Profile
+metadata:
+  name: kns.{ns}
+spec:
+  ingress: [{{action: Allow}}]
+  egress: [{{action: Allow}}]
+  labelsToApply:
+    pcns.projectcalico.org/name: {ns}
+    pcns.env: {env}
+---
+"
+    )
+}
+
+fn wep(ns: &str, pod: &str, app: &str, iface: &str, w: &Workload, ports: &str) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--a-k8s-{pod}-eth0
+  namespace: {ns}
+  labels:
+    app: {app}
+    projectcalico.org/namespace: {ns}
+    projectcalico.org/orchestrator: k8s
+spec:
+  orchestrator: k8s
+  node: {NODE}
+  pod: {pod}
+  endpoint: eth0
+  interfaceName: {iface}
+  ipNetworks: [{}/32, {}/128]
+  profiles: [kns.{ns}]
+  ports: [{ports}]
+---
+",
+        w.ipv4, w.ipv6
+    )
+}
+
+/// The security tier passes traffic from prod namespaces and from trusted network sets,
+/// allows ping from anywhere, and drops the rest at its end. The default tier lets the client
+/// reach the web pod's named port and trusted networks reach 9090.
+fn policies(web_extra_port: bool) -> String {
+    let extra = if web_extra_port {
+        "  - action: Allow
+    protocol: TCP
+    source:
+      selector: app == 'client'
+    destination:
+      ports: [9090]
+"
+    } else {
+        ""
+    };
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: Tier
+metadata:
+  name: security
+spec:
+  order: 100
+  defaultAction: Deny
+---
+apiVersion: projectcalico.org/v3
+kind: Tier
+metadata:
+  name: default
+spec:
+  order: 1000000
+  defaultAction: Deny
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata:
+  name: prod-only
+spec:
+  tier: security
+  order: 10
+  selector: all()
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: ICMP
+  - action: Allow
+    protocol: ICMPv6
+  - action: Pass
+    source:
+      namespaceSelector: env == 'prod'
+  - action: Pass
+    source:
+      selector: role == 'trusted'
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkSet
+metadata:
+  name: trusted-db
+  labels:
+    role: trusted
+spec:
+  nets: [10.65.0.3/32]
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata:
+  name: web-allow
+  namespace: prod
+spec:
+  order: 100
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source:
+      selector: app == 'client'
+    destination:
+      ports: [http]
+{extra}---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata:
+  name: trusted-9090
+spec:
+  order: 200
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source:
+      selector: role == 'trusted'
+    destination:
+      ports: [9090]
+"
+    )
+}
+
+struct Cluster {
+    host: Netns,
+    client: Workload,
+    web: Workload,
+    db: Workload,
+    dir: tempfile::TempDir,
+}
+
+fn cluster() -> Cluster {
+    let host = Netns::new("host");
+    host.make_host();
+    let mut client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
+    let mut web = Workload::attach(&host, "cali0web000002", "10.65.0.2", "fd00:65::2");
+    let mut db = Workload::attach(&host, "cali0db0000003", "10.65.0.3", "fd00:65::3");
+    client.listen(7070);
+    web.listen(8080);
+    web.listen(9090);
+    db.listen(5432);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut manifests = profile("prod", "prod");
+    manifests.push_str(&profile("dev", "dev"));
+    manifests.push_str(&wep("prod", "client", "client", &client.iface, &client, ""));
+    manifests.push_str(&wep(
+        "prod",
+        "web",
+        "web",
+        &web.iface,
+        &web,
+        "{name: http, protocol: TCP, port: 8080}",
+    ));
+    manifests.push_str(&wep("dev", "db", "db", &db.iface, &db, ""));
+    write(dir.path(), "workloads.yaml", &manifests);
+    write(dir.path(), "policies.yaml", &policies(false));
+    Cluster {
+        host,
+        client,
+        web,
+        db,
+        dir,
+    }
+}
+
+fn tcp<'a>(from: &'a Workload, to: &str, port: u16, allowed: bool) -> Probe<'a> {
+    Probe {
+        from,
+        to: to.to_owned(),
+        port: Some(port),
+        allowed,
+    }
+}
+
+fn ping<'a>(from: &'a Workload, to: &str, allowed: bool) -> Probe<'a> {
+    Probe {
+        from,
+        to: to.to_owned(),
+        port: None,
+        allowed,
+    }
+}
+
+/// The verdicts the initial policy gives (see `policies`).
+fn initial_matrix(c: &Cluster) -> Vec<Probe<'_>> {
+    let (client, web, db) = (&c.client, &c.web, &c.db);
+    vec![
+        // Named port "http" on web, from a prod client: passed by security, allowed by default.
+        tcp(client, &web.ipv4, 8080, true),
+        tcp(client, &web.ipv6, 8080, true),
+        // 9090 only from trusted networks: the client falls to the default tier's drop.
+        tcp(client, &web.ipv4, 9090, false),
+        // db (dev namespace) is not passed by security for 8080 …
+        tcp(db, &web.ipv4, 8080, false),
+        tcp(db, &web.ipv6, 8080, false),
+        // … but it is in a trusted network set (IPv4 only), and 9090 allows trusted nets.
+        tcp(db, &web.ipv4, 9090, true),
+        tcp(db, &web.ipv6, 9090, false),
+        // No default-tier policy on client and db: profiles (allow) decide after the pass.
+        tcp(web, &client.ipv4, 7070, true),
+        tcp(client, &db.ipv4, 5432, true),
+        tcp(client, &db.ipv6, 5432, true),
+        // db → client: over IPv4 db's address is in the trusted network set, so security
+        // passes it and the profile allows; over IPv6 it is just a dev-namespace pod: dropped.
+        tcp(db, &client.ipv4, 7070, true),
+        tcp(db, &client.ipv6, 7070, false),
+        // ICMP is allowed in the security tier, whoever sends it.
+        ping(db, &client.ipv4, true),
+        ping(db, &client.ipv6, true),
+    ]
+}
+
+#[test]
+fn policy_is_enforced_on_real_traffic_and_follows_changes() {
+    if !integration::netns::require() {
+        return;
+    }
+    let c = cluster();
+    let cp = ControlPlane::start(&c.host, c.dir.path(), NODE, &[]);
+    cp.wait_programmed();
+    expect_eventually("initial policy", &initial_matrix(&c), &cp);
+
+    // Widen web-allow: the client may now reach 9090 too; nothing else changes.
+    write(c.dir.path(), "policies.yaml", &policies(true));
+    let mut after = initial_matrix(&c);
+    after[2].allowed = true;
+    expect_eventually("after allowing 9090 from the client", &after, &cp);
+
+    // An interface with the workload prefix but no endpoint yet: the dispatch chains drop
+    // everything to and from it.
+    let mut stray = Workload::attach(&c.host, "cali0new000004", "10.65.0.4", "fd00:65::4");
+    stray.listen(7070);
+    let unknown = [
+        tcp(&stray, &c.client.ipv4, 7070, false),
+        tcp(&c.client, &stray.ipv4, 7070, false),
+        ping(&stray, &c.client.ipv4, false),
+    ];
+    let bad = failing(&unknown);
+    assert!(
+        bad.is_empty(),
+        "an interface without an endpoint must get no traffic through: {:?}",
+        bad.iter().map(|p| p.describe()).collect::<Vec<_>>()
+    );
+    // Once its endpoint exists (prod namespace), it is a normal workload.
+    write(
+        c.dir.path(),
+        "late.yaml",
+        &wep("prod", "late", "late", &stray.iface, &stray, ""),
+    );
+    expect_eventually(
+        "the late endpoint's traffic",
+        &[
+            tcp(&stray, &c.client.ipv4, 7070, true),
+            tcp(&c.client, &stray.ipv4, 7070, true),
+        ],
+        &cp,
+    );
+
+    // Web's default-tier policies stop selecting it: whatever the security tier passes now
+    // reaches web's profile (allow); what it does not pass is still dropped.
+    write(
+        c.dir.path(),
+        "policies.yaml",
+        &policies(true).replace("app == 'web'", "app == 'nobody'"),
+    );
+    expect_eventually(
+        "after web's default-tier policies stop selecting it",
+        &[
+            tcp(&c.client, &c.web.ipv4, 9090, true),
+            tcp(&c.db, &c.web.ipv4, 8080, true),
+            tcp(&c.db, &c.web.ipv6, 8080, false),
+        ],
+        &cp,
+    );
+    let save = c.host.exec(&["iptables-save", "-t", "filter"]);
+    assert!(
+        !save.contains("cali-pi-np/prod/web-allow"),
+        "chains of policies that no endpoint uses any more are removed:\n{save}"
+    );
+}
+
+#[test]
+fn out_of_band_changes_are_repaired_and_a_restart_changes_nothing() {
+    if !integration::netns::require() {
+        return;
+    }
+    let c = cluster();
+    let mut cp = ControlPlane::start(&c.host, c.dir.path(), NODE, &["--refresh-interval", "1s"]);
+    cp.wait_programmed();
+    let probes = [
+        tcp(&c.client, &c.web.ipv4, 8080, true),
+        tcp(&c.db, &c.web.ipv4, 8080, false),
+        tcp(&c.db, &c.web.ipv4, 9090, true),
+    ];
+    expect_eventually("initial policy", &probes, &cp);
+
+    // Tamper: delete the rule of web-allow that sets the accept mark, and remove db from the
+    // trusted set (as a careless operator might).
+    let chain = "cali-pi-np/prod/web-allow";
+    let before = c.host.exec(&["iptables-save", "-t", "filter"]);
+    let rule = before
+        .lines()
+        .find(|l| {
+            l.starts_with(&format!("-A {chain} ")) && l.contains("--set-xmark 0x10000/0x10000")
+        })
+        .unwrap_or_else(|| panic!("web-allow's accept rule in:\n{before}"))
+        .to_owned();
+    c.host.exec(&["iptables", "-D", chain, "1"]);
+    let trusted_set = c
+        .host
+        .exec(&["ipset", "list", "-n"])
+        .lines()
+        .find(|n| {
+            n.starts_with("cali40s:") && c.host.exec(&["ipset", "list", n]).contains("10.65.0.3")
+        })
+        .expect("a v4 selector set holding db's address")
+        .to_owned();
+    c.host.exec(&["ipset", "del", &trusted_set, "10.65.0.3"]);
+
+    // The periodic read-back puts both back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let save = c.host.exec(&["iptables-save", "-t", "filter"]);
+        let member = c
+            .host
+            .exec(&["ipset", "list", &trusted_set])
+            .contains("10.65.0.3");
+        if save.lines().any(|l| l == rule) && member {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "refresh did not repair the deleted rule and member; agent log:\n{}",
+            cp.agent_log_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    expect_eventually("after the repair", &probes, &cp);
+
+    // Kill the agent: the kernel keeps enforcing.
+    let handles = |ns: &Netns| -> Vec<String> {
+        ns.exec(&["nft", "-a", "list", "ruleset"])
+            .lines()
+            .filter_map(|l| l.rsplit_once("# handle ").map(|(_, h)| h.to_owned()))
+            .collect()
+    };
+    let sets_before = c.host.exec(&["ipset", "save"]);
+    let rules_before = handles(&c.host);
+    cp.kill_agent();
+    let bad = failing(&probes);
+    assert!(bad.is_empty(), "policy must hold while the agent is down");
+
+    // The restarted agent finds everything right and rewrites nothing: same nft rule handles
+    // (a rewritten rule gets a new handle), same sets.
+    cp.start_agent(&c.host);
+    cp.wait_programmed();
+    assert_eq!(
+        handles(&c.host),
+        rules_before,
+        "a restart must not rewrite correct rules"
+    );
+    assert_eq!(c.host.exec(&["ipset", "save"]), sets_before);
+    let log = cp.agent_log_text();
+    assert!(
+        !log.contains("chains_written: 1") && log.contains("read_back: true"),
+        "the restarted agent read the kernel back and wrote no chain:\n{log}"
+    );
+    expect_eventually("after the restart", &probes, &cp);
+}
+
+#[test]
+fn legacy_backend_enforces_the_same_policy() {
+    if !integration::netns::require() {
+        return;
+    }
+    let c = cluster();
+    let cp = ControlPlane::start(
+        &c.host,
+        c.dir.path(),
+        NODE,
+        &["--iptables-backend", "legacy"],
+    );
+    cp.wait_programmed();
+    expect_eventually("initial policy (legacy)", &initial_matrix(&c), &cp);
+    let save = c.host.exec(&["iptables-legacy-save", "-t", "filter"]);
+    assert!(
+        save.contains("-A FORWARD -m comment --comment \"cali:"),
+        "{save}"
+    );
+    assert!(save.contains(":cali-tw-cali0web000002"), "{save}");
+}
