@@ -34,3 +34,11 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 "$BIN" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20
+
+echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh network namespaces)"
+if [ "$(id -u)" = 0 ]; then
+  cargo build --release -p dataplane-agent --bin linux-bench >/dev/null 2>&1
+  ./target/release/linux-bench --runs 5
+else
+  echo "skipped: needs root (network namespaces, iptables, ipset)"
+fi

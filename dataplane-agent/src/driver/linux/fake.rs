@@ -428,12 +428,12 @@ impl CommandRunner for FakeKernel {
             });
         }
         if program.ends_with("-save") {
-            let table = args
-                .windows(2)
-                .find(|w| w[0] == "-t")
-                .map(|w| w[1])
-                .unwrap_or("filter");
-            return Ok(ok(self.save(v, table)));
+            let text = match args.windows(2).find(|w| w[0] == "-t") {
+                Some(w) => self.save(v, w[1]),
+                // No table: every table, like the real tool.
+                None => BUILTIN.iter().map(|(t, _)| self.save(v, t)).collect(),
+            };
+            return Ok(ok(text));
         }
         if program.ends_with("-restore") {
             if let Some(msg) = &self.fail_restores {

@@ -131,6 +131,46 @@ fn hash_of(line: &str) -> Option<&str> {
     Some(&rest[..end])
 }
 
+/// The `*<table>` … `COMMIT` section of a multi-table save (empty if absent).
+fn table_section(text: &str, table: &str) -> String {
+    let header = format!("*{table}");
+    let mut out = String::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line == header {
+            inside = true;
+        } else if inside && line == "COMMIT" {
+            break;
+        } else if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Reads every table of a family with one `iptables-save`.
+pub fn save_all(
+    runner: &mut dyn CommandRunner,
+    backend: Backend,
+    v: IpVersion,
+) -> Result<String, TableError> {
+    let program = backend.program(v, "save");
+    let out = runner
+        .run(&program, &[], None)
+        .map_err(|source| TableError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    if !out.success {
+        return Err(TableError::Failed {
+            program,
+            stderr: out.stderr_summary(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Parses `iptables-save -t <table>` output.
 fn parse_save(text: &str) -> KernelView {
     let mut view = KernelView::default();
@@ -185,6 +225,8 @@ pub struct Table {
     /// Hashes of the hook rules: kernel chain → (inserts, appends).
     hook_hashes: BTreeMap<String, (Vec<String>, Vec<String>)>,
     kernel: Option<KernelView>,
+    /// The kernel view was loaded by `load_kernel_view` and no apply has reported it yet.
+    loaded: bool,
     /// Seconds `iptables-restore` waits for the xtables lock.
     pub lock_wait_secs: u32,
 }
@@ -198,6 +240,7 @@ impl Table {
             hooks: Hooks::default(),
             hook_hashes: BTreeMap::new(),
             kernel: None,
+            loaded: false,
             lock_wait_secs: 10,
         }
     }
@@ -269,13 +312,29 @@ impl Table {
         self.kernel = None;
     }
 
+    /// Whether the next apply must read the kernel back first.
+    pub fn needs_read_back(&self) -> bool {
+        self.kernel.is_none()
+    }
+
+    /// Takes the kernel view from `iptables-save` output covering this table (other tables'
+    /// sections in the same text are ignored). Lets the caller read every table of a family
+    /// with one save: with nft, each save costs as much as the whole ruleset.
+    pub fn load_kernel_view(&mut self, save_output: &str) {
+        self.kernel = Some(parse_save(&table_section(save_output, self.name)));
+        self.loaded = true;
+    }
+
     /// Brings the kernel in line with the desired chains (see the module doc).
     pub fn apply(
         &mut self,
         runner: &mut dyn CommandRunner,
         backend: Backend,
     ) -> Result<ApplyStats, TableError> {
-        let mut stats = ApplyStats::default();
+        let mut stats = ApplyStats {
+            read_back: std::mem::take(&mut self.loaded),
+            ..ApplyStats::default()
+        };
         if self.kernel.is_none() {
             self.kernel = Some(self.read_back(runner, backend)?);
             stats.read_back = true;

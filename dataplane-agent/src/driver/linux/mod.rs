@@ -399,6 +399,25 @@ impl LinuxDriver {
         if st != Default::default() {
             debug!(?st, "ipsets updated");
         }
+        // Read back every table that needs it before writing any: one save per family, and
+        // while the kernel is still small (an nft save costs as much as the whole ruleset).
+        for v in self.versions.clone() {
+            if self
+                .tables
+                .iter()
+                .any(|t| t.version() == v && t.needs_read_back())
+            {
+                let text = iptables::save_all(self.runner.as_mut(), backend, v)
+                    .map_err(|e| DriverError::Other(e.to_string()))?;
+                for t in self
+                    .tables
+                    .iter_mut()
+                    .filter(|t| t.version() == v && t.needs_read_back())
+                {
+                    t.load_kernel_view(&text);
+                }
+            }
+        }
         let mut first_error = None;
         for t in &mut self.tables {
             match t.apply(self.runner.as_mut(), backend) {

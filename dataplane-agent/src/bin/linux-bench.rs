@@ -1,0 +1,440 @@
+//! Benchmark of the Linux driver against the floor (run as root; `make bench` runs it).
+//!
+//! `linux-bench [--endpoints N --policies N --members N --runs N]` creates a fresh network
+//! namespace per run and re-runs itself inside it:
+//!
+//! * `program`: feeds a synthetic node state (endpoints with tiered policies, profiles, IP sets)
+//!   to the Linux driver (nft backend) and times a full apply; then times one-chain changes;
+//!   dumps `ipset save` and `ip[6]tables-save` of the result.
+//! * `floor`: in another fresh namespace, times one `ipset restore` and one
+//!   `ip[6]tables-restore` per family of exactly that dump, and a bare `--noflush` restore of
+//!   the same one-chain change.
+//!
+//! Prints the medians and the ratios. Measures only; never fails on time.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use dataplane_agent::driver::linux::iptables::Backend;
+use dataplane_agent::driver::linux::runner::{CommandRunner, Output, SystemRunner};
+use dataplane_agent::driver::{Driver, LinuxDriver, LinuxOptions};
+use felix_proto::to_dataplane::Payload;
+use felix_proto::{
+    ActivePolicyUpdate, ActiveProfileUpdate, IpSetUpdate, Policy, PolicyId, PortRange, Profile,
+    ProfileId, Protocol, Rule, TierInfo, ToDataplane, WorkloadEndpoint, WorkloadEndpointId,
+    WorkloadEndpointUpdate, protocol,
+};
+
+struct Params {
+    endpoints: usize,
+    policies: usize,
+    members: usize,
+    runs: usize,
+}
+
+fn arg(args: &[String], name: &str, default: usize) -> usize {
+    args.windows(2)
+        .find(|w| w[0] == name)
+        .and_then(|w| w[1].parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let p = Params {
+        endpoints: arg(&args, "--endpoints", 100),
+        policies: arg(&args, "--policies", 200),
+        members: arg(&args, "--members", 100_000),
+        runs: arg(&args, "--runs", 3),
+    };
+    match args.get(1).map(String::as_str) {
+        Some("program") => program(&p, Path::new(&args[2])),
+        Some("floor") => floor(Path::new(&args[2])),
+        _ => orchestrate(&p),
+    }
+}
+
+fn msg(payload: Payload) -> ToDataplane {
+    ToDataplane {
+        sequence_number: 0,
+        payload: Some(payload),
+    }
+}
+
+fn pid(i: usize) -> PolicyId {
+    PolicyId {
+        name: format!("policy-{i:04}"),
+        namespace: String::new(),
+        kind: "GlobalNetworkPolicy".into(),
+    }
+}
+
+/// The synthetic node state: IP sets of 10.x addresses, policies of 10 inbound and 10
+/// outbound rules (set match + ports), endpoints in two tiers of 4 policies each.
+fn state(p: &Params, variant: usize) -> Vec<ToDataplane> {
+    let mut out = Vec::new();
+    let sets = (p.policies).max(1);
+    let per_set = p.members / sets;
+    for s in 0..sets {
+        let members = (0..per_set)
+            .map(|m| {
+                let n = s * per_set + m;
+                format!("10.{}.{}.{}/32", (n >> 16) & 255, (n >> 8) & 255, n & 255)
+            })
+            .collect();
+        out.push(msg(Payload::IpsetUpdate(IpSetUpdate {
+            id: format!("s:bench-set-{s:04}"),
+            members,
+            r#type: 2,
+        })));
+    }
+    let tcp = Some(Protocol {
+        number_or_name: Some(protocol::NumberOrName::Name("tcp".into())),
+    });
+    for i in 0..p.policies {
+        let rules = |dir: usize| -> Vec<Rule> {
+            (0..10)
+                .map(|r| Rule {
+                    action: if r % 5 == 4 {
+                        "deny".into()
+                    } else {
+                        "allow".into()
+                    },
+                    protocol: tcp.clone(),
+                    src_ip_set_ids: vec![format!("s:bench-set-{:04}", (i + r + dir) % sets)],
+                    dst_ports: vec![
+                        PortRange {
+                            first: (1000 + r + variant) as i32,
+                            last: (1000 + r + variant) as i32,
+                        },
+                        PortRange {
+                            first: 8000,
+                            last: 8100,
+                        },
+                    ],
+                    ..Default::default()
+                })
+                .collect()
+        };
+        out.push(msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pid(i)),
+            policy: Some(Policy {
+                inbound_rules: rules(0),
+                outbound_rules: rules(1),
+                tier: if i % 2 == 0 {
+                    "security".into()
+                } else {
+                    "default".into()
+                },
+                ..Default::default()
+            }),
+        })));
+    }
+    for ns in 0..10 {
+        out.push(msg(Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+            id: Some(ProfileId {
+                name: format!("kns.ns-{ns}"),
+            }),
+            profile: Some(Profile {
+                inbound_rules: vec![Rule {
+                    action: "allow".into(),
+                    ..Default::default()
+                }],
+                outbound_rules: vec![Rule {
+                    action: "allow".into(),
+                    ..Default::default()
+                }],
+            }),
+        })));
+    }
+    for e in 0..p.endpoints {
+        let pick = |k: usize| pid((e * 7 + k * 13) % p.policies.max(1));
+        let tiers = vec![
+            TierInfo {
+                name: "security".into(),
+                ingress_policies: (0..4).map(|k| pick(2 * k)).collect(),
+                egress_policies: (0..4).map(|k| pick(2 * k)).collect(),
+                default_action: "Pass".into(),
+            },
+            TierInfo {
+                name: "default".into(),
+                ingress_policies: (0..4).map(|k| pick(2 * k + 1)).collect(),
+                egress_policies: (0..4).map(|k| pick(2 * k + 1)).collect(),
+                default_action: "Deny".into(),
+            },
+        ];
+        out.push(msg(Payload::WorkloadEndpointUpdate(
+            WorkloadEndpointUpdate {
+                id: Some(WorkloadEndpointId {
+                    orchestrator_id: "k8s".into(),
+                    workload_id: format!("ns-{}/pod-{e}", e % 10),
+                    endpoint_id: "eth0".into(),
+                }),
+                endpoint: Some(WorkloadEndpoint {
+                    state: "active".into(),
+                    name: format!("cali{e:011}"),
+                    profile_ids: vec![format!("kns.ns-{}", e % 10)],
+                    ipv4_nets: vec![format!("10.65.{}.{}/32", e / 256, e % 256)],
+                    tiers,
+                    ..Default::default()
+                }),
+            },
+        )));
+    }
+    out
+}
+
+/// Sums the time spent in each external program (printed to stderr for the breakdown).
+struct Timing {
+    inner: SystemRunner,
+    spent: std::sync::Arc<std::sync::Mutex<Vec<(String, f64)>>>,
+}
+
+impl CommandRunner for Timing {
+    fn run(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+    ) -> std::io::Result<Output> {
+        let t = Instant::now();
+        let out = self.inner.run(program, args, stdin);
+        let label = format!("{program} {}", args.join(" "));
+        self.spent
+            .lock()
+            .expect("lock")
+            .push((label, t.elapsed().as_secs_f64()));
+        out
+    }
+}
+
+fn options() -> LinuxOptions {
+    LinuxOptions {
+        backend: Backend::Nft,
+        ..LinuxOptions::default()
+    }
+}
+
+fn sh(cmd: &str) -> String {
+    let out = Command::new("sh").args(["-c", cmd]).output().expect("sh");
+    assert!(
+        out.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Inside a fresh namespace: program the state with the driver, time it, dump the result.
+fn program(p: &Params, dump: &Path) {
+    let spent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut driver = LinuxDriver::new(
+        options(),
+        Box::new(Timing {
+            inner: SystemRunner,
+            spent: spent.clone(),
+        }),
+    );
+    for m in state(p, 0) {
+        driver.on_update(&m);
+    }
+    let t = Instant::now();
+    driver.apply().expect("full apply");
+    let full = t.elapsed().as_secs_f64();
+    let programmed = driver.programmed();
+    let commands: f64 = spent.lock().expect("lock").iter().map(|(_, d)| d).sum();
+    for (label, d) in spent.lock().expect("lock").drain(..) {
+        eprintln!("  {:>8.1} ms  {label}", d * 1e3);
+    }
+    eprintln!(
+        "  {:>8.1} ms  in the driver itself",
+        (full - commands) * 1e3
+    );
+
+    // One-chain changes: one policy's inbound rules alternate between two versions.
+    let base = state(p, 0);
+    let changed = state(p, 1);
+    let pick = |s: &[ToDataplane]| -> ToDataplane {
+        s.iter()
+            .find(|m| {
+                matches!(&m.payload, Some(Payload::ActivePolicyUpdate(u)) if u.id.as_ref().is_some_and(|i| i.name == "policy-0000"))
+            })
+            .cloned()
+            .expect("policy-0000")
+    };
+    let (a, b) = (pick(&base), pick(&changed));
+    let mut change_times = Vec::new();
+    for i in 0..20 {
+        driver.on_update(if i % 2 == 0 { &b } else { &a });
+        let t = Instant::now();
+        driver.apply().expect("change apply");
+        change_times.push(t.elapsed().as_secs_f64());
+    }
+    std::fs::create_dir_all(dump).expect("dump dir");
+    std::fs::write(dump.join("ipset.save"), sh("ipset save")).expect("write");
+    std::fs::write(dump.join("v4.save"), sh("iptables-nft-save")).expect("write");
+    std::fs::write(dump.join("v6.save"), sh("ip6tables-nft-save")).expect("write");
+    // The one-chain transaction as the driver writes it (flush + rewrite of cali-pi-gnp/policy-0000).
+    // The driver rewrites the chain in both families; so does the floor.
+    let chain = "cali-pi-gnp/policy-0000";
+    for (family, file) in [
+        ("iptables", "change4.restore"),
+        ("ip6tables", "change6.restore"),
+    ] {
+        let save = sh(&format!("{family}-nft-save -t filter"));
+        let body: Vec<&str> = save
+            .lines()
+            .filter(|l| l.starts_with(&format!("-A {chain} ")))
+            .collect();
+        std::fs::write(
+            dump.join(file),
+            format!("*filter\n:{chain} - [0:0]\n{}\nCOMMIT\n", body.join("\n")),
+        )
+        .expect("write");
+    }
+    change_times.sort_by(f64::total_cmp);
+    println!(
+        "{{\"full_s\":{full},\"change_median_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
+        change_times[change_times.len() / 2],
+        programmed.rules,
+        programmed.ipsets,
+        programmed.ipset_members
+    );
+}
+
+fn timed(cmd: &str) -> f64 {
+    let t = Instant::now();
+    let ok = Command::new("sh")
+        .args(["-c", cmd])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("sh")
+        .success();
+    assert!(ok, "{cmd} failed");
+    t.elapsed().as_secs_f64()
+}
+
+/// Inside another fresh namespace: restore the dump with the bare tools.
+fn floor(dump: &Path) {
+    let d = dump.display();
+    let t = Instant::now();
+    for cmd in [
+        format!("ipset restore < {d}/ipset.save"),
+        format!("iptables-nft-restore < {d}/v4.save"),
+        format!("ip6tables-nft-restore < {d}/v6.save"),
+    ] {
+        let took = timed(&cmd);
+        eprintln!("  floor {:>8.1} ms  {cmd}", took * 1e3);
+    }
+    let full = t.elapsed().as_secs_f64();
+    let mut change = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        timed(&format!(
+            "iptables-nft-restore --noflush < {d}/change4.restore"
+        ));
+        timed(&format!(
+            "ip6tables-nft-restore --noflush < {d}/change6.restore"
+        ));
+        change.push(t.elapsed().as_secs_f64());
+    }
+    change.sort_by(f64::total_cmp);
+    println!(
+        "{{\"full_s\":{full},\"change_median_s\":{}}}",
+        change[change.len() / 2]
+    );
+}
+
+fn field(json: &str, key: &str) -> f64 {
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect("child JSON");
+    v[key].as_f64().unwrap_or(0.0)
+}
+
+fn in_netns(tag: &str, args: &[String]) -> String {
+    let ns = format!("sf-bench-{}-{tag}", std::process::id());
+    sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
+    let exe = std::env::current_exe().expect("exe");
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns])
+        .arg(&exe)
+        .args(args)
+        .stderr(if std::env::var_os("BENCH_VERBOSE").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        })
+        .output()
+        .expect("child");
+    let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+    assert!(
+        out.status.success(),
+        "{tag}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn orchestrate(p: &Params) {
+    let dump: PathBuf = std::env::temp_dir().join(format!("sf-linux-bench-{}", std::process::id()));
+    let extra = |sizes: (usize, usize, usize)| -> Vec<String> {
+        vec![
+            "--endpoints".into(),
+            sizes.0.to_string(),
+            "--policies".into(),
+            sizes.1.to_string(),
+            "--members".into(),
+            sizes.2.to_string(),
+        ]
+    };
+    for (label, sizes) in [
+        ("small", (10, 20, 10_000)),
+        ("full", (p.endpoints, p.policies, p.members)),
+    ] {
+        let mut ours_full = Vec::new();
+        let mut ours_change = Vec::new();
+        let mut floor_full = Vec::new();
+        let mut floor_change = Vec::new();
+        let mut shape = String::new();
+        for run in 0..p.runs {
+            let mut args = vec!["program".to_owned(), dump.display().to_string()];
+            args.extend(extra(sizes));
+            let ours = in_netns(&format!("p{run}"), &args);
+            let theirs = in_netns(
+                &format!("f{run}"),
+                &["floor".to_owned(), dump.display().to_string()],
+            );
+            ours_full.push(field(&ours, "full_s"));
+            ours_change.push(field(&ours, "change_median_s"));
+            floor_full.push(field(&theirs, "full_s"));
+            floor_change.push(field(&theirs, "change_median_s"));
+            let v: serde_json::Value = serde_json::from_str(ours.trim()).expect("JSON");
+            shape = format!(
+                "{} endpoints, {} policies: {} rules (v4+v6), {} ipsets, {} members",
+                sizes.0, sizes.1, v["rules"], v["ipsets"], v["members"]
+            );
+        }
+        let (of, ff) = (median(ours_full), median(floor_full));
+        let (oc, fc) = (median(ours_change), median(floor_change));
+        println!("== {label}: {shape}");
+        println!(
+            "full programming: driver {:.1} ms, floor (ipset restore + iptables-restore x2) {:.1} ms, ratio {:.2}",
+            of * 1e3,
+            ff * 1e3,
+            of / ff
+        );
+        println!(
+            "one-chain change: driver {:.2} ms, floor (bare --noflush restores of that chain, v4 + v6) {:.2} ms, ratio {:.2}",
+            oc * 1e3,
+            fc * 1e3,
+            oc / fc
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dump);
+}
