@@ -219,12 +219,15 @@ struct Log {
     /// How many updates had been recorded at each successful apply.
     applied_at: Vec<usize>,
     failed_applies: usize,
+    /// How many refreshes the session requested.
+    refreshes: usize,
 }
 
 struct Recording {
     inner: DryRunDriver,
     log: Arc<Mutex<Log>>,
     fail_applies: usize,
+    refresh: Option<Duration>,
 }
 
 impl Driver for Recording {
@@ -249,6 +252,12 @@ impl Driver for Recording {
     }
     fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
         self.inner.workload_endpoint(id)
+    }
+    fn refresh_interval(&self) -> Option<Duration> {
+        self.refresh
+    }
+    fn request_refresh(&mut self) {
+        self.log.lock().expect("lock").refreshes += 1;
     }
 }
 
@@ -294,6 +303,14 @@ fn test_config(servers: Vec<String>) -> SessionConfig {
 }
 
 fn start_agent(config: SessionConfig, fail_applies: usize) -> Agent {
+    start_agent_with(config, fail_applies, None)
+}
+
+fn start_agent_with(
+    config: SessionConfig,
+    fail_applies: usize,
+    refresh: Option<Duration>,
+) -> Agent {
     let dir = tempfile::tempdir().expect("tempdir");
     let state_file = dir.path().join("state.json");
     let log = Arc::new(Mutex::new(Log::default()));
@@ -301,6 +318,7 @@ fn start_agent(config: SessionConfig, fail_applies: usize) -> Agent {
         inner: DryRunDriver::new(NODE, Some(state_file.clone())),
         log: log.clone(),
         fail_applies,
+        refresh,
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(session::run(config, driver, async move {
@@ -1147,4 +1165,35 @@ async fn shutdown_leaves_the_dataplane_in_place() {
         std::fs::read_to_string(&path).expect("state file still there"),
         before
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_asking_for_refreshes_gets_them_only_once_in_sync() {
+    let gate = Arc::new(Notify::new());
+    let (url, _fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"])]),
+        vec![Step::Gate(gate.clone()), Step::Send(in_sync())],
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent_with(test_config(vec![url]), 0, Some(Duration::from_millis(50)));
+    eventually("the snapshot reaches the driver", || {
+        agent.updates().len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        agent.log.lock().expect("lock").refreshes,
+        0,
+        "no refresh (and so no apply) before InSync"
+    );
+    assert_eq!(agent.applies(), 0);
+    gate.notify_one();
+    // Each refresh is followed by an apply even though nothing new arrived.
+    eventually("refreshes and applies keep coming", || {
+        agent.log.lock().expect("lock").refreshes >= 3 && agent.applies() >= 4
+    })
+    .await;
+    agent.stop().await;
 }

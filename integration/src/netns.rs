@@ -129,8 +129,10 @@ impl Netns {
         self.exec(&["ip", "-6", "route", "add", "default", "dev", "uplink0"]);
     }
 
+    /// Sets a (per-namespace) sysctl by writing `/proc/sys` (no dependency on procps).
     pub fn sysctl(&self, key: &str, value: &str) {
-        self.exec(&["sysctl", "-qw", &format!("{key}={value}")]);
+        let path = format!("/proc/sys/{}", key.replace('.', "/"));
+        self.exec(&["sh", "-c", &format!("echo {value} > {path}")]);
     }
 
     /// Starts a long-running process inside the namespace, logging to `log`.

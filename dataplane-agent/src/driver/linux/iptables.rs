@@ -360,12 +360,27 @@ impl Table {
             }
             written.push(name.clone());
         }
-        // Stale chains of ours: flushed now, deleted at the end once nothing refers to them.
+        // Stale chains of ours: flushed now, deleted at the end. One that a desired chain still
+        // jumps to is left alone until nothing does (deleting it would fail the transaction).
         let mut stale: Vec<&String> = kernel
             .ours
             .keys()
             .filter(|n| !self.desired.contains_key(*n))
             .collect();
+        if !stale.is_empty() {
+            let referenced: std::collections::HashSet<&str> = self
+                .desired
+                .values()
+                .flat_map(|c| c.rules.iter().filter_map(|r| r.action.target_chain()))
+                .collect();
+            stale.retain(|n| {
+                let keep = referenced.contains(n.as_str());
+                if keep {
+                    tracing::warn!(table = self.name, chain = %n, "unwanted chain is still referenced; kept for now");
+                }
+                !keep
+            });
+        }
         stale.sort();
         for name in &stale {
             let _ = writeln!(script, ":{name} - [0:0]");
@@ -666,6 +681,30 @@ mod tests {
             input[0].contains("cali-INPUT") && input[1] == "-j KUBE-X",
             "{input:?}"
         );
+    }
+
+    #[test]
+    fn a_stale_chain_still_referenced_is_kept_until_it_is_not() {
+        let mut k = FakeKernel::new();
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_chain(chain("cali-target", 1));
+        t.set_chain(Chain::new(
+            "cali-user",
+            vec![Rule::always(Action::Jump("cali-target".into()))],
+        ));
+        t.apply(&mut k, Backend::Nft).unwrap();
+        // Inconsistent input: the target goes while a chain still jumps to it.
+        t.remove_chain("cali-target");
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(s.chains_deleted, 0);
+        assert_eq!(
+            k.chain_rules(IpVersion::V4, "filter", "cali-target").len(),
+            1
+        );
+        t.remove_chain("cali-user");
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(s.chains_deleted, 2);
+        assert!(!k.has_chain(IpVersion::V4, "filter", "cali-target"));
     }
 
     #[test]

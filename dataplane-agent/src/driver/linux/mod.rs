@@ -583,3 +583,214 @@ impl Driver for LinuxDriver {
         self.ipsets.invalidate();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeKernel;
+    use super::*;
+    use felix_proto::{
+        ActivePolicyRemove, ActivePolicyUpdate, IpSetUpdate, PolicyId, Rule, TierInfo,
+        WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
+    };
+    use std::sync::{Arc, Mutex};
+
+    /// A runner over a shared fake kernel, so the test can look at it while the driver owns
+    /// the runner.
+    #[derive(Clone)]
+    struct Shared(Arc<Mutex<FakeKernel>>);
+
+    impl CommandRunner for Shared {
+        fn run(
+            &mut self,
+            program: &str,
+            args: &[&str],
+            stdin: Option<&[u8]>,
+        ) -> std::io::Result<runner::Output> {
+            self.0.lock().unwrap().run(program, args, stdin)
+        }
+    }
+
+    fn msg(p: Payload) -> ToDataplane {
+        ToDataplane {
+            sequence_number: 1,
+            payload: Some(p),
+        }
+    }
+
+    fn pol_id() -> PolicyId {
+        PolicyId {
+            name: "web".into(),
+            namespace: "prod".into(),
+            kind: "NetworkPolicy".into(),
+        }
+    }
+
+    fn policy(untracked: bool) -> ToDataplane {
+        msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pol_id()),
+            policy: Some(Policy {
+                inbound_rules: vec![Rule {
+                    action: "allow".into(),
+                    src_ip_set_ids: vec!["s:clients".into()],
+                    ..Default::default()
+                }],
+                untracked,
+                ..Default::default()
+            }),
+        }))
+    }
+
+    fn wep_id() -> WorkloadEndpointId {
+        WorkloadEndpointId {
+            orchestrator_id: "k8s".into(),
+            workload_id: "prod/web".into(),
+            endpoint_id: "eth0".into(),
+        }
+    }
+
+    fn wep(iface: &str) -> ToDataplane {
+        msg(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+            id: Some(wep_id()),
+            endpoint: Some(WorkloadEndpoint {
+                state: "active".into(),
+                name: iface.into(),
+                ipv4_nets: vec!["10.65.0.2/32".into()],
+                tiers: vec![TierInfo {
+                    name: "default".into(),
+                    ingress_policies: vec![pol_id()],
+                    egress_policies: vec![],
+                    default_action: "Deny".into(),
+                }],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    fn driver() -> (LinuxDriver, Arc<Mutex<FakeKernel>>) {
+        let kernel = Arc::new(Mutex::new(FakeKernel::new()));
+        let opts = LinuxOptions {
+            backend: Backend::Nft,
+            ..LinuxOptions::default()
+        };
+        (
+            LinuxDriver::new(opts, Box::new(Shared(kernel.clone()))),
+            kernel,
+        )
+    }
+
+    #[test]
+    fn programs_endpoints_policies_and_sets_then_cleans_up() {
+        let (mut d, k) = driver();
+        d.on_update(&msg(Payload::IpsetUpdate(IpSetUpdate {
+            id: "s:clients".into(),
+            members: vec!["10.65.0.1/32".into(), "fd00::1/128".into()],
+            r#type: 2,
+        })));
+        d.on_update(&policy(false));
+        d.on_update(&wep("caliweb"));
+        d.apply().unwrap();
+        {
+            let k = k.lock().unwrap();
+            let v4 = IpVersion::V4;
+            assert!(k.has_chain(v4, "filter", "cali-pi-np/prod/web"));
+            assert!(k.has_chain(v4, "filter", "cali-tw-caliweb"));
+            assert!(k.has_chain(IpVersion::V6, "filter", "cali-tw-caliweb"));
+            let dispatch = k.chain_rules(v4, "filter", "cali-to-wl-dispatch");
+            assert!(dispatch[0].contains("--out-interface caliweb --goto cali-tw-caliweb"));
+            assert!(dispatch.last().unwrap().contains("Unknown interface"));
+            assert_eq!(k.set("cali40s:clients").unwrap().members.len(), 1);
+            assert_eq!(k.set("cali60s:clients").unwrap().members.len(), 1);
+        }
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["up"]
+        );
+
+        // The interface is renamed: old chains go, new ones come, dispatch follows.
+        d.on_update(&wep("caliweb2"));
+        d.apply().unwrap();
+        {
+            let k = k.lock().unwrap();
+            assert!(!k.has_chain(IpVersion::V4, "filter", "cali-tw-caliweb"));
+            assert!(k.has_chain(IpVersion::V4, "filter", "cali-tw-caliweb2"));
+        }
+
+        // An untracked policy moves to the raw table (workloads never use untracked policy: the
+        // server sends the endpoint without it in the same batch).
+        d.on_update(&policy(true));
+        d.on_update(&msg(Payload::WorkloadEndpointUpdate(
+            WorkloadEndpointUpdate {
+                id: Some(wep_id()),
+                endpoint: Some(WorkloadEndpoint {
+                    state: "active".into(),
+                    name: "caliweb2".into(),
+                    ..Default::default()
+                }),
+            },
+        )));
+        d.apply().unwrap();
+        {
+            let k = k.lock().unwrap();
+            assert!(!k.has_chain(IpVersion::V4, "filter", "cali-pi-np/prod/web"));
+            assert!(k.has_chain(IpVersion::V4, "raw", "cali-pi-np/prod/web"));
+        }
+
+        // Everything removed: our chains and sets go; the hooks and static chains stay.
+        d.on_update(&msg(Payload::WorkloadEndpointRemove(
+            WorkloadEndpointRemove { id: Some(wep_id()) },
+        )));
+        d.on_update(&msg(Payload::ActivePolicyRemove(ActivePolicyRemove {
+            id: Some(pol_id()),
+        })));
+        d.on_update(&msg(Payload::IpsetRemove(felix_proto::IpSetRemove {
+            id: "s:clients".into(),
+        })));
+        d.apply().unwrap();
+        let k = k.lock().unwrap();
+        let chains = k.chain_names(IpVersion::V4, "filter");
+        assert!(
+            !chains
+                .iter()
+                .any(|c| c.starts_with("cali-tw-") || c.starts_with("cali-pi-")),
+            "{chains:?}"
+        );
+        assert!(!k.has_chain(IpVersion::V4, "raw", "cali-pi-np/prod/web"));
+        assert!(k.set_names().is_empty());
+        assert!(k.chain_rules(IpVersion::V4, "filter", "FORWARD")[0].contains("cali-FORWARD"));
+        assert!(d.endpoint_statuses().workloads.is_empty());
+    }
+
+    #[test]
+    fn a_failed_apply_reports_error_and_the_retry_converges() {
+        let (mut d, k) = driver();
+        d.on_update(&policy(false));
+        d.on_update(&wep("caliweb"));
+        k.lock().unwrap().fail_restores =
+            Some("Another app is currently holding the xtables lock".into());
+        let err = d.apply().unwrap_err().to_string();
+        assert!(err.contains("xtables lock"), "{err}");
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["error"]
+        );
+        k.lock().unwrap().fail_restores = None;
+        d.apply().unwrap();
+        assert!(
+            k.lock()
+                .unwrap()
+                .has_chain(IpVersion::V4, "filter", "cali-tw-caliweb")
+        );
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["up"]
+        );
+        // Nothing to do: no restore at all.
+        let calls = k.lock().unwrap().restore_calls();
+        d.apply().unwrap();
+        assert_eq!(k.lock().unwrap().restore_calls(), calls);
+        // A refresh reads back (saves) but, with nothing changed, writes nothing.
+        d.request_refresh();
+        d.apply().unwrap();
+        assert_eq!(k.lock().unwrap().restore_calls(), calls);
+    }
+}
