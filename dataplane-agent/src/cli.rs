@@ -121,6 +121,17 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_XTABLES_LOCK_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub xtables_lock_timeout: Duration,
 
+    /// linux driver: leave routes, static neighbours and workload interface sysctls to someone
+    /// else (Felix's RouteSyncDisabled). Interfaces are then not monitored either, and endpoint
+    /// status ignores link state.
+    #[arg(long, env = "DATAPLANE_AGENT_ROUTE_SYNC_DISABLED")]
+    pub route_sync_disabled: bool,
+
+    /// linux driver: the route protocol number our workload routes carry; routes with it are
+    /// ours to add and delete (Felix's DeviceRouteProtocol).
+    #[arg(long, env = "DATAPLANE_AGENT_DEVICE_ROUTE_PROTOCOL", default_value = "80", value_parser = clap::value_parser!(u8).range(1..=255))]
+    pub device_route_protocol: u8,
+
     /// linux driver: prefix of the LOG rules that `action: Log` renders.
     #[arg(
         long,
@@ -253,6 +264,15 @@ impl Cli {
             default_failsafes_out(),
         )?;
         opts.render.log_prefix = self.log_prefix.clone();
+        opts.manage_routes = !self.route_sync_disabled;
+        opts.route_protocol = self.device_route_protocol;
+        if matches!(opts.route_protocol, 1..=4) {
+            return Err(format!(
+                "--device-route-protocol {}: reserved for the kernel (redirect, kernel, boot, static); \
+                 routes with it are not ours to delete",
+                opts.route_protocol
+            ));
+        }
         Ok(opts)
     }
 }

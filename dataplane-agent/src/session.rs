@@ -454,6 +454,8 @@ async fn stream_inner<D: Driver>(
         refresh_every.unwrap_or(Duration::from_secs(3600)),
     );
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The driver's own "something changed under me" signal (interfaces).
+    let wake = driver.wakeup();
 
     loop {
         let retry_at = st.retry_at;
@@ -503,6 +505,15 @@ async fn stream_inner<D: Driver>(
                 st.retry_at = None;
                 maybe_apply(&mut st, driver, agent);
             }
+            () = wake_signal(wake.as_ref()) => {
+                if st.in_sync && agent.ever_in_sync {
+                    driver.on_wakeup();
+                    agent.pending += 1;
+                    if st.retry_at.is_none() {
+                        maybe_apply(&mut st, driver, agent);
+                    }
+                }
+            }
             _ = refresh.tick(), if refresh_every.is_some() => {
                 if st.in_sync && agent.ever_in_sync {
                     debug!("periodic dataplane refresh");
@@ -514,6 +525,14 @@ async fn stream_inner<D: Driver>(
                 }
             }
         }
+    }
+}
+
+/// Completes when the driver signals a change; never without a signal.
+async fn wake_signal(wake: Option<&std::sync::Arc<tokio::sync::Notify>>) {
+    match wake {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
     }
 }
 

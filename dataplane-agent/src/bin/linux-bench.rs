@@ -212,6 +212,8 @@ impl CommandRunner for Timing {
 fn options() -> LinuxOptions {
     LinuxOptions {
         backend: Backend::Nft,
+        // Routes are measured on their own (they need the async runtime).
+        manage_routes: false,
         ..LinuxOptions::default()
     }
 }

@@ -64,6 +64,15 @@ pub trait Driver: Send {
 
     /// Makes the next `apply` re-read and repair the dataplane, even with nothing pending.
     fn request_refresh(&mut self) {}
+
+    /// Notified when the driver saw the dataplane change under it (an interface came, went or
+    /// changed state): the session then calls `on_wakeup` and applies, once in sync.
+    fn wakeup(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        None
+    }
+
+    /// Called before the apply that a wakeup triggers.
+    fn on_wakeup(&mut self) {}
 }
 
 impl<D: Driver + ?Sized> Driver for Box<D> {
@@ -84,6 +93,12 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
     fn request_refresh(&mut self) {
         (**self).request_refresh();
+    }
+    fn wakeup(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        (**self).wakeup()
+    }
+    fn on_wakeup(&mut self) {
+        (**self).on_wakeup();
     }
 }
 

@@ -8,25 +8,35 @@
 //! repairs out-of-band changes. All IO goes through a [`runner::CommandRunner`].
 
 pub mod fake;
+pub mod interfaces;
 pub mod ipsets;
 pub mod iptables;
+pub mod netlink;
+pub mod routes;
 pub mod rules;
 pub mod runner;
+pub mod sysctl;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{HostEndpoint, Policy, Profile, ToDataplane, WorkloadEndpoint};
 use tracing::{debug, info, warn};
 
+use self::interfaces::Interfaces;
 use self::ipsets::{IpSets, SetKind};
 use self::iptables::{Backend, Table};
+use self::netlink::Netlink;
+use self::routes::Routes;
 use self::rules::endpoint::{self, ALL_INTERFACES};
 use self::rules::policy::{self, RenderConfig};
 use self::rules::static_chains::{self, StaticConfig};
 use self::rules::{Chain, IpVersion};
 use self::runner::CommandRunner;
+use self::sysctl::Sysctl;
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
 
 /// Settings of the Linux driver.
@@ -41,6 +51,10 @@ pub struct LinuxOptions {
     pub render: RenderConfig,
     /// Seconds `iptables-restore` waits for the xtables lock.
     pub lock_wait_secs: u32,
+    /// Program workload routes, neighbours and interface sysctls, and watch interfaces.
+    pub manage_routes: bool,
+    /// The route protocol number our routes carry (how we recognise them).
+    pub route_protocol: u8,
 }
 
 impl Default for LinuxOptions {
@@ -52,6 +66,8 @@ impl Default for LinuxOptions {
             statics: StaticConfig::default(),
             render: RenderConfig::default(),
             lock_wait_secs: 10,
+            manage_routes: true,
+            route_protocol: 80,
         }
     }
 }
@@ -70,7 +86,11 @@ fn policy_id(k: &PolicyKey) -> felix_proto::PolicyId {
     }
 }
 
-const TABLE_NAMES: [&str; 3] = ["filter", "raw", "mangle"];
+const TABLE_NAMES: [&str; 4] = ["filter", "raw", "mangle", "nat"];
+
+/// Agent-local IP sets of IPAM pools (for natOutgoing).
+const MASQ_POOLS_SET: &str = "masq-ipam-pools";
+const ALL_POOLS_SET: &str = "all-ipam-pools";
 
 /// Totals of what is programmed, for logs and metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -78,6 +98,7 @@ pub struct Programmed {
     pub rules: usize,
     pub ipsets: usize,
     pub ipset_members: usize,
+    pub routes: usize,
 }
 
 /// Programs iptables and ipsets.
@@ -107,10 +128,46 @@ pub struct LinuxDriver {
     programmed_weps: HashSet<WorkloadEndpointKey>,
     /// Set when the last apply failed (endpoints changed since then report "error").
     last_error: Option<String>,
+
+    pools: BTreeMap<String, felix_proto::IpamPool>,
+    pools_dirty: bool,
+
+    /// Interfaces as the monitor sees them.
+    ifaces: Arc<Interfaces>,
+    /// Spawn the rtnetlink monitor and connect netlink at the first apply (false when seams
+    /// were injected).
+    start_netlink: bool,
+    netlink: Option<Box<dyn Netlink>>,
+    sysctl: Box<dyn Sysctl>,
+    routes: Routes,
+    /// Interfaces already given Calico's sysctls: name → ifindex at the time.
+    configured_ifaces: HashMap<String, u32>,
+    neighbours: HashSet<(u32, IpAddr, [u8; 6])>,
+    globals_set: bool,
 }
 
 impl LinuxDriver {
     pub fn new(opts: LinuxOptions, runner: Box<dyn CommandRunner>) -> Self {
+        let mut d = Self::with_seams(
+            opts,
+            runner,
+            None,
+            Box::new(sysctl::ProcSysctl),
+            Interfaces::new(),
+        );
+        d.start_netlink = d.opts.manage_routes;
+        d
+    }
+
+    /// A driver over injected seams (tests): no monitor is spawned; `ifaces` is fed by the
+    /// caller and `netlink` used as is.
+    pub fn with_seams(
+        opts: LinuxOptions,
+        runner: Box<dyn CommandRunner>,
+        netlink: Option<Box<dyn Netlink>>,
+        sysctl: Box<dyn Sysctl>,
+        ifaces: Arc<Interfaces>,
+    ) -> Self {
         let versions = if opts.ipv6 {
             IpVersion::BOTH.to_vec()
         } else {
@@ -128,6 +185,8 @@ impl LinuxDriver {
             Backend::Auto => None,
             b => Some(b),
         };
+        let route_protocol = opts.route_protocol;
+        let route_versions = versions.clone();
         Self {
             ipsets: IpSets::new(versions.clone()),
             opts,
@@ -149,6 +208,16 @@ impl LinuxDriver {
             dispatch_dirty: true,
             programmed_weps: HashSet::new(),
             last_error: None,
+            pools: BTreeMap::new(),
+            pools_dirty: true,
+            ifaces,
+            start_netlink: false,
+            routes: Routes::new(route_protocol, route_versions),
+            netlink,
+            sysctl,
+            configured_ifaces: HashMap::new(),
+            neighbours: HashSet::new(),
+            globals_set: false,
         }
     }
 
@@ -164,6 +233,7 @@ impl LinuxDriver {
             rules: self.tables.iter().map(Table::rule_count).sum(),
             ipsets,
             ipset_members,
+            routes: self.routes.count(),
         }
     }
 
@@ -186,6 +256,13 @@ impl LinuxDriver {
             t.set_hooks(hooks);
             let (chains, hooks) = static_chains::mangle(&self.opts.statics);
             let t = self.table(v, "mangle");
+            chains.into_iter().for_each(|c| t.set_chain(c));
+            t.set_hooks(hooks);
+            let (chains, hooks) = static_chains::nat(
+                &rules::ipset_name(v, MASQ_POOLS_SET),
+                &rules::ipset_name(v, ALL_POOLS_SET),
+            );
+            let t = self.table(v, "nat");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
         }
@@ -304,10 +381,9 @@ impl LinuxDriver {
             let Some(hep) = self.heps.get(&id) else {
                 continue;
             };
-            let iface = if hep.name.is_empty() || hep.name == "*" {
-                ALL_INTERFACES.to_owned()
-            } else {
-                hep.name.clone()
+            let Some(iface) = self.hep_iface(hep) else {
+                debug!(host_endpoint = %id, "no interface holds the host endpoint's addresses yet");
+                continue;
             };
             let cfg = &self.opts.render;
             let filter = endpoint::host_filter_chains(
@@ -338,25 +414,28 @@ impl LinuxDriver {
 
     fn render_dispatch(&mut self) {
         let wl_ifaces: Vec<String> = self.wep_ifaces.values().cloned().collect();
-        let hep_iface = |h: &HostEndpoint| {
-            if h.name.is_empty() {
-                "*".to_owned()
-            } else {
-                h.name.clone()
-            }
+        // Dispatch names the interfaces; "*" stands for the catch-all endpoint.
+        let hep_iface = |id: &String| {
+            self.hep_ifaces.get(id).map(|i| {
+                if i == ALL_INTERFACES {
+                    "*".to_owned()
+                } else {
+                    i.clone()
+                }
+            })
         };
-        let all: Vec<String> = self.heps.values().map(hep_iface).collect();
+        let all: Vec<String> = self.heps.keys().filter_map(hep_iface).collect();
         let untracked: Vec<String> = self
             .heps
-            .values()
-            .filter(|h| !h.untracked_tiers.is_empty())
-            .map(hep_iface)
+            .iter()
+            .filter(|(_, h)| !h.untracked_tiers.is_empty())
+            .filter_map(|(id, _)| hep_iface(id))
             .collect();
         let pre_dnat: Vec<String> = self
             .heps
-            .values()
-            .filter(|h| !h.pre_dnat_tiers.is_empty())
-            .map(hep_iface)
+            .iter()
+            .filter(|(_, h)| !h.pre_dnat_tiers.is_empty())
+            .filter_map(|(id, _)| hep_iface(id))
             .collect();
         let mut filter: Vec<Chain> = static_chains::workload_dispatch(&wl_ifaces).into();
         filter.extend(static_chains::host_dispatch(&all));
@@ -373,6 +452,127 @@ impl LinuxDriver {
         self.dispatch_dirty = false;
     }
 
+    fn render_pools(&mut self) {
+        let all: Vec<String> = self.pools.values().map(|p| p.cidr.clone()).collect();
+        let masq: Vec<String> = self
+            .pools
+            .values()
+            .filter(|p| p.masquerade)
+            .map(|p| p.cidr.clone())
+            .collect();
+        self.ipsets.replace(ALL_POOLS_SET, SetKind::Net, &all);
+        self.ipsets.replace(MASQ_POOLS_SET, SetKind::Net, &masq);
+        self.pools_dirty = false;
+    }
+
+    /// The interface a host endpoint applies to: its name, `*`, or (no name) the interface
+    /// holding one of its expected addresses; `None` while that interface is unknown.
+    fn hep_iface(&self, hep: &HostEndpoint) -> Option<String> {
+        if hep.name == "*" {
+            return Some(ALL_INTERFACES.to_owned());
+        }
+        if !hep.name.is_empty() {
+            return Some(hep.name.clone());
+        }
+        let ips: Vec<IpAddr> = hep
+            .expected_ipv4_addrs
+            .iter()
+            .chain(&hep.expected_ipv6_addrs)
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        self.ifaces.by_address(&ips)
+    }
+
+    /// Starts the interface monitor and opens netlink (once, inside the runtime).
+    fn ensure_netlink(&mut self) -> Result<(), DriverError> {
+        if !self.start_netlink {
+            return Ok(());
+        }
+        interfaces::spawn_monitor(self.ifaces.clone())
+            .map_err(|e| DriverError::Other(format!("interface monitor: {e}")))?;
+        self.netlink = Some(Box::new(
+            netlink::RtNetlink::connect()
+                .map_err(|e| DriverError::Other(format!("netlink: {e}")))?,
+        ));
+        self.start_netlink = false;
+        Ok(())
+    }
+
+    /// Routes, neighbours and interface sysctls for the workloads whose interfaces are up.
+    fn program_routes(&mut self) -> Result<(), DriverError> {
+        let Some(nl) = self.netlink.as_mut() else {
+            return Ok(());
+        };
+        // Until the monitor's first dump we do not know which interfaces exist: changing
+        // nothing is better than deleting every route.
+        if !self.ifaces.is_ready() {
+            return Ok(());
+        }
+        if !self.globals_set {
+            let mut globals = vec![("net/ipv4/ip_forward", "1")];
+            if self.opts.ipv6 {
+                globals.push(("net/ipv6/conf/all/forwarding", "1"));
+            }
+            for (k, v) in globals {
+                if let Err(error) = self.sysctl.write(k, v) {
+                    warn!(%error, key = k, "cannot set sysctl");
+                }
+            }
+            self.globals_set = true;
+        }
+        let mut desired = std::collections::BTreeSet::new();
+        let mut present = HashSet::new();
+        for wep in self.weps.values() {
+            let Some(link) = self.ifaces.get(&wep.name) else {
+                continue;
+            };
+            present.insert(wep.name.clone());
+            if self.configured_ifaces.get(&wep.name) != Some(&link.index) {
+                for (k, v) in sysctl::workload_interface_settings(&wep.name, self.opts.ipv6) {
+                    if let Err(error) = self.sysctl.write(&k, v) {
+                        warn!(%error, iface = %wep.name, "cannot configure workload interface");
+                    }
+                }
+                self.configured_ifaces.insert(wep.name.clone(), link.index);
+            }
+            let mac = parse_mac(&wep.mac);
+            let nets = wep.ipv4_nets.iter().chain(if self.opts.ipv6 {
+                &wep.ipv6_nets[..]
+            } else {
+                &[]
+            });
+            for net in nets {
+                let Some(ip) = net.split('/').next().and_then(|a| a.parse::<IpAddr>().ok()) else {
+                    warn!(net = %net, iface = %wep.name, "unparsable endpoint address; no route");
+                    continue;
+                };
+                if link.oper_up {
+                    desired.insert(netlink::RouteEntry {
+                        dst: ip,
+                        prefix: if ip.is_ipv4() { 32 } else { 128 },
+                        ifindex: link.index,
+                    });
+                }
+                if let Some(mac) = mac
+                    && self.neighbours.insert((link.index, ip, mac))
+                    && let Err(error) = nl.set_neighbour(link.index, ip, mac)
+                {
+                    warn!(%error, %ip, iface = %wep.name, "cannot set static neighbour");
+                    self.neighbours.remove(&(link.index, ip, mac));
+                }
+            }
+        }
+        self.configured_ifaces.retain(|n, _| present.contains(n));
+        let st = self
+            .routes
+            .apply(nl.as_mut(), &desired)
+            .map_err(|e| DriverError::Other(e.to_string()))?;
+        if st != Default::default() {
+            debug!(?st, "routes programmed");
+        }
+        Ok(())
+    }
+
     fn program(&mut self) -> Result<(), DriverError> {
         if self.backend.is_none() {
             let b = iptables::detect_backend(self.runner.as_mut());
@@ -382,6 +582,10 @@ impl LinuxDriver {
         let backend = self.backend.expect("resolved above");
         if !self.statics_set {
             self.render_statics();
+        }
+        self.ensure_netlink()?;
+        if self.pools_dirty {
+            self.render_pools();
         }
         self.render_policies();
         self.render_profiles();
@@ -439,6 +643,7 @@ impl LinuxDriver {
         if let Some(e) = first_error {
             return Err(DriverError::Other(e));
         }
+        self.program_routes()?;
         let destroyed = self
             .ipsets
             .apply_deletions(self.runner.as_mut())
@@ -515,6 +720,16 @@ impl Driver for LinuxDriver {
                     self.dirty_heps.insert(id);
                 }
             }
+            Payload::IpamPoolUpdate(u) => {
+                if let Some(pool) = &u.pool {
+                    self.pools.insert(u.id.clone(), pool.clone());
+                    self.pools_dirty = true;
+                }
+            }
+            Payload::IpamPoolRemove(u) if self.pools.contains_key(&u.id) => {
+                self.pools.remove(&u.id);
+                self.pools_dirty = true;
+            }
             Payload::HostEndpointRemove(u) => {
                 let id =
                     u.id.as_ref()
@@ -543,6 +758,10 @@ impl Driver for LinuxDriver {
 
     fn endpoint_statuses(&self) -> EndpointStatuses {
         let mut out = EndpointStatuses::default();
+        // With interface monitoring an endpoint is up only while its interface is oper-up.
+        let link_up = |name: &str| {
+            !self.opts.manage_routes || self.ifaces.get(name).is_some_and(|l| l.oper_up)
+        };
         for (key, wep) in &self.weps {
             let status = if !self.programmed_weps.contains(key) {
                 if self.last_error.is_some() {
@@ -550,18 +769,22 @@ impl Driver for LinuxDriver {
                 } else {
                     "down"
                 }
-            } else if wep.state == "active" {
+            } else if wep.state == "active" && link_up(&wep.name) {
                 "up"
             } else {
                 "down"
             };
             out.workloads.insert(key.clone(), status.to_owned());
         }
-        for id in self.heps.keys() {
+        for (id, hep) in &self.heps {
             let status = if self.last_error.is_some() && self.dirty_heps.contains(id) {
                 "error"
             } else {
-                "up"
+                match self.hep_iface(hep) {
+                    Some(i) if i == ALL_INTERFACES => "up",
+                    Some(i) if link_up(&i) => "up",
+                    _ => "down",
+                }
             };
             out.hosts.insert(id.clone(), status.to_owned());
         }
@@ -581,6 +804,25 @@ impl Driver for LinuxDriver {
             t.invalidate();
         }
         self.ipsets.invalidate();
+        self.routes.invalidate();
+        // Re-assert interface settings and neighbours too.
+        self.configured_ifaces.clear();
+        self.neighbours.clear();
+    }
+
+    fn wakeup(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.opts.manage_routes.then(|| self.ifaces.changed())
+    }
+
+    fn on_wakeup(&mut self) {
+        // Host endpoints found by address may have found (or lost) their interface.
+        let by_address: Vec<String> = self
+            .heps
+            .iter()
+            .filter(|(_, h)| h.name.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect();
+        self.dirty_heps.extend(by_address);
     }
 }
 
@@ -666,16 +908,67 @@ mod tests {
         }))
     }
 
-    fn driver() -> (LinuxDriver, Arc<Mutex<FakeKernel>>) {
+    /// Netlink over a shared fake routing table.
+    #[derive(Clone)]
+    struct SharedNl(Arc<Mutex<netlink::FakeNetlink>>);
+
+    impl Netlink for SharedNl {
+        fn links(&mut self) -> std::io::Result<Vec<netlink::LinkInfo>> {
+            self.0.lock().unwrap().links()
+        }
+        fn routes(&mut self, v: IpVersion, p: u8) -> std::io::Result<Vec<netlink::RouteEntry>> {
+            self.0.lock().unwrap().routes(v, p)
+        }
+        fn add_route(&mut self, r: &netlink::RouteEntry, p: u8) -> std::io::Result<()> {
+            self.0.lock().unwrap().add_route(r, p)
+        }
+        fn del_route(&mut self, r: &netlink::RouteEntry, p: u8) -> std::io::Result<()> {
+            self.0.lock().unwrap().del_route(r, p)
+        }
+        fn set_neighbour(&mut self, i: u32, ip: IpAddr, mac: [u8; 6]) -> std::io::Result<()> {
+            self.0.lock().unwrap().set_neighbour(i, ip, mac)
+        }
+    }
+
+    struct Rig {
+        nl: Arc<Mutex<netlink::FakeNetlink>>,
+        ifaces: Arc<Interfaces>,
+    }
+
+    fn rig() -> (LinuxDriver, Arc<Mutex<FakeKernel>>, Rig) {
         let kernel = Arc::new(Mutex::new(FakeKernel::new()));
+        let nl = Arc::new(Mutex::new(netlink::FakeNetlink::default()));
+        let ifaces = Interfaces::new();
         let opts = LinuxOptions {
             backend: Backend::Nft,
             ..LinuxOptions::default()
         };
-        (
-            LinuxDriver::new(opts, Box::new(Shared(kernel.clone()))),
-            kernel,
-        )
+        let d = LinuxDriver::with_seams(
+            opts,
+            Box::new(Shared(kernel.clone())),
+            Some(Box::new(SharedNl(nl.clone()))),
+            Box::new(sysctl::FakeSysctl::default()),
+            ifaces.clone(),
+        );
+        (d, kernel, Rig { nl, ifaces })
+    }
+
+    fn driver() -> (LinuxDriver, Arc<Mutex<FakeKernel>>) {
+        let (d, k, rig) = rig();
+        // Interfaces known and up for the endpoints the tests use.
+        for (i, name) in ["caliweb", "caliweb2"].iter().enumerate() {
+            rig.ifaces.upsert(netlink::LinkInfo {
+                index: 10 + i as u32,
+                name: (*name).into(),
+                oper_up: true,
+            });
+        }
+        rig.ifaces.upsert(netlink::LinkInfo {
+            index: 1,
+            name: "lo".into(),
+            oper_up: true,
+        });
+        (d, k)
     }
 
     #[test]
@@ -755,7 +1048,16 @@ mod tests {
             "{chains:?}"
         );
         assert!(!k.has_chain(IpVersion::V4, "raw", "cali-pi-np/prod/web"));
-        assert!(k.set_names().is_empty());
+        // Only the (empty) IPAM pool sets of the NAT rule remain.
+        assert_eq!(
+            k.set_names(),
+            vec![
+                "cali40all-ipam-pools",
+                "cali40masq-ipam-pools",
+                "cali60all-ipam-pools",
+                "cali60masq-ipam-pools"
+            ]
+        );
         assert!(k.chain_rules(IpVersion::V4, "filter", "FORWARD")[0].contains("cali-FORWARD"));
         assert!(d.endpoint_statuses().workloads.is_empty());
     }
@@ -793,4 +1095,130 @@ mod tests {
         d.apply().unwrap();
         assert_eq!(k.lock().unwrap().restore_calls(), calls);
     }
+
+    #[test]
+    fn routes_follow_interfaces_and_status_follows_the_link() {
+        let (mut d, _k, rig) = rig();
+        d.on_update(&policy(false));
+        d.on_update(&wep("caliweb"));
+        // The monitor has not dumped yet: nothing is touched, the endpoint is down.
+        d.apply().unwrap();
+        assert!(rig.nl.lock().unwrap().routes.is_empty());
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["down"]
+        );
+
+        rig.ifaces.upsert(netlink::LinkInfo {
+            index: 10,
+            name: "caliweb".into(),
+            oper_up: true,
+        });
+        rig.nl.lock().unwrap().links.push(netlink::LinkInfo {
+            index: 10,
+            name: "caliweb".into(),
+            oper_up: true,
+        });
+        // Ready only after the monitor's dump.
+        rig.ifaces.mark_ready_for_tests();
+        d.apply().unwrap();
+        {
+            let nl = rig.nl.lock().unwrap();
+            let routes: Vec<_> = nl
+                .routes
+                .iter()
+                .map(|(r, p)| (r.dst.to_string(), r.prefix, r.ifindex, *p))
+                .collect();
+            assert_eq!(routes, vec![("10.65.0.2".to_owned(), 32, 10, 80)]);
+        }
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["up"]
+        );
+
+        // Link down: route withdrawn, status down; up again: both back.
+        rig.ifaces.upsert(netlink::LinkInfo {
+            index: 10,
+            name: "caliweb".into(),
+            oper_up: false,
+        });
+        d.on_wakeup();
+        d.apply().unwrap();
+        assert!(rig.nl.lock().unwrap().routes.is_empty());
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["down"]
+        );
+        rig.ifaces.upsert(netlink::LinkInfo {
+            index: 10,
+            name: "caliweb".into(),
+            oper_up: true,
+        });
+        d.apply().unwrap();
+        assert_eq!(rig.nl.lock().unwrap().routes.len(), 1);
+
+        // Deleted by hand: the refresh puts it back.
+        rig.nl.lock().unwrap().routes.clear();
+        d.request_refresh();
+        d.apply().unwrap();
+        assert_eq!(rig.nl.lock().unwrap().routes.len(), 1);
+
+        // Endpoint removed: route and status gone.
+        d.on_update(&msg(Payload::WorkloadEndpointRemove(
+            WorkloadEndpointRemove { id: Some(wep_id()) },
+        )));
+        d.apply().unwrap();
+        assert!(rig.nl.lock().unwrap().routes.is_empty());
+        assert!(d.endpoint_statuses().workloads.is_empty());
+    }
+
+    #[test]
+    fn nat_outgoing_pools_fill_the_pool_sets() {
+        let (mut d, k) = driver();
+        d.on_update(&msg(Payload::IpamPoolUpdate(felix_proto::IpamPoolUpdate {
+            id: "10.65.0.0-16".into(),
+            pool: Some(felix_proto::IpamPool {
+                cidr: "10.65.0.0/16".into(),
+                masquerade: true,
+                ..Default::default()
+            }),
+        })));
+        d.on_update(&msg(Payload::IpamPoolUpdate(felix_proto::IpamPoolUpdate {
+            id: "10.66.0.0-16".into(),
+            pool: Some(felix_proto::IpamPool {
+                cidr: "10.66.0.0/16".into(),
+                masquerade: false,
+                ..Default::default()
+            }),
+        })));
+        d.apply().unwrap();
+        let k = k.lock().unwrap();
+        assert_eq!(
+            k.set("cali40masq-ipam-pools")
+                .unwrap()
+                .members
+                .iter()
+                .collect::<Vec<_>>(),
+            vec!["10.65.0.0/16"]
+        );
+        assert_eq!(k.set("cali40all-ipam-pools").unwrap().members.len(), 2);
+        let rule = &k.chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0];
+        assert!(
+            rule.contains("--match-set cali40masq-ipam-pools src")
+                && rule.contains("! --match-set cali40all-ipam-pools dst")
+                && rule.contains("MASQUERADE"),
+            "{rule}"
+        );
+        assert!(k.chain_rules(IpVersion::V4, "nat", "POSTROUTING")[0].contains("cali-POSTROUTING"));
+    }
+}
+
+/// `ee:ee:ee:ee:ee:ee` → bytes.
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split([':', '-']);
+    for b in &mut out {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
 }

@@ -288,6 +288,23 @@ pub fn mangle(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
 
 /// Inbound failsafes open a port on this host; outbound ones a port on the remote side: both
 /// match the destination port.
+/// The nat table: masquerade traffic from natOutgoing pools to anywhere outside every pool.
+pub fn nat(masq_set: &str, all_pools_set: &str) -> (Vec<Chain>, Hooks) {
+    let mut hooks = Hooks::default();
+    hooks.append("POSTROUTING", jump("cali-POSTROUTING"));
+    let chains = vec![
+        Chain::new("cali-POSTROUTING", vec![jump("cali-nat-outgoing")]),
+        Chain::new(
+            "cali-nat-outgoing",
+            vec![Rule::new(
+                Match::new().src_set(masq_set).not_dst_set(all_pools_set),
+                Action::Masquerade,
+            )],
+        ),
+    ];
+    (chains, hooks)
+}
+
 fn failsafe_chain(name: &str, ports: &[Failsafe]) -> Chain {
     let rules = ports
         .iter()

@@ -1,0 +1,207 @@
+//! The interface monitor: an rtnetlink multicast subscription (links and addresses) plus an
+//! initial dump, kept in [`Interfaces`], shared with the driver. Every change wakes the session
+//! (through [`Interfaces::changed`]) so routes and endpoint status follow a link at once; no
+//! polling.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use futures::{StreamExt as _, TryStreamExt as _};
+use rtnetlink::MulticastGroup;
+use rtnetlink::packet_core::NetlinkPayload;
+use rtnetlink::packet_route::RouteNetlinkMessage;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
+
+use super::netlink::{LinkInfo, link_info};
+
+#[derive(Debug, Default)]
+struct State {
+    links: BTreeMap<String, LinkInfo>,
+    /// ifindex → addresses.
+    addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// The monitor has done its initial dump.
+    ready: bool,
+}
+
+/// What the monitor knows about the host's interfaces.
+#[derive(Debug, Default)]
+pub struct Interfaces {
+    state: Mutex<State>,
+    changed: Arc<Notify>,
+}
+
+impl Interfaces {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Notified on every change.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
+    pub fn get(&self, name: &str) -> Option<LinkInfo> {
+        self.state.lock().expect("lock").links.get(name).cloned()
+    }
+
+    /// The name of the interface holding one of `ips`, if any.
+    pub fn by_address(&self, ips: &[IpAddr]) -> Option<String> {
+        let st = self.state.lock().expect("lock");
+        let index = st
+            .addrs
+            .iter()
+            .find(|(_, set)| ips.iter().any(|ip| set.contains(ip)))
+            .map(|(i, _)| *i)?;
+        st.links
+            .values()
+            .find(|l| l.index == index)
+            .map(|l| l.name.clone())
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.state.lock().expect("lock").ready
+    }
+
+    /// Records a link (new or changed).
+    pub fn upsert(&self, link: LinkInfo) {
+        let mut st = self.state.lock().expect("lock");
+        // An index can be reused under another name: drop the stale entry.
+        st.links
+            .retain(|n, l| !(l.index == link.index && *n != link.name));
+        if st.links.get(&link.name) == Some(&link) {
+            return;
+        }
+        debug!(iface = %link.name, index = link.index, oper_up = link.oper_up, "interface update");
+        st.links.insert(link.name.clone(), link);
+        drop(st);
+        self.changed.notify_one();
+    }
+
+    pub fn remove(&self, name: &str) {
+        let mut st = self.state.lock().expect("lock");
+        if let Some(l) = st.links.remove(name) {
+            st.addrs.remove(&l.index);
+            drop(st);
+            debug!(iface = %name, "interface gone");
+            self.changed.notify_one();
+        }
+    }
+
+    fn address(&self, msg: &AddressMessage, present: bool) {
+        let ip = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        });
+        let Some(ip) = ip else { return };
+        let mut st = self.state.lock().expect("lock");
+        let set = st.addrs.entry(msg.header.index).or_default();
+        let changed = if present {
+            set.insert(ip)
+        } else {
+            set.remove(&ip)
+        };
+        drop(st);
+        if changed {
+            self.changed.notify_one();
+        }
+    }
+
+    /// Marks the initial dump done (what the monitor does; for tests that feed links).
+    pub fn mark_ready_for_tests(&self) {
+        self.set_ready();
+    }
+
+    fn set_ready(&self) {
+        self.state.lock().expect("lock").ready = true;
+        self.changed.notify_one();
+    }
+}
+
+/// Subscribes to link and address events, dumps the current links and addresses, then keeps
+/// `ifaces` up to date until the process ends. Must be called inside a tokio runtime.
+pub fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|e| std::io::Error::other(format!("no async runtime: {e}")))?;
+    let (conn, handle, mut messages) = rtnetlink::new_multicast_connection(&[
+        MulticastGroup::Link,
+        MulticastGroup::Ipv4Ifaddr,
+        MulticastGroup::Ipv6Ifaddr,
+    ])?;
+    runtime.spawn(conn);
+    runtime.spawn(async move {
+        // Subscribed first, so nothing between the dump and the events is lost.
+        match handle.link().get().execute().try_collect::<Vec<_>>().await {
+            Ok(links) => {
+                for l in links.iter().filter_map(link_info) {
+                    ifaces.upsert(l);
+                }
+            }
+            Err(error) => warn!(%error, "interface dump failed"),
+        }
+        match handle
+            .address()
+            .get()
+            .execute()
+            .try_collect::<Vec<_>>()
+            .await
+        {
+            Ok(addrs) => {
+                for a in &addrs {
+                    ifaces.address(a, true);
+                }
+            }
+            Err(error) => warn!(%error, "address dump failed"),
+        }
+        ifaces.set_ready();
+        info!("interface monitor running");
+        while let Some((msg, _)) = messages.next().await {
+            let NetlinkPayload::InnerMessage(inner) = msg.payload else {
+                continue;
+            };
+            match inner {
+                RouteNetlinkMessage::NewLink(l) => {
+                    if let Some(info) = link_info(&l) {
+                        ifaces.upsert(info);
+                    }
+                }
+                RouteNetlinkMessage::DelLink(l) => {
+                    if let Some(info) = link_info(&l) {
+                        ifaces.remove(&info.name);
+                    }
+                }
+                RouteNetlinkMessage::NewAddress(a) => ifaces.address(&a, true),
+                RouteNetlinkMessage::DelAddress(a) => ifaces.address(&a, false),
+                _ => {}
+            }
+        }
+        warn!("interface monitor stream ended");
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upserts_notify_only_on_change_and_reused_indexes_replace_names() {
+        let ifaces = Interfaces::new();
+        let link = |name: &str, index, up| LinkInfo {
+            index,
+            name: name.into(),
+            oper_up: up,
+        };
+        ifaces.upsert(link("cali1", 5, true));
+        assert!(ifaces.get("cali1").unwrap().oper_up);
+        ifaces.upsert(link("cali1", 5, false));
+        assert!(!ifaces.get("cali1").unwrap().oper_up);
+        // Index 5 now belongs to another name.
+        ifaces.upsert(link("cali2", 5, true));
+        assert!(ifaces.get("cali1").is_none());
+        ifaces.remove("cali2");
+        assert!(ifaces.get("cali2").is_none());
+    }
+}

@@ -1,0 +1,53 @@
+//! Per-interface kernel settings, written under `/proc/sys` (a seam: tests record instead).
+
+use std::collections::BTreeMap;
+use std::io;
+
+/// Writes sysctls, e.g. `net/ipv4/conf/cali1/proxy_arp`.
+pub trait Sysctl: Send {
+    fn write(&mut self, key: &str, value: &str) -> io::Result<()>;
+}
+
+/// The real `/proc/sys`.
+#[derive(Debug, Default)]
+pub struct ProcSysctl;
+
+impl Sysctl for ProcSysctl {
+    fn write(&mut self, key: &str, value: &str) -> io::Result<()> {
+        let path = format!("/proc/sys/{key}");
+        if std::fs::read_to_string(&path).is_ok_and(|v| v.trim() == value) {
+            return Ok(());
+        }
+        std::fs::write(&path, value).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+    }
+}
+
+/// Records writes (tests).
+#[derive(Debug, Default, Clone)]
+pub struct FakeSysctl {
+    pub values: BTreeMap<String, String>,
+}
+
+impl Sysctl for FakeSysctl {
+    fn write(&mut self, key: &str, value: &str) -> io::Result<()> {
+        self.values.insert(key.to_owned(), value.to_owned());
+        Ok(())
+    }
+}
+
+/// The settings Calico makes on a workload interface, as (key, value) pairs.
+pub fn workload_interface_settings(iface: &str, ipv6: bool) -> Vec<(String, &'static str)> {
+    let mut s = vec![
+        (format!("net/ipv4/conf/{iface}/forwarding"), "1"),
+        (format!("net/ipv4/conf/{iface}/rp_filter"), "1"),
+        (format!("net/ipv4/conf/{iface}/route_localnet"), "0"),
+        (format!("net/ipv4/conf/{iface}/proxy_arp"), "1"),
+        (format!("net/ipv4/neigh/{iface}/proxy_delay"), "0"),
+    ];
+    if ipv6 {
+        s.push((format!("net/ipv6/conf/{iface}/forwarding"), "1"));
+        s.push((format!("net/ipv6/conf/{iface}/proxy_ndp"), "1"));
+        s.push((format!("net/ipv6/conf/{iface}/accept_ra"), "0"));
+    }
+    s
+}
