@@ -826,6 +826,16 @@ impl Driver for LinuxDriver {
     }
 }
 
+/// `ee:ee:ee:ee:ee:ee` → bytes.
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split([':', '-']);
+    for b in &mut out {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::fake::FakeKernel;
@@ -1211,14 +1221,4 @@ mod tests {
         );
         assert!(k.chain_rules(IpVersion::V4, "nat", "POSTROUTING")[0].contains("cali-POSTROUTING"));
     }
-}
-
-/// `ee:ee:ee:ee:ee:ee` → bytes.
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut out = [0u8; 6];
-    let mut parts = s.split([':', '-']);
-    for b in &mut out {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
-    }
-    parts.next().is_none().then_some(out)
 }
