@@ -109,15 +109,16 @@ async fn watch_source(
     }
 }
 
-/// Starts every source's watcher; returns the merged receiver, each source's re-list trigger
-/// and the tasks (aborted by the caller when done).
-fn start(
-    client: &kube::Client,
-) -> (
-    mpsc::Receiver<(Source, Report)>,
-    HashMap<Source, Arc<Notify>>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
+/// The running per-source watchers: their merged reports, each one's re-list trigger, and the
+/// tasks (stopped when this is dropped).
+struct Sources {
+    rx: mpsc::Receiver<(Source, Report)>,
+    triggers: HashMap<Source, Arc<Notify>>,
+    _tasks: AbortOnDrop,
+}
+
+/// Starts every source's watcher.
+fn start(client: &kube::Client) -> Sources {
     let (tx, rx) = mpsc::channel(1024);
     let mut triggers = HashMap::new();
     let mut tasks = Vec::new();
@@ -131,7 +132,11 @@ fn start(
             relist,
         )));
     }
-    (rx, triggers, tasks)
+    Sources {
+        rx,
+        triggers,
+        _tasks: AbortOnDrop(tasks),
+    }
 }
 
 /// The merged state: the mirror and which sources have completed a list.
@@ -205,11 +210,11 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
         interface_prefix: args.interface_prefix(),
     };
     let mut merge = Merge::new(converter, Arc::new(AtomicU64::new(0)));
-    let (mut rx, _triggers, tasks) = start(&client);
+    let mut sources = start(&client);
     let mut out = Batch::default();
     out.updates.push(Update::Apply(default_allow_profile()));
     let result = loop {
-        let Some((source, report)) = rx.recv().await else {
+        let Some((source, report)) = sources.rx.recv().await else {
             break Err(anyhow::anyhow!("the Kubernetes watchers stopped"));
         };
         if let Some(error) = merge.handle(source, report, &mut out) {
@@ -219,9 +224,7 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
             break Ok(());
         }
     };
-    for t in tasks {
-        t.abort();
-    }
+    drop(sources);
     result?;
     tracing::info!(
         objects = merge.mirror.len(),
@@ -261,8 +264,12 @@ impl Watcher {
             interface_prefix: self.cfg.args.interface_prefix(),
         };
         let mut merge = Merge::new(converter, self.rejected.clone());
-        let (mut rx, triggers, tasks) = start(&client);
-        let _abort = AbortOnDrop(tasks);
+        // `_tasks` is bound (not `..`) so the watchers live as long as this loop.
+        let Sources {
+            mut rx,
+            triggers,
+            _tasks,
+        } = start(&client);
         if self
             .out
             .send(vec![Update::Apply(default_allow_profile())])
