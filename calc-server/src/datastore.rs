@@ -1,14 +1,16 @@
 //! Datastore adapters: each turns its source into graph [`Update`]s. Thin by design
 //! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph.
 //!
-//! One-shot snapshots (for `compute`): the file datastore (a directory of Calico v3 manifests)
-//! and etcd v3 in Calico's layout (`crate::etcd`). `serve` watches both.
+//! One-shot snapshots (for `compute`): the file datastore (a directory of Calico v3 manifests),
+//! etcd v3 in Calico's layout (`crate::etcd`) and the Kubernetes API (`crate::k8s`: Calico CRDs
+//! and native objects). `serve` watches all three.
 
 use std::path::{Path, PathBuf};
 
 use calc_graph::graph::Update;
 
 use crate::etcd::EtcdArgs;
+use crate::k8s::KubeArgs;
 use crate::manifest_dir;
 
 /// Which datastore to read.
@@ -18,7 +20,8 @@ pub enum DatastoreType {
     File,
     /// Calico's etcd v3 layout (`/calico/resources/v3/projectcalico.org/...`).
     Etcdv3,
-    /// Calico CRDs and Kubernetes objects (not implemented yet).
+    /// The Kubernetes API: Calico CRDs (crd.projectcalico.org/v1) and pods, namespaces,
+    /// service accounts, nodes and NetworkPolicies, as Calico's Kubernetes datastore reads them.
     Kubernetes,
 }
 
@@ -34,6 +37,9 @@ pub struct DatastoreArgs {
     /// etcd connection (for `--datastore-type etcdv3`).
     #[command(flatten)]
     pub etcd: EtcdArgs,
+    /// Kubernetes API connection (for `--datastore-type kubernetes`).
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 /// A complete snapshot: every valid object as an `Apply`, then `InSync`; problems by name.
@@ -47,10 +53,7 @@ pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
     match args.datastore_type {
         DatastoreType::File => Ok(file_snapshot(&args.file_dir)),
         DatastoreType::Etcdv3 => etcd_snapshot(&args.etcd),
-        other => anyhow::bail!(
-            "--datastore-type {} is not implemented yet; use --datastore-type file or etcdv3",
-            format!("{other:?}").to_lowercase()
-        ),
+        DatastoreType::Kubernetes => kube_snapshot(&args.kube),
     }
 }
 
@@ -73,6 +76,19 @@ fn etcd_snapshot(args: &EtcdArgs) -> anyhow::Result<Snapshot> {
         .enable_all()
         .build()?;
     let (updates, problems) = rt.block_on(crate::etcd::watcher::snapshot(args))?;
+    let problems = problems
+        .into_iter()
+        .map(|p| format!("{}: {}", p.key, p.reason))
+        .collect();
+    Ok(Snapshot { updates, problems })
+}
+
+fn kube_snapshot(args: &KubeArgs) -> anyhow::Result<Snapshot> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (updates, problems) = rt.block_on(crate::k8s::watcher::snapshot(args))?;
     let problems = problems
         .into_iter()
         .map(|p| format!("{}: {}", p.key, p.reason))

@@ -11,6 +11,7 @@ mod compute;
 mod datastore;
 mod etcd;
 mod gen_cluster;
+mod k8s;
 mod manifest_dir;
 mod serve;
 mod status_cmd;

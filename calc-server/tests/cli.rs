@@ -281,8 +281,20 @@ fn compute_reports_bad_manifests_and_computes_the_rest() {
 }
 
 #[test]
-fn compute_rejects_datastores_not_implemented_yet() {
-    let o = calc_server(&["compute", "--datastore-type", "kubernetes", "--node", "n"]);
+fn compute_on_kubernetes_names_a_bad_kubeconfig() {
+    let o = calc_server(&[
+        "compute",
+        "--datastore-type",
+        "kubernetes",
+        "--kubeconfig",
+        "/nonexistent/kubeconfig",
+        "--node",
+        "n",
+    ]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("not implemented yet"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("reading --kubeconfig /nonexistent/kubeconfig"),
+        "{}",
+        stderr(&o)
+    );
 }

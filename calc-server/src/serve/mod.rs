@@ -74,6 +74,9 @@ pub struct ServeArgs {
     /// etcd watch and status settings (for `--datastore-type etcdv3`).
     #[command(flatten)]
     pub etcd: crate::etcd::EtcdServeArgs,
+    /// Kubernetes watch settings (for `--datastore-type kubernetes`).
+    #[command(flatten)]
+    pub kube: crate::k8s::KubeServeArgs,
 }
 
 /// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
@@ -105,6 +108,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let mut kube_client = None;
     let source = match args.datastore.datastore_type {
         DatastoreType::File => {
             let dir: PathBuf = args.datastore.file_dir.clone();
@@ -121,7 +125,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             format!("etcd {}", args.datastore.etcd.etcd_endpoints.join(","))
         }
         DatastoreType::Kubernetes => {
-            anyhow::bail!("--datastore-type kubernetes is not implemented yet; use file or etcdv3")
+            // Fail fast on a missing or broken configuration; an unreachable API server is
+            // retried by the watchers.
+            kube_client = Some(crate::k8s::client(&args.datastore.kube).await?);
+            "the Kubernetes API".to_string()
         }
     };
 
@@ -170,7 +177,33 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             );
             tokio::spawn(writer.run());
         }
-        _ => {
+        DatastoreType::Kubernetes => {
+            let client = kube_client
+                .take()
+                .context("the Kubernetes client is made before the engine starts")?;
+            let rejected = Arc::new(AtomicU64::new(0));
+            let (tx, mut rx) = mpsc::channel(64);
+            let watcher = crate::k8s::watcher::Watcher::new(
+                crate::k8s::watcher::WatchConfig {
+                    args: args.datastore.kube.clone(),
+                    resync_interval: args.kube.kube_resync_interval,
+                },
+                tx,
+                rejected,
+            );
+            tokio::spawn(watcher.run(client));
+            let engine = engine_tx.clone();
+            tokio::spawn(async move {
+                while let Some(batch) = rx.recv().await {
+                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            // Calico's Kubernetes datastore keeps no endpoint status: reports stay on the
+            // status board (admin /status) only.
+        }
+        DatastoreType::File => {
             let dir = args.datastore.file_dir.clone();
             tokio::spawn(watch::run(
                 dir.clone(),

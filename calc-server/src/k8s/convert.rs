@@ -1,0 +1,846 @@
+//! One Kubernetes object → a graph resource, as Calico's Kubernetes datastore converts it
+//! (`libcalico-go/lib/backend/k8s/conversion` and `k8s/resources`). Pure: no IO, no clock.
+//!
+//! Every conversion builds the v3 object Calico's backend would hand to Felix and passes it
+//! through [`decode_and_validate`], the path manifests and etcd values take, so defaulting and
+//! validation are shared and the graph cannot tell the datastores apart.
+//!
+//! - Calico CRDs (`crd.projectcalico.org/v1`): the spec is the v3 spec. Metadata is restored
+//!   from the `projectcalico.org/metadata` annotation Calico's client writes (its labels and
+//!   annotations merged over the CR's own; its name, when set, is the v3 name). Policies without
+//!   that name lose a legacy `default.` prefix in the default tier, as the etcd adapter does.
+//! - Pod → WorkloadEndpoint `<node>-k8s-<pod>-eth0` (dashes in a part doubled), interface
+//!   `<prefix>` + 11 hex digits of SHA-1("<namespace>.<pod>"), IPs from `status.podIPs`, then
+//!   `status.podIP`, then Calico's and AWS's annotations; profiles `kns.<ns>` and
+//!   `ksa.<ns>.<sa>`; labels plus `projectcalico.org/{namespace,orchestrator,serviceaccount}`;
+//!   named (and host) container ports. Not endpoints ([`Decision::Skip`]): host-network pods,
+//!   pods not scheduled yet, pods without an IP, and finished pods (phase Succeeded, Failed or
+//!   Completed, or being deleted after the CNI plugin released the IP), which no longer own it.
+//! - Namespace → Profile `kns.<ns>`: allow both ways, labels `pcns.<k>` and
+//!   `pcns.projectcalico.org/name`. ServiceAccount → Profile `ksa.<ns>.<sa>`: labels `pcsa.<k>`
+//!   and `pcsa.projectcalico.org/name`, no rules.
+//! - Kubernetes NetworkPolicy → NetworkPolicy `knp.default.<name>` in the default tier at order
+//!   1000 (see [`k8s_network_policy`]).
+//! - Node → Node: labels, BGP addresses and AS number from Calico's node annotations, addresses.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use calc_graph::manifest::{Outcome, decode_and_validate};
+use calc_graph::model::validate::parse_cidr_or_ip;
+use calc_graph::model::{API_VERSION, Kind, Resource};
+use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy as K8sNetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde_json::{Map, Value, json};
+use sha1::{Digest, Sha1};
+
+use super::Source;
+
+/// The annotation Calico's client stores a CRD-backed object's v3 metadata in.
+pub const METADATA_ANNOTATION: &str = "projectcalico.org/metadata";
+/// Profile name prefixes and label prefixes of Calico's Kubernetes conversion.
+pub const NAMESPACE_PROFILE_PREFIX: &str = "kns.";
+pub const SERVICE_ACCOUNT_PROFILE_PREFIX: &str = "ksa.";
+pub const NAMESPACE_LABEL_PREFIX: &str = "pcns.";
+pub const SERVICE_ACCOUNT_LABEL_PREFIX: &str = "pcsa.";
+/// Label (after the prefix) carrying a namespace's or service account's own name.
+pub const NAME_LABEL: &str = "projectcalico.org/name";
+/// Kubernetes NetworkPolicies become Calico NetworkPolicies named with this prefix.
+pub const K8S_POLICY_PREFIX: &str = "knp.default.";
+/// The order every converted Kubernetes NetworkPolicy gets.
+pub const K8S_POLICY_ORDER: f64 = 1000.0;
+
+const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
+const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
+const LABEL_SERVICE_ACCOUNT: &str = "projectcalico.org/serviceaccount";
+const ANNOTATION_POD_IP: &str = "cni.projectcalico.org/podIP";
+const ANNOTATION_POD_IPS: &str = "cni.projectcalico.org/podIPs";
+const ANNOTATION_AWS_POD_IPS: &str = "vpc.amazonaws.com/pod-ips";
+const ANNOTATION_CONTAINER_ID: &str = "cni.projectcalico.org/containerID";
+const ANNOTATION_FLOATING_IPS: &str = "cni.projectcalico.org/floatingIPs";
+const ANNOTATION_SOURCE_PREFIXES: &str = "cni.projectcalico.org/allowedSourcePrefixes";
+const NODE_IPV4_ANNOTATION: &str = "projectcalico.org/IPv4Address";
+const NODE_IPV6_ANNOTATION: &str = "projectcalico.org/IPv6Address";
+const NODE_ASN_ANNOTATION: &str = "projectcalico.org/ASNumber";
+const NODE_LABELS_ANNOTATION: &str = "projectcalico.org/labels";
+
+/// What one object means for the graph.
+#[derive(Debug)]
+// A transient value, consumed at once; boxing would only add an allocation per object.
+#[allow(clippy::large_enum_variant)]
+pub enum Decision {
+    /// A valid resource. `warnings`: parts Calico drops while keeping the rest (a Kubernetes
+    /// NetworkPolicy rule that cannot be converted), each worth reporting.
+    Apply {
+        resource: Resource,
+        warnings: Vec<String>,
+    },
+    /// Not something the graph has (a host-network or unscheduled pod, a pod without an IP, a
+    /// CRD kind with no policy role).
+    Skip,
+    /// The object cannot be used; the reason (the caller names the object).
+    Reject(String),
+}
+
+/// Conversion settings.
+#[derive(Clone, Debug)]
+pub struct Converter {
+    /// Host-side interface name prefix of pods (`cali`).
+    pub interface_prefix: String,
+}
+
+impl Default for Converter {
+    fn default() -> Self {
+        Converter {
+            interface_prefix: "cali".into(),
+        }
+    }
+}
+
+impl Converter {
+    /// Converts one object of `source` (its full JSON, as the API server sends it).
+    pub fn convert(&self, source: Source, object: Value) -> Decision {
+        let result = match source {
+            Source::Crd(kind) => crd(kind, object),
+            Source::Pod => typed::<Pod>(object).and_then(|p| self.pod(&p)),
+            Source::Namespace => typed::<Namespace>(object).and_then(|n| namespace(&n)),
+            Source::ServiceAccount => {
+                typed::<ServiceAccount>(object).and_then(|s| service_account(&s))
+            }
+            Source::Node => typed::<Node>(object).and_then(|n| node(&n)),
+            Source::KubernetesNetworkPolicy => {
+                typed::<K8sNetworkPolicy>(object).and_then(|np| k8s_network_policy(&np))
+            }
+        };
+        match result {
+            Ok(Converted::Value(v, warnings)) => match decode_and_validate(v) {
+                Outcome::Valid(_, resource) => Decision::Apply { resource, warnings },
+                Outcome::Ignored(..) => Decision::Skip,
+                Outcome::Undecodable(e) => Decision::Reject(e.to_string()),
+                Outcome::Invalid(inv) => Decision::Reject(inv.to_string()),
+            },
+            Ok(Converted::Skip) => Decision::Skip,
+            Err(reason) => Decision::Reject(reason),
+        }
+    }
+
+    /// Calico's `VethNameForWorkload`.
+    pub fn interface_name(&self, namespace: &str, pod: &str) -> String {
+        let digest = Sha1::digest(format!("{namespace}.{pod}").as_bytes());
+        let mut hex = String::with_capacity(40);
+        for b in digest {
+            let _ = write!(hex, "{b:02x}");
+        }
+        format!("{}{}", self.interface_prefix, &hex[..11])
+    }
+
+    fn pod(&self, pod: &Pod) -> Result<Converted, String> {
+        let meta = &pod.metadata;
+        let name = meta.name.as_deref().unwrap_or_default();
+        let ns = meta.namespace.as_deref().unwrap_or("default");
+        let Some(spec) = &pod.spec else {
+            return Ok(Converted::Skip);
+        };
+        // Host-networked pods share the node's interfaces: they are not endpoints. Pods that
+        // are not scheduled have no node (and no interface) yet.
+        if spec.host_network == Some(true) {
+            return Ok(Converted::Skip);
+        }
+        let node = spec.node_name.as_deref().unwrap_or_default();
+        if node.is_empty() {
+            return Ok(Converted::Skip);
+        }
+        let annotations = meta.annotations.clone().unwrap_or_default();
+        let ips = pod_ips(pod, &annotations)?;
+        // A finished pod no longer owns its IP (it may already belong to another pod), so it
+        // must not be an endpoint; Calico keeps it without IPs and Felix drops it.
+        if ips.is_empty() || is_finished(pod, &annotations) {
+            return Ok(Converted::Skip);
+        }
+        let sa = spec.service_account_name.as_deref().unwrap_or_default();
+        let mut profiles = vec![format!("{NAMESPACE_PROFILE_PREFIX}{ns}")];
+        if !sa.is_empty() {
+            profiles.push(service_account_profile(ns, sa));
+        }
+        let mut labels: BTreeMap<String, String> = meta.labels.clone().unwrap_or_default();
+        labels.insert(LABEL_NAMESPACE.into(), ns.into());
+        labels.insert(LABEL_ORCHESTRATOR.into(), "k8s".into());
+        if !sa.is_empty() && sa.len() < 63 {
+            labels.insert(LABEL_SERVICE_ACCOUNT.into(), sa.into());
+        }
+        let mut ports = Vec::new();
+        for c in spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+        {
+            container_ports(c, &mut ports);
+        }
+        let ip_nats = floating_ips(&annotations, &ips)?;
+        let spoof = source_prefixes(&annotations)?;
+        let value = json!({
+            "kind": "WorkloadEndpoint",
+            "apiVersion": API_VERSION,
+            "metadata": {
+                "name": workload_endpoint_name(node, name),
+                "namespace": ns,
+                "labels": labels,
+            },
+            "spec": {
+                "orchestrator": "k8s",
+                "node": node,
+                "pod": name,
+                "containerID": annotations.get(ANNOTATION_CONTAINER_ID).cloned().unwrap_or_default(),
+                "endpoint": "eth0",
+                "interfaceName": self.interface_name(ns, name),
+                "serviceAccountName": sa,
+                "profiles": profiles,
+                "ipNetworks": ips,
+                "ipNATs": ip_nats,
+                "ports": ports,
+                "allowSpoofedSourcePrefixes": spoof,
+            },
+        });
+        Ok(Converted::Value(value, Vec::new()))
+    }
+}
+
+/// A converted object before decoding: the v3 JSON and any warnings, or nothing to send.
+enum Converted {
+    Value(Value, Vec<String>),
+    Skip,
+}
+
+/// The typed Kubernetes object (k8s-openapi's types ignore unknown fields, as the API does).
+fn typed<T: serde::de::DeserializeOwned>(object: Value) -> Result<T, String> {
+    serde_json::from_value(object).map_err(|e| format!("cannot decode the object: {e}"))
+}
+
+/// `names.WorkloadEndpointIdentifiers{Node, Orchestrator: k8s, Pod, Endpoint: eth0}`'s name.
+pub fn workload_endpoint_name(node: &str, pod: &str) -> String {
+    let esc = |s: &str| s.replace('-', "--");
+    format!("{}-k8s-{}-eth0", esc(node), esc(pod))
+}
+
+/// `ksa.<ns>.<sa>` (an empty namespace counts as `default`).
+pub fn service_account_profile(ns: &str, sa: &str) -> String {
+    let ns = if ns.is_empty() { "default" } else { ns };
+    format!("{SERVICE_ACCOUNT_PROFILE_PREFIX}{ns}.{sa}")
+}
+
+/// A CIDR or bare IP as the network Calico stores (`10.0.0.5` → `10.0.0.5/32`).
+fn ip_net(s: &str) -> Option<String> {
+    parse_cidr_or_ip(s.trim()).map(|n| format!("{}/{}", n.ip(), n.prefix()))
+}
+
+/// A CIDR masked to its network (`10.1.2.3/16` → `10.1.0.0/16`), as Go's `net.ParseCIDR`.
+fn masked_cidr(s: &str) -> Option<String> {
+    if !s.contains('/') {
+        return None;
+    }
+    parse_cidr_or_ip(s.trim()).map(|n| format!("{}/{}", n.network(), n.prefix()))
+}
+
+/// Calico's `getPodIPs`: the first source that has any, each parsed as CIDR or IP.
+fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
+    let status = pod.status.as_ref();
+    let from_status: Vec<String> = status
+        .and_then(|s| s.pod_ips.as_ref())
+        .map(|ips| ips.iter().map(|i| i.ip.clone()).collect())
+        .unwrap_or_default();
+    let single = status.and_then(|s| s.pod_ip.clone()).unwrap_or_default();
+    let split = |s: &String| s.split(',').map(str::to_string).collect::<Vec<_>>();
+    let raw: Vec<String> = if !from_status.is_empty() {
+        from_status
+    } else if !single.is_empty() {
+        vec![single]
+    } else if let Some(ips) = annotations
+        .get(ANNOTATION_POD_IPS)
+        .filter(|s| !s.is_empty())
+    {
+        split(ips)
+    } else if let Some(ip) = annotations.get(ANNOTATION_POD_IP).filter(|s| !s.is_empty()) {
+        vec![ip.clone()]
+    } else if let Some(ips) = annotations
+        .get(ANNOTATION_AWS_POD_IPS)
+        .filter(|s| !s.is_empty())
+    {
+        split(ips)
+    } else {
+        Vec::new()
+    };
+    raw.iter()
+        .map(|ip| ip_net(ip).ok_or_else(|| format!("pod IP {ip:?} is not an IP address")))
+        .collect()
+}
+
+/// Calico's `IsFinished`.
+fn is_finished(pod: &Pod, annotations: &BTreeMap<String, String>) -> bool {
+    if pod.metadata.deletion_timestamp.is_some() {
+        // The CNI plugin blanks its annotation the moment the pod loses its IP.
+        let released = |k: &str| annotations.get(k).is_some_and(|v| v.is_empty());
+        if released(ANNOTATION_POD_IP) || released(ANNOTATION_AWS_POD_IPS) {
+            return true;
+        }
+    }
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Failed" | "Succeeded" | "Completed")
+    )
+}
+
+/// Calico's `appendEndpointPorts`: named or host ports with a known protocol.
+fn container_ports(c: &Container, out: &mut Vec<Value>) {
+    for p in c.ports.iter().flatten() {
+        let name = p.name.as_deref().unwrap_or_default();
+        let host_port = p.host_port.unwrap_or(0);
+        if p.container_port == 0 || (host_port == 0 && name.is_empty()) {
+            continue;
+        }
+        let proto = match p.protocol.as_deref().unwrap_or("") {
+            "TCP" | "" => "TCP",
+            "UDP" => "UDP",
+            "SCTP" => "SCTP",
+            _ => continue,
+        };
+        let mut port = json!({"name": name, "protocol": proto, "port": p.container_port});
+        if host_port != 0 {
+            port["hostPort"] = host_port.into();
+        }
+        if let Some(ip) = p.host_ip.as_deref().filter(|s| !s.is_empty()) {
+            port["hostIP"] = ip.into();
+        }
+        out.push(port);
+    }
+}
+
+/// `cni.projectcalico.org/floatingIPs`: JSON list of external IPs, each NATed to the pod's
+/// address of the same family.
+fn floating_ips(annotations: &BTreeMap<String, String>, ips: &[String]) -> Result<Value, String> {
+    let Some(raw) = annotations.get(ANNOTATION_FLOATING_IPS) else {
+        return Ok(json!([]));
+    };
+    let external: Vec<String> = serde_json::from_str(raw).map_err(|e| {
+        format!("annotation {ANNOTATION_FLOATING_IPS}: {raw:?} is not a JSON list of strings: {e}")
+    })?;
+    let addr = |v6: bool| {
+        ips.iter()
+            .find(|n| n.contains(':') == v6)
+            .map(|n| n.split('/').next().unwrap_or_default().to_string())
+    };
+    let nats: Vec<Value> = external
+        .iter()
+        .filter_map(|ext| {
+            addr(ext.contains(':')).map(|int| json!({"internalIP": int, "externalIP": ext}))
+        })
+        .collect();
+    Ok(Value::Array(nats))
+}
+
+/// `cni.projectcalico.org/allowedSourcePrefixes`: JSON list of CIDRs, normalised.
+fn source_prefixes(annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
+    let Some(raw) = annotations
+        .get(ANNOTATION_SOURCE_PREFIXES)
+        .filter(|s| !s.is_empty())
+    else {
+        return Ok(Vec::new());
+    };
+    let list: Vec<String> = serde_json::from_str(raw).map_err(|e| {
+        format!(
+            "annotation {ANNOTATION_SOURCE_PREFIXES}: {raw:?} is not a JSON list of strings: {e}"
+        )
+    })?;
+    list.iter()
+        .map(|p| {
+            masked_cidr(p).ok_or_else(|| {
+                format!("annotation {ANNOTATION_SOURCE_PREFIXES}: {p:?} is not a CIDR")
+            })
+        })
+        .collect()
+}
+
+/// Calico's `NamespaceToProfile`.
+fn namespace(ns: &Namespace) -> Result<Converted, String> {
+    let name = ns.metadata.name.as_deref().unwrap_or_default();
+    let mut labels: BTreeMap<String, String> = ns
+        .metadata
+        .labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| (format!("{NAMESPACE_LABEL_PREFIX}{k}"), v.clone()))
+        .collect();
+    labels.insert(format!("{NAMESPACE_LABEL_PREFIX}{NAME_LABEL}"), name.into());
+    Ok(Converted::Value(
+        json!({
+            "kind": "Profile",
+            "apiVersion": API_VERSION,
+            "metadata": {"name": format!("{NAMESPACE_PROFILE_PREFIX}{name}")},
+            "spec": {
+                "ingress": [{"action": "Allow"}],
+                "egress": [{"action": "Allow"}],
+                "labelsToApply": labels,
+            },
+        }),
+        Vec::new(),
+    ))
+}
+
+/// Calico's `ServiceAccountToProfile`.
+fn service_account(sa: &ServiceAccount) -> Result<Converted, String> {
+    let name = sa.metadata.name.as_deref().unwrap_or_default();
+    let ns = sa.metadata.namespace.as_deref().unwrap_or_default();
+    let mut labels: BTreeMap<String, String> = sa
+        .metadata
+        .labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| (format!("{SERVICE_ACCOUNT_LABEL_PREFIX}{k}"), v.clone()))
+        .collect();
+    labels.insert(
+        format!("{SERVICE_ACCOUNT_LABEL_PREFIX}{NAME_LABEL}"),
+        name.into(),
+    );
+    Ok(Converted::Value(
+        json!({
+            "kind": "Profile",
+            "apiVersion": API_VERSION,
+            "metadata": {"name": service_account_profile(ns, name)},
+            "spec": {"labelsToApply": labels},
+        }),
+        Vec::new(),
+    ))
+}
+
+/// Calico's `K8sNodeToCalico` (the parts Felix uses): labels (Calico's own, stored in an
+/// annotation, under the Kubernetes ones), BGP addresses and AS number from Calico's
+/// annotations (an invalid one is ignored, as Calico does), and the node's addresses.
+fn node(n: &Node) -> Result<Converted, String> {
+    let name = n.metadata.name.as_deref().unwrap_or_default();
+    let annotations = n.metadata.annotations.clone().unwrap_or_default();
+    let mut labels: BTreeMap<String, String> = annotations
+        .get(NODE_LABELS_ANNOTATION)
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default();
+    labels.extend(n.metadata.labels.clone().unwrap_or_default());
+    let cidr_of = |key: &str, v6: bool| {
+        annotations
+            .get(key)
+            .filter(|s| s.contains('/') && s.contains(':') == v6)
+            .filter(|s| parse_cidr_or_ip(s).is_some())
+            .cloned()
+    };
+    let mut bgp = Map::new();
+    let mut addresses = Vec::new();
+    if let Some(a) = cidr_of(NODE_IPV4_ANNOTATION, false) {
+        bgp.insert("ipv4Address".into(), a.clone().into());
+        addresses.push(json!({"address": a, "type": "CalicoNodeIP"}));
+    }
+    if let Some(a) = cidr_of(NODE_IPV6_ANNOTATION, true) {
+        bgp.insert("ipv6Address".into(), a.clone().into());
+        addresses.push(json!({"address": a, "type": "CalicoNodeIP"}));
+    }
+    if let Some(asn) = annotations
+        .get(NODE_ASN_ANNOTATION)
+        .and_then(|s| parse_as_number(s))
+    {
+        bgp.insert("asNumber".into(), asn.into());
+    }
+    for a in n
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+    {
+        match a.type_.as_str() {
+            "InternalIP" | "ExternalIP" => {
+                addresses.push(json!({"address": a.address, "type": a.type_}))
+            }
+            _ => {}
+        }
+    }
+    let mut spec = Map::new();
+    if !bgp.is_empty() {
+        spec.insert("bgp".into(), Value::Object(bgp));
+    }
+    spec.insert("addresses".into(), Value::Array(addresses));
+    Ok(Converted::Value(
+        json!({
+            "kind": "Node",
+            "apiVersion": API_VERSION,
+            "metadata": {"name": name, "labels": labels},
+            "spec": spec,
+        }),
+        Vec::new(),
+    ))
+}
+
+/// An AS number: plain (`64512`) or dotted (`1.10` = 1·65536 + 10), as `numorstring` parses.
+fn parse_as_number(s: &str) -> Option<u64> {
+    match s.split_once('.') {
+        Some((hi, lo)) => {
+            let (hi, lo): (u16, u16) = (hi.parse().ok()?, lo.parse().ok()?);
+            Some(u64::from(hi) << 16 | u64::from(lo))
+        }
+        None => s.parse::<u32>().ok().map(u64::from),
+    }
+}
+
+/// Which selector `k8s_selector` builds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SelectorType {
+    Pod,
+    Namespace,
+}
+
+/// Calico's `k8sSelectorToCalico`: pod selectors always start with
+/// `projectcalico.org/orchestrator == 'k8s'`; a nil namespace selector is empty (the policy's
+/// namespace), an empty one `all()` (every namespace). Labels are joined with ` && ` in key
+/// order, then the expressions in their order.
+fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> String {
+    let mut parts = Vec::new();
+    if which == SelectorType::Pod {
+        parts.push(format!("{LABEL_ORCHESTRATOR} == 'k8s'"));
+    }
+    let Some(s) = s else {
+        return parts.join(" && ");
+    };
+    let labels = s.match_labels.as_ref().filter(|m| !m.is_empty());
+    let exprs = s.match_expressions.as_ref().filter(|m| !m.is_empty());
+    if which == SelectorType::Namespace && labels.is_none() && exprs.is_none() {
+        return "all()".into();
+    }
+    for (k, v) in labels.into_iter().flatten() {
+        parts.push(format!("{k} == '{v}'"));
+    }
+    for e in exprs.into_iter().flatten() {
+        let values = e.values.clone().unwrap_or_default().join("', '");
+        match e.operator.as_str() {
+            "In" => parts.push(format!("{} in {{ '{values}' }}", e.key)),
+            "NotIn" => parts.push(format!("{} not in {{ '{values}' }}", e.key)),
+            "Exists" => parts.push(format!("has({})", e.key)),
+            "DoesNotExist" => parts.push(format!("! has({})", e.key)),
+            // Calico skips operators it does not know.
+            _ => {}
+        }
+    }
+    parts.join(" && ")
+}
+
+/// Calico's `K8sNetworkPolicyToCalico`: a NetworkPolicy `knp.default.<name>` in the same
+/// namespace, order 1000, default tier, selector from `podSelector`. Each ingress/egress rule
+/// becomes one Allow rule per (protocol, peer): ports are grouped by protocol (TCP when unset;
+/// `endPort` makes a range; a name is a named port; several numeric ports are merged into
+/// ranges), peers give a selector + namespace selector or an ipBlock (`except` → `notNets`).
+/// Types: those listed in `policyTypes`, or `[Ingress]` when none are (an empty ingress list is
+/// then deny-all ingress). A rule that cannot be converted is dropped with a warning and the
+/// rest kept, as Calico does (the policy only gets stricter).
+fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
+    let name = np.metadata.name.as_deref().unwrap_or_default();
+    let ns = np.metadata.namespace.as_deref().unwrap_or("default");
+    let spec = np.spec.clone().unwrap_or_default();
+    let mut warnings = Vec::new();
+    let mut ingress = Vec::new();
+    for (i, r) in spec.ingress.iter().flatten().enumerate() {
+        match k8s_rule(r.from.as_deref(), r.ports.as_deref(), true) {
+            Ok(rules) => ingress.extend(rules),
+            Err(e) => warnings.push(format!("ingress rule {i} dropped: {e}")),
+        }
+    }
+    let mut egress = Vec::new();
+    for (i, r) in spec.egress.iter().flatten().enumerate() {
+        match k8s_rule(r.to.as_deref(), r.ports.as_deref(), false) {
+            Ok(rules) => egress.extend(rules),
+            Err(e) => warnings.push(format!("egress rule {i} dropped: {e}")),
+        }
+    }
+    let listed = |t: &str| spec.policy_types.iter().flatten().any(|p| p == t);
+    let mut types = Vec::new();
+    if listed("Ingress") {
+        types.push("Ingress");
+    }
+    if listed("Egress") {
+        types.push("Egress");
+    } else if !egress.is_empty() {
+        warnings.push("egress rules present but policyTypes lacks Egress: they are ignored".into());
+    }
+    // A cluster that predates policyTypes meant ingress only.
+    if types.is_empty() {
+        types.push("Ingress");
+    }
+    let value = json!({
+        "kind": "NetworkPolicy",
+        "apiVersion": API_VERSION,
+        "metadata": {"name": format!("{K8S_POLICY_PREFIX}{name}"), "namespace": ns},
+        "spec": {
+            "tier": "default",
+            "order": K8S_POLICY_ORDER,
+            "selector": k8s_selector(Some(&spec.pod_selector.clone().unwrap_or_default()), SelectorType::Pod),
+            "ingress": ingress,
+            "egress": egress,
+            "types": types,
+        },
+    });
+    Ok(Converted::Value(value, warnings))
+}
+
+/// A port of a rule: a number, a range or a name.
+#[derive(Clone, Debug, PartialEq)]
+enum RulePort {
+    Range(u16, u16),
+    Named(String),
+}
+
+impl RulePort {
+    fn to_value(&self) -> Value {
+        match self {
+            RulePort::Range(a, b) if a == b => Value::from(*a),
+            RulePort::Range(a, b) => Value::from(format!("{a}:{b}")),
+            RulePort::Named(n) => Value::from(n.clone()),
+        }
+    }
+}
+
+/// `numorstring.PortFromString` of `<port>` or `<port>:<endPort>`.
+fn k8s_port(p: &NetworkPolicyPort) -> Result<Option<RulePort>, String> {
+    let Some(port) = &p.port else {
+        return Ok(None);
+    };
+    let number = |s: &str| -> Result<u16, String> {
+        s.parse::<u16>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("invalid port {s:?}"))
+    };
+    let port = match port {
+        IntOrString::Int(n) => n.to_string(),
+        IntOrString::String(s) => s.clone(),
+    };
+    let is_number = port.chars().all(|c| c.is_ascii_digit()) && !port.is_empty();
+    match (is_number, p.end_port) {
+        (true, None) => {
+            let n = number(&port)?;
+            Ok(Some(RulePort::Range(n, n)))
+        }
+        (true, Some(end)) => {
+            let (a, b) = (number(&port)?, number(&end.to_string())?);
+            if a > b {
+                return Err(format!("invalid port range {a}:{b}"));
+            }
+            Ok(Some(RulePort::Range(a, b)))
+        }
+        (false, None) => Ok(Some(RulePort::Named(port))),
+        (false, Some(end)) => Err(format!(
+            "invalid port \"{port}:{end}\": a named port cannot have an endPort"
+        )),
+    }
+}
+
+/// Calico's `SimplifyPorts`: with more than one numeric port, named ports first (in order), then
+/// the numeric ones merged into sorted, non-overlapping ranges.
+fn simplify_ports(ports: Vec<RulePort>) -> Vec<RulePort> {
+    if ports.len() <= 1 {
+        return ports;
+    }
+    let mut named = Vec::new();
+    let mut numbers: Vec<u32> = Vec::new();
+    for p in &ports {
+        match p {
+            RulePort::Named(_) => named.push(p.clone()),
+            RulePort::Range(a, b) => numbers.extend(u32::from(*a)..=u32::from(*b)),
+        }
+    }
+    if numbers.len() <= 1 {
+        return ports;
+    }
+    numbers.sort_unstable();
+    let mut out = named;
+    let mut i = 0;
+    while i < numbers.len() {
+        let first = numbers[i];
+        let mut last = first;
+        i += 1;
+        while i < numbers.len() && numbers[i] <= last + 1 {
+            last = numbers[i];
+            i += 1;
+        }
+        // Both came from u16 ports.
+        out.push(RulePort::Range(first as u16, last as u16));
+    }
+    out
+}
+
+/// Calico's `k8sRuleToCalico`: one Allow rule per (protocol, peer).
+fn k8s_rule(
+    peers: Option<&[NetworkPolicyPeer]>,
+    ports: Option<&[NetworkPolicyPort]>,
+    ingress: bool,
+) -> Result<Vec<Value>, String> {
+    // Protocol → ports (None: every port of it). The key "" (no protocol, no ports) exists
+    // only when the rule lists no ports at all.
+    let mut by_protocol: BTreeMap<String, Option<Vec<RulePort>>> = BTreeMap::new();
+    let ports = ports.unwrap_or_default();
+    if ports.is_empty() {
+        by_protocol.insert(String::new(), None);
+    }
+    for p in ports {
+        // TCP is the documented default; Calico makes it explicit because a port match needs
+        // a protocol.
+        let proto = p.protocol.clone().unwrap_or_else(|| "TCP".into());
+        match k8s_port(p)? {
+            None => {
+                by_protocol.insert(proto, None);
+            }
+            Some(port) => match by_protocol.entry(proto).or_insert_with(|| Some(Vec::new())) {
+                // Every port of the protocol is already allowed.
+                None => {}
+                Some(list) => list.push(port),
+            },
+        }
+    }
+    let peers: Vec<Option<&NetworkPolicyPeer>> = match peers {
+        Some(p) if !p.is_empty() => p.iter().map(Some).collect(),
+        _ => vec![None],
+    };
+    let mut rules = Vec::new();
+    for (proto, ports) in by_protocol {
+        let ports: Vec<Value> = simplify_ports(ports.unwrap_or_default())
+            .iter()
+            .map(RulePort::to_value)
+            .collect();
+        for peer in &peers {
+            let mut entity = k8s_peer(*peer)?;
+            let mut rule = Map::new();
+            rule.insert("action".into(), "Allow".into());
+            if !proto.is_empty() {
+                rule.insert("protocol".into(), proto.clone().into());
+            }
+            let mut ports_entity = Map::new();
+            if !ports.is_empty() {
+                ports_entity.insert("ports".into(), Value::Array(ports.clone()));
+            }
+            if ingress {
+                rule.insert("source".into(), Value::Object(entity));
+                rule.insert("destination".into(), Value::Object(ports_entity));
+            } else {
+                entity.extend(ports_entity);
+                rule.insert("destination".into(), Value::Object(entity));
+            }
+            rules.push(Value::Object(rule));
+        }
+    }
+    Ok(rules)
+}
+
+/// Calico's `k8sPeerToCalicoFields`: an ipBlock gives nets (and notNets from `except`);
+/// otherwise a pod selector and a namespace selector (see [`k8s_selector`]).
+fn k8s_peer(peer: Option<&NetworkPolicyPeer>) -> Result<Map<String, Value>, String> {
+    let mut out = Map::new();
+    let Some(peer) = peer else {
+        return Ok(out);
+    };
+    if let Some(block) = &peer.ip_block {
+        let net = masked_cidr(&block.cidr)
+            .ok_or_else(|| format!("ipBlock.cidr {:?} is not a CIDR", block.cidr))?;
+        out.insert("nets".into(), json!([net]));
+        let except = block
+            .except
+            .iter()
+            .flatten()
+            .map(|e| masked_cidr(e).ok_or_else(|| format!("ipBlock.except {e:?} is not a CIDR")))
+            .collect::<Result<Vec<_>, _>>()?;
+        if !except.is_empty() {
+            out.insert("notNets".into(), json!(except));
+        }
+        return Ok(out);
+    }
+    let selector = k8s_selector(peer.pod_selector.as_ref(), SelectorType::Pod);
+    let ns_selector = k8s_selector(peer.namespace_selector.as_ref(), SelectorType::Namespace);
+    out.insert("selector".into(), selector.into());
+    if !ns_selector.is_empty() {
+        out.insert("namespaceSelector".into(), ns_selector.into());
+    }
+    Ok(out)
+}
+
+/// A Calico CRD object → the v3 object it stores (see the module documentation).
+fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
+    let Value::Object(mut obj) = object else {
+        return Err("not a JSON object".into());
+    };
+    match obj.get("kind") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(k)) if k == kind.as_str() => {}
+        Some(other) => {
+            return Err(format!(
+                "kind {other} listed as {}.{}",
+                kind.plural(),
+                super::CRD_GROUP
+            ));
+        }
+    }
+    obj.insert("kind".into(), kind.as_str().into());
+    obj.insert("apiVersion".into(), API_VERSION.into());
+    obj.remove("status");
+    let tier = obj
+        .get("spec")
+        .and_then(|s| s.get("tier"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let Some(Value::Object(meta)) = obj.remove("metadata") else {
+        return Err("metadata is missing or not a JSON object".into());
+    };
+    let cr_name = meta.get("name").and_then(Value::as_str).unwrap_or_default();
+    let mut labels = string_map(meta.get("labels"));
+    let mut annotations = string_map(meta.get("annotations"));
+    let mut name = String::new();
+    if let Some(raw) = annotations.remove(METADATA_ANNOTATION) {
+        let stored: Value = serde_json::from_str(&raw)
+            .map_err(|e| format!("annotation {METADATA_ANNOTATION} is not JSON: {e}"))?;
+        labels.extend(string_map(stored.get("labels")));
+        annotations.extend(string_map(stored.get("annotations")));
+        name = stored
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+    }
+    if name.is_empty() {
+        name = cr_name.to_string();
+        // The backend name of a default-tier policy written by older clients.
+        if matches!(kind, Kind::NetworkPolicy | Kind::GlobalNetworkPolicy)
+            && (tier.is_empty() || tier == "default")
+            && let Some(stripped) = name.strip_prefix("default.").filter(|s| !s.is_empty())
+        {
+            name = stripped.to_string();
+        }
+    }
+    let mut m = Map::new();
+    m.insert("name".into(), name.into());
+    if let Some(ns) = meta.get("namespace").and_then(Value::as_str) {
+        m.insert("namespace".into(), ns.into());
+    }
+    m.insert("labels".into(), json!(labels));
+    m.insert("annotations".into(), json!(annotations));
+    obj.insert("metadata".into(), Value::Object(m));
+    Ok(Converted::Value(Value::Object(obj), Vec::new()))
+}
+
+/// A JSON object of strings (anything else is ignored).
+fn string_map(v: Option<&Value>) -> BTreeMap<String, String> {
+    v.and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests;

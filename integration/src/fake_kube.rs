@@ -1,0 +1,427 @@
+//! An in-process fake Kubernetes API server for the Kubernetes datastore tests.
+//!
+//! No kube-apiserver binary can be installed here, so the tests run the real kube client (inside
+//! the real `calc-server`) against this server, which speaks the API's list/watch protocol over
+//! HTTP/1.1 with the API's JSON:
+//! - `GET <collection>`: a `<Kind>List` with `metadata.resourceVersion` (the store's current
+//!   revision); items carry their own `resourceVersion` (the revision of their last change).
+//!   Native kinds' items have no `kind`/`apiVersion`, as the real server sends them.
+//! - `GET <collection>?watch=true&resourceVersion=R[&allowWatchBookmarks=true]`: newline-
+//!   delimited watch events (`ADDED`, `MODIFIED`, `DELETED`, `BOOKMARK`) for every change after
+//!   R, then live ones, until `timeoutSeconds`. A watch from a revision older than the last
+//!   [`FakeKube::expire`] gets an `ERROR` event carrying a 410 `Status` (reason `Expired`), as
+//!   the real server does when its watch cache no longer holds R; `expire` also ends every open
+//!   watch that way, which forces the client to re-list.
+//! - a collection that is not served answers 404 with a `Status` (a CRD not installed).
+//!
+//! Only cluster-wide collections are served (what the adapter uses). Changes made with
+//! [`FakeKube::apply_silently`] / [`FakeKube::delete_silently`] produce no watch event: they
+//! stand for events lost while a watch was expired, which only a re-list can recover.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State as AxumState;
+use axum::http::{Response, StatusCode, Uri};
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, mpsc};
+
+/// Collections of the native kinds the adapter watches.
+pub const PODS: &str = "/api/v1/pods";
+pub const NAMESPACES: &str = "/api/v1/namespaces";
+pub const SERVICE_ACCOUNTS: &str = "/api/v1/serviceaccounts";
+pub const NODES: &str = "/api/v1/nodes";
+pub const NETWORK_POLICIES: &str = "/apis/networking.k8s.io/v1/networkpolicies";
+
+/// The collection of a Calico CRD (`tiers`, `globalnetworkpolicies`, …).
+pub fn crd(plural: &str) -> String {
+    format!("/apis/crd.projectcalico.org/v1/{plural}")
+}
+
+/// Every Calico CRD the adapter watches, by plural and kind.
+pub const CRDS: [(&str, &str); 9] = [
+    ("networkpolicies", "NetworkPolicy"),
+    ("globalnetworkpolicies", "GlobalNetworkPolicy"),
+    ("tiers", "Tier"),
+    ("networksets", "NetworkSet"),
+    ("globalnetworksets", "GlobalNetworkSet"),
+    ("hostendpoints", "HostEndpoint"),
+    ("ippools", "IPPool"),
+    ("felixconfigurations", "FelixConfiguration"),
+    ("clusterinformations", "ClusterInformation"),
+];
+
+#[derive(Clone, Debug)]
+enum Broadcast {
+    Event {
+        rv: u64,
+        path: String,
+        kind: &'static str,
+        object: Value,
+    },
+    Bookmark,
+    Expire,
+}
+
+struct Collection {
+    api_version: String,
+    kind: String,
+    /// Whether list items carry kind/apiVersion (custom resources do, native ones do not).
+    typed_items: bool,
+    objects: BTreeMap<String, Value>,
+}
+
+struct Store {
+    rv: u64,
+    collections: HashMap<String, Collection>,
+    log: Vec<Broadcast>,
+    /// Watches from below this revision are answered with 410.
+    expired_below: u64,
+    lists: HashMap<String, usize>,
+    watches: HashMap<String, usize>,
+}
+
+type Shared = Arc<(Mutex<Store>, broadcast::Sender<Broadcast>)>;
+
+/// A running fake API server; it serves until the test process ends.
+pub struct FakeKube {
+    pub url: String,
+    shared: Shared,
+}
+
+fn key_of(object: &Value) -> String {
+    let meta = &object["metadata"];
+    let name = meta["name"].as_str().expect("object has metadata.name");
+    match meta["namespace"].as_str() {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_string(),
+    }
+}
+
+impl FakeKube {
+    /// Serves the native collections and the Calico CRDs whose plurals are in `crds` (the
+    /// others answer 404, as for a CRD that is not installed).
+    pub fn start(crds: &[&str]) -> FakeKube {
+        let mut collections = HashMap::new();
+        for (path, api_version, kind) in [
+            (PODS, "v1", "Pod"),
+            (NAMESPACES, "v1", "Namespace"),
+            (SERVICE_ACCOUNTS, "v1", "ServiceAccount"),
+            (NODES, "v1", "Node"),
+            (NETWORK_POLICIES, "networking.k8s.io/v1", "NetworkPolicy"),
+        ] {
+            collections.insert(
+                path.to_string(),
+                Collection {
+                    api_version: api_version.into(),
+                    kind: kind.into(),
+                    typed_items: false,
+                    objects: BTreeMap::new(),
+                },
+            );
+        }
+        for (plural, kind) in CRDS {
+            if crds.contains(&plural) {
+                collections.insert(
+                    crd(plural),
+                    Collection {
+                        api_version: "crd.projectcalico.org/v1".into(),
+                        kind: kind.into(),
+                        typed_items: true,
+                        objects: BTreeMap::new(),
+                    },
+                );
+            }
+        }
+        let (tx, _) = broadcast::channel(4096);
+        let shared: Shared = Arc::new((
+            Mutex::new(Store {
+                rv: 100,
+                collections,
+                log: Vec::new(),
+                expired_below: 0,
+                lists: HashMap::new(),
+                watches: HashMap::new(),
+            }),
+            tx,
+        ));
+        let listener =
+            std::net::TcpListener::bind("127.0.0.1:0").expect("bind the fake API server");
+        listener
+            .set_nonblocking(true)
+            .expect("non-blocking listener");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let app = axum::Router::new()
+            .fallback(handle)
+            .with_state(shared.clone());
+        // A runtime of its own on its own thread, so sync and async tests can both use it (a
+        // runtime can neither be started nor dropped inside another).
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("fake API server runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                let _ = axum::serve(listener, app).await;
+            });
+        });
+        FakeKube { url, shared }
+    }
+
+    /// Writes a kubeconfig pointing at this server into `dir`; returns its path.
+    pub fn kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        let path = dir.join("kubeconfig.yaml");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\nusers:\n- name: tester\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: tester\ncurrent-context: fake\n",
+            self.url
+        );
+        std::fs::write(&path, text).expect("write kubeconfig");
+        path
+    }
+
+    fn change(&self, path: &str, object: Option<Value>, delete: Option<&str>, silent: bool) {
+        let (store, tx) = &*self.shared;
+        let mut s = store.lock().unwrap();
+        s.rv += 1;
+        let rv = s.rv;
+        let coll = s
+            .collections
+            .get_mut(path)
+            .unwrap_or_else(|| panic!("{path} is not served"));
+        let event = match (object, delete) {
+            (Some(mut obj), _) => {
+                obj["metadata"]["resourceVersion"] = rv.to_string().into();
+                if obj["metadata"].get("uid").is_none() {
+                    obj["metadata"]["uid"] = format!("uid-{}", key_of(&obj)).into();
+                }
+                let key = key_of(&obj);
+                let kind = if coll.objects.contains_key(&key) {
+                    "MODIFIED"
+                } else {
+                    "ADDED"
+                };
+                coll.objects.insert(key, obj.clone());
+                Some((kind, obj))
+            }
+            (None, Some(key)) => coll.objects.remove(key).map(|mut obj| {
+                obj["metadata"]["resourceVersion"] = rv.to_string().into();
+                ("DELETED", obj)
+            }),
+            (None, None) => None,
+        };
+        if silent {
+            return;
+        }
+        if let Some((kind, object)) = event {
+            let ev = Broadcast::Event {
+                rv,
+                path: path.to_string(),
+                kind,
+                object,
+            };
+            s.log.push(ev.clone());
+            let _ = tx.send(ev);
+        }
+    }
+
+    /// Creates or replaces an object (ADDED or MODIFIED to watchers).
+    pub fn apply(&self, path: &str, object: Value) {
+        self.change(path, Some(object), None, false);
+    }
+
+    /// Deletes `namespace/name` (or `name`) (DELETED to watchers).
+    pub fn delete(&self, path: &str, key: &str) {
+        self.change(path, None, Some(key), false);
+    }
+
+    /// Creates or replaces an object without telling any watcher.
+    pub fn apply_silently(&self, path: &str, object: Value) {
+        self.change(path, Some(object), None, true);
+    }
+
+    /// Deletes an object without telling any watcher.
+    pub fn delete_silently(&self, path: &str, key: &str) {
+        self.change(path, None, Some(key), true);
+    }
+
+    /// Sends a BOOKMARK at the current revision to every watch that asked for bookmarks.
+    pub fn bookmark(&self) {
+        let _ = self.shared.1.send(Broadcast::Bookmark);
+    }
+
+    /// Forgets the watch history: every open watch ends with a 410 `Expired` error, and so does
+    /// any watch from an older revision, so clients must list again.
+    pub fn expire(&self) {
+        let (store, tx) = &*self.shared;
+        let mut s = store.lock().unwrap();
+        s.expired_below = s.rv + 1;
+        s.log.clear();
+        let _ = tx.send(Broadcast::Expire);
+    }
+
+    /// How many lists / watches of `path` were served.
+    pub fn lists(&self, path: &str) -> usize {
+        let s = self.shared.0.lock().unwrap();
+        s.lists.get(path).copied().unwrap_or(0)
+    }
+
+    pub fn watches(&self, path: &str) -> usize {
+        let s = self.shared.0.lock().unwrap();
+        s.watches.get(path).copied().unwrap_or(0)
+    }
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("response")
+}
+
+fn query(uri: &Uri) -> HashMap<String, String> {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+async fn handle(AxumState(shared): AxumState<Shared>, uri: Uri) -> Response<Body> {
+    let path = uri.path().trim_end_matches('/').to_string();
+    let q = query(&uri);
+    let watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
+    let (store, tx) = &*shared;
+    let mut s = store.lock().unwrap();
+    let Some(coll) = s.collections.get(&path) else {
+        return json_response(
+            StatusCode::NOT_FOUND,
+            &status(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+            ),
+        );
+    };
+    let (api_version, kind, typed) = (
+        coll.api_version.clone(),
+        coll.kind.clone(),
+        coll.typed_items,
+    );
+    if !watch {
+        let items: Vec<Value> = coll
+            .objects
+            .values()
+            .map(|o| {
+                let mut o = o.clone();
+                if typed {
+                    o["apiVersion"] = api_version.clone().into();
+                    o["kind"] = kind.clone().into();
+                } else if let Some(m) = o.as_object_mut() {
+                    m.remove("apiVersion");
+                    m.remove("kind");
+                }
+                o
+            })
+            .collect();
+        let body = json!({"apiVersion": api_version, "kind": format!("{kind}List"),
+                          "metadata": {"resourceVersion": s.rv.to_string()}, "items": items});
+        *s.lists.entry(path).or_default() += 1;
+        return json_response(StatusCode::OK, &body);
+    }
+    *s.watches.entry(path.clone()).or_default() += 1;
+    let from: u64 = q
+        .get("resourceVersion")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(s.rv);
+    let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(290u64);
+    let (out_tx, out_rx) = mpsc::channel::<Result<String, std::io::Error>>(1024);
+    let line = |v: Value| Ok(format!("{v}\n"));
+    let gone =
+        json!({"type": "ERROR", "object": status(410, "Expired", "too old resource version")});
+    let mut live = tx.subscribe();
+    let mut backlog = Vec::new();
+    let expired = from < s.expired_below;
+    if !expired {
+        for ev in &s.log {
+            if let Broadcast::Event {
+                rv,
+                path: p,
+                kind,
+                object,
+            } = ev
+                && *p == path
+                && *rv > from
+            {
+                backlog.push(json!({"type": kind, "object": object}));
+            }
+        }
+    }
+    let last_sent = s.rv.max(from);
+    drop(s);
+    let shared_for_task = shared.clone();
+    tokio::spawn(async move {
+        if expired {
+            let _ = out_tx.send(line(gone)).await;
+            return;
+        }
+        for ev in backlog {
+            if out_tx.send(line(ev)).await.is_err() {
+                return;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout);
+        loop {
+            let msg = tokio::select! {
+                m = live.recv() => m,
+                () = tokio::time::sleep_until(deadline) => return,
+            };
+            let ev = match msg {
+                Ok(Broadcast::Event {
+                    rv,
+                    path: p,
+                    kind,
+                    object,
+                }) if p == path && rv > last_sent => {
+                    json!({"type": kind, "object": object})
+                }
+                Ok(Broadcast::Event { .. }) => continue,
+                Ok(Broadcast::Bookmark) if bookmarks => {
+                    let rv = shared_for_task.0.lock().unwrap().rv;
+                    json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": api_version,
+                           "metadata": {"resourceVersion": rv.to_string()}}})
+                }
+                Ok(Broadcast::Bookmark) => continue,
+                Ok(Broadcast::Expire) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let _ = out_tx.send(line(gone)).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            if out_tx.send(line(ev)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(Body::from_stream(
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
+        ))
+        .expect("response")
+}
