@@ -125,6 +125,18 @@ impl Netns {
         ]);
         self.exec(&["ip", "link", "set", "uplink0", "up"]);
         self.exec(&["ip", "link", "set", "uplink1", "up"]);
+        // The node's own address (source of host-to-workload traffic).
+        self.exec(&["ip", "addr", "add", "10.254.0.1/32", "dev", "uplink0"]);
+        self.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            "fd00:254::1/128",
+            "dev",
+            "uplink0",
+            "nodad",
+        ]);
         self.exec(&["ip", "route", "add", "default", "dev", "uplink0"]);
         self.exec(&["ip", "-6", "route", "add", "default", "dev", "uplink0"]);
     }
@@ -176,16 +188,41 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// Wires a workload to `host` the way Calico's CNI plugin does.
+    /// Wires a workload to `host` the way Calico's CNI plugin does, with the host side's
+    /// sysctls and routes made by the harness (the agent replaces the routes with its own).
     pub fn attach(host: &Netns, iface: &str, ipv4: &str, ipv6: &str) -> Workload {
+        let w = Self::attach_without_routes(host, iface, ipv4, ipv6);
+        host.sysctl(&format!("net.ipv4.conf.{iface}.proxy_arp"), "1");
+        host.sysctl(&format!("net.ipv4.neigh.{iface}.proxy_delay"), "0");
+        host.exec(&["ip", "route", "add", &format!("{ipv4}/32"), "dev", iface]);
+        host.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            &format!("{ipv6}/128"),
+            "dev",
+            iface,
+        ]);
+        w
+    }
+
+    /// The workload's `eth0` MAC address.
+    pub fn mac(&self) -> String {
+        self.ns
+            .exec(&["cat", "/sys/class/net/eth0/address"])
+            .trim()
+            .to_owned()
+    }
+
+    /// The veth pair and the workload side only: host routes, proxy ARP and the rest of the
+    /// host side's settings are left to the agent.
+    pub fn attach_without_routes(host: &Netns, iface: &str, ipv4: &str, ipv6: &str) -> Workload {
         let ns = Netns::new("wl");
         host.exec(&[
             "ip", "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
         ]);
         host.exec(&["ip", "link", "set", iface, "address", "ee:ee:ee:ee:ee:ee"]);
-        host.sysctl(&format!("net.ipv4.conf.{iface}.proxy_arp"), "1");
-        host.sysctl(&format!("net.ipv4.neigh.{iface}.proxy_delay"), "0");
-        host.sysctl(&format!("net.ipv4.conf.{iface}.rp_filter"), "0");
         host.exec(&["ip", "link", "set", iface, "up"]);
         ns.exec(&["ip", "link", "set", "eth0", "up"]);
         ns.exec(&["ip", "addr", "add", &format!("{ipv4}/32"), "dev", "eth0"]);
@@ -229,16 +266,6 @@ impl Workload {
             "fe80::ecee:eeff:feee:eeee",
             "dev",
             "eth0",
-        ]);
-        host.exec(&["ip", "route", "add", &format!("{ipv4}/32"), "dev", iface]);
-        host.exec(&[
-            "ip",
-            "-6",
-            "route",
-            "add",
-            &format!("{ipv6}/128"),
-            "dev",
-            iface,
         ]);
         Workload {
             ns,

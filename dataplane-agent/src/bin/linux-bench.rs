@@ -51,6 +51,7 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("program") => program(&p, Path::new(&args[2])),
         Some("floor") => floor(Path::new(&args[2])),
+        Some("routes") => routes_bench(arg(&args, "--endpoints", 1000), arg(&args, "--runs", 3)),
         _ => orchestrate(&p),
     }
 }
@@ -383,6 +384,66 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Inside a fresh namespace: N veth interfaces, then the driver's route manager programs one
+/// /32 per interface (timed), against `ip -batch` of the same routes (timed), alternately.
+fn routes_bench(n: usize, runs: usize) {
+    use dataplane_agent::driver::linux::netlink::{Netlink, RouteEntry, RtNetlink};
+    use dataplane_agent::driver::linux::routes::Routes;
+    use dataplane_agent::driver::linux::rules::IpVersion;
+
+    let mut batch = String::new();
+    for i in 0..n {
+        batch.push_str(&format!(
+            "link add calib{i:06} type veth peer name calip{i:06}\nlink set calib{i:06} up\nlink set calip{i:06} up\n"
+        ));
+    }
+    let setup = std::env::temp_dir().join(format!("sf-routes-setup-{}", std::process::id()));
+    std::fs::write(&setup, batch).expect("write");
+    sh(&format!("ip -batch {}", setup.display()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (ours, floor) = rt.block_on(async move {
+        tokio::spawn(async move {
+            tokio::task::block_in_place(|| {
+                let mut nl = RtNetlink::connect().expect("netlink");
+                let links = nl.links().expect("links");
+                let mut desired = std::collections::BTreeSet::new();
+                let mut lines = String::new();
+                for l in links.iter().filter(|l| l.name.starts_with("calib")) {
+                    let i: usize = l.name[5..].parse().expect("index");
+                    let ip = format!("10.{}.{}.{}", 64 + i / 65536, (i / 256) % 256, i % 256);
+                    desired.insert(RouteEntry {
+                        dst: ip.parse().expect("ip"),
+                        prefix: 32,
+                        ifindex: l.index,
+                    });
+                    lines.push_str(&format!("route replace {ip}/32 dev {} proto 80\n", l.name));
+                }
+                let file = std::env::temp_dir().join(format!("sf-routes-{}", std::process::id()));
+                std::fs::write(&file, lines).expect("write");
+                let (mut ours, mut floor) = (Vec::new(), Vec::new());
+                for _ in 0..runs {
+                    let mut routes = Routes::new(80, vec![IpVersion::V4]);
+                    let t = Instant::now();
+                    let st = routes.apply(&mut nl, &desired).expect("routes");
+                    ours.push(t.elapsed().as_secs_f64());
+                    assert_eq!(st.added, desired.len());
+                    sh("ip route flush proto 80");
+                    floor.push(timed(&format!("ip -batch {}", file.display())));
+                    sh("ip route flush proto 80");
+                }
+                (median(ours), median(floor))
+            })
+        })
+        .await
+        .expect("task")
+    });
+    println!("{{\"routes\":{n},\"driver_s\":{ours},\"floor_s\":{floor}}}");
+}
+
 fn orchestrate(p: &Params) {
     let dump: PathBuf = std::env::temp_dir().join(format!("sf-linux-bench-{}", std::process::id()));
     let extra = |sizes: (usize, usize, usize)| -> Vec<String> {
@@ -439,4 +500,27 @@ fn orchestrate(p: &Params) {
         );
     }
     let _ = std::fs::remove_dir_all(&dump);
+
+    let out = in_netns(
+        "routes",
+        &[
+            "routes".into(),
+            "--endpoints".into(),
+            "1000".into(),
+            "--runs".into(),
+            p.runs.to_string(),
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    let (d, f) = (
+        v["driver_s"].as_f64().unwrap_or(0.0),
+        v["floor_s"].as_f64().unwrap_or(1.0),
+    );
+    println!("== routes: {} workload routes (one veth each)", v["routes"]);
+    println!(
+        "programming: driver (rtnetlink) {:.1} ms, floor (ip -batch of the same routes) {:.1} ms, ratio {:.2}",
+        d * 1e3,
+        f * 1e3,
+        d / f
+    );
 }

@@ -42,6 +42,11 @@ pub trait Netlink: Send {
     /// Adds or replaces a route, tagged with `protocol`.
     fn add_route(&mut self, r: &RouteEntry, protocol: u8) -> io::Result<()>;
     fn del_route(&mut self, r: &RouteEntry, protocol: u8) -> io::Result<()>;
+    /// Adds or replaces many routes; the result of each, in order. The default sends them one
+    /// by one; the real kernel pipelines them.
+    fn add_routes(&mut self, routes: &[RouteEntry], protocol: u8) -> Vec<io::Result<()>> {
+        routes.iter().map(|r| self.add_route(r, protocol)).collect()
+    }
     /// A permanent neighbour entry (static ARP / NDP).
     fn set_neighbour(&mut self, ifindex: u32, ip: IpAddr, mac: [u8; 6]) -> io::Result<()>;
 }
@@ -195,6 +200,34 @@ impl Netlink for RtNetlink {
         let handle = self.handle.clone();
         let msg = Self::route_message(r, protocol);
         self.block_on(async move { handle.route().del(msg).execute().await.map_err(nl_err) })
+    }
+
+    fn add_routes(&mut self, routes: &[RouteEntry], protocol: u8) -> Vec<io::Result<()>> {
+        use futures::StreamExt as _;
+        let handle = self.handle.clone();
+        let msgs: Vec<RouteMessage> = routes
+            .iter()
+            .map(|r| Self::route_message(r, protocol))
+            .collect();
+        // Many requests in flight on one socket instead of a round trip each.
+        self.block_on(async move {
+            futures::stream::iter(msgs)
+                .map(|m| {
+                    let handle = handle.clone();
+                    async move {
+                        handle
+                            .route()
+                            .add(m)
+                            .replace()
+                            .execute()
+                            .await
+                            .map_err(nl_err)
+                    }
+                })
+                .buffered(128)
+                .collect()
+                .await
+        })
     }
 
     fn set_neighbour(&mut self, ifindex: u32, ip: IpAddr, mac: [u8; 6]) -> io::Result<()> {

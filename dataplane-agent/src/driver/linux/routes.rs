@@ -92,17 +92,26 @@ impl Routes {
             kernel.remove(&r);
             stats.removed += 1;
         }
-        for r in missing {
-            if let Err(source) = nl.add_route(&r, self.protocol) {
-                self.kernel = None;
-                return Err(RouteError {
-                    what: "add",
-                    route: Some(r),
-                    source,
-                });
+        let results = nl.add_routes(&missing, self.protocol);
+        let mut failure = None;
+        for (r, result) in missing.into_iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    kernel.insert(r);
+                    stats.added += 1;
+                }
+                Err(source) => {
+                    failure.get_or_insert(RouteError {
+                        what: "add",
+                        route: Some(r),
+                        source,
+                    });
+                }
             }
-            kernel.insert(r);
-            stats.added += 1;
+        }
+        if let Some(e) = failure {
+            self.kernel = None;
+            return Err(e);
         }
         Ok(stats)
     }

@@ -1,0 +1,250 @@
+//! The Linux driver's routes, interface monitor and endpoint status on a real kernel: the
+//! harness creates veth pairs but no host routes and no host-side settings; the agent must
+//! add the routes (with its route protocol), configure the interfaces, follow links going down
+//! and up, report status through the calc-server's status writer, repair a route deleted by
+//! hand and never touch a foreign route.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use integration::netns::{ControlPlane, Netns, Probe, Workload, expect_eventually, failing};
+
+const NODE: &str = "node-a";
+
+fn write(dir: &Path, name: &str, text: &str) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).expect("write manifest");
+    std::fs::rename(&tmp, dir.join(name)).expect("rename manifest");
+}
+
+fn wep(pod: &str, w: &Workload) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--a-k8s-{pod}-eth0
+  namespace: prod
+  labels:
+    app: {pod}
+    projectcalico.org/namespace: prod
+    projectcalico.org/orchestrator: k8s
+spec:
+  orchestrator: k8s
+  node: {NODE}
+  pod: {pod}
+  endpoint: eth0
+  interfaceName: {iface}
+  mac: \"{mac}\"
+  ipNetworks: [{v4}/32, {v6}/128]
+  profiles: [kns.prod]
+---
+",
+        iface = w.iface,
+        mac = w.mac(),
+        v4 = w.ipv4,
+        v6 = w.ipv6,
+    )
+}
+
+const PROFILE: &str = "apiVersion: projectcalico.org/v3
+kind: Profile
+metadata:
+  name: kns.prod
+spec:
+  ingress: [{action: Allow}]
+  egress: [{action: Allow}]
+---
+";
+
+/// The endpoint statuses the calc-server's status writer wrote for the node.
+fn statuses(dir: &Path) -> serde_json::Value {
+    std::fs::read_to_string(dir.join("status").join(format!("{NODE}.json")))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .map(|v| v["workload_endpoints"].clone())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+fn wait(what: &str, cp: &ControlPlane, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for: {what}\nagent log:\n{}",
+            cp.agent_log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn routes(host: &Netns) -> String {
+    host.exec(&["ip", "route", "show", "proto", "80"])
+        + &host.exec(&["ip", "-6", "route", "show", "proto", "80"])
+}
+
+fn tcp<'a>(from: &'a Workload, to: &str, port: u16) -> Probe<'a> {
+    Probe {
+        from,
+        to: to.to_owned(),
+        port: Some(port),
+        allowed: true,
+    }
+}
+
+#[test]
+fn routes_interfaces_and_status_follow_endpoints_and_links() {
+    if !integration::netns::require() {
+        return;
+    }
+    let host = Netns::new("host");
+    host.make_host();
+    let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
+    let mut b = Workload::attach_without_routes(&host, "cali0bbbbbbb02", "10.65.0.2", "fd00:65::2");
+    a.listen(7070);
+    b.listen(8080);
+    // A route that is not ours, on a workload interface: it must survive everything.
+    host.exec(&[
+        "ip",
+        "route",
+        "add",
+        "10.99.0.0/24",
+        "dev",
+        &b.iface,
+        "proto",
+        "static",
+    ]);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    write(dir.path(), "profile.yaml", PROFILE);
+    write(dir.path(), "a.yaml", &wep("a", &a));
+    write(dir.path(), "b.yaml", &wep("b", &b));
+    let cp = ControlPlane::start(&host, dir.path(), NODE, &["--refresh-interval", "1s"]);
+    cp.wait_programmed();
+
+    // Routes with our protocol, v4 and v6, out of each endpoint's interface.
+    wait("routes for both endpoints", &cp, || {
+        let r = routes(&host);
+        r.contains(&format!("10.65.0.1 dev {}", a.iface))
+            && r.contains(&format!("10.65.0.2 dev {}", b.iface))
+            && r.contains(&format!("fd00:65::1 dev {}", a.iface))
+            && r.contains(&format!("fd00:65::2 dev {}", b.iface))
+    });
+    // The interfaces got Calico's settings and a permanent neighbour for the workload's MAC.
+    let proxy_arp = host.exec(&[
+        "cat",
+        &format!("/proc/sys/net/ipv4/conf/{}/proxy_arp", a.iface),
+    ]);
+    assert_eq!(proxy_arp.trim(), "1");
+    let neigh = host.exec(&["ip", "neigh", "show", "dev", &a.iface]);
+    assert!(
+        neigh.contains(&format!("10.65.0.1 lladdr {} PERMANENT", a.mac())),
+        "static neighbour for a: {neigh}"
+    );
+    // Traffic: workload to workload (both families) and host to workload.
+    expect_eventually(
+        "traffic over the agent's routes",
+        &[
+            tcp(&a, &b.ipv4, 8080),
+            tcp(&b, &a.ipv4, 7070),
+            tcp(&a, &b.ipv6, 8080),
+        ],
+        &cp,
+    );
+    assert!(
+        host.try_exec(&["nc", "-z", "-w", "1", &a.ipv4, "7070"]),
+        "host to workload"
+    );
+    wait("both endpoints reported up", &cp, || {
+        let s = statuses(dir.path());
+        s["k8s/prod/a/eth0"] == "up" && s["k8s/prod/b/eth0"] == "up"
+    });
+
+    // The link goes down: status down, route withdrawn; up again: both back.
+    host.exec(&["ip", "link", "set", &a.iface, "down"]);
+    wait("a reported down and its route withdrawn", &cp, || {
+        statuses(dir.path())["k8s/prod/a/eth0"] == "down" && !routes(&host).contains("10.65.0.1 ")
+    });
+    host.exec(&["ip", "link", "set", &a.iface, "up"]);
+    wait("a reported up again with its route", &cp, || {
+        statuses(dir.path())["k8s/prod/a/eth0"] == "up" && routes(&host).contains("10.65.0.1 ")
+    });
+
+    // A route deleted by hand comes back (refresh every second here).
+    host.exec(&["ip", "route", "del", "10.65.0.2/32"]);
+    wait("the deleted route is repaired", &cp, || {
+        routes(&host).contains("10.65.0.2 ")
+    });
+    expect_eventually("traffic after the repair", &[tcp(&a, &b.ipv4, 8080)], &cp);
+
+    // Deleting the endpoint removes its routes and its status.
+    std::fs::remove_file(dir.path().join("a.yaml")).expect("remove a.yaml");
+    wait("a's routes and status are gone", &cp, || {
+        let r = routes(&host);
+        !r.contains("10.65.0.1 ")
+            && !r.contains("fd00:65::1 ")
+            && statuses(dir.path()).get("k8s/prod/a/eth0").is_none()
+    });
+    assert!(
+        host.exec(&["ip", "route", "show", "proto", "static"])
+            .contains("10.99.0.0/24"),
+        "a foreign route is never touched"
+    );
+}
+
+#[test]
+fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
+    if !integration::netns::require() {
+        return;
+    }
+    let host = Netns::new("host");
+    host.make_host();
+    let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
+    a.listen(7070);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write(dir.path(), "profile.yaml", PROFILE);
+    write(dir.path(), "a.yaml", &wep("a", &a));
+    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    cp.wait_programmed();
+
+    // A pod's interface appears; its endpoint (and policy) have not reached the agent. The
+    // harness routes it itself so that only policy can stop the packets.
+    let late = Workload::attach(&host, "cali0late00003", "10.65.0.3", "fd00:65::3");
+    // Send at once, 20 pings 10 ms apart, in both directions: nothing may get through.
+    let burst = |from: &Workload, to: &str| {
+        from.ns
+            .try_exec(&["ping", "-c", "20", "-i", "0.01", "-W", "1", "-w", "2", to])
+    };
+    assert!(
+        !burst(&late, &a.ipv4),
+        "late -> a got through before its policy"
+    );
+    assert!(
+        !burst(&a, &late.ipv4),
+        "a -> late got through before its policy"
+    );
+    let drops = host.exec(&["iptables-save", "-c", "-t", "filter"]);
+    let unknown: Vec<&str> = drops
+        .lines()
+        .filter(|l| l.contains("Unknown interface"))
+        .collect();
+    assert!(
+        unknown.iter().any(|l| !l.starts_with("[0:")),
+        "the dispatch chains' unknown-interface drop counted the packets: {unknown:?}"
+    );
+
+    // The endpoint arrives: traffic flows.
+    write(dir.path(), "late.yaml", &wep("late", &late));
+    expect_eventually(
+        "the late endpoint's traffic",
+        &[tcp(&late, &a.ipv4, 7070)],
+        &cp,
+    );
+    let ping = [Probe {
+        from: &a,
+        to: late.ipv4.clone(),
+        port: None,
+        allowed: true,
+    }];
+    let bad = failing(&ping);
+    assert!(bad.is_empty(), "ping to the late endpoint once programmed");
+}
