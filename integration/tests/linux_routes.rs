@@ -248,3 +248,84 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
     let bad = failing(&ping);
     assert!(bad.is_empty(), "ping to the late endpoint once programmed");
 }
+
+#[test]
+fn nat_outgoing_pools_masquerade_traffic_leaving_the_pools() {
+    if !integration::netns::require() {
+        return;
+    }
+    let host = Netns::new("host");
+    host.make_host();
+    let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
+    a.listen(7070);
+    // An "outside" network with no route back to the pod range: a reply can only come back if
+    // the host masqueraded the pod's address.
+    let outside = Netns::new("out");
+    host.exec(&[
+        "ip",
+        "link",
+        "add",
+        "ext0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &outside.name,
+    ]);
+    host.exec(&["ip", "addr", "add", "192.0.2.1/24", "dev", "ext0"]);
+    host.exec(&["ip", "link", "set", "ext0", "up"]);
+    outside.exec(&["ip", "addr", "add", "192.0.2.2/24", "dev", "eth0"]);
+    outside.exec(&["ip", "link", "set", "eth0", "up"]);
+    let mut listener = std::process::Command::new("ip")
+        .args(["netns", "exec", &outside.name, "nc", "-4", "-lk", "9000"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nc");
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    write(dir.path(), "profile.yaml", PROFILE);
+    write(dir.path(), "a.yaml", &wep("a", &a));
+    let pool = |nat: bool| {
+        format!(
+            "apiVersion: projectcalico.org/v3
+kind: IPPool
+metadata:
+  name: pods
+spec:
+  cidr: 10.65.0.0/16
+  natOutgoing: {nat}
+"
+        )
+    };
+    write(dir.path(), "pool.yaml", &pool(false));
+    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    cp.wait_programmed();
+    wait("a's route", &cp, || routes(&host).contains("10.65.0.1 "));
+    let out = |allowed| Probe {
+        from: &a,
+        to: "192.0.2.2".into(),
+        port: Some(9000),
+        allowed,
+    };
+    // Without natOutgoing the reply has no way back.
+    let blocked = [out(false)];
+    assert!(failing(&blocked).is_empty(), "no masquerade without natOutgoing");
+
+    write(dir.path(), "pool.yaml", &pool(true));
+    expect_eventually("masqueraded traffic to the outside", &[out(true)], &cp);
+    let members = host.exec(&["ipset", "list", "cali40masq-ipam-pools"]);
+    assert!(members.contains("10.65.0.0/16"), "{members}");
+    let nat = host.exec(&["iptables-save", "-t", "nat"]);
+    assert!(nat.contains("-j MASQUERADE"), "{nat}");
+    // Traffic between pods (inside the pools) is not masqueraded: the sets exclude it.
+    assert!(
+        nat.contains("! --match-set cali40all-ipam-pools dst"),
+        "{nat}"
+    );
+    let _ = listener.kill();
+    let _ = listener.wait();
+}
