@@ -112,8 +112,8 @@ pub struct Cli {
     )]
     pub failsafe_outbound_host_ports: Option<Vec<String>>,
 
-    /// linux driver: how often iptables and ipsets are read back and out-of-band changes
-    /// repaired (0 turns it off).
+    /// linux driver: how often iptables, ipsets and routes are read back and out-of-band
+    /// changes repaired (0 turns it off).
     #[arg(long, env = "DATAPLANE_AGENT_REFRESH_INTERVAL", value_name = "DURATION", default_value = "90s", value_parser = parse_duration)]
     pub refresh_interval: Duration,
 

@@ -23,7 +23,9 @@ pub enum Backend {
     /// Detect as Felix does: follow whichever backend already holds rules, else what
     /// `iptables --version` reports.
     Auto,
+    /// `iptables-legacy-*` (x_tables).
     Legacy,
+    /// `iptables-nft-*` (nf_tables, iptables-compatible rules).
     Nft,
 }
 
