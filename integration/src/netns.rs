@@ -60,6 +60,14 @@ pub fn require() -> bool {
     }
 }
 
+/// Writes a manifest for the file datastore beside its final name and renames it, so the
+/// server's watcher never reads half a file.
+pub fn write_manifest(dir: &Path, name: &str, text: &str) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).expect("write manifest");
+    std::fs::rename(&tmp, dir.join(name)).expect("rename manifest");
+}
+
 /// Runs a command, panicking with its output if it fails.
 pub fn run(args: &[&str]) -> String {
     let out = Command::new(args[0])

@@ -7,16 +7,11 @@
 
 use std::path::Path;
 
-use integration::netns::{ControlPlane, Netns, Probe, Workload, expect_eventually, failing};
+use integration::netns::{
+    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, write_manifest,
+};
 
 const NODE: &str = "node-a";
-
-fn write(dir: &Path, name: &str, text: &str) {
-    // Write beside and rename, so the server's watcher never reads half a file.
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).expect("write manifest");
-    std::fs::rename(&tmp, dir.join(name)).expect("rename manifest");
-}
 
 fn profile(ns: &str, env: &str) -> String {
     format!(
@@ -190,8 +185,8 @@ fn cluster() -> Cluster {
         "{name: http, protocol: TCP, port: 8080}",
     ));
     manifests.push_str(&wep("dev", "db", "db", &db.iface, &db, ""));
-    write(dir.path(), "workloads.yaml", &manifests);
-    write(dir.path(), "policies.yaml", &policies(false));
+    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    write_manifest(dir.path(), "policies.yaml", &policies(false));
     Cluster {
         host,
         client,
@@ -259,7 +254,7 @@ fn policy_is_enforced_on_real_traffic_and_follows_changes() {
     expect_eventually("initial policy", &initial_matrix(&c), &cp);
 
     // Widen web-allow: the client may now reach 9090 too; nothing else changes.
-    write(c.dir.path(), "policies.yaml", &policies(true));
+    write_manifest(c.dir.path(), "policies.yaml", &policies(true));
     let mut after = initial_matrix(&c);
     after[2].allowed = true;
     expect_eventually("after allowing 9090 from the client", &after, &cp);
@@ -280,7 +275,7 @@ fn policy_is_enforced_on_real_traffic_and_follows_changes() {
         bad.iter().map(|p| p.describe()).collect::<Vec<_>>()
     );
     // Once its endpoint exists (prod namespace), it is a normal workload.
-    write(
+    write_manifest(
         c.dir.path(),
         "late.yaml",
         &wep("prod", "late", "late", &stray.iface, &stray, ""),
@@ -296,7 +291,7 @@ fn policy_is_enforced_on_real_traffic_and_follows_changes() {
 
     // Web's default-tier policies stop selecting it: whatever the security tier passes now
     // reaches web's profile (allow); what it does not pass is still dropped.
-    write(
+    write_manifest(
         c.dir.path(),
         "policies.yaml",
         &policies(true).replace("app == 'web'", "app == 'nobody'"),

@@ -7,15 +7,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use integration::netns::{ControlPlane, Netns, Probe, Workload, expect_eventually, failing};
+use integration::netns::{
+    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, write_manifest,
+};
 
 const NODE: &str = "node-a";
-
-fn write(dir: &Path, name: &str, text: &str) {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).expect("write manifest");
-    std::fs::rename(&tmp, dir.join(name)).expect("rename manifest");
-}
 
 fn wep(pod: &str, w: &Workload) -> String {
     format!(
@@ -115,9 +111,9 @@ fn routes_interfaces_and_status_follow_endpoints_and_links() {
     ]);
 
     let dir = tempfile::tempdir().expect("temp dir");
-    write(dir.path(), "profile.yaml", PROFILE);
-    write(dir.path(), "a.yaml", &wep("a", &a));
-    write(dir.path(), "b.yaml", &wep("b", &b));
+    write_manifest(dir.path(), "profile.yaml", PROFILE);
+    write_manifest(dir.path(), "a.yaml", &wep("a", &a));
+    write_manifest(dir.path(), "b.yaml", &wep("b", &b));
     let cp = ControlPlane::start(&host, dir.path(), NODE, &["--refresh-interval", "1s"]);
     cp.wait_programmed();
 
@@ -201,8 +197,8 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
     let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
     a.listen(7070);
     let dir = tempfile::tempdir().expect("temp dir");
-    write(dir.path(), "profile.yaml", PROFILE);
-    write(dir.path(), "a.yaml", &wep("a", &a));
+    write_manifest(dir.path(), "profile.yaml", PROFILE);
+    write_manifest(dir.path(), "a.yaml", &wep("a", &a));
     let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
     cp.wait_programmed();
 
@@ -233,7 +229,7 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
     );
 
     // The endpoint arrives: traffic flows.
-    write(dir.path(), "late.yaml", &wep("late", &late));
+    write_manifest(dir.path(), "late.yaml", &wep("late", &late));
     expect_eventually(
         "the late endpoint's traffic",
         &[tcp(&late, &a.ipv4, 7070)],
@@ -287,8 +283,8 @@ fn nat_outgoing_pools_masquerade_traffic_leaving_the_pools() {
         .expect("nc");
 
     let dir = tempfile::tempdir().expect("temp dir");
-    write(dir.path(), "profile.yaml", PROFILE);
-    write(dir.path(), "a.yaml", &wep("a", &a));
+    write_manifest(dir.path(), "profile.yaml", PROFILE);
+    write_manifest(dir.path(), "a.yaml", &wep("a", &a));
     let pool = |nat: bool| {
         format!(
             "apiVersion: projectcalico.org/v3
@@ -301,7 +297,7 @@ spec:
 "
         )
     };
-    write(dir.path(), "pool.yaml", &pool(false));
+    write_manifest(dir.path(), "pool.yaml", &pool(false));
     let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
     cp.wait_programmed();
     wait("a's route", &cp, || routes(&host).contains("10.65.0.1 "));
@@ -313,9 +309,12 @@ spec:
     };
     // Without natOutgoing the reply has no way back.
     let blocked = [out(false)];
-    assert!(failing(&blocked).is_empty(), "no masquerade without natOutgoing");
+    assert!(
+        failing(&blocked).is_empty(),
+        "no masquerade without natOutgoing"
+    );
 
-    write(dir.path(), "pool.yaml", &pool(true));
+    write_manifest(dir.path(), "pool.yaml", &pool(true));
     expect_eventually("masqueraded traffic to the outside", &[out(true)], &cp);
     let members = host.exec(&["ipset", "list", "cali40masq-ipam-pools"]);
     assert!(members.contains("10.65.0.0/16"), "{members}");

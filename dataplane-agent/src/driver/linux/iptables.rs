@@ -157,9 +157,19 @@ pub fn save_all(
     backend: Backend,
     v: IpVersion,
 ) -> Result<String, TableError> {
+    run_save(runner, backend, v, &[])
+}
+
+/// `ip[6]tables-<backend>-save args…`, its output as text.
+fn run_save(
+    runner: &mut dyn CommandRunner,
+    backend: Backend,
+    v: IpVersion,
+    args: &[&str],
+) -> Result<String, TableError> {
     let program = backend.program(v, "save");
     let out = runner
-        .run(&program, &[], None)
+        .run(&program, args, None)
         .map_err(|source| TableError::Spawn {
             program: program.clone(),
             source,
@@ -514,20 +524,8 @@ impl Table {
         runner: &mut dyn CommandRunner,
         backend: Backend,
     ) -> Result<KernelView, TableError> {
-        let program = backend.program(self.version, "save");
-        let out = runner
-            .run(&program, &["-t", self.name], None)
-            .map_err(|source| TableError::Spawn {
-                program: program.clone(),
-                source,
-            })?;
-        if !out.success {
-            return Err(TableError::Failed {
-                program,
-                stderr: out.stderr_summary(),
-            });
-        }
-        Ok(parse_save(&String::from_utf8_lossy(&out.stdout)))
+        let text = run_save(runner, backend, self.version, &["-t", self.name])?;
+        Ok(parse_save(&text))
     }
 }
 
