@@ -5,8 +5,6 @@
 //! Needs root, iptables (nft and legacy), ipset, nc, ping and nft; under CI a missing one fails
 //! the test (see `integration::netns::require`).
 
-use std::path::Path;
-
 use integration::netns::{
     ControlPlane, Netns, Probe, Workload, expect_eventually, failing, write_manifest,
 };
