@@ -7,6 +7,7 @@
 //! differences; `request_refresh` drops those views so the next apply reads the kernel back and
 //! repairs out-of-band changes. All IO goes through a [`runner::CommandRunner`].
 
+pub mod config;
 pub mod fake;
 pub mod interfaces;
 pub mod ipsets;
@@ -55,6 +56,9 @@ pub struct LinuxOptions {
     pub manage_routes: bool,
     /// The route protocol number our routes carry (how we recognise them).
     pub route_protocol: u8,
+    /// Felix setting names given explicitly (flag or environment): the datastore's
+    /// FelixConfiguration does not override them.
+    pub pinned: std::collections::BTreeSet<String>,
 }
 
 impl Default for LinuxOptions {
@@ -68,6 +72,7 @@ impl Default for LinuxOptions {
             lock_wait_secs: 10,
             manage_routes: true,
             route_protocol: 80,
+            pinned: Default::default(),
         }
     }
 }
@@ -103,7 +108,12 @@ pub struct Programmed {
 
 /// Programs iptables and ipsets.
 pub struct LinuxDriver {
+    /// The options in force (flags and defaults, with datastore settings applied).
     opts: LinuxOptions,
+    /// The options from flags and defaults alone.
+    base_opts: LinuxOptions,
+    /// The last FelixConfiguration map from the server, not yet applied.
+    pending_config: Option<BTreeMap<String, String>>,
     runner: Box<dyn CommandRunner>,
     backend: Option<Backend>,
     versions: Vec<IpVersion>,
@@ -189,6 +199,8 @@ impl LinuxDriver {
         let route_versions = versions.clone();
         Self {
             ipsets: IpSets::new(versions.clone()),
+            base_opts: opts.clone(),
+            pending_config: None,
             opts,
             runner,
             backend,
@@ -573,7 +585,47 @@ impl LinuxDriver {
         Ok(())
     }
 
+    /// Applies a FelixConfiguration map from the server (see `config`): a change to the static
+    /// chains' settings re-renders them; a new log prefix re-renders every policy and profile.
+    fn apply_datastore_config(&mut self) {
+        let Some(ds) = self.pending_config.take() else {
+            return;
+        };
+        let (next, problems) = config::effective(&self.base_opts, &self.base_opts.pinned, &ds);
+        for p in problems {
+            warn!(problem = %p, "datastore setting ignored");
+        }
+        for key in config::RESTART_ONLY {
+            if let Some(v) = ds.get(*key) {
+                debug!(setting = key, value = %v, "datastore setting is read at start only (use the flag)");
+            }
+        }
+        let statics_changed = next.statics.workload_prefixes != self.opts.statics.workload_prefixes
+            || next.statics.endpoint_to_host != self.opts.statics.endpoint_to_host
+            || next.statics.failsafe_in != self.opts.statics.failsafe_in
+            || next.statics.failsafe_out != self.opts.statics.failsafe_out;
+        let render_changed = next.render.log_prefix != self.opts.render.log_prefix;
+        if statics_changed || render_changed {
+            info!(
+                endpoint_to_host = ?next.statics.endpoint_to_host,
+                prefixes = ?next.statics.workload_prefixes,
+                log_prefix = %next.render.log_prefix,
+                "datastore settings applied"
+            );
+        }
+        self.opts.statics = next.statics;
+        self.opts.render = next.render;
+        if statics_changed {
+            self.statics_set = false;
+        }
+        if render_changed {
+            self.dirty_policies.extend(self.policies.keys().cloned());
+            self.dirty_profiles.extend(self.profiles.keys().cloned());
+        }
+    }
+
     fn program(&mut self) -> Result<(), DriverError> {
+        self.apply_datastore_config();
         if self.backend.is_none() {
             let b = iptables::detect_backend(self.runner.as_mut());
             info!(backend = b.name(), "iptables backend detected");
@@ -719,6 +771,9 @@ impl Driver for LinuxDriver {
                     self.heps.insert(id.clone(), ep.clone());
                     self.dirty_heps.insert(id);
                 }
+            }
+            Payload::ConfigUpdate(u) => {
+                self.pending_config = Some(u.config.clone().into_iter().collect());
             }
             Payload::IpamPoolUpdate(u) => {
                 if let Some(pool) = &u.pool {
@@ -1180,6 +1235,38 @@ mod tests {
         d.apply().unwrap();
         assert!(rig.nl.lock().unwrap().routes.is_empty());
         assert!(d.endpoint_statuses().workloads.is_empty());
+    }
+
+    #[test]
+    fn felix_configuration_from_the_datastore_reshapes_the_static_chains() {
+        let (mut d, k) = driver();
+        d.apply().unwrap();
+        let last = |k: &FakeKernel| {
+            k.chain_rules(IpVersion::V4, "filter", "cali-wl-to-host")
+                .last()
+                .cloned()
+                .unwrap()
+        };
+        assert!(last(&k.lock().unwrap()).ends_with("--jump DROP"));
+        d.on_update(&msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
+            config: [
+                (
+                    "DefaultEndpointToHostAction".to_owned(),
+                    "Accept".to_owned(),
+                ),
+                ("InterfacePrefix".to_owned(), "cali,tap".to_owned()),
+            ]
+            .into(),
+            ..Default::default()
+        })));
+        d.apply().unwrap();
+        let k = k.lock().unwrap();
+        assert!(last(&k).ends_with("--jump ACCEPT"), "{}", last(&k));
+        let fwd = k.chain_rules(IpVersion::V4, "filter", "cali-FORWARD");
+        assert!(
+            fwd.iter().any(|r| r.contains("--in-interface tap+")),
+            "{fwd:?}"
+        );
     }
 
     #[test]

@@ -1,0 +1,163 @@
+//! Felix settings from the datastore (`FelixConfiguration`, sent by the calc-server as a
+//! `ConfigUpdate`) applied on top of the agent's own flags, with Felix's precedence: a setting
+//! given on the command line or in the environment wins; otherwise the datastore's value
+//! (per-node over global, merged by the server); otherwise the built-in default.
+//!
+//! Pure: [`effective`] maps (base options, pinned settings, datastore map) to the options to
+//! use plus a problem per value it could not take.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::LinuxOptions;
+use super::rules::static_chains::{EndpointToHostAction, Failsafe};
+
+/// Settings the datastore may set, by their Felix names.
+pub const DEFAULT_ENDPOINT_TO_HOST_ACTION: &str = "DefaultEndpointToHostAction";
+pub const INTERFACE_PREFIX: &str = "InterfacePrefix";
+pub const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
+pub const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
+pub const LOG_PREFIX: &str = "LogPrefix";
+
+/// Settings read at start only: a datastore value that differs is reported, not applied.
+pub const RESTART_ONLY: &[&str] = &["IptablesBackend", "Ipv6Support", "DeviceRouteProtocol"];
+
+/// The options to use, and the datastore values that were refused (named, with the reason).
+pub fn effective(
+    base: &LinuxOptions,
+    pinned: &BTreeSet<String>,
+    datastore: &BTreeMap<String, String>,
+) -> (LinuxOptions, Vec<String>) {
+    let mut out = base.clone();
+    let mut problems = Vec::new();
+    let take = |key: &str| -> Option<&String> {
+        if pinned.contains(key) {
+            None
+        } else {
+            datastore.get(key)
+        }
+    };
+    if let Some(v) = take(DEFAULT_ENDPOINT_TO_HOST_ACTION) {
+        match v.to_ascii_lowercase().as_str() {
+            "drop" => out.statics.endpoint_to_host = EndpointToHostAction::Drop,
+            "accept" => out.statics.endpoint_to_host = EndpointToHostAction::Accept,
+            "return" => out.statics.endpoint_to_host = EndpointToHostAction::Return,
+            _ => problems.push(format!(
+                "FelixConfiguration {DEFAULT_ENDPOINT_TO_HOST_ACTION}={v:?}: expected Drop, Accept or Return"
+            )),
+        }
+    }
+    if let Some(v) = take(INTERFACE_PREFIX) {
+        let prefixes: Vec<String> = v
+            .split(',')
+            .map(|p| p.trim().to_owned())
+            .filter(|p| !p.is_empty())
+            .collect();
+        let valid = !prefixes.is_empty()
+            && prefixes.iter().all(|p| {
+                p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            });
+        if valid {
+            out.statics.workload_prefixes = prefixes;
+        } else {
+            problems.push(format!(
+                "FelixConfiguration {INTERFACE_PREFIX}={v:?}: not a comma-separated list of interface name prefixes"
+            ));
+        }
+    }
+    for (key, slot) in [
+        (FAILSAFE_INBOUND, &mut out.statics.failsafe_in),
+        (FAILSAFE_OUTBOUND, &mut out.statics.failsafe_out),
+    ] {
+        if let Some(v) = take(key) {
+            match parse_failsafes(v) {
+                Ok(list) => *slot = list,
+                Err(e) => problems.push(format!("FelixConfiguration {key}={v:?}: {e}")),
+            }
+        }
+    }
+    if let Some(v) = take(LOG_PREFIX) {
+        out.render.log_prefix = v.clone();
+    }
+    (out, problems)
+}
+
+/// `[{"protocol":"TCP","port":22}, …]` (the v3 resource) or `tcp:22,udp:68` (Felix's env form);
+/// `none` or an empty list for none.
+pub fn parse_failsafes(v: &str) -> Result<Vec<Failsafe>, String> {
+    let t = v.trim();
+    if t.is_empty() || t.eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    if t.starts_with('[') {
+        let items: Vec<serde_json::Value> =
+            serde_json::from_str(t).map_err(|e| format!("not a JSON list: {e}"))?;
+        return items
+            .iter()
+            .map(|i| {
+                let proto = i["protocol"].as_str().unwrap_or("tcp");
+                let port = i["port"]
+                    .as_u64()
+                    .ok_or_else(|| format!("entry {i} has no numeric port"))?;
+                format!("{proto}:{port}").parse()
+            })
+            .collect();
+    }
+    t.split(',').map(|s| s.trim().parse()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn datastore_values_apply_unless_pinned_by_a_flag() {
+        let base = LinuxOptions::default();
+        let ds = map(&[
+            ("DefaultEndpointToHostAction", "Accept"),
+            ("InterfacePrefix", "cali,tap"),
+            (
+                "FailsafeInboundHostPorts",
+                r#"[{"protocol":"TCP","port":22},{"protocol":"UDP","port":68}]"#,
+            ),
+            ("FailsafeOutboundHostPorts", "none"),
+            ("LogPrefix", "calico-drop"),
+        ]);
+        let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(o.statics.endpoint_to_host, EndpointToHostAction::Accept);
+        assert_eq!(o.statics.workload_prefixes, vec!["cali", "tap"]);
+        assert_eq!(o.statics.failsafe_in.len(), 2);
+        assert_eq!(o.statics.failsafe_in[1].protocol, "udp");
+        assert!(o.statics.failsafe_out.is_empty());
+        assert_eq!(o.render.log_prefix, "calico-drop");
+
+        // A flag (or env var) given by the operator wins over the datastore, as in Felix.
+        let pinned: BTreeSet<String> = [DEFAULT_ENDPOINT_TO_HOST_ACTION.to_owned()].into();
+        let (o, _) = effective(&base, &pinned, &ds);
+        assert_eq!(o.statics.endpoint_to_host, EndpointToHostAction::Drop);
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_name_and_the_rest_still_applies() {
+        let base = LinuxOptions::default();
+        let ds = map(&[
+            ("DefaultEndpointToHostAction", "Maybe"),
+            ("FailsafeInboundHostPorts", "tcp:not-a-port"),
+            ("InterfacePrefix", "tap"),
+        ]);
+        let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].contains("DefaultEndpointToHostAction=\"Maybe\""));
+        assert_eq!(o.statics.endpoint_to_host, EndpointToHostAction::Drop);
+        assert_eq!(o.statics.failsafe_in, base.statics.failsafe_in);
+        assert_eq!(o.statics.workload_prefixes, vec!["tap"]);
+    }
+}
