@@ -100,7 +100,8 @@ pub fn apply(
             (Some(d), [one]) => one.split(d).map(str::to_string).collect(),
             _ => values.clone(),
         };
-        let set = move |a: clap::Arg| a.default_values(values.clone());
+        // A required flag is satisfied by the file (clap does not count defaults as given).
+        let set = move |a: clap::Arg| a.default_values(values.clone()).required(false);
         cmd = if on_sub {
             let sub = sub.unwrap_or_default().to_string();
             cmd.mut_subcommand(sub, |s| s.mut_arg(id, set))
@@ -167,6 +168,8 @@ mod tests {
         #[arg(long)]
         verbose: bool,
         #[arg(long)]
+        node: String,
+        #[arg(long)]
         config_file: Option<PathBuf>,
     }
 
@@ -187,18 +190,24 @@ mod tests {
     #[test]
     fn file_is_beneath_flags_and_above_defaults() {
         let t = run(
-            "listen: 0.0.0.0:9\nlimit: 7\nendpoints: [a, b]\nverbose: true\n",
+            "listen: 0.0.0.0:9\nlimit: 7\nendpoints: [a, b]\nverbose: true\nnode: n1\n",
             &["--limit", "8"],
         )
         .unwrap();
+        assert_eq!(t.node, "n1", "a required flag can come from the file");
         assert_eq!(t.listen, "0.0.0.0:9");
         assert_eq!(t.limit, 8, "the flag wins over the file");
         assert_eq!(t.endpoints, ["a", "b"]);
         assert!(t.verbose);
-        let t = run("endpoints: x,y\n", &[]).unwrap();
+        let err = run("endpoints: x,y\n", &[]).unwrap_err();
+        assert!(
+            err.contains("--node"),
+            "still required without the file: {err}"
+        );
+        let t = run("endpoints: x,y\n", &["--node", "n"]).unwrap();
         assert_eq!(t.endpoints, ["x", "y"]);
         assert_eq!(t.limit, 5, "defaults stay for keys not in the file");
-        let t = run("", &[]).unwrap();
+        let t = run("", &["--node", "n"]).unwrap();
         assert_eq!(t.listen, "127.0.0.1:1");
     }
 
@@ -208,7 +217,7 @@ mod tests {
         assert!(err.contains("unknown setting \"lisen\""), "{err}");
         let err = run("limit: {a: 1}\n", &[]).unwrap_err();
         assert!(err.contains("limit"), "{err}");
-        let err = run("limit: many\n", &[]).unwrap_err();
+        let err = run("limit: many\n", &["--node", "n"]).unwrap_err();
         assert!(err.contains("many"), "{err}");
         let err = run("config-file: /x\n", &[]).unwrap_err();
         assert!(err.contains("cannot be set"), "{err}");
