@@ -51,6 +51,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start: the size of the serve variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
