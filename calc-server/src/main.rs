@@ -8,6 +8,7 @@
 mod bench;
 mod bench_sync;
 mod compute;
+mod config_file;
 mod datastore;
 mod etcd;
 mod gen_cluster;
@@ -37,10 +38,22 @@ struct Cli {
     #[arg(long, env = "CALC_SERVER_LOG_LEVEL", global = true)]
     log_level: Option<String>,
 
+    /// Log line format: plain text or one JSON object per line.
+    #[arg(
+        long,
+        env = "CALC_SERVER_LOG_FORMAT",
+        global = true,
+        value_enum,
+        default_value = "plain"
+    )]
+    log_format: LogFormat,
+
     #[command(subcommand)]
     command: Command,
 }
 
+// Parsed once at start: the size of the serve variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
@@ -69,6 +82,15 @@ enum Command {
     },
 }
 
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Plain,
+    /// One JSON object per line.
+    Json,
+}
+
 #[derive(Subcommand)]
 enum SelectorCommand {
     /// Evaluate a selector against a set of labels; prints `true` or `false`.
@@ -88,13 +110,19 @@ enum SelectorCommand {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `serve --config-file PATH` (or CALC_SERVER_CONFIG_FILE) supplies defaults beneath flags
+    // and environment variables.
+    let cli: Cli =
+        config_file::parse_args("--config-file", "CALC_SERVER_CONFIG_FILE", Some("serve"));
     let default_level = if matches!(cli.command, Command::Serve(_)) {
         "info"
     } else {
         "warn"
     };
-    init_logging(cli.log_level.as_deref().unwrap_or(default_level));
+    init_logging(
+        cli.log_level.as_deref().unwrap_or(default_level),
+        cli.log_format,
+    );
     let result = match cli.command {
         Command::Compute(args) => compute::run(&args),
         Command::Serve(args) => serve::run(&args),
@@ -120,13 +148,16 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(level: &str) {
+fn init_logging(level: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Plain => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
 }
 
 fn parse_selector(input: &str) -> anyhow::Result<selector::Selector> {

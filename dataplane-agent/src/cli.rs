@@ -1,5 +1,6 @@
 //! The command line: `dataplane-agent --server URL --node NAME --driver dry-run [--state-file PATH]`.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use crate::driver::linux::rules::static_chains::{
 };
 use crate::driver::{DriverKind, LinuxOptions};
 use crate::session::{SessionConfig, normalize_server_url};
+use crate::tls::{ClientTls, ServerIdentity};
 
 /// Log line format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -35,7 +37,7 @@ pub enum LogFormat {
 pub struct Cli {
     /// calc-server URL; repeat the flag or separate with commas. Tried in order, moving to the
     /// next one when a connection fails or a stream ends (fail-over). "host:port" means
-    /// "http://host:port".
+    /// "http://host:port", or "https://host:port" when the --tls-* flags are set.
     #[arg(
         long = "server",
         env = "DATAPLANE_AGENT_SERVERS",
@@ -169,17 +171,72 @@ pub struct Cli {
         default_value = "plain"
     )]
     pub log_format: LogFormat,
+
+    /// PEM bundle of the CA that signs the calc-server's certificate. Setting any --tls-* flag
+    /// requires --tls-ca-file, --tls-cert-file, --tls-key-file and one of --tls-server-cn /
+    /// --tls-server-uri-san; every server URL is then https:// (no plaintext fallback).
+    #[arg(long, env = "DATAPLANE_AGENT_TLS_CA_FILE", value_name = "PATH")]
+    pub tls_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate: its CN (or URI SAN, as the server is configured) is this node's
+    /// identity and must name the --node.
+    #[arg(long, env = "DATAPLANE_AGENT_TLS_CERT_FILE", value_name = "PATH")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "DATAPLANE_AGENT_TLS_KEY_FILE", value_name = "PATH")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Required common name of the calc-server's certificate.
+    #[arg(long, env = "DATAPLANE_AGENT_TLS_SERVER_CN", value_name = "NAME")]
+    pub tls_server_cn: Option<String>,
+
+    /// Required URI SAN of the calc-server's certificate (either this or the CN must match
+    /// when both are set).
+    #[arg(long, env = "DATAPLANE_AGENT_TLS_SERVER_URI_SAN", value_name = "URI")]
+    pub tls_server_uri_san: Option<String>,
+
+    /// Serve /liveness, /readiness and /metrics over HTTP on this address (e.g.
+    /// 127.0.0.1:9098). Off when not set.
+    #[arg(long, env = "DATAPLANE_AGENT_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// YAML file of settings: keys are flag names without the dashes (`node: node-1`,
+    /// `server: [https://calc:50051]`, `tls-ca-file: /etc/agent/ca.pem`). Precedence: flags,
+    /// then environment variables, then this file, then the defaults.
+    #[arg(long, env = "DATAPLANE_AGENT_CONFIG_FILE", value_name = "PATH")]
+    pub config_file: Option<PathBuf>,
+
+    /// Print the effective settings (after flags, environment and config file) and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 impl Cli {
     /// Checks what clap cannot and builds the session configuration.
     pub fn session_config(&self) -> Result<SessionConfig, String> {
+        let tls = self.tls()?;
         let servers = self
             .servers
             .iter()
             .map(|s| s.trim())
             .filter(|s| !s.is_empty())
-            .map(normalize_server_url)
+            .map(|s| {
+                let url = if tls.is_some() && !s.contains("://") {
+                    normalize_server_url(&format!("https://{s}"))?
+                } else {
+                    normalize_server_url(s)?
+                };
+                match (tls.is_some(), url.starts_with("https://")) {
+                    (true, false) => Err(format!(
+                        "--server {url}: the --tls-* flags are set, so every server must be https:// (no plaintext fallback)"
+                    )),
+                    (false, true) => Err(format!(
+                        "--server {url}: https:// needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn or --tls-server-uri-san"
+                    )),
+                    _ => Ok(url),
+                }
+            })
             .collect::<Result<Vec<_>, _>>()?;
         if servers.is_empty() {
             return Err("--server: at least one calc-server URL is required".to_owned());
@@ -200,7 +257,51 @@ impl Cli {
         config.heartbeat_interval = self.heartbeat_interval;
         config.reconnect_min_delay = self.reconnect_min_delay;
         config.reconnect_max_delay = self.reconnect_max_delay;
+        config.tls = tls;
         Ok(config)
+    }
+
+    /// The TLS settings: `None` without any --tls-* flag; all-or-nothing otherwise.
+    pub fn tls(&self) -> Result<Option<ClientTls>, String> {
+        let any = self.tls_ca_file.is_some()
+            || self.tls_cert_file.is_some()
+            || self.tls_key_file.is_some()
+            || self.tls_server_cn.is_some()
+            || self.tls_server_uri_san.is_some();
+        if !any {
+            return Ok(None);
+        }
+        let missing: Vec<&str> = [
+            ("--tls-ca-file", self.tls_ca_file.is_none()),
+            ("--tls-cert-file", self.tls_cert_file.is_none()),
+            ("--tls-key-file", self.tls_key_file.is_none()),
+            (
+                "--tls-server-cn or --tls-server-uri-san",
+                self.tls_server_cn.is_none() && self.tls_server_uri_san.is_none(),
+            ),
+        ]
+        .iter()
+        .filter(|(_, m)| *m)
+        .map(|(n, _)| *n)
+        .collect();
+        let (Some(ca), Some(cert), Some(key), true) = (
+            &self.tls_ca_file,
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            missing.is_empty(),
+        ) else {
+            return Err(format!(
+                "TLS is all or nothing: missing {}",
+                missing.join(", ")
+            ));
+        };
+        let identity = ServerIdentity {
+            cn: self.tls_server_cn.clone().filter(|s| !s.is_empty()),
+            uri_san: self.tls_server_uri_san.clone().filter(|s| !s.is_empty()),
+        };
+        ClientTls::load(ca, cert, key, identity)
+            .map(Some)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -399,6 +500,43 @@ mod tests {
         let opts = cli.linux_options().unwrap();
         assert_eq!(opts.statics.workload_prefixes, vec!["cali", "tap"]);
         assert_eq!(opts.backend, Backend::Legacy);
+    }
+
+    #[test]
+    fn tls_flags_are_all_or_nothing() {
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["dataplane-agent", "--server", "calc:50051", "--node", "n"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).expect("parses")
+        };
+        let err = parse(&["--tls-server-cn", "calc"])
+            .session_config()
+            .unwrap_err();
+        assert!(
+            err.contains("--tls-ca-file") && err.contains("--tls-key-file"),
+            "{err}"
+        );
+        let err = parse(&[
+            "--tls-ca-file",
+            "/ca",
+            "--tls-cert-file",
+            "/c",
+            "--tls-key-file",
+            "/k",
+        ])
+        .session_config()
+        .unwrap_err();
+        assert!(err.contains("--tls-server-cn"), "{err}");
+        // https:// without TLS settings is refused rather than tried in plaintext.
+        let cli = Cli::try_parse_from([
+            "dataplane-agent",
+            "--server",
+            "https://calc:50051",
+            "--node",
+            "n",
+        ])
+        .unwrap();
+        assert!(cli.session_config().unwrap_err().contains("https://"));
     }
 
     #[test]

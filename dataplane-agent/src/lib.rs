@@ -4,13 +4,17 @@
 //! * [`session`] — the stream: hello, snapshot, `InSync`, deltas, reports back, reconnects with
 //!   back-off and fail-over, mark and sweep across reconnects.
 //! * [`driver`] — the driver trait and the drivers (`dry-run`; `linux` is not implemented yet).
-//! * [`cli`] — the command line.
+//! * [`cli`] — the command line (with [`config_file`] beneath flags and environment).
+//! * [`tls`] — mutual TLS to the calc-server; [`admin`] — health and metrics.
 //!
 //! `docs/proto.md` is the stream contract; `docs/drivers.md` is the driver contract.
 
+pub mod admin;
 pub mod backoff;
 pub mod cli;
 pub mod clock;
+pub mod config_file;
 pub mod driver;
 pub mod session;
+pub mod tls;
 pub mod tracker;

@@ -4,14 +4,18 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use dataplane_agent::cli::{Cli, LogFormat};
 use dataplane_agent::driver::{self, DriverOptions};
-use dataplane_agent::session;
+use dataplane_agent::{admin, config_file, session};
 use tracing::info;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // --config-file (or DATAPLANE_AGENT_CONFIG_FILE) supplies defaults beneath flags and env.
+    let cli: Cli = config_file::parse_args("--config-file", "DATAPLANE_AGENT_CONFIG_FILE", None);
+    if cli.print_config {
+        println!("{cli:#?}");
+        return ExitCode::SUCCESS;
+    }
     init_logging(&cli.log_level, cli.log_format);
     let config = match cli.session_config() {
         Ok(c) => c,
@@ -59,17 +63,30 @@ fn main() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         "starting"
     );
+    let admin_listen = cli.admin_listen;
     let result = runtime.block_on(async move {
+        let metrics = config.metrics.clone();
+        if let Some(addr) = admin_listen {
+            if let Err(e) = admin::serve(addr, metrics.clone()).await {
+                eprintln!("dataplane-agent: --admin-listen {addr}: {e}");
+                return Ok(None);
+            }
+            info!(%addr, "admin endpoint: /liveness /readiness /metrics");
+        }
+        metrics.set_session_running(true);
         // The session runs on a worker thread so a driver's blocking apply can use
         // block_in_place.
         let task = tokio::spawn(session::run(config, driver, shutdown_signal()));
-        task.await
+        let driver = task.await;
+        metrics.set_session_running(false);
+        driver.map(Some)
     });
     match result {
-        Ok(_driver) => {
-            info!("stopped");
+        Ok(Some(_driver)) => {
+            info!("stopped; the dataplane is left in place");
             ExitCode::SUCCESS
         }
+        Ok(None) => ExitCode::from(2),
         Err(e) => {
             eprintln!("dataplane-agent: session task failed: {e}");
             ExitCode::FAILURE

@@ -39,10 +39,13 @@ use tonic::Code;
 use tonic::transport::Endpoint;
 use tracing::{debug, error, info, warn};
 
+use crate::admin::AgentMetrics;
 use crate::backoff::Backoff;
 use crate::clock::rfc3339_utc;
 use crate::driver::{Driver, EndpointStatuses};
+use crate::tls::ClientTls;
 use crate::tracker::Tracker;
+use std::sync::Arc;
 
 /// Everything the session needs; build with [`SessionConfig::new`] and adjust the fields.
 #[derive(Clone, Debug)]
@@ -74,6 +77,10 @@ pub struct SessionConfig {
     pub max_batch: usize,
     /// When the process started, for `ProcessStatusUpdate.uptime`.
     pub process_start: Instant,
+    /// Mutual TLS for `https://` servers (`None`: plaintext `http://` only).
+    pub tls: Option<ClientTls>,
+    /// Health and counters for the admin endpoint.
+    pub metrics: Arc<AgentMetrics>,
 }
 
 impl SessionConfig {
@@ -94,6 +101,8 @@ impl SessionConfig {
             keepalive_timeout: Duration::from_secs(10),
             max_batch: 10_000,
             process_start: Instant::now(),
+            tls: None,
+            metrics: Arc::default(),
         }
     }
 }
@@ -252,6 +261,7 @@ struct AgentState {
     reported: EndpointStatuses,
     apply_backoff: Backoff,
     process_start: Instant,
+    metrics: Arc<AgentMetrics>,
 }
 
 impl AgentState {
@@ -263,6 +273,7 @@ impl AgentState {
             reported: EndpointStatuses::default(),
             apply_backoff: Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay),
             process_start: config.process_start,
+            metrics: config.metrics.clone(),
         }
     }
 }
@@ -297,7 +308,7 @@ struct StreamState {
     messages: u64,
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(inner) = source {
@@ -316,13 +327,37 @@ async fn connect(
     url: &str,
 ) -> Result<CalcServerClient<tonic::transport::Channel>, String> {
     let url = normalize_server_url(url)?;
-    let endpoint = Endpoint::from_shared(url)
-        .map_err(|e| error_chain(&e))?
-        .connect_timeout(config.connect_timeout)
-        .http2_keep_alive_interval(config.keepalive_interval)
-        .keep_alive_timeout(config.keepalive_timeout)
-        .keep_alive_while_idle(true)
-        .tcp_nodelay(true);
+    let settings = |e: Endpoint| {
+        e.connect_timeout(config.connect_timeout)
+            .http2_keep_alive_interval(config.keepalive_interval)
+            .keep_alive_timeout(config.keepalive_timeout)
+            .keep_alive_while_idle(true)
+            .tcp_nodelay(true)
+    };
+    // No silent fallback: an https:// server needs TLS settings and TLS settings need https://.
+    match (&config.tls, url.starts_with("https://")) {
+        (Some(tls), true) => {
+            return match tokio::time::timeout(config.connect_timeout, tls.connect(&url, settings))
+                .await
+            {
+                Ok(Ok(channel)) => Ok(CalcServerClient::new(channel)),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
+            };
+        }
+        (Some(_), false) => {
+            return Err(format!(
+                "{url}: TLS is configured, so the server URL must be https://"
+            ));
+        }
+        (None, true) => {
+            return Err(format!(
+                "{url}: an https:// server needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn"
+            ));
+        }
+        (None, false) => {}
+    }
+    let endpoint = settings(Endpoint::from_shared(url).map_err(|e| error_chain(&e))?);
     match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
         Ok(Ok(channel)) => Ok(CalcServerClient::new(channel)),
         Ok(Err(e)) => Err(error_chain(&e)),
@@ -356,6 +391,7 @@ async fn run_stream<D: Driver>(
 ) -> StreamResult {
     let mut reached_in_sync = false;
     let end = stream_inner(config, url, driver, agent, &mut reached_in_sync).await;
+    config.metrics.stream_ended();
     StreamResult {
         end,
         reached_in_sync,
@@ -426,6 +462,7 @@ async fn stream_inner<D: Driver>(
         node = %config.node_name,
         "connected to calc-server"
     );
+    config.metrics.stream_started();
     if agent.ever_in_sync {
         info!(
             known_objects = agent.tracker.known_len(),
@@ -474,6 +511,7 @@ async fn stream_inner<D: Driver>(
                         None => return StreamEnd::Closed,
                         Some(Err(status)) => return StreamEnd::Status(status),
                         Some(Ok(msg)) => {
+                            config.metrics.message();
                             if let Err(e) = handle(msg, &mut st, driver, agent) {
                                 return StreamEnd::Protocol(e);
                             }
@@ -595,6 +633,7 @@ fn handle<D: Driver>(
             } else {
                 info!(snapshot_messages = st.messages, "in sync with calc-server");
             }
+            agent.metrics.in_sync(agent.ever_in_sync);
             st.in_sync = true;
             agent.ever_in_sync = true;
         }
@@ -615,6 +654,9 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
     let started = Instant::now();
     let changes = agent.pending;
     let result = run_blocking(|| driver.apply());
+    agent
+        .metrics
+        .applied(started.elapsed(), result.is_ok(), driver.metrics());
     let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     match result {
         Ok(()) => {

@@ -267,8 +267,20 @@ impl Agent {
     /// Starts an agent for `node` against `servers` (comma-separated), writing its state file
     /// and log into `dir`.
     pub fn start(dir: &std::path::Path, servers: &str, node: &str) -> Agent {
-        let state = dir.join(format!("{node}.state.json"));
-        let log = dir.join(format!("{node}.agent.log"));
+        Self::start_with(dir, servers, node, node, &[])
+    }
+
+    /// Like [`Agent::start`] with extra flags; `name` names the state and log files (so two
+    /// agents for one node can run side by side).
+    pub fn start_with(
+        dir: &std::path::Path,
+        servers: &str,
+        node: &str,
+        name: &str,
+        extra: &[&str],
+    ) -> Agent {
+        let state = dir.join(format!("{name}.state.json"));
+        let log = dir.join(format!("{name}.agent.log"));
         let _ = std::fs::remove_file(&state);
         let out = std::fs::File::create(&log).expect("agent log");
         let child = std::process::Command::new(binary("dataplane-agent"))
@@ -289,6 +301,7 @@ impl Agent {
                 "500ms",
             ])
             .args(["--heartbeat-interval", "1s"])
+            .args(extra)
             .stdout(out.try_clone().expect("log"))
             .stderr(out)
             .spawn()
@@ -321,6 +334,28 @@ impl Agent {
             "agent state never reached: {what}\nstate: {:?}\nlog:\n{}",
             self.state(),
             std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
+    }
+}
+
+impl Agent {
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the agent's log contains `needle` (up to 20 s); returns the log.
+    pub fn wait_for_log(&self, needle: &str) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::time::Instant::now() < deadline {
+            let log = self.log_text();
+            if log.contains(needle) {
+                return log;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!(
+            "agent log never contained {needle:?}; log:\n{}",
+            self.log_text()
         );
     }
 }

@@ -1,6 +1,6 @@
 //! Admin HTTP endpoint: `/status` (JSON of every node's connection and reported status) and
-//! `/liveness`, `/readiness` (200 once the datastore is loaded). Metrics come with the
-//! production issue.
+//! `/liveness`, `/readiness` (200 once the datastore is loaded, 503 before) and `/metrics`
+//! (Prometheus text, see `metrics`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,12 +10,24 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 
+use super::metrics::Metrics;
 use super::status::{Board, NodeStatus};
 
 #[derive(Clone)]
 pub struct AdminState {
     pub board: Arc<Board>,
     pub ready: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
+}
+
+async fn metrics(State(s): State<AdminState>) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(s.ready.load(Ordering::Relaxed)),
+    )
 }
 
 async fn status(State(s): State<AdminState>) -> Json<Vec<NodeStatus>> {
@@ -38,5 +50,6 @@ pub fn router(state: AdminState) -> axum::Router {
         .route("/status", get(status))
         .route("/liveness", get(|| async { "alive\n" }))
         .route("/readiness", get(readiness))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }

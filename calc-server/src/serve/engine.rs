@@ -18,6 +18,7 @@ use calc_graph::graph::{CalcGraph, SharedMessage, Update};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+use super::metrics::Metrics;
 use super::status::Board;
 
 /// What a connection's outgoing stream carries.
@@ -33,8 +34,8 @@ pub struct Conn {
     pub tx: mpsc::UnboundedSender<Out>,
     /// Messages the stream has taken from the queue (counted by the stream).
     pub taken: Arc<AtomicU64>,
-    /// Messages the engine has queued.
-    pub queued: u64,
+    /// Messages the engine has queued (shared with the metrics: lag = queued - taken).
+    pub queued: Arc<AtomicU64>,
     /// Where the node's snapshot ends in the queue, once it has been queued.
     pub snapshot_end: Option<u64>,
 }
@@ -45,13 +46,14 @@ impl Conn {
             id,
             tx,
             taken,
-            queued: 0,
+            queued: Arc::new(AtomicU64::new(0)),
             snapshot_end: None,
         }
     }
 
     fn backlog(&self) -> u64 {
         self.queued
+            .load(Ordering::Relaxed)
             .saturating_sub(self.taken.load(Ordering::Relaxed))
     }
 }
@@ -91,6 +93,7 @@ pub struct Engine {
     waiting: VecDeque<String>,
     /// Nodes whose snapshot is being delivered.
     snapshotting: HashSet<String>,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
@@ -100,6 +103,7 @@ impl Engine {
         allow_unknown_nodes: bool,
         ready: Arc<std::sync::atomic::AtomicBool>,
         max_concurrent_snapshots: usize,
+        metrics: Arc<Metrics>,
     ) -> Engine {
         Engine {
             graph: CalcGraph::new(),
@@ -111,6 +115,7 @@ impl Engine {
             max_concurrent_snapshots: max_concurrent_snapshots.max(1),
             waiting: VecDeque::new(),
             snapshotting: HashSet::new(),
+            metrics,
         }
     }
 
@@ -157,12 +162,14 @@ impl Engine {
                 }
             }
             let mut stop = false;
+            let started = std::time::Instant::now();
             for input in inputs {
                 stop |= self.handle(input);
             }
             self.sweep_closed();
             self.admit();
             self.flush();
+            self.metrics.calc_seconds.observe(started.elapsed());
             if self.graph.in_sync() {
                 self.ready.store(true, Ordering::Relaxed);
             }
@@ -172,6 +179,7 @@ impl Engine {
                         "calc-server is shutting down",
                     )));
                     self.board.disconnected(&node);
+                    self.metrics.agent_gone(&node, None);
                 }
                 return;
             }
@@ -198,6 +206,7 @@ impl Engine {
         self.snapshotting.remove(node);
         self.waiting.retain(|n| n != node);
         self.board.disconnected(node);
+        self.metrics.agent_gone(node, Some(conn.id));
         Some(conn)
     }
 
@@ -206,8 +215,17 @@ impl Engine {
             Input::Datastore(updates) => {
                 let span = tracing::debug_span!("datastore_batch", updates = updates.len());
                 let _enter = span.enter();
+                self.metrics
+                    .updates_processed
+                    .fetch_add(updates.len() as u64, Ordering::Relaxed);
                 for u in updates {
+                    if matches!(u, Update::InSync) {
+                        self.metrics.datastore_syncs.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Err(rejection) = self.graph.apply(u) {
+                        self.metrics
+                            .rejected_validation
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
                     }
                 }
@@ -239,6 +257,12 @@ impl Engine {
                 self.waiting.retain(|n| n != &node);
                 self.waiting.push_back(node.clone());
                 self.board.connected(&node, conn.id, &agent_version);
+                self.metrics.agent_connected(
+                    &node,
+                    conn.id,
+                    conn.queued.clone(),
+                    conn.taken.clone(),
+                );
                 self.conns.insert(node, conn);
                 let _ = reply.send(Ok(()));
             }
@@ -260,6 +284,7 @@ impl Engine {
         let board = &self.board;
         let snapshotting = &self.snapshotting;
         let limit = self.backlog_limit as u64;
+        let metrics = &self.metrics;
         let mut overflowed = Vec::new();
         self.graph.flush_with(|batch| {
             let Some(conn) = conns.get_mut(&batch.node) else {
@@ -271,10 +296,11 @@ impl Engine {
                 overflowed.push(batch.node.clone());
                 return;
             }
-            conn.queued += n;
+            let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
+            metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
             // The node's first batch after it was admitted is its snapshot.
             if conn.snapshot_end.is_none() && snapshotting.contains(&batch.node) {
-                conn.snapshot_end = Some(conn.queued);
+                conn.snapshot_end = Some(queued);
             }
             board.sent(&batch.node, n);
             for m in batch.messages {

@@ -4,9 +4,13 @@
 //! Tasks: the watcher (datastore → engine), the engine (graph, per-node queues), one task per
 //! agent stream (its outgoing queue) and one per agent's reports, the status writer, the admin
 //! HTTP server. SIGTERM/SIGINT: every stream is closed with UNAVAILABLE, then the process exits 0.
+//! `listener` accepts connections (mutual TLS, handshake timeout, connection limit) and
+//! `metrics` holds what `/metrics` shows.
 
 mod admin;
 mod engine;
+pub mod listener;
+pub mod metrics;
 mod service;
 pub mod status;
 mod watch;
@@ -30,7 +34,7 @@ pub struct ServeArgs {
     /// Address the gRPC Sync service listens on.
     #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness).
+    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness, /metrics).
     #[arg(
         long,
         env = "CALC_SERVER_ADMIN_LISTEN",
@@ -77,6 +81,17 @@ pub struct ServeArgs {
     /// Kubernetes watch settings (for `--datastore-type kubernetes`).
     #[command(flatten)]
     pub kube: crate::k8s::KubeServeArgs,
+    /// mTLS and connection limits of the Sync listener.
+    #[command(flatten)]
+    pub listener: listener::ListenerArgs,
+    /// YAML file of settings for serve: keys are flag names without the dashes
+    /// (`listen: 0.0.0.0:50051`, `tls-ca-file: /etc/calc/ca.pem`, lists as YAML sequences).
+    /// Precedence: flags, then environment variables, then this file, then the defaults.
+    #[arg(long, env = "CALC_SERVER_CONFIG_FILE", value_name = "PATH")]
+    pub config_file: Option<PathBuf>,
+    /// Print the effective settings (after flags, environment and config file) and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
@@ -108,6 +123,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if args.print_config {
+        println!("{args:#?}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Checked before anything starts: TLS flags are all or nothing, files must load.
+    let tls = args.listener.tls()?;
     let mut kube_client = None;
     let source = match args.datastore.datastore_type {
         DatastoreType::File => {
@@ -133,6 +154,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
 
     let board = Arc::new(status::Board::default());
+    let metrics = Arc::new(metrics::Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     let (engine_tx, engine_rx) = mpsc::channel(1024);
     let engine = engine::Engine::new(
@@ -141,12 +163,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.allow_unknown_nodes,
         ready.clone(),
         args.max_concurrent_snapshots,
+        metrics.clone(),
     );
     let engine_task = tokio::spawn(engine.run(engine_rx));
     match args.datastore.datastore_type {
         DatastoreType::Etcdv3 => {
-            // Values the adapter rejected (a metric to surface on /metrics).
-            let rejected = Arc::new(AtomicU64::new(0));
+            // Values the adapter rejected (on /metrics).
+            let rejected = metrics.rejected_decode.clone();
             let (tx, mut rx) = mpsc::channel(64);
             let watcher = crate::etcd::watcher::Watcher::new(
                 crate::etcd::watcher::WatchConfig {
@@ -224,6 +247,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let admin_router = admin::router(admin::AdminState {
         board: board.clone(),
         ready,
+        metrics: metrics.clone(),
     });
     tokio::spawn(async move {
         if let Err(error) = axum::serve(admin, admin_router).await {
@@ -236,6 +260,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         board,
         hello_timeout: args.hello_timeout,
         next_id: AtomicU64::new(1),
+        metrics: metrics.clone(),
     };
     let svc = felix_proto::calc_server_server::CalcServerServer::new(service)
         .max_decoding_message_size(args.max_recv_bytes)
@@ -243,10 +268,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, admin = %args.admin_listen, datastore = %source, "calc-server serving");
+    let scheme = if tls.is_some() { "mTLS" } else { "plaintext" };
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, datastore = %source, transport = scheme, "calc-server serving");
     eprintln!(
-        "calc-server: serving {source} on {} (admin http://{})",
+        "calc-server: serving {source} on {} ({scheme}; admin http://{})",
         args.listen, args.admin_listen
+    );
+    let incoming = listener::incoming(
+        listener,
+        tls,
+        args.listener.max_connections,
+        args.listener.tls_handshake_timeout,
+        metrics,
     );
 
     let shutdown = async move {
@@ -258,13 +291,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(args.keepalive_interval))
         .http2_keepalive_timeout(Some(args.keepalive_timeout))
+        .max_concurrent_streams(Some(args.listener.max_concurrent_streams))
         .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .context("gRPC server")?;
+    tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
 

@@ -4,10 +4,17 @@
 //! the server answers with a ServerHello, then whatever the engine sends for that node (its
 //! snapshot, InSync, deltas), numbering every message from 1. Reports coming back go to the
 //! status board. Protocol errors end the stream with a status that says what was wrong.
+//!
+//! Node identity: over mutual TLS the node is the one the client certificate names (see
+//! `listener`); an AgentHello naming another node is refused with PERMISSION_DENIED (an empty
+//! hello node name takes the certificate's). Whatever the transport, an agent may report status
+//! only for endpoints this stream has sent it (its own node's); a status update for any other
+//! endpoint ends the stream with PERMISSION_DENIED.
 
+use std::collections::HashSet;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use felix_proto as pb;
@@ -18,6 +25,8 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Conn, Input, Out};
+use super::listener::PeerInfo;
+use super::metrics::Metrics;
 use super::status::Board;
 
 pub const CAPABILITIES: &[&str] = &[];
@@ -27,6 +36,37 @@ pub struct SyncService {
     pub board: Arc<Board>,
     pub hello_timeout: Duration,
     pub next_id: AtomicU64,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Endpoints a stream has sent its agent (`w:<orch>/<workload>/<endpoint>`, `h:<id>`): the
+/// ones it may report status for.
+type SentEndpoints = Arc<Mutex<HashSet<String>>>;
+
+fn workload_key(id: Option<&pb::WorkloadEndpointId>) -> String {
+    let id = id.cloned().unwrap_or_default();
+    format!(
+        "w:{}/{}/{}",
+        id.orchestrator_id, id.workload_id, id.endpoint_id
+    )
+}
+
+fn host_key(id: Option<&pb::HostEndpointId>) -> String {
+    format!(
+        "h:{}",
+        id.map(|i| i.endpoint_id.as_str()).unwrap_or_default()
+    )
+}
+
+/// A status update for an endpoint this stream never sent: which one.
+fn foreign_report(m: &pb::FromDataplane, sent: &SentEndpoints) -> Option<String> {
+    let key = match &m.payload {
+        Some(FromPayload::WorkloadEndpointStatusUpdate(u)) => workload_key(u.id.as_ref()),
+        Some(FromPayload::HostEndpointStatusUpdate(u)) => host_key(u.id.as_ref()),
+        _ => return None,
+    };
+    let known = sent.lock().expect("sent endpoints lock").contains(&key);
+    (!known).then(|| key[2..].to_string())
 }
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Send>>;
@@ -40,6 +80,7 @@ struct Outgoing {
     taken: Arc<AtomicU64>,
     seq: u64,
     done: bool,
+    sent_endpoints: SentEndpoints,
 }
 
 impl Stream for Outgoing {
@@ -61,6 +102,23 @@ impl Stream for Outgoing {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(Out::Msg(m))) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
+                match &m.payload {
+                    Some(ToPayload::WorkloadEndpointUpdate(u)) => {
+                        let key = workload_key(u.id.as_ref());
+                        self.sent_endpoints
+                            .lock()
+                            .expect("sent endpoints lock")
+                            .insert(key);
+                    }
+                    Some(ToPayload::HostEndpointUpdate(u)) => {
+                        let key = host_key(u.id.as_ref());
+                        self.sent_endpoints
+                            .lock()
+                            .expect("sent endpoints lock")
+                            .insert(key);
+                    }
+                    _ => {}
+                }
                 self.seq += 1;
                 let mut m = (*m).clone();
                 m.sequence_number = self.seq;
@@ -83,6 +141,7 @@ fn outgoing(
     hello: pb::ToDataplane,
     rx: mpsc::UnboundedReceiver<Out>,
     taken: Arc<AtomicU64>,
+    sent_endpoints: SentEndpoints,
 ) -> OutStream {
     Box::pin(Outgoing {
         hello: Some(hello),
@@ -90,6 +149,7 @@ fn outgoing(
         taken,
         seq: 0,
         done: false,
+        sent_endpoints,
     })
 }
 
@@ -101,7 +161,9 @@ impl pb::calc_server_server::CalcServer for SyncService {
         &self,
         request: Request<Streaming<pb::FromDataplane>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
-        let peer = request.remote_addr();
+        let peer_info = request.extensions().get::<PeerInfo>().cloned();
+        let peer = peer_info.as_ref().and_then(|p| p.remote);
+        let cert_node = peer_info.and_then(|p| p.identity);
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(self.hello_timeout, inbound.next())
             .await
@@ -113,7 +175,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
                     e.message()
                 ))
             })?;
-        let hello = match first.payload {
+        let mut hello = match first.payload {
             Some(FromPayload::AgentHello(h)) => h,
             other => {
                 let what = other.map_or("an empty message".to_string(), |p| {
@@ -129,6 +191,30 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 )));
             }
         };
+        match &cert_node {
+            None => {}
+            Some(Err(why)) => {
+                self.metrics
+                    .permission_denied
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(?peer, hello_node = %hello.node_name, reason = %why, "refused: the client certificate names no node");
+                return Err(Status::permission_denied(format!(
+                    "the client certificate names no node: {why}"
+                )));
+            }
+            Some(Ok(node)) if hello.node_name.is_empty() => hello.node_name = node.clone(),
+            Some(Ok(node)) if *node != hello.node_name => {
+                self.metrics
+                    .permission_denied
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(?peer, certificate_node = %node, hello_node = %hello.node_name, "refused: AgentHello names another node than the client certificate");
+                return Err(Status::permission_denied(format!(
+                    "the client certificate is for node {node:?}; it may not sync node {:?}",
+                    hello.node_name
+                )));
+            }
+            Some(Ok(_)) => {}
+        }
         if !calc_graph::model::validate::is_subdomain(&hello.node_name) {
             return Err(Status::invalid_argument(format!(
                 "AgentHello.node_name {:?} is not a valid node name (a DNS subdomain)",
@@ -140,6 +226,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
         let taken = Arc::new(AtomicU64::new(0));
+        let sent_endpoints = SentEndpoints::default();
         // When the outgoing stream goes away (the agent left, or this handshake was abandoned
         // even after the engine accepted it), the engine forgets the connection.
         {
@@ -170,15 +257,17 @@ impl pb::calc_server_server::CalcServer for SyncService {
         reply_rx
             .await
             .map_err(|_| Status::unavailable("calc-server is shutting down"))??;
-        span.in_scope(
-            || tracing::info!(?peer, agent_version = %hello.agent_version, "agent connected"),
-        );
+        span.in_scope(|| {
+            tracing::info!(?peer, agent_version = %hello.agent_version, capabilities = ?hello.capabilities, tls = cert_node.is_some(), "agent connected")
+        });
 
         // Reports back: to the board. A protocol error ends the stream with its reason; an
         // agent that only closes its sending side keeps receiving.
         let engine = self.engine.clone();
         let board = self.board.clone();
         let reader_node = node.clone();
+        let sent = sent_endpoints.clone();
+        let metrics = self.metrics.clone();
         tokio::spawn(async move {
             let mut last = first.sequence_number;
             let failure = loop {
@@ -192,6 +281,16 @@ impl pb::calc_server_server::CalcServer for SyncService {
                             break Some((why.clone(), Status::invalid_argument(why)));
                         }
                         last = m.sequence_number;
+                        if let Some(endpoint) = foreign_report(&m, &sent) {
+                            metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
+                            span.in_scope(|| tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node"));
+                            break Some((
+                                format!("status for endpoint {endpoint} not on this node"),
+                                Status::permission_denied(format!(
+                                    "node {reader_node} may only report status for its own endpoints; {endpoint} is not one"
+                                )),
+                            ));
+                        }
                         board.report(&reader_node, id, &m);
                     }
                     // Oversized or undecodable messages: the agent is told why.
@@ -227,6 +326,11 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 node_name: node,
             })),
         };
-        Ok(Response::new(outgoing(server_hello, rx, taken)))
+        Ok(Response::new(outgoing(
+            server_hello,
+            rx,
+            taken,
+            sent_endpoints,
+        )))
     }
 }

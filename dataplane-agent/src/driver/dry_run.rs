@@ -416,6 +416,17 @@ impl Driver for DryRunDriver {
     fn workload_endpoint(&self, id: &WorkloadEndpointKey) -> Option<WorkloadEndpoint> {
         self.state.workload_endpoints.get(id).cloned()
     }
+
+    /// The recorded state's sizes (no rules: the dry-run driver renders none).
+    fn metrics(&self) -> super::DriverMetrics {
+        let s = &self.state;
+        super::DriverMetrics {
+            rules: None,
+            ipsets: Some(s.ipsets.len() as u64),
+            ipset_members: Some(s.ipsets.values().map(|i| i.members.len() as u64).sum()),
+            routes: Some(s.routes.len() as u64),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -73,6 +73,25 @@ pub trait Driver: Send {
 
     /// Called before the apply that a wakeup triggers.
     fn on_wakeup(&mut self) {}
+
+    /// What the driver has programmed, for `/metrics` (read after each apply). Counts a driver
+    /// does not know stay `None` and are not exported.
+    fn metrics(&self) -> DriverMetrics {
+        DriverMetrics::default()
+    }
+}
+
+/// Sizes of the programmed dataplane, as a driver reports them for `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverMetrics {
+    /// iptables rules of ours, all tables and families.
+    pub rules: Option<u64>,
+    /// IP sets of ours.
+    pub ipsets: Option<u64>,
+    /// Members of those IP sets.
+    pub ipset_members: Option<u64>,
+    /// Routes of ours.
+    pub routes: Option<u64>,
 }
 
 impl<D: Driver + ?Sized> Driver for Box<D> {
@@ -99,6 +118,9 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
     fn on_wakeup(&mut self) {
         (**self).on_wakeup();
+    }
+    fn metrics(&self) -> DriverMetrics {
+        (**self).metrics()
     }
 }
 

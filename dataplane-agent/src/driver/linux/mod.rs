@@ -850,6 +850,16 @@ impl Driver for LinuxDriver {
         self.weps.get(id).cloned()
     }
 
+    fn metrics(&self) -> crate::driver::DriverMetrics {
+        let p = self.programmed();
+        crate::driver::DriverMetrics {
+            rules: Some(p.rules as u64),
+            ipsets: Some(p.ipsets as u64),
+            ipset_members: Some(p.ipset_members as u64),
+            routes: self.opts.manage_routes.then_some(p.routes as u64),
+        }
+    }
+
     fn refresh_interval(&self) -> Option<Duration> {
         Some(self.opts.refresh_interval)
     }

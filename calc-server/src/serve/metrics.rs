@@ -1,0 +1,243 @@
+//! The server's metrics, rendered as Prometheus text on the admin endpoint's `/metrics`.
+//!
+//! Counters are plain atomics bumped where things happen (engine, listener, service); the
+//! per-agent lag is read live from each connection's queue counters. Names and meanings are
+//! listed in `docs/operations.md`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A histogram with fixed buckets (seconds).
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            bounds: SECONDS_BUCKETS,
+            counts: SECONDS_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+/// One connected agent's queue counters (shared with its connection).
+struct AgentQueue {
+    conn_id: u64,
+    queued: Arc<AtomicU64>,
+    taken: Arc<AtomicU64>,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    /// Datastore updates applied to the graph (including rejected ones).
+    pub updates_processed: AtomicU64,
+    /// Complete datastore listings delivered (the first sync and every re-list).
+    pub datastore_syncs: AtomicU64,
+    /// Objects the graph refused (validation or conversion).
+    pub rejected_validation: AtomicU64,
+    /// Values the datastore adapter could not decode (shared with the etcd watcher).
+    pub rejected_decode: Arc<AtomicU64>,
+    /// Time the engine spent applying one burst of inputs and flushing.
+    pub calc_seconds: Histogram,
+    /// Connections closed at accept because `--max-connections` were open.
+    pub refused_limit: AtomicU64,
+    /// TLS handshakes that failed (bad, expired or missing certificate, not TLS, …).
+    pub refused_handshake: AtomicU64,
+    /// TLS handshakes not completed within `--tls-handshake-timeout`.
+    pub refused_handshake_timeout: AtomicU64,
+    /// Streams refused with PERMISSION_DENIED (certificate identity vs hello or reports).
+    pub permission_denied: AtomicU64,
+    /// Messages sent to agents (all streams).
+    pub messages_sent: AtomicU64,
+    agents: Mutex<BTreeMap<String, AgentQueue>>,
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Metrics {
+    pub fn agent_connected(
+        &self,
+        node: &str,
+        conn_id: u64,
+        queued: Arc<AtomicU64>,
+        taken: Arc<AtomicU64>,
+    ) {
+        self.agents.lock().expect("metrics lock").insert(
+            node.to_string(),
+            AgentQueue {
+                conn_id,
+                queued,
+                taken,
+            },
+        );
+    }
+
+    /// Forgets the node's agent (if it is still connection `conn_id`, when given).
+    pub fn agent_gone(&self, node: &str, conn_id: Option<u64>) {
+        let mut agents = self.agents.lock().expect("metrics lock");
+        if agents
+            .get(node)
+            .is_some_and(|a| conn_id.is_none_or(|id| a.conn_id == id))
+        {
+            agents.remove(node);
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self, ready: bool) -> String {
+        let mut out = String::new();
+        let mut one = |name: &str, kind: &str, help: &str, value: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        one(
+            "calc_server_ready",
+            "gauge",
+            "1 once the datastore snapshot is in the graph.",
+            u64::from(ready),
+        );
+        one(
+            "calc_server_datastore_updates_total",
+            "counter",
+            "Datastore updates processed by the calculation graph.",
+            c(&self.updates_processed),
+        );
+        one(
+            "calc_server_datastore_syncs_total",
+            "counter",
+            "Complete datastore listings delivered to the graph (first sync and every re-list).",
+            c(&self.datastore_syncs),
+        );
+        one(
+            "calc_server_agent_messages_sent_total",
+            "counter",
+            "Messages queued to agents, all streams.",
+            c(&self.messages_sent),
+        );
+        one(
+            "calc_server_permission_denied_total",
+            "counter",
+            "Streams refused because the client certificate's node does not match the hello or a report.",
+            c(&self.permission_denied),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_rejected_objects_total Datastore objects rejected, by stage (decode: unreadable value; validation: refused by the graph).\n# TYPE calc_server_rejected_objects_total counter\ncalc_server_rejected_objects_total{{stage=\"decode\"}} {}\ncalc_server_rejected_objects_total{{stage=\"validation\"}} {}",
+            c(&self.rejected_decode),
+            c(&self.rejected_validation)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_connections_refused_total Connections closed before the gRPC layer, by reason.\n# TYPE calc_server_connections_refused_total counter\ncalc_server_connections_refused_total{{reason=\"limit\"}} {}\ncalc_server_connections_refused_total{{reason=\"tls_handshake\"}} {}\ncalc_server_connections_refused_total{{reason=\"tls_handshake_timeout\"}} {}",
+            c(&self.refused_limit),
+            c(&self.refused_handshake),
+            c(&self.refused_handshake_timeout)
+        );
+        self.calc_seconds.render(
+            &mut out,
+            "calc_server_calc_seconds",
+            "Time to apply one burst of inputs to the graph and flush every node's changes.",
+        );
+        let agents = self.agents.lock().expect("metrics lock");
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_connected_agents Agents with an accepted Sync stream.\n# TYPE calc_server_connected_agents gauge\ncalc_server_connected_agents {}",
+            agents.len()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_agent_lag_messages Messages queued for the node's agent and not yet taken by its stream.\n# TYPE calc_server_agent_lag_messages gauge"
+        );
+        for (node, a) in agents.iter() {
+            let lag = c(&a.queued).saturating_sub(c(&a.taken));
+            let _ = writeln!(
+                out,
+                "calc_server_agent_lag_messages{{node=\"{}\"}} {lag}",
+                escape_label(node)
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::default();
+        m.updates_processed.fetch_add(3, Ordering::Relaxed);
+        m.calc_seconds.observe(Duration::from_millis(2));
+        m.calc_seconds.observe(Duration::from_secs(20));
+        let q = Arc::new(AtomicU64::new(10));
+        let t = Arc::new(AtomicU64::new(4));
+        m.agent_connected("node-\"1\"", 1, q, t);
+        let text = m.render(true);
+        assert!(
+            text.contains("calc_server_datastore_updates_total 3\n"),
+            "{text}"
+        );
+        assert!(text.contains("calc_server_calc_seconds_bucket{le=\"0.0025\"} 1\n"));
+        assert!(text.contains("calc_server_calc_seconds_bucket{le=\"10\"} 1\n"));
+        assert!(text.contains("calc_server_calc_seconds_bucket{le=\"+Inf\"} 2\n"));
+        assert!(text.contains("calc_server_calc_seconds_count 2\n"));
+        assert!(text.contains("calc_server_agent_lag_messages{node=\"node-\\\"1\\\"\"} 6\n"));
+        assert!(text.contains("calc_server_connected_agents 1\n"));
+        // An older connection's departure does not remove the newer one.
+        m.agent_gone("node-\"1\"", Some(0));
+        assert!(m.render(true).contains("calc_server_connected_agents 1\n"));
+        m.agent_gone("node-\"1\"", Some(1));
+        assert!(m.render(false).contains("calc_server_connected_agents 0\n"));
+        // Every sample line is `name{labels} value` with a number.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let value = line.rsplit(' ').next().unwrap();
+            assert!(value.parse::<f64>().is_ok(), "{line}");
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! The agent's health and metrics: [`AgentMetrics`] (updated by the session) and the admin HTTP
+//! endpoint (`--admin-listen`): `/liveness`, `/readiness` and `/metrics` (Prometheus text).
+//!
+//! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), and the
+//! last apply succeeded. Before the first InSync, while reconnecting, or while an apply is
+//! failing, `/readiness` answers 503 with the reason. Live means the session task is running.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+
+use crate::driver::DriverMetrics;
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// A histogram of durations with fixed buckets (seconds).
+#[derive(Debug)]
+struct Histogram {
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self {
+            counts: SECONDS_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = SECONDS_BUCKETS.iter().position(|b| secs <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in SECONDS_BUCKETS.iter().zip(&self.counts) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
+        );
+    }
+}
+
+/// Health and counters shared by the session (writer) and the admin endpoint (reader).
+#[derive(Debug, Default)]
+pub struct AgentMetrics {
+    connected: AtomicBool,
+    stream_in_sync: AtomicBool,
+    /// `None` before the first apply.
+    last_apply_ok: Mutex<Option<bool>>,
+    session_running: AtomicBool,
+    applies: Histogram,
+    apply_failures: AtomicU64,
+    resyncs: AtomicU64,
+    streams: AtomicU64,
+    messages: AtomicU64,
+    driver: Mutex<DriverMetrics>,
+}
+
+impl AgentMetrics {
+    /// A stream's ServerHello was accepted.
+    pub fn stream_started(&self) {
+        self.connected.store(true, Ordering::Relaxed);
+        self.stream_in_sync.store(false, Ordering::Relaxed);
+        self.streams.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The stream ended (or could not be made).
+    pub fn stream_ended(&self) {
+        self.connected.store(false, Ordering::Relaxed);
+        self.stream_in_sync.store(false, Ordering::Relaxed);
+    }
+
+    /// The stream's InSync arrived; `resync` when an earlier stream had been in sync.
+    pub fn in_sync(&self, resync: bool) {
+        self.stream_in_sync.store(true, Ordering::Relaxed);
+        if resync {
+            self.resyncs.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// One message from the server was handled.
+    pub fn message(&self) {
+        self.messages.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An apply finished.
+    pub fn applied(&self, took: Duration, ok: bool, driver: DriverMetrics) {
+        self.applies.observe(took);
+        if !ok {
+            self.apply_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        *self.last_apply_ok.lock().expect("metrics lock") = Some(ok);
+        *self.driver.lock().expect("metrics lock") = driver;
+    }
+
+    /// The session task runs (liveness).
+    pub fn set_session_running(&self, running: bool) {
+        self.session_running.store(running, Ordering::Relaxed);
+    }
+
+    /// `Ok` when ready, else why not.
+    pub fn readiness(&self) -> Result<(), &'static str> {
+        if !self.connected.load(Ordering::Relaxed) {
+            return Err("not connected to a calc-server");
+        }
+        if !self.stream_in_sync.load(Ordering::Relaxed) {
+            return Err("waiting for the calc-server's snapshot (InSync)");
+        }
+        match *self.last_apply_ok.lock().expect("metrics lock") {
+            Some(true) => Ok(()),
+            Some(false) => Err("the last apply failed"),
+            None => Err("the dataplane has not been programmed yet"),
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut one = |name: &str, kind: &str, help: &str, value: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        one(
+            "dataplane_agent_ready",
+            "gauge",
+            "1 when connected, in sync and the last apply succeeded.",
+            u64::from(self.readiness().is_ok()),
+        );
+        one(
+            "dataplane_agent_connected",
+            "gauge",
+            "1 while a Sync stream to a calc-server is open.",
+            u64::from(self.connected.load(Ordering::Relaxed)),
+        );
+        one(
+            "dataplane_agent_streams_total",
+            "counter",
+            "Sync streams opened (ServerHello accepted).",
+            c(&self.streams),
+        );
+        one(
+            "dataplane_agent_resyncs_total",
+            "counter",
+            "Snapshots received after the first one (reconnects, fail-overs, fell-behind resyncs).",
+            c(&self.resyncs),
+        );
+        one(
+            "dataplane_agent_messages_total",
+            "counter",
+            "Messages received from calc-servers.",
+            c(&self.messages),
+        );
+        one(
+            "dataplane_agent_apply_failures_total",
+            "counter",
+            "Applies that failed (retried with back-off).",
+            c(&self.apply_failures),
+        );
+        self.applies.render(
+            &mut out,
+            "dataplane_agent_apply_seconds",
+            "Time of each apply (programming the dataplane), failed ones included.",
+        );
+        let d = *self.driver.lock().expect("metrics lock");
+        for (name, help, v) in [
+            (
+                "dataplane_agent_programmed_rules",
+                "iptables rules of ours, all tables and families, after the last apply.",
+                d.rules,
+            ),
+            (
+                "dataplane_agent_programmed_ipsets",
+                "IP sets of ours after the last apply.",
+                d.ipsets,
+            ),
+            (
+                "dataplane_agent_programmed_ipset_members",
+                "Members of our IP sets after the last apply.",
+                d.ipset_members,
+            ),
+            (
+                "dataplane_agent_programmed_routes",
+                "Routes of ours after the last apply.",
+                d.routes,
+            ),
+        ] {
+            if let Some(v) = v {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+            }
+        }
+        out
+    }
+}
+
+async fn readiness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
+    match m.readiness() {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
+}
+
+async fn liveness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, &'static str) {
+    if m.session_running.load(Ordering::Relaxed) {
+        (StatusCode::OK, "alive\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "session not running\n")
+    }
+}
+
+async fn metrics_text(State(m): State<Arc<AgentMetrics>>) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        m.render(),
+    )
+}
+
+/// The admin routes.
+pub fn router(metrics: Arc<AgentMetrics>) -> axum::Router {
+    axum::Router::new()
+        .route("/liveness", get(liveness))
+        .route("/readiness", get(readiness))
+        .route("/metrics", get(metrics_text))
+        .with_state(metrics)
+}
+
+/// Binds `addr` and serves the admin routes in a background task.
+pub async fn serve(addr: SocketAddr, metrics: Arc<AgentMetrics>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router(metrics)).await {
+            tracing::error!(%error, "admin endpoint failed");
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_follows_the_session() {
+        let m = AgentMetrics::default();
+        assert!(m.readiness().is_err());
+        m.stream_started();
+        assert_eq!(
+            m.readiness(),
+            Err("waiting for the calc-server's snapshot (InSync)")
+        );
+        m.in_sync(false);
+        assert!(m.readiness().is_err(), "not programmed yet");
+        let driver = DriverMetrics {
+            ipsets: Some(2),
+            ..DriverMetrics::default()
+        };
+        m.applied(Duration::from_millis(3), true, driver);
+        assert_eq!(m.readiness(), Ok(()));
+        m.applied(Duration::from_millis(3), false, driver);
+        assert_eq!(m.readiness(), Err("the last apply failed"));
+        m.applied(Duration::from_millis(3), true, driver);
+        m.stream_ended();
+        assert_eq!(m.readiness(), Err("not connected to a calc-server"));
+        m.stream_started();
+        m.in_sync(true);
+        let text = m.render();
+        assert!(text.contains("dataplane_agent_resyncs_total 1\n"), "{text}");
+        assert!(text.contains("dataplane_agent_apply_failures_total 1\n"));
+        assert!(text.contains("dataplane_agent_apply_seconds_count 3\n"));
+        assert!(text.contains("dataplane_agent_apply_seconds_bucket{le=\"0.005\"} 3\n"));
+        assert!(text.contains("dataplane_agent_programmed_ipsets 2\n"));
+        assert!(
+            !text.contains("dataplane_agent_programmed_rules"),
+            "unknown counts are not exported"
+        );
+        assert!(text.contains("dataplane_agent_streams_total 2\n"));
+    }
+}

@@ -1,0 +1,755 @@
+//! Mutual TLS between the real agent and the real calc-server, with certificates made here
+//! (rcgen): the matrix of bad certificates in both directions (plaintext, wrong CA, expired,
+//! wrong CN, wrong URI SAN), a node asking for another node's span, the valid cases, the
+//! handshake timeout (a stalled client is dropped and delays nobody), the connection limit,
+//! health and metrics on both admin endpoints, and SIGTERM on both sides.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use integration::{Agent, Server, example_datastore, free_port, http_get};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+
+struct Ca {
+    issuer: Issuer<'static, KeyPair>,
+    pem: String,
+}
+
+fn ca(name: &str) -> Ca {
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name.push(DnType::CommonName, name);
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let key = KeyPair::generate().unwrap();
+    let cert = p.self_signed(&key).unwrap();
+    Ca {
+        issuer: Issuer::new(p, key),
+        pem: cert.pem(),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Server,
+    Client,
+}
+
+/// Writes `<name>.pem`, `<name>.key` (and the CA as `<name>-ca.pem`) into `dir`; returns
+/// (ca, cert, key) paths.
+fn leaf(
+    dir: &Path,
+    name: &str,
+    ca: &Ca,
+    cn: &str,
+    uris: &[&str],
+    role: Role,
+    expired: bool,
+) -> (String, String, String) {
+    let mut p = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    p.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    for u in uris {
+        p.subject_alt_names
+            .push(SanType::URI((*u).try_into().unwrap()));
+    }
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![match role {
+        Role::Server => ExtendedKeyUsagePurpose::ServerAuth,
+        Role::Client => ExtendedKeyUsagePurpose::ClientAuth,
+    }];
+    if expired {
+        p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    }
+    let key = KeyPair::generate().unwrap();
+    let cert = p.signed_by(&key, &ca.issuer).unwrap();
+    let path = |ext: &str| dir.join(format!("{name}{ext}"));
+    std::fs::write(path(".pem"), cert.pem()).unwrap();
+    std::fs::write(path(".key"), key.serialize_pem()).unwrap();
+    std::fs::write(path("-ca.pem"), &ca.pem).unwrap();
+    let s = |p: PathBuf| p.to_str().unwrap().to_string();
+    (s(path("-ca.pem")), s(path(".pem")), s(path(".key")))
+}
+
+fn server_tls_flags(files: &(String, String, String)) -> Vec<String> {
+    vec![
+        "--tls-ca-file".into(),
+        files.0.clone(),
+        "--tls-cert-file".into(),
+        files.1.clone(),
+        "--tls-key-file".into(),
+        files.2.clone(),
+    ]
+}
+
+fn agent_tls_flags(files: &(String, String, String), server_cn: &str) -> Vec<String> {
+    let mut f = server_tls_flags(files);
+    f.extend(["--tls-server-cn".into(), server_cn.into()]);
+    f
+}
+
+fn https(server: &Server) -> String {
+    server.grpc.replace("http://", "https://")
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn wait_server_log(server: &Server, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if server.log_text().contains(needle) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!(
+        "server log never contained {needle:?}:\n{}",
+        server.log_text()
+    );
+}
+
+fn workloads(state: &serde_json::Value) -> Vec<String> {
+    state["workload_endpoints"]
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// A TLS calc-server (CN identities) and the material to make agents for it.
+struct Setup {
+    _ds: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    ca: Ca,
+    server: Server,
+}
+
+fn tls_server(extra: &[&str]) -> Setup {
+    let ds = example_datastore();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = ca("split-felix test CA");
+    let files = leaf(
+        dir.path(),
+        "server",
+        &ca,
+        "calc-server",
+        &[],
+        Role::Server,
+        false,
+    );
+    let mut flags = server_tls_flags(&files);
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let server = Server::start(ds.path(), &refs(&flags));
+    Setup {
+        _ds: ds,
+        dir,
+        ca,
+        server,
+    }
+}
+
+impl Setup {
+    fn client(
+        &self,
+        name: &str,
+        cn: &str,
+        uris: &[&str],
+        expired: bool,
+    ) -> (String, String, String) {
+        leaf(
+            self.dir.path(),
+            name,
+            &self.ca,
+            cn,
+            uris,
+            Role::Client,
+            expired,
+        )
+    }
+}
+
+#[test]
+fn valid_mtls_agent_gets_its_own_span_with_health_and_metrics() {
+    let s = tls_server(&[]);
+    let files = s.client("node-1-client", "node-1", &[], false);
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut flags = agent_tls_flags(&files, "calc-server");
+    flags.extend(["--admin-listen".into(), admin.clone()]);
+    let agent = Agent::start_with(
+        s.dir.path(),
+        &https(&s.server),
+        "node-1",
+        "valid",
+        &refs(&flags),
+    );
+    let state = agent.wait_for("node-1 in sync over mTLS", |st| st["in_sync"] == true);
+    assert_eq!(
+        workloads(&state),
+        [
+            "k8s/monitoring/prometheus-0/eth0",
+            "k8s/shop/api-1/eth0",
+            "k8s/shop/web-1/eth0"
+        ]
+    );
+    // The agent's admin endpoint: ready once connected, in sync and applied.
+    wait_until("agent ready", Duration::from_secs(10), || {
+        http_get(&admin, "/readiness").is_some_and(|(c, _)| c == 200)
+    });
+    assert_eq!(http_get(&admin, "/liveness").map(|r| r.0), Some(200));
+    let (code, text) = http_get(&admin, "/metrics").expect("agent /metrics");
+    assert_eq!(code, 200);
+    assert_eq!(metric(&text, "dataplane_agent_connected"), Some(1.0));
+    assert_eq!(metric(&text, "dataplane_agent_ready"), Some(1.0));
+    assert!(metric(&text, "dataplane_agent_apply_seconds_count").unwrap() >= 1.0);
+    assert!(
+        metric(&text, "dataplane_agent_programmed_ipsets").unwrap() >= 1.0,
+        "{text}"
+    );
+    assert!(metric(&text, "dataplane_agent_messages_total").unwrap() > 5.0);
+    // The server's metrics and status see the agent; its reports (endpoints of its own node)
+    // are accepted.
+    wait_until(
+        "status reports reach the server",
+        Duration::from_secs(10),
+        || {
+            let st = s.server.status();
+            st.as_array().unwrap().iter().any(|n| {
+                n["node"] == "node-1"
+                    && n["connected"] == true
+                    && n["dataplane_in_sync"] == true
+                    && n["workload_endpoints"]["k8s/shop/web-1/eth0"] == "up"
+            })
+        },
+    );
+    let (code, text) = http_get(&s.server.admin, "/metrics").expect("server /metrics");
+    assert_eq!(code, 200);
+    assert_eq!(
+        metric(&text, "calc_server_connected_agents"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "calc_server_ready"), Some(1.0));
+    assert!(metric(&text, "calc_server_datastore_updates_total").unwrap() > 10.0);
+    assert_eq!(
+        metric(&text, "calc_server_datastore_syncs_total"),
+        Some(1.0)
+    );
+    assert!(metric(&text, "calc_server_calc_seconds_count").unwrap() >= 1.0);
+    assert!(
+        text.contains("calc_server_agent_lag_messages{node=\"node-1\"} 0"),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "calc_server_permission_denied_total"),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn server_refuses_clients_without_a_good_certificate() {
+    let s = tls_server(&[]);
+    let other_ca = ca("another CA");
+    let wrong_ca = leaf(
+        s.dir.path(),
+        "wrong-ca",
+        &other_ca,
+        "node-1",
+        &[],
+        Role::Client,
+        false,
+    );
+    // The agent must still trust the real server, so its CA file is the right one.
+    let wrong_ca = (
+        s.dir
+            .path()
+            .join("server-ca.pem")
+            .to_str()
+            .unwrap()
+            .to_string(),
+        wrong_ca.1,
+        wrong_ca.2,
+    );
+    let expired = s.client("expired", "node-1", &[], true);
+    let node_b = s.client("node-2-client", "node-2", &[], false);
+    let url = https(&s.server);
+
+    let plaintext = Agent::start_with(s.dir.path(), &s.server.grpc, "node-1", "plaintext", &[]);
+    let a_wrong_ca = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-1",
+        "wrong-ca",
+        &refs(&agent_tls_flags(&wrong_ca, "calc-server")),
+    );
+    let a_expired = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-1",
+        "expired",
+        &refs(&agent_tls_flags(&expired, "calc-server")),
+    );
+    // Node B's certificate asking for node A's span.
+    let b_as_a = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-1",
+        "node-b-as-a",
+        &refs(&agent_tls_flags(&node_b, "calc-server")),
+    );
+
+    let log = b_as_a.wait_for_log("PermissionDenied");
+    assert!(
+        log.contains("the client certificate is for node \\\"node-2\\\"")
+            || log.contains("the client certificate is for node \"node-2\""),
+        "{log}"
+    );
+    wait_server_log(&s.server, "refused: AgentHello names another node");
+    // Under TLS 1.3 the client learns of the refusal on its first read: the connection or the
+    // stream fails.
+    for a in [&a_wrong_ca, &a_expired, &plaintext] {
+        wait_until(
+            "the agent reports the refused connection",
+            Duration::from_secs(20),
+            || {
+                let log = a.log_text();
+                log.contains("cannot connect to calc-server") || log.contains("stream ended")
+            },
+        );
+    }
+    // Every one of them was refused at the TLS layer (3) or by identity (1), and none ever
+    // received a span.
+    wait_until("three handshakes refused", Duration::from_secs(10), || {
+        let text = http_get(&s.server.admin, "/metrics").unwrap().1;
+        text.contains("calc_server_connections_refused_total{reason=\"tls_handshake\"}")
+            && text
+                .lines()
+                .find(|l| l.contains("reason=\"tls_handshake\""))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|n| n >= 3)
+    });
+    let server_log = s.server.log_text();
+    assert!(server_log.contains("TLS handshake failed"), "{server_log}");
+    // Each refusal is logged with its reason.
+    for reason in [
+        "invalid peer certificate: UnknownIssuer",
+        "certificate expired",
+        "InvalidContentType",
+    ] {
+        assert!(server_log.contains(reason), "{reason}: {server_log}");
+    }
+    for a in [&plaintext, &a_wrong_ca, &a_expired, &b_as_a] {
+        assert!(
+            a.state().is_none(),
+            "a refused agent got a span: {}",
+            a.log.display()
+        );
+    }
+    let status = s.server.status();
+    assert!(
+        status
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["connected"] != true),
+        "{status}"
+    );
+}
+
+#[test]
+fn agent_refuses_servers_without_the_right_certificate() {
+    let ds = example_datastore();
+    let dir = tempfile::tempdir().unwrap();
+    let ca_ok = ca("agent's CA");
+    let ca_other = ca("a CA the agent does not trust");
+    let client = leaf(
+        dir.path(),
+        "client",
+        &ca_ok,
+        "node-1",
+        &[],
+        Role::Client,
+        false,
+    );
+    // Servers trust the agent's CA for client certificates, but present various certificates.
+    let start = |name: &str, issuer: &Ca, cn: &str, uris: &[&str], expired: bool| {
+        let f = leaf(dir.path(), name, issuer, cn, uris, Role::Server, expired);
+        let flags = server_tls_flags(&(client.0.clone(), f.1, f.2));
+        Server::start(ds.path(), &refs(&flags))
+    };
+    let wrong_ca = start("srv-wrong-ca", &ca_other, "calc-server", &[], false);
+    let expired = start("srv-expired", &ca_ok, "calc-server", &[], true);
+    let wrong_cn = start(
+        "srv-wrong-cn",
+        &ca_ok,
+        "impostor",
+        &["spiffe://test/impostor"],
+        false,
+    );
+    let good = start(
+        "srv-good",
+        &ca_ok,
+        "calc-server",
+        &["spiffe://test/calc-server"],
+        false,
+    );
+    let plain = Server::start(ds.path(), &[]);
+
+    let cn_flags = agent_tls_flags(&client, "calc-server");
+    let run = |name: &str, server: &str, flags: &[String]| {
+        Agent::start_with(dir.path(), server, "node-1", name, &refs(flags))
+    };
+    let a_wrong_ca = run("a-wrong-ca", &https(&wrong_ca), &cn_flags);
+    let a_expired = run("a-expired", &https(&expired), &cn_flags);
+    let a_wrong_cn = run("a-wrong-cn", &https(&wrong_cn), &cn_flags);
+    // URI SAN form: the good server's URI SAN matches, a wrong expectation does not.
+    let mut uri_ok = server_tls_flags(&client);
+    uri_ok.extend([
+        "--tls-server-uri-san".into(),
+        "spiffe://test/calc-server".into(),
+    ]);
+    let mut uri_bad = server_tls_flags(&client);
+    uri_bad.extend(["--tls-server-uri-san".into(), "spiffe://test/other".into()]);
+    let a_uri_bad = run("a-uri-bad", &https(&good), &uri_bad);
+    // TLS agent against a plaintext server, and a plaintext agent against a TLS one.
+    let a_vs_plain = run("a-vs-plain", &https(&plain), &cn_flags);
+    let a_uri_ok = run("a-uri-ok", &https(&good), &uri_ok);
+    let a_cn_ok = run("a-cn-ok", &https(&good), &cn_flags);
+
+    let log = a_wrong_ca.wait_for_log("cannot connect to calc-server");
+    assert!(log.contains("UnknownIssuer"), "{log}");
+    let log = a_expired.wait_for_log("cannot connect to calc-server");
+    assert!(log.contains("certificate expired"), "{log}");
+    let log = a_wrong_cn.wait_for_log("cannot connect to calc-server");
+    assert!(log.contains("identity mismatch"), "{log}");
+    let log = a_uri_bad.wait_for_log("cannot connect to calc-server");
+    assert!(log.contains("spiffe://test/other"), "{log}");
+    a_vs_plain.wait_for_log("cannot connect to calc-server");
+    a_uri_ok.wait_for("URI SAN server accepted", |s| s["in_sync"] == true);
+    a_cn_ok.wait_for("CN server accepted", |s| s["in_sync"] == true);
+    for a in [
+        &a_wrong_ca,
+        &a_expired,
+        &a_wrong_cn,
+        &a_uri_bad,
+        &a_vs_plain,
+    ] {
+        assert!(a.state().is_none(), "{} got a span", a.log.display());
+    }
+    // The refused servers never saw a stream.
+    for s in [&wrong_ca, &expired, &wrong_cn, &plain] {
+        let text = http_get(&s.admin, "/metrics").unwrap().1;
+        assert_eq!(metric(&text, "calc_server_connected_agents"), Some(0.0));
+    }
+}
+
+#[test]
+fn uri_san_node_identity() {
+    let prefix = "spiffe://cluster.test/calico-node/";
+    let s = tls_server(&["--tls-client-uri-san-prefix", prefix]);
+    let url = https(&s.server);
+    let ok = s.client(
+        "uri-ok",
+        "not-the-node-name",
+        &[&format!("{prefix}node-2")],
+        false,
+    );
+    let wrong_prefix = s.client(
+        "uri-wrong",
+        "node-1",
+        &["spiffe://elsewhere/calico-node/node-1"],
+        false,
+    );
+    let other_node = s.client("uri-other", "node-1", &[&format!("{prefix}node-2")], false);
+    let a_ok = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-2",
+        "uri-ok",
+        &refs(&agent_tls_flags(&ok, "calc-server")),
+    );
+    let a_wrong = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-1",
+        "uri-wrong",
+        &refs(&agent_tls_flags(&wrong_prefix, "calc-server")),
+    );
+    let a_other = Agent::start_with(
+        s.dir.path(),
+        &url,
+        "node-1",
+        "uri-other",
+        &refs(&agent_tls_flags(&other_node, "calc-server")),
+    );
+    let state = a_ok.wait_for("node-2 in sync via its URI SAN", |st| st["in_sync"] == true);
+    assert_eq!(workloads(&state).len(), 3);
+    let log = a_wrong.wait_for_log("PermissionDenied");
+    assert!(log.contains("spiffe://cluster.test/calico-node/"), "{log}");
+    a_other.wait_for_log("PermissionDenied");
+    assert!(a_wrong.state().is_none() && a_other.state().is_none());
+    wait_server_log(&s.server, "refused: the client certificate names no node");
+}
+
+/// Reads from `sock` until EOF or error; returns how long that took.
+fn time_to_close(mut sock: TcpStream) -> Duration {
+    let started = Instant::now();
+    sock.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) | Err(_) => return started.elapsed(),
+            Ok(_) => {}
+        }
+    }
+}
+
+#[test]
+fn stalled_handshakes_are_dropped_and_delay_nobody() {
+    let s = tls_server(&["--tls-handshake-timeout", "2s"]);
+    let addr = s.server.grpc.trim_start_matches("http://").to_string();
+    // Five clients that connect and send nothing, and one that stalls mid-record.
+    let mut stalled: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    let mut half = TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut half, &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap();
+    stalled.push(half);
+    let opened = Instant::now();
+
+    let files = s.client("prompt", "node-1", &[], false);
+    let agent = Agent::start_with(
+        s.dir.path(),
+        &https(&s.server),
+        "node-1",
+        "prompt",
+        &refs(&agent_tls_flags(&files, "calc-server")),
+    );
+    agent.wait_for("valid agent in sync despite stalled clients", |st| {
+        st["in_sync"] == true
+    });
+    let synced = opened.elapsed();
+
+    let closes: Vec<Duration> = std::thread::scope(|sc| {
+        let handles: Vec<_> = stalled
+            .into_iter()
+            .map(|sock| sc.spawn(move || time_to_close(sock)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let closed_after: Vec<Duration> = closes.iter().map(|c| *c + Duration::ZERO).collect();
+    eprintln!(
+        "valid agent in sync {synced:?} after 6 stalled sockets opened; stalled sockets closed after {closed_after:?} (timeout 2s)"
+    );
+    assert!(
+        synced < Duration::from_secs(2),
+        "the valid agent waited for the stalled ones: {synced:?}"
+    );
+    let total = opened.elapsed();
+    assert!(
+        total < Duration::from_secs(6),
+        "stalled sockets not dropped: {total:?}"
+    );
+    let text = http_get(&s.server.admin, "/metrics").unwrap().1;
+    assert!(
+        text.contains("calc_server_connections_refused_total{reason=\"tls_handshake_timeout\"} 5")
+            || text.contains(
+                "calc_server_connections_refused_total{reason=\"tls_handshake_timeout\"} 6"
+            ),
+        "{text}"
+    );
+    wait_server_log(&s.server, "TLS handshake not completed in time");
+}
+
+#[test]
+fn connection_limit_closes_extra_connections() {
+    let ds = example_datastore();
+    let server = Server::start(ds.path(), &["--max-connections", "2"]);
+    let addr = server.grpc.trim_start_matches("http://").to_string();
+    let _a = TcpStream::connect(&addr).unwrap();
+    let _b = TcpStream::connect(&addr).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let took = time_to_close(TcpStream::connect(&addr).unwrap());
+    assert!(
+        took < Duration::from_secs(2),
+        "the third connection was kept: {took:?}"
+    );
+    let text = http_get(&server.admin, "/metrics").unwrap().1;
+    assert!(
+        text.contains("calc_server_connections_refused_total{reason=\"limit\"} 1"),
+        "{text}"
+    );
+}
+
+fn sigterm(child: &std::process::Child) {
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -TERM");
+}
+
+fn wait_exit(
+    child: &mut std::process::Child,
+    within: Duration,
+) -> (std::process::ExitStatus, Duration) {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status, started.elapsed());
+        }
+        assert!(started.elapsed() < within, "did not exit within {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn sigterm_drains_the_server_and_stops_the_agent_leaving_the_dataplane() {
+    let mut s = tls_server(&[]);
+    let files = s.client("term", "node-1", &[], false);
+    let mut agent = Agent::start_with(
+        s.dir.path(),
+        &https(&s.server),
+        "node-1",
+        "term",
+        &refs(&agent_tls_flags(&files, "calc-server")),
+    );
+    let before = agent.wait_for("in sync", |st| st["in_sync"] == true);
+    sigterm(&s.server.child);
+    let (status, took) = wait_exit(&mut s.server.child, Duration::from_secs(10));
+    assert!(status.success(), "server exit status {status}");
+    eprintln!("server drained and exited 0 in {took:?}");
+    assert!(
+        s.server
+            .log_text()
+            .contains("shutting down: closing agent streams")
+    );
+    agent.wait_for_log("calc-server is shutting down");
+    // The agent keeps its dataplane while the server is gone, and on SIGTERM exits 0 leaving
+    // it in place.
+    sigterm(&agent.child);
+    let (status, took) = wait_exit(&mut agent.child, Duration::from_secs(10));
+    assert!(status.success(), "agent exit status {status}");
+    eprintln!("agent exited 0 in {took:?}");
+    let after = agent.state().expect("state file still there");
+    assert_eq!(workloads(&after), workloads(&before));
+    assert!(agent.log_text().contains("the dataplane is left"));
+}
+
+/// An agent may report status only for endpoints its stream was sent (its own node's).
+#[test]
+fn status_for_another_nodes_endpoint_is_refused() {
+    use felix_proto as pb;
+    use pb::from_dataplane::Payload as From;
+    use tokio_stream::StreamExt;
+
+    let ds = example_datastore();
+    let server = Server::start(ds.path(), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut client = pb::calc_server_client::CalcServerClient::connect(server.grpc.clone())
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let hello = pb::FromDataplane {
+            sequence_number: 1,
+            payload: Some(From::AgentHello(pb::AgentHello {
+                node_name: "node-1".into(),
+                agent_version: "test".into(),
+                capabilities: vec![],
+            })),
+        };
+        tx.send(hello).await.unwrap();
+        let mut rx_stream = client
+            .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        // Read through InSync: the node's endpoints have been sent.
+        loop {
+            let m = rx_stream.next().await.unwrap().unwrap();
+            if matches!(m.payload, Some(pb::to_dataplane::Payload::InSync(_))) {
+                break;
+            }
+        }
+        // api-2 lives on node-2 (node-1 has api-1).
+        let report = |seq, workload: &str| pb::FromDataplane {
+            sequence_number: seq,
+            payload: Some(From::WorkloadEndpointStatusUpdate(
+                pb::WorkloadEndpointStatusUpdate {
+                    id: Some(pb::WorkloadEndpointId {
+                        orchestrator_id: "k8s".into(),
+                        workload_id: workload.into(),
+                        endpoint_id: "eth0".into(),
+                    }),
+                    status: Some(pb::EndpointStatus {
+                        status: "up".into(),
+                    }),
+                    endpoint: None,
+                },
+            )),
+        };
+        tx.send(report(2, "shop/api-1")).await.unwrap();
+        tx.send(report(3, "shop/api-2")).await.unwrap();
+        let status = loop {
+            match tokio::time::timeout(Duration::from_secs(10), rx_stream.next())
+                .await
+                .expect("the stream ends")
+            {
+                Some(Ok(_)) => continue,
+                Some(Err(status)) => break status,
+                None => panic!("stream closed without a status"),
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        assert!(
+            status.message().contains("k8s/shop/api-2/eth0"),
+            "{status:?}"
+        );
+    });
+    wait_server_log(
+        &server,
+        "refused: status report for an endpoint not on this node",
+    );
+    let st = server.status();
+    let n1 = st
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == "node-1")
+        .cloned()
+        .unwrap();
+    assert!(
+        n1["workload_endpoints"]["k8s/shop/api-2/eth0"].is_null(),
+        "{n1}"
+    );
+}
