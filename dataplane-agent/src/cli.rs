@@ -378,6 +378,28 @@ impl Cli {
     }
 }
 
+/// The Felix settings that flags given explicitly (command line, environment or config file)
+/// pin, so that the datastore's FelixConfiguration does not override them.
+pub fn pinned_felix_settings(
+    explicit_flags: &std::collections::BTreeSet<String>,
+) -> std::collections::BTreeSet<String> {
+    use crate::driver::linux::config as felix;
+    [
+        (
+            "default-endpoint-to-host-action",
+            felix::DEFAULT_ENDPOINT_TO_HOST_ACTION,
+        ),
+        ("interface-prefix", felix::INTERFACE_PREFIX),
+        ("failsafe-inbound-host-ports", felix::FAILSAFE_INBOUND),
+        ("failsafe-outbound-host-ports", felix::FAILSAFE_OUTBOUND),
+        ("log-prefix", felix::LOG_PREFIX),
+    ]
+    .iter()
+    .filter(|(flag, _)| explicit_flags.contains(*flag))
+    .map(|(_, setting)| (*setting).to_owned())
+    .collect()
+}
+
 /// Effective uid 0 on Linux (the owner of `/proc/self` is the effective uid).
 fn running_as_root_on_linux() -> bool {
     #[cfg(target_os = "linux")]
@@ -462,6 +484,33 @@ mod tests {
         assert_eq!(config.reconnect_min_delay, Duration::from_millis(200));
         assert_eq!(config.reconnect_max_delay, Duration::from_secs(10));
         assert!(config.capabilities.is_empty());
+    }
+
+    #[test]
+    fn flags_given_explicitly_pin_their_felix_settings() {
+        let args: Vec<std::ffi::OsString> = [
+            "dataplane-agent",
+            "--server",
+            "a:1",
+            "--node",
+            "n",
+            "--default-endpoint-to-host-action",
+            "accept",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        let explicit = crate::config_file::explicit_long_flags_from::<Cli>(
+            &args,
+            "--config-file",
+            "DATAPLANE_AGENT_TEST_UNSET_CONFIG_FILE",
+        );
+        let pinned = pinned_felix_settings(&explicit);
+        assert_eq!(
+            pinned.into_iter().collect::<Vec<_>>(),
+            vec!["DefaultEndpointToHostAction"],
+            "only what was given is pinned; defaults stay open to the datastore"
+        );
     }
 
     #[test]

@@ -25,7 +25,16 @@ fn main() -> ExitCode {
         }
     };
     let linux = match cli.linux_options() {
-        Ok(o) => o,
+        Ok(mut o) => {
+            // What the operator set here wins over FelixConfiguration in the datastore.
+            o.pinned = dataplane_agent::cli::pinned_felix_settings(
+                &config_file::explicit_long_flags::<Cli>(
+                    "--config-file",
+                    "DATAPLANE_AGENT_CONFIG_FILE",
+                ),
+            );
+            o
+        }
         Err(e) => {
             eprintln!("dataplane-agent: {e}");
             return ExitCode::from(2);

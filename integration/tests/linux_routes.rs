@@ -328,3 +328,62 @@ spec:
     let _ = listener.kill();
     let _ = listener.wait();
 }
+
+#[test]
+fn felix_configuration_in_the_datastore_opens_workload_to_host_traffic() {
+    if !integration::netns::require() {
+        return;
+    }
+    let host = Netns::new("host");
+    host.make_host();
+    let a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
+    // A service on the host itself (the node's address).
+    let mut listener = std::process::Command::new("ip")
+        .args(["netns", "exec", &host.name, "nc", "-4", "-lk", "9999"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nc");
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifest(dir.path(), "profile.yaml", PROFILE);
+    write_manifest(dir.path(), "a.yaml", &wep("a", &a));
+    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    cp.wait_programmed();
+    wait("a's route and the host's listener", &cp, || {
+        routes(&host).contains("10.65.0.1 ") && host.exec(&["ss", "-ltnH"]).contains(":9999 ")
+    });
+    // The listener answers from the host itself.
+    assert!(host.try_exec(&["nc", "-z", "-w", "1", "10.254.0.1", "9999"]));
+    let to_host = |allowed| Probe {
+        from: &a,
+        to: "10.254.0.1".into(),
+        port: Some(9999),
+        allowed,
+    };
+    // Felix's default DefaultEndpointToHostAction is Drop.
+    let dropped = [to_host(false)];
+    assert!(
+        failing(&dropped).is_empty(),
+        "workload to host is dropped by default"
+    );
+
+    write_manifest(
+        dir.path(),
+        "felix.yaml",
+        "apiVersion: projectcalico.org/v3
+kind: FelixConfiguration
+metadata:
+  name: default
+spec:
+  defaultEndpointToHostAction: Accept
+",
+    );
+    expect_eventually(
+        "workload to host once FelixConfiguration says Accept",
+        &[to_host(true)],
+        &cp,
+    );
+    let _ = listener.kill();
+    let _ = listener.wait();
+}
