@@ -136,6 +136,13 @@ pub async fn run<D: Driver>(
         return driver;
     }
     let mut agent = AgentState::new(&config);
+    let wake = driver.wakeup();
+    let refresh_every = driver.refresh_interval().filter(|d| !d.is_zero());
+    let mut offline_refresh = tokio::time::interval_at(
+        tokio::time::Instant::now() + refresh_every.unwrap_or(Duration::from_secs(3600)),
+        refresh_every.unwrap_or(Duration::from_secs(3600)),
+    );
+    offline_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut backoff = Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay);
     let mut index = 0usize;
     let mut immediate_used = false;
@@ -177,9 +184,27 @@ pub async fn run<D: Driver>(
             index = index.wrapping_add(1);
         }
         if !delay.is_zero() {
-            tokio::select! {
-                () = &mut shutdown => break,
-                () = tokio::time::sleep(delay) => {}
+            let deadline = tokio::time::Instant::now() + delay;
+            // While disconnected the dataplane keeps its last complete desired state; the
+            // driver's refreshes and wakeups still run against it (never halfway through a
+            // resync: then something received is unapplied and we wait for the server).
+            let upkeep = agent.ever_in_sync && agent.pending == 0;
+            let stop = loop {
+                tokio::select! {
+                    () = &mut shutdown => break true,
+                    () = tokio::time::sleep_until(deadline) => break false,
+                    () = wake_signal(wake.as_ref()), if upkeep => {
+                        driver.on_wakeup();
+                        apply_offline(&mut driver, "interface change");
+                    }
+                    _ = offline_refresh.tick(), if upkeep && refresh_every.is_some() => {
+                        driver.request_refresh();
+                        apply_offline(&mut driver, "periodic refresh");
+                    }
+                }
+            };
+            if stop {
+                break;
             }
         }
     }
@@ -563,6 +588,20 @@ async fn stream_inner<D: Driver>(
                 }
             }
         }
+    }
+}
+
+/// Applies while no server is connected (nothing to report to; statuses go out on the next
+/// stream). A failure is logged and left to the next attempt.
+fn apply_offline<D: Driver>(driver: &mut D, why: &str) {
+    let started = Instant::now();
+    match run_blocking(|| driver.apply()) {
+        Ok(()) => debug!(
+            why,
+            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "applied while disconnected"
+        ),
+        Err(e) => warn!(why, error = %e, "apply while disconnected failed; will retry"),
     }
 }
 

@@ -1197,3 +1197,80 @@ async fn a_driver_asking_for_refreshes_gets_them_only_once_in_sync() {
     .await;
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refreshes_continue_while_the_server_is_gone() {
+    // One complete stream, then the server has nothing more to say: every later connection is
+    // refused (UNAVAILABLE) and the agent backs off.
+    let (url, _fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"])]),
+        vec![Step::Send(in_sync())],
+        vec![
+            Step::WaitFor(
+                "DataplaneInSync",
+                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+            ),
+            Step::End(None),
+        ],
+    ])])
+    .await;
+    let mut config = test_config(vec![url]);
+    // Long back-off: the agent spends its time disconnected.
+    config.reconnect_min_delay = Duration::from_secs(30);
+    config.reconnect_max_delay = Duration::from_secs(30);
+    let agent = start_agent_with(config, 0, Some(Duration::from_millis(50)));
+    eventually("the first apply", || agent.applies() >= 1).await;
+    let before = agent.applies();
+    eventually("refresh applies while disconnected", || {
+        agent.log.lock().expect("lock").refreshes >= 3 && agent.applies() >= before + 3
+    })
+    .await;
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_refresh_while_disconnected_halfway_through_a_resync() {
+    let (url, _fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &["10.0.0.1"])]),
+            vec![Step::Send(in_sync())],
+            vec![
+                Step::WaitFor(
+                    "DataplaneInSync",
+                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+                ),
+                Step::End(None),
+            ],
+        ]),
+        // The resync's snapshot is cut short: s:b reaches the driver, InSync never comes.
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:b", &["10.0.0.2"])]),
+            vec![Step::End(None)],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_millis(100);
+    config.reconnect_max_delay = Duration::from_millis(100);
+    let agent = start_agent_with(config, 0, Some(Duration::from_millis(50)));
+    eventually("the cut-short snapshot reaches the driver", || {
+        agent.updates().len() >= 3
+    })
+    .await;
+    let (refreshes, applies) = {
+        let log = agent.log.lock().expect("lock");
+        (log.refreshes, log.applied_at.len())
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let log = agent.log.lock().expect("lock");
+    assert_eq!(
+        log.refreshes, refreshes,
+        "no refresh with half a snapshot unapplied"
+    );
+    assert_eq!(log.applied_at.len(), applies, "nothing applied mid-resync");
+    drop(log);
+    agent.stop().await;
+}
