@@ -1265,12 +1265,14 @@ async fn no_refresh_while_disconnected_halfway_through_a_resync() {
         (log.refreshes, log.applied_at.len())
     };
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let log = agent.log.lock().expect("lock");
+    let (refreshes_after, applies_after) = {
+        let log = agent.log.lock().expect("lock");
+        (log.refreshes, log.applied_at.len())
+    };
     assert_eq!(
-        log.refreshes, refreshes,
+        refreshes_after, refreshes,
         "no refresh with half a snapshot unapplied"
     );
-    assert_eq!(log.applied_at.len(), applies, "nothing applied mid-resync");
-    drop(log);
+    assert_eq!(applies_after, applies, "nothing applied mid-resync");
     agent.stop().await;
 }
