@@ -296,6 +296,23 @@ fn program(p: &Params, dump: &Path) {
         )
         .expect("write");
     }
+    // Breakdown of the last change (stderr, for BENCH_VERBOSE).
+    let last: f64 = *change_times.last().expect("changes");
+    let commands: f64 = spent
+        .lock()
+        .expect("lock")
+        .iter()
+        .rev()
+        .take(2)
+        .map(|(_, d)| d)
+        .sum();
+    for (label, d) in spent.lock().expect("lock").iter().rev().take(2) {
+        eprintln!("  change {:>8.2} ms  {label}", d * 1e3);
+    }
+    eprintln!(
+        "  change {:>8.2} ms  in the driver itself",
+        (last - commands) * 1e3
+    );
     change_times.sort_by(f64::total_cmp);
     println!(
         "{{\"full_s\":{full},\"change_median_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
