@@ -8,7 +8,6 @@
 mod bench;
 mod bench_sync;
 mod compute;
-mod config_file;
 mod datastore;
 mod etcd;
 mod gen_cluster;

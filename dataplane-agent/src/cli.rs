@@ -500,7 +500,7 @@ mod tests {
         .iter()
         .map(Into::into)
         .collect();
-        let explicit = crate::config_file::explicit_long_flags_from::<Cli>(
+        let explicit = config_file::explicit_long_flags_from::<Cli>(
             &args,
             "--config-file",
             "DATAPLANE_AGENT_TEST_UNSET_CONFIG_FILE",

@@ -13,7 +13,6 @@ pub mod admin;
 pub mod backoff;
 pub mod cli;
 pub mod clock;
-pub mod config_file;
 pub mod driver;
 pub mod session;
 pub mod tls;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use dataplane_agent::cli::{Cli, LogFormat};
 use dataplane_agent::driver::{self, DriverOptions};
-use dataplane_agent::{admin, config_file, session};
+use dataplane_agent::{admin, session};
 use tracing::info;
 
 fn main() -> ExitCode {

@@ -40,8 +40,13 @@ pub fn binary(name: &str) -> PathBuf {
     // The sources a binary is built from: its own crate (for calc-server, with its graph
     // crate) and the proto crate.
     let dirs: &[&str] = match name {
-        "dataplane-agent" => &["dataplane-agent", "proto", "calc-server/graph"],
-        _ => &["calc-server", "proto"],
+        "dataplane-agent" => &[
+            "dataplane-agent",
+            "proto",
+            "calc-server/graph",
+            "config-file",
+        ],
+        _ => &["calc-server", "proto", "config-file"],
     };
     let newest = dirs
         .iter()

@@ -6,9 +6,9 @@
 //! gives the precedence: flags, then environment variables, then the file, then the built-in
 //! defaults. An unknown key is an error (a typo is not silently ignored).
 //!
-//! (The agent has the same module; the two binaries share no library crate.)
+//! Shared by calc-server and dataplane-agent.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
@@ -128,6 +128,41 @@ pub fn parse_args<C: CommandFactory + FromArgMatches>(
             std::process::exit(2);
         }
     }
+}
+
+/// The long names of the flags the operator set explicitly for this run: on the command line,
+/// in the environment, or in the config file. (Defaults are not explicit.)
+pub fn explicit_long_flags<C: CommandFactory>(file_flag: &str, env: &str) -> BTreeSet<String> {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    explicit_long_flags_from::<C>(&args, file_flag, env)
+}
+
+pub fn explicit_long_flags_from<C: CommandFactory>(
+    args: &[OsString],
+    file_flag: &str,
+    env: &str,
+) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    if let Some(path) = config_path(args, file_flag, env)
+        && let Ok(settings) = load(&path)
+    {
+        out.extend(settings.into_keys());
+    }
+    let cmd = C::command();
+    if let Ok(m) = cmd.clone().ignore_errors(true).try_get_matches_from(args) {
+        for a in cmd.get_arguments() {
+            let given = matches!(
+                m.value_source(a.get_id().as_str()),
+                Some(
+                    clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable
+                )
+            );
+            if given && let Some(long) = a.get_long() {
+                out.insert(long.to_owned());
+            }
+        }
+    }
+    out
 }
 
 pub enum Error {
