@@ -170,6 +170,79 @@ impl Netns {
     }
 }
 
+/// `nc` processes accepting TCP connections on one port, killed on drop.
+pub struct Listener(Vec<Child>);
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Netns {
+    /// Accepts TCP connections on `port` for each of `families` (`-4`, `-6`) until the
+    /// returned listener is dropped; returns once every socket is bound.
+    pub fn listen(&self, port: u16, families: &[&str]) -> Listener {
+        let children = families
+            .iter()
+            .map(|family| {
+                Command::new("ip")
+                    .args([
+                        "netns",
+                        "exec",
+                        &self.name,
+                        "nc",
+                        family,
+                        "-lk",
+                        &port.to_string(),
+                    ])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("nc listener")
+            })
+            .collect();
+        let listener = Listener(children);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let ss = self.exec(&["ss", "-ltnH"]);
+            if ss.matches(&format!(":{port} ")).count() >= families.len() {
+                return listener;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("nc never listened on {port}");
+    }
+
+    /// A namespace standing for the network outside the node: its `eth0` (192.0.2.2/24) is
+    /// linked to `ext0` (192.0.2.1/24) in `host`.
+    pub fn outside_of(host: &Netns) -> Netns {
+        let outside = Netns::new("out");
+        host.exec(&[
+            "ip",
+            "link",
+            "add",
+            "ext0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &outside.name,
+        ]);
+        host.exec(&["ip", "addr", "add", "192.0.2.1/24", "dev", "ext0"]);
+        host.exec(&["ip", "link", "set", "ext0", "up"]);
+        outside.exec(&["ip", "addr", "add", "192.0.2.2/24", "dev", "eth0"]);
+        outside.exec(&["ip", "link", "set", "eth0", "up"]);
+        outside
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         if let Ok(out) = Command::new("ip")
@@ -192,7 +265,7 @@ pub struct Workload {
     pub iface: String,
     pub ipv4: String,
     pub ipv6: String,
-    listeners: Vec<Child>,
+    listeners: Vec<Listener>,
 }
 
 impl Workload {
@@ -286,34 +359,7 @@ impl Workload {
 
     /// Accepts TCP connections on `port` (IPv4 and IPv6) until dropped.
     pub fn listen(&mut self, port: u16) {
-        for family in ["-4", "-6"] {
-            let child = Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &self.ns.name,
-                    "nc",
-                    family,
-                    "-lk",
-                    &port.to_string(),
-                ])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("nc listener");
-            self.listeners.push(child);
-        }
-        // Wait until both listeners are bound.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            let ss = self.ns.exec(&["ss", "-ltnH"]);
-            if ss.matches(&format!(":{port} ")).count() >= 2 {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("nc never listened on {port}");
+        self.listeners.push(self.ns.listen(port, &["-4", "-6"]));
     }
 
     /// Whether a TCP connection from this workload to `addr:port` succeeds within 1 s.
@@ -325,15 +371,6 @@ impl Workload {
     /// Whether one ping from this workload is answered within 1 s.
     pub fn pings(&self, addr: &str) -> bool {
         self.ns.try_exec(&["ping", "-c", "1", "-W", "1", addr])
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        for l in &mut self.listeners {
-            let _ = l.kill();
-            let _ = l.wait();
-        }
     }
 }
 

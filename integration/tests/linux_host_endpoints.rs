@@ -2,30 +2,11 @@
 //! "outside" network turns on Calico's host protection for it — only what policy allows (and
 //! the failsafe ports) reaches the host through that interface; replies flow back.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use integration::netns::{ControlPlane, Netns, write_manifest};
 
 const NODE: &str = "node-a";
-
-fn listen(ns: &Netns, port: u16) -> Child {
-    Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.name,
-            "nc",
-            "-4",
-            "-lk",
-            &port.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nc")
-}
 
 fn connects(from: &Netns, port: u16) -> bool {
     from.try_exec(&["nc", "-z", "-w", "1", "192.0.2.1", &port.to_string()])
@@ -55,25 +36,11 @@ fn a_host_endpoint_protects_the_host_except_for_policy_and_failsafes() {
     }
     let host = Netns::new("host");
     host.make_host();
-    let outside = Netns::new("out");
-    host.exec(&[
-        "ip",
-        "link",
-        "add",
-        "ext0",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        &outside.name,
-    ]);
-    host.exec(&["ip", "addr", "add", "192.0.2.1/24", "dev", "ext0"]);
-    host.exec(&["ip", "link", "set", "ext0", "up"]);
-    outside.exec(&["ip", "addr", "add", "192.0.2.2/24", "dev", "eth0"]);
-    outside.exec(&["ip", "link", "set", "eth0", "up"]);
-    let mut listeners: Vec<Child> = [22, 8080, 9999].iter().map(|p| listen(&host, *p)).collect();
+    let outside = Netns::outside_of(&host);
+    let _listeners: Vec<_> = [22, 8080, 9999]
+        .iter()
+        .map(|p| host.listen(*p, &["-4"]))
+        .collect();
 
     let dir = tempfile::tempdir().expect("temp dir");
     write_manifest(
@@ -154,9 +121,4 @@ spec:
         &cp,
         [(22, true), (8080, false), (9999, false)],
     );
-
-    for l in &mut listeners {
-        let _ = l.kill();
-        let _ = l.wait();
-    }
 }
