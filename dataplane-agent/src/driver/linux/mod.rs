@@ -356,19 +356,17 @@ impl LinuxDriver {
             }
             let admin_up = wep.state == "active";
             let iface = wep.name.clone();
-            let mut sets = Vec::new();
-            for _ in &self.versions {
-                sets.push(endpoint::workload_chains(
-                    &self.opts.render,
-                    &iface,
-                    admin_up,
-                    &wep.tiers,
-                    &wep.profile_ids,
-                ));
-            }
-            for (v, chains) in self.versions.clone().into_iter().zip(sets) {
+            // The chains do not depend on the family: render once, program in each.
+            let chains = endpoint::workload_chains(
+                &self.opts.render,
+                &iface,
+                admin_up,
+                &wep.tiers,
+                &wep.profile_ids,
+            );
+            for v in self.versions.clone() {
                 let t = self.table(v, "filter");
-                chains.into_iter().for_each(|c| t.set_chain(c));
+                chains.iter().cloned().for_each(|c| t.set_chain(c));
             }
             self.wep_ifaces.insert(key, iface);
         }
