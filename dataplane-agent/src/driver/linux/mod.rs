@@ -233,11 +233,6 @@ impl LinuxDriver {
         }
     }
 
-    /// The backend in use (after detection).
-    pub fn backend(&self) -> Option<Backend> {
-        self.backend
-    }
-
     /// What is programmed (desired state after the last apply).
     pub fn programmed(&self) -> Programmed {
         let (ipsets, ipset_members) = self.ipsets.counts();
