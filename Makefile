@@ -1,29 +1,24 @@
 # The two commands a new user runs: `make demo` and `make test`. See README.md.
 CARGO ?= cargo
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# System tools the build and the integration tests need (protoc for etcd-client's build script,
-# etcd for the datastore tests, iptables/ipset/iproute2/nftables for the dataplane tests).
-APT_PACKAGES := protobuf-compiler etcd-server etcd-client iptables ipset iproute2 nftables
 
-.PHONY: deps build test demo bench lint fmt clean
+.PHONY: deps build test demo bench lint fmt clean fresh-check
 
-## deps: install the missing system packages (idempotent; apt-get update first)
+## deps: install the missing system packages (idempotent; apt-get update first), then check that
+## every tool and file the build and the tests read is present (scripts/deps.sh lists them)
 deps:
-	@missing=""; \
-	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-		echo "installing:$$missing"; \
-		$(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
-	else echo "deps: all present"; fi
+	./scripts/deps.sh
 
 ## build: build every binary of the workspace
 build: deps
 	$(CARGO) build --workspace --bins
 
-## test: unit, data-driven and integration tests (integration tests run the built binaries)
+## test: unit, data-driven and integration tests (integration tests run the built binaries).
+## The tests that need root, etcd or the namespace tools are #[ignore]d for a plain `cargo test`;
+## here deps installed what they need, so they run too, and fail if something is still missing;
+## scripts/test.sh prints the totals and names any test that did not run.
 test: build
-	$(CARGO) test --workspace
+	@[ "$$(id -u)" = 0 ] || echo "make test: not root; the network-namespace tests need root and will fail"
+	CARGO=$(CARGO) ./scripts/test.sh
 
 ## demo: run the main job on the embedded default datastore (examples/)
 demo: build
@@ -34,12 +29,17 @@ bench: deps
 	./scripts/bench.sh
 
 ## lint: formatting and clippy, warnings are errors
-lint:
+lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
+
+## fresh-check: `make test` and `make demo` in a fresh Debian root (debootstrap), as a new user
+## would run them on a machine with only the base image's packages (scripts/fresh-check.sh)
+fresh-check:
+	./scripts/fresh-check.sh
 
 clean:
 	$(CARGO) clean

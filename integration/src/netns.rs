@@ -3,15 +3,18 @@
 //! ends carry the workload prefix, set up the way Calico's CNI plugin does (proxy ARP towards
 //! 169.254.1.1, an `ee:ee:ee:ee:ee:ee` host side, /32 and /128 routes on the host).
 //!
-//! Everything needs root, `ip`, iptables, ipset, `nc`, `ping` and `nft`: [`prerequisites`]
-//! says what is missing, and tests fail on it under CI instead of skipping.
+//! Everything needs root, `ip`, iptables, ipset, `nc`, `ping` and `nft`. The tests that use
+//! these fixtures are `#[ignore]`d with that reason, so a plain `cargo test` lists them as
+//! ignored; `make test` installs the tools and runs them (`--include-ignored`), and a test that
+//! runs without its prerequisites fails naming what is missing ([`require`]): it never passes
+//! without having run.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::{binary, in_ci};
+use crate::binary;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -48,15 +51,10 @@ pub fn prerequisites() -> Result<(), String> {
     Ok(())
 }
 
-/// Returns false (skip) when prerequisites are missing outside CI; panics under CI.
-pub fn require() -> bool {
-    match prerequisites() {
-        Ok(()) => true,
-        Err(why) if in_ci() => panic!("namespace test prerequisites missing under CI: {why}"),
-        Err(why) => {
-            eprintln!("skipping: {why}");
-            false
-        }
+/// Fails the calling test, naming what is missing, unless every prerequisite is present.
+pub fn require() {
+    if let Err(why) = prerequisites() {
+        panic!("this test needs root and the namespace tools: {why} (`make test` installs them)");
     }
 }
 
@@ -250,7 +248,9 @@ impl Drop for Netns {
             .output()
         {
             for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                let _ = Command::new("kill").args(["-9", pid]).status();
+                if let Ok(pid) = pid.parse() {
+                    crate::send_signal(pid, "KILL");
+                }
             }
         }
         let _ = Command::new("ip")

@@ -132,8 +132,9 @@ fn start_server(etcd: &Etcd, work: &std::path::Path, port: u16, extra: &[&str]) 
 }
 
 #[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
 fn calicoctl_data_streams_to_the_agent_and_status_comes_back() {
-    let Some(etcd) = Etcd::start() else { return };
+    let etcd = Etcd::start();
     let work = tempfile::tempdir().unwrap();
     seed(&etcd);
     etcd.put(
@@ -273,8 +274,9 @@ fn calicoctl_data_streams_to_the_agent_and_status_comes_back() {
 }
 
 #[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
 fn compaction_while_stopped_and_while_watching() {
-    let Some(etcd) = Etcd::start() else { return };
+    let etcd = Etcd::start();
     let work = tempfile::tempdir().unwrap();
     seed(&etcd);
     let port = free_port();
@@ -316,10 +318,9 @@ fn compaction_while_stopped_and_while_watching() {
 }
 
 #[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
 fn etcd_restarts_and_replacements_are_resynced() {
-    let Some(mut etcd) = Etcd::start() else {
-        return;
-    };
+    let mut etcd = Etcd::start();
     let work = tempfile::tempdir().unwrap();
     seed(&etcd);
     let server = start_server(
@@ -396,8 +397,9 @@ fn etcd_restarts_and_replacements_are_resynced() {
 }
 
 #[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
 fn a_watch_that_falls_behind_a_compaction_relists() {
-    let Some(etcd) = Etcd::start() else { return };
+    let etcd = Etcd::start();
     let work = tempfile::tempdir().unwrap();
     seed(&etcd);
     let server = start_server(&etcd, work.path(), free_port(), &[]);
@@ -409,17 +411,9 @@ fn a_watch_that_falls_behind_a_compaction_relists() {
     // Freeze the server so its watch stops reading: etcd's flow-control window and the watch's
     // buffer fill up and the watcher falls behind. Then a delete, and the history compacted
     // past it: etcd can only cancel the watch (compacted), and the server must re-list.
-    let pid = server.child.id().to_string();
-    let signal = |sig: &str| {
-        assert!(
-            std::process::Command::new("kill")
-                .args([sig, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-    };
-    signal("-STOP");
+    let pid = server.child.id();
+    let signal = |sig: &str| assert!(integration::send_signal(pid, sig), "kill -{sig} {pid}");
+    signal("STOP");
     // More revisions than etcd buffers per watch stream (1024 responses) plus what HTTP/2
     // flow control lets through, under a prefix the server watches (a kind it skips).
     let filler = format!(
@@ -430,7 +424,7 @@ fn a_watch_that_falls_behind_a_compaction_relists() {
     let (web_key, _) = wep("node-1", "prod", "web-1", "", "", "");
     etcd.del(&web_key);
     etcd.compact();
-    signal("-CONT");
+    signal("CONT");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !server.log_text().contains("fell behind a compaction") {
         assert!(
@@ -452,10 +446,9 @@ fn a_watch_that_falls_behind_a_compaction_relists() {
 }
 
 #[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
 fn tls_with_client_certificates() {
-    let Some(etcd) = Etcd::start_tls() else {
-        return;
-    };
+    let etcd = Etcd::start_tls();
     let tls = etcd.tls.clone().unwrap();
     seed(&etcd);
     let work = tempfile::tempdir().unwrap();

@@ -88,10 +88,9 @@ fn tcp<'a>(from: &'a Workload, to: &str, port: u16) -> Probe<'a> {
 }
 
 #[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn routes_interfaces_and_status_follow_endpoints_and_links() {
-    if !integration::netns::require() {
-        return;
-    }
+    integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
     let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
@@ -188,10 +187,9 @@ fn routes_interfaces_and_status_follow_endpoints_and_links() {
 }
 
 #[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
-    if !integration::netns::require() {
-        return;
-    }
+    integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
     let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
@@ -246,10 +244,9 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
 }
 
 #[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn nat_outgoing_pools_masquerade_traffic_leaving_the_pools() {
-    if !integration::netns::require() {
-        return;
-    }
+    integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
     let mut a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");
@@ -305,10 +302,9 @@ spec:
 }
 
 #[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn felix_configuration_in_the_datastore_opens_workload_to_host_traffic() {
-    if !integration::netns::require() {
-        return;
-    }
+    integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
     let a = Workload::attach_without_routes(&host, "cali0aaaaaaa01", "10.65.0.1", "fd00:65::1");

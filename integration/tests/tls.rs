@@ -610,12 +610,7 @@ fn connection_limit_closes_extra_connections() {
 }
 
 fn sigterm(child: &std::process::Child) {
-    let ok = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -TERM");
+    assert!(integration::send_signal(child.id(), "TERM"), "kill -TERM");
 }
 
 fn wait_exit(

@@ -589,3 +589,36 @@ proptest! {
         }
     }
 }
+
+const WHITESPACE: &str = include_str!("../../../../testdata/selector_whitespace.json");
+
+/// Calico skips exactly `' '` and `'\t'` between tokens: every other whitespace character, in
+/// every gap, is a parse error at the gap (the vectors name each character and each gap).
+#[test]
+fn only_space_and_tab_are_whitespace() {
+    let v: Value = serde_json::from_str(WHITESPACE).expect("selector_whitespace.json parses");
+    let characters = entries(&v, "characters");
+    let templates = entries(&v, "templates");
+    assert!(characters.len() > 20 && templates.len() > 10);
+    for c in characters {
+        let code = c["codepoint"].as_str().unwrap();
+        let ch = char::from_u32(u32::from_str_radix(&code[2..], 16).unwrap()).unwrap();
+        let accepted = c["accepted"].as_bool().unwrap();
+        for t in templates {
+            let template = t["template"].as_str().unwrap();
+            let input = template.replace('\u{b7}', &ch.to_string());
+            let with_space = sel(&template.replace('\u{b7}', " "));
+            match parse(&input) {
+                Ok(s) => {
+                    assert!(accepted, "{code} ({}) accepted in {input:?}", c["name"]);
+                    assert_eq!(s.canonical(), with_space.canonical(), "{input:?}");
+                }
+                Err(e) => {
+                    assert!(!accepted, "{code} rejected in {input:?}: {e}");
+                    let at = t["error_at"].as_u64().unwrap() as usize;
+                    assert_eq!(e.position, at, "{code} in {input:?}: {e}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make test`'s runner: every test of the workspace, the #[ignore]d ones (root, etcd, namespace
+# tools) included, then one summary line with the totals and the name of every test that did
+# not run. A test that did not run is never counted as passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARGO=${CARGO:-cargo}
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+"$CARGO" test --workspace --no-fail-fast "$@" -- --include-ignored 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+# "test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; …"
+totals=$(awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "%d passed, %d failed, %d not run", p, f, i }' "$log")
+echo "make test: $totals"
+grep -E '^test .* \.\.\. ignored' "$log" | sed -E 's/^test (.*) \.\.\. ignored,? ?/  not run: \1: /'
+if [ "$rc" -ne 0 ]; then
+  grep -E '^test .* \.\.\. FAILED$' "$log" | sed -E 's/^test (.*) \.\.\. FAILED$/  failed: \1/'
+fi
+exit "$rc"
