@@ -214,6 +214,11 @@ impl AgentMetrics {
                 "Routes of ours after the last apply.",
                 d.routes,
             ),
+            (
+                "dataplane_agent_rejected_objects",
+                "Objects from the calc-server the agent refused to program as sent (held failing closed); the log names each with its reason.",
+                d.rejected,
+            ),
         ] {
             if let Some(v) = v {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");

@@ -328,14 +328,14 @@ impl Cli {
         if prefixes.is_empty() {
             return Err("--interface-prefix must name at least one prefix".to_owned());
         }
-        if let Some(bad) = prefixes.iter().find(|p| {
-            !p.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-        }) {
-            return Err(format!(
-                "--interface-prefix {bad:?}: not an interface name prefix"
-            ));
+        if let Some(e) = prefixes
+            .iter()
+            .find_map(|p| crate::driver::linux::validate::interface_prefix(p).err())
+        {
+            return Err(format!("--interface-prefix: {e}"));
         }
+        crate::driver::linux::validate::log_prefix(&self.log_prefix)
+            .map_err(|e| format!("--log-prefix: {e}"))?;
         let failsafes = |flag: &str, v: &Option<Vec<String>>, default: Vec<Failsafe>| match v {
             None => Ok(default),
             Some(list) => list

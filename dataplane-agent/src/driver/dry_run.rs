@@ -425,6 +425,7 @@ impl Driver for DryRunDriver {
             ipsets: Some(s.ipsets.len() as u64),
             ipset_members: Some(s.ipsets.values().map(|i| i.members.len() as u64).sum()),
             routes: Some(s.routes.len() as u64),
+            rejected: None,
         }
     }
 }

@@ -92,6 +92,8 @@ pub struct DriverMetrics {
     pub ipset_members: Option<u64>,
     /// Routes of ours.
     pub routes: Option<u64>,
+    /// Objects from the stream the driver refused to program as sent (failing closed).
+    pub rejected: Option<u64>,
 }
 
 impl<D: Driver + ?Sized> Driver for Box<D> {

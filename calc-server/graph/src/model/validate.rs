@@ -5,6 +5,7 @@
 //! the object (`NetworkPolicy prod/allow-frontend`). It never panics and never stops at the
 //! first problem, so `calc-server validate` gives a user the whole list in one run.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
@@ -79,7 +80,8 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
                 }
             }
         }
-        Resource::FelixConfiguration(..) | Resource::ClusterInformation(..) => {}
+        Resource::FelixConfiguration(_, spec) => v.felix_configuration(spec),
+        Resource::ClusterInformation(..) => {}
     }
     if v.errors.is_empty() {
         Ok(())
@@ -467,6 +469,14 @@ impl Validator {
             );
         }
         if let Some(m) = &r.metadata {
+            // Calico's limit on annotations (Kubernetes' total size rule).
+            let size: usize = m.annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if size > 256 * 1024 {
+                self.err(
+                    format!("{p}.metadata.annotations"),
+                    format!("total size {size} bytes exceeds 262144"),
+                );
+            }
             for k in m.annotations.keys() {
                 if let Err(e) = qualified_name(&k.to_ascii_lowercase()) {
                     self.err(
@@ -569,6 +579,93 @@ impl Validator {
                     Port::Range { .. } => {}
                 }
             }
+        }
+    }
+
+    /// The FelixConfiguration fields that reach the kernel through the agent, checked as
+    /// Calico's validator and Felix's config parser do: a value outside their character sets
+    /// and ranges would otherwise be written into restore input.
+    fn felix_configuration(&mut self, spec: &BTreeMap<String, serde_json::Value>) {
+        let text = |v: &serde_json::Value| v.as_str().map(str::to_owned);
+        if let Some(v) = spec.get("logPrefix") {
+            match text(v) {
+                Some(p) if p.len() > 27 => self.err("spec.logPrefix", format!("{p:?} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")")),
+                Some(p) if !p.bytes().all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b)) => {
+                    self.err("spec.logPrefix", format!("{p:?} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'"))
+                }
+                Some(_) => {}
+                None => self.err("spec.logPrefix", "must be a string"),
+            }
+        }
+        if let Some(v) = spec.get("interfacePrefix") {
+            match text(v) {
+                None => self.err("spec.interfacePrefix", "must be a string"),
+                Some(list) => {
+                    let prefixes: Vec<&str> = list
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|p| !p.is_empty())
+                        .collect();
+                    if prefixes.is_empty() {
+                        self.err(
+                            "spec.interfacePrefix",
+                            "must name at least one interface prefix",
+                        );
+                    }
+                    for p in prefixes {
+                        if p.len() > 14 || !is_interface(p) {
+                            self.err("spec.interfacePrefix", format!("{p:?} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])"));
+                        } else if "lo".starts_with(p) {
+                            self.err(
+                                "spec.interfacePrefix",
+                                format!("{p:?} would match the loopback interface"),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for field in ["failsafeInboundHostPorts", "failsafeOutboundHostPorts"] {
+            let Some(v) = spec.get(field) else { continue };
+            let Some(list) = v.as_array() else {
+                if !v.is_null() {
+                    self.err(
+                        format!("spec.{field}"),
+                        "must be a list of {protocol, port}",
+                    );
+                }
+                continue;
+            };
+            for (i, item) in list.iter().enumerate() {
+                let proto = item
+                    .get("protocol")
+                    .and_then(|p| p.as_str())
+                    .unwrap_or("TCP");
+                if !matches!(proto.to_ascii_uppercase().as_str(), "TCP" | "UDP" | "SCTP") {
+                    self.err(
+                        format!("spec.{field}[{i}].protocol"),
+                        format!("{proto:?} must be TCP, UDP or SCTP"),
+                    );
+                }
+                if item
+                    .get("port")
+                    .and_then(|p| p.as_u64())
+                    .is_none_or(|p| p > 65535)
+                {
+                    self.err(
+                        format!("spec.{field}[{i}].port"),
+                        "must be a port number 0 to 65535",
+                    );
+                }
+            }
+        }
+        if let Some(v) = spec.get("defaultEndpointToHostAction")
+            && !matches!(v.as_str(), Some("Drop" | "Accept" | "Return"))
+        {
+            self.err(
+                "spec.defaultEndpointToHostAction",
+                format!("{v} must be Drop, Accept or Return"),
+            );
         }
     }
 
@@ -1099,6 +1196,30 @@ mod tests {
             vec![
                 "metadata.labels[\"projectcalico.org/namespace\"]",
                 "spec.nets[1]"
+            ]
+        );
+    }
+
+    #[test]
+    fn felix_configuration_fields_that_reach_the_kernel() {
+        let ok = serde_json::json!({"apiVersion": "projectcalico.org/v3", "kind": "FelixConfiguration",
+            "metadata": {"name": "default"},
+            "spec": {"logPrefix": "calico-drop", "interfacePrefix": "cali,tap",
+                     "failsafeInboundHostPorts": [{"protocol": "TCP", "port": 22}],
+                     "defaultEndpointToHostAction": "Accept"}});
+        assert!(check(ok).is_ok());
+        let bad = serde_json::json!({"apiVersion": "projectcalico.org/v3", "kind": "FelixConfiguration",
+            "metadata": {"name": "default"},
+            "spec": {"logPrefix": "x\"\n-I INPUT 1 -j ACCEPT", "interfacePrefix": "cali,lo",
+                     "failsafeInboundHostPorts": [{"protocol": "TCP", "port": 70000}],
+                     "defaultEndpointToHostAction": "Allow"}});
+        assert_eq!(
+            paths(check(bad)),
+            [
+                "spec.logPrefix",
+                "spec.interfacePrefix",
+                "spec.failsafeInboundHostPorts[0].port",
+                "spec.defaultEndpointToHostAction"
             ]
         );
     }

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::LinuxOptions;
 use super::rules::static_chains::{EndpointToHostAction, Failsafe};
+use super::validate;
 
 /// Settings the datastore may set, by their Felix names.
 pub const DEFAULT_ENDPOINT_TO_HOST_ACTION: &str = "DefaultEndpointToHostAction";
@@ -52,17 +53,12 @@ pub fn effective(
             .map(|p| p.trim().to_owned())
             .filter(|p| !p.is_empty())
             .collect();
-        let valid = !prefixes.is_empty()
-            && prefixes.iter().all(|p| {
-                p.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-            });
-        if valid {
-            out.statics.workload_prefixes = prefixes;
-        } else {
-            problems.push(format!(
+        match prefixes.iter().try_for_each(|p| validate::interface_prefix(p)) {
+            Ok(()) if !prefixes.is_empty() => out.statics.workload_prefixes = prefixes,
+            Ok(()) => problems.push(format!(
                 "FelixConfiguration {INTERFACE_PREFIX}={v:?}: not a comma-separated list of interface name prefixes"
-            ));
+            )),
+            Err(e) => problems.push(format!("FelixConfiguration {INTERFACE_PREFIX}={v:?}: {e}")),
         }
     }
     for (key, slot) in [
@@ -77,7 +73,10 @@ pub fn effective(
         }
     }
     if let Some(v) = take(LOG_PREFIX) {
-        out.render.log_prefix = v.clone();
+        match validate::log_prefix(v) {
+            Ok(()) => out.render.log_prefix = v.clone(),
+            Err(e) => problems.push(format!("FelixConfiguration {LOG_PREFIX}: {e}")),
+        }
     }
     (out, problems)
 }

@@ -42,10 +42,11 @@ fn is_target_keyword(t: &str) -> bool {
     t.chars().all(|c| c.is_ascii_uppercase() || c == '_')
 }
 
-fn jump_target(spec: &str) -> Option<&str> {
-    let mut it = spec.split_whitespace();
+fn jump_target(spec: &str) -> Option<String> {
+    let args = super::rules::quote::split_restore_line(spec).unwrap_or_default();
+    let mut it = args.into_iter();
     while let Some(tok) = it.next() {
-        if matches!(tok, "-j" | "--jump" | "-g" | "--goto") {
+        if matches!(tok.as_str(), "-j" | "--jump" | "-g" | "--goto") {
             return it.next();
         }
     }
@@ -168,8 +169,8 @@ impl FakeKernel {
                 for (chain, rules) in &work {
                     for r in rules {
                         if let Some(t) = jump_target(r)
-                            && !is_target_keyword(t)
-                            && !work.contains_key(t)
+                            && !is_target_keyword(&t)
+                            && !work.contains_key(&t)
                         {
                             return Err(err(&format!("{chain}: jump to missing chain {t}")));
                         }
@@ -184,6 +185,7 @@ impl FakeKernel {
                 work.insert(name.to_owned(), Vec::new());
                 continue;
             }
+            super::rules::quote::split_restore_line(line).map_err(|e| err(&e))?;
             let (op, rest) = line.split_once(' ').ok_or_else(|| err("bad line"))?;
             let (chain, spec) = rest.split_once(' ').unwrap_or((rest, ""));
             match op {
@@ -237,7 +239,10 @@ impl FakeKernel {
                         return Err(err("no such chain"));
                     }
                     let referenced = work.iter().any(|(c, rules)| {
-                        c != chain && rules.iter().any(|r| jump_target(r) == Some(chain))
+                        c != chain
+                            && rules
+                                .iter()
+                                .any(|r| jump_target(r).as_deref() == Some(chain))
                     });
                     if referenced {
                         return Err(err("chain is still referenced"));
@@ -259,12 +264,13 @@ impl FakeKernel {
         for t in self.tables.values() {
             for rules in t.values() {
                 for r in rules {
-                    let mut it = r.split_whitespace();
+                    let args = super::rules::quote::split_restore_line(r).unwrap_or_default();
+                    let mut it = args.into_iter();
                     while let Some(tok) = it.next() {
                         if tok == "--match-set"
                             && let Some(s) = it.next()
                         {
-                            used.insert(s.to_owned());
+                            used.insert(s);
                         }
                     }
                 }

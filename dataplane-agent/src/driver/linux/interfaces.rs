@@ -61,6 +61,19 @@ impl Interfaces {
             .map(|l| l.name.clone())
     }
 
+    /// Whether the interface holds an address other than an IPv6 link-local one: the host's
+    /// own interfaces do, a workload's host-side veth never does (Calico routes to it and
+    /// answers ARP by proxy). The agent never takes over such an interface.
+    pub fn has_host_addresses(&self, index: u32) -> bool {
+        let st = self.state.lock().expect("lock");
+        st.addrs.get(&index).is_some_and(|set| {
+            set.iter().any(|ip| match ip {
+                IpAddr::V4(_) => true,
+                IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) != 0xfe80,
+            })
+        })
+    }
+
     pub fn is_ready(&self) -> bool {
         self.state.lock().expect("lock").ready
     }

@@ -11,10 +11,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
-use std::net::IpAddr;
 
 use super::rules::{IpVersion, ipset_name};
 use super::runner::CommandRunner;
+use super::validate::{self, MemberKind};
 
 /// Sets we own start with one of these.
 const OUR_SET_PREFIXES: [&str; 4] = ["cali40", "cali60", "cali4t", "cali6t"];
@@ -53,51 +53,47 @@ fn family(v: IpVersion) -> &'static str {
     }
 }
 
-/// A member in the form `ipset save` prints it, with its family; `None` if it does not parse.
-pub fn normalize_member(kind: SetKind, member: &str) -> Option<(IpVersion, String)> {
-    fn addr(s: &str) -> Option<IpAddr> {
-        s.trim().parse().ok()
-    }
-    let version = |a: &IpAddr| {
-        if a.is_ipv4() {
-            IpVersion::V4
-        } else {
-            IpVersion::V6
-        }
+/// A member in the form `ipset save` prints it, with its family, checked and normalised by
+/// [`validate::ipset_members`] (a `/0` gives two members); the reason when it is refused.
+pub fn normalize_member(kind: SetKind, member: &str) -> Result<Vec<(IpVersion, String)>, String> {
+    let vkind = match kind {
+        SetKind::Ip => MemberKind::Ip,
+        SetKind::IpPort => MemberKind::IpPort,
+        SetKind::Net => MemberKind::Net,
     };
-    match kind {
-        SetKind::Ip => {
-            let a = addr(member.split('/').next()?)?;
-            Some((version(&a), a.to_string()))
-        }
-        SetKind::Net => {
-            let (a, len) = match member.split_once('/') {
-                Some((a, l)) => (addr(a)?, l.trim().parse::<u8>().ok()?),
-                None => {
-                    let a = addr(member)?;
-                    (a, if a.is_ipv4() { 32 } else { 128 })
-                }
-            };
-            let net = ipnetwork::IpNetwork::new(a, len).ok()?;
-            let base = net.network();
-            let full = if base.is_ipv4() { 32 } else { 128 };
-            if len == full {
-                Some((version(&base), base.to_string()))
+    Ok(validate::ipset_members(vkind, member)?
+        .into_iter()
+        .map(|m| {
+            let addr_end = m.find([',', '/']).unwrap_or(m.len());
+            let version = if m[..addr_end].contains(':') {
+                IpVersion::V6
             } else {
-                Some((version(&base), format!("{base}/{len}")))
-            }
-        }
-        SetKind::IpPort => {
-            let (a, rest) = member.split_once(',')?;
-            let a = addr(a)?;
-            let (proto, port) = rest.split_once(':')?;
-            let port: u16 = port.trim().parse().ok()?;
-            Some((
-                version(&a),
-                format!("{a},{}:{port}", proto.trim().to_ascii_lowercase()),
-            ))
+                IpVersion::V4
+            };
+            // `ipset save` leaves out a full-length prefix.
+            let m = match version {
+                IpVersion::V4 => m.strip_suffix("/32").map(str::to_owned).unwrap_or(m),
+                IpVersion::V6 => m.strip_suffix("/128").map(str::to_owned).unwrap_or(m),
+            };
+            (version, m)
+        })
+        .collect())
+}
+
+/// Members of `members` that [`normalize_member`] refuses, with the reasons.
+fn normalized(
+    kind: SetKind,
+    members: &[String],
+    refused: &mut Vec<String>,
+) -> Vec<(IpVersion, String)> {
+    let mut out = Vec::with_capacity(members.len());
+    for m in members {
+        match normalize_member(kind, m) {
+            Ok(ms) => out.extend(ms),
+            Err(reason) => refused.push(reason),
         }
     }
+    out
 }
 
 #[derive(Clone, Debug)]
@@ -154,8 +150,11 @@ impl IpSets {
         }
     }
 
-    /// Replaces a set's type and members (`IPSetUpdate`).
-    pub fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) {
+    /// Replaces a set's type and members (`IPSetUpdate`). Returns the reasons members were
+    /// refused (they are left out).
+    pub fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) -> Vec<String> {
+        let mut refused = Vec::new();
+        let members = normalized(kind, members, &mut refused);
         for v in self.versions.clone() {
             let name = ipset_name(v, id);
             let set = DesiredSet {
@@ -163,36 +162,53 @@ impl IpSets {
                 version: v,
                 members: members
                     .iter()
-                    .filter_map(|m| normalize_member(kind, m))
                     .filter(|(mv, _)| *mv == v)
-                    .map(|(_, m)| m)
+                    .map(|(_, m)| m.clone())
                     .collect(),
             };
             self.desired.insert(name.clone(), set);
             self.dirty.insert(name);
         }
+        refused
     }
 
-    /// Adds and removes members (`IPSetDeltaUpdate`).
-    pub fn delta(&mut self, id: &str, added: &[String], removed: &[String]) {
+    /// Adds and removes members (`IPSetDeltaUpdate`). Returns the reasons members were refused.
+    pub fn delta(&mut self, id: &str, added: &[String], removed: &[String]) -> Vec<String> {
+        let mut refused = Vec::new();
+        let Some(kind) = self
+            .versions
+            .iter()
+            .find_map(|v| self.desired.get(&ipset_name(*v, id)).map(|s| s.kind))
+        else {
+            return refused;
+        };
+        let removed = normalized(kind, removed, &mut refused);
+        let added = normalized(kind, added, &mut refused);
         for v in self.versions.clone() {
             let name = ipset_name(v, id);
             let Some(set) = self.desired.get_mut(&name) else {
                 continue;
             };
-            let kind = set.kind;
-            for m in removed.iter().filter_map(|m| normalize_member(kind, m)) {
-                if m.0 == v {
-                    set.members.remove(&m.1);
+            for (mv, m) in &removed {
+                if *mv == v {
+                    set.members.remove(m);
                 }
             }
-            for m in added.iter().filter_map(|m| normalize_member(kind, m)) {
-                if m.0 == v {
-                    set.members.insert(m.1);
+            for (mv, m) in &added {
+                if *mv == v {
+                    set.members.insert(m.clone());
                 }
             }
             self.dirty.insert(name);
         }
+        refused
+    }
+
+    /// Whether the set is known (given by an `IPSetUpdate` and not removed).
+    pub fn contains(&self, id: &str) -> bool {
+        self.versions
+            .iter()
+            .any(|v| self.desired.contains_key(&ipset_name(*v, id)))
     }
 
     /// Forgets a set (`IPSetRemove`); it is destroyed by the next `apply_deletions`.
@@ -441,25 +457,34 @@ mod tests {
     fn members_are_normalized_as_ipset_prints_them() {
         assert_eq!(
             normalize_member(SetKind::Net, "10.65.0.2/32"),
-            Some((IpVersion::V4, "10.65.0.2".into()))
+            Ok(vec![(IpVersion::V4, "10.65.0.2".into())])
         );
         assert_eq!(
             normalize_member(SetKind::Net, "10.65.1.7/24"),
-            Some((IpVersion::V4, "10.65.1.0/24".into()))
+            Ok(vec![(IpVersion::V4, "10.65.1.0/24".into())])
         );
         assert_eq!(
             normalize_member(SetKind::Net, "fd00:0:0::1/128"),
-            Some((IpVersion::V6, "fd00::1".into()))
+            Ok(vec![(IpVersion::V6, "fd00::1".into())])
         );
         assert_eq!(
             normalize_member(SetKind::IpPort, "10.0.0.1,TCP:8080"),
-            Some((IpVersion::V4, "10.0.0.1,tcp:8080".into()))
+            Ok(vec![(IpVersion::V4, "10.0.0.1,tcp:8080".into())])
         );
         assert_eq!(
             normalize_member(SetKind::IpPort, "fd00::1,udp:53"),
-            Some((IpVersion::V6, "fd00::1,udp:53".into()))
+            Ok(vec![(IpVersion::V6, "fd00::1,udp:53".into())])
         );
-        assert_eq!(normalize_member(SetKind::Net, "nonsense"), None);
+        assert!(normalize_member(SetKind::Net, "nonsense").is_err());
+        assert_eq!(
+            normalize_member(SetKind::Net, "0.0.0.0/0"),
+            Ok(vec![
+                (IpVersion::V4, "0.0.0.0/1".into()),
+                (IpVersion::V4, "128.0.0.0/1".into())
+            ])
+        );
+        // The protocol of an IP-and-port member reaches the restore input: only real ones.
+        assert!(normalize_member(SetKind::IpPort, "10.0.0.1,tcp\nflush:80").is_err());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use super::rules::static_chains::Hooks;
-use super::rules::{Chain, IpVersion, Rule, rule_hashes};
+use super::rules::{Chain, IpVersion, Rule, quote, rule_hashes};
 use super::runner::CommandRunner;
 
 /// Chains we own start with this.
@@ -432,7 +432,8 @@ impl Table {
             if let Some(inserts) = self.hooks.inserts.get(chain) {
                 for (rule, hash) in inserts.iter().zip(ins).rev() {
                     let line = rule.render_with_hash(chain, hash);
-                    let _ = writeln!(script, "-I {chain} 1{}", &line[3 + chain.len()..]);
+                    let prefix = format!("-A {}", quote::arg(chain));
+                    let _ = writeln!(script, "-I {chain} 1{}", &line[prefix.len()..]);
                 }
             }
             if let Some(appends) = self.hooks.appends.get(chain) {

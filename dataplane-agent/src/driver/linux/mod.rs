@@ -17,6 +17,7 @@ pub mod routes;
 pub mod rules;
 pub mod runner;
 pub mod sysctl;
+pub mod validate;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
@@ -91,6 +92,26 @@ fn policy_id(k: &PolicyKey) -> felix_proto::PolicyId {
     }
 }
 
+/// A rule that denies everything.
+fn deny_all() -> felix_proto::Rule {
+    felix_proto::Rule {
+        action: "deny".to_owned(),
+        ..Default::default()
+    }
+}
+
+/// What a refused policy is programmed as: its place in the tiers is kept, but whatever
+/// reaches it is denied, so a policy we cannot render never lets traffic through.
+fn fail_closed_policy(p: &felix_proto::Policy) -> felix_proto::Policy {
+    felix_proto::Policy {
+        inbound_rules: vec![deny_all()],
+        outbound_rules: vec![deny_all()],
+        untracked: p.untracked,
+        pre_dnat: p.pre_dnat,
+        ..Default::default()
+    }
+}
+
 const TABLE_NAMES: [&str; 4] = ["filter", "raw", "mangle", "nat"];
 
 /// Agent-local IP sets of IPAM pools (for natOutgoing).
@@ -154,6 +175,17 @@ pub struct LinuxDriver {
     configured_ifaces: HashMap<String, u32>,
     neighbours: HashSet<(u32, IpAddr, [u8; 6])>,
     globals_set: bool,
+
+    /// Objects from the stream refused by `validate`, "<kind> <key>" → reason. Each is held
+    /// failing closed (see `on_update`) until a valid version arrives or it is removed.
+    rejected: BTreeMap<String, String>,
+    /// IP sets some of whose members were refused: policies that use one fail closed.
+    poisoned_sets: HashSet<String>,
+    /// Interfaces refused at programming time (host addresses on them), to warn once.
+    refused_ifaces: HashSet<String>,
+    /// Endpoints refused by `validate` (reported as "error").
+    rejected_weps: HashSet<WorkloadEndpointKey>,
+    rejected_heps: HashSet<String>,
 }
 
 impl LinuxDriver {
@@ -230,6 +262,11 @@ impl LinuxDriver {
             configured_ifaces: HashMap::new(),
             neighbours: HashSet::new(),
             globals_set: false,
+            rejected: BTreeMap::new(),
+            poisoned_sets: HashSet::new(),
+            refused_ifaces: HashSet::new(),
+            rejected_weps: HashSet::new(),
+            rejected_heps: HashSet::new(),
         }
     }
 
@@ -284,6 +321,77 @@ impl LinuxDriver {
         }
     }
 
+    /// Records that the stream sent something this agent will not program as sent.
+    fn reject(&mut self, what: String, reason: String) {
+        warn!(object = %what, %reason, "refused an object from the calc-server; failing closed for it");
+        self.rejected.insert(what, reason);
+    }
+
+    /// A valid version of `what` arrived (or it went away): no longer refused.
+    fn accept(&mut self, what: &str) {
+        if self.rejected.remove(what).is_some() {
+            info!(object = %what, "object from the calc-server is valid again");
+        }
+    }
+
+    /// After an IP set's members were checked: a set with refused members is poisoned, and the
+    /// policies and profiles that use it fail closed until a full update comes back clean.
+    fn members_checked(&mut self, id: &str, what: String, refused: Vec<String>, full: bool) {
+        if !refused.is_empty() {
+            let reason = format!(
+                "{} member(s) refused: {}",
+                refused.len(),
+                refused.join("; ")
+            );
+            self.reject(what, reason);
+            if self.poisoned_sets.insert(id.to_owned()) {
+                self.dirty_users_of_set(id);
+            }
+        } else if full {
+            self.accept(&what);
+            if self.poisoned_sets.remove(id) {
+                self.dirty_users_of_set(id);
+            }
+        }
+    }
+
+    /// Marks for re-rendering every policy and profile whose rules name the set.
+    fn dirty_users_of_set(&mut self, id: &str) {
+        let uses = |rules: &[felix_proto::Rule]| {
+            rules.iter().any(|r| {
+                validate::rule_set_ids(r)
+                    .iter()
+                    .any(|(_, ids)| ids.iter().any(|i| i == id))
+            })
+        };
+        for (k, p) in &self.policies {
+            if uses(&p.inbound_rules) || uses(&p.outbound_rules) {
+                self.dirty_policies.insert(k.clone());
+            }
+        }
+        for (k, p) in &self.profiles {
+            if uses(&p.inbound_rules) || uses(&p.outbound_rules) {
+                self.dirty_profiles.insert(k.clone());
+            }
+        }
+    }
+
+    /// The first IP set the rules name that is not programmed as sent (unknown or poisoned).
+    fn unusable_set<'a>(&self, rules: &'a [felix_proto::Rule]) -> Option<&'a str> {
+        rules.iter().find_map(|r| {
+            validate::rule_set_ids(r).into_iter().find_map(|(_, ids)| {
+                ids.iter()
+                    .find(|i| self.poisoned_sets.contains(*i) || !self.ipsets.contains(i))
+                    .map(String::as_str)
+            })
+        })
+    }
+
+    /// Objects refused, "<kind> <key>" → reason.
+    pub fn rejected(&self) -> &BTreeMap<String, String> {
+        &self.rejected
+    }
+
     fn render_policies(&mut self) {
         for key in std::mem::take(&mut self.dirty_policies) {
             let id = policy_id(&key);
@@ -295,6 +403,23 @@ impl LinuxDriver {
                 self.remove_everywhere(v, &names);
                 let Some(p) = self.policies.get(&key) else {
                     continue;
+                };
+                let what = format!("policy {}", rules::policy_id_string(&id));
+                let failed;
+                let p = match self
+                    .unusable_set(&p.inbound_rules)
+                    .or_else(|| self.unusable_set(&p.outbound_rules))
+                {
+                    None => p,
+                    Some(set) => {
+                        let reason =
+                            format!("uses IP set {set:?}, which was refused or never sent");
+                        failed = fail_closed_policy(p);
+                        if v == self.versions[0] {
+                            self.reject(what, reason);
+                        }
+                        &failed
+                    }
                 };
                 // Felix puts a policy in the table of the chains that use it.
                 let table = if p.untracked {
@@ -321,6 +446,25 @@ impl LinuxDriver {
                 self.remove_everywhere(v, &names);
                 let Some(p) = self.profiles.get(&name) else {
                     continue;
+                };
+                let failed;
+                let p = match self
+                    .unusable_set(&p.inbound_rules)
+                    .or_else(|| self.unusable_set(&p.outbound_rules))
+                {
+                    None => p,
+                    Some(set) => {
+                        let reason =
+                            format!("uses IP set {set:?}, which was refused or never sent");
+                        failed = felix_proto::Profile {
+                            inbound_rules: vec![deny_all()],
+                            outbound_rules: vec![deny_all()],
+                        };
+                        if v == self.versions[0] {
+                            self.reject(format!("profile {name:?}"), reason);
+                        }
+                        &failed
+                    }
                 };
                 let chains = policy::profile_chains(&self.opts.render, &name, p, v);
                 let t = self.table(v, "filter");
@@ -531,6 +675,27 @@ impl LinuxDriver {
             let Some(link) = self.ifaces.get(&wep.name) else {
                 continue;
             };
+            // Checked on receipt too; here against the prefixes in force now, and against the
+            // interface itself: one holding host addresses is the host's, never a workload's.
+            let refusal = validate::workload_interface(
+                "name",
+                &wep.name,
+                &self.opts.statics.workload_prefixes,
+            )
+            .map_err(|e| e.to_string())
+            .err()
+            .or_else(|| {
+                self.ifaces
+                    .has_host_addresses(link.index)
+                    .then(|| "the interface holds host addresses".to_owned())
+            });
+            if let Some(reason) = refusal {
+                if self.refused_ifaces.insert(wep.name.clone()) {
+                    warn!(iface = %wep.name, %reason, "not configuring this interface for a workload: no sysctls, routes or neighbours");
+                }
+                continue;
+            }
+            self.refused_ifaces.remove(&wep.name);
             present.insert(wep.name.clone());
             if self.configured_ifaces.get(&wep.name) != Some(&link.index) {
                 for (k, v) in sysctl::workload_interface_settings(&wep.name, self.opts.ipv6) {
@@ -707,24 +872,56 @@ impl Driver for LinuxDriver {
         };
         match payload {
             Payload::IpsetUpdate(u) => {
-                self.ipsets
+                let key = format!("ipset {:?}", u.id);
+                if let Err(e) = validate::ipset_id("id", &u.id) {
+                    return self.reject(key, e.to_string());
+                }
+                let refused = self
+                    .ipsets
                     .replace(&u.id, SetKind::from_proto(u.r#type), &u.members);
+                self.members_checked(&u.id, key, refused, true);
             }
             Payload::IpsetDeltaUpdate(u) => {
-                self.ipsets
+                let key = format!("ipset {:?}", u.id);
+                if let Err(e) = validate::ipset_id("id", &u.id) {
+                    return self.reject(key, e.to_string());
+                }
+                let refused = self
+                    .ipsets
                     .delta(&u.id, &u.added_members, &u.removed_members);
+                self.members_checked(&u.id, key, refused, false);
             }
-            Payload::IpsetRemove(u) => self.ipsets.remove(&u.id),
+            Payload::IpsetRemove(u) => {
+                self.accept(&format!("ipset {:?}", u.id));
+                if validate::ipset_id("id", &u.id).is_ok() {
+                    self.ipsets.remove(&u.id);
+                    if self.poisoned_sets.remove(&u.id) {
+                        self.dirty_users_of_set(&u.id);
+                    }
+                }
+            }
             Payload::ActivePolicyUpdate(u) => {
                 let (Some(id), Some(p)) = (&u.id, &u.policy) else {
                     return;
                 };
                 let k = policy_key(id);
-                self.policies.insert(k.clone(), p.clone());
+                let key = format!("policy {}", rules::policy_id_string(id));
+                let p = match validate::policy(id, p) {
+                    Ok(()) => {
+                        self.accept(&key);
+                        p.clone()
+                    }
+                    Err(e) => {
+                        self.reject(key, e.to_string());
+                        fail_closed_policy(p)
+                    }
+                };
+                self.policies.insert(k.clone(), p);
                 self.dirty_policies.insert(k);
             }
             Payload::ActivePolicyRemove(u) => {
                 if let Some(id) = &u.id {
+                    self.accept(&format!("policy {}", rules::policy_id_string(id)));
                     let k = policy_key(id);
                     self.policies.remove(&k);
                     self.dirty_policies.insert(k);
@@ -734,24 +931,56 @@ impl Driver for LinuxDriver {
                 let (Some(id), Some(p)) = (&u.id, &u.profile) else {
                     return;
                 };
-                self.profiles.insert(id.name.clone(), p.clone());
+                let key = format!("profile {:?}", id.name);
+                let p = match validate::profile(&id.name, p) {
+                    Ok(()) => {
+                        self.accept(&key);
+                        p.clone()
+                    }
+                    Err(e) => {
+                        self.reject(key, e.to_string());
+                        felix_proto::Profile {
+                            inbound_rules: vec![deny_all()],
+                            outbound_rules: vec![deny_all()],
+                        }
+                    }
+                };
+                self.profiles.insert(id.name.clone(), p);
                 self.dirty_profiles.insert(id.name.clone());
             }
             Payload::ActiveProfileRemove(u) => {
                 if let Some(id) = &u.id {
+                    self.accept(&format!("profile {:?}", id.name));
                     self.profiles.remove(&id.name);
                     self.dirty_profiles.insert(id.name.clone());
                 }
             }
             Payload::WorkloadEndpointUpdate(u) => {
                 let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
-                if let Some(ep) = &u.endpoint {
-                    self.weps.insert(key.clone(), ep.clone());
-                    self.dirty_weps.insert(key);
+                let Some(ep) = &u.endpoint else {
+                    return;
+                };
+                let what = format!("workload endpoint {key}");
+                match validate::workload_endpoint(ep, &self.opts.statics.workload_prefixes) {
+                    Ok(()) => {
+                        self.accept(&what);
+                        self.rejected_weps.remove(&key);
+                        self.weps.insert(key.clone(), ep.clone());
+                    }
+                    Err(e) => {
+                        // Failing closed: without its chains and dispatch entry the interface
+                        // is unknown, and traffic on an unknown workload interface drops.
+                        self.reject(what, e.to_string());
+                        self.rejected_weps.insert(key.clone());
+                        self.weps.remove(&key);
+                    }
                 }
+                self.dirty_weps.insert(key);
             }
             Payload::WorkloadEndpointRemove(u) => {
                 let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
+                self.accept(&format!("workload endpoint {key}"));
+                self.rejected_weps.remove(&key);
                 self.weps.remove(&key);
                 self.dirty_weps.insert(key);
             }
@@ -760,9 +989,25 @@ impl Driver for LinuxDriver {
                     u.id.as_ref()
                         .map(|i| i.endpoint_id.clone())
                         .unwrap_or_default();
-                if let Some(ep) = &u.endpoint {
-                    self.heps.insert(id.clone(), ep.clone());
-                    self.dirty_heps.insert(id);
+                let Some(ep) = &u.endpoint else {
+                    return;
+                };
+                let what = format!("host endpoint {id:?}");
+                match validate::host_endpoint(&id, ep) {
+                    Ok(()) => {
+                        self.accept(&what);
+                        self.rejected_heps.remove(&id);
+                        self.heps.insert(id.clone(), ep.clone());
+                        self.dirty_heps.insert(id);
+                    }
+                    Err(e) => {
+                        self.reject(what, e.to_string());
+                        if validate::object_name("id", &id).is_ok() {
+                            self.rejected_heps.insert(id.clone());
+                            self.heps.remove(&id);
+                            self.dirty_heps.insert(id);
+                        }
+                    }
                 }
             }
             Payload::ConfigUpdate(u) => {
@@ -770,6 +1015,11 @@ impl Driver for LinuxDriver {
             }
             Payload::IpamPoolUpdate(u) => {
                 if let Some(pool) = &u.pool {
+                    let what = format!("IPAM pool {:?}", u.id);
+                    if let Err(e) = validate::ipam_pool(&u.id, pool) {
+                        return self.reject(what, e.to_string());
+                    }
+                    self.accept(&what);
                     self.pools.insert(u.id.clone(), pool.clone());
                     self.pools_dirty = true;
                 }
@@ -783,6 +1033,8 @@ impl Driver for LinuxDriver {
                     u.id.as_ref()
                         .map(|i| i.endpoint_id.clone())
                         .unwrap_or_default();
+                self.accept(&format!("host endpoint {id:?}"));
+                self.rejected_heps.remove(&id);
                 self.heps.remove(&id);
                 self.dirty_heps.insert(id);
             }
@@ -836,6 +1088,13 @@ impl Driver for LinuxDriver {
             };
             out.hosts.insert(id.clone(), status.to_owned());
         }
+        // Refused endpoints are reported, so the datastore shows them as broken.
+        for key in &self.rejected_weps {
+            out.workloads.insert(key.clone(), "error".to_owned());
+        }
+        for id in &self.rejected_heps {
+            out.hosts.insert(id.clone(), "error".to_owned());
+        }
         out
     }
 
@@ -846,6 +1105,7 @@ impl Driver for LinuxDriver {
     fn metrics(&self) -> crate::driver::DriverMetrics {
         let p = self.programmed();
         crate::driver::DriverMetrics {
+            rejected: Some(self.rejected.len() as u64),
             rules: Some(p.rules as u64),
             ipsets: Some(p.ipsets as u64),
             ipset_members: Some(p.ipset_members as u64),
@@ -1128,6 +1388,291 @@ mod tests {
         );
         assert!(k.chain_rules(IpVersion::V4, "filter", "FORWARD")[0].contains("cali-FORWARD"));
         assert!(d.endpoint_statuses().workloads.is_empty());
+    }
+
+    fn rule_with(f: impl FnOnce(&mut Rule)) -> Rule {
+        let mut r = Rule {
+            action: "allow".into(),
+            ..Default::default()
+        };
+        f(&mut r);
+        r
+    }
+
+    fn policy_named(name: &str, rule: Rule) -> ToDataplane {
+        msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(PolicyId {
+                name: name.into(),
+                namespace: String::new(),
+                kind: "GlobalNetworkPolicy".into(),
+            }),
+            policy: Some(Policy {
+                inbound_rules: vec![rule],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    /// A hostile stream: every refused object is named with its reason and held failing
+    /// closed, every valid one is programmed, and no restore line carries anything the
+    /// messages did not describe.
+    #[test]
+    fn hostile_messages_are_refused_by_key_and_the_rest_applies() {
+        use felix_proto::protocol::NumberOrName;
+        let (mut d, k) = driver();
+        let set = |id: &str, members: &[&str]| {
+            msg(Payload::IpsetUpdate(IpSetUpdate {
+                id: id.into(),
+                members: members.iter().map(|m| (*m).to_owned()).collect(),
+                r#type: 2,
+            }))
+        };
+        d.on_update(&set("s:clients", &["10.65.0.1/32"]));
+        d.on_update(&set("s:x\ndestroy", &["10.0.0.1"]));
+        d.on_update(&set("s:bad", &["0.0.0.0/0", "10.0.0.0/40"]));
+        d.on_update(&set("s:all", &["0.0.0.0/0"]));
+        d.on_update(&policy(false));
+        d.on_update(&policy_named(
+            "uses-bad",
+            rule_with(|r| r.src_ip_set_ids = vec!["s:bad".into()]),
+        ));
+        d.on_update(&policy_named(
+            "uses-missing",
+            rule_with(|r| r.src_ip_set_ids = vec!["s:never-sent".into()]),
+        ));
+        d.on_update(&policy_named(
+            "proto",
+            rule_with(|r| {
+                r.protocol = Some(felix_proto::Protocol {
+                    number_or_name: Some(NumberOrName::Name("tcp\n-A INPUT -j ACCEPT".into())),
+                })
+            }),
+        ));
+        d.on_update(&policy_named(
+            "port",
+            rule_with(|r| {
+                r.dst_ports = vec![felix_proto::PortRange {
+                    first: 1,
+                    last: 65536,
+                }]
+            }),
+        ));
+        d.on_update(&policy_named(
+            "annotated",
+            rule_with(|r| {
+                r.metadata = Some(felix_proto::RuleMetadata {
+                    annotations: [(
+                        "note".to_owned(),
+                        "ends in \\\" \n-A INPUT -j ACCEPT\0".to_owned(),
+                    )]
+                    .into(),
+                })
+            }),
+        ));
+        d.on_update(&wep("caliweb"));
+        d.on_update(&msg(Payload::WorkloadEndpointUpdate(
+            WorkloadEndpointUpdate {
+                id: Some(WorkloadEndpointId {
+                    workload_id: "prod/hijack".into(),
+                    ..wep_id()
+                }),
+                endpoint: Some(WorkloadEndpoint {
+                    state: "active".into(),
+                    name: "eth0".into(),
+                    ..Default::default()
+                }),
+            },
+        )));
+        d.on_update(&msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
+            config: [(
+                "LogPrefix".to_owned(),
+                "x\"\n-I INPUT 1 -j ACCEPT".to_owned(),
+            )]
+            .into(),
+            ..Default::default()
+        })));
+        d.apply().expect("everything valid applies");
+
+        let refused: Vec<&str> = d.rejected().keys().map(String::as_str).collect();
+        assert_eq!(
+            refused,
+            [
+                "ipset \"s:bad\"",
+                "ipset \"s:x\\ndestroy\"",
+                "policy gnp/port",
+                "policy gnp/proto",
+                "policy gnp/uses-bad",
+                "policy gnp/uses-missing",
+                "workload endpoint k8s/prod/hijack/eth0",
+            ]
+        );
+        assert!(d.rejected()["policy gnp/port"].contains("65536"));
+        assert!(d.rejected()["workload endpoint k8s/prod/hijack/eth0"].contains("prefixes"));
+        let statuses = d.endpoint_statuses().workloads;
+        assert_eq!(statuses.values().collect::<Vec<_>>(), ["error", "up"]);
+        assert_eq!(d.metrics().rejected, Some(7));
+
+        let k = k.lock().unwrap();
+        let v4 = IpVersion::V4;
+        // The valid objects are programmed.
+        assert!(k.has_chain(v4, "filter", "cali-tw-caliweb"));
+        assert!(k.has_chain(v4, "filter", "cali-pi-np/prod/web"));
+        assert!(!k.has_chain(v4, "filter", "cali-tw-eth0"));
+        // Refused policies keep their chains, which drop whatever reaches them.
+        for name in ["uses-bad", "uses-missing", "proto", "port"] {
+            let rules = k.chain_rules(v4, "filter", &format!("cali-pi-gnp/{name}"));
+            assert!(
+                rules.iter().any(|r| r.ends_with("--jump DROP")),
+                "{name}: {rules:?}"
+            );
+            assert!(
+                !rules
+                    .iter()
+                    .any(|r| r.contains("ACCEPT") || r.contains("0x10000/0x10000")),
+                "{name}: {rules:?}"
+            );
+        }
+        // A /0 becomes its two halves; the refused member is left out.
+        let members = |name: &str| {
+            let mut m: Vec<String> = k.set(name).unwrap().members.iter().cloned().collect();
+            m.sort();
+            m
+        };
+        assert_eq!(members("cali40s:all"), ["0.0.0.0/1", "128.0.0.0/1"]);
+        assert_eq!(members("cali40s:bad"), ["0.0.0.0/1", "128.0.0.0/1"]);
+        assert!(k.set("cali40s:x\ndestroy").is_none());
+        // No restore line says anything it was not built to say: read back as the tools read
+        // them, every rule is in a chain of ours or jumps to one, and no ipset command names a
+        // set that is not ours.
+        for (program, args, input) in &k.calls {
+            for line in input.lines() {
+                if program.contains("tables") && line.starts_with('-') {
+                    let a = rules::quote::split_restore_line(line).unwrap();
+                    let ours = a[1].starts_with("cali")
+                        || a.iter().any(|x| x.starts_with("cali:"))
+                        || a.windows(2).any(|w| {
+                            matches!(w[0].as_str(), "--jump" | "--goto" | "-j" | "-g")
+                                && w[1].starts_with("cali-")
+                        });
+                    assert!(ours, "{program}: {line}");
+                }
+                if program == "ipset" && args.iter().any(|a| a == "restore") {
+                    let words: Vec<&str> = line.split_whitespace().collect();
+                    assert!(
+                        words.len() < 2 || words[1].starts_with("cali"),
+                        "ipset: {line}"
+                    );
+                }
+            }
+        }
+        let annotated = k.chain_rules(v4, "filter", "cali-pi-gnp/annotated");
+        assert!(
+            annotated
+                .iter()
+                .any(|r| r.contains("note=ends in __ _-A INPUT -j ACCEPT_")),
+            "{annotated:?}"
+        );
+        let log_prefix_lines = k
+            .calls
+            .iter()
+            .flat_map(|c| c.2.lines())
+            .filter(|l| l.contains("--log-prefix"))
+            .count();
+        assert_eq!(log_prefix_lines, 0, "no LOG rule was asked for");
+    }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Text an attacker would try: restore syntax, quotes, escapes, control bytes, names
+        /// of other tables' chains, and ordinary values, mixed.
+        fn text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just(String::new()),
+                "[a-z0-9:/.-]{1,12}",
+                "(tcp|udp|icmp|10\\.0\\.0\\.0/8|fd00::/64|s:[a-z]{3})",
+                "[ -~]{0,20}",
+                any::<String>(),
+                Just("x\"\n-A INPUT -j ACCEPT\n".to_owned()),
+                Just("\\".to_owned()),
+                Just("a\0b".to_owned()),
+            ]
+        }
+
+        fn ports() -> impl Strategy<Value = Vec<felix_proto::PortRange>> {
+            prop::collection::vec(
+                (-2i32..70000, -2i32..70000)
+                    .prop_map(|(first, last)| felix_proto::PortRange { first, last }),
+                0..3,
+            )
+        }
+
+        prop_compose! {
+            fn rule()(action in prop_oneof![Just("allow".to_owned()), Just("deny".to_owned()), text()],
+                      proto in prop::option::of(text()), proto_n in prop::option::of(-5i32..300),
+                      src_net in prop::collection::vec(text(), 0..3), dst_net in prop::collection::vec(text(), 0..2),
+                      src_ports in ports(), dst_ports in ports(),
+                      icmp in prop::option::of((-5i32..300, prop::option::of(-5i32..300))),
+                      sets in prop::collection::vec(prop_oneof![Just("s:known".to_owned()), text()], 0..2),
+                      note in text()) -> Rule {
+                use felix_proto::protocol::NumberOrName;
+                Rule {
+                    action,
+                    protocol: proto.map(|p| felix_proto::Protocol { number_or_name: Some(NumberOrName::Name(p)) })
+                        .or(proto_n.map(|n| felix_proto::Protocol { number_or_name: Some(NumberOrName::Number(n)) })),
+                    src_net, dst_net, src_ports, dst_ports,
+                    icmp: icmp.map(|(t, c)| match c {
+                        Some(code) => felix_proto::rule::Icmp::IcmpTypeCode(felix_proto::IcmpTypeAndCode { r#type: t, code }),
+                        None => felix_proto::rule::Icmp::IcmpType(t),
+                    }),
+                    src_ip_set_ids: sets.clone(),
+                    not_dst_ip_set_ids: sets,
+                    metadata: Some(felix_proto::RuleMetadata { annotations: [("note".to_owned(), note)].into() }),
+                    ..Default::default()
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+            /// Whatever a policy message holds, the apply succeeds, the policy's two chains
+            /// exist (its own rules if it is valid, a drop if not), and every restore line
+            /// reads back as one rule of a chain of ours.
+            #[test]
+            fn any_policy_message_applies_safely(name in text(), rules in prop::collection::vec(rule(), 0..4)) {
+                let (mut d, k) = driver();
+                d.on_update(&msg(Payload::IpsetUpdate(IpSetUpdate { id: "s:known".into(), members: vec!["10.0.0.1".into()], r#type: 2 })));
+                let id = PolicyId { name: name.clone(), namespace: String::new(), kind: "GlobalNetworkPolicy".into() };
+                let valid = validate::policy(&id, &Policy { inbound_rules: rules.clone(), ..Default::default() }).is_ok()
+                    && rules.iter().all(|r| validate::rule_set_ids(r).iter().all(|(_, ids)| ids.iter().all(|i| i == "s:known")));
+                d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                    id: Some(id.clone()),
+                    policy: Some(Policy { inbound_rules: rules.clone(), ..Default::default() }),
+                })));
+                prop_assert!(d.apply().is_ok());
+                prop_assert_eq!(d.rejected().is_empty(), valid, "{:?}", d.rejected());
+                let k = k.lock().unwrap();
+                let chain = rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id);
+                prop_assert!(chain.bytes().all(rules::quote::is_bare));
+                prop_assert!(k.has_chain(IpVersion::V4, "filter", &chain));
+                let got = k.chain_rules(IpVersion::V4, "filter", &chain);
+                if !valid {
+                    prop_assert!(got.iter().any(|r| r.ends_with("--jump DROP")));
+                    prop_assert!(!got.iter().any(|r| r.contains("0x10000/0x10000")));
+                }
+                for (program, _, input) in &k.calls {
+                    if !program.contains("tables") {
+                        continue;
+                    }
+                    for line in input.lines().filter(|l| l.starts_with("-A") || l.starts_with("-I")) {
+                        let a = rules::quote::split_restore_line(line).unwrap();
+                        prop_assert!(a[1].starts_with("cali") || a.iter().any(|x| x.starts_with("cali:")), "{}", line);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

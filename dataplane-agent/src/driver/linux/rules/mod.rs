@@ -7,6 +7,7 @@
 
 pub mod endpoint;
 pub mod policy;
+pub mod quote;
 pub mod static_chains;
 
 use std::fmt::Write as _;
@@ -91,10 +92,10 @@ impl Action {
             Action::Drop => out.push_str("--jump DROP"),
             Action::Return => out.push_str("--jump RETURN"),
             Action::Jump(c) => {
-                let _ = write!(out, "--jump {c}");
+                let _ = write!(out, "--jump {}", quote::arg(c));
             }
             Action::Goto(c) => {
-                let _ = write!(out, "--goto {c}");
+                let _ = write!(out, "--goto {}", quote::arg(c));
             }
             Action::SetMark(m) => {
                 let _ = write!(out, "--jump MARK --set-mark {m:#x}/{m:#x}");
@@ -106,7 +107,12 @@ impl Action {
                 let _ = write!(out, "--jump MARK --set-mark {mark:#x}/{mask:#x}");
             }
             Action::Log { prefix } => {
-                let _ = write!(out, "--jump LOG --log-prefix \"{prefix}: \" --log-level 5");
+                let prefix = format!("{prefix}: ");
+                let _ = write!(
+                    out,
+                    "--jump LOG --log-prefix {} --log-level 5",
+                    quote::arg(&prefix)
+                );
             }
             Action::NoTrack => out.push_str("--jump NOTRACK"),
             Action::Masquerade => out.push_str("--jump MASQUERADE"),
@@ -152,13 +158,13 @@ impl Rule {
     /// `-A <chain> <hash-fragment> <comments> <matches> <action>`.
     pub fn render_append(&self, chain: &str, hash_fragment: &str) -> String {
         let mut out = String::with_capacity(96);
-        let _ = write!(out, "-A {chain}");
+        let _ = write!(out, "-A {}", quote::arg(chain));
         if !hash_fragment.is_empty() {
             out.push(' ');
             out.push_str(hash_fragment);
         }
         for c in &self.comments {
-            let _ = write!(out, " -m comment --comment \"{}\"", escape_comment(c));
+            let _ = write!(out, " -m comment --comment {}", quote::comment_arg(c));
         }
         if !self.matches.0.is_empty() {
             out.push(' ');
@@ -178,22 +184,6 @@ impl Rule {
 /// `-m comment --comment "cali:<hash>"`.
 pub fn hash_comment(hash: &str) -> String {
     format!("-m comment --comment \"cali:{hash}\"")
-}
-
-/// iptables comments are at most 256 bytes and must not break the quoting.
-fn escape_comment(c: &str) -> String {
-    let mut s: String = c
-        .chars()
-        .map(|ch| if ch == '"' || ch == '\n' { '\'' } else { ch })
-        .collect();
-    if s.len() > 256 {
-        let mut cut = 256;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-    }
-    s
 }
 
 /// Match criteria built fragment by fragment, in iptables syntax.
@@ -230,10 +220,10 @@ impl Match {
     }
 
     pub fn in_iface(self, iface: &str) -> Self {
-        self.push(format_args!("--in-interface {iface}"))
+        self.push(format_args!("--in-interface {}", quote::arg(iface)))
     }
     pub fn out_iface(self, iface: &str) -> Self {
-        self.push(format_args!("--out-interface {iface}"))
+        self.push(format_args!("--out-interface {}", quote::arg(iface)))
     }
     /// `(mark & bits) == 0`.
     pub fn mark_clear(self, bits: u32) -> Self {
@@ -248,65 +238,92 @@ impl Match {
         self.push(format_args!("-m mark ! --mark 0/{bits:#x}"))
     }
     pub fn conntrack_state(self, state: &str) -> Self {
-        self.push(format_args!("-m conntrack --ctstate {state}"))
+        self.push(format_args!("-m conntrack --ctstate {}", quote::arg(state)))
     }
     pub fn not_conntrack_state(self, state: &str) -> Self {
-        self.push(format_args!("-m conntrack ! --ctstate {state}"))
+        self.push(format_args!(
+            "-m conntrack ! --ctstate {}",
+            quote::arg(state)
+        ))
     }
     pub fn protocol(self, p: &str) -> Self {
-        self.push(format_args!("--protocol {p}"))
+        self.push(format_args!("--protocol {}", quote::arg(p)))
     }
     pub fn not_protocol(self, p: &str) -> Self {
-        self.push(format_args!("! --protocol {p}"))
+        self.push(format_args!("! --protocol {}", quote::arg(p)))
     }
     pub fn src_net(self, cidr: &str) -> Self {
-        self.push(format_args!("--source {cidr}"))
+        self.push(format_args!("--source {}", quote::arg(cidr)))
     }
     pub fn not_src_net(self, cidr: &str) -> Self {
-        self.push(format_args!("! --source {cidr}"))
+        self.push(format_args!("! --source {}", quote::arg(cidr)))
     }
     pub fn dst_net(self, cidr: &str) -> Self {
-        self.push(format_args!("--destination {cidr}"))
+        self.push(format_args!("--destination {}", quote::arg(cidr)))
     }
     pub fn not_dst_net(self, cidr: &str) -> Self {
-        self.push(format_args!("! --destination {cidr}"))
+        self.push(format_args!("! --destination {}", quote::arg(cidr)))
     }
     pub fn src_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {set} src"))
+        self.push(format_args!("-m set --match-set {} src", quote::arg(set)))
     }
     pub fn not_src_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {set} src"))
+        self.push(format_args!("-m set ! --match-set {} src", quote::arg(set)))
     }
     pub fn dst_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {set} dst"))
+        self.push(format_args!("-m set --match-set {} dst", quote::arg(set)))
     }
     pub fn not_dst_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {set} dst"))
+        self.push(format_args!("-m set ! --match-set {} dst", quote::arg(set)))
     }
     pub fn src_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {set} src,src"))
+        self.push(format_args!(
+            "-m set --match-set {} src,src",
+            quote::arg(set)
+        ))
     }
     pub fn not_src_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {set} src,src"))
+        self.push(format_args!(
+            "-m set ! --match-set {} src,src",
+            quote::arg(set)
+        ))
     }
     pub fn dst_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {set} dst,dst"))
+        self.push(format_args!(
+            "-m set --match-set {} dst,dst",
+            quote::arg(set)
+        ))
     }
     pub fn not_dst_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {set} dst,dst"))
+        self.push(format_args!(
+            "-m set ! --match-set {} dst,dst",
+            quote::arg(set)
+        ))
     }
     /// `ports` already rendered as `80,443,8000:8080` (at most 15 slots).
     pub fn src_ports(self, ports: &str) -> Self {
-        self.push(format_args!("-m multiport --source-ports {ports}"))
+        self.push(format_args!(
+            "-m multiport --source-ports {}",
+            quote::arg(ports)
+        ))
     }
     pub fn not_src_ports(self, ports: &str) -> Self {
-        self.push(format_args!("-m multiport ! --source-ports {ports}"))
+        self.push(format_args!(
+            "-m multiport ! --source-ports {}",
+            quote::arg(ports)
+        ))
     }
     pub fn dst_ports(self, ports: &str) -> Self {
-        self.push(format_args!("-m multiport --destination-ports {ports}"))
+        self.push(format_args!(
+            "-m multiport --destination-ports {}",
+            quote::arg(ports)
+        ))
     }
     pub fn not_dst_ports(self, ports: &str) -> Self {
-        self.push(format_args!("-m multiport ! --destination-ports {ports}"))
+        self.push(format_args!(
+            "-m multiport ! --destination-ports {}",
+            quote::arg(ports)
+        ))
     }
     pub fn icmp_type(self, v: IpVersion, ty: i32, code: Option<i32>) -> Self {
         let (m, opt) = icmp_names(v);
@@ -408,17 +425,32 @@ pub const PROFILE_OUTBOUND_PFX: &str = "cali-pro-";
 
 /// A policy chain name, length-limited as Calico does.
 pub fn policy_chain_name(prefix: &str, id: &felix_proto::PolicyId) -> String {
-    calc_graph::hash::length_limited_id(prefix, &policy_id_string(id), MAX_CHAIN_NAME)
+    chain_name(prefix, &policy_id_string(id))
 }
 
 /// A profile chain name, length-limited as Calico does.
 pub fn profile_chain_name(prefix: &str, profile: &str) -> String {
-    calc_graph::hash::length_limited_id(prefix, profile, MAX_CHAIN_NAME)
+    chain_name(prefix, profile)
 }
 
 /// An endpoint chain name (`cali-tw-<iface>` …), length-limited as Calico does.
 pub fn endpoint_chain_name(prefix: &str, iface: &str) -> String {
-    calc_graph::hash::length_limited_id(prefix, iface, MAX_CHAIN_NAME)
+    chain_name(prefix, iface)
+}
+
+/// `prefix + id` as Calico names it (the id itself while it fits, else its hash). An id with a
+/// character that a chain-declaration line cannot carry (those lines take no quoting) is always
+/// hashed: valid Calico names never have one, so this only changes names the validator refuses,
+/// and it keeps every chain name safe by construction.
+fn chain_name(prefix: &str, id: &str) -> String {
+    if !id.is_empty() && id.bytes().all(quote::is_bare) {
+        return calc_graph::hash::length_limited_id(prefix, id, MAX_CHAIN_NAME);
+    }
+    let hash = URL_SAFE_NO_PAD.encode(sha2::Sha256::digest(id.as_bytes()));
+    let keep = MAX_CHAIN_NAME
+        .saturating_sub(prefix.len() + 1)
+        .min(hash.len());
+    format!("{prefix}_{}", &hash[..keep])
 }
 
 /// Longest ipset name the kernel accepts.
@@ -474,6 +506,24 @@ mod tests {
     }
 
     #[test]
+    fn names_with_unsafe_characters_are_always_hashed() {
+        let id = felix_proto::PolicyId {
+            name: "a b".into(),
+            namespace: String::new(),
+            kind: "GlobalNetworkPolicy".into(),
+        };
+        let name = policy_chain_name(POLICY_INBOUND_PFX, &id);
+        assert!(
+            name.starts_with("cali-pi-_") && name.len() == MAX_CHAIN_NAME,
+            "{name}"
+        );
+        assert!(name.bytes().all(quote::is_bare));
+        let iface = endpoint_chain_name("cali-tw-", "x\n-A INPUT");
+        assert!(iface.bytes().all(quote::is_bare), "{iface}");
+        assert_ne!(iface, endpoint_chain_name("cali-tw-", "x\n-A INPUT2"));
+    }
+
+    #[test]
     fn ipset_names_are_cut_to_31() {
         let n = ipset_name(IpVersion::V4, "s:5y5I3VdRZfDU01O--xXAPx2AO5xQ6Vf6pbgP0");
         assert_eq!(n, "cali40s:5y5I3VdRZfDU01O--xXAPx2");
@@ -504,7 +554,7 @@ mod tests {
         .comment("say \"hi\"");
         assert_eq!(
             r.render_with_hash("cali-pi-x", "abc"),
-            "-A cali-pi-x -m comment --comment \"cali:abc\" -m comment --comment \"say 'hi'\" \
+            "-A cali-pi-x -m comment --comment \"cali:abc\" -m comment --comment \"say _hi_\" \
              --protocol tcp -m multiport --destination-ports 80,443 \
              --jump MARK --set-mark 0x10000/0x10000"
         );
