@@ -705,7 +705,7 @@ impl LinuxDriver {
                 }
                 self.configured_ifaces.insert(wep.name.clone(), link.index);
             }
-            let mac = parse_mac(&wep.mac);
+            let mac = validate::parse_mac(&wep.mac);
             let nets = wep.ipv4_nets.iter().chain(if self.opts.ipv6 {
                 &wep.ipv6_nets[..]
             } else {
@@ -1142,16 +1142,6 @@ impl Driver for LinuxDriver {
             .collect();
         self.dirty_heps.extend(by_address);
     }
-}
-
-/// `ee:ee:ee:ee:ee:ee` → bytes.
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut out = [0u8; 6];
-    let mut parts = s.split([':', '-']);
-    for b in &mut out {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
-    }
-    parts.next().is_none().then_some(out)
 }
 
 #[cfg(test)]

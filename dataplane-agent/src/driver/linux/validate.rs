@@ -249,26 +249,7 @@ pub fn parse_cidr(s: &str) -> Result<(IpAddr, u8), String> {
 }
 
 fn mask(addr: IpAddr, len: u8) -> IpAddr {
-    match addr {
-        IpAddr::V4(a) => {
-            let bits = u32::from(a);
-            let m = if len == 0 {
-                0
-            } else {
-                u32::MAX << (32 - u32::from(len))
-            };
-            IpAddr::V4((bits & m).into())
-        }
-        IpAddr::V6(a) => {
-            let bits = u128::from(a);
-            let m = if len == 0 {
-                0
-            } else {
-                u128::MAX << (128 - u32::from(len))
-            };
-            IpAddr::V6((bits & m).into())
-        }
-    }
+    ipnetwork::IpNetwork::new(addr, len).map_or(addr, |n| n.network())
 }
 
 /// The `hash:net` members for a network: itself, or both halves of a `/0`.
