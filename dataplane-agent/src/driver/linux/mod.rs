@@ -179,6 +179,10 @@ pub struct LinuxDriver {
     /// Objects from the stream refused by `validate`, "<kind> <key>" → reason. Each is held
     /// failing closed (see `on_update`) until a valid version arrives or it is removed.
     rejected: BTreeMap<String, String>,
+    /// Policies and profiles held failing closed because an IP set they use is unknown or
+    /// poisoned, "<kind> <key>" → reason (kept apart from `rejected`: it clears on its own
+    /// once the set is programmed as sent).
+    set_refused: BTreeMap<String, String>,
     /// IP sets some of whose members were refused: policies that use one fail closed.
     poisoned_sets: HashSet<String>,
     /// Interfaces refused at programming time (host addresses on them), to warn once.
@@ -263,6 +267,7 @@ impl LinuxDriver {
             neighbours: HashSet::new(),
             globals_set: false,
             rejected: BTreeMap::new(),
+            set_refused: BTreeMap::new(),
             poisoned_sets: HashSet::new(),
             refused_ifaces: HashSet::new(),
             rejected_weps: HashSet::new(),
@@ -376,50 +381,69 @@ impl LinuxDriver {
         }
     }
 
-    /// The first IP set the rules name that is not programmed as sent (unknown or poisoned).
-    fn unusable_set<'a>(&self, rules: &'a [felix_proto::Rule]) -> Option<&'a str> {
-        rules.iter().find_map(|r| {
+    /// Whether every IP set the rules name is programmed as sent (known and not poisoned).
+    /// Records a refusal of `what` when not, and clears an earlier one of this kind when so;
+    /// a refusal from `validate` on receipt is kept apart and left alone.
+    fn sets_usable(
+        &mut self,
+        what: String,
+        inbound: &[felix_proto::Rule],
+        outbound: &[felix_proto::Rule],
+    ) -> bool {
+        let unusable = inbound.iter().chain(outbound).find_map(|r| {
             validate::rule_set_ids(r).into_iter().find_map(|(_, ids)| {
                 ids.iter()
                     .find(|i| self.poisoned_sets.contains(*i) || !self.ipsets.contains(i))
-                    .map(String::as_str)
             })
-        })
+        });
+        match unusable {
+            Some(set) => {
+                let reason = format!("uses IP set {set:?}, which was refused or never sent");
+                if self.set_refused.get(&what) != Some(&reason) {
+                    warn!(object = %what, %reason, "refused an object from the calc-server; failing closed for it");
+                    self.set_refused.insert(what, reason);
+                }
+                false
+            }
+            None => {
+                if self.set_refused.remove(&what).is_some() {
+                    info!(object = %what, "the IP sets it uses are programmed again");
+                }
+                true
+            }
+        }
     }
 
-    /// Objects refused, "<kind> <key>" → reason.
-    pub fn rejected(&self) -> &BTreeMap<String, String> {
-        &self.rejected
+    /// Objects refused, "<kind> <key>" → reason (on receipt, or for the IP sets they use).
+    pub fn rejected(&self) -> BTreeMap<String, String> {
+        let mut all = self.rejected.clone();
+        all.extend(self.set_refused.iter().map(|(k, v)| (k.clone(), v.clone())));
+        all
     }
 
     fn render_policies(&mut self) {
         for key in std::mem::take(&mut self.dirty_policies) {
             let id = policy_id(&key);
+            let names = [
+                rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id),
+                rules::policy_chain_name(rules::POLICY_OUTBOUND_PFX, &id),
+            ];
+            let what = format!("policy {}", rules::policy_id_string(&id));
+            let p = self.policies.get(&key).cloned();
+            if p.is_none() {
+                self.set_refused.remove(&what);
+            }
+            let p = p.map(|p| {
+                if self.sets_usable(what, &p.inbound_rules, &p.outbound_rules) {
+                    p
+                } else {
+                    fail_closed_policy(&p)
+                }
+            });
             for v in self.versions.clone() {
-                let names = [
-                    rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id),
-                    rules::policy_chain_name(rules::POLICY_OUTBOUND_PFX, &id),
-                ];
                 self.remove_everywhere(v, &names);
-                let Some(p) = self.policies.get(&key) else {
+                let Some(p) = &p else {
                     continue;
-                };
-                let what = format!("policy {}", rules::policy_id_string(&id));
-                let failed;
-                let p = match self
-                    .unusable_set(&p.inbound_rules)
-                    .or_else(|| self.unusable_set(&p.outbound_rules))
-                {
-                    None => p,
-                    Some(set) => {
-                        let reason =
-                            format!("uses IP set {set:?}, which was refused or never sent");
-                        failed = fail_closed_policy(p);
-                        if v == self.versions[0] {
-                            self.reject(what, reason);
-                        }
-                        &failed
-                    }
                 };
                 // Felix puts a policy in the table of the chains that use it.
                 let table = if p.untracked {
@@ -438,33 +462,29 @@ impl LinuxDriver {
 
     fn render_profiles(&mut self) {
         for name in std::mem::take(&mut self.dirty_profiles) {
-            for v in self.versions.clone() {
-                let names = [
-                    rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, &name),
-                    rules::profile_chain_name(rules::PROFILE_OUTBOUND_PFX, &name),
-                ];
-                self.remove_everywhere(v, &names);
-                let Some(p) = self.profiles.get(&name) else {
-                    continue;
-                };
-                let failed;
-                let p = match self
-                    .unusable_set(&p.inbound_rules)
-                    .or_else(|| self.unusable_set(&p.outbound_rules))
-                {
-                    None => p,
-                    Some(set) => {
-                        let reason =
-                            format!("uses IP set {set:?}, which was refused or never sent");
-                        failed = felix_proto::Profile {
-                            inbound_rules: vec![deny_all()],
-                            outbound_rules: vec![deny_all()],
-                        };
-                        if v == self.versions[0] {
-                            self.reject(format!("profile {name:?}"), reason);
-                        }
-                        &failed
+            let names = [
+                rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, &name),
+                rules::profile_chain_name(rules::PROFILE_OUTBOUND_PFX, &name),
+            ];
+            let what = format!("profile {name:?}");
+            let p = self.profiles.get(&name).cloned();
+            if p.is_none() {
+                self.set_refused.remove(&what);
+            }
+            let p = p.map(|p| {
+                if self.sets_usable(what, &p.inbound_rules, &p.outbound_rules) {
+                    p
+                } else {
+                    felix_proto::Profile {
+                        inbound_rules: vec![deny_all()],
+                        outbound_rules: vec![deny_all()],
                     }
+                }
+            });
+            for v in self.versions.clone() {
+                self.remove_everywhere(v, &names);
+                let Some(p) = &p else {
+                    continue;
                 };
                 let chains = policy::profile_chains(&self.opts.render, &name, p, v);
                 let t = self.table(v, "filter");
@@ -1105,7 +1125,7 @@ impl Driver for LinuxDriver {
     fn metrics(&self) -> crate::driver::DriverMetrics {
         let p = self.programmed();
         crate::driver::DriverMetrics {
-            rejected: Some(self.rejected.len() as u64),
+            rejected: Some(self.rejected().len() as u64),
             rules: Some(p.rules as u64),
             ipsets: Some(p.ipsets as u64),
             ipset_members: Some(p.ipset_members as u64),
@@ -1483,7 +1503,8 @@ mod tests {
         })));
         d.apply().expect("everything valid applies");
 
-        let refused: Vec<&str> = d.rejected().keys().map(String::as_str).collect();
+        let rejected = d.rejected();
+        let refused: Vec<&str> = rejected.keys().map(String::as_str).collect();
         assert_eq!(
             refused,
             [
@@ -1569,6 +1590,23 @@ mod tests {
             .filter(|l| l.contains("--log-prefix"))
             .count();
         assert_eq!(log_prefix_lines, 0, "no LOG rule was asked for");
+        drop(k);
+
+        // The poisoned set comes back clean: the policy using it is programmed as sent again
+        // and no longer reported.
+        d.on_update(&set("s:bad", &["10.0.0.0/8"]));
+        d.apply().unwrap();
+        let rejected = d.rejected();
+        assert!(!rejected.contains_key("ipset \"s:bad\""), "{rejected:?}");
+        assert!(
+            !rejected.contains_key("policy gnp/uses-bad"),
+            "{rejected:?}"
+        );
+        assert!(
+            rejected.contains_key("policy gnp/uses-missing"),
+            "{rejected:?}"
+        );
+        assert_eq!(d.metrics().rejected, Some(5));
     }
 
     mod hostile {
