@@ -26,6 +26,9 @@ pub struct FakeKernel {
     pub calls: Vec<(String, Vec<String>, String)>,
     /// When set, every `*-restore` fails with this message.
     pub fail_restores: Option<String>,
+    /// Text the kernel refuses: a restore or ipset line holding one of these fails (stands for
+    /// whatever the agent's own checks did not foresee).
+    pub refuse: Vec<String>,
 }
 
 const BUILTIN: &[(&str, &[&str])] = &[
@@ -51,6 +54,21 @@ fn jump_target(spec: &str) -> Option<String> {
         }
     }
     None
+}
+
+/// The IP sets a rule spec matches on.
+fn match_sets(spec: &str) -> impl Iterator<Item = String> {
+    let args = super::rules::quote::split_restore_line(spec).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut it = args.into_iter();
+    while let Some(tok) = it.next() {
+        if tok == "--match-set"
+            && let Some(s) = it.next()
+        {
+            out.push(s);
+        }
+    }
+    out.into_iter()
 }
 
 impl FakeKernel {
@@ -165,6 +183,9 @@ impl FakeKernel {
                 continue;
             }
             let table = current.clone().ok_or_else(|| err("no table"))?;
+            if self.refuse.iter().any(|r| line.contains(r.as_str())) {
+                return Err(err("refused by the kernel"));
+            }
             if line == "COMMIT" {
                 for (chain, rules) in &work {
                     for r in rules {
@@ -173,6 +194,9 @@ impl FakeKernel {
                             && !work.contains_key(&t)
                         {
                             return Err(err(&format!("{chain}: jump to missing chain {t}")));
+                        }
+                        if let Some(set) = match_sets(r).find(|s| !self.sets.contains_key(s)) {
+                            return Err(err(&format!("{chain}: set {set} does not exist")));
                         }
                     }
                 }
@@ -260,29 +284,20 @@ impl FakeKernel {
     }
 
     fn referenced_sets(&self) -> BTreeSet<String> {
-        let mut used = BTreeSet::new();
-        for t in self.tables.values() {
-            for rules in t.values() {
-                for r in rules {
-                    let args = super::rules::quote::split_restore_line(r).unwrap_or_default();
-                    let mut it = args.into_iter();
-                    while let Some(tok) = it.next() {
-                        if tok == "--match-set"
-                            && let Some(s) = it.next()
-                        {
-                            used.insert(s);
-                        }
-                    }
-                }
-            }
-        }
-        used
+        self.tables
+            .values()
+            .flat_map(|t| t.values().flatten())
+            .flat_map(|r| match_sets(r))
+            .collect()
     }
 
     /// Runs an `ipset restore` script (line by line, like the real tool: not atomic).
     pub fn exec_ipset(&mut self, script: &str, exist: bool) -> Result<(), String> {
         for (n, line) in script.lines().enumerate() {
             let err = |m: &str| format!("Error in line {}: {m}", n + 1);
+            if self.refuse.iter().any(|r| line.contains(r.as_str())) {
+                return Err(err("refused by the kernel"));
+            }
             let words: Vec<&str> = line.split_whitespace().collect();
             match words.as_slice() {
                 [] => {}

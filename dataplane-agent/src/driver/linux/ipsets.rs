@@ -7,9 +7,12 @@
 //! swapped in, so rules using it never see it empty. [`IpSets::apply_deletions`] (after the
 //! tables, once no rule refers to them) destroys sets of ours that are no longer wanted. The
 //! kernel view is read back with `ipset save` on the first apply, after a failure and after
-//! [`IpSets::invalidate`], which is how out-of-band changes get repaired.
+//! [`IpSets::invalidate`], which is how out-of-band changes get repaired. When a batch fails
+//! (`ipset restore` is not atomic), the kernel is read back and each set is written on its
+//! own; a set the kernel refuses is reported by [`IpSets::refused`], and the driver makes the
+//! rules that use it fail closed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
 use super::rules::{IpVersion, ipset_name};
@@ -98,6 +101,8 @@ fn normalized(
 
 #[derive(Clone, Debug)]
 struct DesiredSet {
+    /// The calc-server's id of the set.
+    id: String,
     kind: SetKind,
     version: IpVersion,
     members: HashSet<String>,
@@ -134,6 +139,9 @@ pub struct IpSets {
     desired: HashMap<String, DesiredSet>,
     kernel: Option<HashMap<String, KernelSet>>,
     dirty: HashSet<String>,
+    /// Sets the kernel refused on their own: kernel name → error. Left out until they change
+    /// (`replace`, `delta`, `remove`) or `invalidate`.
+    refused: BTreeMap<String, String>,
     /// Families to program (IPv6 sets are skipped when IPv6 is off).
     versions: Vec<IpVersion>,
     pub max_elem: u32,
@@ -145,6 +153,7 @@ impl IpSets {
             desired: HashMap::new(),
             kernel: None,
             dirty: HashSet::new(),
+            refused: BTreeMap::new(),
             versions,
             max_elem: 1_048_576,
         }
@@ -158,6 +167,7 @@ impl IpSets {
         for v in self.versions.clone() {
             let name = ipset_name(v, id);
             let set = DesiredSet {
+                id: id.to_owned(),
                 kind,
                 version: v,
                 members: members
@@ -167,6 +177,7 @@ impl IpSets {
                     .collect(),
             };
             self.desired.insert(name.clone(), set);
+            self.refused.remove(&name);
             self.dirty.insert(name);
         }
         refused
@@ -199,6 +210,7 @@ impl IpSets {
                     set.members.insert(m.clone());
                 }
             }
+            self.refused.remove(&name);
             self.dirty.insert(name);
         }
         refused
@@ -216,13 +228,15 @@ impl IpSets {
         for v in IpVersion::BOTH {
             let name = ipset_name(v, id);
             self.desired.remove(&name);
+            self.refused.remove(&name);
             self.dirty.remove(&name);
         }
     }
 
-    /// The next apply reads the kernel back and repairs what differs.
+    /// The next apply reads the kernel back, repairs what differs and tries refused sets again.
     pub fn invalidate(&mut self) {
         self.kernel = None;
+        self.refused.clear();
     }
 
     /// Number of sets and members we want in the kernel.
@@ -279,8 +293,22 @@ impl IpSets {
         Ok(sets)
     }
 
-    /// Creates and updates sets (see the module doc).
+    /// Creates and updates sets (see the module doc). When the batch fails, each set is
+    /// written on its own; the ones the kernel refuses are reported by [`IpSets::refused`]
+    /// and left out until they change or the sets are invalidated. An error is returned only
+    /// when `ipset` fails as such.
     pub fn apply_updates(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<IpSetStats, IpSetError> {
+        let result = self.apply_updates_inner(runner);
+        if result.is_err() {
+            self.kernel = None;
+        }
+        result
+    }
+
+    fn apply_updates_inner(
         &mut self,
         runner: &mut dyn CommandRunner,
     ) -> Result<IpSetStats, IpSetError> {
@@ -290,15 +318,62 @@ impl IpSets {
             stats.read_back = true;
             self.dirty = self.desired.keys().cloned().collect();
         }
-        if self.dirty.is_empty() {
+        let mut names: Vec<String> = self
+            .dirty
+            .drain()
+            .filter(|n| self.desired.contains_key(n))
+            .collect();
+        names.sort();
+        if names.is_empty() {
             return Ok(stats);
         }
+        let script = self.script(&names, &mut stats);
+        if script.is_empty() {
+            return Ok(stats);
+        }
+        let Err(error) = self.restore(runner, &script, "restore") else {
+            names.iter().for_each(|n| self.record(n));
+            return Ok(stats);
+        };
+        tracing::warn!(%error, sets = names.len(), "ipset restore failed; writing the sets one by one");
+        // `ipset restore` is not atomic: part of the batch went in. Start again from the kernel.
+        self.restore(runner, "", "restore")?;
+        self.kernel = Some(self.read_back(runner)?);
+        stats = IpSetStats {
+            read_back: true,
+            ..IpSetStats::default()
+        };
+        for name in names {
+            let mut one = IpSetStats::default();
+            let script = self.script(std::slice::from_ref(&name), &mut one);
+            match self.restore(runner, &script, "restore") {
+                Ok(()) => {
+                    self.record(&name);
+                    stats.created += one.created;
+                    stats.rewritten += one.rewritten;
+                    stats.added += one.added;
+                    stats.removed += one.removed;
+                }
+                Err(error) => {
+                    tracing::warn!(set = %name, %error, "the kernel refused an IP set; the rules using it fail closed");
+                    let error = match error {
+                        IpSetError::Failed { stderr, .. } => stderr,
+                        other => other.to_string(),
+                    };
+                    self.refused.insert(name, error);
+                    self.kernel = Some(self.read_back(runner)?);
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    /// The restore lines that bring the named sets from their kernel version to the desired one.
+    fn script(&self, names: &[String], stats: &mut IpSetStats) -> String {
         let kernel = self.kernel.as_ref().expect("read back above");
         let mut script = String::new();
-        let mut dirty: Vec<&String> = self.dirty.iter().collect();
-        dirty.sort();
         let mut temp_used = false;
-        for name in dirty {
+        for name in names {
             let Some(d) = self.desired.get(name) else {
                 continue;
             };
@@ -349,24 +424,38 @@ impl IpSets {
                 }
             }
         }
-        if !script.is_empty() {
-            self.restore(runner, &script, "restore")?;
-        }
+        script
+    }
+
+    /// Records that the kernel now holds the desired version of `name`.
+    fn record(&mut self, name: &str) {
         let kernel = self.kernel.as_mut().expect("read back above");
-        for name in self.dirty.drain() {
-            if let Some(d) = self.desired.get(&name) {
-                kernel.insert(
-                    name,
-                    KernelSet {
-                        kind: d.kind.kernel_type().to_owned(),
-                        family: family(d.version).to_owned(),
-                        members: d.members.clone(),
-                    },
-                );
-            }
-        }
         kernel.retain(|n, _| !n.starts_with("cali4t") && !n.starts_with("cali6t"));
-        Ok(stats)
+        if let Some(d) = self.desired.get(name) {
+            kernel.insert(
+                name.to_owned(),
+                KernelSet {
+                    kind: d.kind.kernel_type().to_owned(),
+                    family: family(d.version).to_owned(),
+                    members: d.members.clone(),
+                },
+            );
+        }
+    }
+
+    /// Sets the kernel refused: (kernel name, the calc-server's id, the kernel's error).
+    pub fn refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
+        self.refused.iter().map(|(name, error)| {
+            let id = self.desired.get(name).map_or("", |d| d.id.as_str());
+            (name.as_str(), id, error.as_str())
+        })
+    }
+
+    /// Whether the kernel refused the v4 or v6 set of `id`.
+    pub fn is_refused(&self, id: &str) -> bool {
+        IpVersion::BOTH
+            .iter()
+            .any(|v| self.refused.contains_key(&ipset_name(*v, id)))
     }
 
     /// Destroys sets of ours nothing wants any more. A set still in use by a rule that is not
@@ -406,19 +495,15 @@ impl IpSets {
     }
 
     fn restore(
-        &mut self,
+        &self,
         runner: &mut dyn CommandRunner,
         script: &str,
         what: &'static str,
     ) -> Result<(), IpSetError> {
         let out = runner
             .run("ipset", &["-exist", "restore"], Some(script.as_bytes()))
-            .map_err(|e| {
-                self.kernel = None;
-                IpSetError::Spawn(e)
-            })?;
+            .map_err(IpSetError::Spawn)?;
         if !out.success {
-            self.kernel = None;
             return Err(IpSetError::Failed {
                 what,
                 stderr: out.stderr_summary(),
@@ -570,5 +655,39 @@ mod tests {
         s.remove("s:new");
         assert_eq!(s.apply_deletions(&mut k).unwrap(), 1);
         assert_eq!(k.set_names(), vec!["kube-x"]);
+    }
+
+    #[test]
+    fn a_set_the_kernel_refuses_is_left_out_and_the_others_go_in() {
+        let mut k = FakeKernel::new();
+        k.refuse.push("10.9.9.9".into());
+        let mut s = IpSets::new(vec![IpVersion::V4]);
+        s.replace("s:a", SetKind::Net, &["10.0.0.1".into()]);
+        s.replace("s:b", SetKind::Net, &["10.0.0.2".into(), "10.9.9.9".into()]);
+        s.replace("s:c", SetKind::Net, &["10.0.0.3".into()]);
+        // The batch fails part-way (`ipset restore` is not atomic): read back, one by one.
+        assert!(s.apply_updates(&mut k).unwrap().read_back);
+        assert_eq!(k.set("cali40s:a").unwrap().members.len(), 1);
+        assert_eq!(k.set("cali40s:c").unwrap().members.len(), 1);
+        let refused: Vec<_> = s.refused().collect();
+        assert_eq!(refused.len(), 1);
+        assert_eq!((refused[0].0, refused[0].1), ("cali40s:b", "s:b"));
+        assert!(s.is_refused("s:b") && !s.is_refused("s:a"));
+
+        // Left out until it changes: nothing is written again.
+        let calls = k.calls.len();
+        s.apply_updates(&mut k).unwrap();
+        assert_eq!(k.calls.len(), calls);
+        s.delta("s:b", &[], &["10.9.9.9".into()]);
+        s.apply_updates(&mut k).unwrap();
+        assert!(!s.is_refused("s:b"));
+        assert_eq!(
+            k.set("cali40s:b")
+                .unwrap()
+                .members
+                .iter()
+                .collect::<Vec<_>>(),
+            vec!["10.0.0.2"]
+        );
     }
 }

@@ -6,6 +6,12 @@
 //! `iptables-restore --noflush` transaction holding only the chains whose rule hashes differ,
 //! the hook rules that are missing or out of place, and the deletion of chains of ours
 //! (`cali-…`) that are no longer wanted. Rules and chains that are not ours are never touched.
+//!
+//! When the kernel refuses that transaction, no single chain may hold the rest back: the
+//! chains are written again in halves (dependencies first) down to the single chains that are
+//! refused on their own. Such a chain is reported by [`Table::refused`] with the object it
+//! renders; a stream object's chain is replaced by a DROP (fail closed), one of our own keeps
+//! its kernel version. It is tried again when its content changes or after `invalidate`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -217,6 +223,32 @@ fn parse_save(text: &str) -> KernelView {
 struct DesiredChain {
     rules: Vec<Rule>,
     hashes: Vec<String>,
+    /// The stream object the chain renders ("policy …"), if any. When the kernel refuses the
+    /// chain, one with an owner is replaced by a single DROP (its traffic fails closed); one
+    /// without (our static and dispatch chains) keeps whatever version the kernel has.
+    owner: Option<String>,
+}
+
+/// A chain the kernel refused on its own, kept out until its content changes or the table is
+/// invalidated (the next refresh tries it again).
+#[derive(Clone, Debug)]
+struct Refused {
+    /// The desired hashes that were refused.
+    hashes: Vec<String>,
+    /// Hashes of the DROP written in its place.
+    fallback: Vec<String>,
+    error: String,
+}
+
+/// The rule a refused chain of a stream object is replaced by.
+static DROP_RULE: std::sync::LazyLock<Rule> =
+    std::sync::LazyLock::new(|| Rule::always(super::rules::Action::Drop));
+
+/// The part of a transaction after the chain writes.
+struct Tail {
+    script: String,
+    stale: Vec<String>,
+    hook_fixes: Vec<String>,
 }
 
 /// Counts of what one apply wrote.
@@ -225,6 +257,8 @@ pub struct ApplyStats {
     pub chains_written: usize,
     pub chains_deleted: usize,
     pub hooks_fixed: usize,
+    /// Chains the kernel refused on their own (see [`Table::refused`]).
+    pub chains_refused: usize,
     pub read_back: bool,
 }
 
@@ -237,6 +271,7 @@ pub struct Table {
     /// Hashes of the hook rules: kernel chain → (inserts, appends).
     hook_hashes: BTreeMap<String, (Vec<String>, Vec<String>)>,
     kernel: Option<KernelView>,
+    refused: BTreeMap<String, Refused>,
     /// The kernel view was loaded by `load_kernel_view` and no apply has reported it yet.
     loaded: bool,
     /// Seconds `iptables-restore` waits for the xtables lock.
@@ -252,6 +287,7 @@ impl Table {
             hooks: Hooks::default(),
             hook_hashes: BTreeMap::new(),
             kernel: None,
+            refused: BTreeMap::new(),
             loaded: false,
             lock_wait_secs: 10,
         }
@@ -265,27 +301,47 @@ impl Table {
         self.version
     }
 
-    /// Sets (or replaces) one of our chains.
+    /// Sets (or replaces) one of our own chains (static or dispatch).
     pub fn set_chain(&mut self, chain: Chain) {
-        if self
-            .desired
-            .get(&chain.name)
-            .is_some_and(|existing| existing.rules == chain.rules)
+        self.put_chain(chain, None);
+    }
+
+    /// Sets (or replaces) a chain that renders the stream object `owner` ("policy …").
+    pub fn set_owned_chain(&mut self, chain: Chain, owner: &str) {
+        self.put_chain(chain, Some(owner));
+    }
+
+    fn put_chain(&mut self, chain: Chain, owner: Option<&str>) {
+        if let Some(existing) = self.desired.get_mut(&chain.name)
+            && existing.rules == chain.rules
         {
+            if existing.owner.as_deref() != owner {
+                existing.owner = owner.map(str::to_owned);
+            }
             return;
         }
         let hashes = chain.rule_hashes();
+        if self
+            .refused
+            .get(&chain.name)
+            .is_some_and(|r| r.hashes != hashes)
+        {
+            // New content: worth trying again.
+            self.refused.remove(&chain.name);
+        }
         self.desired.insert(
             chain.name,
             DesiredChain {
                 rules: chain.rules,
                 hashes,
+                owner: owner.map(str::to_owned),
             },
         );
     }
 
     pub fn remove_chain(&mut self, name: &str) {
         self.desired.remove(name);
+        self.refused.remove(name);
     }
 
     pub fn has_chain(&self, name: &str) -> bool {
@@ -319,9 +375,11 @@ impl Table {
         self.hook_hashes = hashes;
     }
 
-    /// Forgets the kernel view: the next apply reads the kernel back and repairs differences.
+    /// Forgets the kernel view: the next apply reads the kernel back, repairs differences and
+    /// tries refused chains again.
     pub fn invalidate(&mut self) {
         self.kernel = None;
+        self.refused.clear();
     }
 
     /// Whether the next apply must read the kernel back first.
@@ -337,8 +395,24 @@ impl Table {
         self.loaded = true;
     }
 
-    /// Brings the kernel in line with the desired chains (see the module doc).
+    /// Brings the kernel in line with the desired chains (see the module doc). When the
+    /// transaction fails, the chains responsible are found and refused (see
+    /// [`Table::refused`]) and everything else is applied; an error is returned only when the
+    /// tool fails as such or our own hooks cannot be written.
     pub fn apply(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+    ) -> Result<ApplyStats, TableError> {
+        let result = self.apply_inner(runner, backend);
+        if result.is_err() {
+            // We no longer know what the kernel holds: read it back before the retry.
+            self.kernel = None;
+        }
+        result
+    }
+
+    fn apply_inner(
         &mut self,
         runner: &mut dyn CommandRunner,
         backend: Backend,
@@ -351,33 +425,210 @@ impl Table {
             self.kernel = Some(self.read_back(runner, backend)?);
             stats.read_back = true;
         }
-        let kernel = self.kernel.as_ref().expect("read back above");
-        let mut script = String::new();
-        let mut body = String::new();
-        let mut written: Vec<String> = Vec::new();
-
-        // Chains to (re)write: new ones and those whose hashes differ. Sorted for stable output.
-        let mut names: Vec<&String> = self.desired.keys().collect();
-        names.sort();
-        for name in names {
-            let d = &self.desired[name];
-            if kernel.ours.get(name) == Some(&d.hashes) {
-                continue;
+        let writes = self.chain_writes();
+        let tail = self.tail();
+        if writes.is_empty() && tail.script.is_empty() {
+            return Ok(stats);
+        }
+        let script = format!("{}{}", self.write_script(&writes), tail.script);
+        match self.restore(runner, backend, &script) {
+            Ok(()) => {
+                self.record_writes(&writes);
+                self.record_tail(&tail);
+                stats.chains_written = writes.len();
             }
-            // Declaring an existing chain flushes it under --noflush.
-            let _ = writeln!(script, ":{name} - [0:0]");
-            for (rule, hash) in d.rules.iter().zip(&d.hashes) {
+            Err(error) if !writes.is_empty() => {
+                tracing::warn!(table = self.name, v = self.version.number(), %error, chains = writes.len(), "restore failed; finding the chains responsible");
+                // The tool itself failing (lock, missing binary) is not any chain's fault.
+                self.restore(runner, backend, "")?;
+                let (written, refused) = self.isolate(runner, backend, writes);
+                stats.chains_written = written;
+                stats.chains_refused = refused;
+                // The hooks and deletions, now that every chain is in, or failing closed.
+                let tail = self.tail();
+                if !tail.script.is_empty() {
+                    self.restore(runner, backend, &tail.script)?;
+                    self.record_tail(&tail);
+                }
+                stats.chains_deleted = tail.stale.len();
+                stats.hooks_fixed = tail.hook_fixes.len();
+                return Ok(stats);
+            }
+            Err(error) => return Err(error),
+        }
+        stats.chains_deleted = tail.stale.len();
+        stats.hooks_fixed = tail.hook_fixes.len();
+        Ok(stats)
+    }
+
+    /// The rules and hashes we want in the kernel for `name`: the desired chain, a single DROP
+    /// in its place when the kernel refused it and it renders a stream object, or `None` when
+    /// the kernel refused it and it is one of our own (its kernel version is left alone).
+    fn wanted(&self, name: &str) -> Option<(&[Rule], &[String])> {
+        let d = self.desired.get(name)?;
+        match self.refused.get(name) {
+            Some(r) if r.hashes == d.hashes => d
+                .owner
+                .as_ref()
+                .map(|_| (std::slice::from_ref(&*DROP_RULE), r.fallback.as_slice())),
+            _ => Some((&d.rules, &d.hashes)),
+        }
+    }
+
+    /// Chains whose kernel version differs from what we want, in an order where every chain
+    /// comes after the chains it jumps to (so any prefix of the list can be written alone).
+    fn chain_writes(&self) -> Vec<String> {
+        let kernel = self.kernel.as_ref().expect("read back before planning");
+        let mut differ: Vec<&String> = self
+            .desired
+            .keys()
+            .filter(|n| {
+                self.wanted(n)
+                    .is_some_and(|(_, h)| kernel.ours.get(*n).map(Vec::as_slice) != Some(h))
+            })
+            .collect();
+        differ.sort();
+        let wanted: std::collections::HashSet<&str> = differ.iter().map(|s| s.as_str()).collect();
+        let mut order = Vec::with_capacity(differ.len());
+        let mut seen = std::collections::HashSet::new();
+        for name in differ {
+            self.visit(name, &wanted, &mut seen, &mut order);
+        }
+        order
+    }
+
+    fn visit<'a>(
+        &'a self,
+        name: &'a str,
+        wanted: &std::collections::HashSet<&str>,
+        seen: &mut std::collections::HashSet<&'a str>,
+        order: &mut Vec<String>,
+    ) {
+        if !seen.insert(name) {
+            return;
+        }
+        if let Some((rules, _)) = self.wanted(name) {
+            for t in rules.iter().filter_map(|r| r.action.target_chain()) {
+                if wanted.contains(t) {
+                    let t = self.desired.get_key_value(t).expect("wanted").0;
+                    self.visit(t, wanted, seen, order);
+                }
+            }
+        }
+        order.push(name.to_owned());
+    }
+
+    /// Declarations (which flush under `--noflush`) and rules of the given chains.
+    fn write_script(&self, names: &[String]) -> String {
+        let mut decls = String::new();
+        let mut body = String::new();
+        for name in names {
+            let (rules, hashes) = self.wanted(name).expect("planned chains are wanted");
+            let _ = writeln!(decls, ":{name} - [0:0]");
+            for (rule, hash) in rules.iter().zip(hashes) {
                 body.push_str(&rule.render_with_hash(name, hash));
                 body.push('\n');
             }
-            written.push(name.clone());
         }
+        decls + &body
+    }
+
+    fn record_writes(&mut self, names: &[String]) {
+        for name in names {
+            let hashes = self.wanted(name).expect("written").1.to_vec();
+            let kernel = self.kernel.as_mut().expect("read back above");
+            kernel.ours.insert(name.clone(), hashes);
+        }
+    }
+
+    /// Writes the chains in `order` with as few transactions as it takes to find the ones the
+    /// kernel refuses on their own: the whole list, then each half, down to single chains.
+    /// A refused chain is recorded (and replaced by its fallback right away, so the chains
+    /// after it that jump to it can go in). Returns (written, refused).
+    fn isolate(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+        order: Vec<String>,
+    ) -> (usize, usize) {
+        let mut written = 0;
+        let mut refused = 0;
+        let mut work = vec![order];
+        while let Some(batch) = work.pop() {
+            match self.restore(runner, backend, &self.write_script(&batch)) {
+                Ok(()) => {
+                    self.record_writes(&batch);
+                    written += batch.len();
+                }
+                Err(error) if batch.len() == 1 => {
+                    refused += 1;
+                    self.refuse(runner, backend, &batch[0], &error);
+                }
+                Err(_) => {
+                    // Left half first: the right half may jump into it.
+                    let mut left = batch;
+                    let right = left.split_off(left.len() / 2);
+                    work.push(right);
+                    work.push(left);
+                }
+            }
+        }
+        (written, refused)
+    }
+
+    fn refuse(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+        name: &str,
+        error: &TableError,
+    ) {
+        let d = &self.desired[name];
+        let owner = d.owner.clone();
+        let error = match error {
+            TableError::Failed { stderr, .. } => stderr.clone(),
+            other => other.to_string(),
+        };
+        tracing::warn!(table = self.name, v = self.version.number(), chain = %name, object = owner.as_deref().unwrap_or("-"), %error, "the kernel refused a chain; failing closed for it");
+        self.refused.insert(
+            name.to_owned(),
+            Refused {
+                hashes: d.hashes.clone(),
+                fallback: rule_hashes(name, std::slice::from_ref(&*DROP_RULE)),
+                error,
+            },
+        );
+        if owner.is_some() {
+            let names = [name.to_owned()];
+            match self.restore(runner, backend, &self.write_script(&names)) {
+                Ok(()) => self.record_writes(&names),
+                Err(error) => {
+                    tracing::error!(table = self.name, chain = %name, %error, "could not replace a refused chain by a DROP");
+                }
+            }
+        }
+    }
+
+    /// Chains the kernel refused: (chain, object it renders, the kernel's error).
+    pub fn refused(&self) -> impl Iterator<Item = (&str, Option<&str>, &str)> {
+        self.refused.iter().map(|(name, r)| {
+            let owner = self.desired.get(name).and_then(|d| d.owner.as_deref());
+            (name.as_str(), owner, r.error.as_str())
+        })
+    }
+
+    /// The transaction's second part: flushing stale chains of ours, fixing hook rules in the
+    /// kernel's chains, and deleting the stale chains.
+    fn tail(&self) -> Tail {
+        let kernel = self.kernel.as_ref().expect("read back before planning");
+        let mut script = String::new();
         // Stale chains of ours: flushed now, deleted at the end. One that a desired chain still
         // jumps to is left alone until nothing does (deleting it would fail the transaction).
-        let mut stale: Vec<&String> = kernel
+        let mut stale: Vec<String> = kernel
             .ours
             .keys()
             .filter(|n| !self.desired.contains_key(*n))
+            .cloned()
             .collect();
         if !stale.is_empty() {
             let referenced: std::collections::HashSet<&str> = self
@@ -397,7 +648,6 @@ impl Table {
         for name in &stale {
             let _ = writeln!(script, ":{name} - [0:0]");
         }
-        script.push_str(&body);
 
         // Hook rules in the kernel's chains.
         let mut hook_fixes: Vec<String> = Vec::new();
@@ -447,43 +697,20 @@ impl Table {
         for name in &stale {
             let _ = writeln!(script, "-X {name}");
         }
-
-        if script.is_empty() {
-            return Ok(stats);
+        Tail {
+            script,
+            stale,
+            hook_fixes,
         }
-        let input = format!("*{}\n{script}COMMIT\n", self.name);
-        let program = backend.program(self.version, "restore");
-        let wait = format!("--wait={}", self.lock_wait_secs);
-        let result = runner.run(&program, &["--noflush", &wait], Some(input.as_bytes()));
-        let out = match result {
-            Ok(out) => out,
-            Err(source) => {
-                self.kernel = None;
-                return Err(TableError::Spawn { program, source });
-            }
-        };
-        if !out.success {
-            // We no longer know what the kernel holds: read it back before the retry.
-            self.kernel = None;
-            tracing::debug!(table = self.name, input = %input, "failed restore input");
-            return Err(TableError::Failed {
-                program,
-                stderr: out.stderr_summary(),
-            });
-        }
+    }
 
-        // The kernel now holds what we wrote.
-        let stale: Vec<String> = stale.into_iter().cloned().collect();
+    /// Records what a successful tail did to the kernel.
+    fn record_tail(&mut self, tail: &Tail) {
         let kernel = self.kernel.as_mut().expect("read back above");
-        for name in &written {
-            kernel
-                .ours
-                .insert(name.clone(), self.desired[name].hashes.clone());
-        }
-        for name in &stale {
+        for name in &tail.stale {
             kernel.ours.remove(name);
         }
-        for chain in &hook_fixes {
+        for chain in &tail.hook_fixes {
             let mut rules: Vec<KernelRule> = Vec::new();
             let empty = (Vec::new(), Vec::new());
             let (ins, app) = self.hook_hashes.get(chain).unwrap_or(&empty);
@@ -514,10 +741,33 @@ impl Table {
             }
             kernel.others.insert(chain.clone(), rules);
         }
-        stats.chains_written = written.len();
-        stats.chains_deleted = stale.len();
-        stats.hooks_fixed = hook_fixes.len();
-        Ok(stats)
+    }
+
+    /// One `--noflush` transaction (an empty one checks that the tool works at all). Both
+    /// backends commit a table atomically: a refused transaction changes nothing.
+    fn restore(
+        &self,
+        runner: &mut dyn CommandRunner,
+        backend: Backend,
+        script: &str,
+    ) -> Result<(), TableError> {
+        let input = format!("*{}\n{script}COMMIT\n", self.name);
+        let program = backend.program(self.version, "restore");
+        let wait = format!("--wait={}", self.lock_wait_secs);
+        let out = runner
+            .run(&program, &["--noflush", &wait], Some(input.as_bytes()))
+            .map_err(|source| TableError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        if !out.success {
+            tracing::debug!(table = self.name, input = %input, "failed restore input");
+            return Err(TableError::Failed {
+                program,
+                stderr: out.stderr_summary(),
+            });
+        }
+        Ok(())
     }
 
     fn read_back(
@@ -709,18 +959,124 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_restore_forces_a_read_back() {
+    fn a_tool_failure_is_an_error_and_forces_a_read_back() {
         let mut k = FakeKernel::new();
         let mut t = Table::new("filter", IpVersion::V4);
-        // A jump to a chain that does not exist: the kernel refuses the transaction.
-        t.set_chain(Chain::new(
-            "cali-a",
-            vec![Rule::always(Action::Jump("cali-missing".into()))],
-        ));
-        assert!(t.apply(&mut k, Backend::Nft).is_err());
-        t.set_chain(chain("cali-missing", 1));
+        t.set_chain(chain("cali-a", 1));
+        t.set_chain(chain("cali-b", 1));
+        t.apply(&mut k, Backend::Nft).unwrap();
+        t.set_chain(chain("cali-a", 2));
+        t.set_chain(chain("cali-b", 2));
+        k.fail_restores = Some("Another app is currently holding the xtables lock".into());
+        let calls = k.restore_calls();
+        let err = t.apply(&mut k, Backend::Nft).unwrap_err().to_string();
+        assert!(err.contains("xtables lock"), "{err}");
+        // The whole batch, then an empty one showing the tool itself fails: no bisecting.
+        assert_eq!(k.restore_calls() - calls, 2);
+        assert_eq!(t.refused().count(), 0, "no chain is blamed");
+        k.fail_restores = None;
         let s = t.apply(&mut k, Backend::Nft).unwrap();
         assert!(s.read_back);
         assert_eq!(s.chains_written, 2);
+    }
+
+    fn chain_from(name: &str, addrs: &[&str]) -> Chain {
+        Chain::new(
+            name,
+            addrs
+                .iter()
+                .map(|a| Rule::new(Match::new().src_net(a), Action::Accept))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_chain_the_kernel_refuses_fails_closed_and_the_rest_goes_in() {
+        let mut k = FakeKernel::new();
+        k.refuse.push("10.9.9.9".into());
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_hooks(hooks());
+        t.set_chain(chain("cali-INPUT", 1));
+        t.set_owned_chain(chain_from("cali-pi-bad", &["10.9.9.9"]), "policy bad");
+        t.set_owned_chain(chain("cali-pi-good", 2), "policy good");
+        // An endpoint chain that jumps to both: it sorts first, but goes in after them.
+        let endpoint = Chain::new(
+            "cali-fw-x",
+            vec![
+                Rule::always(Action::Jump("cali-pi-bad".into())),
+                Rule::always(Action::Jump("cali-pi-good".into())),
+            ],
+        );
+        t.set_owned_chain(endpoint.clone(), "workload endpoint x");
+        for n in 0..6 {
+            t.set_owned_chain(chain(&format!("cali-pi-other{n}"), 1), "policy other");
+        }
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!((s.chains_written, s.chains_refused), (9, 1));
+        assert_eq!(
+            k.chain_rules(IpVersion::V4, "filter", "cali-pi-bad"),
+            vec![format!(
+                "-m comment --comment \"cali:{}\" --jump DROP",
+                rule_hashes("cali-pi-bad", &[Rule::always(Action::Drop)])[0]
+            )],
+            "the refused chain is a DROP"
+        );
+        assert_eq!(
+            k.chain_rules(IpVersion::V4, "filter", "cali-pi-good").len(),
+            2
+        );
+        assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-fw-x").len(), 2);
+        assert!(k.chain_rules(IpVersion::V4, "filter", "INPUT")[0].contains("cali-INPUT"));
+        let refused: Vec<_> = t.refused().collect();
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].0, "cali-pi-bad");
+        assert_eq!(refused[0].1, Some("policy bad"));
+        assert!(
+            refused[0].2.contains("refused by the kernel"),
+            "{refused:?}"
+        );
+
+        // Kept out: the next apply does not try it (or anything) again.
+        let calls = k.restore_calls();
+        assert_eq!(
+            t.apply(&mut k, Backend::Nft).unwrap(),
+            ApplyStats::default()
+        );
+        assert_eq!(k.restore_calls(), calls);
+
+        // An unrelated change goes in with one transaction.
+        t.set_owned_chain(chain("cali-pi-good", 3), "policy good");
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!((s.chains_written, s.chains_refused), (1, 0));
+        assert_eq!(k.restore_calls(), calls + 1);
+
+        // New content for the refused chain is tried again, and the refusal clears.
+        t.set_owned_chain(chain_from("cali-pi-bad", &["10.1.1.1"]), "policy bad");
+        t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(t.refused().count(), 0);
+        assert!(k.chain_rules(IpVersion::V4, "filter", "cali-pi-bad")[0].contains("10.1.1.1"));
+    }
+
+    #[test]
+    fn a_refused_chain_of_our_own_keeps_its_kernel_version() {
+        let mut k = FakeKernel::new();
+        let mut t = Table::new("filter", IpVersion::V4);
+        t.set_chain(chain("cali-static", 2));
+        t.apply(&mut k, Backend::Nft).unwrap();
+        k.refuse.push("10.9.9.9".into());
+        t.set_chain(chain_from("cali-static", &["10.9.9.9"]));
+        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(s.chains_refused, 1);
+        assert_eq!(
+            k.chain_rules(IpVersion::V4, "filter", "cali-static").len(),
+            2
+        );
+        assert_eq!(t.refused().next().map(|r| r.1), Some(None));
+        // A refresh tries it again.
+        k.refuse.clear();
+        t.invalidate();
+        t.apply(&mut k, Backend::Nft).unwrap();
+        assert_eq!(t.refused().count(), 0);
+        assert!(k.chain_rules(IpVersion::V4, "filter", "cali-static")[0].contains("10.9.9.9"));
     }
 }

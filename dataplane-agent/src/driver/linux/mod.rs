@@ -19,7 +19,7 @@ pub mod runner;
 pub mod sysctl;
 pub mod validate;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -183,6 +183,11 @@ pub struct LinuxDriver {
     /// poisoned, "<kind> <key>" → reason (kept apart from `rejected`: it clears on its own
     /// once the set is programmed as sent).
     set_refused: BTreeMap<String, String>,
+    /// Objects some of whose chains the kernel refused, "<kind> <key>" → reason (rebuilt after
+    /// every table apply from [`Table::refused`]; those chains fail closed).
+    kernel_refused: BTreeMap<String, String>,
+    /// Kernel names of the IP sets the kernel refused at the last apply.
+    refused_sets: BTreeSet<String>,
     /// IP sets some of whose members were refused: policies that use one fail closed.
     poisoned_sets: HashSet<String>,
     /// Interfaces refused at programming time (host addresses on them), to warn once.
@@ -268,6 +273,8 @@ impl LinuxDriver {
             globals_set: false,
             rejected: BTreeMap::new(),
             set_refused: BTreeMap::new(),
+            kernel_refused: BTreeMap::new(),
+            refused_sets: BTreeSet::new(),
             poisoned_sets: HashSet::new(),
             refused_ifaces: HashSet::new(),
             rejected_weps: HashSet::new(),
@@ -362,11 +369,16 @@ impl LinuxDriver {
 
     /// Marks for re-rendering every policy and profile whose rules name the set.
     fn dirty_users_of_set(&mut self, id: &str) {
+        self.dirty_users_of_sets(|i| i == id);
+    }
+
+    /// Marks the policies and profiles that use a set `affected` says yes to for re-rendering.
+    fn dirty_users_of_sets(&mut self, affected: impl Fn(&str) -> bool) {
         let uses = |rules: &[felix_proto::Rule]| {
             rules.iter().any(|r| {
                 validate::rule_set_ids(r)
                     .iter()
-                    .any(|(_, ids)| ids.iter().any(|i| i == id))
+                    .any(|(_, ids)| ids.iter().any(|i| affected(i)))
             })
         };
         for (k, p) in &self.policies {
@@ -392,8 +404,11 @@ impl LinuxDriver {
     ) -> bool {
         let unusable = inbound.iter().chain(outbound).find_map(|r| {
             validate::rule_set_ids(r).into_iter().find_map(|(_, ids)| {
-                ids.iter()
-                    .find(|i| self.poisoned_sets.contains(*i) || !self.ipsets.contains(i))
+                ids.iter().find(|i| {
+                    self.poisoned_sets.contains(*i)
+                        || !self.ipsets.contains(i)
+                        || self.ipsets.is_refused(i)
+                })
             })
         });
         match unusable {
@@ -414,10 +429,13 @@ impl LinuxDriver {
         }
     }
 
-    /// Objects refused, "<kind> <key>" → reason (on receipt, or for the IP sets they use).
+    /// Objects refused, "<kind> <key>" → reason: on receipt, for the IP sets they use, or by
+    /// the kernel.
     pub fn rejected(&self) -> BTreeMap<String, String> {
         let mut all = self.rejected.clone();
-        all.extend(self.set_refused.iter().map(|(k, v)| (k.clone(), v.clone())));
+        for (k, v) in self.set_refused.iter().chain(&self.kernel_refused) {
+            all.entry(k.clone()).or_insert_with(|| v.clone());
+        }
         all
     }
 
@@ -434,7 +452,7 @@ impl LinuxDriver {
                 self.set_refused.remove(&what);
             }
             let p = p.map(|p| {
-                if self.sets_usable(what, &p.inbound_rules, &p.outbound_rules) {
+                if self.sets_usable(what.clone(), &p.inbound_rules, &p.outbound_rules) {
                     p
                 } else {
                     fail_closed_policy(&p)
@@ -455,7 +473,7 @@ impl LinuxDriver {
                 };
                 let chains = policy::policy_chains(&self.opts.render, &id, p, v);
                 let t = self.table(v, table);
-                chains.into_iter().for_each(|c| t.set_chain(c));
+                chains.into_iter().for_each(|c| t.set_owned_chain(c, &what));
             }
         }
     }
@@ -472,7 +490,7 @@ impl LinuxDriver {
                 self.set_refused.remove(&what);
             }
             let p = p.map(|p| {
-                if self.sets_usable(what, &p.inbound_rules, &p.outbound_rules) {
+                if self.sets_usable(what.clone(), &p.inbound_rules, &p.outbound_rules) {
                     p
                 } else {
                     felix_proto::Profile {
@@ -488,7 +506,7 @@ impl LinuxDriver {
                 };
                 let chains = policy::profile_chains(&self.opts.render, &name, p, v);
                 let t = self.table(v, "filter");
-                chains.into_iter().for_each(|c| t.set_chain(c));
+                chains.into_iter().for_each(|c| t.set_owned_chain(c, &what));
             }
         }
     }
@@ -523,9 +541,13 @@ impl LinuxDriver {
                 &wep.tiers,
                 &wep.profile_ids,
             );
+            let what = format!("workload endpoint {key}");
             for v in self.versions.clone() {
                 let t = self.table(v, "filter");
-                chains.iter().cloned().for_each(|c| t.set_chain(c));
+                chains
+                    .iter()
+                    .cloned()
+                    .for_each(|c| t.set_owned_chain(c, &what));
             }
             self.wep_ifaces.insert(key, iface);
         }
@@ -566,15 +588,21 @@ impl LinuxDriver {
                 .then(|| endpoint::host_raw_chains(cfg, &iface, &hep.untracked_tiers));
             let mangle = (!hep.pre_dnat_tiers.is_empty())
                 .then(|| endpoint::host_mangle_chain(cfg, &iface, &hep.pre_dnat_tiers));
+            let what = format!("host endpoint {id:?}");
             for v in self.versions.clone() {
                 let t = self.table(v, "filter");
-                filter.iter().cloned().for_each(|c| t.set_chain(c));
+                filter
+                    .iter()
+                    .cloned()
+                    .for_each(|c| t.set_owned_chain(c, &what));
                 if let Some(raw) = &raw {
                     let t = self.table(v, "raw");
-                    raw.iter().cloned().for_each(|c| t.set_chain(c));
+                    raw.iter()
+                        .cloned()
+                        .for_each(|c| t.set_owned_chain(c, &what));
                 }
                 if let Some(m) = &mangle {
-                    self.table(v, "mangle").set_chain(m.clone());
+                    self.table(v, "mangle").set_owned_chain(m.clone(), &what);
                 }
             }
             self.hep_ifaces.insert(id, iface);
@@ -833,6 +861,27 @@ impl LinuxDriver {
         if st != Default::default() {
             debug!(?st, "ipsets updated");
         }
+        // Sets the kernel refused (or took back): the rules using them fail closed (or open
+        // up again) in this same apply.
+        let refused_sets: BTreeSet<String> = self
+            .ipsets
+            .refused()
+            .map(|(name, _, _)| name.to_owned())
+            .collect();
+        if refused_sets != self.refused_sets {
+            let changed: BTreeSet<String> = refused_sets
+                .symmetric_difference(&self.refused_sets)
+                .cloned()
+                .collect();
+            self.dirty_users_of_sets(|id| {
+                IpVersion::BOTH
+                    .iter()
+                    .any(|v| changed.contains(&rules::ipset_name(*v, id)))
+            });
+            self.refused_sets = refused_sets;
+            self.render_policies();
+            self.render_profiles();
+        }
         // Read back every table that needs it before writing any: one save per family, and
         // while the kernel is still small (an nft save costs as much as the whole ruleset).
         for v in self.versions.clone() {
@@ -869,6 +918,21 @@ impl LinuxDriver {
                     first_error.get_or_insert(e.to_string());
                 }
             }
+        }
+        self.kernel_refused = BTreeMap::new();
+        for t in &self.tables {
+            for (chain, owner, error) in t.refused() {
+                let what = owner.map_or_else(|| format!("chain {chain}"), str::to_owned);
+                self.kernel_refused
+                    .entry(what)
+                    .or_insert_with(|| format!("the kernel refused chain {chain}: {error}"));
+            }
+        }
+        for (name, id, error) in self.ipsets.refused() {
+            self.kernel_refused.insert(
+                format!("ipset {id:?}"),
+                format!("the kernel refused IP set {name}: {error}"),
+            );
         }
         if let Some(e) = first_error {
             return Err(DriverError::Other(e));
@@ -1082,8 +1146,33 @@ impl Driver for LinuxDriver {
         let link_up = |name: &str| {
             !self.opts.manage_routes || self.ifaces.get(name).is_some_and(|l| l.oper_up)
         };
+        // An endpoint whose chains, or a policy or profile it uses, are held failing closed is
+        // not enforced as the datastore says: it reports "error".
+        let refused = self.rejected();
+        let uses_refused = |what: String,
+                            tiers: &[&[felix_proto::TierInfo]],
+                            profiles: &[String]| {
+            refused.contains_key(&what)
+                || tiers.iter().flat_map(|t| t.iter()).any(|t| {
+                    t.ingress_policies
+                        .iter()
+                        .chain(&t.egress_policies)
+                        .any(|p| {
+                            refused.contains_key(&format!("policy {}", rules::policy_id_string(p)))
+                        })
+                })
+                || profiles
+                    .iter()
+                    .any(|p| refused.contains_key(&format!("profile {p:?}")))
+        };
         for (key, wep) in &self.weps {
-            let status = if !self.programmed_weps.contains(key) {
+            let status = if uses_refused(
+                format!("workload endpoint {key}"),
+                &[&wep.tiers],
+                &wep.profile_ids,
+            ) {
+                "error"
+            } else if !self.programmed_weps.contains(key) {
                 if self.last_error.is_some() {
                     "error"
                 } else {
@@ -1097,7 +1186,15 @@ impl Driver for LinuxDriver {
             out.workloads.insert(key.clone(), status.to_owned());
         }
         for (id, hep) in &self.heps {
-            let status = if self.last_error.is_some() && self.dirty_heps.contains(id) {
+            let tiers: [&[felix_proto::TierInfo]; 4] = [
+                &hep.tiers,
+                &hep.forward_tiers,
+                &hep.untracked_tiers,
+                &hep.pre_dnat_tiers,
+            ];
+            let status = if (self.last_error.is_some() && self.dirty_heps.contains(id))
+                || uses_refused(format!("host endpoint {id:?}"), &tiers, &hep.profile_ids)
+            {
                 "error"
             } else {
                 match self.hep_iface(hep) {
@@ -1217,6 +1314,15 @@ mod tests {
                 untracked,
                 ..Default::default()
             }),
+        }))
+    }
+
+    /// The set `policy()` uses.
+    fn clients_set() -> ToDataplane {
+        msg(Payload::IpsetUpdate(IpSetUpdate {
+            id: "s:clients".into(),
+            members: vec!["10.65.0.1/32".into()],
+            r#type: 2,
         }))
     }
 
@@ -1703,9 +1809,108 @@ mod tests {
         }
     }
 
+    /// What the kernel refuses, that the agent's checks let through, holds back nothing else:
+    /// the chain or set is found, fails closed, and is reported by the object it renders.
+    #[test]
+    fn what_the_kernel_refuses_fails_closed_by_name_and_the_rest_applies() {
+        let (mut d, k) = driver();
+        k.lock().unwrap().refuse.push("10.66.6.6".into());
+        d.on_update(&clients_set());
+        d.on_update(&policy(false));
+        d.on_update(&wep("caliweb"));
+        d.apply().unwrap();
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["up"]
+        );
+
+        // A policy whose chain the kernel refuses.
+        let other_id = PolicyId {
+            name: "other".into(),
+            ..pol_id()
+        };
+        let policy_with = |id: &PolicyId, net: &str| {
+            msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                id: Some(id.clone()),
+                policy: Some(Policy {
+                    inbound_rules: vec![Rule {
+                        action: "allow".into(),
+                        src_net: vec![net.into()],
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+            }))
+        };
+        d.on_update(&policy_with(&pol_id(), "10.66.6.6/32"));
+        d.on_update(&policy_with(&other_id, "10.1.0.0/16"));
+        d.apply().expect("a refused chain does not fail the apply");
+        {
+            let k = k.lock().unwrap();
+            let bad = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
+            assert_eq!(bad.len(), 1);
+            assert!(bad[0].ends_with("--jump DROP"), "{bad:?}");
+            let other = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/other");
+            assert!(other.iter().any(|r| r.contains("10.1.0.0/16")), "{other:?}");
+        }
+        let rejected = d.rejected();
+        let reason = &rejected["policy np/prod/web"];
+        assert!(
+            reason.contains("the kernel refused chain cali-pi-np/prod/web"),
+            "{reason}"
+        );
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["error"],
+            "the endpoint using it is not enforced as written"
+        );
+        assert_eq!(d.metrics().rejected, Some(1));
+
+        // Fixed: programmed as sent, and the endpoint is up again.
+        d.on_update(&policy_with(&pol_id(), "10.65.0.0/16"));
+        d.apply().unwrap();
+        assert!(d.rejected().is_empty());
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["up"]
+        );
+
+        // An IP set the kernel refuses: the policy using it fails closed in the same apply,
+        // and the set is named.
+        d.on_update(&policy(false));
+        d.on_update(&msg(Payload::IpsetUpdate(IpSetUpdate {
+            id: "s:clients".into(),
+            members: vec!["10.65.0.1/32".into(), "10.66.6.6/32".into()],
+            r#type: 2,
+        })));
+        d.apply().unwrap();
+        let rejected = d.rejected();
+        assert!(
+            rejected["ipset \"s:clients\""].contains("cali40s:clients"),
+            "{rejected:?}"
+        );
+        assert!(
+            rejected["policy np/prod/web"].contains("s:clients"),
+            "{rejected:?}"
+        );
+        {
+            let k = k.lock().unwrap();
+            let web = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
+            assert!(!web.iter().any(|r| r.contains("--match-set")), "{web:?}");
+            assert!(web.iter().any(|r| r.contains("DROP")), "{web:?}");
+        }
+        d.on_update(&clients_set());
+        d.apply().unwrap();
+        assert!(d.rejected().is_empty(), "{:?}", d.rejected());
+        let k = k.lock().unwrap();
+        let web = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
+        assert!(web.iter().any(|r| r.contains("cali40s:clients")), "{web:?}");
+    }
+
     #[test]
     fn a_failed_apply_reports_error_and_the_retry_converges() {
         let (mut d, k) = driver();
+        d.on_update(&clients_set());
         d.on_update(&policy(false));
         d.on_update(&wep("caliweb"));
         k.lock().unwrap().fail_restores =
@@ -1740,6 +1945,7 @@ mod tests {
     #[test]
     fn routes_follow_interfaces_and_status_follows_the_link() {
         let (mut d, _k, rig) = rig();
+        d.on_update(&clients_set());
         d.on_update(&policy(false));
         d.on_update(&wep("caliweb"));
         // The monitor has not dumped yet: nothing is touched, the endpoint is down.
