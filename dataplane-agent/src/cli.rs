@@ -305,6 +305,32 @@ impl Cli {
     }
 }
 
+/// The addresses a --server value connects to (resolved now: the failsafe rules name
+/// addresses). A name that does not resolve is logged and left out.
+fn server_addresses(server: &str) -> Vec<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs as _;
+    let (default_port, rest) = match server.split_once("://") {
+        Some(("https", rest)) => (443, rest),
+        Some((_, rest)) => (80, rest),
+        None => (80, server),
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    let authority = authority.rsplit('@').next().unwrap_or_default();
+    let with_port = match authority.rsplit_once(':') {
+        Some((host, port)) if port.parse::<u16>().is_ok() && !host.ends_with(':') => {
+            authority.to_owned()
+        }
+        _ => format!("{authority}:{default_port}"),
+    };
+    match with_port.to_socket_addrs() {
+        Ok(addrs) => addrs.collect(),
+        Err(error) => {
+            tracing::warn!(server, %error, "cannot resolve the calc-server for the failsafe rules; its connection is not held open against host endpoint policy");
+            Vec::new()
+        }
+    }
+}
+
 impl Cli {
     /// The driver to use: the flag, or the default for this process.
     pub fn driver_kind(&self) -> DriverKind {
@@ -364,6 +390,11 @@ impl Cli {
             &self.failsafe_outbound_host_ports,
             default_failsafes_out(),
         )?;
+        opts.statics.control_plane = self
+            .servers
+            .iter()
+            .flat_map(|s| server_addresses(s))
+            .collect();
         opts.render.log_prefix = self.log_prefix.clone();
         opts.manage_routes = !self.route_sync_disabled;
         opts.route_protocol = self.device_route_protocol;
@@ -440,6 +471,22 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_urls_give_the_addresses_the_failsafes_keep_open() {
+        let addrs = |s: &str| {
+            server_addresses(s)
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(addrs("http://10.0.0.5:50051"), vec!["10.0.0.5:50051"]);
+        assert_eq!(addrs("10.0.0.5:50051"), vec!["10.0.0.5:50051"]);
+        assert_eq!(addrs("https://10.0.0.5"), vec!["10.0.0.5:443"]);
+        assert_eq!(addrs("http://[fd00::5]:7/path"), vec!["[fd00::5]:7"]);
+        assert!(addrs("http://localhost:50051").contains(&"127.0.0.1:50051".to_owned()));
+        assert!(addrs("http://no-such-host.invalid:1").is_empty());
+    }
 
     #[test]
     fn durations() {

@@ -1,5 +1,5 @@
-//! The interface monitor: an rtnetlink multicast subscription (links and addresses) plus an
-//! initial dump, kept in [`Interfaces`], shared with the driver. Every change wakes the session
+//! The interface monitor: an rtnetlink multicast subscription (links, addresses and routes)
+//! plus an initial dump, kept in [`Interfaces`], shared with the driver. Every change wakes the session
 //! (through [`Interfaces::changed`]) so routes and endpoint status follow a link at once; no
 //! polling.
 
@@ -10,8 +10,10 @@ use std::sync::{Arc, Mutex};
 use futures::{StreamExt as _, TryStreamExt as _};
 use rtnetlink::MulticastGroup;
 use rtnetlink::packet_core::NetlinkPayload;
+use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
+use rtnetlink::packet_route::route::{RouteAttribute, RouteMessage, RouteType};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
@@ -22,6 +24,8 @@ struct State {
     links: BTreeMap<String, LinkInfo>,
     /// ifindex → addresses.
     addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// Default routes: (out interface, IPv6, table, metric), one per next hop.
+    default_routes: BTreeSet<(u32, bool, u32, u32)>,
     /// The monitor has done its initial dump.
     ready: bool,
 }
@@ -74,6 +78,78 @@ impl Interfaces {
         })
     }
 
+    /// Whether a default route (any table, either family) leaves through the interface: the
+    /// host's uplink, which the agent never takes over.
+    pub fn carries_default_route(&self, index: u32) -> bool {
+        let st = self.state.lock().expect("lock");
+        st.default_routes.iter().any(|(oif, ..)| *oif == index)
+    }
+
+    /// Why the interface is the host's rather than a workload's, if it is.
+    pub fn host_interface_reason(&self, index: u32) -> Option<&'static str> {
+        if self.carries_default_route(index) {
+            Some("the host's default route leaves through it")
+        } else if self.has_host_addresses(index) {
+            Some("it holds host addresses")
+        } else {
+            None
+        }
+    }
+
+    /// Host interfaces (see [`Interfaces::host_interface_reason`]) whose name starts with
+    /// `prefix`, with the reason.
+    pub fn host_interfaces_matching(&self, prefix: &str) -> Vec<(String, &'static str)> {
+        let links: Vec<LinkInfo> = {
+            let st = self.state.lock().expect("lock");
+            st.links
+                .values()
+                .filter(|l| l.name.starts_with(prefix))
+                .cloned()
+                .collect()
+        };
+        links
+            .into_iter()
+            .filter_map(|l| self.host_interface_reason(l.index).map(|r| (l.name, r)))
+            .collect()
+    }
+
+    /// Records a route from a dump or an event; only default routes are kept.
+    pub fn route(&self, msg: &RouteMessage, present: bool) {
+        if msg.header.destination_prefix_length != 0 || msg.header.kind != RouteType::Unicast {
+            return;
+        }
+        let v6 = msg.header.address_family == AddressFamily::Inet6;
+        let mut table = u32::from(msg.header.table);
+        let mut metric = 0;
+        let mut oifs = Vec::new();
+        for a in &msg.attributes {
+            match a {
+                RouteAttribute::Table(t) => table = *t,
+                RouteAttribute::Priority(p) => metric = *p,
+                RouteAttribute::Oif(i) => oifs.push(*i),
+                RouteAttribute::MultiPath(hops) => {
+                    oifs.extend(hops.iter().map(|h| h.interface_index))
+                }
+                _ => {}
+            }
+        }
+        let mut st = self.state.lock().expect("lock");
+        let mut changed = false;
+        for oif in oifs {
+            let key = (oif, v6, table, metric);
+            changed |= if present {
+                st.default_routes.insert(key)
+            } else {
+                st.default_routes.remove(&key)
+            };
+        }
+        drop(st);
+        if changed {
+            debug!(present, v6, "default route update");
+            self.changed.notify_one();
+        }
+    }
+
     pub fn is_ready(&self) -> bool {
         self.state.lock().expect("lock").ready
     }
@@ -103,7 +179,7 @@ impl Interfaces {
         }
     }
 
-    fn address(&self, msg: &AddressMessage, present: bool) {
+    pub(super) fn address(&self, msg: &AddressMessage, present: bool) {
         let ip = msg.attributes.iter().find_map(|a| match a {
             AddressAttribute::Address(ip) => Some(*ip),
             _ => None,
@@ -142,6 +218,8 @@ pub fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
         MulticastGroup::Link,
         MulticastGroup::Ipv4Ifaddr,
         MulticastGroup::Ipv6Ifaddr,
+        MulticastGroup::Ipv4Route,
+        MulticastGroup::Ipv6Route,
     ])?;
     runtime.spawn(conn);
     runtime.spawn(async move {
@@ -168,6 +246,21 @@ pub fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
             }
             Err(error) => warn!(%error, "address dump failed"),
         }
+        for query in [
+            rtnetlink::RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+            rtnetlink::RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+        ] {
+            match handle
+                .route()
+                .get(query)
+                .execute()
+                .try_collect::<Vec<_>>()
+                .await
+            {
+                Ok(routes) => routes.iter().for_each(|r| ifaces.route(r, true)),
+                Err(error) => warn!(%error, "route dump failed"),
+            }
+        }
         ifaces.set_ready();
         info!("interface monitor running");
         while let Some((msg, _)) = messages.next().await {
@@ -187,6 +280,8 @@ pub fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
                 }
                 RouteNetlinkMessage::NewAddress(a) => ifaces.address(&a, true),
                 RouteNetlinkMessage::DelAddress(a) => ifaces.address(&a, false),
+                RouteNetlinkMessage::NewRoute(r) => ifaces.route(&r, true),
+                RouteNetlinkMessage::DelRoute(r) => ifaces.route(&r, false),
                 _ => {}
             }
         }

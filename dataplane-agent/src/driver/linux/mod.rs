@@ -192,8 +192,9 @@ pub struct LinuxDriver {
     poisoned_sets: HashSet<String>,
     /// Interfaces refused at programming time (host addresses on them), to warn once.
     refused_ifaces: HashSet<String>,
-    /// Endpoints refused by `validate` (reported as "error").
-    rejected_weps: HashSet<WorkloadEndpointKey>,
+    /// Endpoints refused by `validate` (reported as "error"), kept to check again when the
+    /// workload prefixes change.
+    rejected_weps: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
     rejected_heps: HashSet<String>,
 }
 
@@ -277,7 +278,7 @@ impl LinuxDriver {
             refused_sets: BTreeSet::new(),
             poisoned_sets: HashSet::new(),
             refused_ifaces: HashSet::new(),
-            rejected_weps: HashSet::new(),
+            rejected_weps: BTreeMap::new(),
             rejected_heps: HashSet::new(),
         }
     }
@@ -306,11 +307,11 @@ impl LinuxDriver {
             let t = self.table(v, "filter");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
-            let (chains, hooks) = static_chains::raw(&self.opts.statics);
+            let (chains, hooks) = static_chains::raw(&self.opts.statics, v);
             let t = self.table(v, "raw");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
-            let (chains, hooks) = static_chains::mangle(&self.opts.statics);
+            let (chains, hooks) = static_chains::mangle(&self.opts.statics, v);
             let t = self.table(v, "mangle");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
@@ -329,6 +330,30 @@ impl LinuxDriver {
         for t in self.tables.iter_mut().filter(|t| t.version() == v) {
             for n in names {
                 t.remove_chain(n);
+            }
+        }
+    }
+
+    /// Takes a workload endpoint from the stream, or again after the prefixes changed: checked
+    /// against the prefixes in force, then programmed or refused.
+    fn take_workload(&mut self, key: WorkloadEndpointKey, ep: WorkloadEndpoint) {
+        let what = format!("workload endpoint {key}");
+        match validate::workload_endpoint(&ep, &self.opts.statics.workload_prefixes) {
+            Ok(()) => {
+                self.accept(&what);
+                self.rejected_weps.remove(&key);
+                if self.weps.get(&key) != Some(&ep) {
+                    self.weps.insert(key.clone(), ep);
+                    self.dirty_weps.insert(key);
+                }
+            }
+            Err(e) => {
+                // Failing closed: without its chains and dispatch entry the interface is
+                // unknown, and traffic on an unknown workload interface drops.
+                self.reject(what, e.to_string());
+                self.rejected_weps.insert(key.clone(), ep);
+                self.weps.remove(&key);
+                self.dirty_weps.insert(key);
             }
         }
     }
@@ -724,7 +749,8 @@ impl LinuxDriver {
                 continue;
             };
             // Checked on receipt too; here against the prefixes in force now, and against the
-            // interface itself: one holding host addresses is the host's, never a workload's.
+            // interface itself: one holding host addresses or the default route is the
+            // host's, never a workload's.
             let refusal = validate::workload_interface(
                 "name",
                 &wep.name,
@@ -734,8 +760,8 @@ impl LinuxDriver {
             .err()
             .or_else(|| {
                 self.ifaces
-                    .has_host_addresses(link.index)
-                    .then(|| "the interface holds host addresses".to_owned())
+                    .host_interface_reason(link.index)
+                    .map(str::to_owned)
             });
             if let Some(reason) = refusal {
                 if self.refused_ifaces.insert(wep.name.clone()) {
@@ -797,7 +823,25 @@ impl LinuxDriver {
         let Some(ds) = self.pending_config.take() else {
             return;
         };
-        let (next, problems) = config::effective(&self.base_opts, &self.base_opts.pinned, &ds);
+        let (mut next, mut problems) =
+            config::effective(&self.base_opts, &self.base_opts.pinned, &ds);
+        // A prefix matching one of the host's own interfaces would hand it to workload
+        // dispatch (its traffic dropped as "unknown workload"): refused, flag value kept.
+        if next.statics.workload_prefixes != self.base_opts.statics.workload_prefixes {
+            let clash = next.statics.workload_prefixes.iter().find_map(|p| {
+                self.ifaces
+                    .host_interfaces_matching(p)
+                    .into_iter()
+                    .next()
+                    .map(|(iface, why)| (p.clone(), iface, why))
+            });
+            if let Some((prefix, iface, why)) = clash {
+                problems.push(format!(
+                    "FelixConfiguration InterfacePrefix: {prefix:?} matches host interface {iface:?} ({why})"
+                ));
+                next.statics.workload_prefixes = self.base_opts.statics.workload_prefixes.clone();
+            }
+        }
         for p in problems {
             warn!(problem = %p, "datastore setting ignored");
         }
@@ -819,10 +863,25 @@ impl LinuxDriver {
                 "datastore settings applied"
             );
         }
+        let prefixes_changed =
+            next.statics.workload_prefixes != self.opts.statics.workload_prefixes;
         self.opts.statics = next.statics;
         self.opts.render = next.render;
         if statics_changed {
             self.statics_set = false;
+        }
+        if prefixes_changed {
+            // Endpoints were checked against the old prefixes: check every one again.
+            let all: Vec<(WorkloadEndpointKey, WorkloadEndpoint)> = self
+                .weps
+                .iter()
+                .chain(&self.rejected_weps)
+                .map(|(k, e)| (k.clone(), e.clone()))
+                .collect();
+            for (key, ep) in all {
+                self.take_workload(key, ep);
+            }
+            self.dispatch_dirty = true;
         }
         if render_changed {
             self.dirty_policies.extend(self.policies.keys().cloned());
@@ -1044,22 +1103,7 @@ impl Driver for LinuxDriver {
                 let Some(ep) = &u.endpoint else {
                     return;
                 };
-                let what = format!("workload endpoint {key}");
-                match validate::workload_endpoint(ep, &self.opts.statics.workload_prefixes) {
-                    Ok(()) => {
-                        self.accept(&what);
-                        self.rejected_weps.remove(&key);
-                        self.weps.insert(key.clone(), ep.clone());
-                    }
-                    Err(e) => {
-                        // Failing closed: without its chains and dispatch entry the interface
-                        // is unknown, and traffic on an unknown workload interface drops.
-                        self.reject(what, e.to_string());
-                        self.rejected_weps.insert(key.clone());
-                        self.weps.remove(&key);
-                    }
-                }
-                self.dirty_weps.insert(key);
+                self.take_workload(key, ep.clone());
             }
             Payload::WorkloadEndpointRemove(u) => {
                 let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
@@ -1206,7 +1250,7 @@ impl Driver for LinuxDriver {
             out.hosts.insert(id.clone(), status.to_owned());
         }
         // Refused endpoints are reported, so the datastore shows them as broken.
-        for key in &self.rejected_weps {
+        for key in self.rejected_weps.keys() {
             out.workloads.insert(key.clone(), "error".to_owned());
         }
         for id in &self.rejected_heps {
@@ -2089,5 +2133,128 @@ mod tests {
             "{rule}"
         );
         assert!(k.chain_rules(IpVersion::V4, "nat", "POSTROUTING")[0].contains("cali-POSTROUTING"));
+    }
+
+    fn default_route_via(ifaces: &Interfaces, index: u32) {
+        use rtnetlink::packet_route::route::{RouteAttribute, RouteMessage, RouteType};
+        let mut r = RouteMessage::default();
+        r.header.kind = RouteType::Unicast;
+        r.header.address_family = rtnetlink::packet_route::AddressFamily::Inet;
+        r.header.table = 254;
+        r.attributes.push(RouteAttribute::Oif(index));
+        ifaces.route(&r, true);
+    }
+
+    fn host_address_on(ifaces: &Interfaces, index: u32, ip: IpAddr) {
+        use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
+        let mut a = AddressMessage::default();
+        a.header.index = index;
+        a.attributes.push(AddressAttribute::Address(ip));
+        ifaces.address(&a, true);
+    }
+
+    fn config(pairs: &[(&str, &str)]) -> ToDataplane {
+        msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
+            config: pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            ..Default::default()
+        }))
+    }
+
+    /// An endpoint naming one of the host's own interfaces (it carries the default route or
+    /// host addresses) gets its policy chains but never sysctls, routes or neighbours.
+    #[test]
+    fn the_hosts_own_interfaces_are_never_taken_over() {
+        let (mut d, _k, rig) = rig();
+        for (index, name) in [(20, "caliuplink"), (21, "caliaddr"), (22, "caliweb")] {
+            let link = netlink::LinkInfo {
+                index,
+                name: name.into(),
+                oper_up: true,
+            };
+            rig.ifaces.upsert(link.clone());
+            rig.nl.lock().unwrap().links.push(link);
+        }
+        default_route_via(&rig.ifaces, 20);
+        host_address_on(&rig.ifaces, 21, "192.168.1.10".parse().unwrap());
+        rig.ifaces.mark_ready_for_tests();
+        assert!(rig.ifaces.carries_default_route(20) && !rig.ifaces.carries_default_route(22));
+        for (n, iface) in ["caliuplink", "caliaddr", "caliweb"].iter().enumerate() {
+            d.on_update(&msg(Payload::WorkloadEndpointUpdate(
+                WorkloadEndpointUpdate {
+                    id: Some(WorkloadEndpointId {
+                        endpoint_id: format!("eth{n}"),
+                        ..wep_id()
+                    }),
+                    endpoint: Some(WorkloadEndpoint {
+                        state: "active".into(),
+                        name: (*iface).into(),
+                        mac: "ee:ee:ee:ee:ee:ee".into(),
+                        ipv4_nets: vec![format!("10.65.0.{}/32", n + 1)],
+                        ..Default::default()
+                    }),
+                },
+            )));
+        }
+        d.apply().unwrap();
+        let nl = rig.nl.lock().unwrap();
+        let routed: Vec<u32> = nl.routes.iter().map(|(r, _)| r.ifindex).collect();
+        assert_eq!(routed, vec![22], "only the workload's veth gets a route");
+        let neighbours: Vec<u32> = nl.neighbours.iter().map(|(i, _, _)| *i).collect();
+        assert_eq!(neighbours, vec![22]);
+    }
+
+    /// The workload prefixes can change at runtime: every endpoint is checked again, and a
+    /// prefix that matches one of the host's own interfaces is refused.
+    #[test]
+    fn interface_prefix_changes_recheck_endpoints_and_never_match_the_host() {
+        let (mut d, k, rig) = rig();
+        for (index, name) in [(2, "eth0"), (30, "tap0")] {
+            let link = netlink::LinkInfo {
+                index,
+                name: name.into(),
+                oper_up: true,
+            };
+            rig.ifaces.upsert(link.clone());
+            rig.nl.lock().unwrap().links.push(link);
+        }
+        default_route_via(&rig.ifaces, 2);
+        rig.ifaces.mark_ready_for_tests();
+        d.on_update(&clients_set());
+        d.on_update(&policy(false));
+        d.on_update(&wep("tap0"));
+        d.apply().unwrap();
+        let what = "workload endpoint k8s/prod/web/eth0";
+        assert!(d.rejected().contains_key(what), "{:?}", d.rejected());
+        assert!(
+            !k.lock()
+                .unwrap()
+                .has_chain(IpVersion::V4, "filter", "cali-tw-tap0")
+        );
+
+        d.on_update(&config(&[("InterfacePrefix", "cali,tap")]));
+        d.apply().unwrap();
+        assert!(!d.rejected().contains_key(what), "{:?}", d.rejected());
+        assert!(
+            k.lock()
+                .unwrap()
+                .has_chain(IpVersion::V4, "filter", "cali-tw-tap0")
+        );
+
+        // "eth" would hand the uplink to workload dispatch: refused, the flag value is used.
+        d.on_update(&config(&[("InterfacePrefix", "eth,tap")]));
+        d.apply().unwrap();
+        let k = k.lock().unwrap();
+        let fwd = k.chain_rules(IpVersion::V4, "filter", "cali-FORWARD");
+        assert!(!fwd.iter().any(|r| r.contains("eth+")), "{fwd:?}");
+        assert!(fwd.iter().any(|r| r.contains("cali+")), "{fwd:?}");
+        assert!(!k.has_chain(IpVersion::V4, "filter", "cali-tw-tap0"));
+        assert!(d.rejected().contains_key(what));
+        assert_eq!(
+            d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
+            vec!["error"]
+        );
     }
 }

@@ -80,6 +80,9 @@ pub struct StaticConfig {
     pub endpoint_to_host: EndpointToHostAction,
     pub failsafe_in: Vec<Failsafe>,
     pub failsafe_out: Vec<Failsafe>,
+    /// The agent's own calc-servers (TCP): always open, whatever host endpoint policy says,
+    /// so no policy can cut the agent off from the server that could undo it.
+    pub control_plane: Vec<std::net::SocketAddr>,
 }
 
 impl Default for StaticConfig {
@@ -89,6 +92,7 @@ impl Default for StaticConfig {
             endpoint_to_host: EndpointToHostAction::Drop,
             failsafe_in: default_failsafes_in(),
             failsafe_out: default_failsafes_out(),
+            control_plane: Vec::new(),
         }
     }
 }
@@ -224,14 +228,14 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
         Chain::new("cali-OUTPUT", output),
         Chain::new(WL_TO_HOST, wl_to_host),
         Chain::new(CIDR_BLOCK, Vec::new()),
-        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
-        failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out),
+        failsafe_in(cfg, v),
+        failsafe_out(cfg, v),
     ];
     (chains, hooks)
 }
 
 /// The raw table: untracked host endpoint policy.
-pub fn raw(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
+pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
     hooks.insert("OUTPUT", jump("cali-OUTPUT"));
@@ -259,14 +263,14 @@ pub fn raw(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
     let chains = vec![
         Chain::new("cali-PREROUTING", pre),
         Chain::new("cali-OUTPUT", out),
-        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
-        failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out),
+        failsafe_in(cfg, v),
+        failsafe_out(cfg, v),
     ];
     (chains, hooks)
 }
 
 /// The mangle table: pre-DNAT host endpoint policy.
-pub fn mangle(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
+pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
     let pre = vec![
@@ -279,15 +283,10 @@ pub fn mangle(cfg: &StaticConfig) -> (Vec<Chain>, Hooks) {
         Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
             .comment("Host endpoint policy accepted packet."),
     ];
-    let chains = vec![
-        Chain::new("cali-PREROUTING", pre),
-        failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in),
-    ];
+    let chains = vec![Chain::new("cali-PREROUTING", pre), failsafe_in(cfg, v)];
     (chains, hooks)
 }
 
-/// Inbound failsafes open a port on this host; outbound ones a port on the remote side: both
-/// match the destination port.
 /// The nat table: masquerade traffic from natOutgoing pools to anywhere outside every pool.
 pub fn nat(masq_set: &str, all_pools_set: &str) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
@@ -305,8 +304,20 @@ pub fn nat(masq_set: &str, all_pools_set: &str) -> (Vec<Chain>, Hooks) {
     (chains, hooks)
 }
 
-fn failsafe_chain(name: &str, ports: &[Failsafe]) -> Chain {
-    let rules = ports
+/// Inbound failsafes open a port on this host; outbound ones a port on the remote side: both
+/// match the destination port. Both chains also hold the agent's connections to its
+/// calc-servers of this family, in both directions (the server may be on this host): packets to
+/// the server's address and port, and packets from them.
+fn failsafe_in(cfg: &StaticConfig, v: IpVersion) -> Chain {
+    failsafe_chain(FAILSAFE_IN, &cfg.failsafe_in, cfg, v)
+}
+
+fn failsafe_out(cfg: &StaticConfig, v: IpVersion) -> Chain {
+    failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out, cfg, v)
+}
+
+fn failsafe_chain(name: &str, ports: &[Failsafe], cfg: &StaticConfig, v: IpVersion) -> Chain {
+    let mut rules: Vec<Rule> = ports
         .iter()
         .map(|f| {
             let m = Match::new()
@@ -315,6 +326,21 @@ fn failsafe_chain(name: &str, ports: &[Failsafe]) -> Chain {
             Rule::new(m, Action::Accept)
         })
         .collect();
+    for addr in &cfg.control_plane {
+        let net = match addr.ip() {
+            std::net::IpAddr::V4(ip) if v == IpVersion::V4 => format!("{ip}/32"),
+            std::net::IpAddr::V6(ip) if v == IpVersion::V6 => format!("{ip}/128"),
+            _ => continue,
+        };
+        let port = addr.port().to_string();
+        let tcp = || Match::new().protocol("tcp");
+        for m in [
+            tcp().dst_net(&net).dst_ports(&port),
+            tcp().src_net(&net).src_ports(&port),
+        ] {
+            rules.push(Rule::new(m, Action::Accept).comment("The calc-server of this agent."));
+        }
+    }
     Chain::new(name, rules)
 }
 
@@ -444,6 +470,51 @@ mod tests {
         assert_eq!(to.rules.len(), 2);
         let [fwd_from, _] = host_forward_dispatch(&["*".into()]);
         assert!(fwd_from.rules.is_empty());
+    }
+
+    #[test]
+    fn the_agents_calc_server_is_a_failsafe_in_its_own_family() {
+        let cfg = StaticConfig {
+            control_plane: vec![
+                "10.0.0.5:50051".parse().unwrap(),
+                "[fd00::5]:443".parse().unwrap(),
+            ],
+            ..StaticConfig::default()
+        };
+        let lines = |c: &Chain| {
+            c.rules
+                .iter()
+                .map(|r| r.render_append(&c.name, ""))
+                .collect::<Vec<_>>()
+        };
+        for (chains, v) in [
+            (filter(&cfg, IpVersion::V4).0, IpVersion::V4),
+            (raw(&cfg, IpVersion::V4).0, IpVersion::V4),
+            (filter(&cfg, IpVersion::V6).0, IpVersion::V6),
+        ] {
+            let get = |n: &str| lines(chains.iter().find(|c| c.name == n).unwrap());
+            let (addr, port) = match v {
+                IpVersion::V4 => ("10.0.0.5/32", "50051"),
+                IpVersion::V6 => ("fd00::5/128", "443"),
+            };
+            let inbound = get(FAILSAFE_IN);
+            let outbound = get(FAILSAFE_OUT);
+            for chain in [&inbound, &outbound] {
+                let ours: Vec<&String> =
+                    chain.iter().filter(|l| l.contains("calc-server")).collect();
+                assert_eq!(ours.len(), 2, "{chain:?}");
+                assert!(
+                    ours[0].contains(&format!("--destination {addr}"))
+                        && ours[0].contains(&format!("--destination-ports {port}")),
+                    "{ours:?}"
+                );
+                assert!(
+                    ours[1].contains(&format!("--source {addr}"))
+                        && ours[1].contains(&format!("--source-ports {port}")),
+                    "{ours:?}"
+                );
+            }
+        }
     }
 
     #[test]
