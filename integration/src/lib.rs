@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 pub mod netns;
+pub mod scripted;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
