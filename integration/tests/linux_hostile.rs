@@ -586,3 +586,208 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
         "the log prefix refusal is logged:\n{text}"
     );
 }
+
+const MANIFEST_NODE: &str = "node-a";
+
+fn manifest_wep(pod: &str, iface: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--a-k8s-{pod}-eth0
+  namespace: prod
+  labels:
+    app: {pod}
+    projectcalico.org/namespace: prod
+    projectcalico.org/orchestrator: k8s
+spec:
+  orchestrator: k8s
+  node: {MANIFEST_NODE}
+  pod: {pod}
+  endpoint: eth0
+  interfaceName: {iface}
+  ipNetworks: [{ip}/32]
+  profiles: [kns.prod]
+---
+"
+    )
+}
+
+fn manifest_guard(ports: &str) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata:
+  name: web-guard
+  namespace: prod
+spec:
+  selector: app == 'web'
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source:
+      selector: app == 'client'
+    destination:
+      ports: [{ports}]
+"
+    )
+}
+
+/// The datastore-side attacks through the real calc-server (file datastore): an injected log
+/// prefix, an endpoint naming the uplink, a rule annotation ending in `\`, and a network set
+/// holding `0.0.0.0/0` used by a policy. Each is refused by name or rendered safely; the
+/// kernel outside our chains is unchanged; an unrelated change is enforced within seconds.
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn datastore_attacks_are_refused_by_name_and_change_nothing_outside() {
+    netns::require();
+    let host = Netns::new("dsattack");
+    host.make_host();
+    host.exec(&["ipset", "create", "other-tool", "hash:ip"]);
+    let client = Workload::attach(&host, "calicli", "10.65.2.1", "fd00:65:2::1");
+    let mut web = Workload::attach(&host, "caliweb", "10.65.2.2", "fd00:65:2::2");
+    for port in [80, 8080, 7777, 9999] {
+        web.listen(port);
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path();
+    netns::write_manifest(
+        d,
+        "base.yaml",
+        &format!(
+            "apiVersion: projectcalico.org/v3
+kind: Profile
+metadata:
+  name: kns.prod
+spec:
+  ingress: [{{action: Allow}}]
+  egress: [{{action: Allow}}]
+---
+{}{}",
+            manifest_wep("client", "calicli", "10.65.2.1"),
+            manifest_wep("web", "caliweb", "10.65.2.2")
+        ),
+    );
+    netns::write_manifest(d, "guard.yaml", &manifest_guard("80"));
+    let cp = netns::ControlPlane::start(&host, d, MANIFEST_NODE, &[]);
+    cp.wait_programmed();
+    let before_attack = [
+        tcp_probe(&client, &web, 80, true),
+        tcp_probe(&client, &web, 8080, false),
+        tcp_probe(&client, &web, 7777, false),
+    ];
+    expect_within(
+        "before the attack",
+        &before_attack,
+        20,
+        &cp.agent_log,
+        &host,
+    );
+    let before = outside_our_state(&host);
+
+    netns::write_manifest(
+        d,
+        "felix.yaml",
+        "apiVersion: projectcalico.org/v3
+kind: FelixConfiguration
+metadata:
+  name: default
+spec:
+  logPrefix: \"x\\\" -j ACCEPT\\n-I INPUT 1 -j ACCEPT\\n#\"
+",
+    );
+    netns::write_manifest(
+        d,
+        "evil.yaml",
+        &manifest_wep("evil", "uplink0", "10.65.2.9"),
+    );
+    netns::write_manifest(
+        d,
+        "annotated.yaml",
+        "apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata:
+  name: annotated
+spec:
+  order: 10
+  selector: app == 'web'
+  ingress:
+  - action: Allow
+    protocol: TCP
+    destination:
+      ports: [9999]
+    metadata:
+      annotations:
+        note: 'ends in \\'
+        nul: \"a\\0b\"
+",
+    );
+    netns::write_manifest(
+        d,
+        "everything.yaml",
+        "apiVersion: projectcalico.org/v3
+kind: GlobalNetworkSet
+metadata:
+  name: everything
+  labels:
+    scope: everything
+spec:
+  nets: [0.0.0.0/0]
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata:
+  name: from-anywhere
+spec:
+  order: 20
+  selector: app == 'web'
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source:
+      selector: scope == 'everything'
+    destination:
+      ports: [7777]
+",
+    );
+    // The annotated rule and the /0 set are programmed (safely), the rest stays as it was.
+    let under_attack = [
+        tcp_probe(&client, &web, 80, true),
+        tcp_probe(&client, &web, 8080, false),
+        tcp_probe(&client, &web, 7777, true),
+        tcp_probe(&client, &web, 9999, true),
+    ];
+    expect_within("under attack", &under_attack, 20, &cp.agent_log, &host);
+    let sets = host.exec(&["ipset", "list"]);
+    assert!(
+        sets.contains("0.0.0.0/1") && sets.contains("128.0.0.0/1"),
+        "a /0 member is programmed as its two halves:\n{sets}"
+    );
+
+    // An unrelated change is enforced within seconds.
+    netns::write_manifest(d, "guard.yaml", &manifest_guard("80, 8080"));
+    expect_within(
+        "the change after the attack",
+        &[tcp_probe(&client, &web, 8080, true)],
+        20,
+        &cp.agent_log,
+        &host,
+    );
+    assert_eq!(
+        before,
+        outside_our_state(&host),
+        "the kernel outside our chains changed; agent log:\n{}",
+        cp.agent_log_text()
+    );
+    let server_log = std::fs::read_to_string(&cp.server_log).unwrap_or_default();
+    let agent_log = cp.agent_log_text();
+    assert!(
+        server_log.contains("FelixConfiguration") && server_log.contains("logPrefix"),
+        "the log prefix is refused by name:\n{server_log}"
+    );
+    assert!(
+        agent_log.contains("workload endpoint k8s/prod/evil/eth0")
+            && agent_log.contains("does not match the workload interface prefixes"),
+        "the endpoint on the uplink is refused by name:\n{agent_log}"
+    );
+}
