@@ -588,12 +588,9 @@ impl Validator {
     fn felix_configuration(&mut self, spec: &BTreeMap<String, serde_json::Value>) {
         let text = |v: &serde_json::Value| v.as_str().map(str::to_owned);
         if let Some(v) = spec.get("logPrefix") {
-            match text(v) {
-                Some(p) if p.len() > 27 => self.err("spec.logPrefix", format!("{p:?} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")")),
-                Some(p) if !p.bytes().all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b)) => {
-                    self.err("spec.logPrefix", format!("{p:?} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'"))
-                }
-                Some(_) => {}
+            match text(v).map(|p| log_prefix(&p)) {
+                Some(Ok(())) => {}
+                Some(Err(reason)) => self.err("spec.logPrefix", reason),
                 None => self.err("spec.logPrefix", "must be a string"),
             }
         }
@@ -612,15 +609,11 @@ impl Validator {
                             "must name at least one interface prefix",
                         );
                     }
-                    for p in prefixes {
-                        if p.len() > 14 || !is_interface(p) {
-                            self.err("spec.interfacePrefix", format!("{p:?} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])"));
-                        } else if "lo".starts_with(p) {
-                            self.err(
-                                "spec.interfacePrefix",
-                                format!("{p:?} would match the loopback interface"),
-                            );
-                        }
+                    for reason in prefixes
+                        .into_iter()
+                        .filter_map(|p| interface_prefix(p).err())
+                    {
+                        self.err("spec.interfacePrefix", reason);
                     }
                 }
             }
@@ -956,6 +949,58 @@ pub fn is_subdomain(s: &str) -> bool {
                 && b[0] != b'-'
                 && b[b.len() - 1] != b'-'
         })
+}
+
+/// A value as shown in an error: quoted and escaped, cut to 80 characters (a hostile value can
+/// be megabytes long).
+pub fn shown(s: &str) -> String {
+    let mut out = format!("{s:?}");
+    if out.len() > 80 {
+        let mut cut = 77;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push_str("...");
+    }
+    out
+}
+
+/// Felix's `LogPrefix` rule, shared with the agent: Calico's character set `[A-Za-z0-9%: /_-]`
+/// and at most 27 characters (the kernel's LOG prefix limit, less the `": "` appended).
+pub fn log_prefix(p: &str) -> Result<(), String> {
+    if p.len() > 27 {
+        Err(format!(
+            "{} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")",
+            shown(p)
+        ))
+    } else if !p
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b))
+    {
+        Err(format!(
+            "{} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'",
+            shown(p)
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// A workload interface prefix, shared with the agent: 1 to 14 interface name characters, and
+/// never one the loopback interface matches (`l`, `lo`): the prefixes decide which interfaces
+/// the agent takes over.
+pub fn interface_prefix(p: &str) -> Result<(), String> {
+    if p.len() > 14 || !is_interface(p) {
+        Err(format!(
+            "{} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])",
+            shown(p)
+        ))
+    } else if "lo".starts_with(p) {
+        Err(format!("{} would match the loopback interface", shown(p)))
+    } else {
+        Ok(())
+    }
 }
 
 fn is_interface(s: &str) -> bool {

@@ -9,6 +9,7 @@
 //!
 //! Pure functions, no IO.
 
+use calc_graph::model::validate::shown;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
@@ -35,20 +36,6 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Invalid {
         field: field.into(),
         reason: reason.into(),
     }
-}
-
-/// How a value reads in a reason: quoted and escaped, cut short.
-fn shown(s: &str) -> String {
-    let mut out = format!("{s:?}");
-    if out.len() > 80 {
-        let mut cut = 77;
-        while !out.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        out.truncate(cut);
-        out.push_str("...");
-    }
-    out
 }
 
 /// Longest Linux interface name (IFNAMSIZ less the NUL).
@@ -518,55 +505,8 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     Some(mac)
 }
 
-/// A workload interface prefix: 1 to 14 of the interface name characters, and never one that
-/// the loopback interface matches (`l`, `lo`): the prefixes decide which interfaces the agent
-/// takes over.
-pub fn interface_prefix(p: &str) -> Result<(), String> {
-    if p.is_empty() || p.len() >= MAX_IFACE_LEN {
-        return Err(format!(
-            "interface prefix {} must be 1 to {} characters",
-            shown(p),
-            MAX_IFACE_LEN - 1
-        ));
-    }
-    if !p
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-    {
-        return Err(format!(
-            "interface prefix {} may only contain letters, digits, '_', '.' and '-'",
-            shown(p)
-        ));
-    }
-    if "lo".starts_with(p) {
-        return Err(format!(
-            "interface prefix {} would match the loopback interface",
-            shown(p)
-        ));
-    }
-    Ok(())
-}
-
-/// Calico's `logPrefix` character set, `[A-Za-z0-9%: /_-]`, and room for the `": "` we append
-/// within the kernel's 29 characters.
-pub fn log_prefix(s: &str) -> Result<(), String> {
-    if s.len() > 27 {
-        return Err(format!(
-            "LogPrefix {} is longer than 27 characters",
-            shown(s)
-        ));
-    }
-    if !s
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b))
-    {
-        return Err(format!(
-            "LogPrefix {} may only contain letters, digits and '%: /_-'",
-            shown(s)
-        ));
-    }
-    Ok(())
-}
+/// The FelixConfiguration rules the calc-server applies too (one definition for both ends).
+pub use calc_graph::model::validate::{interface_prefix, log_prefix};
 
 /// The reasons for every rejected object, by kind and key, for status and metrics.
 pub type Rejections = BTreeMap<String, String>;
