@@ -229,7 +229,6 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
         Direction::Ingress => (POLICY_INBOUND_PFX, PROFILE_INBOUND_PFX),
         Direction::Egress => (POLICY_OUTBOUND_PFX, PROFILE_OUTBOUND_PFX),
     };
-    let mut any_tier = false;
     for tier in s.tiers {
         let policies = match s.dir {
             Direction::Ingress => &tier.ingress_policies,
@@ -238,7 +237,6 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
         if policies.is_empty() {
             continue;
         }
-        any_tier = true;
         rules.push(
             Rule::always(Action::ClearMark(marks::PASS))
                 .comment(format!("Start of tier {}", tier.name)),
@@ -268,7 +266,10 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
             );
         }
     }
-    if !any_tier && s.kind == Kind::Forward {
+    // Felix allows forwarded traffic by default only when the endpoint has no forward tiers at
+    // all; with forward policy in the other direction only, the chain ends here and the packet
+    // falls through to the rest of FORWARD.
+    if s.tiers.is_empty() && s.kind == Kind::Forward {
         rules.push(
             Rule::always(Action::SetMark(marks::ACCEPT))
                 .comment("Allow forwarded traffic by default"),
@@ -412,5 +413,23 @@ mod tests {
         assert!(!raw.iter().any(|l| l.contains("Drop if")));
         let mangle = text(&host_mangle_chain(&RenderConfig::default(), "eth0", &tiers));
         assert!(!mangle.iter().any(|l| l.contains("Drop if")));
+    }
+
+    #[test]
+    fn forward_policy_in_one_direction_does_not_open_the_other() {
+        let tiers = vec![TierInfo {
+            name: "default".into(),
+            ingress_policies: vec![pid("fwd-in")],
+            egress_policies: vec![],
+            default_action: String::new(),
+        }];
+        let [_, _, thfw, fhfw] =
+            host_filter_chains(&RenderConfig::default(), "eth0", &[], &tiers, &[]);
+        let egress = text(&thfw);
+        // Conntrack, invalid, mark clear, and nothing more: no egress forward policy, so the
+        // packet falls through to the rest of FORWARD rather than being accepted here.
+        assert_eq!(egress.len(), 3, "{egress:?}");
+        assert!(egress[2].ends_with("--set-mark 0/0x30000"), "{egress:?}");
+        assert!(text(&fhfw).iter().any(|l| l.contains("cali-pi-gnp/fwd-in")));
     }
 }

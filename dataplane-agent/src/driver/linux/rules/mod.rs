@@ -33,8 +33,9 @@ pub mod marks {
     pub const SCRATCH0: u32 = 0x8_0000;
     /// OR-block scratch bit: "this block matched".
     pub const SCRATCH1: u32 = 0x10_0000;
-    /// Every bit Calico may use.
-    pub const ALL: u32 = 0xffff_0000;
+    /// The bits Felix clears before its own processing (`allCalicoMarkBits`): never the
+    /// endpoint or drop bits, nor any bit outside the mark mask that other tools may use.
+    pub const CALICO: u32 = ACCEPT | PASS | SCRATCH0 | SCRATCH1;
 }
 
 /// IP family of a table or set.
@@ -236,6 +237,11 @@ impl Match {
     /// `(mark & bits) != 0`.
     pub fn mark_not_clear(self, bits: u32) -> Self {
         self.push(format_args!("-m mark ! --mark 0/{bits:#x}"))
+    }
+    /// The packet's source fails strict reverse-path filtering (`-m rpfilter --validmark
+    /// --invert`): it would not be routed back out of the interface it came in on.
+    pub fn rpf_check_failed(self) -> Self {
+        self.push(format_args!("-m rpfilter --validmark --invert"))
     }
     pub fn conntrack_state(self, state: &str) -> Self {
         self.push(format_args!("-m conntrack --ctstate {}", quote::arg(state)))

@@ -18,6 +18,9 @@ pub const FROM_HEP_FWD_DISPATCH: &str = "cali-from-hep-forward";
 pub const TO_HEP_FWD_DISPATCH: &str = "cali-to-hep-forward";
 pub const WL_TO_HOST: &str = "cali-wl-to-host";
 pub const CIDR_BLOCK: &str = "cali-cidr-block";
+/// Raw-table escape from the RPF check (Felix fills it for workloads allowed to spoof; empty
+/// here: no endpoint field asks for it yet).
+pub const RPF_SKIP: &str = "cali-rpf-skip";
 
 /// What happens to traffic from a workload to its own host once egress policy allowed it
 /// (Felix's `DefaultEndpointToHostAction`).
@@ -138,7 +141,7 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     hooks.append("FORWARD", Rule::always(Action::SetMark(marks::ACCEPT)));
 
     let mut forward = vec![
-        Rule::always(Action::ClearMark(marks::ALL & !marks::ACCEPT)),
+        Rule::always(Action::ClearMark(marks::CALICO & !marks::ACCEPT)),
         Rule::new(
             Match::new().mark_clear(marks::ACCEPT),
             Action::Jump(FROM_HEP_FWD_DISPATCH.to_owned()),
@@ -175,7 +178,7 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
         Match::new().mark_set(marks::ACCEPT),
         Action::Accept,
     ));
-    input.push(Rule::always(Action::ClearMark(marks::ALL)));
+    input.push(Rule::always(Action::ClearMark(marks::CALICO)));
     input.push(jump(FROM_HOST_DISPATCH));
     input.push(
         Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
@@ -192,7 +195,7 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
             Action::Return,
         ));
     }
-    output.push(Rule::always(Action::ClearMark(marks::ALL)));
+    output.push(Rule::always(Action::ClearMark(marks::CALICO)));
     output.push(Rule::new(
         Match::new().not_conntrack_state("DNAT"),
         Action::Jump(TO_HOST_DISPATCH.to_owned()),
@@ -239,7 +242,7 @@ pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
     hooks.insert("OUTPUT", jump("cali-OUTPUT"));
-    let mut pre = vec![Rule::always(Action::ClearMark(marks::ALL))];
+    let mut pre = vec![Rule::always(Action::ClearMark(marks::CALICO))];
     for p in &cfg.workload_prefixes {
         // Remember "from a workload" so host endpoint policy skips it.
         pre.push(Rule::new(
@@ -247,6 +250,16 @@ pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
             Action::SetMark(marks::SCRATCH0),
         ));
     }
+    // Strict RPF for workload traffic: a workload cannot spoof its source (a privileged
+    // container or a VM could), in both families.
+    pre.push(Rule::new(
+        Match::new().mark_set(marks::SCRATCH0),
+        Action::Jump(RPF_SKIP.to_owned()),
+    ));
+    pre.push(Rule::new(
+        Match::new().mark_set(marks::SCRATCH0).rpf_check_failed(),
+        Action::Drop,
+    ));
     pre.push(Rule::new(
         Match::new().mark_clear(marks::SCRATCH0),
         Action::Jump(FROM_HOST_DISPATCH.to_owned()),
@@ -256,15 +269,16 @@ pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
         Action::Accept,
     ));
     let out = vec![
-        Rule::always(Action::ClearMark(marks::ALL)),
+        Rule::always(Action::ClearMark(marks::CALICO)),
         jump(TO_HOST_DISPATCH),
         Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept),
     ];
     let chains = vec![
         Chain::new("cali-PREROUTING", pre),
         Chain::new("cali-OUTPUT", out),
-        failsafe_in(cfg, v),
-        failsafe_out(cfg, v),
+        Chain::new(RPF_SKIP, Vec::new()),
+        raw_failsafe_in(cfg, v),
+        raw_failsafe_out(cfg, v),
     ];
     (chains, hooks)
 }
@@ -314,6 +328,30 @@ fn failsafe_in(cfg: &StaticConfig, v: IpVersion) -> Chain {
 
 fn failsafe_out(cfg: &StaticConfig, v: IpVersion) -> Chain {
     failsafe_chain(FAILSAFE_OUT, &cfg.failsafe_out, cfg, v)
+}
+
+/// The raw table's failsafes also accept the replies: raw runs before conntrack, so a reply
+/// that fell through to a doNotTrack policy would be dropped (or leave half a connection
+/// untracked). Inbound: replies from the outbound failsafe ports; outbound: replies from ours.
+fn raw_failsafe_in(cfg: &StaticConfig, v: IpVersion) -> Chain {
+    let mut c = failsafe_in(cfg, v);
+    c.rules.extend(reply_rules(&cfg.failsafe_out));
+    c
+}
+
+fn raw_failsafe_out(cfg: &StaticConfig, v: IpVersion) -> Chain {
+    let mut c = failsafe_out(cfg, v);
+    c.rules.extend(reply_rules(&cfg.failsafe_in));
+    c
+}
+
+fn reply_rules(ports: &[Failsafe]) -> impl Iterator<Item = Rule> + '_ {
+    ports.iter().map(|f| {
+        let m = Match::new()
+            .protocol(&f.protocol)
+            .src_ports(&f.port.to_string());
+        Rule::new(m, Action::Accept)
+    })
 }
 
 fn failsafe_chain(name: &str, ports: &[Failsafe], cfg: &StaticConfig, v: IpVersion) -> Chain {
@@ -518,6 +556,54 @@ mod tests {
     }
 
     #[test]
+    fn raw_prerouting_checks_rpf_for_workloads_and_raw_failsafes_pass_replies() {
+        for v in IpVersion::BOTH {
+            let (chains, _) = raw(&StaticConfig::default(), v);
+            let get = |n: &str| text(chains.iter().find(|c| c.name == n).unwrap());
+            let pre = get("cali-PREROUTING");
+            let skip = pre
+                .iter()
+                .position(|l| l.ends_with("--jump cali-rpf-skip"))
+                .unwrap();
+            let rpf = pre
+                .iter()
+                .position(|l| {
+                    l.contains("-m rpfilter --validmark --invert") && l.ends_with("--jump DROP")
+                })
+                .unwrap();
+            let dispatch = pre
+                .iter()
+                .position(|l| l.ends_with("--jump cali-from-host-endpoint"))
+                .unwrap();
+            assert!(skip < rpf && rpf < dispatch, "{pre:?}");
+            assert!(
+                pre[rpf].contains("-m mark --mark 0x80000/0x80000"),
+                "only workload traffic"
+            );
+            assert!(get(RPF_SKIP).is_empty());
+            // Replies: SSH (an inbound failsafe) answered from port 22 leaves through the raw
+            // outbound failsafe; DNS answers (outbound failsafe 53) come in through the inbound.
+            let out = get(FAILSAFE_OUT);
+            assert!(
+                out.iter()
+                    .any(|l| l.contains("--protocol tcp") && l.contains("--source-ports 22")),
+                "{out:?}"
+            );
+            let inbound = get(FAILSAFE_IN);
+            assert!(
+                inbound
+                    .iter()
+                    .any(|l| l.contains("--protocol udp") && l.contains("--source-ports 53")),
+                "{inbound:?}"
+            );
+        }
+        // The filter table's failsafes stay one-way (conntrack handles replies there).
+        let (chains, _) = filter(&StaticConfig::default(), IpVersion::V4);
+        let out = text(chains.iter().find(|c| c.name == FAILSAFE_OUT).unwrap());
+        assert!(!out.iter().any(|l| l.contains("--source-ports")), "{out:?}");
+    }
+
+    #[test]
     fn filter_hooks_and_forward_chain() {
         let (chains, hooks) = filter(&StaticConfig::default(), IpVersion::V4);
         assert_eq!(
@@ -529,7 +615,7 @@ mod tests {
         assert_eq!(
             text(fwd),
             vec![
-                "-A cali-FORWARD --jump MARK --set-mark 0/0xfffe0000",
+                "-A cali-FORWARD --jump MARK --set-mark 0/0x1a0000",
                 "-A cali-FORWARD -m mark --mark 0/0x10000 --jump cali-from-hep-forward",
                 "-A cali-FORWARD -m comment --comment \"From workload\" --in-interface cali+ --jump cali-from-wl-dispatch",
                 "-A cali-FORWARD -m comment --comment \"To workload\" --out-interface cali+ --jump cali-to-wl-dispatch",
