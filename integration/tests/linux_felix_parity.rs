@@ -260,3 +260,114 @@ fn ssh_replies_survive_a_do_not_track_deny_all_host_endpoint() {
     let _ = agent.kill();
     let _ = agent.wait();
 }
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn dnat_host_traffic_meets_host_endpoint_egress_policy() {
+    netns::require();
+    let host = Netns::new("dnat");
+    host.make_host();
+    let outside = Netns::outside_of(&host);
+    // Replies to the node's own address (the source the first route lookup picked).
+    outside.exec(&["ip", "route", "add", "default", "via", "192.0.2.1"]);
+    let _denied = outside.listen(9000, &["-4"]);
+    let _allowed = outside.listen(9001, &["-4"]);
+    // A "service" address the host reaches through DNAT, as kube-proxy would program it.
+    for (port, to) in [("80", "192.0.2.2:9000"), ("81", "192.0.2.2:9001")] {
+        host.exec(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-d",
+            "10.96.0.10/32",
+            "-p",
+            "tcp",
+            "--dport",
+            port,
+            "-j",
+            "DNAT",
+            "--to-destination",
+            to,
+        ]);
+    }
+    let server = ScriptedServer::start(&host, 50074, NODE);
+    let pid = PolicyId {
+        name: "no-9000".into(),
+        namespace: String::new(),
+        kind: "GlobalNetworkPolicy".into(),
+    };
+    for p in [
+        allow_all_profile(),
+        Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pid.clone()),
+            policy: Some(Policy {
+                outbound_rules: vec![
+                    Rule {
+                        action: "deny".into(),
+                        protocol: Some(felix_proto::Protocol {
+                            number_or_name: Some(felix_proto::protocol::NumberOrName::Name(
+                                "tcp".into(),
+                            )),
+                        }),
+                        dst_ports: vec![felix_proto::PortRange {
+                            first: 9000,
+                            last: 9000,
+                        }],
+                        ..Default::default()
+                    },
+                    Rule {
+                        action: "allow".into(),
+                        ..Default::default()
+                    },
+                ],
+                ..Default::default()
+            }),
+        }),
+        Payload::HostEndpointUpdate(HostEndpointUpdate {
+            id: Some(HostEndpointId {
+                endpoint_id: "ext0".into(),
+            }),
+            endpoint: Some(HostEndpoint {
+                name: "ext0".into(),
+                profile_ids: vec!["kns.prod".into()],
+                tiers: vec![TierInfo {
+                    name: "default".into(),
+                    egress_policies: vec![pid],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        }),
+        Payload::InSync(InSync {}),
+    ] {
+        server.send(p);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("agent.log");
+    let mut agent = start_agent(&host, &server, &log);
+    let connects = |addr: &str, port: &str| host.try_exec(&["nc", "-z", "-w", "1", addr, port]);
+    let want = [
+        ("192.0.2.2", "9000", false),
+        ("192.0.2.2", "9001", true),
+        ("10.96.0.10", "80", false),
+        ("10.96.0.10", "81", true),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got: Vec<bool> = want.iter().map(|(a, p, _)| connects(a, p)).collect();
+        if got.iter().zip(&want).all(|(g, w)| *g == w.2) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "wanted {want:?}, got {got:?}\n{}\nagent log:\n{}",
+            host.exec(&["iptables-save", "-c", "-t", "mangle"]),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+}

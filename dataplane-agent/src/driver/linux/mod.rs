@@ -152,6 +152,11 @@ pub struct LinuxDriver {
     wep_ifaces: HashMap<WorkloadEndpointKey, String>,
     heps: BTreeMap<String, HostEndpoint>,
     dirty_heps: HashSet<String>,
+    /// Normal policies and profiles some host endpoint uses for egress: their outbound chains
+    /// are also in the mangle table, for DNAT'd host traffic (Felix puts every policy in every
+    /// table and programs what is used; we place only what is used).
+    mangle_policies: HashSet<PolicyKey>,
+    mangle_profiles: HashSet<String>,
     hep_ifaces: HashMap<String, String>,
     dispatch_dirty: bool,
 
@@ -258,6 +263,8 @@ impl LinuxDriver {
             wep_ifaces: HashMap::new(),
             heps: BTreeMap::new(),
             dirty_heps: HashSet::new(),
+            mangle_policies: HashSet::new(),
+            mangle_profiles: HashSet::new(),
             hep_ifaces: HashMap::new(),
             dispatch_dirty: true,
             programmed_weps: HashSet::new(),
@@ -464,6 +471,34 @@ impl LinuxDriver {
         all
     }
 
+    /// Recomputes which policies and profiles host endpoint egress uses, and marks the ones
+    /// that joined or left that set for re-rendering.
+    fn refresh_mangle_refs(&mut self) {
+        let policies: HashSet<PolicyKey> = self
+            .heps
+            .values()
+            .flat_map(|h| h.tiers.iter().flat_map(|t| &t.egress_policies))
+            .map(policy_key)
+            .collect();
+        let profiles: HashSet<String> = self
+            .heps
+            .values()
+            .flat_map(|h| h.profile_ids.iter().cloned())
+            .collect();
+        self.dirty_policies.extend(
+            policies
+                .symmetric_difference(&self.mangle_policies)
+                .cloned(),
+        );
+        self.dirty_profiles.extend(
+            profiles
+                .symmetric_difference(&self.mangle_profiles)
+                .cloned(),
+        );
+        self.mangle_policies = policies;
+        self.mangle_profiles = profiles;
+    }
+
     fn render_policies(&mut self) {
         for key in std::mem::take(&mut self.dirty_policies) {
             let id = policy_id(&key);
@@ -497,6 +532,13 @@ impl LinuxDriver {
                     "filter"
                 };
                 let chains = policy::policy_chains(&self.opts.render, &id, p, v);
+                if table == "filter" && self.mangle_policies.contains(&key) {
+                    let t = self.table(v, "mangle");
+                    chains
+                        .iter()
+                        .filter(|c| c.name.starts_with(rules::POLICY_OUTBOUND_PFX))
+                        .for_each(|c| t.set_owned_chain(c.clone(), &what));
+                }
                 let t = self.table(v, table);
                 chains.into_iter().for_each(|c| t.set_owned_chain(c, &what));
             }
@@ -530,6 +572,13 @@ impl LinuxDriver {
                     continue;
                 };
                 let chains = policy::profile_chains(&self.opts.render, &name, p, v);
+                if self.mangle_profiles.contains(&name) {
+                    let t = self.table(v, "mangle");
+                    chains
+                        .iter()
+                        .filter(|c| c.name.starts_with(rules::PROFILE_OUTBOUND_PFX))
+                        .for_each(|c| t.set_owned_chain(c.clone(), &what));
+                }
                 let t = self.table(v, "filter");
                 chains.into_iter().for_each(|c| t.set_owned_chain(c, &what));
             }
@@ -613,6 +662,8 @@ impl LinuxDriver {
                 .then(|| endpoint::host_raw_chains(cfg, &iface, &hep.untracked_tiers));
             let mangle = (!hep.pre_dnat_tiers.is_empty())
                 .then(|| endpoint::host_mangle_chain(cfg, &iface, &hep.pre_dnat_tiers));
+            let mangle_egress =
+                endpoint::host_mangle_egress_chain(cfg, &iface, &hep.tiers, &hep.profile_ids);
             let what = format!("host endpoint {id:?}");
             for v in self.versions.clone() {
                 let t = self.table(v, "filter");
@@ -626,9 +677,11 @@ impl LinuxDriver {
                         .cloned()
                         .for_each(|c| t.set_owned_chain(c, &what));
                 }
+                let t = self.table(v, "mangle");
                 if let Some(m) = &mangle {
-                    self.table(v, "mangle").set_owned_chain(m.clone(), &what);
+                    t.set_owned_chain(m.clone(), &what);
                 }
+                t.set_owned_chain(mangle_egress.clone(), &what);
             }
             self.hep_ifaces.insert(id, iface);
         }
@@ -660,7 +713,9 @@ impl LinuxDriver {
             .filter_map(|(id, _)| hep_iface(id))
             .collect();
         let mut filter: Vec<Chain> = static_chains::workload_dispatch(&wl_ifaces).into();
-        filter.extend(static_chains::host_dispatch(&all));
+        let [from_all, to_all] = static_chains::host_dispatch(&all);
+        filter.push(from_all);
+        filter.push(to_all.clone());
         filter.extend(static_chains::host_forward_dispatch(&all));
         let raw: Vec<Chain> = static_chains::host_dispatch(&untracked).into();
         let [mangle_from, _] = static_chains::host_dispatch(&pre_dnat);
@@ -669,7 +724,10 @@ impl LinuxDriver {
             filter.iter().cloned().for_each(|c| t.set_chain(c));
             let t = self.table(v, "raw");
             raw.iter().cloned().for_each(|c| t.set_chain(c));
-            self.table(v, "mangle").set_chain(mangle_from.clone());
+            let t = self.table(v, "mangle");
+            t.set_chain(mangle_from.clone());
+            // DNAT'd host traffic meets host endpoint egress policy in mangle POSTROUTING.
+            t.set_chain(to_all.clone());
         }
         self.dispatch_dirty = false;
     }
@@ -904,6 +962,7 @@ impl LinuxDriver {
         if self.pools_dirty {
             self.render_pools();
         }
+        self.refresh_mangle_refs();
         self.render_policies();
         self.render_profiles();
         let endpoints_changed = !self.dirty_weps.is_empty() || !self.dirty_heps.is_empty();
@@ -2256,5 +2315,59 @@ mod tests {
             d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
             vec!["error"]
         );
+    }
+
+    /// Host endpoint egress policy is also in mangle (for DNAT'd host traffic), only while a
+    /// host endpoint uses it.
+    #[test]
+    fn host_endpoint_egress_policy_is_placed_in_mangle_while_used() {
+        let (mut d, k) = driver();
+        d.on_update(&clients_set());
+        d.on_update(&policy(false));
+        let hep = |tiers: Vec<TierInfo>| {
+            msg(Payload::HostEndpointUpdate(
+                felix_proto::HostEndpointUpdate {
+                    id: Some(felix_proto::HostEndpointId {
+                        endpoint_id: "lo-ep".into(),
+                    }),
+                    endpoint: Some(felix_proto::HostEndpoint {
+                        name: "lo".into(),
+                        tiers,
+                        ..Default::default()
+                    }),
+                },
+            ))
+        };
+        d.on_update(&hep(vec![TierInfo {
+            name: "default".into(),
+            egress_policies: vec![pol_id()],
+            ..Default::default()
+        }]));
+        d.apply().unwrap();
+        {
+            let k = k.lock().unwrap();
+            assert!(k.has_chain(IpVersion::V4, "mangle", "cali-po-np/prod/web"));
+            assert!(!k.has_chain(IpVersion::V4, "mangle", "cali-pi-np/prod/web"));
+            let th = k.chain_rules(IpVersion::V4, "mangle", "cali-th-lo");
+            assert!(
+                th.iter().any(|r| r.contains("cali-po-np/prod/web")),
+                "{th:?}"
+            );
+            let post = k.chain_rules(IpVersion::V4, "mangle", "cali-POSTROUTING");
+            assert!(
+                post.iter()
+                    .any(|r| r.contains("--ctstate DNAT") && r.contains("cali-to-host-endpoint")),
+                "{post:?}"
+            );
+            assert!(
+                k.chain_rules(IpVersion::V4, "mangle", "POSTROUTING")[0]
+                    .contains("cali-POSTROUTING")
+            );
+        }
+        d.on_update(&hep(vec![]));
+        d.apply().unwrap();
+        let k = k.lock().unwrap();
+        assert!(!k.has_chain(IpVersion::V4, "mangle", "cali-po-np/prod/web"));
+        assert!(k.has_chain(IpVersion::V4, "filter", "cali-po-np/prod/web"));
     }
 }

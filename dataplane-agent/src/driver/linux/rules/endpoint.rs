@@ -174,6 +174,30 @@ pub fn host_raw_chains(cfg: &RenderConfig, iface: &str, untracked: &[TierInfo]) 
     ]
 }
 
+/// A host endpoint's egress chain in the mangle table (`cali-th-`), for host traffic that was
+/// DNAT'd: its normal egress policy and profiles, allowing with RETURN as Felix does there.
+pub fn host_mangle_egress_chain(
+    cfg: &RenderConfig,
+    iface: &str,
+    tiers: &[TierInfo],
+    profiles: &[String],
+) -> Chain {
+    render(
+        cfg,
+        Spec {
+            name: endpoint_chain_name(HOST_TO_PFX, iface),
+            tiers,
+            profiles,
+            dir: Direction::Egress,
+            kind: Kind::Normal,
+            failsafe: Some(FAILSAFE_OUT),
+            admin_up: true,
+            allow: Action::Return,
+            drop_vxlan_ipip: false,
+        },
+    )
+}
+
 /// A host endpoint's pre-DNAT chain (mangle table): `cali-fh-` (ingress only).
 pub fn host_mangle_chain(cfg: &RenderConfig, iface: &str, pre_dnat: &[TierInfo]) -> Chain {
     render(

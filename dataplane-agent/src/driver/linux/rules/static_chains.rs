@@ -283,10 +283,25 @@ pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     (chains, hooks)
 }
 
-/// The mangle table: pre-DNAT host endpoint policy.
+/// The mangle table: pre-DNAT host endpoint policy, and host endpoint egress policy for host
+/// traffic that was DNAT'd (in filter OUTPUT the outgoing interface is still the one chosen
+/// before DNAT; by mangle POSTROUTING the kernel has routed it again).
 pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
+    hooks.insert("POSTROUTING", jump("cali-POSTROUTING"));
+    // RETURN, not ACCEPT, as Felix does here: other mangle rules may still need the packet.
+    let post = vec![
+        // Forwarded traffic (filter FORWARD sets the accept bit at its end) is not host traffic.
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Return),
+        Rule::always(Action::ClearMark(marks::CALICO)),
+        Rule::new(
+            Match::new().conntrack_state("DNAT"),
+            Action::Jump(TO_HOST_DISPATCH.to_owned()),
+        ),
+        Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Return)
+            .comment("Host endpoint policy accepted packet."),
+    ];
     let pre = vec![
         Rule::new(
             Match::new().conntrack_state("RELATED,ESTABLISHED"),
@@ -297,7 +312,12 @@ pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
         Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Accept)
             .comment("Host endpoint policy accepted packet."),
     ];
-    let chains = vec![Chain::new("cali-PREROUTING", pre), failsafe_in(cfg, v)];
+    let chains = vec![
+        Chain::new("cali-PREROUTING", pre),
+        Chain::new("cali-POSTROUTING", post),
+        failsafe_in(cfg, v),
+        failsafe_out(cfg, v),
+    ];
     (chains, hooks)
 }
 
