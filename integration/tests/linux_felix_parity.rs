@@ -371,3 +371,99 @@ fn dnat_host_traffic_meets_host_endpoint_egress_policy() {
     let _ = agent.kill();
     let _ = agent.wait();
 }
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn wildcard_host_endpoint_polices_forwarded_traffic_and_ignores_untracked_policy() {
+    netns::require();
+    let host = Netns::new("star");
+    host.make_host();
+    let outside = Netns::outside_of(&host);
+    outside.exec(&["ip", "route", "add", "default", "via", "192.0.2.1"]);
+    let _svc = outside.listen(9000, &["-4"]);
+    let _local = host.listen(8080, &["-4"]);
+    let client = Workload::attach(&host, "calicli", "10.65.5.1", "fd00:65:5::1");
+    let server = ScriptedServer::start(&host, 50075, NODE);
+    for p in [
+        allow_all_profile(),
+        wep("client", &client),
+        Payload::InSync(InSync {}),
+    ] {
+        server.send(p);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("agent.log");
+    let mut agent = start_agent(&host, &server, &log);
+    let forwarded = || client.connects("192.0.2.2", 9000);
+    let local = || host.try_exec(&["nc", "-z", "-w", "1", "127.0.0.1", "8080"]);
+    let wait_for = |what: &str, check: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !check() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}\n{}\nagent log:\n{}",
+                host.exec(&["iptables-save", "-c"]),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_for(
+        "forwarded traffic flows before the host endpoint",
+        &forwarded,
+    );
+
+    let deny = || Rule {
+        action: "deny".into(),
+        ..Default::default()
+    };
+    let gnp = |name: &str| PolicyId {
+        name: name.into(),
+        namespace: String::new(),
+        kind: "GlobalNetworkPolicy".into(),
+    };
+    let tier = |id: PolicyId| TierInfo {
+        name: "default".into(),
+        ingress_policies: vec![id.clone()],
+        egress_policies: vec![id],
+        ..Default::default()
+    };
+    for (name, untracked) in [("forward-deny", false), ("untracked-deny", true)] {
+        server.send(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(gnp(name)),
+            policy: Some(Policy {
+                inbound_rules: vec![deny()],
+                outbound_rules: vec![deny()],
+                untracked,
+                ..Default::default()
+            }),
+        }));
+    }
+    server.send(Payload::HostEndpointUpdate(HostEndpointUpdate {
+        id: Some(HostEndpointId {
+            endpoint_id: "all-interfaces".into(),
+        }),
+        endpoint: Some(HostEndpoint {
+            name: "*".into(),
+            profile_ids: vec!["kns.prod".into()],
+            forward_tiers: vec![tier(gnp("forward-deny"))],
+            untracked_tiers: vec![tier(gnp("untracked-deny"))],
+            ..Default::default()
+        }),
+    }));
+    wait_for(
+        "an applyOnForward deny on '*' blocks forwarded traffic",
+        &|| !forwarded(),
+    );
+    assert!(
+        local(),
+        "doNotTrack policy on '*' must not touch the host's own (loopback) traffic"
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("do not apply to the '*' host endpoint"),
+        "the ignored doNotTrack policy is reported:\n{text}"
+    );
+    let _ = agent.kill();
+    let _ = agent.wait();
+}

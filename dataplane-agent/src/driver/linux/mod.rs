@@ -658,9 +658,15 @@ impl LinuxDriver {
                 &hep.forward_tiers,
                 &hep.profile_ids,
             );
-            let raw = (!hep.untracked_tiers.is_empty())
+            // As Felix: doNotTrack and pre-DNAT policy on the `*` endpoint would apply to every
+            // packet of the host, loopback included; they are ignored, with a warning.
+            let wildcard = hep.name == "*";
+            if wildcard && !(hep.untracked_tiers.is_empty() && hep.pre_dnat_tiers.is_empty()) {
+                warn!(host_endpoint = %id, "doNotTrack and pre-DNAT policy do not apply to the '*' host endpoint; ignored");
+            }
+            let raw = (!hep.untracked_tiers.is_empty() && !wildcard)
                 .then(|| endpoint::host_raw_chains(cfg, &iface, &hep.untracked_tiers));
-            let mangle = (!hep.pre_dnat_tiers.is_empty())
+            let mangle = (!hep.pre_dnat_tiers.is_empty() && !wildcard)
                 .then(|| endpoint::host_mangle_chain(cfg, &iface, &hep.pre_dnat_tiers));
             let mangle_egress =
                 endpoint::host_mangle_egress_chain(cfg, &iface, &hep.tiers, &hep.profile_ids);
@@ -700,22 +706,25 @@ impl LinuxDriver {
             })
         };
         let all: Vec<String> = self.heps.keys().filter_map(hep_iface).collect();
+        // Felix ignores doNotTrack and pre-DNAT policy on the `*` endpoint (see render_hosts).
         let untracked: Vec<String> = self
             .heps
             .iter()
-            .filter(|(_, h)| !h.untracked_tiers.is_empty())
+            .filter(|(_, h)| !h.untracked_tiers.is_empty() && h.name != "*")
             .filter_map(|(id, _)| hep_iface(id))
             .collect();
         let pre_dnat: Vec<String> = self
             .heps
             .iter()
-            .filter(|(_, h)| !h.pre_dnat_tiers.is_empty())
+            .filter(|(_, h)| !h.pre_dnat_tiers.is_empty() && h.name != "*")
             .filter_map(|(id, _)| hep_iface(id))
             .collect();
         let mut filter: Vec<Chain> = static_chains::workload_dispatch(&wl_ifaces).into();
         let [from_all, to_all] = static_chains::host_dispatch(&all);
         filter.push(from_all);
-        filter.push(to_all.clone());
+        filter.push(to_all);
+        let mangle_to =
+            static_chains::host_to_dispatch_for_mangle(&all, &self.opts.statics.workload_prefixes);
         filter.extend(static_chains::host_forward_dispatch(&all));
         let raw: Vec<Chain> = static_chains::host_dispatch(&untracked).into();
         let [mangle_from, _] = static_chains::host_dispatch(&pre_dnat);
@@ -727,7 +736,7 @@ impl LinuxDriver {
             let t = self.table(v, "mangle");
             t.set_chain(mangle_from.clone());
             // DNAT'd host traffic meets host endpoint egress policy in mangle POSTROUTING.
-            t.set_chain(to_all.clone());
+            t.set_chain(mangle_to.clone());
         }
         self.dispatch_dirty = false;
     }

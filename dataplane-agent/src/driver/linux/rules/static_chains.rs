@@ -440,15 +440,33 @@ pub fn host_dispatch(ifaces: &[String]) -> [Chain; 2] {
     )
 }
 
-/// Forward host endpoint dispatch (`cali-from-hep-forward` / `cali-to-hep-forward`); the `*`
-/// endpoint does not apply to forwarded traffic.
+/// Forward host endpoint dispatch (`cali-from-hep-forward` / `cali-to-hep-forward`); as in
+/// Felix, forwarded traffic through any other interface goes to the `*` endpoint's forward
+/// chains when there is one.
 pub fn host_forward_dispatch(ifaces: &[String]) -> [Chain; 2] {
     dispatch_pair(
         ifaces,
         (FROM_HEP_FWD_DISPATCH, HOST_FROM_FWD_PFX),
         (TO_HEP_FWD_DISPATCH, HOST_TO_FWD_PFX),
-        false,
+        true,
     )
+}
+
+/// The mangle table's `cali-to-host-endpoint` (DNAT'd host traffic): like the filter one, but
+/// the `*` endpoint's normal policy never applies to traffic going to a local workload.
+pub fn host_to_dispatch_for_mangle(ifaces: &[String], workload_prefixes: &[String]) -> Chain {
+    let [_, mut to] = host_dispatch(ifaces);
+    if ifaces.iter().any(|i| i == "*") {
+        let wildcard = to.rules.pop().expect("the wildcard goto is last");
+        for p in workload_prefixes {
+            to.rules.push(
+                Rule::new(Match::new().out_iface(&format!("{p}+")), Action::Return)
+                    .comment("Skip egress WHEP policy for traffic to local workload"),
+            );
+        }
+        to.rules.push(wildcard);
+    }
+    to
 }
 
 fn dispatch_pair(
@@ -526,8 +544,35 @@ mod tests {
             ]
         );
         assert_eq!(to.rules.len(), 2);
-        let [fwd_from, _] = host_forward_dispatch(&["*".into()]);
-        assert!(fwd_from.rules.is_empty());
+        // Forwarded traffic through any interface goes to the `*` endpoint's forward chains.
+        let [fwd_from, fwd_to] = host_forward_dispatch(&["*".into()]);
+        assert_eq!(
+            text(&fwd_from),
+            vec![format!(
+                "-A cali-from-hep-forward --goto {}",
+                endpoint_chain_name(HOST_FROM_FWD_PFX, ALL_INTERFACES)
+            )]
+        );
+        assert_eq!(
+            text(&fwd_to),
+            vec![format!(
+                "-A cali-to-hep-forward --goto {}",
+                endpoint_chain_name(HOST_TO_FWD_PFX, ALL_INTERFACES)
+            )]
+        );
+        // In mangle (DNAT'd host traffic), `*` never applies to traffic to a local workload.
+        let mangle = text(&host_to_dispatch_for_mangle(
+            &["*".into(), "eth0".into()],
+            &["cali".into()],
+        ));
+        assert_eq!(
+            mangle,
+            vec![
+                "-A cali-to-host-endpoint --out-interface eth0 --goto cali-th-eth0",
+                "-A cali-to-host-endpoint -m comment --comment \"Skip egress WHEP policy for traffic to local workload\" --out-interface cali+ --jump RETURN",
+                "-A cali-to-host-endpoint --goto cali-th-any-interface-at-all",
+            ]
+        );
     }
 
     #[test]
