@@ -531,22 +531,52 @@ pub fn failing<'a>(probes: &'a [Probe<'a>]) -> Vec<&'a Probe<'a>> {
     })
 }
 
-/// Waits (up to 20 s) until every probe gives the expected verdict.
-pub fn expect_eventually(what: &str, probes: &[Probe<'_>], cp: &ControlPlane) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let bad = failing(probes);
-        if bad.is_empty() {
-            return;
-        }
+/// Polls `check` every 200 ms until it holds; past `timeout`, panics with `what` and the
+/// `diagnostics` (agent log, kernel state) gathered at that moment.
+pub fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> bool,
+    diagnostics: impl FnOnce() -> String,
+) {
+    let deadline = Instant::now() + timeout;
+    while !check() {
         if Instant::now() > deadline {
-            let list: Vec<String> = bad.iter().map(|p| p.describe()).collect();
-            panic!(
-                "{what}: wrong verdicts:\n  {}\nagent log:\n{}",
-                list.join("\n  "),
-                cp.agent_log_text()
-            );
+            panic!("{what}: not within {timeout:?}\n{}", diagnostics());
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Waits up to `timeout` until every probe gives the expected verdict; the panic lists the
+/// wrong ones, then `diagnostics`.
+pub fn expect_verdicts(
+    what: &str,
+    probes: &[Probe<'_>],
+    timeout: Duration,
+    diagnostics: impl FnOnce() -> String,
+) {
+    let wrong = std::cell::RefCell::new(Vec::new());
+    wait_until(
+        what,
+        timeout,
+        || {
+            *wrong.borrow_mut() = failing(probes).iter().map(|p| p.describe()).collect();
+            wrong.borrow().is_empty()
+        },
+        || {
+            format!(
+                "wrong verdicts:\n  {}\n{}",
+                wrong.borrow().join("\n  "),
+                diagnostics()
+            )
+        },
+    );
+}
+
+/// Waits (up to 20 s) until every probe gives the expected verdict.
+pub fn expect_eventually(what: &str, probes: &[Probe<'_>], cp: &ControlPlane) {
+    expect_verdicts(what, probes, Duration::from_secs(20), || {
+        format!("agent log:\n{}", cp.agent_log_text())
+    });
 }

@@ -6,10 +6,13 @@
 //! node would. Each stream gets `ServerHello` after the agent's hello, then every payload sent
 //! so far, then each new one as the test sends it.
 
+use std::path::Path;
+use std::process::Child;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
+use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{FromDataplane, ServerHello, ToDataplane};
 use tokio::sync::{Notify, mpsc};
@@ -35,6 +38,7 @@ struct Service {
 /// The server; dropping it stops nothing (the namespace's end does).
 pub struct ScriptedServer {
     shared: Arc<Shared>,
+    node: String,
     pub url: String,
 }
 
@@ -71,6 +75,7 @@ impl ScriptedServer {
             .expect("scripted server listening");
         ScriptedServer {
             shared,
+            node: node.to_owned(),
             url: format!("127.0.0.1:{port}"),
         }
     }
@@ -98,14 +103,50 @@ impl ScriptedServer {
         timeout: Duration,
         check: impl Fn(&[FromDataplane]) -> bool,
     ) {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if check(&self.reports()) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("scripted server: no report showing {what} within {timeout:?}");
+        crate::netns::wait_until(
+            &format!("scripted server: a report showing {what}"),
+            timeout,
+            || check(&self.reports()),
+            String::new,
+        );
+    }
+
+    /// Starts `dataplane-agent --driver linux` in `ns` against this server (quick reconnects),
+    /// logging to `log`.
+    pub fn start_agent(&self, ns: &Netns, log: &Path) -> Child {
+        ns.spawn(
+            &crate::binary("dataplane-agent"),
+            &[
+                "--server",
+                &self.url,
+                "--node",
+                &self.node,
+                "--driver",
+                "linux",
+                "--reconnect-min-delay",
+                "100ms",
+                "--reconnect-max-delay",
+                "500ms",
+                "--log-level",
+                "info",
+            ],
+            log,
+        )
+    }
+
+    /// Waits until the agents reported DataplaneInSync `count` times in all (one per stream
+    /// that reached the dataplane).
+    pub fn wait_dataplane_in_sync(&self, count: usize) {
+        self.wait_reports(
+            &format!("DataplaneInSync x{count}"),
+            Duration::from_secs(30),
+            |r| {
+                r.iter()
+                    .filter(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
+                    .count()
+                    >= count
+            },
+        );
     }
 }
 

@@ -4,16 +4,17 @@
 //!
 //! Needs root and the namespace tools: `#[ignore]`d with that reason, and `make test` runs it.
 
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Child;
+use std::time::Duration;
 
-use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
     ActivePolicyUpdate, ActiveProfileUpdate, HostEndpoint, HostEndpointId, HostEndpointUpdate,
     InSync, Policy, PolicyId, Profile, ProfileId, Rule, TierInfo, WorkloadEndpoint,
     WorkloadEndpointId, WorkloadEndpointUpdate,
 };
-use integration::netns::{self, Netns, Workload};
+use integration::netns::{self, Netns, Workload, wait_until};
 use integration::scripted::ScriptedServer;
 
 const NODE: &str = "node-p";
@@ -54,32 +55,18 @@ fn wep(name: &str, w: &Workload) -> Payload {
 }
 
 /// Starts the agent against `server` in `host` and waits for its first DataplaneInSync.
-fn start_agent(
-    host: &Netns,
-    server: &ScriptedServer,
-    log: &std::path::Path,
-) -> std::process::Child {
-    let agent = host.spawn(
-        &integration::binary("dataplane-agent"),
-        &[
-            "--server",
-            &server.url,
-            "--node",
-            NODE,
-            "--driver",
-            "linux",
-            "--ipv6-support",
-            "true",
-            "--log-level",
-            "info",
-        ],
-        log,
-    );
-    server.wait_reports("DataplaneInSync", Duration::from_secs(30), |r| {
-        r.iter()
-            .any(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
-    });
+fn start_agent(host: &Netns, server: &ScriptedServer, log: &Path) -> Child {
+    let agent = server.start_agent(host, log);
+    server.wait_dataplane_in_sync(1);
     agent
+}
+
+/// The agent's log, for a failure message.
+fn log_text(log: &Path) -> String {
+    format!(
+        "agent log:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    )
 }
 
 /// Packets counted by the first rule of `ns`'s INPUT chain whose spec contains `needle`.
@@ -137,29 +124,26 @@ fn a_workload_cannot_spoof_its_source() {
         "eth0",
         "nodad",
     ]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        client
-            .ns
-            .try_exec(&["ping", "-c", "1", "-W", "1", &web.ipv4]);
-        client
-            .ns
-            .try_exec(&["ping", "-6", "-c", "1", "-W", "1", &web.ipv6]);
-        let own4 = input_count(&web.ns, "iptables-save", &format!("-s {}/32", client.ipv4));
-        let own6 = input_count(
-            &web.ns,
-            "ip6tables-save",
-            &format!("-s {}/128", client.ipv6),
-        );
-        if own4 > 0 && own6 > 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the client's own traffic never reached web; agent log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-    }
+    wait_until(
+        "the client's own traffic reaches web",
+        Duration::from_secs(20),
+        || {
+            client
+                .ns
+                .try_exec(&["ping", "-c", "1", "-W", "1", &web.ipv4]);
+            client
+                .ns
+                .try_exec(&["ping", "-6", "-c", "1", "-W", "1", &web.ipv6]);
+            let own4 = input_count(&web.ns, "iptables-save", &format!("-s {}/32", client.ipv4));
+            let own6 = input_count(
+                &web.ns,
+                "ip6tables-save",
+                &format!("-s {}/128", client.ipv6),
+            );
+            own4 > 0 && own6 > 0
+        },
+        || log_text(&log),
+    );
     for _ in 0..3 {
         client
             .ns
@@ -243,15 +227,12 @@ fn ssh_replies_survive_a_do_not_track_deny_all_host_endpoint() {
     let log = dir.path().join("agent.log");
     let mut agent = start_agent(&host, &server, &log);
     let connects = |port: &str| outside.try_exec(&["nc", "-z", "-w", "1", "192.0.2.1", port]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while connects("8080") {
-        assert!(
-            Instant::now() < deadline,
-            "the doNotTrack deny-all never took effect; agent log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(
+        "the doNotTrack deny-all takes effect",
+        Duration::from_secs(20),
+        || !connects("8080"),
+        || log_text(&log),
+    );
     assert!(
         connects("22"),
         "SSH to the host must survive a doNotTrack deny-all (its replies too)\n{}",
@@ -354,20 +335,23 @@ fn dnat_host_traffic_meets_host_endpoint_egress_policy() {
         ("10.96.0.10", "80", false),
         ("10.96.0.10", "81", true),
     ];
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let got: Vec<bool> = want.iter().map(|(a, p, _)| connects(a, p)).collect();
-        if got.iter().zip(&want).all(|(g, w)| *g == w.2) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "wanted {want:?}, got {got:?}\n{}\nagent log:\n{}",
-            host.exec(&["iptables-save", "-c", "-t", "mangle"]),
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let got = std::cell::RefCell::new(Vec::new());
+    wait_until(
+        &format!("verdicts {want:?}"),
+        Duration::from_secs(20),
+        || {
+            *got.borrow_mut() = want.iter().map(|(a, p, _)| connects(a, p)).collect();
+            got.borrow().iter().zip(&want).all(|(g, w)| *g == w.2)
+        },
+        || {
+            format!(
+                "got {:?}\n{}\n{}",
+                got.borrow(),
+                host.exec(&["iptables-save", "-c", "-t", "mangle"]),
+                log_text(&log)
+            )
+        },
+    );
     let _ = agent.kill();
     let _ = agent.wait();
 }
@@ -397,16 +381,13 @@ fn wildcard_host_endpoint_polices_forwarded_traffic_and_ignores_untracked_policy
     let forwarded = || client.connects("192.0.2.2", 9000);
     let local = || host.try_exec(&["nc", "-z", "-w", "1", "127.0.0.1", "8080"]);
     let wait_for = |what: &str, check: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !check() {
-            assert!(
-                Instant::now() < deadline,
-                "{what}\n{}\nagent log:\n{}",
+        wait_until(what, Duration::from_secs(20), check, || {
+            format!(
+                "{}\n{}",
                 host.exec(&["iptables-save", "-c"]),
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+                log_text(&log)
+            )
+        })
     };
     wait_for(
         "forwarded traffic flows before the host endpoint",

@@ -9,7 +9,8 @@
 //! Needs root and the namespace tools: `#[ignore]`d with that reason, and `make test` runs it.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::protocol::NumberOrName;
@@ -20,7 +21,7 @@ use felix_proto::{
     ProfileId, Protocol, Rule, RuleMetadata, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
     WorkloadEndpointUpdate, rule,
 };
-use integration::netns::{self, Netns, Probe, Workload, failing};
+use integration::netns::{self, Netns, Probe, Workload};
 use integration::scripted::ScriptedServer;
 
 const NODE: &str = "node-h";
@@ -365,24 +366,14 @@ fn tcp_probe<'a>(from: &'a Workload, to: &Workload, port: u16, allowed: bool) ->
     }
 }
 
-fn expect_within(what: &str, probes: &[Probe<'_>], secs: u64, log: &std::path::Path, host: &Netns) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let bad = failing(probes);
-        if bad.is_empty() {
-            return;
-        }
-        if Instant::now() > deadline {
-            let list: Vec<String> = bad.iter().map(|p| p.describe()).collect();
-            panic!(
-                "{what}: wrong verdicts:\n  {}\nagent log:\n{}\nfilter table:\n{}",
-                list.join("\n  "),
-                std::fs::read_to_string(log).unwrap_or_default(),
-                host.exec(&["sh", "-c", "iptables-save -c -t filter | grep -E \"caliweb|calicli|web-guard|FORWARD\"; ipset list; ip route; ip neigh"])
-            );
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+fn expect_within(what: &str, probes: &[Probe<'_>], secs: u64, log: &Path, host: &Netns) {
+    netns::expect_verdicts(what, probes, Duration::from_secs(secs), || {
+        format!(
+            "agent log:\n{}\nfilter table:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default(),
+            host.exec(&["iptables-save", "-c", "-t", "filter"])
+        )
+    });
 }
 
 /// The latest status each workload reported.
@@ -450,31 +441,8 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let start_agent = |log: &std::path::Path| {
-        host.spawn(
-            &integration::binary("dataplane-agent"),
-            &[
-                "--server",
-                &server.url,
-                "--node",
-                NODE,
-                "--driver",
-                "linux",
-                "--reconnect-min-delay",
-                "100ms",
-                "--reconnect-max-delay",
-                "500ms",
-                "--log-level",
-                "info",
-            ],
-            log,
-        )
-    };
-    let mut agent = start_agent(&log);
-    server.wait_reports("DataplaneInSync", Duration::from_secs(30), |r| {
-        r.iter()
-            .any(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
-    });
+    let mut agent = server.start_agent(&host, &log);
+    server.wait_dataplane_in_sync(1);
     let guarded = [
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&client, &web, 8080, false),
@@ -496,17 +464,16 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
             ("LogPrefix", log_prefix),
             ("InterfacePrefix", prefix),
         ]));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !std::fs::read_to_string(&log)
-            .unwrap_or_default()
-            .contains(refusal)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "{refusal} was not refused by name"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        netns::wait_until(
+            &format!("{refusal} refused by name"),
+            Duration::from_secs(10),
+            || {
+                std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .contains(refusal)
+            },
+            String::new,
+        );
     }
     // The refused endpoints report `error` by name (the status path works under attack).
     server.wait_reports(
@@ -535,17 +502,9 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
     let _ = agent.kill();
     let _ = agent.wait();
     let log = dir.path().join("agent2.log");
-    let mut agent = start_agent(&log);
-    server.wait_reports(
-        "a restarted agent back in sync behind deny-all on lo",
-        Duration::from_secs(30),
-        |r| {
-            r.iter()
-                .filter(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
-                .count()
-                >= 2
-        },
-    );
+    let mut agent = server.start_agent(&host, &log);
+    // Back in sync behind deny-all on lo.
+    server.wait_dataplane_in_sync(2);
     // An unrelated change after the attack is enforced within seconds.
     server.send(web_guard(&[80, 8080]));
     let opened = [

@@ -1264,18 +1264,21 @@ impl Driver for LinuxDriver {
         let uses_refused = |what: String,
                             tiers: &[&[felix_proto::TierInfo]],
                             profiles: &[String]| {
-            refused.contains_key(&what)
-                || tiers.iter().flat_map(|t| t.iter()).any(|t| {
-                    t.ingress_policies
+            // Usually nothing is refused: skip formatting a key per policy reference then.
+            !refused.is_empty()
+                && (refused.contains_key(&what)
+                    || tiers.iter().flat_map(|t| t.iter()).any(|t| {
+                        t.ingress_policies
+                            .iter()
+                            .chain(&t.egress_policies)
+                            .any(|p| {
+                                refused
+                                    .contains_key(&format!("policy {}", rules::policy_id_string(p)))
+                            })
+                    })
+                    || profiles
                         .iter()
-                        .chain(&t.egress_policies)
-                        .any(|p| {
-                            refused.contains_key(&format!("policy {}", rules::policy_id_string(p)))
-                        })
-                })
-                || profiles
-                    .iter()
-                    .any(|p| refused.contains_key(&format!("profile {p:?}")))
+                        .any(|p| refused.contains_key(&format!("profile {p:?}"))))
         };
         for (key, wep) in &self.weps {
             let status = if uses_refused(
