@@ -142,6 +142,17 @@ pub struct Cli {
     )]
     pub log_prefix: String,
 
+    /// linux driver: force features instead of detecting them, in Felix's form
+    /// (`MASQFullyRandom=false`; Felix's other names are accepted and have no effect here).
+    /// `MASQFullyRandom` is detected as iptables 1.6.2+ on Linux 3.14+.
+    #[arg(
+        long,
+        env = "DATAPLANE_AGENT_FEATURE_DETECT_OVERRIDE",
+        value_name = "NAME=BOOL,...",
+        default_value = ""
+    )]
+    pub feature_detect_override: String,
+
     /// How often to send a ProcessStatusUpdate heartbeat (e.g. 5s, 500ms, 1m).
     #[arg(long, env = "DATAPLANE_AGENT_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
@@ -396,6 +407,9 @@ impl Cli {
             .flat_map(|s| server_addresses(s))
             .collect();
         opts.render.log_prefix = self.log_prefix.clone();
+        opts.masq_fully_random =
+            crate::driver::linux::config::parse_feature_overrides(&self.feature_detect_override)
+                .map_err(|e| format!("--feature-detect-override: {e}"))?;
         opts.manage_routes = !self.route_sync_disabled;
         opts.route_protocol = self.device_route_protocol;
         if matches!(opts.route_protocol, 1..=4) {
@@ -424,6 +438,7 @@ pub fn pinned_felix_settings(
         ("failsafe-inbound-host-ports", felix::FAILSAFE_INBOUND),
         ("failsafe-outbound-host-ports", felix::FAILSAFE_OUTBOUND),
         ("log-prefix", felix::LOG_PREFIX),
+        ("feature-detect-override", felix::FEATURE_DETECT_OVERRIDE),
     ]
     .iter()
     .filter(|(flag, _)| explicit_flags.contains(*flag))
@@ -586,6 +601,18 @@ mod tests {
             parse(&["--interface-prefix", "ca li"])
                 .linux_options()
                 .is_err()
+        );
+        let opts = parse(&["--feature-detect-override", "MASQFullyRandom=false"])
+            .linux_options()
+            .unwrap();
+        assert_eq!(opts.masq_fully_random, Some(false));
+        assert_eq!(parse(&[]).linux_options().unwrap().masq_fully_random, None);
+        let err = parse(&["--feature-detect-override", "Turbo=true"])
+            .linux_options()
+            .unwrap_err();
+        assert!(
+            err.contains("--feature-detect-override") && err.contains("Turbo"),
+            "{err}"
         );
         let cli = parse(&[
             "--interface-prefix",

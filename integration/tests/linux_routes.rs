@@ -287,16 +287,20 @@ spec:
         failing(&blocked).is_empty(),
         "no masquerade without natOutgoing"
     );
+    // As in Felix, the chain holds no rule while no pool has natOutgoing.
+    let nat = host.exec(&["iptables-save", "-t", "nat"]);
+    assert!(!nat.contains("MASQUERADE"), "{nat}");
 
     write_manifest(dir.path(), "pool.yaml", &pool(true));
     expect_eventually("masqueraded traffic to the outside", &[out(true)], &cp);
     let members = host.exec(&["ipset", "list", "cali40masq-ipam-pools"]);
     assert!(members.contains("10.65.0.0/16"), "{members}");
     let nat = host.exec(&["iptables-save", "-t", "nat"]);
-    assert!(nat.contains("-j MASQUERADE"), "{nat}");
+    // This kernel and iptables take --random-fully, so the agent uses it, as Felix does.
+    assert!(nat.contains("-j MASQUERADE --random-fully"), "{nat}");
     // Traffic between pods (inside the pools) is not masqueraded: the sets exclude it.
     assert!(
-        nat.contains("! --match-set cali40all-ipam-pools dst"),
+        nat.contains("! --match-set cali40network-ip-pools dst"),
         "{nat}"
     );
 }

@@ -18,6 +18,7 @@ pub const INTERFACE_PREFIX: &str = "InterfacePrefix";
 pub const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
 pub const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
 pub const LOG_PREFIX: &str = "LogPrefix";
+pub const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
 
 /// Settings read at start only: a datastore value that differs is reported, not applied.
 pub const RESTART_ONLY: &[&str] = &["IptablesBackend", "Ipv6Support", "DeviceRouteProtocol"];
@@ -72,6 +73,14 @@ pub fn effective(
             }
         }
     }
+    if let Some(v) = take(FEATURE_DETECT_OVERRIDE) {
+        match parse_feature_overrides(v) {
+            Ok(masq) => out.masq_fully_random = masq,
+            Err(e) => problems.push(format!(
+                "FelixConfiguration {FEATURE_DETECT_OVERRIDE}={v:?}: {e}"
+            )),
+        }
+    }
     if let Some(v) = take(LOG_PREFIX) {
         match validate::log_prefix(v) {
             Ok(()) => out.render.log_prefix = v.clone(),
@@ -79,6 +88,47 @@ pub fn effective(
         }
     }
     (out, problems)
+}
+
+/// Felix's feature names; only `MASQFullyRandom` changes what this agent renders, the others
+/// are accepted so that a FelixConfiguration written for Felix is not refused.
+const FELIX_FEATURES: &[&str] = &[
+    "MASQFullyRandom",
+    "SNATFullyRandom",
+    "RestoreSupportsLock",
+    "ChecksumOffloadBroken",
+    "IPIPDeviceIsL3",
+    "KernelSideRouteFiltering",
+];
+
+/// `MASQFullyRandom=true,SNATFullyRandom=false,RestoreSupportsLock=` (Felix's form): the
+/// `MASQFullyRandom` override, `None` when it is empty or absent (detected).
+pub fn parse_feature_overrides(v: &str) -> Result<Option<bool>, String> {
+    let mut masq = None;
+    for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("{item:?} is not NAME=true|false|(empty)"))?;
+        let Some(known) = FELIX_FEATURES
+            .iter()
+            .find(|f| f.eq_ignore_ascii_case(name.trim()))
+        else {
+            return Err(format!(
+                "unknown feature {name:?} (known: {})",
+                FELIX_FEATURES.join(", ")
+            ));
+        };
+        let value = match value.trim().to_ascii_lowercase().as_str() {
+            "" => None,
+            "true" => Some(true),
+            "false" => Some(false),
+            other => return Err(format!("{name}={other:?}: expected true, false or nothing")),
+        };
+        if *known == "MASQFullyRandom" {
+            masq = value;
+        }
+    }
+    Ok(masq)
 }
 
 /// `[{"protocol":"TCP","port":22}, …]` (the v3 resource) or `tcp:22,udp:68` (Felix's env form);
@@ -128,9 +178,14 @@ mod tests {
             ),
             ("FailsafeOutboundHostPorts", "none"),
             ("LogPrefix", "calico-drop"),
+            (
+                "FeatureDetectOverride",
+                "SNATFullyRandom=true,MASQFullyRandom=false,RestoreSupportsLock=",
+            ),
         ]);
         let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
         assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(o.masq_fully_random, Some(false));
         assert_eq!(o.statics.endpoint_to_host, EndpointToHostAction::Accept);
         assert_eq!(o.statics.workload_prefixes, vec!["cali", "tap"]);
         assert_eq!(o.statics.failsafe_in.len(), 2);
@@ -151,12 +206,31 @@ mod tests {
             ("DefaultEndpointToHostAction", "Maybe"),
             ("FailsafeInboundHostPorts", "tcp:not-a-port"),
             ("InterfacePrefix", "tap"),
+            ("FeatureDetectOverride", "MASQFullyRandom=yes"),
         ]);
         let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
-        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(
+            problems[2].contains("MASQFullyRandom=\"yes\""),
+            "{problems:?}"
+        );
+        assert_eq!(o.masq_fully_random, None);
         assert!(problems[0].contains("DefaultEndpointToHostAction=\"Maybe\""));
         assert_eq!(o.statics.endpoint_to_host, EndpointToHostAction::Drop);
         assert_eq!(o.statics.failsafe_in, base.statics.failsafe_in);
         assert_eq!(o.statics.workload_prefixes, vec!["tap"]);
+    }
+
+    #[test]
+    fn feature_overrides_take_felix_names_and_refuse_unknown_ones() {
+        assert_eq!(parse_feature_overrides(""), Ok(None));
+        assert_eq!(parse_feature_overrides("MASQFullyRandom="), Ok(None));
+        assert_eq!(
+            parse_feature_overrides("masqfullyrandom=TRUE"),
+            Ok(Some(true))
+        );
+        let e = parse_feature_overrides("MASQRandom=true").unwrap_err();
+        assert!(e.contains("unknown feature \"MASQRandom\""), "{e}");
+        assert!(parse_feature_overrides("MASQFullyRandom").is_err());
     }
 }

@@ -456,6 +456,9 @@ impl CommandRunner for FakeKernel {
             };
             return Ok(ok(text));
         }
+        if program.ends_with("-restore") && args == ["--version"] {
+            return Ok(ok(format!("{program} v1.8.9 (nf_tables)\n")));
+        }
         if program.ends_with("-restore") {
             if let Some(msg) = &self.fail_restores {
                 return Ok(fail(msg.clone()));

@@ -97,6 +97,36 @@ pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
     }
 }
 
+/// Whether `MASQUERADE --random-fully` can be programmed: as Felix detects it, iptables 1.6.2 or
+/// later (the restore tool this backend uses) and Linux 3.14 or later. Anything unreadable
+/// counts as unsupported: plain MASQUERADE works everywhere.
+pub fn supports_masquerade_fully_random(
+    runner: &mut dyn CommandRunner,
+    backend: Backend,
+    kernel_release: Option<&str>,
+) -> bool {
+    let tool = backend.program(IpVersion::V4, "restore");
+    let iptables = match runner.run(&tool, &["--version"], None) {
+        Ok(out) if out.success => parse_version(&String::from_utf8_lossy(&out.stdout)),
+        _ => None,
+    };
+    let kernel = kernel_release.and_then(parse_version);
+    matches!((iptables, kernel), (Some(i), Some(k)) if i >= (1, 6, 2) && k >= (3, 14, 0))
+}
+
+/// The first `major.minor[.patch]` in text such as `iptables-restore v1.8.9 (nf_tables)` or
+/// `6.1.0-13-amd64`.
+fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    text.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .find_map(|word| {
+            let mut parts = word.split('.').map(|p| p.parse::<u32>().ok());
+            let major = parts.next()??;
+            let minor = parts.next()??;
+            let patch = parts.next().flatten().unwrap_or(0);
+            Some((major, minor, patch))
+        })
+}
+
 /// Why a table could not be programmed.
 #[derive(Debug, thiserror::Error)]
 pub enum TableError {
@@ -833,6 +863,31 @@ mod tests {
             vec![Rule::always(Action::Jump("cali-INPUT".into()))],
         );
         h
+    }
+
+    #[test]
+    fn random_fully_needs_iptables_1_6_2_and_linux_3_14() {
+        let mut k = FakeKernel::new();
+        // The fake's restore tool says v1.8.9.
+        assert!(supports_masquerade_fully_random(
+            &mut k,
+            Backend::Nft,
+            Some("6.1.0-13-amd64")
+        ));
+        assert!(!supports_masquerade_fully_random(
+            &mut k,
+            Backend::Nft,
+            Some("3.13.11")
+        ));
+        assert!(!supports_masquerade_fully_random(
+            &mut k,
+            Backend::Nft,
+            None
+        ));
+        assert_eq!(parse_version("iptables-restore v1.6.1"), Some((1, 6, 1)));
+        assert_eq!(parse_version("iptables v1.6.2 (legacy)"), Some((1, 6, 2)));
+        assert_eq!(parse_version("4.19"), Some((4, 19, 0)));
+        assert_eq!(parse_version("no version here"), None);
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub struct LinuxOptions {
     /// Felix setting names given explicitly (flag or environment): the datastore's
     /// FelixConfiguration does not override them.
     pub pinned: std::collections::BTreeSet<String>,
+    /// Felix's `FeatureDetectOverride` for `MASQFullyRandom`: `None` detects it.
+    pub masq_fully_random: Option<bool>,
 }
 
 impl Default for LinuxOptions {
@@ -74,6 +76,7 @@ impl Default for LinuxOptions {
             manage_routes: true,
             route_protocol: 80,
             pinned: Default::default(),
+            masq_fully_random: None,
         }
     }
 }
@@ -114,9 +117,11 @@ fn fail_closed_policy(p: &felix_proto::Policy) -> felix_proto::Policy {
 
 const TABLE_NAMES: [&str; 4] = ["filter", "raw", "mangle", "nat"];
 
-/// Agent-local IP sets of IPAM pools (for natOutgoing).
+/// Agent-local IP sets of IPAM pools (for natOutgoing), named as Calico 3.34 names them:
+/// the natOutgoing pools, and the pools workloads and tunnels use (Calico 3.31 and older called
+/// the second `all-ipam-pools` and put LoadBalancer-only pools in it too).
 const MASQ_POOLS_SET: &str = "masq-ipam-pools";
-const ALL_POOLS_SET: &str = "all-ipam-pools";
+const NETWORK_POOLS_SET: &str = "network-ip-pools";
 
 /// Totals of what is programmed, for logs and metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -137,6 +142,10 @@ pub struct LinuxDriver {
     pending_config: Option<BTreeMap<String, String>>,
     runner: Box<dyn CommandRunner>,
     backend: Option<Backend>,
+    /// Whether iptables and the kernel take `MASQUERADE --random-fully` (detected with the
+    /// backend).
+    random_fully_supported: bool,
+    features_detected: bool,
     versions: Vec<IpVersion>,
     ipsets: IpSets,
     tables: Vec<Table>,
@@ -251,6 +260,8 @@ impl LinuxDriver {
             opts,
             runner,
             backend,
+            random_fully_supported: false,
+            features_detected: false,
             versions,
             tables,
             statics_set: false,
@@ -322,15 +333,29 @@ impl LinuxDriver {
             let t = self.table(v, "mangle");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
+            let fully_random = self.masq_fully_random();
+            let active = self
+                .pools
+                .values()
+                .any(|p| p.masquerade && v.matches(&p.cidr));
             let (chains, hooks) = static_chains::nat(
                 &rules::ipset_name(v, MASQ_POOLS_SET),
-                &rules::ipset_name(v, ALL_POOLS_SET),
+                &rules::ipset_name(v, NETWORK_POOLS_SET),
+                active,
+                fully_random,
             );
             let t = self.table(v, "nat");
             chains.into_iter().for_each(|c| t.set_chain(c));
             t.set_hooks(hooks);
         }
         self.statics_set = true;
+    }
+
+    /// MASQUERADE gets `--random-fully` where supported, unless the operator says otherwise.
+    fn masq_fully_random(&self) -> bool {
+        self.opts
+            .masq_fully_random
+            .unwrap_or(self.random_fully_supported)
     }
 
     fn remove_everywhere(&mut self, v: IpVersion, names: &[String]) {
@@ -741,16 +766,29 @@ impl LinuxDriver {
         self.dispatch_dirty = false;
     }
 
+    /// The pool sets, and the nat chains whose MASQUERADE rule exists only while a family has
+    /// a natOutgoing pool (as Felix renders it).
     fn render_pools(&mut self) {
-        let all: Vec<String> = self.pools.values().map(|p| p.cidr.clone()).collect();
+        // A pool only LoadBalancer addresses come from is outside the network: traffic to it
+        // from a natOutgoing pool is masqueraded.
+        let network: Vec<String> = self
+            .pools
+            .values()
+            .filter(|p| {
+                p.allowed_uses.is_empty() || p.allowed_uses.iter().any(|u| u != "LoadBalancer")
+            })
+            .map(|p| p.cidr.clone())
+            .collect();
         let masq: Vec<String> = self
             .pools
             .values()
             .filter(|p| p.masquerade)
             .map(|p| p.cidr.clone())
             .collect();
-        self.ipsets.replace(ALL_POOLS_SET, SetKind::Net, &all);
+        self.ipsets
+            .replace(NETWORK_POOLS_SET, SetKind::Net, &network);
         self.ipsets.replace(MASQ_POOLS_SET, SetKind::Net, &masq);
+        self.statics_set = false;
         self.pools_dirty = false;
     }
 
@@ -920,7 +958,8 @@ impl LinuxDriver {
         let statics_changed = next.statics.workload_prefixes != self.opts.statics.workload_prefixes
             || next.statics.endpoint_to_host != self.opts.statics.endpoint_to_host
             || next.statics.failsafe_in != self.opts.statics.failsafe_in
-            || next.statics.failsafe_out != self.opts.statics.failsafe_out;
+            || next.statics.failsafe_out != self.opts.statics.failsafe_out
+            || next.masq_fully_random != self.opts.masq_fully_random;
         let render_changed = next.render.log_prefix != self.opts.render.log_prefix;
         if statics_changed || render_changed {
             info!(
@@ -934,6 +973,7 @@ impl LinuxDriver {
             next.statics.workload_prefixes != self.opts.statics.workload_prefixes;
         self.opts.statics = next.statics;
         self.opts.render = next.render;
+        self.opts.masq_fully_random = next.masq_fully_random;
         if statics_changed {
             self.statics_set = false;
         }
@@ -958,19 +998,32 @@ impl LinuxDriver {
 
     fn program(&mut self) -> Result<(), DriverError> {
         self.apply_datastore_config();
-        if self.backend.is_none() {
-            let b = iptables::detect_backend(self.runner.as_mut());
-            info!(backend = b.name(), "iptables backend detected");
+        if !self.features_detected {
+            let b = match self.backend {
+                Some(b) => b,
+                None => iptables::detect_backend(self.runner.as_mut()),
+            };
+            self.random_fully_supported = iptables::supports_masquerade_fully_random(
+                self.runner.as_mut(),
+                b,
+                self.sysctl.read("kernel/osrelease").ok().as_deref(),
+            );
+            info!(
+                backend = b.name(),
+                masquerade_random_fully = self.random_fully_supported,
+                "iptables backend and features detected"
+            );
             self.backend = Some(b);
+            self.features_detected = true;
         }
         let backend = self.backend.expect("resolved above");
+        if self.pools_dirty {
+            self.render_pools();
+        }
         if !self.statics_set {
             self.render_statics();
         }
         self.ensure_netlink()?;
-        if self.pools_dirty {
-            self.render_pools();
-        }
         self.refresh_mangle_refs();
         self.render_policies();
         self.render_profiles();
@@ -1495,18 +1548,25 @@ mod tests {
     }
 
     fn rig() -> (LinuxDriver, Arc<Mutex<FakeKernel>>, Rig) {
+        rig_with(LinuxOptions {
+            backend: Backend::Nft,
+            ..LinuxOptions::default()
+        })
+    }
+
+    fn rig_with(opts: LinuxOptions) -> (LinuxDriver, Arc<Mutex<FakeKernel>>, Rig) {
         let kernel = Arc::new(Mutex::new(FakeKernel::new()));
         let nl = Arc::new(Mutex::new(netlink::FakeNetlink::default()));
         let ifaces = Interfaces::new();
-        let opts = LinuxOptions {
-            backend: Backend::Nft,
-            ..LinuxOptions::default()
-        };
+        let mut sysctl = sysctl::FakeSysctl::default();
+        sysctl
+            .values
+            .insert("kernel/osrelease".into(), "6.1.0-13-amd64".into());
         let d = LinuxDriver::with_seams(
             opts,
             Box::new(Shared(kernel.clone())),
             Some(Box::new(SharedNl(nl.clone()))),
-            Box::new(sysctl::FakeSysctl::default()),
+            Box::new(sysctl),
             ifaces.clone(),
         );
         (d, kernel, Rig { nl, ifaces })
@@ -1611,10 +1671,10 @@ mod tests {
         assert_eq!(
             k.set_names(),
             vec![
-                "cali40all-ipam-pools",
                 "cali40masq-ipam-pools",
-                "cali60all-ipam-pools",
-                "cali60masq-ipam-pools"
+                "cali40network-ip-pools",
+                "cali60masq-ipam-pools",
+                "cali60network-ip-pools"
             ]
         );
         assert!(k.chain_rules(IpVersion::V4, "filter", "FORWARD")[0].contains("cali-FORWARD"));
@@ -2166,44 +2226,109 @@ mod tests {
         );
     }
 
+    fn pool(cidr: &str, masquerade: bool, uses: &[&str]) -> Payload {
+        Payload::IpamPoolUpdate(felix_proto::IpamPoolUpdate {
+            id: cidr.replace('/', "-"),
+            pool: Some(felix_proto::IpamPool {
+                cidr: cidr.into(),
+                masquerade,
+                allowed_uses: uses.iter().map(|u| (*u).to_owned()).collect(),
+                ..Default::default()
+            }),
+        })
+    }
+
+    fn members(k: &FakeKernel, set: &str) -> Vec<String> {
+        k.set(set).unwrap().members.iter().cloned().collect()
+    }
+
     #[test]
     fn nat_outgoing_pools_fill_the_pool_sets() {
         let (mut d, k) = driver();
-        d.on_update(&msg(Payload::IpamPoolUpdate(felix_proto::IpamPoolUpdate {
-            id: "10.65.0.0-16".into(),
-            pool: Some(felix_proto::IpamPool {
-                cidr: "10.65.0.0/16".into(),
-                masquerade: true,
-                ..Default::default()
-            }),
-        })));
-        d.on_update(&msg(Payload::IpamPoolUpdate(felix_proto::IpamPoolUpdate {
-            id: "10.66.0.0-16".into(),
-            pool: Some(felix_proto::IpamPool {
-                cidr: "10.66.0.0/16".into(),
-                masquerade: false,
-                ..Default::default()
-            }),
-        })));
+        d.apply().unwrap();
+        // No natOutgoing pool: Felix's chain is empty.
+        assert!(
+            k.lock()
+                .unwrap()
+                .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")
+                .is_empty()
+        );
+
+        d.on_update(&msg(pool("10.65.0.0/16", true, &[])));
+        d.on_update(&msg(pool("10.66.0.0/16", false, &["Workload", "Tunnel"])));
+        // LoadBalancer addresses are outside the network: traffic to them is masqueraded.
+        d.on_update(&msg(pool("10.96.100.0/24", false, &["LoadBalancer"])));
         d.apply().unwrap();
         let k = k.lock().unwrap();
+        assert_eq!(members(&k, "cali40masq-ipam-pools"), vec!["10.65.0.0/16"]);
         assert_eq!(
-            k.set("cali40masq-ipam-pools")
-                .unwrap()
-                .members
-                .iter()
-                .collect::<Vec<_>>(),
-            vec!["10.65.0.0/16"]
+            members(&k, "cali40network-ip-pools"),
+            vec!["10.65.0.0/16", "10.66.0.0/16"]
         );
-        assert_eq!(k.set("cali40all-ipam-pools").unwrap().members.len(), 2);
-        let rule = &k.chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0];
+        let rules = k.chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing");
+        assert_eq!(rules.len(), 1, "{rules:?}");
         assert!(
-            rule.contains("--match-set cali40masq-ipam-pools src")
-                && rule.contains("! --match-set cali40all-ipam-pools dst")
-                && rule.contains("MASQUERADE"),
-            "{rule}"
+            rules[0].contains("--match-set cali40masq-ipam-pools src")
+                && rules[0].contains("! --match-set cali40network-ip-pools dst")
+                && rules[0].contains("--jump MASQUERADE --random-fully"),
+            "{}",
+            rules[0]
+        );
+        // The IPv6 family has no natOutgoing pool.
+        assert!(
+            k.chain_rules(IpVersion::V6, "nat", "cali-nat-outgoing")
+                .is_empty()
         );
         assert!(k.chain_rules(IpVersion::V4, "nat", "POSTROUTING")[0].contains("cali-POSTROUTING"));
+    }
+
+    #[test]
+    fn masquerade_random_fully_follows_the_override_and_the_kernel() {
+        let (mut d, k, _) = rig_with(LinuxOptions {
+            backend: Backend::Nft,
+            masq_fully_random: Some(false),
+            ..LinuxOptions::default()
+        });
+        d.on_update(&msg(pool("10.65.0.0/16", true, &[])));
+        d.apply().unwrap();
+        let rule = k
+            .lock()
+            .unwrap()
+            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
+            .clone();
+        assert!(rule.ends_with("--jump MASQUERADE"), "{rule}");
+
+        // The datastore's FeatureDetectOverride applies (no flag pins it here).
+        let mut ds = BTreeMap::new();
+        ds.insert(
+            "FeatureDetectOverride".to_owned(),
+            "MASQFullyRandom=true".to_owned(),
+        );
+        d.on_update(&msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
+            config: ds,
+            ..Default::default()
+        })));
+        d.apply().unwrap();
+        let rule = k
+            .lock()
+            .unwrap()
+            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
+            .clone();
+        assert!(rule.ends_with("--jump MASQUERADE --random-fully"), "{rule}");
+
+        // An old kernel: detected as unsupported.
+        let (mut d, k, _) = rig();
+        d.sysctl = Box::new(sysctl::FakeSysctl {
+            values: [("kernel/osrelease".to_owned(), "3.10.0-1160.el7".to_owned())].into(),
+        });
+        d.on_update(&msg(pool("10.65.0.0/16", true, &[])));
+        d.apply().unwrap();
+        let rule = k
+            .lock()
+            .unwrap()
+            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
+            .clone();
+        assert!(rule.ends_with("--jump MASQUERADE"), "{rule}");
     }
 
     fn default_route_via(ifaces: &Interfaces, index: u32) {

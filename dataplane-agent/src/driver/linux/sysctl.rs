@@ -3,9 +3,10 @@
 use std::collections::BTreeMap;
 use std::io;
 
-/// Writes sysctls, e.g. `net/ipv4/conf/cali1/proxy_arp`.
+/// Writes sysctls, e.g. `net/ipv4/conf/cali1/proxy_arp`, and reads them (`kernel/osrelease`).
 pub trait Sysctl: Send {
     fn write(&mut self, key: &str, value: &str) -> io::Result<()>;
+    fn read(&self, key: &str) -> io::Result<String>;
 }
 
 /// The real `/proc/sys`.
@@ -20,6 +21,13 @@ impl Sysctl for ProcSysctl {
         }
         std::fs::write(&path, value).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
     }
+
+    fn read(&self, key: &str) -> io::Result<String> {
+        let path = format!("/proc/sys/{key}");
+        std::fs::read_to_string(&path)
+            .map(|v| v.trim().to_owned())
+            .map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+    }
 }
 
 /// Records writes (tests).
@@ -32,6 +40,13 @@ impl Sysctl for FakeSysctl {
     fn write(&mut self, key: &str, value: &str) -> io::Result<()> {
         self.values.insert(key.to_owned(), value.to_owned());
         Ok(())
+    }
+
+    fn read(&self, key: &str) -> io::Result<String> {
+        self.values
+            .get(key)
+            .cloned()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no sysctl {key}")))
     }
 }
 

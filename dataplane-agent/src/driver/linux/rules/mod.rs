@@ -83,7 +83,11 @@ pub enum Action {
         prefix: String,
     },
     NoTrack,
-    Masquerade,
+    /// Source NAT to the outgoing interface's address; `--random-fully` (random source ports,
+    /// fewer conntrack clashes under load) where iptables and the kernel support it.
+    Masquerade {
+        fully_random: bool,
+    },
 }
 
 impl Action {
@@ -116,7 +120,12 @@ impl Action {
                 );
             }
             Action::NoTrack => out.push_str("--jump NOTRACK"),
-            Action::Masquerade => out.push_str("--jump MASQUERADE"),
+            Action::Masquerade { fully_random } => {
+                out.push_str("--jump MASQUERADE");
+                if *fully_random {
+                    out.push_str(" --random-fully");
+                }
+            }
         }
     }
 

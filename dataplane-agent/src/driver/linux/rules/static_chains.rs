@@ -321,19 +321,28 @@ pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     (chains, hooks)
 }
 
-/// The nat table: masquerade traffic from natOutgoing pools to anywhere outside every pool.
-pub fn nat(masq_set: &str, all_pools_set: &str) -> (Vec<Chain>, Hooks) {
+/// The nat table: masquerade traffic from natOutgoing pools to anywhere outside the pools
+/// workloads and tunnels use. The rule exists only while the family has a natOutgoing pool
+/// (`active`).
+pub fn nat(
+    masq_set: &str,
+    network_pools_set: &str,
+    active: bool,
+    fully_random: bool,
+) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
-    hooks.append("POSTROUTING", jump("cali-POSTROUTING"));
+    hooks.insert("POSTROUTING", jump("cali-POSTROUTING"));
+    let masquerade = active.then(|| {
+        Rule::new(
+            Match::new()
+                .src_set(masq_set)
+                .not_dst_set(network_pools_set),
+            Action::Masquerade { fully_random },
+        )
+    });
     let chains = vec![
         Chain::new("cali-POSTROUTING", vec![jump("cali-nat-outgoing")]),
-        Chain::new(
-            "cali-nat-outgoing",
-            vec![Rule::new(
-                Match::new().src_set(masq_set).not_dst_set(all_pools_set),
-                Action::Masquerade,
-            )],
-        ),
+        Chain::new("cali-nat-outgoing", masquerade.into_iter().collect()),
     ];
     (chains, hooks)
 }
