@@ -82,6 +82,36 @@ pub fn run(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// An iptables backend: the agent's `--iptables-backend` and the tools a test uses for its own
+/// rules and read-backs, so that a scenario runs the same on both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ipt {
+    Nft,
+    Legacy,
+}
+
+impl Ipt {
+    pub const BOTH: [Ipt; 2] = [Ipt::Nft, Ipt::Legacy];
+
+    /// The agent's `--iptables-backend` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Ipt::Nft => "nft",
+            Ipt::Legacy => "legacy",
+        }
+    }
+
+    /// `iptables-nft`, `ip6tables-legacy-save`, …: `family` is 4 or 6, `tool` empty for the
+    /// main command.
+    pub fn tool(self, family: u8, tool: &str) -> String {
+        let base = if family == 6 { "ip6tables" } else { "iptables" };
+        match tool {
+            "" => format!("{base}-{}", self.name()),
+            t => format!("{base}-{}-{t}", self.name()),
+        }
+    }
+}
+
 /// A network namespace, deleted (with its processes) on drop.
 pub struct Netns {
     pub name: String,
@@ -216,8 +246,8 @@ impl Netns {
         panic!("nc never listened on {port}");
     }
 
-    /// A namespace standing for the network outside the node: its `eth0` (192.0.2.2/24) is
-    /// linked to `ext0` (192.0.2.1/24) in `host`.
+    /// A namespace standing for the network outside the node: its `eth0` (192.0.2.2/24,
+    /// 2001:db8:2::2/64) is linked to `ext0` (192.0.2.1/24, 2001:db8:2::1/64) in `host`.
     pub fn outside_of(host: &Netns) -> Netns {
         let outside = Netns::new("out");
         host.exec(&[
@@ -235,9 +265,26 @@ impl Netns {
         ]);
         host.exec(&["ip", "addr", "add", "192.0.2.1/24", "dev", "ext0"]);
         host.exec(&["ip", "link", "set", "ext0", "up"]);
+        host.exec(&["ip", "-6", "addr", "add", "2001:db8:2::1/64", "dev", "ext0"]);
         outside.exec(&["ip", "addr", "add", "192.0.2.2/24", "dev", "eth0"]);
+        outside.exec(&["ip", "-6", "addr", "add", "2001:db8:2::2/64", "dev", "eth0"]);
         outside.exec(&["ip", "link", "set", "eth0", "up"]);
         outside
+    }
+
+    /// Routes everything of both families from this (outside) namespace back through `host`'s
+    /// `ext0`.
+    pub fn route_via_host(&self) {
+        self.exec(&["ip", "route", "add", "default", "via", "192.0.2.1"]);
+        self.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            "2001:db8:2::1",
+        ]);
     }
 }
 

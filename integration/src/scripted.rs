@@ -114,24 +114,27 @@ impl ScriptedServer {
     /// Starts `dataplane-agent --driver linux` in `ns` against this server (quick reconnects),
     /// logging to `log`.
     pub fn start_agent(&self, ns: &Netns, log: &Path) -> Child {
-        ns.spawn(
-            &crate::binary("dataplane-agent"),
-            &[
-                "--server",
-                &self.url,
-                "--node",
-                &self.node,
-                "--driver",
-                "linux",
-                "--reconnect-min-delay",
-                "100ms",
-                "--reconnect-max-delay",
-                "500ms",
-                "--log-level",
-                "info",
-            ],
-            log,
-        )
+        self.start_agent_with(ns, log, &[])
+    }
+
+    /// [`Self::start_agent`] with more flags (`--iptables-backend legacy`).
+    pub fn start_agent_with(&self, ns: &Netns, log: &Path, extra: &[&str]) -> Child {
+        let mut args = vec![
+            "--server",
+            &self.url,
+            "--node",
+            &self.node,
+            "--driver",
+            "linux",
+            "--reconnect-min-delay",
+            "100ms",
+            "--reconnect-max-delay",
+            "500ms",
+            "--log-level",
+            "info",
+        ];
+        args.extend_from_slice(extra);
+        ns.spawn(&crate::binary("dataplane-agent"), &args, log)
     }
 
     /// Waits until the agents reported DataplaneInSync `count` times in all (one per stream
