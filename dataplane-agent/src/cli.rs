@@ -157,6 +157,11 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
 
+    /// Largest message accepted from the server, in bytes. An IP set travels as one message: a
+    /// network set of a million IPv6 addresses needs about 47 MB.
+    #[arg(long, env = "DATAPLANE_AGENT_MAX_RECV_BYTES", value_name = "BYTES", default_value_t = 128 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024 * 1024..=2 * 1024 * 1024 * 1024))]
+    pub max_recv_bytes: u64,
+
     /// Shortest delay before reconnecting (jittered, doubling per failure).
     #[arg(long, env = "DATAPLANE_AGENT_RECONNECT_MIN_DELAY", value_name = "DURATION", default_value = "200ms", value_parser = parse_duration)]
     pub reconnect_min_delay: Duration,
@@ -268,6 +273,7 @@ impl Cli {
         config.heartbeat_interval = self.heartbeat_interval;
         config.reconnect_min_delay = self.reconnect_min_delay;
         config.reconnect_max_delay = self.reconnect_max_delay;
+        config.max_recv_bytes = usize::try_from(self.max_recv_bytes).unwrap_or(usize::MAX);
         config.tls = tls;
         Ok(config)
     }

@@ -67,8 +67,12 @@ pub struct SessionConfig {
     pub reconnect_max_delay: Duration,
     /// Limit for establishing the connection.
     pub connect_timeout: Duration,
-    /// Limit for the `ServerHello` to arrive after the stream opened.
+    /// Limit for the response headers, and then the `ServerHello`, to arrive after the stream
+    /// opened.
     pub hello_timeout: Duration,
+    /// Largest message the agent accepts from the server. A network set's IP set is one
+    /// message: a million IPv6 members take about 47 MB.
+    pub max_recv_bytes: usize,
     /// HTTP/2 keep-alive ping interval (a dead peer is noticed within interval + timeout).
     pub keepalive_interval: Duration,
     /// HTTP/2 keep-alive ping timeout.
@@ -85,7 +89,8 @@ pub struct SessionConfig {
 
 impl SessionConfig {
     /// Defaults: heartbeat 5 s, reconnect 200 ms..10 s, connect and hello timeouts 10 s / 30 s,
-    /// keep-alive 20 s / 10 s, batches of at most 10 000 messages, no capabilities.
+    /// keep-alive 20 s / 10 s, messages up to 128 MiB, batches of at most 10 000 messages, no
+    /// capabilities.
     pub fn new(servers: Vec<String>, node_name: impl Into<String>) -> Self {
         Self {
             servers,
@@ -97,6 +102,7 @@ impl SessionConfig {
             reconnect_max_delay: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(30),
+            max_recv_bytes: 128 * 1024 * 1024,
             keepalive_interval: Duration::from_secs(20),
             keepalive_timeout: Duration::from_secs(10),
             max_batch: 10_000,
@@ -365,7 +371,7 @@ async fn connect(
             return match tokio::time::timeout(config.connect_timeout, tls.connect(&url, settings))
                 .await
             {
-                Ok(Ok(channel)) => Ok(CalcServerClient::new(channel)),
+                Ok(Ok(channel)) => Ok(client(config, channel)),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
             };
@@ -384,10 +390,17 @@ async fn connect(
     }
     let endpoint = settings(Endpoint::from_shared(url).map_err(|e| error_chain(&e))?);
     match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
-        Ok(Ok(channel)) => Ok(CalcServerClient::new(channel)),
+        Ok(Ok(channel)) => Ok(client(config, channel)),
         Ok(Err(e)) => Err(error_chain(&e)),
         Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
     }
+}
+
+fn client(
+    config: &SessionConfig,
+    channel: tonic::transport::Channel,
+) -> CalcServerClient<tonic::transport::Channel> {
+    CalcServerClient::new(channel).max_decoding_message_size(config.max_recv_bytes)
 }
 
 /// Polls `stream` once: `Some(item)` if something was ready, `None` if it would wait.
@@ -442,9 +455,20 @@ async fn stream_inner<D: Driver>(
         agent_version: config.agent_version.clone(),
         capabilities: config.capabilities.clone(),
     }));
-    let mut inbound = match client.sync(UnboundedReceiverStream::new(rx)).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return StreamEnd::Status(status),
+    // A server that accepts the connection but never answers must not hold the agent.
+    let opened = tokio::time::timeout(
+        config.hello_timeout,
+        client.sync(UnboundedReceiverStream::new(rx)),
+    );
+    let mut inbound = match opened.await {
+        Ok(Ok(response)) => response.into_inner(),
+        Ok(Err(status)) => return StreamEnd::Status(status),
+        Err(_) => {
+            return StreamEnd::Protocol(format!(
+                "no response headers within {:?}",
+                config.hello_timeout
+            ));
+        }
     };
 
     // The ServerHello comes first, numbered 1.

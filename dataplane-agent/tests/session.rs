@@ -1276,3 +1276,73 @@ async fn no_refresh_while_disconnected_halfway_through_a_resync() {
     assert_eq!(applies_after, applies, "nothing applied mid-resync");
     agent.stop().await;
 }
+
+/// An IP set larger than gRPC's default 4 MiB message limit (a big network set) still syncs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ip_set_over_four_mebibytes_syncs() {
+    let members: Vec<String> = (0..400_000u32)
+        .map(|i| format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255))
+        .collect();
+    let refs: Vec<&str> = members.iter().map(String::as_str).collect();
+    let big = ipset("s:big", &refs);
+    // Each member is a length-delimited string: its bytes plus a tag and a length byte.
+    let encoded: usize = members.iter().map(|m| m.len() + 2).sum();
+    assert!(encoded > 4 * 1024 * 1024, "{encoded} bytes");
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![big, in_sync()]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    eventually("DataplaneInSync after the big set", || {
+        fake.received(0).iter().any(is_dataplane_in_sync)
+    })
+    .await;
+    let updates = agent.updates();
+    let got = updates.iter().find_map(|m| match &m.payload {
+        Some(Payload::IpsetUpdate(u)) if u.id == "s:big" => Some(u.members.len()),
+        _ => None,
+    });
+    assert_eq!(got, Some(400_000));
+    assert_eq!(fake.connection_count(), 1, "no reconnect on the way");
+    agent.stop().await;
+}
+
+/// A peer that accepts the connection and never answers does not hold the agent: it gives up
+/// after the hello timeout and moves to the next server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_is_left_after_the_hello_timeout() {
+    // Accepts TCP and HTTP/2 never starts: the agent's request gets no response headers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let keep = held.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = silent.accept().await {
+            keep.lock().unwrap().push(sock);
+        }
+    });
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &[]), in_sync()]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let mut config = test_config(vec![format!("http://{silent_addr}"), url]);
+    config.hello_timeout = Duration::from_millis(500);
+    config.connect_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let agent = start_agent(config, 0);
+    eventually("the second server's stream is applied", || {
+        agent.state().is_some()
+    })
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(4));
+    assert!(
+        !held.lock().unwrap().is_empty(),
+        "the silent server was tried first"
+    );
+    assert_eq!(fake.connection_count(), 1);
+    agent.stop().await;
+}
