@@ -750,3 +750,101 @@ spec:
         "the endpoint on the uplink is refused by name:\n{agent_log}"
     );
 }
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
+    netns::require();
+    let host = Netns::new("settype");
+    host.make_host();
+    let client = Workload::attach(&host, "calicli", "10.65.7.1", "fd00:65:7::1");
+    let other = Workload::attach(&host, "caliother", "10.65.7.3", "fd00:65:7::3");
+    let mut web = Workload::attach(&host, "caliweb", "10.65.7.2", "fd00:65:7::2");
+    web.listen(80);
+    let server = ScriptedServer::start(&host, 50077, NODE);
+    let clients = |r#type: i32, member: &str| {
+        Payload::IpsetUpdate(IpSetUpdate {
+            id: "s:clients".into(),
+            members: vec![member.into()],
+            r#type,
+        })
+    };
+    let allow_all = || Rule {
+        action: "allow".into(),
+        ..Default::default()
+    };
+    for p in [
+        clients(0, "10.65.7.1"),
+        Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+            id: Some(ProfileId {
+                name: "kns.prod".into(),
+            }),
+            profile: Some(Profile {
+                inbound_rules: vec![allow_all()],
+                outbound_rules: vec![allow_all()],
+            }),
+        }),
+        web_guard(&[80]),
+        wep_with_mac("client", "calicli", "10.65.7.1", &client.mac(), &[], ""),
+        wep_with_mac("other", "caliother", "10.65.7.3", &other.mac(), &[], ""),
+        wep_with_mac(
+            "web",
+            "caliweb",
+            "10.65.7.2",
+            &web.mac(),
+            &[pid("web-guard")],
+            "default",
+        ),
+        Payload::InSync(InSync {}),
+    ] {
+        server.send(p);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("agent.log");
+    let mut agent = server.start_agent(&host, &log);
+    server.wait_dataplane_in_sync(1);
+    let verdicts = [
+        tcp_probe(&client, &web, 80, true),
+        tcp_probe(&other, &web, 80, false),
+    ];
+    expect_within("with a hash:ip set", &verdicts, 20, &log, &host);
+    assert!(
+        host.exec(&["ipset", "list", "cali40s:clients"])
+            .contains("Type: hash:ip")
+    );
+
+    // The same set id now as a net set: the kernel cannot swap sets of different types, nor
+    // destroy one that rules use.
+    server.send(clients(2, "10.65.7.0/31"));
+    netns::wait_until(
+        "the set is hash:net and the temporary set is gone",
+        Duration::from_secs(20),
+        || {
+            let list = host.exec(&["ipset", "list", "-n"]);
+            host.exec(&["ipset", "list", "cali40s:clients"])
+                .contains("Type: hash:net")
+                && !list.lines().any(|l| l.starts_with("cali4t"))
+        },
+        || {
+            format!(
+                "{}\n{}",
+                host.exec(&["ipset", "list"]),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        },
+    );
+    expect_within("with the hash:net set", &verdicts, 5, &log, &host);
+    let save = host.exec(&["iptables-save", "-t", "filter"]);
+    assert!(save.contains("--match-set cali40s:clients src"), "{save}");
+    assert!(
+        !save.contains("cali4t"),
+        "the rules are back on the set's own name:\n{save}"
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("type does not match") && !text.contains("refused"),
+        "{text}"
+    );
+    let _ = agent.kill();
+    let _ = agent.wait();
+}

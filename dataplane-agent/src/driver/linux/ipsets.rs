@@ -3,8 +3,8 @@
 //!
 //! Contract: `replace`/`delta`/`remove` only record. [`IpSets::apply_updates`] (before the
 //! iptables tables) creates missing sets and writes membership deltas with one `ipset restore`;
-//! a set whose kernel type or family is wrong is rebuilt in a temporary set (`cali4t0`…) and
-//! swapped in, so rules using it never see it empty. [`IpSets::apply_deletions`] (after the
+//! a set whose kernel type or family is wrong is built beside it in a temporary set
+//! (`cali4t0`…), the rules move to it and back ([`Migration`]), so they never lose the set. [`IpSets::apply_deletions`] (after the
 //! tables, once no rule refers to them) destroys sets of ours that are no longer wanted. The
 //! kernel view is read back with `ipset save` on the first apply, after a failure and after
 //! [`IpSets::invalidate`], which is how out-of-band changes get repaired. When a batch fails
@@ -134,6 +134,18 @@ pub struct IpSetStats {
     pub read_back: bool,
 }
 
+/// An IP set whose type or family changed. The kernel cannot swap sets of different types, and
+/// cannot destroy or rename one that rules use, so the new version is built beside the old one
+/// as `temp`; the driver points the rules at `temp`, then [`IpSets::finish_migrations`]
+/// recreates `name` with the new type and the rules move back. The old set keeps enforcing
+/// until the rules leave it: there is no moment without the set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Migration {
+    pub version: IpVersion,
+    pub name: String,
+    pub temp: String,
+}
+
 /// Our kernel IP sets.
 pub struct IpSets {
     desired: HashMap<String, DesiredSet>,
@@ -144,6 +156,8 @@ pub struct IpSets {
     refused: BTreeMap<String, String>,
     /// Families to program (IPv6 sets are skipped when IPv6 is off).
     versions: Vec<IpVersion>,
+    /// Type changes built beside the old sets by the last `apply_updates`, not yet finished.
+    migrations: Vec<Migration>,
     pub max_elem: u32,
 }
 
@@ -155,6 +169,7 @@ impl IpSets {
             dirty: HashSet::new(),
             refused: BTreeMap::new(),
             versions,
+            migrations: Vec::new(),
             max_elem: 1_048_576,
         }
     }
@@ -313,6 +328,10 @@ impl IpSets {
         runner: &mut dyn CommandRunner,
     ) -> Result<IpSetStats, IpSetError> {
         let mut stats = IpSetStats::default();
+        // A migration left unfinished (its tables failed) starts again from the kernel.
+        for m in std::mem::take(&mut self.migrations) {
+            self.dirty.insert(m.name);
+        }
         if self.kernel.is_none() {
             self.kernel = Some(self.read_back(runner)?);
             stats.read_back = true;
@@ -327,11 +346,13 @@ impl IpSets {
         if names.is_empty() {
             return Ok(stats);
         }
-        let script = self.script(&names, &mut stats);
+        let mut migrations = Vec::new();
+        let script = self.script(&names, &mut stats, &mut migrations);
         if script.is_empty() {
             return Ok(stats);
         }
         let Err(error) = self.restore(runner, &script, "restore") else {
+            self.migrations = migrations;
             names.iter().for_each(|n| self.record(n));
             return Ok(stats);
         };
@@ -345,9 +366,11 @@ impl IpSets {
         };
         for name in names {
             let mut one = IpSetStats::default();
-            let script = self.script(std::slice::from_ref(&name), &mut one);
+            let mut migration = Vec::new();
+            let script = self.script(std::slice::from_ref(&name), &mut one, &mut migration);
             match self.restore(runner, &script, "restore") {
                 Ok(()) => {
+                    self.migrations.extend(migration);
                     self.record(&name);
                     stats.created += one.created;
                     stats.rewritten += one.rewritten;
@@ -368,11 +391,16 @@ impl IpSets {
         Ok(stats)
     }
 
-    /// The restore lines that bring the named sets from their kernel version to the desired one.
-    fn script(&self, names: &[String], stats: &mut IpSetStats) -> String {
+    /// The restore lines that bring the named sets from their kernel version to the desired
+    /// one; a set whose type or family changed is built beside it (`migrations`).
+    fn script(
+        &self,
+        names: &[String],
+        stats: &mut IpSetStats,
+        migrations: &mut Vec<Migration>,
+    ) -> String {
         let kernel = self.kernel.as_ref().expect("read back above");
         let mut script = String::new();
-        let mut temp_used = false;
         for name in names {
             let Some(d) = self.desired.get(name) else {
                 continue;
@@ -393,12 +421,13 @@ impl IpSets {
                     stats.added += d.members.len();
                 }
                 Some(k) if k.kind != ty || k.family != fam => {
-                    // Rebuild beside it and swap, so the set is never seen empty.
-                    let temp = format!("cali{}t0", d.version.number());
-                    if !temp_used && kernel.contains_key(&temp) {
-                        let _ = writeln!(script, "destroy {temp}");
-                    }
-                    temp_used = true;
+                    // Built beside the old set, which keeps enforcing until the rules move.
+                    let temp = (0..)
+                        .map(|n| format!("cali{}t{n}", d.version.number()))
+                        .find(|t| {
+                            !kernel.contains_key(t) && !migrations.iter().any(|m| &m.temp == t)
+                        })
+                        .expect("an unused temporary name");
                     let _ = writeln!(
                         script,
                         "create {temp} {ty} family {fam} maxelem {}",
@@ -407,8 +436,11 @@ impl IpSets {
                     for m in sorted(&d.members) {
                         let _ = writeln!(script, "add {temp} {m}");
                     }
-                    let _ = writeln!(script, "swap {temp} {name}");
-                    let _ = writeln!(script, "destroy {temp}");
+                    migrations.push(Migration {
+                        version: d.version,
+                        name: name.clone(),
+                        temp,
+                    });
                     stats.rewritten += 1;
                     stats.added += d.members.len();
                 }
@@ -427,19 +459,75 @@ impl IpSets {
         script
     }
 
-    /// Records that the kernel now holds the desired version of `name`.
+    /// Records that the kernel now holds the desired version of `name` (under its temporary
+    /// name while it migrates).
     fn record(&mut self, name: &str) {
         let kernel = self.kernel.as_mut().expect("read back above");
-        kernel.retain(|n, _| !n.starts_with("cali4t") && !n.starts_with("cali6t"));
+        let holder = self
+            .migrations
+            .iter()
+            .find(|m| m.name == name)
+            .map_or(name, |m| m.temp.as_str());
         if let Some(d) = self.desired.get(name) {
             kernel.insert(
-                name.to_owned(),
+                holder.to_owned(),
                 KernelSet {
                     kind: d.kind.kernel_type().to_owned(),
                     family: family(d.version).to_owned(),
                     members: d.members.clone(),
                 },
             );
+        }
+    }
+
+    /// Type changes built by the last [`IpSets::apply_updates`]: the driver points the rules
+    /// using `name` at `temp` and applies the tables before [`IpSets::finish_migrations`].
+    pub fn migrations(&self) -> &[Migration] {
+        &self.migrations
+    }
+
+    /// Once no rule uses the old sets: recreates each migrated set under its own name with the
+    /// new type (the rules then move back, and the temporary sets go with the deletions). On
+    /// failure the sets are read back and tried again at the next apply.
+    pub fn finish_migrations(&mut self, runner: &mut dyn CommandRunner) -> Result<(), IpSetError> {
+        let migrations = std::mem::take(&mut self.migrations);
+        let mut script = String::new();
+        for m in &migrations {
+            let Some(d) = self.desired.get(&m.name) else {
+                continue;
+            };
+            let _ = writeln!(script, "destroy {}", m.name);
+            let _ = writeln!(
+                script,
+                "create {} {} family {} maxelem {}",
+                m.name,
+                d.kind.kernel_type(),
+                family(d.version),
+                self.max_elem
+            );
+            for member in sorted(&d.members) {
+                let _ = writeln!(script, "add {} {member}", m.name);
+            }
+        }
+        if script.is_empty() {
+            return Ok(());
+        }
+        if let Err(error) = self.restore(runner, &script, "restore") {
+            self.kernel = None;
+            self.dirty.extend(migrations.into_iter().map(|m| m.name));
+            return Err(error);
+        }
+        for m in &migrations {
+            self.record(&m.name);
+        }
+        Ok(())
+    }
+
+    /// The tables could not move to the temporary sets: the migrations start again next time
+    /// (the temporary sets go with the deletions).
+    pub fn abandon_migrations(&mut self) {
+        for m in std::mem::take(&mut self.migrations) {
+            self.dirty.insert(m.name);
         }
     }
 
@@ -600,7 +688,7 @@ mod tests {
     }
 
     #[test]
-    fn a_set_of_the_wrong_type_is_rebuilt_and_swapped() {
+    fn a_set_of_the_wrong_type_is_built_beside_it_then_recreated() {
         let mut k = FakeKernel::new();
         k.exec_ipset(
             "create cali40s:x hash:ip family inet\nadd cali40s:x 10.0.0.9\n",
@@ -611,11 +699,42 @@ mod tests {
         s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!(st.rewritten, 1);
+        // The old set is untouched (rules may still use it); the new version is beside it.
+        assert_eq!(k.set("cali40s:x").unwrap().kind, "hash:ip");
+        assert_eq!(k.set("cali4t0").unwrap().kind, "hash:net");
+        assert_eq!(
+            s.migrations(),
+            [Migration {
+                version: IpVersion::V4,
+                name: "cali40s:x".into(),
+                temp: "cali4t0".into(),
+            }]
+        );
+        s.finish_migrations(&mut k).unwrap();
         let set = k.set("cali40s:x").unwrap();
         assert_eq!(set.kind, "hash:net");
         assert_eq!(set.members.iter().collect::<Vec<_>>(), vec!["10.0.0.0/24"]);
+        assert!(s.migrations().is_empty());
+        assert_eq!(s.apply_deletions(&mut k).unwrap(), 1);
         assert!(k.set("cali4t0").is_none());
-        assert!(k.last_ipset_input().contains("swap cali4t0 cali40s:x"));
+        // Settled: nothing more to write.
+        let calls = k.calls.len();
+        s.apply_updates(&mut k).unwrap();
+        assert_eq!(k.calls.len(), calls);
+    }
+
+    #[test]
+    fn an_abandoned_migration_starts_again() {
+        let mut k = FakeKernel::new();
+        k.exec_ipset("create cali40s:x hash:ip family inet\n", false)
+            .unwrap();
+        let mut s = IpSets::new(vec![IpVersion::V4]);
+        s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
+        s.apply_updates(&mut k).unwrap();
+        s.abandon_migrations();
+        s.apply_updates(&mut k).unwrap();
+        // cali4t0 is still there (unused, destroyed with the deletions): a fresh name.
+        assert_eq!(s.migrations()[0].temp, "cali4t1");
     }
 
     #[test]

@@ -369,6 +369,45 @@ impl Table {
         );
     }
 
+    /// Points every rule that matches IP set `from` at set `to` instead (an IP set changing
+    /// type is rebuilt beside the old one, then the rules move to it). Returns how many chains
+    /// changed; they are rewritten at the next apply.
+    pub fn rename_set(&mut self, from: &str, to: &str) -> usize {
+        let changed: Vec<(String, Chain, Option<String>)> = self
+            .desired
+            .iter()
+            .filter_map(|(name, d)| {
+                let mut any = false;
+                let rules: Vec<Rule> = d
+                    .rules
+                    .iter()
+                    .map(|r| match r.matches.with_set_renamed(from, to) {
+                        Some(m) => {
+                            any = true;
+                            Rule {
+                                matches: m,
+                                ..r.clone()
+                            }
+                        }
+                        None => r.clone(),
+                    })
+                    .collect();
+                any.then(|| {
+                    (
+                        name.clone(),
+                        Chain::new(name.clone(), rules),
+                        d.owner.clone(),
+                    )
+                })
+            })
+            .collect();
+        let n = changed.len();
+        for (_, chain, owner) in changed {
+            self.put_chain(chain, owner.as_deref());
+        }
+        n
+    }
+
     pub fn remove_chain(&mut self, name: &str) {
         self.desired.remove(name);
         self.refused.remove(name);

@@ -351,6 +351,35 @@ impl LinuxDriver {
         self.statics_set = true;
     }
 
+    /// Writes every table; the first error, after trying them all.
+    fn apply_tables(&mut self, backend: Backend) -> Option<String> {
+        let mut first_error = None;
+        for t in &mut self.tables {
+            match t.apply(self.runner.as_mut(), backend) {
+                Ok(s) if s != Default::default() => {
+                    debug!(
+                        table = t.name(),
+                        v = t.version().number(),
+                        ?s,
+                        "table programmed"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(table = t.name(), v = t.version().number(), error = %e, "table not programmed");
+                    first_error.get_or_insert(e.to_string());
+                }
+            }
+        }
+        first_error
+    }
+
+    fn rename_set_in_tables(&mut self, v: IpVersion, from: &str, to: &str) {
+        for t in self.tables.iter_mut().filter(|t| t.version() == v) {
+            t.rename_set(from, to);
+        }
+    }
+
     /// MASQUERADE gets `--random-fully` where supported, unless the operator says otherwise.
     fn masq_fully_random(&self) -> bool {
         self.opts
@@ -1081,22 +1110,32 @@ impl LinuxDriver {
                 }
             }
         }
-        let mut first_error = None;
-        for t in &mut self.tables {
-            match t.apply(self.runner.as_mut(), backend) {
-                Ok(s) if s != Default::default() => {
-                    debug!(
-                        table = t.name(),
-                        v = t.version().number(),
-                        ?s,
-                        "table programmed"
-                    );
+        // IP sets that changed type: the rules move to the copy built beside the old set, the
+        // set is recreated under its name, and the rules move back.
+        let migrations = self.ipsets.migrations().to_vec();
+        for m in &migrations {
+            self.rename_set_in_tables(m.version, &m.name, &m.temp);
+        }
+        let mut first_error = self.apply_tables(backend);
+        if !migrations.is_empty() {
+            if first_error.is_none() {
+                match self.ipsets.finish_migrations(self.runner.as_mut()) {
+                    Ok(()) => info!(
+                        sets = migrations.len(),
+                        "IP sets recreated with their new type"
+                    ),
+                    Err(error) => {
+                        warn!(%error, "IP sets could not be recreated with their new type; will retry")
+                    }
                 }
-                Ok(_) => {}
-                Err(e) => {
-                    warn!(table = t.name(), v = t.version().number(), error = %e, "table not programmed");
-                    first_error.get_or_insert(e.to_string());
-                }
+            } else {
+                self.ipsets.abandon_migrations();
+            }
+            for m in &migrations {
+                self.rename_set_in_tables(m.version, &m.temp, &m.name);
+            }
+            if first_error.is_none() {
+                first_error = self.apply_tables(backend);
             }
         }
         self.kernel_refused = BTreeMap::new();

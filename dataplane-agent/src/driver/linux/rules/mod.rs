@@ -279,6 +279,18 @@ impl Match {
     pub fn not_dst_net(self, cidr: &str) -> Self {
         self.push(format_args!("! --destination {}", quote::arg(cidr)))
     }
+    /// This match with every `--match-set from` naming `to` instead; `None` if it names no
+    /// such set.
+    pub fn with_set_renamed(&self, from: &str, to: &str) -> Option<Self> {
+        let old = format!("--match-set {} ", quote::arg(from));
+        self.0.contains(&old).then(|| {
+            Self(
+                self.0
+                    .replace(&old, &format!("--match-set {} ", quote::arg(to))),
+            )
+        })
+    }
+
     pub fn src_set(self, set: &str) -> Self {
         self.push(format_args!("-m set --match-set {} src", quote::arg(set)))
     }
