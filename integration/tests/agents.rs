@@ -189,3 +189,39 @@ fn a_broken_edit_keeps_the_last_good_version() {
         "backups are ignored"
     );
 }
+
+#[test]
+fn an_emptied_manifest_keeps_its_objects_until_it_has_content_again() {
+    let ds = example_datastore();
+    let work = tempfile::tempdir().unwrap();
+    let server = Server::start(ds.path(), &[]);
+    let b = Agent::start(work.path(), &server.grpc, "node-2");
+    b.wait_for("in sync", |s| s["in_sync"] == true);
+    let policy = "NetworkPolicy/db/allow-postgres".to_string();
+    assert!(keys(&b.state().unwrap(), "policies").contains(&policy));
+    let path = ds.path().join("policies.yaml");
+    let good = std::fs::read_to_string(&path).unwrap();
+    // An editor truncates, then (here: much later) writes.
+    std::fs::write(&path, "").unwrap();
+    let mut warned = false;
+    for _ in 0..100 {
+        if server.log_text().contains("the file is empty") {
+            warned = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(warned, "the empty file is reported: {}", server.log_text());
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        keys(&b.state().unwrap(), "policies").contains(&policy),
+        "an emptied file must not delete its policies"
+    );
+    // Written back, then removed: removing the file is how its objects go.
+    std::fs::write(&path, &good).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    std::fs::remove_file(&path).unwrap();
+    b.wait_for("the removed file's policy deleted", |s| {
+        !keys(s, "policies").contains(&policy)
+    });
+}

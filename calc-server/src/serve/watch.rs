@@ -4,8 +4,11 @@
 //! symlinks) is used rather than inotify so it works the same on every filesystem, including
 //! ConfigMap volumes (whose files are links into a directory swapped on update). An edit that
 //! makes an object invalid keeps its last good version.
-//! On a change the directory is reloaded and compared with the last load: changed or new
-//! objects become `Apply`, vanished ones `Delete`. Problems are logged once each, by file.
+//! A change is read once the listing stayed the same for one interval (a file being written is
+//! read when done; a rename is seen whole); a file that turns empty keeps its objects (an
+//! editor's truncate-then-write). Changed files are reloaded and compared with the last load:
+//! changed or new objects become `Apply`, vanished ones `Delete`. Problems are logged once each,
+//! by file.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -19,6 +22,9 @@ use super::engine::Input;
 use crate::manifest_dir;
 
 type Listing = BTreeMap<PathBuf, (u64, SystemTime)>;
+
+/// Polls a changing directory waits for it to settle before reading it anyway.
+const UNSETTLED_POLLS: u32 = 10;
 
 fn listing(dir: &Path) -> Listing {
     fn walk(root: &Path, p: &Path, out: &mut Listing) {
@@ -68,14 +74,28 @@ fn load_files(
             .into_iter()
             .map(|(k, (_, r))| (k, r))
             .collect();
-        if !report.problems.is_empty()
+        let mut now: BTreeSet<String> = report.problems.iter().map(ToString::to_string).collect();
+        // An editor that truncates and then writes shows an empty file for a moment: emptying
+        // a file is not how objects are deleted (remove the file, or the objects from it).
+        if let Some(old) = previous.get(f)
+            && !old.is_empty()
+            && objects.is_empty()
+            && now.is_empty()
+            && std::fs::read_to_string(f).is_ok_and(|t| t.trim().is_empty())
+        {
+            now.insert(format!(
+                "{}: the file is empty; its {} objects stay until it has content again or is removed",
+                f.display(),
+                old.len()
+            ));
+        }
+        if !now.is_empty()
             && let Some(old) = previous.get(f)
         {
             for (k, r) in old {
                 objects.entry(k.clone()).or_insert_with(|| r.clone());
             }
         }
-        let now: BTreeSet<String> = report.problems.iter().map(ToString::to_string).collect();
         let before = seen_problems.remove(f).unwrap_or_default();
         for p in now.difference(&before) {
             tracing::warn!(problem = %p, "manifest skipped");
@@ -122,12 +142,27 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
         return;
     }
     let mut tick = tokio::time::interval(interval);
+    // The listing of the previous poll, and for how many polls it has kept changing.
+    let mut last = seen.clone();
+    let mut unsettled = 0;
     loop {
         tick.tick().await;
         let now = listing(&dir);
         if now == seen {
+            last = now;
+            unsettled = 0;
             continue;
         }
+        // Read only what stayed the same for a whole interval: a file being written (or an
+        // editor's truncate-then-write, or a rename seen half done) is read once it is done.
+        // A directory that never settles is read anyway after a few polls.
+        if now != last && unsettled < UNSETTLED_POLLS {
+            last = now;
+            unsettled += 1;
+            continue;
+        }
+        last = now.clone();
+        unsettled = 0;
         let changed: Vec<PathBuf> = now
             .iter()
             .filter(|(p, meta)| seen.get(*p) != Some(*meta))
