@@ -409,14 +409,7 @@ impl IpSets {
             let fam = family(d.version);
             match kernel.get(name) {
                 None => {
-                    let _ = writeln!(
-                        script,
-                        "create {name} {ty} family {fam} maxelem {}",
-                        self.max_elem
-                    );
-                    for m in sorted(&d.members) {
-                        let _ = writeln!(script, "add {name} {m}");
-                    }
+                    self.write_whole(&mut script, name, d);
                     stats.created += 1;
                     stats.added += d.members.len();
                 }
@@ -428,14 +421,7 @@ impl IpSets {
                             !kernel.contains_key(t) && !migrations.iter().any(|m| &m.temp == t)
                         })
                         .expect("an unused temporary name");
-                    let _ = writeln!(
-                        script,
-                        "create {temp} {ty} family {fam} maxelem {}",
-                        self.max_elem
-                    );
-                    for m in sorted(&d.members) {
-                        let _ = writeln!(script, "add {temp} {m}");
-                    }
+                    self.write_whole(&mut script, &temp, d);
                     migrations.push(Migration {
                         version: d.version,
                         name: name.clone(),
@@ -457,6 +443,20 @@ impl IpSets {
             }
         }
         script
+    }
+
+    /// The restore lines that create `name` as the desired set `d`, members included.
+    fn write_whole(&self, script: &mut String, name: &str, d: &DesiredSet) {
+        let _ = writeln!(
+            script,
+            "create {name} {} family {} maxelem {}",
+            d.kind.kernel_type(),
+            family(d.version),
+            self.max_elem
+        );
+        for m in sorted(&d.members) {
+            let _ = writeln!(script, "add {name} {m}");
+        }
     }
 
     /// Records that the kernel now holds the desired version of `name` (under its temporary
@@ -497,17 +497,7 @@ impl IpSets {
                 continue;
             };
             let _ = writeln!(script, "destroy {}", m.name);
-            let _ = writeln!(
-                script,
-                "create {} {} family {} maxelem {}",
-                m.name,
-                d.kind.kernel_type(),
-                family(d.version),
-                self.max_elem
-            );
-            for member in sorted(&d.members) {
-                let _ = writeln!(script, "add {} {member}", m.name);
-            }
+            self.write_whole(&mut script, &m.name, d);
         }
         if script.is_empty() {
             return Ok(());

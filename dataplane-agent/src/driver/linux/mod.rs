@@ -142,10 +142,9 @@ pub struct LinuxDriver {
     pending_config: Option<BTreeMap<String, String>>,
     runner: Box<dyn CommandRunner>,
     backend: Option<Backend>,
-    /// Whether iptables and the kernel take `MASQUERADE --random-fully` (detected with the
-    /// backend).
-    random_fully_supported: bool,
-    features_detected: bool,
+    /// Whether iptables and the kernel take `MASQUERADE --random-fully`; `None` until it is
+    /// detected, with the backend, at the first apply.
+    random_fully_supported: Option<bool>,
     versions: Vec<IpVersion>,
     ipsets: IpSets,
     tables: Vec<Table>,
@@ -260,8 +259,7 @@ impl LinuxDriver {
             opts,
             runner,
             backend,
-            random_fully_supported: false,
-            features_detected: false,
+            random_fully_supported: None,
             versions,
             tables,
             statics_set: false,
@@ -384,7 +382,8 @@ impl LinuxDriver {
     fn masq_fully_random(&self) -> bool {
         self.opts
             .masq_fully_random
-            .unwrap_or(self.random_fully_supported)
+            .or(self.random_fully_supported)
+            .unwrap_or(false)
     }
 
     fn remove_everywhere(&mut self, v: IpVersion, names: &[String]) {
@@ -1027,23 +1026,23 @@ impl LinuxDriver {
 
     fn program(&mut self) -> Result<(), DriverError> {
         self.apply_datastore_config();
-        if !self.features_detected {
+        if self.random_fully_supported.is_none() {
             let b = match self.backend {
                 Some(b) => b,
                 None => iptables::detect_backend(self.runner.as_mut()),
             };
-            self.random_fully_supported = iptables::supports_masquerade_fully_random(
+            let supported = iptables::supports_masquerade_fully_random(
                 self.runner.as_mut(),
                 b,
                 self.sysctl.read("kernel/osrelease").ok().as_deref(),
             );
             info!(
                 backend = b.name(),
-                masquerade_random_fully = self.random_fully_supported,
+                masquerade_random_fully = supported,
                 "iptables backend and features detected"
             );
             self.backend = Some(b);
-            self.features_detected = true;
+            self.random_fully_supported = Some(supported);
         }
         let backend = self.backend.expect("resolved above");
         if self.pools_dirty {
