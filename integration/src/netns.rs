@@ -421,6 +421,27 @@ impl Workload {
     }
 }
 
+/// The flags of a `dataplane-agent --driver linux` under test: quick reconnects.
+pub fn linux_agent_args(server: &str, node: &str, log_level: &str) -> Vec<String> {
+    [
+        "--server",
+        server,
+        "--node",
+        node,
+        "--driver",
+        "linux",
+        "--reconnect-min-delay",
+        "100ms",
+        "--reconnect-max-delay",
+        "500ms",
+        "--log-level",
+        log_level,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
 /// A calc-server (file datastore in `dir`) and a `--driver linux` agent, both inside `host`.
 pub struct ControlPlane {
     pub server: Child,
@@ -452,23 +473,11 @@ impl ControlPlane {
             ],
             &server_log,
         );
-        let mut agent_args: Vec<String> = [
-            "--server",
+        let mut agent_args = linux_agent_args(
             "127.0.0.1:50051",
-            "--node",
             node,
-            "--driver",
-            "linux",
-            "--reconnect-min-delay",
-            "100ms",
-            "--reconnect-max-delay",
-            "500ms",
-            "--log-level",
             "info,dataplane_agent::driver::linux=debug",
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
+        );
         agent_args.extend(agent_extra.iter().map(|s| (*s).to_owned()));
         let mut cp = ControlPlane {
             server,

@@ -119,21 +119,9 @@ impl ScriptedServer {
 
     /// [`Self::start_agent`] with more flags (`--iptables-backend legacy`).
     pub fn start_agent_with(&self, ns: &Netns, log: &Path, extra: &[&str]) -> Child {
-        let mut args = vec![
-            "--server",
-            &self.url,
-            "--node",
-            &self.node,
-            "--driver",
-            "linux",
-            "--reconnect-min-delay",
-            "100ms",
-            "--reconnect-max-delay",
-            "500ms",
-            "--log-level",
-            "info",
-        ];
-        args.extend_from_slice(extra);
+        let mut args = crate::netns::linux_agent_args(&self.url, &self.node, "info");
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         ns.spawn(&crate::binary("dataplane-agent"), &args, log)
     }
 

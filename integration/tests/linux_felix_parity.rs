@@ -8,7 +8,7 @@
 //!
 //! Needs root and the namespace tools: `#[ignore]`d with that reason, and `make test` runs it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::Duration;
 
@@ -58,12 +58,44 @@ fn wep(name: &str, w: &Workload) -> Payload {
     })
 }
 
-/// Starts the agent on backend `ipt` against `server` in `host` and waits for its first
-/// DataplaneInSync.
-fn start_agent(host: &Netns, server: &ScriptedServer, log: &Path, ipt: Ipt) -> Child {
-    let agent = server.start_agent_with(host, log, &["--iptables-backend", ipt.name()]);
+/// An agent on one backend, killed when dropped.
+struct Running {
+    agent: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.agent.kill();
+        let _ = self.agent.wait();
+    }
+}
+
+/// `server` sends `snapshot`; the agent starts on backend `ipt` in `host` and is waited for
+/// until its first DataplaneInSync.
+fn run(host: &Netns, server: &ScriptedServer, snapshot: Vec<Payload>, ipt: Ipt) -> Running {
+    for p in snapshot {
+        server.send(p);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("agent.log");
+    let agent = server.start_agent_with(host, &log, &["--iptables-backend", ipt.name()]);
     server.wait_dataplane_in_sync(1);
-    agent
+    Running {
+        agent,
+        log,
+        _dir: dir,
+    }
+}
+
+fn hep(endpoint_id: &str, endpoint: HostEndpoint) -> Payload {
+    Payload::HostEndpointUpdate(HostEndpointUpdate {
+        id: Some(HostEndpointId {
+            endpoint_id: endpoint_id.into(),
+        }),
+        endpoint: Some(endpoint),
+    })
 }
 
 /// The agent's log, for a failure message.
@@ -134,17 +166,17 @@ fn spoofing(ipt: Ipt) {
     let client = Workload::attach(&host, "calicli", "10.65.4.1", "fd00:65:4::1");
     let web = Workload::attach(&host, "caliweb", "10.65.4.2", "fd00:65:4::2");
     let server = ScriptedServer::start(&host, 50072, NODE);
-    for p in [
-        allow_all_profile(),
-        wep("client", &client),
-        wep("web", &web),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = start_agent(&host, &server, &log, ipt);
+    let agent = run(
+        &host,
+        &server,
+        vec![
+            allow_all_profile(),
+            wep("client", &client),
+            wep("web", &web),
+            Payload::InSync(InSync {}),
+        ],
+        ipt,
+    );
 
     // The web workload counts what reaches it from the client's own and a spoofed address.
     let (spoof4, spoof6) = ("10.65.4.99", "fd00:65:4::99");
@@ -185,7 +217,7 @@ fn spoofing(ipt: Ipt) {
             let own6 = input_count(&web.ns, &save6, &format!("-s {}/128", client.ipv6));
             own4 > 0 && own6 > 0
         },
-        || log_text(&log),
+        || log_text(&agent.log),
     );
     for _ in 0..3 {
         client
@@ -214,8 +246,6 @@ fn spoofing(ipt: Ipt) {
         !dropped.starts_with("[0:"),
         "{ipt:?}: the IPv6 RPF rule dropped nothing: {dropped}"
     );
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 #[test]
@@ -234,36 +264,6 @@ fn ssh_under_do_not_track(ipt: Ipt) {
     let _ssh = host.listen(22, &["-4", "-6"]);
     let _other = host.listen(8080, &["-4", "-6"]);
     let server = ScriptedServer::start(&host, 50073, NODE);
-    let pid = gnp("deny-all-untracked");
-    for p in [
-        Payload::ActivePolicyUpdate(ActivePolicyUpdate {
-            id: Some(pid.clone()),
-            policy: Some(Policy {
-                inbound_rules: vec![rule("deny")],
-                outbound_rules: vec![rule("deny")],
-                untracked: true,
-                ..Default::default()
-            }),
-        }),
-        Payload::HostEndpointUpdate(HostEndpointUpdate {
-            id: Some(HostEndpointId {
-                endpoint_id: "ext0".into(),
-            }),
-            endpoint: Some(HostEndpoint {
-                name: "ext0".into(),
-                untracked_tiers: vec![TierInfo {
-                    name: "default".into(),
-                    ingress_policies: vec![pid.clone()],
-                    egress_policies: vec![pid],
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-        }),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
     // As in Felix, doNotTrack policy on an IPv6 host endpoint also drops neighbour discovery
     // (failsafes are ports only): the neighbours are static here so that SSH's own packets
     // are what is tested.
@@ -293,15 +293,43 @@ fn ssh_under_do_not_track(ipt: Ipt) {
         "nud",
         "permanent",
     ]);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = start_agent(&host, &server, &log, ipt);
+    let pid = gnp("deny-all-untracked");
+    let agent = run(
+        &host,
+        &server,
+        vec![
+            Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                id: Some(pid.clone()),
+                policy: Some(Policy {
+                    inbound_rules: vec![rule("deny")],
+                    outbound_rules: vec![rule("deny")],
+                    untracked: true,
+                    ..Default::default()
+                }),
+            }),
+            hep(
+                "ext0",
+                HostEndpoint {
+                    name: "ext0".into(),
+                    untracked_tiers: vec![TierInfo {
+                        name: "default".into(),
+                        ingress_policies: vec![pid.clone()],
+                        egress_policies: vec![pid],
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            ),
+            Payload::InSync(InSync {}),
+        ],
+        ipt,
+    );
     for addr in ["192.0.2.1", "2001:db8:2::1"] {
         wait_until(
             &format!("{ipt:?}: the doNotTrack deny-all takes effect on {addr}"),
             Duration::from_secs(20),
             || !connects(&outside, addr, 8080),
-            || log_text(&log),
+            || log_text(&agent.log),
         );
         assert!(
             connects(&outside, addr, 22),
@@ -309,8 +337,6 @@ fn ssh_under_do_not_track(ipt: Ipt) {
             tables(&host, ipt, "raw")
         );
     }
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 #[test]
@@ -357,52 +383,50 @@ fn dnat_host_traffic(ipt: Ipt) {
     }
     let server = ScriptedServer::start(&host, 50074, NODE);
     let pid = gnp("no-9000");
-    for p in [
-        allow_all_profile(),
-        Payload::ActivePolicyUpdate(ActivePolicyUpdate {
-            id: Some(pid.clone()),
-            policy: Some(Policy {
-                outbound_rules: vec![
-                    Rule {
-                        action: "deny".into(),
-                        protocol: Some(felix_proto::Protocol {
-                            number_or_name: Some(felix_proto::protocol::NumberOrName::Name(
-                                "tcp".into(),
-                            )),
-                        }),
-                        dst_ports: vec![felix_proto::PortRange {
-                            first: 9000,
-                            last: 9000,
-                        }],
-                        ..Default::default()
-                    },
-                    rule("allow"),
-                ],
-                ..Default::default()
-            }),
-        }),
-        Payload::HostEndpointUpdate(HostEndpointUpdate {
-            id: Some(HostEndpointId {
-                endpoint_id: "ext0".into(),
-            }),
-            endpoint: Some(HostEndpoint {
-                name: "ext0".into(),
-                profile_ids: vec!["kns.prod".into()],
-                tiers: vec![TierInfo {
-                    name: "default".into(),
-                    egress_policies: vec![pid],
+    let agent = run(
+        &host,
+        &server,
+        vec![
+            allow_all_profile(),
+            Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                id: Some(pid.clone()),
+                policy: Some(Policy {
+                    outbound_rules: vec![
+                        Rule {
+                            action: "deny".into(),
+                            protocol: Some(felix_proto::Protocol {
+                                number_or_name: Some(felix_proto::protocol::NumberOrName::Name(
+                                    "tcp".into(),
+                                )),
+                            }),
+                            dst_ports: vec![felix_proto::PortRange {
+                                first: 9000,
+                                last: 9000,
+                            }],
+                            ..Default::default()
+                        },
+                        rule("allow"),
+                    ],
                     ..Default::default()
-                }],
-                ..Default::default()
+                }),
             }),
-        }),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = start_agent(&host, &server, &log, ipt);
+            hep(
+                "ext0",
+                HostEndpoint {
+                    name: "ext0".into(),
+                    profile_ids: vec!["kns.prod".into()],
+                    tiers: vec![TierInfo {
+                        name: "default".into(),
+                        egress_policies: vec![pid],
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            ),
+            Payload::InSync(InSync {}),
+        ],
+        ipt,
+    );
     let want = [
         ("192.0.2.2", 9000, false),
         ("192.0.2.2", 9001, true),
@@ -429,12 +453,10 @@ fn dnat_host_traffic(ipt: Ipt) {
                 "got {:?}\n{}\n{}",
                 got.borrow(),
                 tables(&host, ipt, "mangle"),
-                log_text(&log)
+                log_text(&agent.log)
             )
         },
     );
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 #[test]
@@ -455,16 +477,16 @@ fn wildcard_host_endpoint(ipt: Ipt) {
     let _local = host.listen(8080, &["-4", "-6"]);
     let client = Workload::attach(&host, "calicli", "10.65.5.1", "fd00:65:5::1");
     let server = ScriptedServer::start(&host, 50075, NODE);
-    for p in [
-        allow_all_profile(),
-        wep("client", &client),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = start_agent(&host, &server, &log, ipt);
+    let agent = run(
+        &host,
+        &server,
+        vec![
+            allow_all_profile(),
+            wep("client", &client),
+            Payload::InSync(InSync {}),
+        ],
+        ipt,
+    );
     let forwarded = || {
         [
             client.connects("192.0.2.2", 9000),
@@ -482,7 +504,7 @@ fn wildcard_host_endpoint(ipt: Ipt) {
             &format!("{ipt:?}: {what}"),
             Duration::from_secs(20),
             check,
-            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&log)),
+            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&agent.log)),
         )
     };
     wait_for("forwarded traffic flows before the host endpoint", &|| {
@@ -506,18 +528,16 @@ fn wildcard_host_endpoint(ipt: Ipt) {
             }),
         }));
     }
-    server.send(Payload::HostEndpointUpdate(HostEndpointUpdate {
-        id: Some(HostEndpointId {
-            endpoint_id: "all-interfaces".into(),
-        }),
-        endpoint: Some(HostEndpoint {
+    server.send(hep(
+        "all-interfaces",
+        HostEndpoint {
             name: "*".into(),
             profile_ids: vec!["kns.prod".into()],
             forward_tiers: vec![tier(gnp("forward-deny"))],
             untracked_tiers: vec![tier(gnp("untracked-deny"))],
             ..Default::default()
-        }),
-    }));
+        },
+    ));
     wait_for(
         "an applyOnForward deny on '*' blocks forwarded traffic",
         &|| forwarded() == [false, false],
@@ -527,13 +547,11 @@ fn wildcard_host_endpoint(ipt: Ipt) {
         [true, true],
         "{ipt:?}: doNotTrack policy on '*' must not touch the host's own (loopback) traffic"
     );
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let text = std::fs::read_to_string(&agent.log).unwrap_or_default();
     assert!(
         text.contains("do not apply to the '*' host endpoint"),
         "{ipt:?}: the ignored doNotTrack policy is reported:\n{text}"
     );
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 #[test]
@@ -559,42 +577,40 @@ fn one_way_forward_policy(ipt: Ipt) {
     pod.listen(8080);
     let server = ScriptedServer::start(&host, 50076, NODE);
     let allow_in = gnp("forward-in");
-    for p in [
-        allow_all_profile(),
-        wep("pod", &pod),
-        Payload::ActivePolicyUpdate(ActivePolicyUpdate {
-            id: Some(allow_in.clone()),
-            policy: Some(Policy {
-                inbound_rules: vec![rule("allow")],
-                ..Default::default()
-            }),
-        }),
-        // applyOnForward policy for traffic arriving on ext0 only: nothing for traffic
-        // leaving through it.
-        Payload::HostEndpointUpdate(HostEndpointUpdate {
-            id: Some(HostEndpointId {
-                endpoint_id: "ext0".into(),
-            }),
-            endpoint: Some(HostEndpoint {
-                name: "ext0".into(),
-                // The host's own traffic on ext0 (IPv6 neighbour discovery among it) is open;
-                // forwarded traffic is what the forward tiers decide.
-                profile_ids: vec!["kns.prod".into()],
-                forward_tiers: vec![TierInfo {
-                    name: "default".into(),
-                    ingress_policies: vec![allow_in],
+    let agent = run(
+        &host,
+        &server,
+        vec![
+            allow_all_profile(),
+            wep("pod", &pod),
+            Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                id: Some(allow_in.clone()),
+                policy: Some(Policy {
+                    inbound_rules: vec![rule("allow")],
                     ..Default::default()
-                }],
-                ..Default::default()
+                }),
             }),
-        }),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = start_agent(&host, &server, &log, ipt);
+            // applyOnForward policy for traffic arriving on ext0 only: nothing for traffic
+            // leaving through it.
+            hep(
+                "ext0",
+                HostEndpoint {
+                    name: "ext0".into(),
+                    // The host's own traffic on ext0 (IPv6 neighbour discovery among it) is open;
+                    // forwarded traffic is what the forward tiers decide.
+                    profile_ids: vec!["kns.prod".into()],
+                    forward_tiers: vec![TierInfo {
+                        name: "default".into(),
+                        ingress_policies: vec![allow_in],
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            ),
+            Payload::InSync(InSync {}),
+        ],
+        ipt,
+    );
     for (pod_addr, out_addr) in [(&pod.ipv4, "192.0.2.2"), (&pod.ipv6, "2001:db8:2::2")] {
         wait_until(
             &format!(
@@ -602,7 +618,7 @@ fn one_way_forward_policy(ipt: Ipt) {
             ),
             Duration::from_secs(20),
             || connects(&outside, pod_addr, 8080),
-            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&log)),
+            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&agent.log)),
         );
         // Leaving through ext0 there is no forward policy: Felix lets the packet fall through
         // to the rest of FORWARD, where the host's DROP policy applies; nothing accepts it
@@ -613,6 +629,4 @@ fn one_way_forward_policy(ipt: Ipt) {
             tables(&host, ipt, "filter")
         );
     }
-    let _ = agent.kill();
-    let _ = agent.wait();
 }

@@ -63,6 +63,23 @@ fn policy(name: &str, rules: Vec<Rule>) -> Payload {
     })
 }
 
+/// The namespace's profile: everything allowed both ways.
+fn allow_all_profile() -> Payload {
+    let allow = || Rule {
+        action: "allow".into(),
+        ..Default::default()
+    };
+    Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+        id: Some(ProfileId {
+            name: "kns.prod".into(),
+        }),
+        profile: Some(Profile {
+            inbound_rules: vec![allow()],
+            outbound_rules: vec![allow()],
+        }),
+    })
+}
+
 /// web accepts the client on the given ports; the tier's end drops the rest.
 fn web_guard(allowed_ports: &[i32]) -> Payload {
     policy(
@@ -410,21 +427,7 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
             members: vec!["10.65.1.1".into()],
             r#type: 0,
         }),
-        Payload::ActiveProfileUpdate(ActiveProfileUpdate {
-            id: Some(ProfileId {
-                name: "kns.prod".into(),
-            }),
-            profile: Some(Profile {
-                inbound_rules: vec![Rule {
-                    action: "allow".into(),
-                    ..Default::default()
-                }],
-                outbound_rules: vec![Rule {
-                    action: "allow".into(),
-                    ..Default::default()
-                }],
-            }),
-        }),
+        allow_all_profile(),
         web_guard(&[80]),
         wep_with_mac("client", "calicli", "10.65.1.1", &client.mac(), &[], ""),
         wep_with_mac(
@@ -769,21 +772,9 @@ fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
             r#type,
         })
     };
-    let allow_all = || Rule {
-        action: "allow".into(),
-        ..Default::default()
-    };
     for p in [
         clients(0, "10.65.7.1"),
-        Payload::ActiveProfileUpdate(ActiveProfileUpdate {
-            id: Some(ProfileId {
-                name: "kns.prod".into(),
-            }),
-            profile: Some(Profile {
-                inbound_rules: vec![allow_all()],
-                outbound_rules: vec![allow_all()],
-            }),
-        }),
+        allow_all_profile(),
         web_guard(&[80]),
         wep_with_mac("client", "calicli", "10.65.7.1", &client.mac(), &[], ""),
         wep_with_mac("other", "caliother", "10.65.7.3", &other.mac(), &[], ""),
