@@ -12,6 +12,7 @@ mod datastore;
 mod etcd;
 mod gen_cluster;
 mod k8s;
+mod last_good;
 mod manifest_dir;
 mod serve;
 mod status_cmd;

@@ -2,16 +2,19 @@
 //!
 //! Directories are walked recursively in name order; `*.yaml`, `*.yml` and `*.json` files are
 //! read; hidden entries and a top-level `status/` directory (where endpoint status is written)
-//! are skipped. Every problem is collected with its file and document number; good objects are
-//! kept. When two files define the same object, the later one (in path order) wins and the
-//! duplicate is reported.
+//! are skipped. Symlinked files are followed; a symlinked directory only when it points into a
+//! Kubernetes ConfigMap volume's `..data` (so `ln -s . backup` is skipped, not walked forever),
+//! and a directory already on the walk is never entered twice. A file larger than
+//! [`MAX_FILE_BYTES`] is not read. Every problem is collected with its file and document
+//! number; good objects are kept. When two files define the same object, the later one (in path
+//! order) wins and the duplicate is reported with both files.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use calc_graph::manifest::{Outcome, parse_manifest};
-use calc_graph::model::{Resource, ResourceKey};
+use calc_graph::model::{DecodeError, Resource, ResourceKey};
 
 /// One problem with its location.
 #[derive(Debug)]
@@ -39,22 +42,25 @@ pub struct Report {
     pub ignored: usize,
     /// Valid resources by key, with the file each came from.
     pub resources: BTreeMap<ResourceKey, (PathBuf, Resource)>,
+    /// Objects present but unusable (invalid, or a named object with a malformed field), with
+    /// their file: their last good version, if one is known, stays in force.
+    pub invalid: BTreeMap<ResourceKey, PathBuf>,
+    /// Files that could not be read or parsed at all: which objects they hold is unknown.
+    pub broken: Vec<PathBuf>,
     pub problems: Vec<Problem>,
 }
+
+/// Largest manifest file read (a ConfigMap holds at most 1 MiB; a `calicoctl get -o yaml`
+/// dump of a large cluster can be tens of MiB).
+pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// Loads every manifest under `paths`.
 pub fn load(paths: &[PathBuf]) -> Report {
     let mut report = Report::default();
     for root in paths {
-        let mut files = Vec::new();
-        if let Err(e) = collect(root, root, &mut files) {
-            report.problems.push(Problem {
-                file: root.clone(),
-                document: None,
-                message: format!("cannot read: {e}"),
-            });
-        }
-        for file in files {
+        let walk = walk(root);
+        report.problems.extend(walk.problems);
+        for (file, _) in walk.files {
             load_file(&file, &mut report);
         }
     }
@@ -69,43 +75,154 @@ pub fn is_manifest(p: &Path) -> bool {
     )
 }
 
-fn collect(root: &Path, p: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    let meta = std::fs::metadata(p)?;
-    if meta.is_file() {
-        out.push(p.to_path_buf());
-        return Ok(());
-    }
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(p)?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<Result<_, _>>()?;
-    entries.sort();
-    for e in entries {
-        let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name.starts_with('.') || (p == root && name == "status") {
-            continue;
-        }
-        if e.is_dir() {
-            collect(root, &e, out)?;
-        } else if is_manifest(&e) {
-            out.push(e);
-        }
-    }
-    Ok(())
+/// A file found by [`walk`]: its size and modification time.
+pub type Stamp = (u64, std::time::SystemTime);
+
+/// The manifest files under a root, in path order, and what could not be walked.
+#[derive(Debug, Default)]
+pub struct Walk {
+    pub files: Vec<(PathBuf, Stamp)>,
+    pub problems: Vec<Problem>,
 }
 
-fn load_file(file: &Path, report: &mut Report) {
-    report.files += 1;
-    let problem = |document, message| Problem {
+/// Lists the manifest files under `root` (or `root` itself if it is a file).
+pub fn walk(root: &Path) -> Walk {
+    let mut out = Walk::default();
+    match std::fs::metadata(root) {
+        Ok(m) if m.is_file() => out.files.push((root.to_path_buf(), stamp(&m))),
+        Ok(m) => {
+            let mut on_path = Vec::new();
+            walk_dir(root, root, &m, &mut on_path, &mut out);
+        }
+        Err(e) => out.problems.push(Problem {
+            file: root.to_path_buf(),
+            document: None,
+            message: format!("cannot read: {e}"),
+        }),
+    }
+    out
+}
+
+fn stamp(m: &std::fs::Metadata) -> Stamp {
+    (
+        m.len(),
+        m.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH),
+    )
+}
+
+/// A directory's identity, to notice a cycle through links.
+fn dir_id(m: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (m.dev(), m.ino())
+}
+
+/// Whether a symlink to a directory is one a ConfigMap volume makes (`sub -> ..data/sub`).
+fn configmap_link(link: &Path) -> bool {
+    std::fs::read_link(link).is_ok_and(|target| {
+        target
+            .components()
+            .next()
+            .is_some_and(|c| c.as_os_str() == "..data")
+    })
+}
+
+fn walk_dir(
+    root: &Path,
+    dir: &Path,
+    meta: &std::fs::Metadata,
+    on_path: &mut Vec<(u64, u64)>,
+    out: &mut Walk,
+) {
+    let problem = |file: &Path, message: String| Problem {
         file: file.to_path_buf(),
-        document,
+        document: None,
         message,
     };
-    let text = match std::fs::read_to_string(file) {
+    if on_path.contains(&dir_id(meta)) {
+        out.problems.push(problem(
+            dir,
+            "a link back to a directory being read (a cycle); skipped".into(),
+        ));
+        return;
+    }
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            out.problems.push(problem(dir, format!("cannot read: {e}")));
+            return;
+        }
+    };
+    let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
+    on_path.push(dir_id(meta));
+    for e in entries {
+        let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with('.') || (dir == root && name == "status") {
+            continue;
+        }
+        let Ok(link_meta) = std::fs::symlink_metadata(&e) else {
+            continue; // Gone since the listing.
+        };
+        // Follow links: a ConfigMap volume's files are `name -> ..data/name`, and an update
+        // swaps `..data`, which only shows through the link's target.
+        let meta = match std::fs::metadata(&e) {
+            Ok(m) => m,
+            Err(err) => {
+                if is_manifest(&e) {
+                    out.problems.push(problem(&e, format!("cannot read: {err}")));
+                }
+                continue;
+            }
+        };
+        if meta.is_dir() {
+            if link_meta.file_type().is_symlink() && !configmap_link(&e) {
+                out.problems.push(problem(
+                    &e,
+                    "a symlinked directory; skipped (only a ConfigMap volume's ..data links are followed)".into(),
+                ));
+                continue;
+            }
+            walk_dir(root, &e, &meta, on_path, out);
+        } else if meta.is_file() && is_manifest(&e) {
+            out.files.push((e, stamp(&meta)));
+        }
+    }
+    on_path.pop();
+}
+
+/// Reads one manifest file's text, refusing files over [`MAX_FILE_BYTES`].
+pub fn read_manifest(file: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let f = std::fs::File::open(file).map_err(|e| format!("cannot read: {e}"))?;
+    let mut text = String::new();
+    // Read one byte past the limit to tell "exactly at the limit" from "over it", without
+    // trusting a size the file may change while it is read.
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!(
+            "larger than {} MiB; not read (split it into several files)",
+            MAX_FILE_BYTES / (1024 * 1024)
+        ));
+    }
+    Ok(text)
+}
+
+/// Adds one file's objects and problems to `report`.
+pub fn load_file(file: &Path, report: &mut Report) {
+    report.files += 1;
+    // Messages quote datastore text: bounded and escaped before they reach a log line.
+    let problem = |document, message: String| Problem {
+        file: file.to_path_buf(),
+        document,
+        message: calc_graph::untrusted::clip(message, 2048),
+    };
+    let text = match read_manifest(file) {
         Ok(t) => t,
         Err(e) => {
-            report
-                .problems
-                .push(problem(None, format!("cannot read: {e}")));
+            report.problems.push(problem(None, e));
+            report.broken.push(file.to_path_buf());
             return;
         }
     };
@@ -113,6 +230,7 @@ fn load_file(file: &Path, report: &mut Report) {
         Ok(e) => e,
         Err(e) => {
             report.problems.push(problem(None, e.to_string()));
+            report.broken.push(file.to_path_buf());
             return;
         }
     };
@@ -133,13 +251,19 @@ fn load_file(file: &Path, report: &mut Report) {
                 report.resources.insert(key, (file.to_path_buf(), res));
             }
             Outcome::Ignored(..) => report.ignored += 1,
-            Outcome::Undecodable(e) => report.problems.push(problem(doc, e.to_string())),
+            Outcome::Undecodable(e) => {
+                if let DecodeError::Field { key, .. } = &e {
+                    report.invalid.insert(key.clone(), file.to_path_buf());
+                }
+                report.problems.push(problem(doc, e.to_string()));
+            }
             Outcome::Invalid(inv) => {
                 for e in &inv.errors {
                     report
                         .problems
                         .push(problem(doc, format!("{}: {e}", inv.key)));
                 }
+                report.invalid.insert(inv.key, file.to_path_buf());
             }
         }
     }

@@ -7,6 +7,7 @@
 //! - [`selector`]: Calico's label-selector language (parse, evaluate, canonical form, ids).
 //! - [`model`]: Calico's v3 resources as serde types, defaulting and validation.
 //! - [`manifest`]: decoding YAML/JSON manifests (multi-document) into resources.
+//! - [`untrusted`]: datastore strings made safe to show in logs and errors.
 
 pub mod convert;
 pub mod graph;
@@ -18,3 +19,4 @@ pub mod policy_resolver;
 pub mod rule_scanner;
 pub mod selector;
 pub mod stream_model;
+pub mod untrusted;

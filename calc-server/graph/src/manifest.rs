@@ -38,6 +38,8 @@ pub enum SyntaxError {
     Json(#[from] serde_json::Error),
     #[error("invalid YAML: {0}")]
     Yaml(String),
+    #[error("{0} documents in one file; at most {MAX_DOCUMENTS} are read (split the file)")]
+    TooManyDocuments(usize),
 }
 
 /// Parses manifest text. JSON is recognised by a leading `{` or `[`; anything else is YAML.
@@ -66,19 +68,51 @@ pub fn for_each_entry(text: &str, mut f: impl FnMut(Entry)) -> Result<(), Syntax
     if trimmed.starts_with('[') {
         // Decode array items one at a time so a large file never exists as one value tree.
         let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(trimmed)?;
+        if items.len() > MAX_DOCUMENTS {
+            return Err(SyntaxError::TooManyDocuments(items.len()));
+        }
         for (i, raw) in items.into_iter().enumerate() {
             push_doc(i, serde_json::from_str(raw.get())?);
         }
     } else if trimmed.starts_with('{') {
         push_doc(0, serde_json::from_str(trimmed)?);
     } else {
-        let docs = serde_saphyr::from_multiple::<serde_json::Value>(text)
-            .map_err(|e| SyntaxError::Yaml(e.to_string()))?;
+        let docs = serde_saphyr::from_multiple_with_options::<serde_json::Value>(text, yaml_limits())
+            .map_err(|e| {
+                // The first line says what and where; the rest is a source snippet that may
+                // quote hostile text.
+                let e = e.to_string();
+                let first = e.lines().next().unwrap_or_default().trim_start_matches("error: ");
+                SyntaxError::Yaml(crate::untrusted::clip(first.to_string(), 1024))
+            })?;
         for (i, doc) in docs.into_iter().enumerate() {
             push_doc(i, doc);
         }
     }
     Ok(())
+}
+
+/// Documents one manifest file may hold.
+pub const MAX_DOCUMENTS: usize = 10_000;
+/// Events aliases may replay in one file. Manifests rarely use anchors at all; a few hundred
+/// bytes of nested aliases (a "billion laughs") would otherwise expand to millions of nodes.
+pub const MAX_ALIAS_EXPANSION: usize = 10_000;
+
+/// The YAML parser's budget: bounds on documents, nodes and alias expansion, so one hostile
+/// file costs milliseconds, not seconds.
+fn yaml_limits() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_documents = MAX_DOCUMENTS;
+    // A large `calicoctl get -o yaml` dump is one document with many nodes.
+    budget.max_nodes = 5_000_000;
+    budget.max_events = 10_000_000;
+    budget.max_aliases = 1_000;
+    budget.max_recorded_anchor_bytes = 1024 * 1024;
+    budget.max_recorded_anchor_events = MAX_ALIAS_EXPANSION;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.alias_limits.max_total_replayed_events = MAX_ALIAS_EXPANSION;
+    options
 }
 
 /// Decodes and validates one object.
@@ -115,6 +149,45 @@ fn flatten_lists(doc: serde_json::Value) -> Vec<serde_json::Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Nine levels of nine aliases: 412 bytes that would expand to 387 million strings.
+    fn alias_bomb() -> String {
+        let mut y = String::from("a0: &a0 [x,x,x,x,x,x,x,x,x]\n");
+        for i in 1..10 {
+            let refs = vec![format!("*a{}", i - 1); 9].join(",");
+            y.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+        }
+        y
+    }
+
+    #[test]
+    fn an_alias_bomb_is_refused_quickly() {
+        let started = std::time::Instant::now();
+        let err = parse_manifest(&alias_bomb()).unwrap_err();
+        assert!(matches!(err, SyntaxError::Yaml(_)), "{err}");
+        // Not a timing assertion of speed, a guard against expansion: unbounded, this takes
+        // minutes and gigabytes.
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        // Anchors used sensibly still work.
+        let ok = "kind: GlobalNetworkSetList\nitems:\n- kind: GlobalNetworkSet\n  apiVersion: projectcalico.org/v3\n  metadata: {name: a, labels: &l {x: z}}\n  spec: {nets: [10.0.0.0/8]}\n- kind: GlobalNetworkSet\n  apiVersion: projectcalico.org/v3\n  metadata: {name: b, labels: *l}\n  spec: {nets: [10.0.0.0/8]}\n";
+        let entries = parse_manifest(ok).unwrap();
+        assert_eq!(entries.len(), 2);
+        for e in &entries {
+            assert!(matches!(e.outcome, Outcome::Valid(..)), "{:?}", e.outcome);
+        }
+    }
+
+    #[test]
+    fn too_many_documents_are_refused_by_count() {
+        let many = "---\nkind: X\n".repeat(MAX_DOCUMENTS + 1);
+        let err = parse_manifest(&many).unwrap_err().to_string();
+        assert!(err.contains("document"), "{err}");
+        let json = format!("[{}]", vec!["{}"; MAX_DOCUMENTS + 1].join(","));
+        assert!(matches!(
+            parse_manifest(&json),
+            Err(SyntaxError::TooManyDocuments(n)) if n == MAX_DOCUMENTS + 1
+        ));
+    }
 
     #[test]
     fn yaml_documents_lists_and_bad_objects() {

@@ -88,6 +88,16 @@ pub struct Metrics {
     /// Messages sent to agents (all streams).
     pub messages_sent: AtomicU64,
     agents: Mutex<BTreeMap<String, AgentQueue>>,
+    last_good: Mutex<LastGoodHealth>,
+}
+
+/// Objects whose datastore version is unusable, as the datastore adapter last reported them.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct LastGoodHealth {
+    /// Invalid (or possibly in an unreadable file) with their last good version in force.
+    pub held_last_good: Vec<String>,
+    /// Invalid with no known last good version: not in force at all.
+    pub without_last_good: Vec<String>,
 }
 
 fn escape_label(v: &str) -> String {
@@ -123,6 +133,22 @@ impl Metrics {
         {
             agents.remove(node);
         }
+    }
+
+    /// Records the adapter's view of unusable objects; true when it changed.
+    pub fn set_last_good(&self, held: Vec<String>, without: Vec<String>) -> bool {
+        let new = LastGoodHealth {
+            held_last_good: held,
+            without_last_good: without,
+        };
+        let mut cur = self.last_good.lock().expect("metrics lock");
+        let changed = *cur != new;
+        *cur = new;
+        changed
+    }
+
+    pub fn last_good(&self) -> LastGoodHealth {
+        self.last_good.lock().expect("metrics lock").clone()
     }
 
     /// The Prometheus text exposition of every metric.
@@ -177,6 +203,13 @@ impl Metrics {
             c(&self.refused_limit),
             c(&self.refused_handshake),
             c(&self.refused_handshake_timeout)
+        );
+        let health = self.last_good();
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_objects_held_last_good Objects whose datastore version is unusable; their last good version stays in force.\n# TYPE calc_server_objects_held_last_good gauge\ncalc_server_objects_held_last_good {}\n# HELP calc_server_objects_without_last_good Invalid objects with no known last good version: not in force.\n# TYPE calc_server_objects_without_last_good gauge\ncalc_server_objects_without_last_good {}",
+            health.held_last_good.len(),
+            health.without_last_good.len()
         );
         self.calc_seconds.render(
             &mut out,

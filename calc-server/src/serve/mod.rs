@@ -44,6 +44,12 @@ pub struct ServeArgs {
     /// How often the file datastore directory is checked for changes.
     #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub file_poll_interval: Duration,
+    /// Directory of the last-good store: the version of every object in force, so that after a
+    /// restart an object that is invalid by then keeps its last good version. Default for the
+    /// file datastore: `status/last-good` inside --file-dir (shared by replicas that share the
+    /// directory); an empty value keeps it in memory only. See docs/operations.md.
+    #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH")]
+    pub last_good_dir: Option<PathBuf>,
     /// An agent that falls this many messages behind is disconnected and resent a snapshot.
     #[arg(
         long,
@@ -228,11 +234,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         DatastoreType::File => {
             let dir = args.datastore.file_dir.clone();
-            tokio::spawn(watch::run(
-                dir.clone(),
-                args.file_poll_interval,
+            let last_good = match &args.last_good_dir {
+                Some(d) if d.as_os_str().is_empty() => None,
+                Some(d) => Some(d.clone()),
+                None => Some(dir.join("status").join("last-good")),
+            };
+            let (engine, interval, metrics) = (
                 engine_tx.clone(),
-            ));
+                args.file_poll_interval,
+                metrics.clone(),
+            );
+            let watched = dir.clone();
+            // Reading and parsing files is blocking work: its own thread, off the runtime.
+            tokio::task::spawn_blocking(move || {
+                watch::run(watched, last_good, interval, engine, metrics)
+            });
             tokio::spawn(status::file_writer(
                 board.clone(),
                 dir,

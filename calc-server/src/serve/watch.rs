@@ -1,153 +1,294 @@
 //! File datastore watcher: polls the manifest directory and turns changes into graph updates.
 //!
-//! Polling (a listing of manifest paths, sizes and modification times, every interval, following
-//! symlinks) is used rather than inotify so it works the same on every filesystem, including
-//! ConfigMap volumes (whose files are links into a directory swapped on update). An edit that
-//! makes an object invalid keeps its last good version.
-//! A change is read once the listing stayed the same for one interval (a file being written is
-//! read when done; a rename is seen whole); a file that turns empty keeps its objects (an
-//! editor's truncate-then-write). Changed files are reloaded and compared with the last load:
-//! changed or new objects become `Apply`, vanished ones `Delete`. Problems are logged once each,
-//! by file.
+//! Runs on a blocking thread (reading and parsing never stall the async runtime that serves
+//! agents). Polling (a listing of manifest paths, sizes and modification times, every
+//! interval, see `manifest_dir::walk`) is used rather than inotify so it works the same on every
+//! filesystem, including ConfigMap volumes. A change is read once the listing stayed the same
+//! for one interval (a file being written is read when done; a rename is seen whole).
+//!
+//! Objects are identified by kind/namespace/name across files, never by file. What is in force
+//! for a key:
+//! 1. the valid definition in the last file (path order) that has one — a key defined in two
+//!    files is reported once with both files;
+//! 2. else, if some file holds the key but it is invalid: the last good version (kept), or
+//!    nothing, reported loudly as "no last good version";
+//! 3. else, if the key was in force and some file cannot be read or parsed at all (or a file
+//!    that had objects reads empty: an editor's truncate-then-write): kept until that file is
+//!    fixed, because the broken file may still hold it (a broken file renamed `.yaml` →
+//!    `.yml` is not a delete);
+//! 4. else it is deleted.
+//!
+//! The versions in force are saved to the last-good store (`last_good`), so a restart with an
+//! invalid object starts from its last good version.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use calc_graph::graph::Update;
 use calc_graph::model::{Resource, ResourceKey};
 use tokio::sync::mpsc;
 
 use super::engine::Input;
-use crate::manifest_dir;
+use super::metrics::Metrics;
+use crate::last_good::LastGood;
+use crate::manifest_dir::{self, Stamp};
 
-type Listing = BTreeMap<PathBuf, (u64, SystemTime)>;
+type Listing = BTreeMap<PathBuf, Stamp>;
 
 /// Polls a changing directory waits for it to settle before reading it anyway.
 const UNSETTLED_POLLS: u32 = 10;
 
-fn listing(dir: &Path) -> Listing {
-    fn walk(root: &Path, p: &Path, out: &mut Listing) {
-        let Ok(entries) = std::fs::read_dir(p) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let path = e.path();
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with('.') || (p == root && name == "status") {
-                continue;
-            }
-            // Follow symlinks: a Kubernetes ConfigMap volume is `name -> ..data/name` and an update
-            // swaps `..data`, which only shows through the link's target.
-            match std::fs::metadata(&path) {
-                Ok(m) if m.is_dir() => walk(root, &path, out),
-                Ok(m) if manifest_dir::is_manifest(&path) => {
-                    out.insert(
-                        path,
-                        (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
-                    );
+/// What one file held when it was last read.
+#[derive(Default)]
+struct FileState {
+    objects: BTreeMap<ResourceKey, Resource>,
+    invalid: BTreeSet<ResourceKey>,
+    /// Unreadable, unparseable, or emptied after holding objects: its keys are unknown.
+    broken: bool,
+    problems: BTreeSet<String>,
+}
+
+fn read_file(path: &PathBuf, before: Option<&FileState>) -> FileState {
+    let mut report = manifest_dir::Report::default();
+    manifest_dir::load_file(path, &mut report);
+    let mut state = FileState {
+        objects: report.resources.into_iter().map(|(k, (_, r))| (k, r)).collect(),
+        invalid: report.invalid.into_keys().collect(),
+        broken: !report.broken.is_empty(),
+        problems: report.problems.iter().map(ToString::to_string).collect(),
+    };
+    // An editor that truncates and then writes shows an empty file for a moment: emptying a
+    // file is not how objects are deleted (remove the file, or the objects from it).
+    if let Some(old) = before
+        && (!old.objects.is_empty() || old.broken)
+        && state.objects.is_empty()
+        && state.invalid.is_empty()
+        && !state.broken
+        && report.objects == 0
+        && report.ignored == 0
+    {
+        state.broken = true;
+        state.problems.insert(format!(
+            "{}: the file is empty; the objects it held stay until it has content again or is removed",
+            path.display()
+        ));
+    }
+    state
+}
+
+/// The watcher's state: every file's contents and what is in force.
+struct Watcher {
+    dir: PathBuf,
+    files: BTreeMap<PathBuf, FileState>,
+    /// The version of each key in force (what the engine has).
+    current: BTreeMap<ResourceKey, Resource>,
+    store: LastGood,
+    /// Problems of the directory walk already logged.
+    walk_problems: BTreeSet<String>,
+    /// Keys defined in several files, already reported (with the files).
+    duplicates: BTreeMap<ResourceKey, Vec<PathBuf>>,
+    /// Keys held by rule 2 or 3 (re-evaluated on every change).
+    held: BTreeSet<ResourceKey>,
+    /// The file whose definition of a key is in force (unknown for what the store gave).
+    origin: BTreeMap<ResourceKey, PathBuf>,
+    metrics: Arc<Metrics>,
+}
+
+impl Watcher {
+    fn listing(&mut self) -> Listing {
+        let walk = manifest_dir::walk(&self.dir);
+        let now: BTreeSet<String> = walk.problems.iter().map(ToString::to_string).collect();
+        for p in now.difference(&self.walk_problems) {
+            tracing::warn!(problem = %p, "manifest directory");
+        }
+        self.walk_problems = now;
+        walk.files.into_iter().collect()
+    }
+
+    /// Reads `changed` files and forgets `gone` ones; logs new problems.
+    fn read(&mut self, changed: &[PathBuf], gone: &[PathBuf]) {
+        for f in gone {
+            self.files.remove(f);
+        }
+        for f in changed {
+            let state = read_file(f, self.files.get(f));
+            let before = self.files.get(f).map(|s| &s.problems);
+            for p in &state.problems {
+                if before.is_none_or(|b| !b.contains(p)) {
+                    tracing::warn!(problem = %p, "manifest skipped");
                 }
-                _ => {}
+            }
+            self.files.insert(f.clone(), state);
+        }
+    }
+
+    /// What rule applies to `key` now: the version to put in force, if any.
+    fn desired(&self, key: &ResourceKey, any_broken: bool) -> Desired {
+        let mut defined_in = Vec::new();
+        let mut winner = None;
+        let mut invalid = false;
+        for (path, f) in &self.files {
+            if let Some(r) = f.objects.get(key) {
+                defined_in.push(path);
+                winner = Some(r);
+            }
+            invalid |= f.invalid.contains(key);
+        }
+        if let Some(r) = winner {
+            return Desired::Valid(r.clone(), defined_in.into_iter().cloned().collect());
+        }
+        match self.current.get(key) {
+            Some(_) if invalid => Desired::Held,
+            None if invalid => Desired::NoLastGood,
+            // Only a key whose file is gone or broken can still be in a broken file; one that a
+            // readable file dropped was deleted.
+            Some(_)
+                if any_broken
+                    && self
+                        .origin
+                        .get(key)
+                        .is_none_or(|o| self.files.get(o).is_none_or(|f| f.broken)) =>
+            {
+                Desired::Held
+            }
+            _ => Desired::Absent,
+        }
+    }
+
+    /// Brings `keys` in line with the files; returns the updates to send.
+    fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
+        let any_broken = self.files.values().any(|f| f.broken);
+        let mut updates = Vec::new();
+        let mut without = BTreeSet::new();
+        for key in keys.iter().chain(self.held.clone().iter()) {
+            let desired = self.desired(key, any_broken);
+            self.held.remove(key);
+            match desired {
+                Desired::Valid(r, files) => {
+                    if let Some(last) = files.last() {
+                        self.origin.insert(key.clone(), last.clone());
+                    }
+                    self.report_duplicate(key, files);
+                    if self.current.get(key) != Some(&r) {
+                        self.store.save(key, &r);
+                        self.current.insert(key.clone(), r.clone());
+                        updates.push(Update::Apply(r));
+                    }
+                }
+                Desired::Held => {
+                    self.duplicates.remove(key);
+                    self.held.insert(key.clone());
+                }
+                Desired::NoLastGood => {
+                    self.duplicates.remove(key);
+                    without.insert(key.clone());
+                }
+                Desired::Absent => {
+                    self.duplicates.remove(key);
+                    self.origin.remove(key);
+                    if self.current.remove(key).is_some() {
+                        self.store.forget(key);
+                        updates.push(Update::Delete(key.clone()));
+                    }
+                }
+            }
+        }
+        // Invalid keys with no last good version, over the whole directory.
+        for f in self.files.values() {
+            for k in &f.invalid {
+                if !self.current.contains_key(k)
+                    && !self.files.values().any(|g| g.objects.contains_key(k))
+                {
+                    without.insert(k.clone());
+                }
+            }
+        }
+        let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
+        let without: Vec<String> = without.iter().map(ToString::to_string).collect();
+        if self.metrics.set_last_good(held, without.clone()) && !without.is_empty() {
+            tracing::error!(objects = ?without, "invalid objects with no known last good version are not in force; fix them (a deny policy among them is not enforced)");
+        }
+        updates
+    }
+
+    fn report_duplicate(&mut self, key: &ResourceKey, files: Vec<PathBuf>) {
+        if files.len() < 2 {
+            self.duplicates.remove(key);
+            return;
+        }
+        if self.duplicates.get(key) != Some(&files) {
+            let shown: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+            tracing::warn!(object = %key, files = ?shown, "object defined in several files; the last one (in path order) is used");
+            self.duplicates.insert(key.clone(), files);
+        }
+    }
+
+    fn keys_of(&self, paths: &[PathBuf], out: &mut BTreeSet<ResourceKey>) {
+        for p in paths {
+            if let Some(f) = self.files.get(p) {
+                out.extend(f.objects.keys().cloned());
+                out.extend(f.invalid.iter().cloned());
             }
         }
     }
-    let mut out = Listing::new();
-    walk(dir, dir, &mut out);
-    out
 }
 
-/// Loads some manifest files; returns each file's valid resources and logs new problems.
-/// A file with any problem (unreadable, not YAML/JSON, an invalid object) keeps the objects it
-/// had before that are missing now: an edit that breaks an object must not delete it (the last
-/// good version stays), and a deletion from a broken file waits until the file is fixed.
-fn load_files(
-    files: &[PathBuf],
-    seen_problems: &mut BTreeMap<PathBuf, BTreeSet<String>>,
-    previous: &BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
-) -> BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>> {
-    let mut out = BTreeMap::new();
-    for f in files {
-        let report = manifest_dir::load(std::slice::from_ref(f));
-        let mut objects: BTreeMap<ResourceKey, Resource> = report
-            .resources
-            .into_iter()
-            .map(|(k, (_, r))| (k, r))
-            .collect();
-        let mut now: BTreeSet<String> = report.problems.iter().map(ToString::to_string).collect();
-        // An editor that truncates and then writes shows an empty file for a moment: emptying
-        // a file is not how objects are deleted (remove the file, or the objects from it).
-        if let Some(old) = previous.get(f)
-            && !old.is_empty()
-            && objects.is_empty()
-            && now.is_empty()
-            && std::fs::read_to_string(f).is_ok_and(|t| t.trim().is_empty())
-        {
-            now.insert(format!(
-                "{}: the file is empty; its {} objects stay until it has content again or is removed",
-                f.display(),
-                old.len()
-            ));
-        }
-        if !now.is_empty()
-            && let Some(old) = previous.get(f)
-        {
-            for (k, r) in old {
-                objects.entry(k.clone()).or_insert_with(|| r.clone());
-            }
-        }
-        let before = seen_problems.remove(f).unwrap_or_default();
-        for p in now.difference(&before) {
-            tracing::warn!(problem = %p, "manifest skipped");
-        }
-        seen_problems.insert(f.clone(), now);
-        out.insert(f.clone(), objects);
-    }
-    out
-}
-
-/// Every file's objects merged; a key defined twice keeps the later file's (path order).
-fn merged(
-    by_file: &BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
-) -> BTreeMap<ResourceKey, Resource> {
-    let mut out = BTreeMap::new();
-    for objects in by_file.values() {
-        for (k, r) in objects {
-            out.insert(k.clone(), r.clone());
-        }
-    }
-    out
-}
-
-/// The object a key currently has: the last file (in path order) that defines it.
-fn winner<'a>(
-    by_file: &'a BTreeMap<PathBuf, BTreeMap<ResourceKey, Resource>>,
-    k: &ResourceKey,
-) -> Option<&'a Resource> {
-    by_file.values().rev().find_map(|objs| objs.get(k))
+enum Desired {
+    Valid(Resource, Vec<PathBuf>),
+    Held,
+    NoLastGood,
+    Absent,
 }
 
 /// Sends the initial snapshot and InSync, then changes as they appear, until the engine goes.
-/// Only files whose size or modification time changed are read again, and only their keys are
-/// compared. One copy of the objects is kept (per file), to tell what an edit changed.
-pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) {
-    let mut problems = BTreeMap::new();
-    let mut seen = listing(&dir);
+/// Only files whose size or modification time changed are read again, and only their keys
+/// (and the held ones) are reconciled.
+pub fn run(
+    dir: PathBuf,
+    last_good_dir: Option<PathBuf>,
+    interval: Duration,
+    engine: mpsc::Sender<Input>,
+    metrics: Arc<Metrics>,
+) {
+    let (store, stored, problems) = LastGood::open(last_good_dir);
+    for p in &problems {
+        tracing::warn!(problem = %p, "last-good store");
+    }
+    let mut w = Watcher {
+        dir,
+        files: BTreeMap::new(),
+        // What the store holds is what a previous run had in force.
+        current: stored,
+        store,
+        walk_problems: BTreeSet::new(),
+        duplicates: BTreeMap::new(),
+        held: BTreeSet::new(),
+        origin: BTreeMap::new(),
+        metrics,
+    };
+    let mut seen = w.listing();
     let files: Vec<PathBuf> = seen.keys().cloned().collect();
-    let mut by_file = load_files(&files, &mut problems, &BTreeMap::new());
-    let mut first: Vec<Update> = merged(&by_file).into_values().map(Update::Apply).collect();
-    tracing::info!(dir = %dir.display(), objects = first.len(), "file datastore loaded");
+    w.read(&files, &[]);
+    let mut keys: BTreeSet<ResourceKey> = w.current.keys().cloned().collect();
+    w.keys_of(&files, &mut keys);
+    w.reconcile(keys);
+    let mut first: Vec<Update> = w.current.values().cloned().map(Update::Apply).collect();
+    tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
-    if engine.send(Input::Datastore(first)).await.is_err() {
+    if engine.blocking_send(Input::Datastore(first)).is_err() {
         return;
     }
-    let mut tick = tokio::time::interval(interval);
     // The listing of the previous poll, and for how many polls it has kept changing.
     let mut last = seen.clone();
     let mut unsettled = 0;
     loop {
-        tick.tick().await;
-        let now = listing(&dir);
+        std::thread::sleep(interval);
+        if engine.is_closed() {
+            return;
+        }
+        let now = w.listing();
         if now == seen {
             last = now;
             unsettled = 0;
@@ -174,36 +315,12 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
             .cloned()
             .collect();
         seen = now;
-        let fresh = load_files(&changed, &mut problems, &by_file);
-        // Only the keys of the files that changed can change.
-        let mut keys: BTreeSet<ResourceKey> = BTreeSet::new();
-        for f in changed.iter().chain(&gone) {
-            if let Some(old) = by_file.get(f) {
-                keys.extend(old.keys().cloned());
-            }
-        }
-        for objects in fresh.values() {
-            keys.extend(objects.keys().cloned());
-        }
-        let before: BTreeMap<ResourceKey, Option<Resource>> = keys
-            .iter()
-            .map(|k| (k.clone(), winner(&by_file, k).cloned()))
-            .collect();
-        for f in &gone {
-            by_file.remove(f);
-            problems.remove(f);
-        }
-        by_file.extend(fresh);
-        let mut updates = Vec::new();
-        for (k, old) in before {
-            match (old, winner(&by_file, &k)) {
-                (old, Some(new)) if old.as_ref() != Some(new) => {
-                    updates.push(Update::Apply(new.clone()))
-                }
-                (Some(_), None) => updates.push(Update::Delete(k)),
-                _ => {}
-            }
-        }
+        let mut keys = BTreeSet::new();
+        w.keys_of(&changed, &mut keys);
+        w.keys_of(&gone, &mut keys);
+        w.read(&changed, &gone);
+        w.keys_of(&changed, &mut keys);
+        let updates = w.reconcile(keys);
         if updates.is_empty() {
             continue;
         }
@@ -212,7 +329,7 @@ pub async fn run(dir: PathBuf, interval: Duration, engine: mpsc::Sender<Input>) 
             files = changed.len() + gone.len(),
             "file datastore changed"
         );
-        if engine.send(Input::Datastore(updates)).await.is_err() {
+        if engine.blocking_send(Input::Datastore(updates)).is_err() {
             return;
         }
     }

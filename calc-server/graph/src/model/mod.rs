@@ -167,9 +167,17 @@ impl ResourceKey {
 /// `Kind ns/name` or `Kind name`: the form every error message uses.
 impl fmt::Display for ResourceKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Keys of invalid objects are shown in logs: their names are not yet validated.
+        use crate::untrusted::Untrusted;
         match &self.namespace {
-            Some(ns) => write!(f, "{} {}/{}", self.kind, ns, self.name),
-            None => write!(f, "{} {}", self.kind, self.name),
+            Some(ns) => write!(
+                f,
+                "{} {}/{}",
+                self.kind,
+                Untrusted(ns),
+                Untrusted(&self.name)
+            ),
+            None => write!(f, "{} {}", self.kind, Untrusted(&self.name)),
         }
     }
 }

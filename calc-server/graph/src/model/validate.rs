@@ -18,6 +18,9 @@ use super::{
 };
 use crate::selector;
 
+/// Largest total size of an object's (or a rule's) annotations, keys and values together.
+pub const MAX_ANNOTATIONS_BYTES: usize = 256 * 1024;
+
 /// One problem: where and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldError {
@@ -102,9 +105,11 @@ const DNS1123_SUBDOMAIN_MAX: usize = 253;
 
 impl Validator {
     fn err(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        // Messages quote the offending value: bounded here so a 50 MB label value is not
+        // echoed whole into every log line and status that shows the error.
         self.errors.push(FieldError {
-            path: path.into(),
-            message: message.into(),
+            path: crate::untrusted::clip(path.into(), 512),
+            message: crate::untrusted::clip(message.into(), 1024),
         });
     }
 
@@ -169,6 +174,14 @@ impl Validator {
                     format!("invalid label value {val:?}: {e}"),
                 );
             }
+        }
+        // Kubernetes' (and so Calico's) limit on an object's annotations, all together.
+        let size: usize = m.annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if size > MAX_ANNOTATIONS_BYTES {
+            self.err(
+                "metadata.annotations",
+                format!("total size {size} bytes exceeds {MAX_ANNOTATIONS_BYTES}"),
+            );
         }
         for k in m.annotations.keys() {
             if let Err(e) = qualified_name(&k.to_ascii_lowercase()) {
@@ -471,10 +484,10 @@ impl Validator {
         if let Some(m) = &r.metadata {
             // Calico's limit on annotations (Kubernetes' total size rule).
             let size: usize = m.annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
-            if size > 256 * 1024 {
+            if size > MAX_ANNOTATIONS_BYTES {
                 self.err(
                     format!("{p}.metadata.annotations"),
-                    format!("total size {size} bytes exceeds 262144"),
+                    format!("total size {size} bytes exceeds {MAX_ANNOTATIONS_BYTES}"),
                 );
             }
             for k in m.annotations.keys() {
