@@ -156,7 +156,11 @@ mod tests {
         let text = format!(
             "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: {name}}}\nspec: {{selector: \"{selector}\", ingress: [{{action: Deny}}]}}\n"
         );
-        match calc_graph::manifest::parse_manifest(&text).unwrap().remove(0).outcome {
+        match calc_graph::manifest::parse_manifest(&text)
+            .unwrap()
+            .remove(0)
+            .outcome
+        {
             Outcome::Valid(k, r) => (k, r),
             other => panic!("{other:?}"),
         }

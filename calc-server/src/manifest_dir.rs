@@ -169,7 +169,8 @@ fn walk_dir(
             Ok(m) => m,
             Err(err) => {
                 if is_manifest(&e) {
-                    out.problems.push(problem(&e, format!("cannot read: {err}")));
+                    out.problems
+                        .push(problem(&e, format!("cannot read: {err}")));
                 }
                 continue;
             }

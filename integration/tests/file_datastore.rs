@@ -55,17 +55,23 @@ fn an_invalid_policy_keeps_its_last_good_version_across_a_restart() {
     agent.wait_for("in sync", |s| s["in_sync"] == true);
     assert!(policies(&agent.state().unwrap()).contains(&POLICY.to_string()));
     break_policy(ds.path());
-    wait_until("the invalid policy reported as held", Duration::from_secs(10), || {
-        datastore_health(&server)["held_last_good"]
-            .to_string()
-            .contains("allow-postgres")
-    });
+    wait_until(
+        "the invalid policy reported as held",
+        Duration::from_secs(10),
+        || {
+            datastore_health(&server)["held_last_good"]
+                .to_string()
+                .contains("allow-postgres")
+        },
+    );
     // Restarted while the policy is invalid: the store gives its last good version back.
     drop(server);
     let server = Server::start_on(ds.path(), port, &[]);
     let health = datastore_health(&server);
     assert!(
-        health["held_last_good"].to_string().contains("allow-postgres"),
+        health["held_last_good"]
+            .to_string()
+            .contains("allow-postgres"),
         "{health}"
     );
     assert_eq!(health["without_last_good"], serde_json::json!([]));
@@ -82,10 +88,15 @@ fn an_invalid_policy_keeps_its_last_good_version_across_a_restart() {
         "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: deny-new}\nspec: {selector: 'app ==', ingress: [{action: Deny}]}\n",
     )
     .unwrap();
-    wait_until("the readiness body names it", Duration::from_secs(10), || {
-        http_get(&server.admin, "/readiness")
-            .is_some_and(|(code, body)| code == 200 && body.contains("GlobalNetworkPolicy deny-new"))
-    });
+    wait_until(
+        "the readiness body names it",
+        Duration::from_secs(10),
+        || {
+            http_get(&server.admin, "/readiness").is_some_and(|(code, body)| {
+                code == 200 && body.contains("GlobalNetworkPolicy deny-new")
+            })
+        },
+    );
     let (_, metrics) = http_get(&server.admin, "/metrics").unwrap();
     assert!(
         metrics.contains("calc_server_objects_without_last_good 1\n"),
@@ -174,10 +185,16 @@ fn a_hostile_directory_neither_stalls_the_server_nor_delays_a_good_change() {
         "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkSet\nmetadata: {name: \"evil\\n2026-01-01T00:00:00Z  INFO forged line\"}\nspec: {nets: [10.0.0.0/8]}\n",
     )
     .unwrap();
-    wait_until("the hostile files reported", Duration::from_secs(20), || {
-        let log = server.log_text();
-        log.contains("bomb-9.yaml") && log.contains("huge-label.yaml") && log.contains("forged.yaml")
-    });
+    wait_until(
+        "the hostile files reported",
+        Duration::from_secs(20),
+        || {
+            let log = server.log_text();
+            log.contains("bomb-9.yaml")
+                && log.contains("huge-label.yaml")
+                && log.contains("forged.yaml")
+        },
+    );
     // The server answers and a good change reaches the agent promptly, while all of it stays.
     assert!(http_get(&server.admin, "/liveness").is_some_and(|(c, _)| c == 200));
     let path = ds.path().join("policies.yaml");
@@ -197,8 +214,15 @@ fn a_hostile_directory_neither_stalls_the_server_nor_delays_a_good_change() {
     assert!(took < Duration::from_secs(1), "a good change took {took:?}");
     let log = server.log_text();
     // Each problem once (not every poll), no line echoing the 50 MB value, no forged line.
-    assert_eq!(log.matches("a symlinked directory; skipped").count(), 2, "{log}");
-    assert!(log.lines().all(|l| l.len() < 8192), "a log line is too long");
+    assert_eq!(
+        log.matches("a symlinked directory; skipped").count(),
+        2,
+        "{log}"
+    );
+    assert!(
+        log.lines().all(|l| l.len() < 8192),
+        "a log line is too long"
+    );
     assert!(
         !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00Z")),
         "a name forged a log line"

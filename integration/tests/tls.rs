@@ -590,9 +590,9 @@ fn stalled_handshakes_are_dropped_and_delay_nobody() {
 }
 
 #[test]
-fn connection_limit_closes_extra_connections() {
+fn pending_connection_limit_closes_extra_connections() {
     let ds = example_datastore();
-    let server = Server::start(ds.path(), &["--max-connections", "2"]);
+    let server = Server::start(ds.path(), &["--max-pending-connections", "2"]);
     let addr = server.grpc.trim_start_matches("http://").to_string();
     let _a = TcpStream::connect(&addr).unwrap();
     let _b = TcpStream::connect(&addr).unwrap();
@@ -604,7 +604,7 @@ fn connection_limit_closes_extra_connections() {
     );
     let text = http_get(&server.admin, "/metrics").unwrap().1;
     assert!(
-        text.contains("calc_server_connections_refused_total{reason=\"limit\"} 1"),
+        text.contains("calc_server_connections_refused_total{reason=\"pending_limit\"} 1"),
         "{text}"
     );
 }

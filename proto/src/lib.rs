@@ -20,6 +20,9 @@ pub mod felix {
 
 pub use felix::*;
 
+/// The prost version the messages are generated with (for `Message::encoded_len` and friends).
+pub use prost;
+
 /// The encoded `FileDescriptorSet` of `felixbackend.proto`, for reflection and tests.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/felixbackend_descriptor.bin"));

@@ -77,14 +77,19 @@ pub fn for_each_entry(text: &str, mut f: impl FnMut(Entry)) -> Result<(), Syntax
     } else if trimmed.starts_with('{') {
         push_doc(0, serde_json::from_str(trimmed)?);
     } else {
-        let docs = serde_saphyr::from_multiple_with_options::<serde_json::Value>(text, yaml_limits())
-            .map_err(|e| {
-                // The first line says what and where; the rest is a source snippet that may
-                // quote hostile text.
-                let e = e.to_string();
-                let first = e.lines().next().unwrap_or_default().trim_start_matches("error: ");
-                SyntaxError::Yaml(crate::untrusted::clip(first.to_string(), 1024))
-            })?;
+        let docs =
+            serde_saphyr::from_multiple_with_options::<serde_json::Value>(text, yaml_limits())
+                .map_err(|e| {
+                    // The first line says what and where; the rest is a source snippet that may
+                    // quote hostile text.
+                    let e = e.to_string();
+                    let first = e
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .trim_start_matches("error: ");
+                    SyntaxError::Yaml(crate::untrusted::clip(first.to_string(), 1024))
+                })?;
         for (i, doc) in docs.into_iter().enumerate() {
             push_doc(i, doc);
         }

@@ -64,7 +64,11 @@ async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
             "ready, degraded: {} invalid objects have no last good version and are not in force: {}{}\n",
             health.without_last_good.len(),
             shown.join(", "),
-            if health.without_last_good.len() > shown.len() { ", …" } else { "" }
+            if health.without_last_good.len() > shown.len() {
+                ", …"
+            } else {
+                ""
+            }
         ),
     )
 }

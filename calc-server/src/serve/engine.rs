@@ -2,8 +2,8 @@
 //!
 //! It receives datastore updates, agent connections and disconnections, applies them to the
 //! graph, flushes, and hands each node's batch to that node's connection. Each connection has
-//! an unbounded queue whose length is tracked: when an agent falls further behind than the
-//! backlog limit, its stream is closed with RESOURCE_EXHAUSTED and its node unsubscribed, so a
+//! an unbounded queue whose length is tracked in messages and encoded bytes: when an agent falls
+//! further behind than either backlog limit, its stream is closed with RESOURCE_EXHAUSTED and its node unsubscribed, so a
 //! stalled agent costs bounded memory; the agent reconnects and receives a fresh snapshot.
 //! A second connection for a node replaces the first (closed with ABORTED).
 //! Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
@@ -23,7 +23,8 @@ use super::status::Board;
 
 /// What a connection's outgoing stream carries.
 pub enum Out {
-    Msg(SharedMessage),
+    /// A message and its encoded size.
+    Msg(SharedMessage, u64),
     /// End the stream with this status.
     Close(Status),
 }
@@ -36,17 +37,27 @@ pub struct Conn {
     pub taken: Arc<AtomicU64>,
     /// Messages the engine has queued (shared with the metrics: lag = queued - taken).
     pub queued: Arc<AtomicU64>,
+    /// Encoded bytes queued, and taken by the stream: the backlog in bytes.
+    pub queued_bytes: u64,
+    pub taken_bytes: Arc<AtomicU64>,
     /// Where the node's snapshot ends in the queue, once it has been queued.
     pub snapshot_end: Option<u64>,
 }
 
 impl Conn {
-    pub fn new(id: u64, tx: mpsc::UnboundedSender<Out>, taken: Arc<AtomicU64>) -> Conn {
+    pub fn new(
+        id: u64,
+        tx: mpsc::UnboundedSender<Out>,
+        taken: Arc<AtomicU64>,
+        taken_bytes: Arc<AtomicU64>,
+    ) -> Conn {
         Conn {
             id,
             tx,
             taken,
             queued: Arc::new(AtomicU64::new(0)),
+            queued_bytes: 0,
+            taken_bytes,
             snapshot_end: None,
         }
     }
@@ -55,6 +66,11 @@ impl Conn {
         self.queued
             .load(Ordering::Relaxed)
             .saturating_sub(self.taken.load(Ordering::Relaxed))
+    }
+
+    fn backlog_bytes(&self) -> u64 {
+        self.queued_bytes
+            .saturating_sub(self.taken_bytes.load(Ordering::Relaxed))
     }
 }
 
@@ -84,6 +100,7 @@ pub struct Engine {
     conns: HashMap<String, Conn>,
     board: Arc<Board>,
     backlog_limit: usize,
+    backlog_bytes_limit: u64,
     /// Whether a node not in the datastore may connect (it then gets config and InSync only).
     allow_unknown_nodes: bool,
     /// Set once the datastore's snapshot is in the graph (readiness).
@@ -100,6 +117,7 @@ impl Engine {
     pub fn new(
         board: Arc<Board>,
         backlog_limit: usize,
+        backlog_bytes_limit: u64,
         allow_unknown_nodes: bool,
         ready: Arc<std::sync::atomic::AtomicBool>,
         max_concurrent_snapshots: usize,
@@ -110,6 +128,7 @@ impl Engine {
             conns: HashMap::new(),
             board,
             backlog_limit,
+            backlog_bytes_limit,
             allow_unknown_nodes,
             ready,
             max_concurrent_snapshots: max_concurrent_snapshots.max(1),
@@ -284,34 +303,51 @@ impl Engine {
         let board = &self.board;
         let snapshotting = &self.snapshotting;
         let limit = self.backlog_limit as u64;
+        let bytes_limit = self.backlog_bytes_limit;
         let metrics = &self.metrics;
         let mut overflowed = Vec::new();
+        // A shared message is sized once per flush however many nodes it goes to.
+        let mut sizes: HashMap<*const felix_proto::ToDataplane, u64> = HashMap::new();
         self.graph.flush_with(|batch| {
             let Some(conn) = conns.get_mut(&batch.node) else {
                 return;
             };
             let n = batch.messages.len() as u64;
-            let backlog = conn.backlog();
-            if backlog + n > limit && backlog > 0 {
-                overflowed.push(batch.node.clone());
+            let sized: Vec<(SharedMessage, u64)> = batch
+                .messages
+                .into_iter()
+                .map(|m| {
+                    let len = *sizes
+                        .entry(Arc::as_ptr(&m))
+                        .or_insert_with(|| felix_proto::prost::Message::encoded_len(&*m) as u64);
+                    (m, len)
+                })
+                .collect();
+            let bytes: u64 = sized.iter().map(|(_, l)| l).sum();
+            let (backlog, backlog_bytes) = (conn.backlog(), conn.backlog_bytes());
+            // An empty queue always takes the batch: a snapshot larger than the limits must
+            // still be deliverable.
+            if backlog > 0 && (backlog + n > limit || backlog_bytes + bytes > bytes_limit) {
+                overflowed.push((batch.node.clone(), backlog, backlog_bytes));
                 return;
             }
             let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
+            conn.queued_bytes += bytes;
             metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
             // The node's first batch after it was admitted is its snapshot.
             if conn.snapshot_end.is_none() && snapshotting.contains(&batch.node) {
                 conn.snapshot_end = Some(queued);
             }
             board.sent(&batch.node, n);
-            for m in batch.messages {
-                let _ = conn.tx.send(Out::Msg(m));
+            for (m, len) in sized {
+                let _ = conn.tx.send(Out::Msg(m, len));
             }
         });
-        for node in overflowed {
+        for (node, backlog, backlog_bytes) in overflowed {
             if let Some(conn) = self.drop_conn(&node) {
-                tracing::warn!(%node, limit, "agent fell too far behind; closing its stream so it resyncs");
+                tracing::warn!(%node, backlog, backlog_bytes, limit, bytes_limit, "agent fell too far behind; closing its stream so it resyncs");
                 let _ = conn.tx.send(Out::Close(Status::resource_exhausted(format!(
-                    "node {node} fell more than {limit} messages behind; reconnect for a fresh snapshot"
+                    "node {node} fell more than {limit} messages or {bytes_limit} bytes behind; reconnect for a fresh snapshot"
                 ))));
             }
         }

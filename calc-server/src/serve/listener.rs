@@ -1,28 +1,36 @@
-//! The Sync listener: TCP accept, optional mutual TLS, connection limit, handshake timeout, and
-//! the node identity taken from the client certificate.
+//! The Sync listener: TCP accept, optional mutual TLS, connection limits, handshake deadlines,
+//! and the node identity taken from the client certificate.
 //!
 //! Handshakes are done here rather than inside tonic so that each one runs in its own task with
-//! its own deadline (`--tls-handshake-timeout`): a client that opens a socket and sends nothing,
-//! or stalls half way, is dropped when its deadline passes and never delays anyone else. Only
-//! established connections reach the gRPC server, each carrying a [`PeerInfo`] (peer address
-//! and, with TLS, the node name its certificate proves) that the service reads from the request.
+//! its own deadline (`--tls-handshake-timeout`): the TLS handshake (with TLS) and the HTTP/2
+//! client preface must both arrive in time, or the socket is closed; a client that opens a
+//! socket and sends nothing, or stalls half way, never delays anyone else. Only established
+//! connections reach the gRPC server, each carrying a [`PeerInfo`] (peer address, with TLS the
+//! node name its certificate proves, and its [`Admission`]) that the service reads.
+//!
+//! Admission: a connection is *pending* until the service accepts an AgentHello on it. Pending
+//! connections are limited in all (`--max-pending-connections`) and per source address
+//! (`--max-pending-per-address`), and one still pending after the handshake and hello timeouts is
+//! closed. Accepted agents hold one of `--max-connections` slots, which pending connections
+//! never touch: a flood of idle or handshaking sockets cannot lock out agents.
 //!
 //! With `--tls-*` every client must present a certificate that chains to `--tls-ca-file`
 //! (and is valid now, for client authentication); there is no plaintext fallback.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -53,12 +61,29 @@ pub struct ListenerArgs {
         value_name = "PREFIX"
     )]
     pub tls_client_uri_san_prefix: Option<String>,
-    /// Time a client has to complete the TLS handshake before its socket is closed.
+    /// Time a client has to complete the TLS handshake (with TLS) and send the HTTP/2 preface
+    /// (plaintext too) before its socket is closed.
     #[arg(long, env = "CALC_SERVER_TLS_HANDSHAKE_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub tls_handshake_timeout: Duration,
-    /// Most connections (established or handshaking) at once; further ones are closed at once.
+    /// Most agents (connections whose AgentHello was accepted) at once; a further hello is
+    /// refused with RESOURCE_EXHAUSTED. Pending connections do not count here.
     #[arg(long, env = "CALC_SERVER_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+    /// Most connections not yet accepted as agents (handshaking, or waiting for their hello) at
+    /// once; further ones are closed at once.
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_PENDING_CONNECTIONS",
+        default_value_t = 1024
+    )]
+    pub max_pending_connections: usize,
+    /// Most pending connections from one source address.
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_PENDING_PER_ADDRESS",
+        default_value_t = 64
+    )]
+    pub max_pending_per_address: usize,
     /// Most concurrent HTTP/2 streams per connection (an agent uses one).
     #[arg(long, env = "CALC_SERVER_MAX_CONCURRENT_STREAMS", default_value_t = 16)]
     pub max_concurrent_streams: u32,
@@ -79,6 +104,121 @@ pub struct PeerInfo {
     pub remote: Option<SocketAddr>,
     /// With TLS: the node the client certificate names, or why it names none.
     pub identity: Option<Result<String, String>>,
+    /// The connection's slot; the service admits it on an accepted hello.
+    pub admission: Option<Arc<Admission>>,
+}
+
+/// The limits that admit connections (see the module documentation).
+pub struct Limits {
+    metrics: Arc<Metrics>,
+    agents: Arc<Semaphore>,
+    pending: Arc<Semaphore>,
+    per_address: Mutex<HashMap<IpAddr, usize>>,
+    max_per_address: usize,
+}
+
+impl Limits {
+    pub fn new(
+        max_agents: usize,
+        max_pending: usize,
+        max_per_address: usize,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Limits> {
+        Arc::new(Limits {
+            metrics,
+            agents: Arc::new(Semaphore::new(max_agents.max(1))),
+            pending: Arc::new(Semaphore::new(max_pending.max(1))),
+            per_address: Mutex::new(HashMap::new()),
+            max_per_address: max_per_address.max(1),
+        })
+    }
+
+    /// A pending slot for a new connection from `ip`, or why there is none.
+    fn pending(self: &Arc<Self>, ip: IpAddr) -> Result<Arc<Admission>, &'static str> {
+        let permit = self
+            .pending
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "pending_limit")?;
+        let mut per = self.per_address.lock().expect("limits lock");
+        let n = per.entry(ip).or_default();
+        if *n >= self.max_per_address {
+            return Err("pending_per_address");
+        }
+        *n += 1;
+        Ok(Arc::new(Admission {
+            limits: self.clone(),
+            ip,
+            state: Mutex::new(Slot {
+                admitted: false,
+                _permit: permit,
+            }),
+        }))
+    }
+
+    fn release_address(&self, ip: IpAddr) {
+        let mut per = self.per_address.lock().expect("limits lock");
+        if let Some(n) = per.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                per.remove(&ip);
+            }
+        }
+    }
+}
+
+/// The slot a connection holds: pending, or an agent's (the permit is held for its Drop).
+struct Slot {
+    admitted: bool,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// One connection's place in the limits; released when the connection goes.
+pub struct Admission {
+    limits: Arc<Limits>,
+    ip: IpAddr,
+    state: Mutex<Slot>,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("ip", &self.ip)
+            .field("admitted", &self.admitted())
+            .finish()
+    }
+}
+
+impl Admission {
+    /// Moves the connection from pending to an agent slot (idempotent); `false` when every
+    /// agent slot is taken.
+    pub fn admit(&self) -> bool {
+        let mut state = self.state.lock().expect("admission lock");
+        if state.admitted {
+            return true;
+        }
+        let Ok(permit) = self.limits.agents.clone().try_acquire_owned() else {
+            return false;
+        };
+        *state = Slot {
+            admitted: true,
+            _permit: permit,
+        };
+        self.limits.release_address(self.ip);
+        true
+    }
+
+    fn admitted(&self) -> bool {
+        self.state.lock().expect("admission lock").admitted
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.state.get_mut().expect("admission lock").admitted {
+            self.limits.release_address(self.ip);
+        }
+    }
 }
 
 /// TLS settings ready to accept with.
@@ -223,12 +363,16 @@ fn uri_sans(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String>
     }
 }
 
-/// An accepted connection (plain or TLS) handed to the gRPC server. Holds its slot of
-/// `--max-connections` until dropped.
+/// An accepted connection (plain or TLS) handed to the gRPC server. Holds its admission (a
+/// pending or an agent slot) until dropped; while pending, reads fail once `deadline` passes,
+/// which makes the server close it.
 pub struct Connection {
     io: Io,
     info: PeerInfo,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    admission: Arc<Admission>,
+    /// The HTTP/2 preface, read to check it, handed to the server first.
+    replay: Option<(Vec<u8>, usize)>,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 enum Io {
@@ -249,6 +393,28 @@ impl AsyncRead for Connection {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if let Some((bytes, at)) = &mut self.replay {
+            let n = buf.remaining().min(bytes.len() - *at);
+            buf.put_slice(&bytes[*at..*at + n]);
+            *at += n;
+            if *at == bytes.len() {
+                self.replay = None;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(deadline) = &mut self.deadline
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            if !self.admission.admitted() {
+                self.admission.limits.metrics.refused("hello_timeout");
+                tracing::debug!(remote = ?self.info.remote, "no accepted AgentHello in time; connection closed");
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no accepted AgentHello within the hello timeout",
+                )));
+            }
+            self.deadline = None;
+        }
         match &mut self.io {
             Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
@@ -297,18 +463,43 @@ impl AsyncWrite for Connection {
     }
 }
 
+/// The HTTP/2 client connection preface (RFC 9113 section 3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Why the first bytes are not an HTTP/2 client: a hint for the log.
+fn not_http2(first: &[u8]) -> &'static str {
+    if first.first() == Some(&0x16) {
+        "a TLS client on a plaintext listener (set --tls-* here, or use http:// on the agent)"
+    } else if first.starts_with(b"GET ")
+        || first.starts_with(b"POST ")
+        || first.starts_with(b"HEAD ")
+    {
+        "an HTTP/1 request on the gRPC port (the admin endpoint is --admin-listen)"
+    } else {
+        "not an HTTP/2 client"
+    }
+}
+
+/// Timing of the accept path.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadlines {
+    /// TLS handshake and HTTP/2 preface, from accept.
+    pub handshake: Duration,
+    /// Then the accepted AgentHello.
+    pub hello: Duration,
+}
+
 /// Accepts connections on `listener` until the returned stream is dropped: each one gets a
-/// slot of `max_connections` (or is closed at once), then its TLS handshake runs in its own
-/// task under `handshake_timeout`. Only established connections come out of the stream.
+/// pending slot (or is closed at once), then its TLS handshake and HTTP/2 preface run in its own
+/// task under the handshake deadline. Only established connections come out of the stream.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<TlsSettings>,
-    max_connections: usize,
-    handshake_timeout: Duration,
+    limits: Arc<Limits>,
+    deadlines: Deadlines,
     metrics: Arc<Metrics>,
 ) -> ReceiverStream<io::Result<Connection>> {
     let (tx, rx) = mpsc::channel::<io::Result<Connection>>(64);
-    let slots = Arc::new(Semaphore::new(max_connections.max(1)));
     let tls = tls.map(Arc::new);
     tokio::spawn(async move {
         loop {
@@ -325,66 +516,112 @@ pub fn incoming(
                     continue;
                 }
             };
-            let Ok(permit) = slots.clone().try_acquire_owned() else {
-                metrics.refused_limit.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%remote, max_connections, "connection limit reached; closing the new connection");
-                drop(tcp);
-                continue;
+            let admission = match limits.pending(remote.ip()) {
+                Ok(a) => a,
+                Err(reason) => {
+                    metrics.refused(reason);
+                    tracing::debug!(%remote, reason, "too many pending connections; closing the new one");
+                    continue;
+                }
             };
             let _ = tcp.set_nodelay(true);
-            let Some(tls) = tls.clone() else {
-                let conn = Connection {
-                    io: Io::Plain(tcp),
-                    info: PeerInfo {
-                        remote: Some(remote),
-                        identity: None,
-                    },
-                    _permit: permit,
-                };
-                if tx.send(Ok(conn)).await.is_err() {
-                    return;
-                }
-                continue;
-            };
-            let tx = tx.clone();
-            let metrics = metrics.clone();
+            let (tx, tls, metrics) = (tx.clone(), tls.clone(), metrics.clone());
             tokio::spawn(async move {
-                let started = std::time::Instant::now();
-                match tokio::time::timeout(handshake_timeout, tls.acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => {
-                        let identity = stream
-                            .get_ref()
-                            .1
-                            .peer_certificates()
-                            .and_then(|c| c.first())
-                            .map(|leaf| node_identity(leaf.as_ref(), &tls.identity))
-                            .unwrap_or_else(|| Err("no client certificate".to_string()));
-                        tracing::debug!(%remote, ?identity, elapsed = ?started.elapsed(), "TLS handshake done");
-                        let conn = Connection {
-                            io: Io::Tls(Box::new(stream)),
-                            info: PeerInfo {
-                                remote: Some(remote),
-                                identity: Some(identity),
-                            },
-                            _permit: permit,
-                        };
+                let started = tokio::time::Instant::now();
+                match establish(
+                    tcp,
+                    tls.as_deref(),
+                    remote,
+                    admission,
+                    started + deadlines.handshake,
+                )
+                .await
+                {
+                    Ok(mut conn) => {
+                        tracing::debug!(%remote, identity = ?conn.info.identity, elapsed = ?started.elapsed(), "connection established");
+                        conn.deadline = Some(Box::pin(tokio::time::sleep_until(
+                            started + deadlines.handshake + deadlines.hello,
+                        )));
                         let _ = tx.send(Ok(conn)).await;
                     }
-                    Ok(Err(error)) => {
-                        metrics.refused_handshake.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%remote, %error, "TLS handshake failed; connection closed");
-                    }
-                    Err(_) => {
-                        metrics
-                            .refused_handshake_timeout
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%remote, timeout = ?handshake_timeout, "TLS handshake not completed in time; connection closed");
+                    Err((reason, error)) => {
+                        metrics.refused(reason);
+                        tracing::warn!(%remote, %error, "connection closed during its handshake");
                     }
                 }
             });
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// The TLS handshake (with TLS) and the HTTP/2 preface, both by `deadline`; on failure the
+/// metric reason and a message for the log.
+async fn establish(
+    tcp: TcpStream,
+    tls: Option<&TlsSettings>,
+    remote: SocketAddr,
+    admission: Arc<Admission>,
+    deadline: tokio::time::Instant,
+) -> Result<Connection, (&'static str, String)> {
+    let (mut io, identity) = match tls {
+        None => (Io::Plain(tcp), None),
+        Some(tls) => {
+            let stream = tokio::time::timeout_at(deadline, tls.acceptor.accept(tcp))
+                .await
+                .map_err(|_| {
+                    (
+                        "tls_handshake_timeout",
+                        "TLS handshake not completed in time; connection closed".to_string(),
+                    )
+                })?
+                .map_err(|e| ("tls_handshake", format!("TLS handshake failed: {e}")))?;
+            let identity = stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|leaf| node_identity(leaf.as_ref(), &tls.identity))
+                .unwrap_or_else(|| Err("no client certificate".to_string()));
+            (Io::Tls(Box::new(stream)), Some(identity))
+        }
+    };
+    let mut first = vec![0u8; PREFACE.len()];
+    let read = async {
+        match &mut io {
+            Io::Plain(s) => s.read_exact(&mut first).await,
+            Io::Tls(s) => s.read_exact(&mut first).await,
+        }
+    };
+    match tokio::time::timeout_at(deadline, read).await {
+        Err(_) => {
+            return Err((
+                "preface_timeout",
+                "no HTTP/2 preface in time (an idle socket); connection closed".into(),
+            ));
+        }
+        Ok(Err(e)) => {
+            return Err((
+                "not_http2",
+                format!("closed before the HTTP/2 preface: {e}"),
+            ));
+        }
+        Ok(Ok(_)) => {}
+    }
+    if first != PREFACE {
+        return Err(("not_http2", not_http2(&first).to_string()));
+    }
+    Ok(Connection {
+        io,
+        info: PeerInfo {
+            remote: Some(remote),
+            identity,
+            admission: Some(admission.clone()),
+        },
+        admission,
+        replay: Some((first, 0)),
+        deadline: None,
+    })
 }
 
 #[cfg(test)]
@@ -435,6 +672,8 @@ mod tests {
             tls_client_uri_san_prefix: None,
             tls_handshake_timeout: Duration::from_secs(10),
             max_connections: 1,
+            max_pending_connections: 1,
+            max_pending_per_address: 1,
             max_concurrent_streams: 1,
         };
         assert!(args(None, None, None).tls().unwrap().is_none());

@@ -65,6 +65,22 @@ struct AgentQueue {
     taken: Arc<AtomicU64>,
 }
 
+/// Why a connection or stream was refused before it became an agent's:
+/// `limit` (every agent slot taken at hello), `pending_limit` and `pending_per_address`
+/// (too many connections not yet agents), `tls_handshake` (failed), `tls_handshake_timeout`
+/// (too slow), `preface_timeout` (no HTTP/2 preface in time), `not_http2` (not an HTTP/2
+/// client), `hello_timeout` (no accepted AgentHello in time).
+pub const REFUSAL_REASONS: [&str; 8] = [
+    "limit",
+    "pending_limit",
+    "pending_per_address",
+    "tls_handshake",
+    "tls_handshake_timeout",
+    "preface_timeout",
+    "not_http2",
+    "hello_timeout",
+];
+
 #[derive(Default)]
 pub struct Metrics {
     /// Datastore updates applied to the graph (including rejected ones).
@@ -77,12 +93,8 @@ pub struct Metrics {
     pub rejected_decode: Arc<AtomicU64>,
     /// Time the engine spent applying one burst of inputs and flushing.
     pub calc_seconds: Histogram,
-    /// Connections closed at accept because `--max-connections` were open.
-    pub refused_limit: AtomicU64,
-    /// TLS handshakes that failed (bad, expired or missing certificate, not TLS, …).
-    pub refused_handshake: AtomicU64,
-    /// TLS handshakes not completed within `--tls-handshake-timeout`.
-    pub refused_handshake_timeout: AtomicU64,
+    /// Connections closed before the gRPC layer, by reason (see [`REFUSAL_REASONS`]).
+    refused: [AtomicU64; REFUSAL_REASONS.len()],
     /// Streams refused with PERMISSION_DENIED (certificate identity vs hello or reports).
     pub permission_denied: AtomicU64,
     /// Messages sent to agents (all streams).
@@ -132,6 +144,13 @@ impl Metrics {
             .is_some_and(|a| conn_id.is_none_or(|id| a.conn_id == id))
         {
             agents.remove(node);
+        }
+    }
+
+    /// Counts a refusal; `reason` is one of [`REFUSAL_REASONS`].
+    pub fn refused(&self, reason: &str) {
+        if let Some(i) = REFUSAL_REASONS.iter().position(|r| *r == reason) {
+            self.refused[i].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -199,11 +218,15 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP calc_server_connections_refused_total Connections closed before the gRPC layer, by reason.\n# TYPE calc_server_connections_refused_total counter\ncalc_server_connections_refused_total{{reason=\"limit\"}} {}\ncalc_server_connections_refused_total{{reason=\"tls_handshake\"}} {}\ncalc_server_connections_refused_total{{reason=\"tls_handshake_timeout\"}} {}",
-            c(&self.refused_limit),
-            c(&self.refused_handshake),
-            c(&self.refused_handshake_timeout)
+            "# HELP calc_server_connections_refused_total Connections closed before they became an agent's, by reason.\n# TYPE calc_server_connections_refused_total counter"
         );
+        for (reason, n) in REFUSAL_REASONS.iter().zip(&self.refused) {
+            let _ = writeln!(
+                out,
+                "calc_server_connections_refused_total{{reason=\"{reason}\"}} {}",
+                c(n)
+            );
+        }
         let health = self.last_good();
         let _ = writeln!(
             out,

@@ -57,6 +57,14 @@ pub struct ServeArgs {
         default_value_t = 200_000
     )]
     pub agent_backlog_limit: usize,
+    /// An agent that falls this many bytes (encoded messages) behind is disconnected and resent
+    /// a snapshot: a stalled agent costs at most this much memory beyond shared messages.
+    #[arg(
+        long,
+        env = "CALC_SERVER_AGENT_BACKLOG_BYTES",
+        default_value_t = 256 * 1024 * 1024
+    )]
+    pub agent_backlog_bytes: u64,
     /// How many nodes' snapshots may be in flight at once (others wait their turn).
     #[arg(
         long,
@@ -72,8 +80,8 @@ pub struct ServeArgs {
     pub keepalive_interval: Duration,
     #[arg(long, env = "CALC_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
-    /// Largest message accepted from an agent.
-    #[arg(long, env = "CALC_SERVER_MAX_RECV_BYTES", default_value_t = 4 * 1024 * 1024)]
+    /// Largest message accepted from an agent (reports are small: a status, a heartbeat).
+    #[arg(long, env = "CALC_SERVER_MAX_RECV_BYTES", default_value_t = 64 * 1024)]
     pub max_recv_bytes: usize,
     /// Accept agents for nodes the datastore does not know (they get config and InSync only).
     #[arg(long, env = "CALC_SERVER_ALLOW_UNKNOWN_NODES")]
@@ -166,6 +174,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let engine = engine::Engine::new(
         board.clone(),
         args.agent_backlog_limit,
+        args.agent_backlog_bytes,
         args.allow_unknown_nodes,
         ready.clone(),
         args.max_concurrent_snapshots,
@@ -239,11 +248,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 Some(d) => Some(d.clone()),
                 None => Some(dir.join("status").join("last-good")),
             };
-            let (engine, interval, metrics) = (
-                engine_tx.clone(),
-                args.file_poll_interval,
-                metrics.clone(),
-            );
+            let (engine, interval, metrics) =
+                (engine_tx.clone(), args.file_poll_interval, metrics.clone());
             let watched = dir.clone();
             // Reading and parsing files is blocking work: its own thread, off the runtime.
             tokio::task::spawn_blocking(move || {
@@ -290,11 +296,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         "calc-server: serving {source} on {} ({scheme}; admin http://{})",
         args.listen, args.admin_listen
     );
+    let limits = listener::Limits::new(
+        args.listener.max_connections,
+        args.listener.max_pending_connections,
+        args.listener.max_pending_per_address,
+        metrics.clone(),
+    );
     let incoming = listener::incoming(
         listener,
         tls,
-        args.listener.max_connections,
-        args.listener.tls_handshake_timeout,
+        limits,
+        listener::Deadlines {
+            handshake: args.listener.tls_handshake_timeout,
+            hello: args.hello_timeout,
+        },
         metrics,
     );
 

@@ -28,6 +28,7 @@ use super::engine::{Conn, Input, Out};
 use super::listener::PeerInfo;
 use super::metrics::Metrics;
 use super::status::Board;
+use calc_graph::untrusted::Untrusted;
 
 pub const CAPABILITIES: &[&str] = &[];
 
@@ -69,6 +70,28 @@ fn foreign_report(m: &pb::FromDataplane, sent: &SentEndpoints) -> Option<String>
     (!known).then(|| key[2..].to_string())
 }
 
+/// Longest text field accepted in a report (a status is `up`/`down`/`error`, a timestamp is
+/// RFC 3339): anything longer is refused, not stored and served back from `/status`.
+const MAX_REPORT_TEXT: usize = 64;
+
+/// A report field longer than [`MAX_REPORT_TEXT`]: which one.
+fn oversized_report(m: &pb::FromDataplane) -> Option<&'static str> {
+    let too_long = |s: &str| s.len() > MAX_REPORT_TEXT;
+    let status = |s: &Option<pb::EndpointStatus>| s.as_ref().is_some_and(|s| too_long(&s.status));
+    match &m.payload {
+        Some(FromPayload::ProcessStatusUpdate(p)) if too_long(&p.iso_timestamp) => {
+            Some("ProcessStatusUpdate.iso_timestamp")
+        }
+        Some(FromPayload::WorkloadEndpointStatusUpdate(u)) if status(&u.status) => {
+            Some("WorkloadEndpointStatusUpdate.status")
+        }
+        Some(FromPayload::HostEndpointStatusUpdate(u)) if status(&u.status) => {
+            Some("HostEndpointStatusUpdate.status")
+        }
+        _ => None,
+    }
+}
+
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Send>>;
 
 /// The outgoing stream: the ServerHello, then the node's queue, numbering every message;
@@ -78,6 +101,7 @@ struct Outgoing {
     hello: Option<pb::ToDataplane>,
     rx: mpsc::UnboundedReceiver<Out>,
     taken: Arc<AtomicU64>,
+    taken_bytes: Arc<AtomicU64>,
     seq: u64,
     done: bool,
     sent_endpoints: SentEndpoints,
@@ -100,8 +124,9 @@ impl Stream for Outgoing {
             return Poll::Ready(Some(Ok(hello)));
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Out::Msg(m))) => {
+            Poll::Ready(Some(Out::Msg(m, len))) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
+                self.taken_bytes.fetch_add(len, Ordering::Relaxed);
                 match &m.payload {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
@@ -141,12 +166,14 @@ fn outgoing(
     hello: pb::ToDataplane,
     rx: mpsc::UnboundedReceiver<Out>,
     taken: Arc<AtomicU64>,
+    taken_bytes: Arc<AtomicU64>,
     sent_endpoints: SentEndpoints,
 ) -> OutStream {
     Box::pin(Outgoing {
         hello: Some(hello),
         rx,
         taken,
+        taken_bytes,
         seq: 0,
         done: false,
         sent_endpoints,
@@ -163,6 +190,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
     ) -> Result<Response<Self::SyncStream>, Status> {
         let peer_info = request.extensions().get::<PeerInfo>().cloned();
         let peer = peer_info.as_ref().and_then(|p| p.remote);
+        let admission = peer_info.as_ref().and_then(|p| p.admission.clone());
         let cert_node = peer_info.and_then(|p| p.identity);
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(self.hello_timeout, inbound.next())
@@ -197,7 +225,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 self.metrics
                     .permission_denied
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(?peer, hello_node = %hello.node_name, reason = %why, "refused: the client certificate names no node");
+                tracing::warn!(?peer, hello_node = %Untrusted(&hello.node_name), reason = %Untrusted(why), "refused: the client certificate names no node");
                 return Err(Status::permission_denied(format!(
                     "the client certificate names no node: {why}"
                 )));
@@ -207,7 +235,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
                 self.metrics
                     .permission_denied
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(?peer, certificate_node = %node, hello_node = %hello.node_name, "refused: AgentHello names another node than the client certificate");
+                tracing::warn!(?peer, certificate_node = %Untrusted(node), hello_node = %Untrusted(&hello.node_name), "refused: AgentHello names another node than the client certificate");
                 return Err(Status::permission_denied(format!(
                     "the client certificate is for node {node:?}; it may not sync node {:?}",
                     hello.node_name
@@ -218,14 +246,25 @@ impl pb::calc_server_server::CalcServer for SyncService {
         if !calc_graph::model::validate::is_subdomain(&hello.node_name) {
             return Err(Status::invalid_argument(format!(
                 "AgentHello.node_name {:?} is not a valid node name (a DNS subdomain)",
-                hello.node_name
+                Untrusted(&hello.node_name)
             )));
+        }
+        // A valid hello moves the connection from the pending pool to an agent slot.
+        if let Some(admission) = &admission
+            && !admission.admit()
+        {
+            self.metrics.refused("limit");
+            tracing::warn!(?peer, node = %Untrusted(&hello.node_name), "refused: every --max-connections agent slot is taken");
+            return Err(Status::resource_exhausted(
+                "calc-server has --max-connections agents connected; retry later",
+            ));
         }
         let node = hello.node_name.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
         let taken = Arc::new(AtomicU64::new(0));
+        let taken_bytes = Arc::new(AtomicU64::new(0));
         let sent_endpoints = SentEndpoints::default();
         // When the outgoing stream goes away (the agent left, or this handshake was abandoned
         // even after the engine accepted it), the engine forgets the connection.
@@ -249,7 +288,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
             .send(Input::Connect {
                 node: node.clone(),
                 agent_version: hello.agent_version.clone(),
-                conn: Conn::new(id, tx, taken.clone()),
+                conn: Conn::new(id, tx, taken.clone(), taken_bytes.clone()),
                 reply: reply_tx,
             })
             .await
@@ -258,7 +297,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
             .await
             .map_err(|_| Status::unavailable("calc-server is shutting down"))??;
         span.in_scope(|| {
-            tracing::info!(?peer, agent_version = %hello.agent_version, capabilities = ?hello.capabilities, tls = cert_node.is_some(), "agent connected")
+            tracing::info!(?peer, agent_version = %Untrusted(&hello.agent_version), capabilities = ?hello.capabilities.iter().take(32).map(|c| Untrusted(c)).collect::<Vec<_>>(), tls = cert_node.is_some(), "agent connected")
         });
 
         // Reports back: to the board. A protocol error ends the stream with its reason; an
@@ -281,6 +320,11 @@ impl pb::calc_server_server::CalcServer for SyncService {
                             break Some((why.clone(), Status::invalid_argument(why)));
                         }
                         last = m.sequence_number;
+                        if let Some(field) = oversized_report(&m) {
+                            let why = format!("{field} is longer than {MAX_REPORT_TEXT} bytes");
+                            span.in_scope(|| tracing::warn!(reason = %why, "refused a report"));
+                            break Some((why.clone(), Status::invalid_argument(why)));
+                        }
                         if let Some(endpoint) = foreign_report(&m, &sent) {
                             metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
                             span.in_scope(|| tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node"));
@@ -330,6 +374,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
             server_hello,
             rx,
             taken,
+            taken_bytes,
             sent_endpoints,
         )))
     }

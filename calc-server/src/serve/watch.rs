@@ -50,11 +50,15 @@ struct FileState {
     problems: BTreeSet<String>,
 }
 
-fn read_file(path: &PathBuf, before: Option<&FileState>) -> FileState {
+fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
     let mut report = manifest_dir::Report::default();
     manifest_dir::load_file(path, &mut report);
     let mut state = FileState {
-        objects: report.resources.into_iter().map(|(k, (_, r))| (k, r)).collect(),
+        objects: report
+            .resources
+            .into_iter()
+            .map(|(k, (_, r))| (k, r))
+            .collect(),
         invalid: report.invalid.into_keys().collect(),
         broken: !report.broken.is_empty(),
         problems: report.problems.iter().map(ToString::to_string).collect(),
@@ -137,7 +141,10 @@ impl Watcher {
             invalid |= f.invalid.contains(key);
         }
         if let Some(r) = winner {
-            return Desired::Valid(r.clone(), defined_in.into_iter().cloned().collect());
+            return Desired::Valid(
+                Box::new(r.clone()),
+                defined_in.into_iter().cloned().collect(),
+            );
         }
         match self.current.get(key) {
             Some(_) if invalid => Desired::Held,
@@ -171,10 +178,10 @@ impl Watcher {
                         self.origin.insert(key.clone(), last.clone());
                     }
                     self.report_duplicate(key, files);
-                    if self.current.get(key) != Some(&r) {
+                    if self.current.get(key) != Some(&*r) {
                         self.store.save(key, &r);
-                        self.current.insert(key.clone(), r.clone());
-                        updates.push(Update::Apply(r));
+                        self.current.insert(key.clone(), (*r).clone());
+                        updates.push(Update::Apply(*r));
                     }
                 }
                 Desired::Held => {
@@ -236,7 +243,7 @@ impl Watcher {
 }
 
 enum Desired {
-    Valid(Resource, Vec<PathBuf>),
+    Valid(Box<Resource>, Vec<PathBuf>),
     Held,
     NoLastGood,
     Absent,
