@@ -44,9 +44,9 @@ pub struct ServeArgs {
     /// How often the file datastore directory is checked for changes.
     #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub file_poll_interval: Duration,
-    /// Directory of the last-good store: the version of every object in force, so that after a
-    /// restart an object that is invalid by then keeps its last good version. Default for the
-    /// file datastore: `status/last-good` inside --file-dir (shared by replicas that share the
+    /// File datastore: directory of the last-good store (the version of every object in force,
+    /// so that after a restart an object that is invalid by then keeps its last good version).
+    /// Default: `status/last-good` inside --file-dir (shared by replicas that share the
     /// directory); an empty value keeps it in memory only. See docs/operations.md.
     #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH")]
     pub last_good_dir: Option<PathBuf>,
