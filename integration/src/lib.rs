@@ -248,6 +248,33 @@ impl Drop for Server {
     }
 }
 
+/// A sample's value in Prometheus text: the line that is `name` (labels included) then a space.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// How long after `started` the peer closes `sock` (read until EOF or an error, at most 30 s).
+pub fn time_to_close(
+    mut sock: std::net::TcpStream,
+    started: std::time::Instant,
+) -> std::time::Duration {
+    use std::io::Read;
+    // A socket made by tokio is non-blocking; the read timeout needs a blocking one.
+    let _ = sock.set_nonblocking(false);
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("read timeout");
+    let mut buf = [0u8; 1024];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) | Err(_) => return started.elapsed(),
+            Ok(_) => {}
+        }
+    }
+}
+
 /// A plain HTTP/1.0 GET; `None` if nothing answers.
 pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use integration::netns::wait_until;
 use integration::{Agent, Server, example_datastore, free_port, http_get};
 use serde_json::Value;
 
@@ -34,17 +35,6 @@ fn datastore_health(server: &Server) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
-}
-
 #[test]
 fn an_invalid_policy_keeps_its_last_good_version_across_a_restart() {
     let ds = example_datastore();
@@ -63,6 +53,7 @@ fn an_invalid_policy_keeps_its_last_good_version_across_a_restart() {
                 .to_string()
                 .contains("allow-postgres")
         },
+        || server.log_text(),
     );
     // Restarted while the policy is invalid: the store gives its last good version back.
     drop(server);
@@ -96,6 +87,7 @@ fn an_invalid_policy_keeps_its_last_good_version_across_a_restart() {
                 code == 200 && body.contains("GlobalNetworkPolicy deny-new")
             })
         },
+        || server.log_text(),
     );
     let (_, metrics) = http_get(&server.admin, "/metrics").unwrap();
     assert!(
@@ -118,9 +110,12 @@ fn a_broken_file_renamed_is_not_a_delete_and_duplicates_name_both_files() {
     std::fs::write(&path, format!("{good}\n  - : [unclosed\n")).unwrap();
     std::thread::sleep(Duration::from_millis(600));
     std::fs::rename(&path, ds.path().join("policies.yml")).unwrap();
-    wait_until("the broken file reported", Duration::from_secs(10), || {
-        server.log_text().contains("policies.yml")
-    });
+    wait_until(
+        "the broken file reported",
+        Duration::from_secs(10),
+        || server.log_text().contains("policies.yml"),
+        || server.log_text(),
+    );
     std::thread::sleep(Duration::from_millis(1000));
     assert!(
         policies(&agent.state().unwrap()).contains(&POLICY.to_string()),
@@ -130,15 +125,20 @@ fn a_broken_file_renamed_is_not_a_delete_and_duplicates_name_both_files() {
     // file is reported once, naming both files.
     std::fs::write(ds.path().join("policies.yml"), &good).unwrap();
     std::fs::write(ds.path().join("zz-copy.yaml"), &good).unwrap();
-    wait_until("the duplicate reported", Duration::from_secs(10), || {
-        let log = server.log_text();
-        log.lines().any(|l| {
-            l.contains("defined in several files")
-                && l.contains("allow-postgres")
-                && l.contains("policies.yml")
-                && l.contains("zz-copy.yaml")
-        })
-    });
+    wait_until(
+        "the duplicate reported",
+        Duration::from_secs(10),
+        || {
+            let log = server.log_text();
+            log.lines().any(|l| {
+                l.contains("defined in several files")
+                    && l.contains("allow-postgres")
+                    && l.contains("policies.yml")
+                    && l.contains("zz-copy.yaml")
+            })
+        },
+        || server.log_text(),
+    );
     // Removing both files is how the objects go.
     std::fs::remove_file(ds.path().join("policies.yml")).unwrap();
     std::fs::remove_file(ds.path().join("zz-copy.yaml")).unwrap();
@@ -194,6 +194,7 @@ fn a_hostile_directory_neither_stalls_the_server_nor_delays_a_good_change() {
                 && log.contains("huge-label.yaml")
                 && log.contains("forged.yaml")
         },
+        || server.log_text(),
     );
     // The server answers and a good change reaches the agent promptly, while all of it stays.
     assert!(http_get(&server.admin, "/liveness").is_some_and(|(c, _)| c == 200));

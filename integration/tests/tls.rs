@@ -4,12 +4,11 @@
 //! handshake timeout (a stalled client is dropped and delays nobody), the connection limit,
 //! health and metrics on both admin endpoints, and SIGTERM on both sides.
 
-use std::io::Read;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use integration::{Agent, Server, example_datastore, free_port, http_get};
+use integration::{Agent, Server, example_datastore, free_port, http_get, metric, time_to_close};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
@@ -104,13 +103,6 @@ fn https(server: &Server) -> String {
 
 fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
 }
 
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
@@ -521,19 +513,6 @@ fn uri_san_node_identity() {
 }
 
 /// Reads from `sock` until EOF or error; returns how long that took.
-fn time_to_close(mut sock: TcpStream) -> Duration {
-    let started = Instant::now();
-    sock.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut buf = [0u8; 256];
-    loop {
-        match sock.read(&mut buf) {
-            Ok(0) | Err(_) => return started.elapsed(),
-            Ok(_) => {}
-        }
-    }
-}
-
 #[test]
 fn stalled_handshakes_are_dropped_and_delay_nobody() {
     let s = tls_server(&["--tls-handshake-timeout", "2s"]);
@@ -561,7 +540,7 @@ fn stalled_handshakes_are_dropped_and_delay_nobody() {
     let closes: Vec<Duration> = std::thread::scope(|sc| {
         let handles: Vec<_> = stalled
             .into_iter()
-            .map(|sock| sc.spawn(move || time_to_close(sock)))
+            .map(|sock| sc.spawn(move || time_to_close(sock, Instant::now())))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
@@ -597,7 +576,7 @@ fn pending_connection_limit_closes_extra_connections() {
     let _a = TcpStream::connect(&addr).unwrap();
     let _b = TcpStream::connect(&addr).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let took = time_to_close(TcpStream::connect(&addr).unwrap());
+    let took = time_to_close(TcpStream::connect(&addr).unwrap(), Instant::now());
     assert!(
         took < Duration::from_secs(2),
         "the third connection was kept: {took:?}"

@@ -168,7 +168,6 @@ impl Watcher {
     fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
         let any_broken = self.files.values().any(|f| f.broken);
         let mut updates = Vec::new();
-        let mut without = BTreeSet::new();
         for key in keys.iter().chain(self.held.clone().iter()) {
             let desired = self.desired(key, any_broken);
             self.held.remove(key);
@@ -190,7 +189,6 @@ impl Watcher {
                 }
                 Desired::NoLastGood => {
                     self.duplicates.remove(key);
-                    without.insert(key.clone());
                 }
                 Desired::Absent => {
                     self.duplicates.remove(key);
@@ -202,16 +200,14 @@ impl Watcher {
                 }
             }
         }
-        // Invalid keys with no last good version, over the whole directory.
-        for f in self.files.values() {
-            for k in &f.invalid {
-                if !self.current.contains_key(k)
-                    && !self.files.values().any(|g| g.objects.contains_key(k))
-                {
-                    without.insert(k.clone());
-                }
-            }
-        }
+        // Invalid keys with no last good version, over the whole directory. A key not in force
+        // has no valid definition anywhere (that would be in force).
+        let without: BTreeSet<&ResourceKey> = self
+            .files
+            .values()
+            .flat_map(|f| &f.invalid)
+            .filter(|k| !self.current.contains_key(*k))
+            .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
         let without: Vec<String> = without.iter().map(ToString::to_string).collect();
         if self.metrics.set_last_good(held, without.clone()) && !without.is_empty() {
