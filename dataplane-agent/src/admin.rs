@@ -1,15 +1,25 @@
 //! The agent's health and metrics: [`AgentMetrics`] (updated by the session) and the admin HTTP
 //! endpoint (`--admin-listen`): `/liveness`, `/readiness` and `/metrics` (Prometheus text).
 //!
-//! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), and the
-//! last apply succeeded. Before the first InSync, while reconnecting, or while an apply is
-//! failing, `/readiness` answers 503 with the reason. Live means the session task is running.
+//! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), the
+//! last apply succeeded, and the session is live. Before the first InSync, while reconnecting,
+//! or while an apply is failing, `/readiness` answers 503 with the reason.
+//!
+//! Live means the session task runs and its loop makes progress: the session marks progress
+//! ([`AgentMetrics::progress`]) on every turn of its loop — a watchdog tick while connecting,
+//! streaming or backing off, each batch of messages, each heartbeat, each apply — so a healthy
+//! agent idle on a quiet server, or reconnecting with back-off to an absent one, stays live
+//! (not ready). `/liveness` answers 503 with a one-line reason when the session has not marked
+//! progress for the watchdog timeout (`--dataplane-watchdog-timeout`: the loop is stuck in a
+//! blocking call, e.g. an apply waiting on a lock), or when a stream's snapshot has been
+//! arriving for longer than the snapshot deadline plus the watchdog timeout (the session should
+//! have dropped it at the deadline).
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -82,6 +92,20 @@ pub struct AgentMetrics {
     streams: AtomicU64,
     messages: AtomicU64,
     driver: Mutex<DriverMetrics>,
+    health: Mutex<Health>,
+}
+
+/// What liveness is judged on.
+#[derive(Debug, Default)]
+struct Health {
+    /// When the session loop last made progress (`None` before it started).
+    progress: Option<Instant>,
+    /// When the current stream's snapshot began (its ServerHello), until its InSync.
+    snapshot_since: Option<Instant>,
+    /// No progress for this long is a stall (`None`: never judged stalled).
+    watchdog: Option<Duration>,
+    /// The session drops a snapshot this long after its ServerHello.
+    snapshot_timeout: Option<Duration>,
 }
 
 impl AgentMetrics {
@@ -90,17 +114,20 @@ impl AgentMetrics {
         self.connected.store(true, Ordering::Relaxed);
         self.stream_in_sync.store(false, Ordering::Relaxed);
         self.streams.fetch_add(1, Ordering::Relaxed);
+        self.health().snapshot_since = Some(Instant::now());
     }
 
     /// The stream ended (or could not be made).
     pub fn stream_ended(&self) {
         self.connected.store(false, Ordering::Relaxed);
         self.stream_in_sync.store(false, Ordering::Relaxed);
+        self.health().snapshot_since = None;
     }
 
     /// The stream's InSync arrived; `resync` when an earlier stream had been in sync.
     pub fn in_sync(&self, resync: bool) {
         self.stream_in_sync.store(true, Ordering::Relaxed);
+        self.health().snapshot_since = None;
         if resync {
             self.resyncs.fetch_add(1, Ordering::Relaxed);
         }
@@ -126,8 +153,69 @@ impl AgentMetrics {
         self.session_running.store(running, Ordering::Relaxed);
     }
 
+    /// The limits liveness is judged by: no progress for `watchdog`, or a snapshot older than
+    /// `snapshot_timeout + watchdog`, is not live. Also counts as progress.
+    pub fn set_liveness_limits(&self, watchdog: Duration, snapshot_timeout: Duration) {
+        let mut h = self.health();
+        h.watchdog = Some(watchdog);
+        h.snapshot_timeout = Some(snapshot_timeout);
+        h.progress = Some(Instant::now());
+    }
+
+    /// The session loop made progress (see the module documentation).
+    pub fn progress(&self) {
+        self.health().progress = Some(Instant::now());
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().expect("metrics lock")
+    }
+
+    /// `Ok` when live, else a one-line reason.
+    pub fn liveness(&self) -> Result<(), String> {
+        self.liveness_at(Instant::now())
+    }
+
+    fn liveness_at(&self, now: Instant) -> Result<(), String> {
+        if !self.session_running.load(Ordering::Relaxed) {
+            return Err("session not running".to_owned());
+        }
+        self.stall_at(now)
+    }
+
+    /// Why the running session counts as stuck, if it does.
+    fn stall_at(&self, now: Instant) -> Result<(), String> {
+        let h = self.health();
+        let Some(watchdog) = h.watchdog else {
+            return Ok(());
+        };
+        if let Some(last) = h.progress {
+            let idle = now.saturating_duration_since(last);
+            if idle > watchdog {
+                return Err(format!(
+                    "session loop stalled: no progress for {:.1}s (watchdog timeout {watchdog:?})",
+                    idle.as_secs_f64()
+                ));
+            }
+        }
+        if let (Some(since), Some(deadline)) = (h.snapshot_since, h.snapshot_timeout) {
+            let age = now.saturating_duration_since(since);
+            if age > deadline.saturating_add(watchdog) {
+                return Err(format!(
+                    "snapshot stuck: the stream's snapshot has been arriving for {:.1}s without \
+                     InSync (snapshot timeout {deadline:?})",
+                    age.as_secs_f64()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// `Ok` when ready, else why not.
     pub fn readiness(&self) -> Result<(), &'static str> {
+        if self.stall_at(Instant::now()).is_err() {
+            return Err("the session loop is stuck (see /liveness)");
+        }
         if !self.connected.load(Ordering::Relaxed) {
             return Err("not connected to a calc-server");
         }
@@ -235,11 +323,10 @@ async fn readiness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
     }
 }
 
-async fn liveness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, &'static str) {
-    if m.session_running.load(Ordering::Relaxed) {
-        (StatusCode::OK, "alive\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "session not running\n")
+async fn liveness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
+    match m.liveness() {
+        Ok(()) => (StatusCode::OK, "alive\n".to_owned()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
 }
 
@@ -312,5 +399,56 @@ mod tests {
             "unknown counts are not exported"
         );
         assert!(text.contains("dataplane_agent_streams_total 2\n"));
+    }
+
+    #[test]
+    fn liveness_fails_on_a_stalled_loop_or_an_overdue_snapshot() {
+        let m = AgentMetrics::default();
+        assert_eq!(m.liveness(), Err("session not running".to_owned()));
+        m.set_session_running(true);
+        assert_eq!(m.liveness(), Ok(()), "no limits set: running is live");
+
+        let watchdog = Duration::from_secs(90);
+        let deadline = Duration::from_secs(300);
+        m.set_liveness_limits(watchdog, deadline);
+        let start = Instant::now();
+        m.health().progress = Some(start);
+        assert_eq!(m.liveness_at(start + watchdog), Ok(()));
+        let why = m
+            .liveness_at(start + watchdog + Duration::from_millis(1500))
+            .unwrap_err();
+        assert_eq!(
+            why,
+            "session loop stalled: no progress for 91.5s (watchdog timeout 90s)"
+        );
+
+        // A snapshot still arriving well past its deadline, though the loop turns: the session
+        // failed to drop it.
+        m.stream_started();
+        let since = m.health().snapshot_since.expect("snapshot started");
+        let late = since + deadline + watchdog + Duration::from_secs(1);
+        m.health().progress = Some(late);
+        let why = m.liveness_at(late).unwrap_err();
+        assert!(why.starts_with("snapshot stuck: "), "{why}");
+        assert!(why.contains("391.0s") && why.contains("300s"), "{why}");
+        assert!(!why.contains('\n'));
+        assert_eq!(m.liveness_at(since + deadline), Ok(()), "within the margin");
+        m.in_sync(false);
+        assert_eq!(m.liveness_at(late), Ok(()), "InSync ends the snapshot");
+        m.stream_started();
+        m.stream_ended();
+        assert_eq!(m.liveness_at(late), Ok(()), "so does the stream's end");
+
+        // A stalled loop is not ready either.
+        m.applied(Duration::from_millis(1), true, DriverMetrics::default());
+        m.stream_started();
+        m.in_sync(true);
+        m.progress();
+        assert_eq!(m.readiness(), Ok(()));
+        m.health().progress = Some(Instant::now() - watchdog - Duration::from_secs(1));
+        assert_eq!(
+            m.readiness(),
+            Err("the session loop is stuck (see /liveness)")
+        );
     }
 }

@@ -162,6 +162,27 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_MAX_RECV_BYTES", value_name = "BYTES", default_value_t = 128 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024 * 1024..=2 * 1024 * 1024 * 1024))]
     pub max_recv_bytes: u64,
 
+    /// Longest wait, after a calc-server's ServerHello, for the stream's InSync (the end of its
+    /// snapshot). A snapshot that takes longer is dropped with an error and the agent reconnects
+    /// with back-off (next --server); the dataplane stays as it is meanwhile.
+    #[arg(long, env = "DATAPLANE_AGENT_SNAPSHOT_TIMEOUT", value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    pub snapshot_timeout: Duration,
+
+    /// Most bytes (encoded messages) a stream may send before its InSync. The agent holds an
+    /// unfinished snapshot in memory, so this bounds what a server that never finishes one can
+    /// make it keep; over the bound the stream is dropped with an error and the agent
+    /// reconnects with back-off. The largest legitimate node snapshots (100k endpoints) take a
+    /// few hundred MB.
+    #[arg(long, env = "DATAPLANE_AGENT_MAX_SNAPSHOT_BYTES", value_name = "BYTES", default_value_t = crate::session::DEFAULT_MAX_SNAPSHOT_BYTES, value_parser = clap::value_parser!(u64).range(1024 * 1024..))]
+    pub max_snapshot_bytes: u64,
+
+    /// /liveness (and /readiness) answer 503 when the session loop has made no progress for
+    /// this long: it is stuck in a blocking call such as an apply that never returns (Felix's
+    /// DataplaneWatchdogTimeout). Waiting for a server, idling on a quiet stream and backing
+    /// off are progress.
+    #[arg(long, env = "DATAPLANE_AGENT_DATAPLANE_WATCHDOG_TIMEOUT", value_name = "DURATION", default_value = "90s", value_parser = parse_duration)]
+    pub dataplane_watchdog_timeout: Duration,
+
     /// Shortest delay before reconnecting (jittered, doubling per failure).
     #[arg(long, env = "DATAPLANE_AGENT_RECONNECT_MIN_DELAY", value_name = "DURATION", default_value = "200ms", value_parser = parse_duration)]
     pub reconnect_min_delay: Duration,
@@ -263,6 +284,12 @@ impl Cli {
         if self.heartbeat_interval.is_zero() {
             return Err("--heartbeat-interval must be greater than zero".to_owned());
         }
+        if self.snapshot_timeout.is_zero() {
+            return Err("--snapshot-timeout must be greater than zero".to_owned());
+        }
+        if self.dataplane_watchdog_timeout.is_zero() {
+            return Err("--dataplane-watchdog-timeout must be greater than zero".to_owned());
+        }
         if self.reconnect_min_delay > self.reconnect_max_delay {
             return Err(format!(
                 "--reconnect-min-delay ({:?}) is larger than --reconnect-max-delay ({:?})",
@@ -274,6 +301,9 @@ impl Cli {
         config.reconnect_min_delay = self.reconnect_min_delay;
         config.reconnect_max_delay = self.reconnect_max_delay;
         config.max_recv_bytes = usize::try_from(self.max_recv_bytes).unwrap_or(usize::MAX);
+        config.snapshot_timeout = self.snapshot_timeout;
+        config.max_snapshot_bytes = self.max_snapshot_bytes;
+        config.watchdog_timeout = self.dataplane_watchdog_timeout;
         config.tls = tls;
         Ok(config)
     }
@@ -492,6 +522,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory as _;
 
     #[test]
     fn server_urls_give_the_addresses_the_failsafes_keep_open() {
@@ -551,6 +582,9 @@ mod tests {
         assert_eq!(config.heartbeat_interval, Duration::from_secs(5));
         assert_eq!(config.reconnect_min_delay, Duration::from_millis(200));
         assert_eq!(config.reconnect_max_delay, Duration::from_secs(10));
+        assert_eq!(config.snapshot_timeout, Duration::from_secs(300));
+        assert_eq!(config.max_snapshot_bytes, 2 * 1024 * 1024 * 1024);
+        assert_eq!(config.watchdog_timeout, Duration::from_secs(90));
         assert!(config.capabilities.is_empty());
     }
 
@@ -666,6 +700,51 @@ mod tests {
         ])
         .unwrap();
         assert!(cli.session_config().unwrap_err().contains("https://"));
+    }
+
+    #[test]
+    fn snapshot_and_watchdog_limits() {
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["dataplane-agent", "--server", "a:1", "--node", "n"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args)
+        };
+        let config = parse(&[
+            "--snapshot-timeout",
+            "2s",
+            "--max-snapshot-bytes",
+            "1048576",
+            "--dataplane-watchdog-timeout",
+            "500ms",
+        ])
+        .expect("parses")
+        .session_config()
+        .expect("valid");
+        assert_eq!(config.snapshot_timeout, Duration::from_secs(2));
+        assert_eq!(config.max_snapshot_bytes, 1024 * 1024);
+        assert_eq!(config.watchdog_timeout, Duration::from_millis(500));
+        assert!(
+            parse(&["--max-snapshot-bytes", "1000"]).is_err(),
+            "below 1 MiB"
+        );
+        let err = parse(&["--snapshot-timeout", "0s"])
+            .expect("parses")
+            .session_config()
+            .unwrap_err();
+        assert!(err.contains("--snapshot-timeout"), "{err}");
+        let err = parse(&["--dataplane-watchdog-timeout", "0"])
+            .expect("parses")
+            .session_config()
+            .unwrap_err();
+        assert!(err.contains("--dataplane-watchdog-timeout"), "{err}");
+        let help = Cli::command().render_long_help().to_string();
+        for env in [
+            "DATAPLANE_AGENT_SNAPSHOT_TIMEOUT",
+            "DATAPLANE_AGENT_MAX_SNAPSHOT_BYTES",
+            "DATAPLANE_AGENT_DATAPLANE_WATCHDOG_TIMEOUT",
+        ] {
+            assert!(help.contains(env), "{env} in --help");
+        }
     }
 
     #[test]

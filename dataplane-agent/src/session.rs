@@ -18,6 +18,18 @@
 //!   back-off (once; if the retry also ends that way before `InSync`, normal back-off applies);
 //! * `PERMISSION_DENIED`, `INVALID_ARGUMENT`, `NOT_FOUND`, or a `ServerHello` bound to another
 //!   node: logged as errors, next attempt after `reconnect_max_delay`.
+//!
+//! A server cannot hold the agent with a snapshot that never ends. The snapshot is kept in the
+//! session, not given to the driver, until its `InSync` arrives: the driver (and the tracker)
+//! only ever hold complete snapshots, so a stream that ends early leaves nothing behind and the
+//! dataplane's upkeep keeps using the last complete state. A stream whose `InSync` has not come
+//! `snapshot_timeout` after its `ServerHello`, or whose messages before `InSync` add up to more
+//! than `max_snapshot_bytes` (encoded size), is dropped with an error and retried with normal
+//! back-off.
+//!
+//! Liveness: the session marks progress in [`AgentMetrics`] whenever its loop turns (a watchdog
+//! tick while connecting, streaming or backing off, a batch of messages, a heartbeat, an apply).
+//! Only a loop stuck in a blocking call (an apply that never returns) stops the marks.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -43,9 +55,23 @@ use crate::admin::AgentMetrics;
 use crate::backoff::Backoff;
 use crate::clock::rfc3339_utc;
 use crate::driver::{Driver, EndpointStatuses};
-use crate::tls::ClientTls;
+use crate::tls::{ClientTls, ConnectionErrors};
 use crate::tracker::Tracker;
 use std::sync::Arc;
+
+/// Default [`SessionConfig::snapshot_timeout`]: a 100k-endpoint node's snapshot arrives in
+/// seconds to a minute; five minutes leaves room for a loaded server.
+pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Default [`SessionConfig::max_snapshot_bytes`]: 2 GiB. An extreme legitimate node snapshot
+/// (100k dual-stack endpoints, 5,000 policies, 4 million IP set members) encodes to about
+/// 230 MiB (the unit test `a_large_node_snapshot_fits_the_default_bound`). A node whose real
+/// snapshot reached the bound could never sync again, so it sits about 9x above that; it is
+/// there to stop a snapshot that never ends, not to size the agent.
+pub const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+
+/// Default [`SessionConfig::watchdog_timeout`], as Felix's `DataplaneWatchdogTimeout`.
+pub const DEFAULT_WATCHDOG_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Everything the session needs; build with [`SessionConfig::new`] and adjust the fields.
 #[derive(Clone, Debug)]
@@ -79,6 +105,16 @@ pub struct SessionConfig {
     pub keepalive_timeout: Duration,
     /// Apply after at most this many messages even if more are already queued.
     pub max_batch: usize,
+    /// Longest time from a stream's `ServerHello` to its `InSync`; a snapshot that takes longer
+    /// is dropped (the stream ends, the agent reconnects with back-off).
+    pub snapshot_timeout: Duration,
+    /// Most bytes (encoded messages, the `ServerHello` included) a stream may send before its
+    /// `InSync`. The unfinished snapshot is held in memory, so this bounds what a server that
+    /// never finishes its snapshot can make the agent keep.
+    pub max_snapshot_bytes: u64,
+    /// `/liveness` fails when the session loop has made no progress for this long (a blocking
+    /// apply that does not return).
+    pub watchdog_timeout: Duration,
     /// When the process started, for `ProcessStatusUpdate.uptime`.
     pub process_start: Instant,
     /// Mutual TLS for `https://` servers (`None`: plaintext `http://` only).
@@ -89,8 +125,8 @@ pub struct SessionConfig {
 
 impl SessionConfig {
     /// Defaults: heartbeat 5 s, reconnect 200 ms..10 s, connect and hello timeouts 10 s / 30 s,
-    /// keep-alive 20 s / 10 s, messages up to 128 MiB, batches of at most 10 000 messages, no
-    /// capabilities.
+    /// keep-alive 20 s / 10 s, messages up to 128 MiB, batches of at most 10 000 messages,
+    /// snapshots within 5 min and 2 GiB, watchdog 90 s, no capabilities.
     pub fn new(servers: Vec<String>, node_name: impl Into<String>) -> Self {
         Self {
             servers,
@@ -106,6 +142,9 @@ impl SessionConfig {
             keepalive_interval: Duration::from_secs(20),
             keepalive_timeout: Duration::from_secs(10),
             max_batch: 10_000,
+            snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
+            max_snapshot_bytes: DEFAULT_MAX_SNAPSHOT_BYTES,
+            watchdog_timeout: DEFAULT_WATCHDOG_TIMEOUT,
             process_start: Instant::now(),
             tls: None,
             metrics: Arc::default(),
@@ -152,12 +191,29 @@ pub async fn run<D: Driver>(
     let mut backoff = Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay);
     let mut index = 0usize;
     let mut immediate_used = false;
+    config
+        .metrics
+        .set_liveness_limits(config.watchdog_timeout, config.snapshot_timeout);
+    config.metrics.set_session_running(true);
+    // Ticks whenever the session task is polled and not blocked: connecting, waiting for the
+    // hello, streaming and backing off all count as progress; a blocking call does not.
+    let mut watchdog = tokio::time::interval(watchdog_tick(config.watchdog_timeout));
+    watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        config.metrics.progress();
         let url = config.servers[index % config.servers.len()].clone();
-        let result = tokio::select! {
-            () = &mut shutdown => break,
-            r = run_stream(&config, &url, &mut driver, &mut agent) => r,
+        let result = {
+            let stream = run_stream(&config, &url, &mut driver, &mut agent);
+            tokio::pin!(stream);
+            loop {
+                tokio::select! {
+                    () = &mut shutdown => break None,
+                    r = &mut stream => break Some(r),
+                    _ = watchdog.tick() => config.metrics.progress(),
+                }
+            }
         };
+        let Some(result) = result else { break };
         if result.reached_in_sync {
             backoff.reset();
             immediate_used = false;
@@ -192,13 +248,15 @@ pub async fn run<D: Driver>(
         if !delay.is_zero() {
             let deadline = tokio::time::Instant::now() + delay;
             // While disconnected the dataplane keeps its last complete desired state; the
-            // driver's refreshes and wakeups still run against it (never halfway through a
-            // resync: then something received is unapplied and we wait for the server).
+            // driver's refreshes and wakeups still run against it. The driver never holds an
+            // unfinished snapshot (it is kept in the stream until InSync), so only a failed
+            // apply leaves work pending: then we wait for the server.
             let upkeep = agent.ever_in_sync && agent.pending == 0;
             let stop = loop {
                 tokio::select! {
                     () = &mut shutdown => break true,
                     () = tokio::time::sleep_until(deadline) => break false,
+                    _ = watchdog.tick() => config.metrics.progress(),
                     () = wake_signal(wake.as_ref()), if upkeep => {
                         driver.on_wakeup();
                         apply_offline(&mut driver, "interface change");
@@ -214,8 +272,15 @@ pub async fn run<D: Driver>(
             }
         }
     }
+    config.metrics.set_session_running(false);
     info!("shutting down; the dataplane is left as it is");
     driver
+}
+
+/// How often the session marks progress while it waits: often enough that a healthy loop
+/// never looks stalled.
+fn watchdog_tick(watchdog_timeout: Duration) -> Duration {
+    (watchdog_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5))
 }
 
 /// Why a stream ended.
@@ -231,16 +296,62 @@ enum StreamEnd {
     Protocol(String),
     /// The server bound the stream to another node.
     Rejected(String),
+    /// No `InSync` within `snapshot_timeout` of the `ServerHello`.
+    SnapshotTimeout {
+        timeout: Duration,
+        messages: u64,
+        bytes: u64,
+    },
+    /// The messages before `InSync` exceeded `max_snapshot_bytes`.
+    SnapshotTooLarge {
+        limit: u64,
+        bytes: u64,
+        messages: u64,
+    },
 }
 
 struct StreamResult {
     end: StreamEnd,
     reached_in_sync: bool,
+    /// The first error the stream's TLS connection met, if any.
+    connection_error: Option<String>,
+    /// The TLS connection failed after its handshake and before the server answered the call.
+    tls_lost_before_answer: bool,
+    /// The server answered the call (response headers).
+    answered: bool,
 }
 
 impl StreamResult {
+    /// The status's reason chain, with what the connection met and, for the failures whose
+    /// cause the transport hides, what they usually mean.
+    fn explain(&self, url: &str, s: &tonic::Status) -> String {
+        let reason = with_connection_error(status_reason(s), self.connection_error.as_deref());
+        let transport = matches!(
+            s.code(),
+            Code::Unknown | Code::Cancelled | Code::Unavailable
+        );
+        if self.tls_lost_before_answer && transport && !reason.contains("alert") {
+            // A server refusing our certificate sends an alert and closes; when its reset
+            // overtakes the alert, the reset is all the kernel lets us read.
+            format!(
+                "{reason}; the server dropped the TLS connection right after the handshake, as a \
+                 server that refuses this agent's client certificate (--tls-cert-file) does: see \
+                 the server's log"
+            )
+        } else if url.starts_with("http://")
+            && !self.answered
+            && reason.contains("frame with invalid size")
+        {
+            // A TLS server's alert, read as an HTTP/2 frame header.
+            format!("{reason}; the server may expect TLS (https:// and the --tls-* flags)")
+        } else {
+            reason
+        }
+    }
+
     fn log(&self, url: &str, delay: Duration) {
         let retry_in = format!("{delay:?}");
+        let status_reason = |s: &tonic::Status| self.explain(url, s);
         match &self.end {
             StreamEnd::Connect(e) => {
                 warn!(server = url, error = %e, retry_in, "cannot connect to calc-server")
@@ -251,12 +362,12 @@ impl StreamResult {
                     Code::PermissionDenied | Code::InvalidArgument | Code::NotFound
                 ) =>
             {
-                error!(server = url, code = ?s.code(), message = s.message(), retry_in, "calc-server refused the stream")
+                error!(server = url, code = ?s.code(), error = %status_reason(s), retry_in, "calc-server refused the stream")
             }
             StreamEnd::Status(s) if s.code() == Code::ResourceExhausted => {
                 warn!(
                     server = url,
-                    message = s.message(),
+                    error = %status_reason(s),
                     retry_in,
                     "fell behind the calc-server; reconnecting for a fresh snapshot"
                 )
@@ -264,19 +375,45 @@ impl StreamResult {
             StreamEnd::Status(s) if s.code() == Code::Aborted => {
                 warn!(
                     server = url,
-                    message = s.message(),
+                    error = %status_reason(s),
                     retry_in,
                     "another connection for this node replaced the stream"
                 )
             }
             StreamEnd::Status(s) => {
-                warn!(server = url, code = ?s.code(), message = s.message(), retry_in, "stream ended")
+                warn!(server = url, code = ?s.code(), error = %status_reason(s), retry_in, "stream ended")
             }
             StreamEnd::Closed => info!(server = url, retry_in, "calc-server ended the stream"),
             StreamEnd::Protocol(e) => {
                 warn!(server = url, error = %e, retry_in, "protocol error; ending the stream")
             }
             StreamEnd::Rejected(e) => error!(server = url, error = %e, retry_in, "stream rejected"),
+            StreamEnd::SnapshotTimeout {
+                timeout,
+                messages,
+                bytes,
+            } => error!(
+                server = url,
+                timeout = ?timeout,
+                messages,
+                bytes,
+                retry_in,
+                "no InSync within --snapshot-timeout of the ServerHello; dropping the stream and its \
+                 unfinished snapshot (the dataplane stays as it is)"
+            ),
+            StreamEnd::SnapshotTooLarge {
+                limit,
+                bytes,
+                messages,
+            } => error!(
+                server = url,
+                limit_bytes = limit,
+                bytes,
+                messages,
+                retry_in,
+                "the snapshot exceeds --max-snapshot-bytes before its InSync; dropping the stream \
+                 and its unfinished snapshot (the dataplane stays as it is)"
+            ),
         }
     }
 }
@@ -337,26 +474,71 @@ struct StreamState {
     resend_statuses: bool,
     retry_at: Option<tokio::time::Instant>,
     messages: u64,
+    /// The snapshot so far, held here until the stream's `InSync` and then given to the driver
+    /// at once: dropping the stream drops it, and the driver never holds half a snapshot.
+    snapshot: Vec<ToDataplane>,
+    /// Encoded bytes received on this stream before its `InSync` (the `ServerHello` included).
+    snapshot_bytes: u64,
 }
 
+/// `e` and its `source()` chain on one line, each cause once (wrappers often repeat their
+/// cause's text).
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        let text = inner.to_string();
-        if !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        source = inner.source();
-    }
+    let mut s = String::new();
+    push_chain(&mut s, Some(e));
     s
 }
 
+/// Appends `first` and its sources to `out`, skipping texts `out` already holds.
+fn push_chain(out: &mut String, first: Option<&dyn std::error::Error>) {
+    let mut source = first;
+    while let Some(inner) = source {
+        let text = one_line(&inner.to_string());
+        if !text.is_empty() && !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        source = inner.source();
+    }
+}
+
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `reason`, plus what the connection itself met when the reason does not already say it.
+fn with_connection_error(reason: String, connection: Option<&str>) -> String {
+    match connection {
+        Some(c) if !reason.contains(c) => format!("{reason}; connection: {c}"),
+        _ => reason,
+    }
+}
+
+/// A gRPC status's message followed by its cause chain, on one line. A connection that failed
+/// under the call (a TLS alert from a server refusing our certificate, a reset) surfaces as
+/// "transport error" or "operation was canceled"; the reason is only in the sources.
+fn status_reason(status: &tonic::Status) -> String {
+    let mut out = one_line(status.message());
+    push_chain(&mut out, std::error::Error::source(status));
+    if out.is_empty() {
+        out = format!("{:?}", status.code());
+    }
+    out
+}
+
+/// A client for `url`, with the record of its TLS connections' errors when it uses TLS.
 async fn connect(
     config: &SessionConfig,
     url: &str,
-) -> Result<CalcServerClient<tonic::transport::Channel>, String> {
+) -> Result<
+    (
+        CalcServerClient<tonic::transport::Channel>,
+        Option<ConnectionErrors>,
+    ),
+    String,
+> {
     let url = normalize_server_url(url)?;
     let settings = |e: Endpoint| {
         e.connect_timeout(config.connect_timeout)
@@ -371,7 +553,7 @@ async fn connect(
             return match tokio::time::timeout(config.connect_timeout, tls.connect(&url, settings))
                 .await
             {
-                Ok(Ok(channel)) => Ok(client(config, channel)),
+                Ok(Ok((channel, errors))) => Ok((client(config, channel), Some(errors))),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
             };
@@ -390,7 +572,7 @@ async fn connect(
     }
     let endpoint = settings(Endpoint::from_shared(url).map_err(|e| error_chain(&e))?);
     match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
-        Ok(Ok(channel)) => Ok(client(config, channel)),
+        Ok(Ok(channel)) => Ok((client(config, channel), None)),
         Ok(Err(e)) => Err(error_chain(&e)),
         Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
     }
@@ -427,13 +609,30 @@ async fn run_stream<D: Driver>(
     driver: &mut D,
     agent: &mut AgentState,
 ) -> StreamResult {
-    let mut reached_in_sync = false;
-    let end = stream_inner(config, url, driver, agent, &mut reached_in_sync).await;
+    let mut outcome = Outcome::default();
+    let end = stream_inner(config, url, driver, agent, &mut outcome).await;
     config.metrics.stream_ended();
+    let connection_error = outcome
+        .connection
+        .as_ref()
+        .and_then(ConnectionErrors::first);
     StreamResult {
         end,
-        reached_in_sync,
+        reached_in_sync: outcome.reached_in_sync,
+        tls_lost_before_answer: !outcome.answered && connection_error.is_some(),
+        answered: outcome.answered,
+        connection_error,
     }
+}
+
+/// What a stream leaves beside its end.
+#[derive(Default)]
+struct Outcome {
+    reached_in_sync: bool,
+    /// The server answered the call (response headers).
+    answered: bool,
+    /// The TLS connections' errors (TLS only).
+    connection: Option<ConnectionErrors>,
 }
 
 async fn stream_inner<D: Driver>(
@@ -441,11 +640,14 @@ async fn stream_inner<D: Driver>(
     url: &str,
     driver: &mut D,
     agent: &mut AgentState,
-    reached_in_sync: &mut bool,
+    outcome: &mut Outcome,
 ) -> StreamEnd {
     debug!(server = url, "connecting");
     let mut client = match connect(config, url).await {
-        Ok(c) => c,
+        Ok((c, errors)) => {
+            outcome.connection = errors;
+            c
+        }
         Err(e) => return StreamEnd::Connect(e),
     };
     let (tx, rx) = mpsc::unbounded_channel();
@@ -461,7 +663,10 @@ async fn stream_inner<D: Driver>(
         client.sync(UnboundedReceiverStream::new(rx)),
     );
     let mut inbound = match opened.await {
-        Ok(Ok(response)) => response.into_inner(),
+        Ok(Ok(response)) => {
+            outcome.answered = true;
+            response.into_inner()
+        }
         Ok(Err(status)) => return StreamEnd::Status(status),
         Err(_) => {
             return StreamEnd::Protocol(format!(
@@ -472,7 +677,8 @@ async fn stream_inner<D: Driver>(
     };
 
     // The ServerHello comes first, numbered 1.
-    let first = match tokio::time::timeout(config.hello_timeout, inbound.next()).await {
+    let first: ToDataplane = match tokio::time::timeout(config.hello_timeout, inbound.next()).await
+    {
         Err(_) => {
             return StreamEnd::Protocol(format!(
                 "no ServerHello within {:?}",
@@ -483,6 +689,7 @@ async fn stream_inner<D: Driver>(
         Ok(Some(Err(status))) => return StreamEnd::Status(status),
         Ok(Some(Ok(msg))) => msg,
     };
+    let hello_bytes = encoded_len(&first);
     let hello = match first.payload {
         Some(Payload::ServerHello(h)) if first.sequence_number == 1 => h,
         Some(Payload::ServerHello(_)) => {
@@ -512,6 +719,10 @@ async fn stream_inner<D: Driver>(
         "connected to calc-server"
     );
     config.metrics.stream_started();
+    // The snapshot's deadline runs from the hello: a server that keeps the stream busy (or
+    // idle) without ever finishing its snapshot is left.
+    let snapshot_deadline = tokio::time::sleep(config.snapshot_timeout);
+    tokio::pin!(snapshot_deadline);
     if agent.ever_in_sync {
         info!(
             known_objects = agent.tracker.known_len(),
@@ -528,6 +739,8 @@ async fn stream_inner<D: Driver>(
         resend_statuses: true,
         retry_at: None,
         messages: 0,
+        snapshot: Vec::new(),
+        snapshot_bytes: hello_bytes,
     };
     // The first tick is immediate: a heartbeat right after the hello, then one per interval.
     let mut heartbeat =
@@ -556,18 +769,36 @@ async fn stream_inner<D: Driver>(
                 let mut item = item;
                 let mut batch = 0usize;
                 loop {
-                    match item {
-                        None => return StreamEnd::Closed,
-                        Some(Err(status)) => return StreamEnd::Status(status),
-                        Some(Ok(msg)) => {
-                            config.metrics.message();
-                            if let Err(e) = handle(msg, &mut st, driver, agent) {
-                                return StreamEnd::Protocol(e);
+                    let msg = match item {
+                        Some(Ok(msg)) => msg,
+                        end => {
+                            // What arrived before the end is complete (the stream is in
+                            // sync): apply it now, not at the next stream's InSync.
+                            if batch > 0 && st.retry_at.is_none() {
+                                maybe_apply(&mut st, driver, agent);
                             }
-                            if st.in_sync {
-                                *reached_in_sync = true;
-                            }
+                            return match end {
+                                Some(Err(status)) => StreamEnd::Status(status),
+                                _ => StreamEnd::Closed,
+                            };
                         }
+                    };
+                    config.metrics.message();
+                    if !st.in_sync {
+                        st.snapshot_bytes = st.snapshot_bytes.saturating_add(encoded_len(&msg));
+                        if st.snapshot_bytes > config.max_snapshot_bytes {
+                            return StreamEnd::SnapshotTooLarge {
+                                limit: config.max_snapshot_bytes,
+                                bytes: st.snapshot_bytes,
+                                messages: st.messages + 1,
+                            };
+                        }
+                    }
+                    if let Err(e) = handle(msg, &mut st, driver, agent) {
+                        return StreamEnd::Protocol(e);
+                    }
+                    if st.in_sync {
+                        outcome.reached_in_sync = true;
                     }
                     batch += 1;
                     if batch >= config.max_batch {
@@ -578,11 +809,20 @@ async fn stream_inner<D: Driver>(
                         None => break,
                     }
                 }
+                config.metrics.progress();
                 if st.retry_at.is_none() {
                     maybe_apply(&mut st, driver, agent);
                 }
             }
+            () = &mut snapshot_deadline, if !st.in_sync => {
+                return StreamEnd::SnapshotTimeout {
+                    timeout: config.snapshot_timeout,
+                    messages: st.messages,
+                    bytes: st.snapshot_bytes,
+                };
+            }
             _ = heartbeat.tick() => {
+                config.metrics.progress();
                 st.out.send(Report::ProcessStatusUpdate(ProcessStatusUpdate {
                     iso_timestamp: rfc3339_utc(SystemTime::now()),
                     uptime: agent.process_start.elapsed().as_secs_f64(),
@@ -679,6 +919,14 @@ fn handle<D: Driver>(
             );
         }
         Some(Payload::InSync(_)) => {
+            // The snapshot is complete: the driver gets all of it now, then InSync, then the
+            // removes for what it lacks.
+            let snapshot = std::mem::take(&mut st.snapshot);
+            agent.pending += snapshot.len();
+            for m in snapshot {
+                agent.tracker.observe(&m);
+                driver.on_update(&m);
+            }
             driver.on_update(&msg);
             agent.pending += 1;
             let stale = agent.tracker.sweep();
@@ -700,6 +948,7 @@ fn handle<D: Driver>(
             st.in_sync = true;
             agent.ever_in_sync = true;
         }
+        Some(_) if !st.in_sync => st.snapshot.push(msg),
         Some(_) => {
             agent.tracker.observe(&msg);
             driver.on_update(&msg);
@@ -707,6 +956,11 @@ fn handle<D: Driver>(
         }
     }
     Ok(())
+}
+
+/// The message's size on the wire (the gRPC frame's payload).
+fn encoded_len(msg: &ToDataplane) -> u64 {
+    u64::try_from(felix_proto::prost::Message::encoded_len(msg)).unwrap_or(u64::MAX)
 }
 
 /// Applies if the stream is in sync and something is pending, then reports.
@@ -717,6 +971,7 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
     let started = Instant::now();
     let changes = agent.pending;
     let result = run_blocking(|| driver.apply());
+    agent.metrics.progress();
     agent
         .metrics
         .applied(started.elapsed(), result.is_ok(), driver.metrics());
@@ -819,6 +1074,173 @@ mod tests {
         );
         assert!(normalize_server_url("").is_err());
         assert!(normalize_server_url("http://bad host").is_err());
+    }
+
+    #[test]
+    fn a_large_node_snapshot_fits_the_default_bound() {
+        use felix_proto::{
+            ActivePolicyUpdate, ActiveProfileUpdate, IpSetUpdate, Policy, PolicyId, PortRange,
+            Profile, ProfileId, Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
+            WorkloadEndpointUpdate,
+        };
+        let len = |p: Payload| {
+            encoded_len(&ToDataplane {
+                sequence_number: 1_000_000,
+                payload: Some(p),
+            })
+        };
+        let pid = |i: usize| PolicyId {
+            kind: "NetworkPolicy".into(),
+            namespace: format!("namespace-{:04}", i % 1000),
+            name: format!("allow-frontend-to-backend-{i:05}"),
+        };
+        // A generous node: 100k dual-stack endpoints in two tiers of five policies each way,
+        // 5,000 policies of ten rules, 2,000 profiles, and 4 million IP set members (each
+        // endpoint address in 20 sets) in sets of 400.
+        let endpoint = len(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+            id: Some(WorkloadEndpointId {
+                orchestrator_id: "k8s".into(),
+                workload_id: "namespace-0123/frontend-7d9f8b6c5-x2x4z".into(),
+                endpoint_id: "eth0".into(),
+            }),
+            endpoint: Some(WorkloadEndpoint {
+                state: "active".into(),
+                name: "cali1a2b3c4d5e6".into(),
+                mac: "ee:ee:ee:ee:ee:ee".into(),
+                profile_ids: vec![
+                    "kns.namespace-0123".into(),
+                    "ksa.namespace-0123.frontend-service-account".into(),
+                ],
+                ipv4_nets: vec!["10.244.123.45/32".into()],
+                ipv6_nets: vec!["fd00:10:244:7b::2d/128".into()],
+                tiers: (0..2)
+                    .map(|t| TierInfo {
+                        name: format!("tier-{t}"),
+                        ingress_policies: (0..5).map(pid).collect(),
+                        egress_policies: (5..10).map(pid).collect(),
+                        default_action: "Deny".into(),
+                    })
+                    .collect(),
+                annotations: [("kubernetes.io/psp".to_owned(), "restricted".to_owned())].into(),
+                ..Default::default()
+            }),
+        }));
+        let rule = Rule {
+            action: "allow".into(),
+            dst_ports: vec![PortRange {
+                first: 8080,
+                last: 8080,
+            }],
+            src_ip_set_ids: vec!["s:Vb7nDTxVQ2NhmpNAL4ICJm9pW1BQpW5tFYx7cQ".into()],
+            dst_ip_set_ids: vec!["s:Xc8oEUyWR3OinqOBM5JDKn0qX2CRqX6uGZy8dR".into()],
+            original_src_selector: "app == 'frontend' && tier in {'web', 'edge'}".into(),
+            original_dst_selector: "app == 'backend' && has(team)".into(),
+            rule_id: "Zm9vYmFyYmF6cXV4cXV1eA".into(),
+            ..Default::default()
+        };
+        let policy = len(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pid(1)),
+            policy: Some(Policy {
+                tier: "tier-0".into(),
+                inbound_rules: vec![rule.clone(); 5],
+                outbound_rules: vec![rule.clone(); 5],
+                ..Default::default()
+            }),
+        }));
+        let profile = len(Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+            id: Some(ProfileId {
+                name: "kns.namespace-0123".into(),
+            }),
+            profile: Some(Profile {
+                inbound_rules: vec![rule.clone()],
+                outbound_rules: vec![rule],
+            }),
+        }));
+        let set = |v6: bool| {
+            len(Payload::IpsetUpdate(IpSetUpdate {
+                id: "s:Vb7nDTxVQ2NhmpNAL4ICJm9pW1BQpW5tFYx7cQ".into(),
+                members: (0..400u32)
+                    .map(|i| {
+                        if v6 {
+                            format!("fd00:10:244:{:x}::{:x}", i / 200, i % 200)
+                        } else {
+                            format!("10.244.{}.{}", i / 200, i % 200)
+                        }
+                    })
+                    .collect(),
+                r#type: 0,
+            }))
+        };
+        let total = 100_000 * endpoint
+            + 5_000 * policy
+            + 2_000 * profile
+            + 5_000 * set(false)
+            + 5_000 * set(true);
+        let mib = total / (1024 * 1024);
+        assert!(
+            (100..700).contains(&mib),
+            "the estimate is {mib} MiB: revisit the default bound"
+        );
+        assert!(
+            3 * total < DEFAULT_MAX_SNAPSHOT_BYTES,
+            "{mib} MiB leaves less than 3x headroom under the default bound"
+        );
+    }
+
+    #[test]
+    fn status_reasons_name_the_cause_on_one_line() {
+        #[derive(Debug)]
+        struct Alert;
+        impl std::fmt::Display for Alert {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("received fatal alert: UnknownCA")
+            }
+        }
+        impl std::error::Error for Alert {}
+        #[derive(Debug)]
+        struct Transport(Alert);
+        impl std::fmt::Display for Transport {
+            // As hyper does: the wrapper repeats its cause.
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "connection error:\n {}", self.0)
+            }
+        }
+        impl std::error::Error for Transport {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let status = tonic::Status::from_error(Box::new(Transport(Alert)));
+        let reason = status_reason(&status);
+        assert_eq!(reason, "connection error: received fatal alert: UnknownCA");
+        let bare = tonic::Status::cancelled("operation was canceled");
+        assert_eq!(status_reason(&bare), "operation was canceled");
+        assert_eq!(
+            with_connection_error(status_reason(&bare), Some("Broken pipe (os error 32)")),
+            "operation was canceled; connection: Broken pipe (os error 32)"
+        );
+        assert_eq!(
+            with_connection_error(reason.clone(), Some("received fatal alert: UnknownCA")),
+            reason,
+            "said once"
+        );
+        assert_eq!(status_reason(&tonic::Status::unknown("")), "Unknown");
+    }
+
+    #[test]
+    fn the_watchdog_ticks_several_times_per_timeout() {
+        assert_eq!(
+            watchdog_tick(Duration::from_secs(90)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            watchdog_tick(Duration::from_secs(1)),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            watchdog_tick(Duration::from_millis(1)),
+            Duration::from_millis(10)
+        );
     }
 
     #[test]

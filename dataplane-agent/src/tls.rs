@@ -7,10 +7,17 @@
 //! suffices when both are set). As with Felix and Typha, the identity check replaces the usual
 //! host-name check, so one server certificate serves every address the calc-server Service has.
 //! There is no fallback: a failed check fails the connection.
+//!
+//! A server that refuses *our* certificate does so after the TLS 1.3 handshake has completed on
+//! our side: the alert arrives on the first read, under HTTP/2, and the call above often only
+//! learns "connection closed". [`ConnectionErrors`] keeps the first errors the TLS stream itself
+//! met, so the session can log the real reason (e.g. `received fatal alert: UnknownCA`).
 
 use std::fmt;
 use std::path::Path;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
@@ -125,12 +132,13 @@ impl ClientTls {
     }
 
     /// Connects to `https://host[:port]` and returns the channel (TLS done here, HTTP/2 by
-    /// tonic). `endpoint_settings` applies timeouts and keep-alive to the endpoint.
+    /// tonic) with the errors its TLS connections meet. `endpoint_settings` applies timeouts
+    /// and keep-alive to the endpoint.
     pub async fn connect(
         &self,
         url: &str,
         endpoint_settings: impl FnOnce(Endpoint) -> Endpoint,
-    ) -> Result<Channel, String> {
+    ) -> Result<(Channel, ConnectionErrors), String> {
         let uri: Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
         let host = uri
             .host()
@@ -151,21 +159,172 @@ impl ClientTls {
         let endpoint = endpoint_settings(endpoint);
         let connector = tokio_rustls::TlsConnector::from(self.config.clone());
         let server_name = ServerName::try_from(host.clone()).map_err(|e| format!("{url}: {e}"))?;
+        let errors = ConnectionErrors::default();
+        let recorder = errors.clone();
         let service = tower::service_fn(move |_: Uri| {
             let connector = connector.clone();
             let server_name = server_name.clone();
             let addr = (host.clone(), port);
+            let errors = recorder.clone();
             async move {
                 let tcp = tokio::net::TcpStream::connect(addr).await?;
                 let _ = tcp.set_nodelay(true);
-                let tls = connector.connect(server_name, tcp).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+                let tls = connector
+                    .connect(server_name, tcp)
+                    .await
+                    .map_err(explain_handshake_error)?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(Recorded {
+                    inner: tls,
+                    errors,
+                }))
             }
         });
-        endpoint
+        let channel = endpoint
             .connect_with_connector(service)
             .await
-            .map_err(|e| crate::session::error_chain(&e))
+            .map_err(|e| crate::session::error_chain(&e))?;
+        Ok((channel, errors))
+    }
+}
+
+/// Adds what a bare reset during the handshake usually means: TLS errors (bad certificates,
+/// alerts) already name their reason.
+fn explain_handshake_error(e: std::io::Error) -> std::io::Error {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    if matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+    ) {
+        std::io::Error::new(
+            e.kind(),
+            format!(
+                "{e}: the server closed the connection during the TLS handshake (a server \
+                 without TLS, or one at its connection limit, does that)"
+            ),
+        )
+    } else {
+        e
+    }
+}
+
+/// The first read and write errors met by the TLS connections of one channel. A read error
+/// (the peer's alert) says more than the write error it usually causes (broken pipe), so it
+/// is preferred.
+#[derive(Clone, Debug, Default)]
+pub struct ConnectionErrors(Arc<Mutex<RecordedErrors>>);
+
+#[derive(Debug, Default)]
+struct RecordedErrors {
+    read: Option<String>,
+    write: Option<String>,
+}
+
+impl ConnectionErrors {
+    /// The most telling error recorded so far, if any.
+    pub fn first(&self) -> Option<String> {
+        let e = self.0.lock().expect("connection errors lock");
+        e.read.clone().or_else(|| e.write.clone())
+    }
+
+    fn has_read_error(&self) -> bool {
+        self.0
+            .lock()
+            .expect("connection errors lock")
+            .read
+            .is_some()
+    }
+
+    fn record(&self, read: bool, error: &std::io::Error) {
+        let mut e = self.0.lock().expect("connection errors lock");
+        let slot = if read { &mut e.read } else { &mut e.write };
+        if slot.is_none() {
+            *slot = Some(crate::session::error_chain(error));
+        }
+    }
+}
+
+/// A TLS stream that records its IO errors (see [`ConnectionErrors`]).
+struct Recorded<S> {
+    inner: S,
+    errors: ConnectionErrors,
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> Recorded<S> {
+    fn note_read<T>(&self, r: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        if let Poll::Ready(Err(e)) = &r {
+            self.errors.record(true, e);
+        }
+        r
+    }
+
+    fn note_write<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if let Poll::Ready(Err(e)) = &r {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+            self.errors.record(false, e);
+            // A server refusing our certificate sends its alert and closes; our next write
+            // then fails (broken pipe) while the alert may still wait, unread, in the socket.
+            // The connection is lost either way: read it for the reason.
+            let lost = matches!(e.kind(), BrokenPipe | ConnectionAborted | ConnectionReset);
+            if lost && !self.errors.has_read_error() {
+                let mut scratch = [0u8; 256];
+                let mut buf = tokio::io::ReadBuf::new(&mut scratch);
+                if let Poll::Ready(Err(e)) = Pin::new(&mut self.inner).poll_read(cx, &mut buf) {
+                    self.errors.record(true, &e);
+                }
+            }
+        }
+        r
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Recorded<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        self.note_read(r)
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite
+    for Recorded<S>
+{
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.note_write(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.note_write(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.note_write(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.note_write(cx, r)
     }
 }
 
@@ -341,6 +500,80 @@ mod tests {
         let (cn, uris) = cert_names(cert.der()).unwrap();
         assert_eq!(cn.as_deref(), Some("calc-server"));
         assert_eq!(uris, ["spiffe://c/calc"]);
+    }
+
+    /// A socket whose peer sent an alert and hung up: reads fail with the alert, writes with
+    /// `write_error`.
+    struct HungUp {
+        write_error: std::io::ErrorKind,
+    }
+
+    impl tokio::io::AsyncRead for HungUp {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "received fatal alert: UnknownCA",
+            )))
+        }
+    }
+
+    impl tokio::io::AsyncWrite for HungUp {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Poll::Ready(Err(self.write_error.into()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[test]
+    fn a_lost_write_reads_the_alert_that_explains_it() {
+        use tokio::io::AsyncWrite as _;
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut write = |kind| {
+            let errors = ConnectionErrors::default();
+            let mut s = Recorded {
+                inner: HungUp { write_error: kind },
+                errors: errors.clone(),
+            };
+            assert!(Pin::new(&mut s).poll_write(&mut cx, b"PRI *").is_ready());
+            errors.first()
+        };
+        assert_eq!(
+            write(std::io::ErrorKind::BrokenPipe).as_deref(),
+            Some("received fatal alert: UnknownCA"),
+            "the peer's reason wins over the broken pipe it caused"
+        );
+        assert_eq!(
+            write(std::io::ErrorKind::TimedOut).as_deref(),
+            Some("timed out"),
+            "only a lost connection is read for its reason"
+        );
+        assert_eq!(ConnectionErrors::default().first(), None);
+    }
+
+    #[test]
+    fn a_reset_during_the_handshake_says_what_it_usually_means() {
+        let e = explain_handshake_error(std::io::ErrorKind::ConnectionReset.into());
+        assert!(e.to_string().contains("a server without TLS"), "{e}");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset);
+        let tls = std::io::Error::new(std::io::ErrorKind::InvalidData, "invalid peer certificate");
+        assert_eq!(
+            explain_handshake_error(tls).to_string(),
+            "invalid peer certificate"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dataplane_agent::admin::AgentMetrics;
 use dataplane_agent::driver::{
     Driver, DriverError, DryRunDriver, EndpointStatuses, WorkloadEndpointKey,
 };
@@ -228,6 +229,8 @@ struct Recording {
     log: Arc<Mutex<Log>>,
     fail_applies: usize,
     refresh: Option<Duration>,
+    /// Applies block this long first (an `iptables-restore` waiting on the xtables lock).
+    apply_blocks_for: Arc<Mutex<Duration>>,
 }
 
 impl Driver for Recording {
@@ -236,6 +239,10 @@ impl Driver for Recording {
         self.inner.on_update(msg);
     }
     fn apply(&mut self) -> Result<(), DriverError> {
+        let block = *self.apply_blocks_for.lock().expect("lock");
+        if !block.is_zero() {
+            std::thread::sleep(block);
+        }
         let mut log = self.log.lock().expect("lock");
         if self.fail_applies > 0 {
             self.fail_applies -= 1;
@@ -263,6 +270,8 @@ impl Driver for Recording {
 
 struct Agent {
     log: Arc<Mutex<Log>>,
+    metrics: Arc<AgentMetrics>,
+    apply_blocks_for: Arc<Mutex<Duration>>,
     state_file: PathBuf,
     dir: tempfile::TempDir,
     stop: Option<oneshot::Sender<()>>,
@@ -278,6 +287,14 @@ impl Agent {
     }
     fn state(&self) -> Option<Value> {
         read_state(&self.state_file)
+    }
+    /// Messages the session received from servers after their ServerHellos (all streams).
+    fn received(&self) -> u64 {
+        let text = self.metrics.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix("dataplane_agent_messages_total "))
+            .and_then(|v| v.parse().ok())
+            .expect("messages counter")
     }
     /// Stops the session; returns the driver and the directory holding the state file.
     async fn stop(mut self) -> (Recording, tempfile::TempDir) {
@@ -314,18 +331,23 @@ fn start_agent_with(
     let dir = tempfile::tempdir().expect("tempdir");
     let state_file = dir.path().join("state.json");
     let log = Arc::new(Mutex::new(Log::default()));
+    let apply_blocks_for = Arc::new(Mutex::new(Duration::ZERO));
     let driver = Recording {
         inner: DryRunDriver::new(NODE, Some(state_file.clone())),
         log: log.clone(),
         fail_applies,
         refresh,
+        apply_blocks_for: apply_blocks_for.clone(),
     };
     let (stop, stopped) = oneshot::channel::<()>();
+    let metrics = config.metrics.clone();
     let task = tokio::spawn(session::run(config, driver, async move {
         let _ = stopped.await;
     }));
     Agent {
         log,
+        metrics,
+        apply_blocks_for,
         state_file,
         dir,
         stop: Some(stop),
@@ -518,8 +540,9 @@ fn keys(v: &Value) -> Vec<String> {
 // Tests
 // ------------------------------------------------------------------------------------------------
 
-/// Hello first; the snapshot reaches the driver but nothing is applied (no state file) until
-/// InSync; then one apply for the whole snapshot, DataplaneInSync, and deltas reach the file.
+/// Hello first; the snapshot is held by the session (the driver sees none of it, nothing is
+/// applied, no state file) until InSync; then the driver gets it whole, one apply for the whole
+/// snapshot, DataplaneInSync, and deltas reach the file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_snapshot_in_sync_then_deltas() {
     let gate = Arc::new(Notify::new());
@@ -557,12 +580,13 @@ async fn hello_snapshot_in_sync_then_deltas() {
     .await;
     let agent = start_agent(test_config(vec![url]), 0);
 
-    eventually("the snapshot reaches the driver", || {
-        agent.updates().len() == 5
-    })
-    .await;
+    eventually("the snapshot reaches the agent", || agent.received() == 5).await;
     // Give the session every chance to (wrongly) apply before InSync.
     tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        agent.updates().is_empty(),
+        "the driver holds no half snapshot"
+    );
     assert_eq!(agent.applies(), 0, "nothing applied before InSync");
     assert!(agent.state().is_none(), "no state file before InSync");
 
@@ -714,11 +738,16 @@ async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
     let agent = start_agent(test_config(vec![url]), 0);
 
     let first_updates = 14;
-    eventually("the second snapshot reaches the driver", || {
-        agent.updates().len() == first_updates + second_len
+    eventually("the second snapshot reaches the agent", || {
+        agent.received() == (first_updates + second_len) as u64
     })
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        agent.updates().len(),
+        first_updates,
+        "the resync's snapshot waits for its InSync"
+    );
     assert_eq!(
         agent.applies(),
         1,
@@ -1178,10 +1207,7 @@ async fn a_driver_asking_for_refreshes_gets_them_only_once_in_sync() {
     ])])
     .await;
     let agent = start_agent_with(test_config(vec![url]), 0, Some(Duration::from_millis(50)));
-    eventually("the snapshot reaches the driver", || {
-        agent.updates().len() == 1
-    })
-    .await;
+    eventually("the snapshot reaches the agent", || agent.received() == 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         agent.log.lock().expect("lock").refreshes,
@@ -1229,8 +1255,11 @@ async fn refreshes_continue_while_the_server_is_gone() {
     agent.stop().await;
 }
 
+/// A resync whose snapshot is cut short leaves nothing behind in the driver: while
+/// disconnected, its refreshes keep applying the last complete state, without the cut-short
+/// snapshot's objects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_refresh_while_disconnected_halfway_through_a_resync() {
+async fn a_cut_short_resync_leaves_the_last_complete_state_in_force() {
     let (url, _fake) = start_fake(vec![
         script(vec![
             handshake(),
@@ -1244,43 +1273,60 @@ async fn no_refresh_while_disconnected_halfway_through_a_resync() {
                 Step::End(None),
             ],
         ]),
-        // The resync's snapshot is cut short: s:b reaches the driver, InSync never comes.
+        // The resync's snapshot is cut short: s:b arrives, InSync never comes.
         script(vec![
             handshake(),
-            sends(vec![ipset("s:b", &["10.0.0.2"])]),
+            sends(vec![
+                ipset("s:a", &["10.0.0.66"]),
+                ipset("s:b", &["10.0.0.2"]),
+            ]),
             vec![Step::End(None)],
         ]),
     ])
     .await;
     let mut config = test_config(vec![url]);
-    config.reconnect_min_delay = Duration::from_millis(100);
-    config.reconnect_max_delay = Duration::from_millis(100);
+    config.reconnect_min_delay = Duration::from_millis(300);
+    config.reconnect_max_delay = Duration::from_millis(300);
     let agent = start_agent_with(config, 0, Some(Duration::from_millis(50)));
-    eventually("the cut-short snapshot reaches the driver", || {
-        agent.updates().len() >= 3
+    eventually("the cut-short snapshot reaches the agent", || {
+        agent.received() >= 4
     })
     .await;
     let (refreshes, applies) = {
         let log = agent.log.lock().expect("lock");
         (log.refreshes, log.applied_at.len())
     };
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let (refreshes_after, applies_after) = {
+    eventually("refreshes and applies continue while disconnected", || {
         let log = agent.log.lock().expect("lock");
-        (log.refreshes, log.applied_at.len())
-    };
+        log.refreshes >= refreshes + 2 && log.applied_at.len() >= applies + 2
+    })
+    .await;
+    let seen_by_driver: Vec<String> = agent
+        .updates()
+        .iter()
+        .filter_map(|m| match &m.payload {
+            Some(Payload::IpsetUpdate(u)) => Some(format!("{} {:?}", u.id, u.members)),
+            _ => None,
+        })
+        .collect();
     assert_eq!(
-        refreshes_after, refreshes,
-        "no refresh with half a snapshot unapplied"
+        seen_by_driver,
+        vec!["s:a [\"10.0.0.1\"]"],
+        "nothing of the cut-short snapshot reached the driver"
     );
-    assert_eq!(applies_after, applies, "nothing applied mid-resync");
+    let state = agent.state().expect("state");
+    assert_eq!(keys(&state["ipsets"]), vec!["s:a"]);
+    assert_eq!(
+        state["ipsets"]["s:a"]["members"],
+        serde_json::json!(["10.0.0.1"])
+    );
     agent.stop().await;
 }
 
-/// An IP set larger than gRPC's default 4 MiB message limit (a big network set) still syncs.
+/// A network set of a million members (far over gRPC's default 4 MiB message limit) syncs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_ip_set_over_four_mebibytes_syncs() {
-    let members: Vec<String> = (0..400_000u32)
+async fn a_million_member_ip_set_syncs() {
+    let members: Vec<String> = (0..1_000_000u32)
         .map(|i| format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255))
         .collect();
     let refs: Vec<&str> = members.iter().map(String::as_str).collect();
@@ -1304,7 +1350,7 @@ async fn an_ip_set_over_four_mebibytes_syncs() {
         Some(Payload::IpsetUpdate(u)) if u.id == "s:big" => Some(u.members.len()),
         _ => None,
     });
-    assert_eq!(got, Some(400_000));
+    assert_eq!(got, Some(1_000_000));
     assert_eq!(fake.connection_count(), 1, "no reconnect on the way");
     agent.stop().await;
 }
@@ -1344,5 +1390,230 @@ async fn a_server_that_never_answers_is_left_after_the_hello_timeout() {
         "the silent server was tried first"
     );
     assert_eq!(fake.connection_count(), 1);
+    agent.stop().await;
+}
+
+fn ipset_updates(agent: &Agent) -> Vec<String> {
+    agent
+        .updates()
+        .iter()
+        .filter_map(|m| match &m.payload {
+            Some(Payload::IpsetUpdate(u)) => Some(format!("{} {:?}", u.id, u.members)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A stream whose InSync does not come within the snapshot deadline is dropped, its snapshot
+/// never reaches the driver, and the agent reconnects; a stream in sync is never timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_without_in_sync_is_dropped_at_the_deadline() {
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+            vec![
+                Step::WaitFor(
+                    "DataplaneInSync",
+                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+                ),
+                Step::End(None),
+            ],
+        ]),
+        // A snapshot that never ends: a few objects, then silence.
+        script(vec![
+            handshake(),
+            sends(vec![
+                ipset("s:a", &["10.0.0.66"]),
+                ipset("s:stuck", &["10.0.0.67"]),
+            ]),
+            vec![Step::Hold],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &["10.0.0.2"]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.snapshot_timeout = Duration::from_millis(300);
+    let agent = start_agent(config, 0);
+    eventually("the third stream is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| s["ipsets"]["s:a"]["members"] == serde_json::json!(["10.0.0.2"]))
+    })
+    .await;
+    let (stuck_opened, _) = fake.times(1);
+    let (next_opened, _) = fake.times(2);
+    let held = next_opened.expect("opened") - stuck_opened.expect("opened");
+    assert!(
+        held >= Duration::from_millis(300),
+        "the stuck stream was left only at its deadline ({held:?})"
+    );
+    assert_eq!(
+        ipset_updates(&agent),
+        vec!["s:a [\"10.0.0.1\"]", "s:a [\"10.0.0.2\"]"],
+        "nothing of the unfinished snapshot reached the driver"
+    );
+    assert_eq!(agent.applies(), 2);
+    // In sync, the deadline no longer applies.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(fake.connection_count(), 3);
+    assert!(agent.metrics.liveness().is_ok());
+    agent.stop().await;
+}
+
+/// More bytes before InSync than the bound: the stream is dropped at once (long before the
+/// deadline) and nothing of it reaches the driver. After InSync the bound does not apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_over_the_byte_bound_is_dropped() {
+    let members: Vec<String> = (0..1000)
+        .map(|i| format!("10.1.{}.{}", i / 256, i % 256))
+        .collect();
+    let member_refs: Vec<&str> = members.iter().map(String::as_str).collect();
+    let flood = |n: usize| -> Vec<Payload> {
+        (0..n)
+            .map(|i| ipset(&format!("s:flood-{i}"), &member_refs))
+            .collect()
+    };
+    let deltas: Vec<Payload> = (0..20)
+        .map(|i| {
+            Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
+                id: "s:a".into(),
+                added_members: member_refs
+                    .iter()
+                    .map(|m| format!("{m}{i}"))
+                    .take(1000)
+                    .collect(),
+                removed_members: vec![],
+            })
+        })
+        .collect();
+    let (url, fake) = start_fake(vec![
+        script(vec![handshake(), sends(flood(40)), vec![Step::Hold]]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+            vec![Step::WaitFor(
+                "DataplaneInSync",
+                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+            )],
+            sends(deltas),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.max_snapshot_bytes = 64 * 1024;
+    let started = Instant::now();
+    let agent = start_agent(config, 0);
+    eventually("the second stream is applied", || agent.applies() >= 1).await;
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(
+        ipset_updates(&agent),
+        vec!["s:a [\"10.0.0.1\"]"],
+        "nothing of the oversized snapshot reached the driver"
+    );
+    eventually("deltas after InSync, far over the bound, are taken", || {
+        agent
+            .updates()
+            .iter()
+            .filter(|m| matches!(m.payload, Some(Payload::IpsetDeltaUpdate(_))))
+            .count()
+            == 20
+    })
+    .await;
+    assert_eq!(fake.connection_count(), 2);
+    agent.stop().await;
+}
+
+fn liveness_always(agent: &Agent) -> Result<(), String> {
+    agent.metrics.liveness()
+}
+
+/// Idle on a quiet stream (no heartbeat due for an hour) the agent stays live; an apply that
+/// blocks past the watchdog makes /liveness and /readiness fail with the reason, and they
+/// recover when it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_fails_while_the_session_loop_is_stuck() {
+    let change = Arc::new(Notify::new());
+    let (url, _fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+        vec![Step::Gate(change.clone())],
+        sends(vec![ipset("s:a", &["10.0.0.2"])]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.watchdog_timeout = Duration::from_millis(500);
+    let agent = start_agent(config, 0);
+    eventually("in sync and ready", || agent.metrics.readiness().is_ok()).await;
+    for _ in 0..40 {
+        assert_eq!(liveness_always(&agent), Ok(()), "idle is not stuck");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    *agent.apply_blocks_for.lock().expect("lock") = Duration::from_millis(1500);
+    change.notify_one();
+    eventually("liveness fails while the apply blocks", || {
+        agent.metrics.liveness().is_err()
+    })
+    .await;
+    let why = agent.metrics.liveness().unwrap_err();
+    assert!(why.contains("session loop stalled"), "{why}");
+    assert!(!why.contains('\n'), "one line: {why}");
+    assert!(agent.metrics.readiness().is_err());
+    *agent.apply_blocks_for.lock().expect("lock") = Duration::ZERO;
+    eventually("live again once the apply returned", || {
+        agent.metrics.liveness().is_ok() && agent.metrics.readiness().is_ok()
+    })
+    .await;
+    assert_eq!(agent.applies(), 2);
+    agent.stop().await;
+}
+
+/// Backing off from a server that is not there is live, not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnecting_to_an_absent_server_is_live_not_ready() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = closed.local_addr().unwrap();
+    drop(closed);
+    let mut config = test_config(vec![format!("http://{addr}")]);
+    // Each wait between attempts is longer than the watchdog timeout.
+    config.reconnect_min_delay = Duration::from_millis(600);
+    config.reconnect_max_delay = Duration::from_millis(600);
+    config.watchdog_timeout = Duration::from_millis(250);
+    let agent = start_agent(config, 0);
+    eventually("the session runs", || liveness_always(&agent).is_ok()).await;
+    for _ in 0..60 {
+        assert_eq!(liveness_always(&agent), Ok(()));
+        assert_eq!(
+            agent.metrics.readiness(),
+            Err("not connected to a calc-server")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    agent.stop().await;
+}
+
+/// A server that ends the stream right behind its InSync: the complete snapshot is applied at
+/// once, not left pending until some later stream's InSync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ending_right_after_in_sync_is_applied() {
+    let (url, _fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+        vec![Step::End(None)],
+    ])])
+    .await;
+    let mut config = test_config(vec![url]);
+    // Later connections are refused: only the first stream can bring the state.
+    config.reconnect_min_delay = Duration::from_secs(30);
+    config.reconnect_max_delay = Duration::from_secs(30);
+    let agent = start_agent(config, 0);
+    eventually("the snapshot is applied", || agent.state().is_some()).await;
+    assert_eq!(agent.applies(), 1);
     agent.stop().await;
 }

@@ -275,6 +275,24 @@ pub fn time_to_close(
     }
 }
 
+/// `text` without the terminal colour codes (ESC `[` … letter) the plain log format carries.
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A plain HTTP/1.0 GET; `None` if nothing answers.
 pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};

@@ -14,30 +14,13 @@ use std::time::Duration;
 
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
-    ActivePolicyUpdate, ActiveProfileUpdate, HostEndpoint, HostEndpointId, HostEndpointUpdate,
-    InSync, Policy, PolicyId, Profile, ProfileId, Rule, TierInfo, WorkloadEndpoint,
-    WorkloadEndpointId, WorkloadEndpointUpdate,
+    ActivePolicyUpdate, HostEndpoint, HostEndpointId, HostEndpointUpdate, InSync, Policy, PolicyId,
+    Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointUpdate,
 };
 use integration::netns::{self, Ipt, Netns, Workload, wait_until};
-use integration::scripted::ScriptedServer;
+use integration::scripted::{ScriptedServer, allow_all_profile};
 
 const NODE: &str = "node-p";
-
-fn allow_all_profile() -> Payload {
-    let allow = || Rule {
-        action: "allow".into(),
-        ..Default::default()
-    };
-    Payload::ActiveProfileUpdate(ActiveProfileUpdate {
-        id: Some(ProfileId {
-            name: "kns.prod".into(),
-        }),
-        profile: Some(Profile {
-            inbound_rules: vec![allow()],
-            outbound_rules: vec![allow()],
-        }),
-    })
-}
 
 fn wep(name: &str, w: &Workload) -> Payload {
     Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {

@@ -22,7 +22,7 @@ use felix_proto::{
     WorkloadEndpointUpdate, rule,
 };
 use integration::netns::{self, Netns, Probe, Workload};
-use integration::scripted::ScriptedServer;
+use integration::scripted::{ScriptedServer, allow_all_profile};
 
 const NODE: &str = "node-h";
 const INJECT: &str = "x\n-A INPUT -j ACCEPT\n-A FORWARD -j ACCEPT\nCOMMIT\n*filter";
@@ -59,23 +59,6 @@ fn policy(name: &str, rules: Vec<Rule>) -> Payload {
         policy: Some(Policy {
             inbound_rules: rules,
             ..Default::default()
-        }),
-    })
-}
-
-/// The namespace's profile: everything allowed both ways.
-fn allow_all_profile() -> Payload {
-    let allow = || Rule {
-        action: "allow".into(),
-        ..Default::default()
-    };
-    Payload::ActiveProfileUpdate(ActiveProfileUpdate {
-        id: Some(ProfileId {
-            name: "kns.prod".into(),
-        }),
-        profile: Some(Profile {
-            inbound_rules: vec![allow()],
-            outbound_rules: vec![allow()],
         }),
     })
 }

@@ -2,13 +2,16 @@
 //! (rcgen): the matrix of bad certificates in both directions (plaintext, wrong CA, expired,
 //! wrong CN, wrong URI SAN), a node asking for another node's span, the valid cases, the
 //! handshake timeout (a stalled client is dropped and delays nobody), the connection limit,
-//! health and metrics on both admin endpoints, and SIGTERM on both sides.
+//! health and metrics on both admin endpoints, SIGTERM on both sides, and the agent's log naming
+//! why a TLS connection failed (a refused client certificate, TLS against plaintext).
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use integration::{Agent, Server, example_datastore, free_port, http_get, metric, time_to_close};
+use integration::{
+    Agent, Server, example_datastore, free_port, http_get, metric, strip_ansi, time_to_close,
+};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
@@ -726,4 +729,153 @@ fn status_for_another_nodes_endpoint_is_refused() {
         n1["workload_endpoints"]["k8s/shop/api-2/eth0"].is_null(),
         "{n1}"
     );
+}
+
+/// The agent's failure lines (connection or stream).
+fn failures(agent: &Agent) -> Vec<String> {
+    agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("cannot connect to calc-server") || l.contains("stream ended"))
+        .map(strip_ansi)
+        .collect()
+}
+
+/// A calc-server that refuses the agent's client certificate (signed by a CA it does not
+/// trust): the agent's log names the TLS alert, and no failure line is left without a reason
+/// (before, they read "transport error" or "operation was canceled").
+#[test]
+fn the_log_names_why_the_server_refused_the_agents_certificate() {
+    let ds = example_datastore();
+    let dir = tempfile::tempdir().unwrap();
+    let server_ca = ca("calc-server CA");
+    let srv = leaf(
+        dir.path(),
+        "server",
+        &server_ca,
+        "calc-server",
+        &[],
+        Role::Server,
+        false,
+    );
+    let server = Server::start(
+        ds.path(),
+        &[
+            "--tls-ca-file",
+            &srv.0,
+            "--tls-cert-file",
+            &srv.1,
+            "--tls-key-file",
+            &srv.2,
+        ],
+    );
+    let stranger = leaf(
+        dir.path(),
+        "client",
+        &ca("another CA"),
+        "node-1",
+        &[],
+        Role::Client,
+        false,
+    );
+    let agent = Agent::start_with(
+        dir.path(),
+        &server.grpc.replace("http://", "https://"),
+        "node-1",
+        "refused",
+        &[
+            "--tls-ca-file",
+            &srv.0,
+            "--tls-cert-file",
+            &stranger.1,
+            "--tls-key-file",
+            &stranger.2,
+            "--tls-server-cn",
+            "calc-server",
+        ],
+    );
+    agent.wait_for_log("received fatal alert: UnknownCA");
+    for line in failures(&agent) {
+        assert!(
+            line.contains("UnknownCA") || line.contains("refuses this agent's client certificate"),
+            "a failure without its reason: {line}"
+        );
+    }
+    assert!(agent.state().is_none(), "a refused agent got a span");
+}
+
+/// TLS against plaintext and plaintext against TLS: each side's log says what is wrong.
+#[test]
+fn tls_and_plaintext_mismatches_are_named() {
+    let ds = example_datastore();
+    let dir = tempfile::tempdir().unwrap();
+    let the_ca = ca("calc-server CA");
+    let srv = leaf(
+        dir.path(),
+        "server",
+        &the_ca,
+        "calc-server",
+        &[],
+        Role::Server,
+        false,
+    );
+    let client = leaf(
+        dir.path(),
+        "client",
+        &the_ca,
+        "node-1",
+        &[],
+        Role::Client,
+        false,
+    );
+    let tls_server = Server::start(
+        ds.path(),
+        &[
+            "--tls-ca-file",
+            &srv.0,
+            "--tls-cert-file",
+            &srv.1,
+            "--tls-key-file",
+            &srv.2,
+        ],
+    );
+    let plain_server = Server::start(ds.path(), &[]);
+    let tls_agent = Agent::start_with(
+        dir.path(),
+        &plain_server.grpc.replace("http://", "https://"),
+        "node-1",
+        "tls-to-plain",
+        &[
+            "--tls-ca-file",
+            &client.0,
+            "--tls-cert-file",
+            &client.1,
+            "--tls-key-file",
+            &client.2,
+            "--tls-server-cn",
+            "calc-server",
+        ],
+    );
+    let plain_agent =
+        Agent::start_with(dir.path(), &tls_server.grpc, "node-1", "plain-to-tls", &[]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let named = |agent: &Agent, reasons: &[&str]| {
+        failures(agent)
+            .iter()
+            .any(|l| reasons.iter().any(|r| l.contains(r)))
+    };
+    while !(named(
+        &tls_agent,
+        &["InvalidContentType", "during the TLS handshake"],
+    ) && named(&plain_agent, &["the server may expect TLS"]))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "TLS agent log:\n{}\nplaintext agent log:\n{}",
+            tls_agent.log_text(),
+            plain_agent.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(tls_agent.state().is_none() && plain_agent.state().is_none());
 }
