@@ -95,3 +95,13 @@ fn kube_snapshot(args: &KubeArgs) -> anyhow::Result<Snapshot> {
         .collect();
     Ok(Snapshot { updates, problems })
 }
+
+/// Runs CPU-bound adapter work (decoding, converting, validating) without holding up the
+/// runtime's other tasks (agent streams, the admin endpoint): on a multi-threaded runtime the
+/// worker hands its other tasks over first.
+pub fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}

@@ -9,7 +9,10 @@
 //!
 //! A value that cannot be used is rejected (reason + etcd key reported, counter bumped) and the
 //! last good version stays in the graph: nothing is sent. Its fingerprint is remembered so the
-//! next re-list does not report it again; a later valid value is applied as usual.
+//! next re-list does not report it again; a later valid value is applied as usual. A rejected
+//! key with no last good version in memory (the server just started) is reported with
+//! `held: false`; the caller may find one in etcd's history and hand it to
+//! [`Mirror::adopt_last_good`]. [`Mirror::unusable`] lists the rejected keys either way.
 //!
 //! Two etcd keys can name the same resource (a legacy `default.foo` policy key beside `foo`).
 //! The graph holds the value of the key that was applied last; when that key goes and another
@@ -48,6 +51,8 @@ struct Entry {
     delivered: Option<ResourceKey>,
     /// Generation of the list or event that last saw the key.
     seen: u64,
+    /// The key's current value is rejected (`delivered` is then its last good version's).
+    rejected: bool,
 }
 
 /// One key whose value was rejected.
@@ -55,6 +60,8 @@ struct Entry {
 pub struct Problem {
     pub key: String,
     pub reason: String,
+    /// A last good version of the key stays in force.
+    pub held: bool,
 }
 
 /// Updates and problems produced by one batch of keys.
@@ -118,50 +125,109 @@ impl Mirror {
             }
             Decision::Reject(reason) => {
                 self.rejected.fetch_add(1, Ordering::Relaxed);
-                out.problems.push(Problem {
-                    key: key.to_string(),
-                    reason,
-                });
                 let e = self.entries.entry(key.into()).or_insert(Entry {
                     value: fp,
                     delivered: None,
                     seen: generation,
+                    rejected: true,
                 });
                 e.value = fp;
                 e.seen = generation;
+                e.rejected = true;
+                out.problems.push(Problem {
+                    key: key.to_string(),
+                    reason,
+                    held: e.delivered.is_some(),
+                });
             }
+            Decision::Apply(res) => self.deliver(key, fp, res, false, out),
+        }
+    }
+
+    /// `value` is an earlier version of `key` (from etcd's history) to keep in force while the
+    /// key's current value, rejected by [`Mirror::put`], stays unusable. Ignored unless the key
+    /// is rejected with no last good version and `value` is valid; true if adopted.
+    pub fn adopt_last_good(&mut self, key: &str, value: &[u8], out: &mut Batch) -> bool {
+        let Some(e) = self.entries.get(key) else {
+            return false;
+        };
+        if !e.rejected || e.delivered.is_some() {
+            return false;
+        }
+        let fp = e.value;
+        match decode(key, value) {
             Decision::Apply(res) => {
-                let rk = res.key();
-                let previous = match self.entries.get_mut(key) {
-                    Some(e) => {
-                        e.value = fp;
-                        e.seen = generation;
-                        e.delivered.replace(rk.clone())
-                    }
-                    None => {
-                        self.entries.insert(
-                            key.into(),
-                            Entry {
-                                value: fp,
-                                delivered: Some(rk.clone()),
-                                seen: generation,
-                            },
-                        );
-                        None
-                    }
-                };
-                if let Some(old) = previous.filter(|old| *old != rk) {
-                    self.release(&old, key, out);
-                }
-                let owners = self.owners.entry(rk.clone()).or_default();
-                owners.retain(|k| &**k != key);
-                if !owners.is_empty() {
-                    tracing::warn!(%key, resource = %rk, others = ?owners, "several etcd keys name the same resource; the latest write wins");
-                }
-                owners.push(key.into());
-                out.updates.push(Update::Apply(res));
+                self.deliver(key, fp, res, true, out);
+                true
+            }
+            Decision::Skip | Decision::Reject(_) => false,
+        }
+    }
+
+    /// Whether `key`'s current value is rejected and no last good version of it is in force.
+    pub fn is_rejected_without_last_good(&self, key: &str) -> bool {
+        self.entries
+            .get(key)
+            .is_some_and(|e| e.rejected && e.delivered.is_none())
+    }
+
+    /// Rejected keys: those whose last good version stays in force, and those without one.
+    pub fn unusable(&self) -> (Vec<String>, Vec<String>) {
+        let (mut held, mut without) = (Vec::new(), Vec::new());
+        for (key, e) in self.entries.iter().filter(|(_, e)| e.rejected) {
+            if e.delivered.is_some() {
+                held.push(key.to_string());
+            } else {
+                without.push(key.to_string());
             }
         }
+        held.sort();
+        without.sort();
+        (held, without)
+    }
+
+    /// Sends `res` as `key`'s version in force; `fp` is the key's current value's fingerprint
+    /// (`rejected`: that value is unusable and `res` is its last good version).
+    fn deliver(
+        &mut self,
+        key: &str,
+        fp: Fingerprint,
+        res: calc_graph::model::Resource,
+        rejected: bool,
+        out: &mut Batch,
+    ) {
+        let generation = self.generation;
+        let rk = res.key();
+        let previous = match self.entries.get_mut(key) {
+            Some(e) => {
+                e.value = fp;
+                e.seen = generation;
+                e.rejected = rejected;
+                e.delivered.replace(rk.clone())
+            }
+            None => {
+                self.entries.insert(
+                    key.into(),
+                    Entry {
+                        value: fp,
+                        delivered: Some(rk.clone()),
+                        seen: generation,
+                        rejected,
+                    },
+                );
+                None
+            }
+        };
+        if let Some(old) = previous.filter(|old| *old != rk) {
+            self.release(&old, key, out);
+        }
+        let owners = self.owners.entry(rk.clone()).or_default();
+        owners.retain(|k| &**k != key);
+        if !owners.is_empty() {
+            tracing::warn!(%key, resource = %rk, others = ?owners, "several etcd keys name the same resource; the latest write wins");
+        }
+        owners.push(key.into());
+        out.updates.push(Update::Apply(res));
     }
 
     /// A key was deleted.
@@ -298,6 +364,8 @@ mod tests {
         assert_eq!(summary(&out), ["apply GlobalNetworkPolicy a"]);
         assert_eq!(out.problems.len(), 1);
         assert_eq!(out.problems[0].key, a);
+        assert!(out.problems[0].held, "the last good version stays");
+        assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
         assert_eq!(rejected.load(Ordering::Relaxed), 1);
         // A re-list that sees the same bad value reports nothing new and deletes nothing.
         let mut out = Batch::default();
@@ -308,6 +376,7 @@ mod tests {
         assert_eq!(rejected.load(Ordering::Relaxed), 1);
         // A later valid value is applied; deleting the key deletes the resource.
         m.put(&a, gnp("a", "has(y)").as_bytes(), &mut out);
+        assert_eq!(m.unusable(), (vec![], vec![]));
         m.delete(&a, &mut out);
         assert_eq!(
             summary(&out),
@@ -372,5 +441,47 @@ mod tests {
         assert!(
             matches!(&out.updates[2], Update::Apply(r) if r.kind() == Kind::GlobalNetworkPolicy)
         );
+    }
+
+    /// After a restart the mirror knows only the bad value; the caller finds an earlier valid
+    /// one in etcd's history and adopts it: applied, the bad value still remembered (a re-list
+    /// sends nothing), and a later valid value replaces it.
+    #[test]
+    fn a_last_good_version_from_history_is_adopted_for_a_rejected_key_only() {
+        let (mut m, _) = mirror();
+        let a = format!("{P}globalnetworkpolicies/a");
+        let b = format!("{P}globalnetworkpolicies/b");
+        let mut out = Batch::default();
+        m.begin_list();
+        m.put(&a, b"{oops", &mut out);
+        m.put(&b, gnp("b", "all()").as_bytes(), &mut out);
+        assert!(!out.problems[0].held, "nothing to hold yet");
+        assert!(m.is_rejected_without_last_good(&a));
+        assert_eq!(m.unusable(), (vec![], vec![a.clone()]));
+        // Neither an invalid old version nor a valid key's takes effect.
+        assert!(!m.adopt_last_good(&a, b"[]", &mut out));
+        assert!(!m.adopt_last_good(&b, gnp("b", "has(x)").as_bytes(), &mut out));
+        assert!(m.adopt_last_good(&a, gnp("a", "has(x)").as_bytes(), &mut out));
+        assert!(
+            !m.adopt_last_good(&a, gnp("a", "all()").as_bytes(), &mut out),
+            "once"
+        );
+        m.sweep(&mut out);
+        assert_eq!(
+            summary(&out),
+            ["apply GlobalNetworkPolicy b", "apply GlobalNetworkPolicy a"]
+        );
+        assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
+
+        let mut out = Batch::default();
+        m.begin_list();
+        m.put(&a, b"{oops", &mut out);
+        m.put(&b, gnp("b", "all()").as_bytes(), &mut out);
+        m.sweep(&mut out);
+        assert!(out.updates.is_empty() && out.problems.is_empty());
+
+        m.put(&a, gnp("a", "all()").as_bytes(), &mut out);
+        assert_eq!(summary(&out), ["apply GlobalNetworkPolicy a"]);
+        assert_eq!(m.unusable(), (vec![], vec![]));
     }
 }

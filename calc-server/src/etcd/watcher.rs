@@ -14,6 +14,17 @@
 //! `Delete`, changed objects `Apply`, unchanged ones nothing, so a resync costs the agents
 //! nothing when nothing changed. The watch is never resumed across a re-list or a reconnect, so
 //! a changed cluster ID (etcd restored or replaced) can only lead to a full re-list.
+//!
+//! Last good versions come from etcd's history, not from a store of our own: a key whose
+//! current value is rejected and whose last good version the mirror does not hold (the server
+//! just started, or another replica took over) is read again at older revisions, newest first,
+//! back to its creation, until a valid version is found, etcd says the revision was compacted,
+//! or [`MAX_HISTORY_STEPS`] versions were tried. Every replica reads the same history, so all
+//! agree on the version in force. Keys left without one are reported on `/metrics`,
+//! `/status/datastore` and `/readiness` (degraded) and logged as errors by key.
+//!
+//! Decoding (JSON parsing and validation) runs off the async workers (`block_in_place`), so a
+//! page of large values delays no agent's stream.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,9 +38,14 @@ use tokio::time::Instant;
 
 use super::mirror::{Batch, Mirror, Problem};
 use super::{Backoff, EtcdArgs, RESOURCE_PREFIX, connect, decode};
+use crate::datastore::off_runtime;
+use crate::serve::metrics::Metrics;
 
 /// How long one range request may take before the connection is considered lost.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Most earlier versions of one rejected key read while looking for its last good version.
+pub const MAX_HISTORY_STEPS: usize = 32;
 
 /// Largest response accepted from etcd (gRPC's default is 4 MiB: one page of large values or
 /// the watch response of a large transaction exceeds it). A page that is still too large is
@@ -235,9 +251,8 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
             match next_page(&mut pages).await {
                 Ok(Some(page)) => {
                     revision = page.revision;
-                    for item in &page.kvs {
-                        put_kv(&mut mirror, item, &mut out);
-                    }
+                    let orphans = put_page(&mut mirror, &page.kvs, &mut out);
+                    recover(&mut mirror, &mut kv_client(&client), orphans, &mut out).await;
                 }
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
@@ -267,11 +282,115 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     }
 }
 
-fn put_kv(mirror: &mut Mirror, item: &KeyValue, out: &mut Batch) {
-    match item.key_str() {
-        Ok(key) => mirror.put(key, item.value(), out),
-        Err(_) => {
-            tracing::debug!(key = ?String::from_utf8_lossy(item.key()), "skipping a key that is not UTF-8");
+/// A rejected key with no last good version in the mirror, and where its history lies.
+struct Orphan {
+    key: String,
+    /// The rejected value's revision.
+    mod_revision: i64,
+    /// Where the key's current incarnation starts: older versions belong to a deleted object.
+    create_revision: i64,
+}
+
+/// Puts every key of a page (or a watch response) into the mirror, decoding off the async
+/// workers; returns the rejected keys without a last good version.
+fn put_page<'a>(
+    mirror: &mut Mirror,
+    items: impl IntoIterator<Item = &'a KeyValue>,
+    out: &mut Batch,
+) -> Vec<Orphan> {
+    off_runtime(|| {
+        let mut orphans = Vec::new();
+        for item in items {
+            let Ok(key) = item.key_str() else {
+                tracing::debug!(key = ?String::from_utf8_lossy(item.key()), "skipping a key that is not UTF-8");
+                continue;
+            };
+            let before = out.problems.len();
+            mirror.put(key, item.value(), out);
+            if out.problems[before..].iter().any(|p| !p.held) {
+                orphans.push(Orphan {
+                    key: key.to_owned(),
+                    mod_revision: item.mod_revision(),
+                    create_revision: item.create_revision(),
+                });
+            }
+        }
+        orphans
+    })
+}
+
+/// What etcd's history holds for a rejected key.
+enum History {
+    /// A valid earlier version, at this revision.
+    Found(i64, Vec<u8>),
+    /// None; why.
+    Nothing(String),
+}
+
+/// Reads `orphan`'s earlier versions, newest first, for the last valid one (see the module
+/// documentation).
+async fn last_good_in_history(kv: &mut KvClient, orphan: &Orphan) -> History {
+    let mut revision = orphan.mod_revision - 1;
+    for _ in 0..MAX_HISTORY_STEPS {
+        if revision < orphan.create_revision.max(1) {
+            return History::Nothing("no earlier version in etcd's history".into());
+        }
+        let opts = GetOptions::new().with_revision(revision);
+        let resp = tokio::time::timeout(REQUEST_TIMEOUT, kv.get(orphan.key.as_str(), Some(opts)));
+        let mut resp = match resp.await {
+            Err(_) => return History::Nothing("reading etcd's history timed out".into()),
+            Ok(Err(e)) if is_compacted(&e) => {
+                return History::Nothing(format!(
+                    "etcd's history before revision {} is compacted",
+                    revision + 1
+                ));
+            }
+            Ok(Err(e)) => return History::Nothing(format!("reading etcd's history: {e}")),
+            Ok(Ok(r)) => r,
+        };
+        let Some(item) = resp.take_kvs().into_iter().next() else {
+            return History::Nothing("no earlier version in etcd's history".into());
+        };
+        if matches!(
+            off_runtime(|| decode::decode(&orphan.key, item.value())),
+            decode::Decision::Apply(_)
+        ) {
+            return History::Found(item.mod_revision(), item.value().to_vec());
+        }
+        revision = item.mod_revision() - 1;
+    }
+    History::Nothing(format!(
+        "none of its last {MAX_HISTORY_STEPS} versions in etcd's history is valid"
+    ))
+}
+
+/// Finds the last good version of each orphan in etcd's history and puts it in force; each
+/// orphan's problem says what was found.
+async fn recover(mirror: &mut Mirror, kv: &mut KvClient, orphans: Vec<Orphan>, out: &mut Batch) {
+    for orphan in orphans {
+        let outcome = match last_good_in_history(kv, &orphan).await {
+            History::Found(revision, value) => {
+                if off_runtime(|| mirror.adopt_last_good(&orphan.key, &value, out)) {
+                    Ok(revision)
+                } else {
+                    Err("its earlier version could not be used".to_owned())
+                }
+            }
+            History::Nothing(why) => Err(why),
+        };
+        for p in out.problems.iter_mut().filter(|p| p.key == orphan.key) {
+            match &outcome {
+                Ok(revision) => {
+                    p.held = true;
+                    p.reason = format!(
+                        "{}; its last good version (etcd revision {revision}) stays in force",
+                        p.reason
+                    );
+                }
+                Err(why) => {
+                    p.reason = format!("{}; no last good version ({why}): not in force", p.reason);
+                }
+            }
         }
     }
 }
@@ -301,23 +420,19 @@ pub struct Watcher {
     /// Whether the first complete snapshot (and InSync) has been delivered.
     synced: bool,
     cluster_id: Option<u64>,
-    rejected: Arc<AtomicU64>,
+    /// Rejected values (counter) and unusable keys (gauges, readiness).
+    metrics: Arc<Metrics>,
 }
 
 impl Watcher {
-    /// `rejected` counts values that could not be used (a metric for the admin endpoint).
-    pub fn new(
-        cfg: WatchConfig,
-        out: mpsc::Sender<Vec<Update>>,
-        rejected: Arc<AtomicU64>,
-    ) -> Watcher {
+    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
         Watcher {
             cfg,
-            mirror: Mirror::new(rejected.clone()),
+            mirror: Mirror::new(metrics.rejected_decode.clone()),
             out,
             synced: false,
             cluster_id: None,
-            rejected,
+            metrics,
         }
     }
 
@@ -406,9 +521,8 @@ impl Watcher {
                 }
                 self.cluster_id = Some(page.cluster_id);
                 revision = page.revision;
-                for item in &page.kvs {
-                    put_kv(&mut self.mirror, item, &mut out);
-                }
+                let orphans = put_page(&mut self.mirror, &page.kvs, &mut out);
+                recover(&mut self.mirror, &mut kv_client(client), orphans, &mut out).await;
                 self.report(&mut out.problems);
                 // Pipeline: the engine applies this page while the next one is fetched.
                 changes += out.updates.len();
@@ -417,6 +531,7 @@ impl Watcher {
                 }
             }
             self.mirror.sweep(&mut out);
+            self.report(&mut out.problems);
             if !self.synced {
                 out.updates.push(Update::InSync);
                 self.synced = true;
@@ -496,16 +611,22 @@ impl Watcher {
                 return End::Relist("watch cancelled");
             }
             let mut out = Batch::default();
+            let mut orphans = Vec::new();
             for ev in resp.events() {
                 let Some(item) = ev.kv() else { continue };
                 match ev.event_type() {
-                    EventType::Put => put_kv(&mut self.mirror, item, &mut out),
+                    EventType::Put => {
+                        orphans.extend(put_page(&mut self.mirror, [item], &mut out));
+                    }
                     EventType::Delete => match item.key_str() {
                         Ok(key) => self.mirror.delete(key, &mut out),
                         Err(_) => continue,
                     },
                 }
             }
+            // A key deleted later in the same response is no longer an orphan.
+            orphans.retain(|o| self.mirror.is_rejected_without_last_good(&o.key));
+            recover(&mut self.mirror, &mut kv_client(client), orphans, &mut out).await;
             self.report(&mut out.problems);
             if !out.updates.is_empty() {
                 tracing::debug!(changes = out.updates.len(), "etcd watch events");
@@ -521,11 +642,18 @@ impl Watcher {
         self.out.send(updates).await.is_err()
     }
 
-    /// Logs rejected values by key.
+    /// Logs rejected values by key and publishes the keys left unusable.
     fn report(&self, problems: &mut Vec<Problem>) {
+        let rejected_total = self.metrics.rejected_decode.load(Ordering::Relaxed);
         for p in problems.drain(..) {
-            tracing::warn!(key = %p.key, reason = %p.reason, rejected_total = self.rejected.load(Ordering::Relaxed), "rejected etcd value; the last good version (if any) stays");
+            if p.held {
+                tracing::warn!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value; its last good version stays in force");
+            } else {
+                tracing::error!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value with no last good version: the object is not in force");
+            }
         }
+        let (held, without) = self.mirror.unusable();
+        self.metrics.set_unusable(held, without);
     }
 }
 

@@ -85,6 +85,8 @@ struct Entry {
     delivered: Option<(u64, ResourceKey)>,
     /// Generation of the list of its source that last saw it.
     seen: u64,
+    /// Its current version is rejected (`delivered` is then its last good version's).
+    rejected: bool,
 }
 
 pub struct Mirror {
@@ -115,6 +117,22 @@ impl Mirror {
         self.entries.len()
     }
 
+    /// Rejected objects: those whose last good version stays in force, and those without one
+    /// (the API server keeps no history to find one in).
+    pub fn unusable(&self) -> (Vec<String>, Vec<String>) {
+        let (mut held, mut without) = (Vec::new(), Vec::new());
+        for (key, e) in self.entries.iter().filter(|(_, e)| e.rejected) {
+            if e.delivered.is_some() {
+                held.push(key.to_string());
+            } else {
+                without.push(key.to_string());
+            }
+        }
+        held.sort();
+        without.sort();
+        (held, without)
+    }
+
     /// Sources that must be re-listed to restore a resource another object still names.
     pub fn take_relists(&mut self) -> BTreeSet<Source> {
         std::mem::take(&mut self.relists)
@@ -137,6 +155,7 @@ impl Mirror {
             out.problems.push(Problem {
                 key: source.to_string(),
                 reason: "object without metadata.name".into(),
+                held: false,
             });
             return;
         };
@@ -158,28 +177,33 @@ impl Mirror {
                         version,
                         delivered: None,
                         seen: generation,
+                        rejected: false,
                     },
                 );
             }
             Decision::Reject(reason) => {
                 self.rejected.fetch_add(1, Ordering::Relaxed);
-                out.problems.push(Problem {
-                    key: key.to_string(),
-                    reason,
-                });
-                let e = self.entries.entry(key).or_insert(Entry {
+                let e = self.entries.entry(key.clone()).or_insert(Entry {
                     version: None,
                     delivered: None,
                     seen: generation,
+                    rejected: false,
                 });
                 e.version = version;
                 e.seen = generation;
+                e.rejected = true;
+                out.problems.push(Problem {
+                    key: key.to_string(),
+                    reason,
+                    held: e.delivered.is_some(),
+                });
             }
             Decision::Apply { resource, warnings } => {
                 for w in warnings {
                     out.problems.push(Problem {
                         key: key.to_string(),
                         reason: w,
+                        held: true,
                     });
                 }
                 let rk = resource.key();
@@ -188,9 +212,11 @@ impl Mirror {
                     version: None,
                     delivered: None,
                     seen: generation,
+                    rejected: false,
                 });
                 e.version = version;
                 e.seen = generation;
+                e.rejected = false;
                 let previous = e.delivered.replace((fp, rk.clone()));
                 let is_current = self
                     .owners
@@ -419,6 +445,9 @@ mod tests {
             out.problems
         );
         assert_eq!(rejected.load(Ordering::Relaxed), 1);
+        assert!(out.problems[0].held);
+        let held = vec!["tiers.crd.projectcalico.org security".to_owned()];
+        assert_eq!(m.unusable(), (held, vec![]));
         // The same bad version on a re-list: not reported again, nothing deleted.
         let mut out = Batch::default();
         m.begin_list(src);
@@ -432,6 +461,13 @@ mod tests {
             summary(&out),
             ["apply Tier security", "delete Tier security"]
         );
+        assert_eq!(m.unusable(), (vec![], vec![]));
+        // Bad from its first version (as after a restart): not in force, and listed.
+        let mut out = Batch::default();
+        m.put(src, tier("5", json!("high")), &mut out);
+        assert!(out.updates.is_empty() && !out.problems[0].held);
+        let without = vec!["tiers.crd.projectcalico.org security".to_owned()];
+        assert_eq!(m.unusable(), (vec![], without));
     }
 
     #[test]

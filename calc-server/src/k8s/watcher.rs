@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::datastore::off_runtime;
+use crate::serve::metrics::Metrics;
 use anyhow::Context;
 use calc_graph::graph::Update;
 use kube::api::{Api, DynamicObject};
@@ -245,17 +247,13 @@ pub struct WatchConfig {
 pub struct Watcher {
     cfg: WatchConfig,
     out: mpsc::Sender<Vec<Update>>,
-    rejected: Arc<AtomicU64>,
+    /// Rejected objects (counter) and unusable ones (gauges, readiness).
+    metrics: Arc<Metrics>,
 }
 
 impl Watcher {
-    /// `rejected` counts objects that could not be used (a metric).
-    pub fn new(
-        cfg: WatchConfig,
-        out: mpsc::Sender<Vec<Update>>,
-        rejected: Arc<AtomicU64>,
-    ) -> Watcher {
-        Watcher { cfg, out, rejected }
+    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
+        Watcher { cfg, out, metrics }
     }
 
     /// Runs until the receiver of the updates goes away. `client` comes from [`client`].
@@ -263,7 +261,7 @@ impl Watcher {
         let converter = Converter {
             interface_prefix: self.cfg.args.interface_prefix(),
         };
-        let mut merge = Merge::new(converter, self.rejected.clone());
+        let mut merge = Merge::new(converter, self.metrics.rejected_decode.clone());
         // `_tasks` is bound (not `..`) so the watchers live as long as this loop.
         let Sources {
             mut rx,
@@ -296,24 +294,34 @@ impl Watcher {
                 return;
             };
             let mut out = Batch::default();
-            merge.handle(source, report, &mut out);
-            // Take whatever else is already waiting, so a list page becomes one batch.
-            for _ in 0..4096 {
-                match rx.try_recv() {
-                    Ok((source, report)) => {
-                        merge.handle(source, report, &mut out);
+            // Converting and validating run off the async workers.
+            off_runtime(|| {
+                merge.handle(source, report, &mut out);
+                // Take whatever else is already waiting, so a list page becomes one batch.
+                for _ in 0..4096 {
+                    match rx.try_recv() {
+                        Ok((source, report)) => {
+                            merge.handle(source, report, &mut out);
+                        }
+                        Err(_) => break,
                     }
-                    Err(_) => break,
                 }
-            }
+            });
             for source in merge.mirror.take_relists() {
                 if let Some(t) = triggers.get(&source) {
                     t.notify_one();
                 }
             }
+            let rejected_total = self.metrics.rejected_decode.load(Ordering::Relaxed);
             for p in out.problems.drain(..) {
-                tracing::warn!(object = %p.key, reason = %p.reason, rejected_total = self.rejected.load(Ordering::Relaxed), "Kubernetes object not used as is; the last good version (if any) stays");
+                if p.held {
+                    tracing::warn!(object = %p.key, reason = %p.reason, rejected_total, "Kubernetes object not used as is; its last good version stays in force");
+                } else {
+                    tracing::error!(object = %p.key, reason = %p.reason, rejected_total, "rejected Kubernetes object with no last good version: the object is not in force");
+                }
             }
+            let (held, without) = merge.mirror.unusable();
+            self.metrics.set_unusable(held, without);
             if !out.updates.is_empty() {
                 tracing::debug!(changes = out.updates.len(), "Kubernetes changes");
                 if self.out.send(out.updates).await.is_err() {

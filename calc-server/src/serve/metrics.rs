@@ -166,6 +166,21 @@ impl Metrics {
         changed
     }
 
+    /// [`Self::set_last_good`], logging the objects without a last good version as an error
+    /// whenever that list changes (not on every re-list).
+    pub fn set_unusable(&self, held: Vec<String>, without: Vec<String>) {
+        let shown = (!without.is_empty()).then(|| without.clone());
+        if self.set_last_good(held, without)
+            && let Some(objects) = shown
+        {
+            tracing::error!(
+                ?objects,
+                "invalid objects with no known last good version are not in force; fix them (a \
+                 deny policy among them is not enforced)"
+            );
+        }
+    }
+
     pub fn last_good(&self) -> LastGoodHealth {
         self.last_good.lock().expect("metrics lock").clone()
     }

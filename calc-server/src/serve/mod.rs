@@ -183,8 +183,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let engine_task = tokio::spawn(engine.run(engine_rx));
     match args.datastore.datastore_type {
         DatastoreType::Etcdv3 => {
-            // Values the adapter rejected (on /metrics).
-            let rejected = metrics.rejected_decode.clone();
             let (tx, mut rx) = mpsc::channel(64);
             let watcher = crate::etcd::watcher::Watcher::new(
                 crate::etcd::watcher::WatchConfig {
@@ -194,7 +192,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                     max_backoff: args.etcd.etcd_max_backoff,
                 },
                 tx,
-                rejected,
+                metrics.clone(),
             );
             tokio::spawn(watcher.run());
             let engine = engine_tx.clone();
@@ -219,7 +217,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             let client = kube_client
                 .take()
                 .context("the Kubernetes client is made before the engine starts")?;
-            let rejected = Arc::new(AtomicU64::new(0));
             let (tx, mut rx) = mpsc::channel(64);
             let watcher = crate::k8s::watcher::Watcher::new(
                 crate::k8s::watcher::WatchConfig {
@@ -227,7 +224,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                     resync_interval: args.kube.kube_resync_interval,
                 },
                 tx,
-                rejected,
+                metrics.clone(),
             );
             tokio::spawn(watcher.run(client));
             let engine = engine_tx.clone();

@@ -210,9 +210,7 @@ impl Watcher {
             .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
         let without: Vec<String> = without.iter().map(ToString::to_string).collect();
-        if self.metrics.set_last_good(held, without.clone()) && !without.is_empty() {
-            tracing::error!(objects = ?without, "invalid objects with no known last good version are not in force; fix them (a deny policy among them is not enforced)");
-        }
+        self.metrics.set_unusable(held, without);
         updates
     }
 
