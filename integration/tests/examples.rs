@@ -46,8 +46,10 @@ fn example_mistakes_are_each_reported() {
         "GlobalNetworkPolicy prednat-without-forward: spec.ingress[0].icmp.code:",
         "Tier Security: metadata.name:",
         "Tier Security: spec.defaultAction:",
+        "GlobalNetworkPolicy misspelt-fields: spec.selectr: unknown field (did you mean \"selector\"?)",
+        "GlobalNetworkPolicy misspelt-fields: spec.ingres: unknown field (did you mean \"ingress\"?)",
     ] {
         assert!(out.contains(want), "missing {want:?} in:\n{out}");
     }
-    assert_eq!(out.lines().count(), 8, "{out}");
+    assert_eq!(out.lines().count(), 10, "{out}");
 }

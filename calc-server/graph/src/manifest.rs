@@ -61,7 +61,7 @@ pub fn for_each_entry(text: &str, mut f: impl FnMut(Entry)) -> Result<(), Syntax
         for value in flatten_lists(doc) {
             f(Entry {
                 document: i + 1,
-                outcome: decode_and_validate(value),
+                outcome: decode_and_validate_strict(value),
             });
         }
     };
@@ -129,6 +129,27 @@ pub fn decode_and_validate(value: serde_json::Value) -> Outcome {
             Ok(()) => Outcome::Valid(key, res),
             Err(invalid) => Outcome::Invalid(invalid),
         },
+    }
+}
+
+/// [`decode_and_validate`], and a field Calico's API does not define is an error too, as
+/// calicoctl makes it (manifests: `validate`, `compute` and the file datastore).
+pub fn decode_and_validate_strict(value: serde_json::Value) -> Outcome {
+    let unknown = crate::model::fields::unknown_fields(&value);
+    let outcome = decode_and_validate(value);
+    if unknown.is_empty() {
+        return outcome;
+    }
+    match outcome {
+        Outcome::Valid(key, _) => Outcome::Invalid(Invalid {
+            key,
+            errors: unknown,
+        }),
+        Outcome::Invalid(mut invalid) => {
+            invalid.errors.extend(unknown);
+            Outcome::Invalid(invalid)
+        }
+        other => other,
     }
 }
 
@@ -256,6 +277,39 @@ metadata: {name: rr}
         assert!(matches!(
             entries[1].outcome,
             Outcome::Undecodable(DecodeError::UnknownKind(_))
+        ));
+    }
+
+    /// A misspelt field makes the object invalid (all of its problems listed), so the file
+    /// datastore keeps its last good version instead of applying a policy without a selector.
+    #[test]
+    fn misspelt_fields_make_a_manifest_object_invalid() {
+        let text = "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: p}\nspec:\n  selectr: all()\n  ingress: [{action: allow}]\n";
+        let entries = parse_manifest(text).expect("parses");
+        let Outcome::Invalid(invalid) = &entries[0].outcome else {
+            panic!("{:?}", entries[0].outcome);
+        };
+        let text = invalid.to_string();
+        assert!(
+            text.starts_with("GlobalNetworkPolicy p is invalid: "),
+            "{text}"
+        );
+        assert!(text.contains("spec.ingress[0].action"), "{text}");
+        assert!(
+            text.contains("spec.selectr: unknown field (did you mean \"selector\"?)"),
+            "{text}"
+        );
+        // The same object from etcd or Kubernetes is decoded leniently.
+        let value: serde_json::Value = serde_json::json!({"apiVersion": "projectcalico.org/v3",
+            "kind": "GlobalNetworkPolicy", "metadata": {"name": "p"},
+            "spec": {"selector": "all()", "newField": 1}});
+        assert!(matches!(
+            decode_and_validate(value.clone()),
+            Outcome::Valid(..)
+        ));
+        assert!(matches!(
+            decode_and_validate_strict(value),
+            Outcome::Invalid(..)
         ));
     }
 

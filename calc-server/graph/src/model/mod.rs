@@ -7,6 +7,7 @@
 //! (a string where a list belongs) fail decoding with the field path; content errors are left
 //! to [`validate`](crate::model::validate), which reports all of them at once.
 
+pub mod fields;
 pub mod rule;
 pub mod validate;
 

@@ -1,0 +1,390 @@
+//! The fields Calico's v3 API defines, per kind, so that a typo (`selectr:`, `ingres:`) is caught
+//! by name instead of silently dropping the field (a policy without its selector applies to
+//! every endpoint; one without its rules denies everything).
+//!
+//! Contract: [`unknown_fields`] returns every field of an object that Calico's API does not
+//! define, each as a [`FieldError`] with its path (`spec.ingress[0].sourc`) and, for a near miss,
+//! the field meant. It checks names only (shapes and values are the decoder's and the validator's
+//! job) and never fails: a value of the wrong type is not descended into. The top level and
+//! `metadata` are checked for every kind; specs for the kinds described here (the policy kinds,
+//! tiers, profiles, endpoints, network sets and IP pools). Kinds the dataplane ignores, and
+//! specs not described here (FelixConfiguration, Node), are not checked.
+
+use serde_json::Value;
+
+use super::validate::FieldError;
+
+/// What a field may hold, as far as names go.
+enum Shape {
+    /// Anything: a scalar, a free-form map (labels), or a structure not checked.
+    Any,
+    /// An object with exactly these fields.
+    Object(&'static [(&'static str, Shape)]),
+    /// A list of the inner shape.
+    List(&'static Shape),
+}
+
+const ANY: Shape = Shape::Any;
+
+const ICMP: Shape = Shape::Object(&[("type", ANY), ("code", ANY)]);
+
+const ENTITY_RULE: Shape = Shape::Object(&[
+    ("nets", ANY),
+    ("notNets", ANY),
+    ("selector", ANY),
+    ("notSelector", ANY),
+    ("namespaceSelector", ANY),
+    ("ports", ANY),
+    ("notPorts", ANY),
+    (
+        "services",
+        Shape::Object(&[("name", ANY), ("namespace", ANY)]),
+    ),
+    (
+        "serviceAccounts",
+        Shape::Object(&[("names", ANY), ("selector", ANY)]),
+    ),
+]);
+
+const HTTP_PATH: Shape = Shape::Object(&[("exact", ANY), ("prefix", ANY)]);
+
+const RULE: Shape = Shape::Object(&[
+    ("action", ANY),
+    ("ipVersion", ANY),
+    ("protocol", ANY),
+    ("notProtocol", ANY),
+    ("icmp", ICMP),
+    ("notICMP", ICMP),
+    ("source", ENTITY_RULE),
+    ("destination", ENTITY_RULE),
+    (
+        "http",
+        Shape::Object(&[("methods", ANY), ("paths", Shape::List(&HTTP_PATH))]),
+    ),
+    ("metadata", Shape::Object(&[("annotations", ANY)])),
+]);
+
+const RULES: Shape = Shape::List(&RULE);
+
+const NETWORK_POLICY: Shape = Shape::Object(&[
+    ("tier", ANY),
+    ("order", ANY),
+    ("selector", ANY),
+    ("types", ANY),
+    ("ingress", RULES),
+    ("egress", RULES),
+    ("serviceAccountSelector", ANY),
+    ("performanceHints", ANY),
+]);
+
+const GLOBAL_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("tier", ANY),
+    ("order", ANY),
+    ("selector", ANY),
+    ("types", ANY),
+    ("ingress", RULES),
+    ("egress", RULES),
+    ("serviceAccountSelector", ANY),
+    ("performanceHints", ANY),
+    ("doNotTrack", ANY),
+    ("preDNAT", ANY),
+    ("applyOnForward", ANY),
+    ("namespaceSelector", ANY),
+]);
+
+const PROFILE: Shape = Shape::Object(&[
+    ("ingress", RULES),
+    ("egress", RULES),
+    ("labelsToApply", ANY),
+]);
+
+const TIER: Shape = Shape::Object(&[("order", ANY), ("defaultAction", ANY)]);
+
+const HOST_ENDPOINT_PORT: Shape = Shape::Object(&[("name", ANY), ("protocol", ANY), ("port", ANY)]);
+
+const HOST_ENDPOINT: Shape = Shape::Object(&[
+    ("node", ANY),
+    ("interfaceName", ANY),
+    ("expectedIPs", ANY),
+    ("profiles", ANY),
+    ("ports", Shape::List(&HOST_ENDPOINT_PORT)),
+]);
+
+const NETWORK_SET: Shape = Shape::Object(&[("nets", ANY)]);
+
+const IP_POOL: Shape = Shape::Object(&[
+    ("cidr", ANY),
+    ("vxlanMode", ANY),
+    ("ipipMode", ANY),
+    ("natOutgoing", ANY),
+    ("disabled", ANY),
+    ("disableBGPExport", ANY),
+    ("blockSize", ANY),
+    ("nodeSelector", ANY),
+    ("namespaceSelector", ANY),
+    ("allowedUses", ANY),
+    ("assignmentMode", ANY),
+    // Deprecated v3 spellings Calico still reads.
+    ("ipip", ANY),
+    ("nat-outgoing", ANY),
+]);
+
+const WORKLOAD_ENDPOINT_PORT: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("protocol", ANY),
+    ("port", ANY),
+    ("hostPort", ANY),
+    ("hostIP", ANY),
+]);
+
+const WORKLOAD_ENDPOINT: Shape = Shape::Object(&[
+    ("orchestrator", ANY),
+    ("workload", ANY),
+    ("node", ANY),
+    ("containerID", ANY),
+    ("pod", ANY),
+    ("endpoint", ANY),
+    ("serviceAccountName", ANY),
+    ("ipNetworks", ANY),
+    ("ipNATs", ANY),
+    ("ipv4Gateway", ANY),
+    ("ipv6Gateway", ANY),
+    ("profiles", ANY),
+    ("interfaceName", ANY),
+    ("mac", ANY),
+    ("ports", Shape::List(&WORKLOAD_ENDPOINT_PORT)),
+    ("allowSpoofedSourcePrefixes", ANY),
+    ("qosControls", ANY),
+    ("awsElasticIPs", ANY),
+]);
+
+/// Kubernetes' ObjectMeta, which every Calico resource carries.
+const METADATA: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("generateName", ANY),
+    ("namespace", ANY),
+    ("selfLink", ANY),
+    ("uid", ANY),
+    ("resourceVersion", ANY),
+    ("generation", ANY),
+    ("creationTimestamp", ANY),
+    ("deletionTimestamp", ANY),
+    ("deletionGracePeriodSeconds", ANY),
+    ("labels", ANY),
+    ("annotations", ANY),
+    ("ownerReferences", ANY),
+    ("finalizers", ANY),
+    ("managedFields", ANY),
+]);
+
+/// The spec's shape for a kind, by its name (`None`: not checked).
+fn spec_shape(kind: &str) -> Option<&'static Shape> {
+    Some(match kind {
+        "NetworkPolicy" => &NETWORK_POLICY,
+        "GlobalNetworkPolicy" => &GLOBAL_NETWORK_POLICY,
+        "Profile" => &PROFILE,
+        "Tier" => &TIER,
+        "HostEndpoint" => &HOST_ENDPOINT,
+        "NetworkSet" | "GlobalNetworkSet" => &NETWORK_SET,
+        "IPPool" => &IP_POOL,
+        "WorkloadEndpoint" => &WORKLOAD_ENDPOINT,
+        _ => return None,
+    })
+}
+
+/// Every field of `object` (a whole v3 resource) that Calico's API does not define; empty for a
+/// kind whose spec is not described here beyond the top level and metadata.
+pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    let Value::Object(top) = object else {
+        return out;
+    };
+    let kind = top.get("kind").and_then(Value::as_str).unwrap_or_default();
+    for (name, value) in top {
+        let path = name.clone();
+        match name.as_str() {
+            "apiVersion" | "kind" | "status" => {}
+            "metadata" => walk(&METADATA, value, &path, &mut out),
+            "spec" => {
+                if let Some(shape) = spec_shape(kind) {
+                    walk(shape, value, &path, &mut out);
+                }
+            }
+            _ => out.push(unknown(
+                path,
+                name,
+                ["apiVersion", "kind", "metadata", "spec"].into_iter(),
+            )),
+        }
+    }
+    out
+}
+
+fn walk(shape: &Shape, value: &Value, path: &str, out: &mut Vec<FieldError>) {
+    match (shape, value) {
+        (Shape::Object(fields), Value::Object(map)) => {
+            for (name, v) in map {
+                let path = format!("{path}.{name}");
+                match fields.iter().find(|(f, _)| f == name) {
+                    Some((_, inner)) => walk(inner, v, &path, out),
+                    None => out.push(unknown(path, name, fields.iter().map(|(f, _)| *f))),
+                }
+            }
+        }
+        (Shape::List(inner), Value::Array(items)) => {
+            for (i, v) in items.iter().enumerate() {
+                walk(inner, v, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn unknown<'a>(path: String, name: &str, known: impl Iterator<Item = &'a str>) -> FieldError {
+    let message = match did_you_mean(name, known) {
+        Some(meant) => format!("unknown field (did you mean \"{meant}\"?)"),
+        None => "unknown field".to_owned(),
+    };
+    FieldError { path, message }
+}
+
+/// The known field closest to `name`, if it is a near miss: the same but for case, or at most
+/// two edits away (one for short names).
+fn did_you_mean<'a>(name: &str, known: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let limit = if name.chars().count() <= 4 { 1 } else { 2 };
+    known
+        .map(|k| {
+            let d = if k.eq_ignore_ascii_case(name) {
+                0
+            } else {
+                edit_distance(&name.to_ascii_lowercase(), &k.to_ascii_lowercase())
+            };
+            (d, k)
+        })
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance over characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = if ca == *cb {
+                diagonal
+            } else {
+                1 + diagonal.min(above).min(row[j])
+            };
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn shown(errors: &[FieldError]) -> Vec<String> {
+        errors.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn typos_are_named_with_the_field_meant() {
+        let gnp = json!({
+            "apiVersion": "projectcalico.org/v3",
+            "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": "deny-db", "lables": {"a": "b"}},
+            "spec": {
+                "selectr": "app == 'db'",
+                "ingres": [{"action": "Deny"}],
+                "egress": [{"action": "Allow", "destination": {"prots": [53], "selector": "x"},
+                            "icmp": {"type": 8, "cod": 0}, "http": {"paths": [{"exct": "/"}]}}],
+                "order": 10,
+                "frobnicate": true,
+                "notICMP": {},
+            },
+            "extra": 1,
+        });
+        let mut got = shown(&unknown_fields(&gnp));
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "extra: unknown field",
+                "metadata.lables: unknown field (did you mean \"labels\"?)",
+                "spec.egress[0].destination.prots: unknown field (did you mean \"ports\"?)",
+                "spec.egress[0].http.paths[0].exct: unknown field (did you mean \"exact\"?)",
+                "spec.egress[0].icmp.cod: unknown field (did you mean \"code\"?)",
+                "spec.frobnicate: unknown field",
+                "spec.ingres: unknown field (did you mean \"ingress\"?)",
+                "spec.notICMP: unknown field",
+                "spec.selectr: unknown field (did you mean \"selector\"?)",
+            ]
+        );
+    }
+
+    #[test]
+    fn every_field_calico_defines_is_accepted() {
+        let rule = json!({
+            "action": "Allow", "ipVersion": 4, "protocol": "TCP", "notProtocol": "UDP",
+            "icmp": {"type": 8, "code": 0}, "notICMP": {"type": 0},
+            "source": {"nets": [], "notNets": [], "selector": "a", "notSelector": "b",
+                       "namespaceSelector": "c", "ports": [1], "notPorts": [2],
+                       "services": {"name": "s", "namespace": "n"},
+                       "serviceAccounts": {"names": ["x"], "selector": "y"}},
+            "destination": {},
+            "http": {"methods": ["GET"], "paths": [{"exact": "/"}, {"prefix": "/a"}]},
+            "metadata": {"annotations": {"k": "v"}},
+        });
+        let objects = [
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+                   "metadata": {"name": "p", "uid": "u", "resourceVersion": "1",
+                                "creationTimestamp": null, "labels": {}, "annotations": {},
+                                "generation": 2, "managedFields": []},
+                   "spec": {"tier": "default", "order": 1, "selector": "all()",
+                            "types": ["Ingress"], "ingress": [rule.clone()], "egress": [rule.clone()],
+                            "serviceAccountSelector": "", "performanceHints": [],
+                            "doNotTrack": false, "preDNAT": false, "applyOnForward": true,
+                            "namespaceSelector": ""}}),
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Profile",
+                   "metadata": {"name": "kns.a"},
+                   "spec": {"ingress": [rule], "egress": [], "labelsToApply": {"a": "b"}}}),
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "HostEndpoint",
+                   "metadata": {"name": "h"},
+                   "spec": {"node": "n", "interfaceName": "eth0", "expectedIPs": [],
+                            "profiles": [], "ports": [{"name": "a", "protocol": "TCP", "port": 1}]}}),
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "IPPool",
+                   "metadata": {"name": "p"},
+                   "spec": {"cidr": "10.0.0.0/16", "vxlanMode": "Never", "natOutgoing": true,
+                            "allowedUses": ["Workload"], "assignmentMode": "Automatic"}}),
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "FelixConfiguration",
+                   "metadata": {"name": "default"}, "spec": {"anyFieldAtAll": 1}}),
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
+                   "metadata": {"name": "n"}, "spec": {"bgp": {}}, "status": {"x": 1}}),
+        ];
+        for o in objects {
+            assert_eq!(shown(&unknown_fields(&o)), Vec::<String>::new(), "{o}");
+        }
+    }
+
+    #[test]
+    fn near_misses_only() {
+        let known = ["selector", "ingress", "egress", "types", "order"];
+        assert_eq!(
+            did_you_mean("Selector", known.into_iter()),
+            Some("selector")
+        );
+        assert_eq!(did_you_mean("egres", known.into_iter()), Some("egress"));
+        assert_eq!(did_you_mean("typs", known.into_iter()), Some("types"));
+        assert_eq!(did_you_mean("tier", known.into_iter()), None);
+        assert_eq!(did_you_mean("frobnicate", known.into_iter()), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
+}
