@@ -51,10 +51,24 @@ pub struct Snapshot {
 /// Reads the whole datastore once.
 pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
     match args.datastore_type {
-        DatastoreType::File => Ok(file_snapshot(&args.file_dir)),
+        DatastoreType::File => {
+            check_file_dir(&args.file_dir)?;
+            Ok(file_snapshot(&args.file_dir))
+        }
         DatastoreType::Etcdv3 => etcd_snapshot(&args.etcd),
         DatastoreType::Kubernetes => kube_snapshot(&args.kube),
     }
+}
+
+/// The file datastore's directory must exist: a typo would otherwise read as an empty cluster
+/// (no policy anywhere) rather than as an error.
+pub fn check_file_dir(dir: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        dir.is_dir(),
+        "--file-dir {} is not a directory: give the directory holding the manifests",
+        dir.display()
+    );
+    Ok(())
 }
 
 fn file_snapshot(dir: &Path) -> Snapshot {

@@ -53,3 +53,19 @@ fn example_mistakes_are_each_reported() {
     }
     assert_eq!(out.lines().count(), 10, "{out}");
 }
+
+/// A mistyped `--file-dir` is an error naming the path, not an empty cluster (no policy at all).
+#[test]
+fn compute_refuses_a_file_dir_that_does_not_exist() {
+    let o = Command::new(binary("calc-server"))
+        .args(["compute", "--file-dir", "/no/such/manifests", "--node", "n1"])
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(0));
+    assert!(o.stdout.is_empty(), "no stream is printed");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--file-dir /no/such/manifests is not a directory"),
+        "{err}"
+    );
+}

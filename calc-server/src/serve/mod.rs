@@ -147,11 +147,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let source = match args.datastore.datastore_type {
         DatastoreType::File => {
             let dir: PathBuf = args.datastore.file_dir.clone();
-            anyhow::ensure!(
-                dir.is_dir(),
-                "--file-dir {} is not a directory",
-                dir.display()
-            );
+            crate::datastore::check_file_dir(&dir)?;
             dir.display().to_string()
         }
         DatastoreType::Etcdv3 => {
