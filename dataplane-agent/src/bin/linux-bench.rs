@@ -33,26 +33,55 @@ struct Params {
     runs: usize,
 }
 
-fn arg(args: &[String], name: &str, default: usize) -> usize {
-    args.windows(2)
-        .find(|w| w[0] == name)
-        .and_then(|w| w[1].parse().ok())
-        .unwrap_or(default)
+/// Benchmark of the Linux driver against the floor: a raw `ipset restore` and
+/// `ip[6]tables-restore` of the same rules, in fresh network namespaces. Needs root; `make bench`
+/// runs it. Measures only; never fails on time.
+#[derive(clap::Parser)]
+#[command(name = "linux-bench")]
+struct Cli {
+    /// Workload endpoints in the synthetic node (each with tiered policies and a profile).
+    #[arg(long, global = true, env = "LINUX_BENCH_ENDPOINTS", default_value_t = 100)]
+    endpoints: usize,
+    /// Policies in the synthetic node.
+    #[arg(long, global = true, env = "LINUX_BENCH_POLICIES", default_value_t = 200)]
+    policies: usize,
+    /// IP set members in all.
+    #[arg(long, global = true, env = "LINUX_BENCH_MEMBERS", default_value_t = 100_000)]
+    members: usize,
+    /// Runs per measure (the medians are printed).
+    #[arg(long, global = true, env = "LINUX_BENCH_RUNS", default_value_t = 3)]
+    runs: usize,
+    #[command(subcommand)]
+    phase: Option<Phase>,
+}
+
+/// The phases the benchmark runs of itself inside each namespace.
+#[derive(clap::Subcommand)]
+enum Phase {
+    /// Program the synthetic node here and dump the result into DIR.
+    #[command(hide = true)]
+    Program { dir: PathBuf },
+    /// Restore DIR's dump here with the bare tools.
+    #[command(hide = true)]
+    Floor { dir: PathBuf },
+    /// Time route programming.
+    #[command(hide = true)]
+    Routes,
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
+    let cli = <Cli as clap::Parser>::parse();
     let p = Params {
-        endpoints: arg(&args, "--endpoints", 100),
-        policies: arg(&args, "--policies", 200),
-        members: arg(&args, "--members", 100_000),
-        runs: arg(&args, "--runs", 3),
+        endpoints: cli.endpoints,
+        policies: cli.policies,
+        members: cli.members,
+        runs: cli.runs,
     };
-    match args.get(1).map(String::as_str) {
-        Some("program") => program(&p, Path::new(&args[2])),
-        Some("floor") => floor(Path::new(&args[2])),
-        Some("routes") => routes_bench(arg(&args, "--endpoints", 1000), arg(&args, "--runs", 3)),
-        _ => orchestrate(&p),
+    match cli.phase {
+        Some(Phase::Program { dir }) => program(&p, &dir),
+        Some(Phase::Floor { dir }) => floor(&dir),
+        Some(Phase::Routes) => routes_bench(p.endpoints, p.runs),
+        None => orchestrate(&p),
     }
 }
 
