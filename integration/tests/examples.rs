@@ -58,7 +58,13 @@ fn example_mistakes_are_each_reported() {
 #[test]
 fn compute_refuses_a_file_dir_that_does_not_exist() {
     let o = Command::new(binary("calc-server"))
-        .args(["compute", "--file-dir", "/no/such/manifests", "--node", "n1"])
+        .args([
+            "compute",
+            "--file-dir",
+            "/no/such/manifests",
+            "--node",
+            "n1",
+        ])
         .output()
         .unwrap();
     assert_ne!(o.status.code(), Some(0));

@@ -40,13 +40,28 @@ struct Params {
 #[command(name = "linux-bench")]
 struct Cli {
     /// Workload endpoints in the synthetic node (each with tiered policies and a profile).
-    #[arg(long, global = true, env = "LINUX_BENCH_ENDPOINTS", default_value_t = 100)]
+    #[arg(
+        long,
+        global = true,
+        env = "LINUX_BENCH_ENDPOINTS",
+        default_value_t = 100
+    )]
     endpoints: usize,
     /// Policies in the synthetic node.
-    #[arg(long, global = true, env = "LINUX_BENCH_POLICIES", default_value_t = 200)]
+    #[arg(
+        long,
+        global = true,
+        env = "LINUX_BENCH_POLICIES",
+        default_value_t = 200
+    )]
     policies: usize,
     /// IP set members in all.
-    #[arg(long, global = true, env = "LINUX_BENCH_MEMBERS", default_value_t = 100_000)]
+    #[arg(
+        long,
+        global = true,
+        env = "LINUX_BENCH_MEMBERS",
+        default_value_t = 100_000
+    )]
     members: usize,
     /// Runs per measure (the medians are printed).
     #[arg(long, global = true, env = "LINUX_BENCH_RUNS", default_value_t = 3)]
