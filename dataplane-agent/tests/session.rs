@@ -502,6 +502,14 @@ fn sends(payloads: Vec<Payload>) -> Vec<Step> {
     payloads.into_iter().map(Step::Send).collect()
 }
 
+/// Waits for the agent's DataplaneInSync on this stream.
+fn programmed() -> Step {
+    Step::WaitFor(
+        "DataplaneInSync",
+        Box::new(|r| r.iter().any(is_dataplane_in_sync)),
+    )
+}
+
 fn is_dataplane_in_sync(m: &FromDataplane) -> bool {
     matches!(m.payload, Some(Report::DataplaneInSync(_)))
 }
@@ -557,13 +565,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
             wep("default/web-0", "10.0.0.1/32", "allow-a", "kns.default"),
         ]),
         vec![Step::Gate(gate.clone()), Step::Send(in_sync())],
-        vec![
-            Step::WaitFor(
-                "DataplaneInSync",
-                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-            ),
-            Step::Gate(deltas.clone()),
-        ],
+        vec![programmed(), Step::Gate(deltas.clone())],
         sends(vec![
             Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
                 id: "s:a".into(),
@@ -712,13 +714,7 @@ async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
             ipam_pool("10.1.0.0/16"),
             in_sync(),
         ]),
-        vec![
-            Step::WaitFor(
-                "DataplaneInSync",
-                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-            ),
-            Step::End(None),
-        ],
+        vec![programmed(), Step::End(None)],
     ]);
     let second_snapshot = vec![
         ipset("s:a", &["10.0.0.1", "10.0.0.9"]),
@@ -1044,10 +1040,7 @@ async fn resource_exhausted_reconnects_without_back_off() {
             handshake(),
             sends(vec![ipset("s:a", &[]), in_sync()]),
             vec![
-                Step::WaitFor(
-                    "DataplaneInSync",
-                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-                ),
+                programmed(),
                 Step::End(Some(Status::resource_exhausted("agent fell behind"))),
             ],
         ]),
@@ -1232,13 +1225,7 @@ async fn refreshes_continue_while_the_server_is_gone() {
         handshake(),
         sends(vec![ipset("s:a", &["10.0.0.1"])]),
         vec![Step::Send(in_sync())],
-        vec![
-            Step::WaitFor(
-                "DataplaneInSync",
-                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-            ),
-            Step::End(None),
-        ],
+        vec![programmed(), Step::End(None)],
     ])])
     .await;
     let mut config = test_config(vec![url]);
@@ -1265,13 +1252,7 @@ async fn a_cut_short_resync_leaves_the_last_complete_state_in_force() {
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"])]),
             vec![Step::Send(in_sync())],
-            vec![
-                Step::WaitFor(
-                    "DataplaneInSync",
-                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-                ),
-                Step::End(None),
-            ],
+            vec![programmed(), Step::End(None)],
         ]),
         // The resync's snapshot is cut short: s:b arrives, InSync never comes.
         script(vec![
@@ -1412,13 +1393,7 @@ async fn a_snapshot_without_in_sync_is_dropped_at_the_deadline() {
         script(vec![
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
-            vec![
-                Step::WaitFor(
-                    "DataplaneInSync",
-                    Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-                ),
-                Step::End(None),
-            ],
+            vec![programmed(), Step::End(None)],
         ]),
         // A snapshot that never ends: a few objects, then silence.
         script(vec![
@@ -1496,10 +1471,7 @@ async fn a_snapshot_over_the_byte_bound_is_dropped() {
         script(vec![
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
-            vec![Step::WaitFor(
-                "DataplaneInSync",
-                Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-            )],
+            vec![programmed()],
             sends(deltas),
             vec![Step::Hold],
         ]),
