@@ -78,6 +78,8 @@ pub struct Mirror {
     generation: u64,
     relist: bool,
     rejected: Arc<AtomicU64>,
+    /// A key became, or stopped being, rejected since [`Mirror::take_unusable`].
+    unusable_changed: bool,
 }
 
 impl Mirror {
@@ -89,6 +91,7 @@ impl Mirror {
             generation: 0,
             relist: false,
             rejected,
+            unusable_changed: false,
         }
     }
 
@@ -125,6 +128,7 @@ impl Mirror {
             }
             Decision::Reject(reason) => {
                 self.rejected.fetch_add(1, Ordering::Relaxed);
+                self.unusable_changed = true;
                 let e = self.entries.entry(key.into()).or_insert(Entry {
                     value: fp,
                     delivered: None,
@@ -173,17 +177,18 @@ impl Mirror {
 
     /// Rejected keys: those whose last good version stays in force, and those without one.
     pub fn unusable(&self) -> (Vec<String>, Vec<String>) {
-        let (mut held, mut without) = (Vec::new(), Vec::new());
-        for (key, e) in self.entries.iter().filter(|(_, e)| e.rejected) {
-            if e.delivered.is_some() {
-                held.push(key.to_string());
-            } else {
-                without.push(key.to_string());
-            }
-        }
-        held.sort();
-        without.sort();
-        (held, without)
+        crate::datastore::split_unusable(
+            self.entries
+                .iter()
+                .filter(|(_, e)| e.rejected)
+                .map(|(key, e)| (key.to_string(), e.delivered.is_some())),
+        )
+    }
+
+    /// [`Self::unusable`] if it may have changed since the last call, so a watcher publishes it
+    /// per change, not per batch (it walks every tracked key).
+    pub fn take_unusable(&mut self) -> Option<(Vec<String>, Vec<String>)> {
+        std::mem::take(&mut self.unusable_changed).then(|| self.unusable())
     }
 
     /// Sends `res` as `key`'s version in force; `fp` is the key's current value's fingerprint
@@ -202,10 +207,12 @@ impl Mirror {
             Some(e) => {
                 e.value = fp;
                 e.seen = generation;
+                self.unusable_changed |= e.rejected || rejected;
                 e.rejected = rejected;
                 e.delivered.replace(rk.clone())
             }
             None => {
+                self.unusable_changed |= rejected;
                 self.entries.insert(
                     key.into(),
                     Entry {
@@ -250,11 +257,11 @@ impl Mirror {
     }
 
     fn remove(&mut self, key: &str, out: &mut Batch) {
-        if let Some(Entry {
-            delivered: Some(rk),
-            ..
-        }) = self.entries.remove(key)
-        {
+        let Some(e) = self.entries.remove(key) else {
+            return;
+        };
+        self.unusable_changed |= e.rejected;
+        if let Some(rk) = e.delivered {
             self.release(&rk, key, out);
         }
     }
@@ -472,6 +479,7 @@ mod tests {
             ["apply GlobalNetworkPolicy b", "apply GlobalNetworkPolicy a"]
         );
         assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
+        assert_eq!(m.take_unusable(), Some((vec![a.clone()], vec![])));
 
         let mut out = Batch::default();
         m.begin_list();
@@ -479,9 +487,20 @@ mod tests {
         m.put(&b, gnp("b", "all()").as_bytes(), &mut out);
         m.sweep(&mut out);
         assert!(out.updates.is_empty() && out.problems.is_empty());
+        assert_eq!(
+            m.take_unusable(),
+            None,
+            "nothing changed: nothing to publish"
+        );
 
         m.put(&a, gnp("a", "all()").as_bytes(), &mut out);
         assert_eq!(summary(&out), ["apply GlobalNetworkPolicy a"]);
-        assert_eq!(m.unusable(), (vec![], vec![]));
+        assert_eq!(m.take_unusable(), Some((vec![], vec![])), "repaired");
+        // A key only ever bad, then deleted, leaves the lists too.
+        let c = format!("{P}globalnetworkpolicies/c");
+        m.put(&c, b"[]", &mut out);
+        assert_eq!(m.take_unusable(), Some((vec![], vec![c.clone()])));
+        m.delete(&c, &mut out);
+        assert_eq!(m.take_unusable(), Some((vec![], vec![])));
     }
 }

@@ -643,7 +643,7 @@ impl Watcher {
     }
 
     /// Logs rejected values by key and publishes the keys left unusable.
-    fn report(&self, problems: &mut Vec<Problem>) {
+    fn report(&mut self, problems: &mut Vec<Problem>) {
         let rejected_total = self.metrics.rejected_decode.load(Ordering::Relaxed);
         for p in problems.drain(..) {
             if p.held {
@@ -652,8 +652,9 @@ impl Watcher {
                 tracing::error!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value with no last good version: the object is not in force");
             }
         }
-        let (held, without) = self.mirror.unusable();
-        self.metrics.set_unusable(held, without);
+        if let Some((held, without)) = self.mirror.take_unusable() {
+            self.metrics.set_unusable(held, without);
+        }
     }
 }
 

@@ -97,6 +97,8 @@ pub struct Mirror {
     generations: HashMap<Source, u64>,
     relists: BTreeSet<Source>,
     rejected: Arc<AtomicU64>,
+    /// An object became, or stopped being, rejected since [`Mirror::take_unusable`].
+    unusable_changed: bool,
 }
 
 impl Mirror {
@@ -109,6 +111,7 @@ impl Mirror {
             generations: HashMap::new(),
             relists: BTreeSet::new(),
             rejected,
+            unusable_changed: false,
         }
     }
 
@@ -120,17 +123,18 @@ impl Mirror {
     /// Rejected objects: those whose last good version stays in force, and those without one
     /// (the API server keeps no history to find one in).
     pub fn unusable(&self) -> (Vec<String>, Vec<String>) {
-        let (mut held, mut without) = (Vec::new(), Vec::new());
-        for (key, e) in self.entries.iter().filter(|(_, e)| e.rejected) {
-            if e.delivered.is_some() {
-                held.push(key.to_string());
-            } else {
-                without.push(key.to_string());
-            }
-        }
-        held.sort();
-        without.sort();
-        (held, without)
+        crate::datastore::split_unusable(
+            self.entries
+                .iter()
+                .filter(|(_, e)| e.rejected)
+                .map(|(key, e)| (key.to_string(), e.delivered.is_some())),
+        )
+    }
+
+    /// [`Self::unusable`] if it may have changed since the last call, so a watcher publishes it
+    /// per change, not per batch (it walks every tracked key).
+    pub fn take_unusable(&mut self) -> Option<(Vec<String>, Vec<String>)> {
+        std::mem::take(&mut self.unusable_changed).then(|| self.unusable())
     }
 
     /// Sources that must be re-listed to restore a resource another object still names.
@@ -183,6 +187,7 @@ impl Mirror {
             }
             Decision::Reject(reason) => {
                 self.rejected.fetch_add(1, Ordering::Relaxed);
+                self.unusable_changed = true;
                 let e = self.entries.entry(key.clone()).or_insert(Entry {
                     version: None,
                     delivered: None,
@@ -216,6 +221,7 @@ impl Mirror {
                 });
                 e.version = version;
                 e.seen = generation;
+                self.unusable_changed |= e.rejected;
                 e.rejected = false;
                 let previous = e.delivered.replace((fp, rk.clone()));
                 let is_current = self
@@ -263,11 +269,11 @@ impl Mirror {
     }
 
     fn remove(&mut self, key: &ObjectKey, out: &mut Batch) {
-        if let Some(Entry {
-            delivered: Some((_, rk)),
-            ..
-        }) = self.entries.remove(key)
-        {
+        let Some(e) = self.entries.remove(key) else {
+            return;
+        };
+        self.unusable_changed |= e.rejected;
+        if let Some((_, rk)) = e.delivered {
             self.release(&rk, key, out);
         }
     }
@@ -467,7 +473,10 @@ mod tests {
         m.put(src, tier("5", json!("high")), &mut out);
         assert!(out.updates.is_empty() && !out.problems[0].held);
         let without = vec!["tiers.crd.projectcalico.org security".to_owned()];
-        assert_eq!(m.unusable(), (vec![], without));
+        assert_eq!(m.take_unusable(), Some((vec![], without)));
+        assert_eq!(m.take_unusable(), None, "published once");
+        m.delete(src, &tier("6", json!(200)), &mut out);
+        assert_eq!(m.take_unusable(), Some((vec![], vec![])), "deleted");
     }
 
     #[test]

@@ -320,8 +320,9 @@ impl Watcher {
                     tracing::error!(object = %p.key, reason = %p.reason, rejected_total, "rejected Kubernetes object with no last good version: the object is not in force");
                 }
             }
-            let (held, without) = merge.mirror.unusable();
-            self.metrics.set_unusable(held, without);
+            if let Some((held, without)) = merge.mirror.take_unusable() {
+                self.metrics.set_unusable(held, without);
+            }
             if !out.updates.is_empty() {
                 tracing::debug!(changes = out.updates.len(), "Kubernetes changes");
                 if self.out.send(out.updates).await.is_err() {
