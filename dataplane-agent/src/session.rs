@@ -315,8 +315,6 @@ struct StreamResult {
     reached_in_sync: bool,
     /// The first error the stream's TLS connection met, if any.
     connection_error: Option<String>,
-    /// The TLS connection failed after its handshake and before the server answered the call.
-    tls_lost_before_answer: bool,
     /// The server answered the call (response headers).
     answered: bool,
 }
@@ -330,7 +328,9 @@ impl StreamResult {
             s.code(),
             Code::Unknown | Code::Cancelled | Code::Unavailable
         );
-        if self.tls_lost_before_answer && transport && !reason.contains("alert") {
+        // The TLS connection failed after its handshake and before the server answered.
+        let tls_lost_before_answer = !self.answered && self.connection_error.is_some();
+        if tls_lost_before_answer && transport && !reason.contains("alert") {
             // A server refusing our certificate sends an alert and closes; when its reset
             // overtakes the alert, the reset is all the kernel lets us read.
             format!(
@@ -619,7 +619,6 @@ async fn run_stream<D: Driver>(
     StreamResult {
         end,
         reached_in_sync: outcome.reached_in_sync,
-        tls_lost_before_answer: !outcome.answered && connection_error.is_some(),
         answered: outcome.answered,
         connection_error,
     }
