@@ -1,5 +1,11 @@
 //! The agent's health and metrics: [`AgentMetrics`] (updated by the session) and the admin HTTP
-//! endpoint (`--admin-listen`): `/liveness`, `/readiness` and `/metrics` (Prometheus text).
+//! endpoint (`--admin-listen`): `/liveness`, `/readiness`, `/metrics` (Prometheus text) and
+//! `/programmed` (JSON: what the driver programmed, by policy, profile and endpoint, with the
+//! iptables chain names; see [`crate::driver::programmed`]). Other paths answer 404.
+//!
+//! `/programmed` is a snapshot the session publishes after each successful apply (the session
+//! stays the driver's only owner), and only once the endpoint is served: 503 before the first
+//! apply, 501 for a driver that cannot say.
 //!
 //! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), the
 //! last apply succeeded, and the session is live. Before the first InSync, while reconnecting,
@@ -25,7 +31,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 
-use crate::driver::DriverMetrics;
+use crate::driver::{DriverMetrics, ProgrammedObjects};
 
 const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -93,6 +99,21 @@ pub struct AgentMetrics {
     messages: AtomicU64,
     driver: Mutex<DriverMetrics>,
     health: Mutex<Health>,
+    /// What `/programmed` shows.
+    programmed: Mutex<ProgrammedView>,
+    /// `/programmed` is served: until it is, the session builds no dumps.
+    programmed_wanted: AtomicBool,
+}
+
+/// The session's last published dump.
+#[derive(Clone, Debug, Default)]
+enum ProgrammedView {
+    #[default]
+    NotYet,
+    /// The driver cannot say.
+    Unsupported,
+    /// Shared so a request serialises it without holding the lock the session publishes under.
+    Objects(Arc<ProgrammedObjects>),
 }
 
 /// What liveness is judged on.
@@ -146,6 +167,19 @@ impl AgentMetrics {
         }
         *self.last_apply_ok.lock().expect("metrics lock") = Some(ok);
         *self.driver.lock().expect("metrics lock") = driver;
+    }
+
+    /// After a successful apply: `dump` gives the driver's [`ProgrammedObjects`] for
+    /// `/programmed`. It is called only while that endpoint is served.
+    pub fn publish_programmed(&self, dump: impl FnOnce() -> Option<ProgrammedObjects>) {
+        if !self.programmed_wanted.load(Ordering::Relaxed) {
+            return;
+        }
+        let view = match dump() {
+            Some(objects) => ProgrammedView::Objects(Arc::new(objects)),
+            None => ProgrammedView::Unsupported,
+        };
+        *self.programmed.lock().expect("metrics lock") = view;
     }
 
     /// The session task runs (liveness).
@@ -340,12 +374,41 @@ async fn metrics_text(State(m): State<Arc<AgentMetrics>>) -> impl axum::response
     )
 }
 
-/// The admin routes.
+async fn programmed(State(m): State<Arc<AgentMetrics>>) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let view = m.programmed.lock().expect("metrics lock").clone();
+    match view {
+        ProgrammedView::NotYet => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the dataplane has not been programmed yet\n",
+        )
+            .into_response(),
+        ProgrammedView::Unsupported => (
+            StatusCode::NOT_IMPLEMENTED,
+            "this driver does not report what it programmed\n",
+        )
+            .into_response(),
+        ProgrammedView::Objects(objects) => {
+            // Serialising plain strings and lists cannot fail.
+            let mut body = serde_json::to_string_pretty(&*objects).unwrap_or_default();
+            body.push('\n');
+            (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                body,
+            )
+                .into_response()
+        }
+    }
+}
+
+/// The admin routes. Serving them makes the session publish `/programmed` dumps.
 pub fn router(metrics: Arc<AgentMetrics>) -> axum::Router {
+    metrics.programmed_wanted.store(true, Ordering::Relaxed);
     axum::Router::new()
         .route("/liveness", get(liveness))
         .route("/readiness", get(readiness))
         .route("/metrics", get(metrics_text))
+        .route("/programmed", get(programmed))
         .with_state(metrics)
 }
 
@@ -450,5 +513,56 @@ mod tests {
             m.readiness(),
             Err("the session loop is stuck (see /liveness)")
         );
+    }
+
+    #[tokio::test]
+    async fn programmed_serves_the_last_published_dump() {
+        use tower::ServiceExt as _;
+        let get = |m: &Arc<AgentMetrics>, path: &'static str| {
+            let router = router(m.clone());
+            async move {
+                let request = axum::http::Request::get(path)
+                    .body(axum::body::Body::empty())
+                    .unwrap();
+                let response = router.oneshot(request).await.unwrap();
+                let status = response.status();
+                let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+                    .await
+                    .unwrap();
+                (status, String::from_utf8(body.to_vec()).unwrap())
+            }
+        };
+        let m = Arc::new(AgentMetrics::default());
+        let mut built = 0;
+        m.publish_programmed(|| {
+            built += 1;
+            None
+        });
+        assert_eq!(built, 0, "no dump is built while nobody serves it");
+
+        let (status, body) = get(&m, "/programmed").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        let objects = ProgrammedObjects {
+            profiles: vec![crate::driver::programmed::ProgrammedProfile {
+                name: "kns.default".into(),
+                chains: vec!["cali-pri-kns.default".into(), "cali-pro-kns.default".into()],
+                endpoints: vec![],
+            }],
+            ..ProgrammedObjects::default()
+        };
+        m.publish_programmed(|| Some(objects.clone()));
+        let (status, body) = get(&m, "/programmed").await;
+        assert_eq!(status, StatusCode::OK);
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(json["profiles"][0]["chains"][1], "cali-pro-kns.default");
+        assert_eq!(json["policies"], serde_json::json!([]));
+
+        m.publish_programmed(|| None);
+        let (status, _) = get(&m, "/programmed").await;
+        assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+        let (status, _) = get(&m, "/programmed/x").await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "unknown paths stay 404");
+        let (status, _) = get(&m, "/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
     }
 }

@@ -96,21 +96,27 @@ pub struct Cli {
     pub default_endpoint_to_host_action: EndpointToHostAction,
 
     /// linux driver: ports always open to this host whatever host endpoint policy says,
-    /// `proto:port` comma-separated (Felix's FailsafeInboundHostPorts; empty for none).
+    /// `proto:port` comma-separated (Felix's FailsafeInboundHostPorts and its defaults; an empty
+    /// value for none). The calc-server addresses of --server are always open besides.
     #[arg(
         long,
         env = "DATAPLANE_AGENT_FAILSAFE_INBOUND_HOST_PORTS",
         value_delimiter = ',',
-        value_name = "PROTO:PORT"
+        value_name = "PROTO:PORT",
+        default_value = crate::driver::linux::rules::static_chains::DEFAULT_FAILSAFES_IN
     )]
     pub failsafe_inbound_host_ports: Option<Vec<String>>,
 
-    /// linux driver: ports this host may always reach (Felix's FailsafeOutboundHostPorts).
+    /// linux driver: ports this host may always reach (Felix's FailsafeOutboundHostPorts and
+    /// its defaults; an empty value for none). The calc-server addresses of --server (each
+    /// address and port, resolved at start) are always reachable besides, so host endpoint
+    /// policy cannot cut the agent off from its server.
     #[arg(
         long,
         env = "DATAPLANE_AGENT_FAILSAFE_OUTBOUND_HOST_PORTS",
         value_delimiter = ',',
-        value_name = "PROTO:PORT"
+        value_name = "PROTO:PORT",
+        default_value = crate::driver::linux::rules::static_chains::DEFAULT_FAILSAFES_OUT
     )]
     pub failsafe_outbound_host_ports: Option<Vec<String>>,
 
@@ -233,8 +239,8 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_TLS_SERVER_URI_SAN", value_name = "URI")]
     pub tls_server_uri_san: Option<String>,
 
-    /// Serve /liveness, /readiness and /metrics over HTTP on this address (e.g.
-    /// 127.0.0.1:9098). Off when not set.
+    /// Serve /liveness, /readiness, /metrics and /programmed over HTTP on this address (e.g.
+    /// 127.0.0.1:9097; 9099 and 9098 are Felix's and Typha's health ports). Off when not set.
     #[arg(long, env = "DATAPLANE_AGENT_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
 
@@ -244,7 +250,9 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_CONFIG_FILE", value_name = "PATH")]
     pub config_file: Option<PathBuf>,
 
-    /// Print the effective settings (after flags, environment and config file) and exit.
+    /// Print the effective settings (after flags, environment and config file) and exit: one
+    /// `key: value  # source` line each, in the config file's form (source: flag, env NAME,
+    /// file PATH or default). --server and --node need not be given for it.
     #[arg(long)]
     pub print_config: bool,
 }

@@ -10,12 +10,9 @@ use dataplane_agent::{admin, session};
 use tracing::info;
 
 fn main() -> ExitCode {
-    // --config-file (or DATAPLANE_AGENT_CONFIG_FILE) supplies defaults beneath flags and env.
+    // --config-file (or DATAPLANE_AGENT_CONFIG_FILE) supplies defaults beneath flags and env;
+    // --print-config is answered (and the process exits) inside parse_args.
     let cli: Cli = config_file::parse_args("--config-file", "DATAPLANE_AGENT_CONFIG_FILE", None);
-    if cli.print_config {
-        println!("{cli:#?}");
-        return ExitCode::SUCCESS;
-    }
     init_logging(&cli.log_level, cli.log_format);
     let config = match cli.session_config() {
         Ok(c) => c,
@@ -80,7 +77,7 @@ fn main() -> ExitCode {
                 eprintln!("dataplane-agent: --admin-listen {addr}: {e}");
                 return Ok(None);
             }
-            info!(%addr, "admin endpoint: /liveness /readiness /metrics");
+            info!(%addr, "admin endpoint: /liveness /readiness /metrics /programmed");
         }
         metrics.set_session_running(true);
         // The session runs on a worker thread so a driver's blocking apply can use
@@ -130,8 +127,12 @@ async fn shutdown_signal() {
 fn init_logging(level: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for a person at a terminal: a log file or collector gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Plain => builder.init(),

@@ -230,7 +230,10 @@ pub async fn run<D: Driver>(
             StreamEnd::Status(status)
                 if matches!(
                     status.code(),
-                    Code::PermissionDenied | Code::InvalidArgument | Code::NotFound
+                    Code::PermissionDenied
+                        | Code::InvalidArgument
+                        | Code::NotFound
+                        | Code::Unimplemented
                 ) =>
             {
                 (backoff.max(), false)
@@ -259,11 +262,11 @@ pub async fn run<D: Driver>(
                     _ = watchdog.tick() => config.metrics.progress(),
                     () = wake_signal(wake.as_ref()), if upkeep => {
                         driver.on_wakeup();
-                        apply_offline(&mut driver, "interface change");
+                        apply_offline(&mut driver, "interface change", &config.metrics);
                     }
                     _ = offline_refresh.tick(), if upkeep && refresh_every.is_some() => {
                         driver.request_refresh();
-                        apply_offline(&mut driver, "periodic refresh");
+                        apply_offline(&mut driver, "periodic refresh", &config.metrics);
                     }
                 }
             };
@@ -344,6 +347,16 @@ impl StreamResult {
         {
             // A TLS server's alert, read as an HTTP/2 frame header.
             format!("{reason}; the server may expect TLS (https:// and the --tls-* flags)")
+        } else if s.code() == Code::Unimplemented && reason.contains("HTTP status code 404") {
+            // An HTTP server without the gRPC service: calc-server's admin port, most often.
+            format!(
+                "{reason}; this address answers HTTP but has no CalcServer.Sync: it looks like \
+                 calc-server's admin port (--admin-listen); --server takes serve's --listen address"
+            )
+        } else if s.code() == Code::Unimplemented {
+            format!(
+                "{reason}; the server does not implement felix.CalcServer/Sync: is it a calc-server?"
+            )
         } else {
             reason
         }
@@ -359,7 +372,10 @@ impl StreamResult {
             StreamEnd::Status(s)
                 if matches!(
                     s.code(),
-                    Code::PermissionDenied | Code::InvalidArgument | Code::NotFound
+                    Code::PermissionDenied
+                        | Code::InvalidArgument
+                        | Code::NotFound
+                        | Code::Unimplemented
                 ) =>
             {
                 error!(server = url, code = ?s.code(), error = %status_reason(s), retry_in, "calc-server refused the stream")
@@ -856,14 +872,18 @@ async fn stream_inner<D: Driver>(
 
 /// Applies while no server is connected (nothing to report to; statuses go out on the next
 /// stream). A failure is logged and left to the next attempt.
-fn apply_offline<D: Driver>(driver: &mut D, why: &str) {
+fn apply_offline<D: Driver>(driver: &mut D, why: &str, metrics: &AgentMetrics) {
     let started = Instant::now();
     match run_blocking(|| driver.apply()) {
-        Ok(()) => debug!(
-            why,
-            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
-            "applied while disconnected"
-        ),
+        Ok(()) => {
+            debug!(
+                why,
+                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "applied while disconnected"
+            );
+            // An interface change can give a host endpoint its chains.
+            metrics.publish_programmed(|| driver.programmed_objects());
+        }
         Err(e) => warn!(why, error = %e, "apply while disconnected failed; will retry"),
     }
 }
@@ -978,6 +998,9 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
     match result {
         Ok(()) => {
             info!(changes, elapsed_ms, "applied");
+            agent
+                .metrics
+                .publish_programmed(|| driver.programmed_objects());
             agent.pending = 0;
             agent.apply_backoff.reset();
             if !st.dataplane_in_sync_sent {

@@ -187,10 +187,56 @@ impl ClientTls {
     }
 }
 
-/// Adds what a bare reset during the handshake usually means: TLS errors (bad certificates,
-/// alerts) already name their reason.
+/// One line saying what a failed TLS handshake means and what to check, in place of rustls'
+/// debug-formatted error; `None` for errors whose own text says it.
+fn certificate_hint(e: &rustls::Error) -> Option<String> {
+    use rustls::InvalidMessage;
+    Some(match e {
+        rustls::Error::InvalidCertificate(CertificateError::Other(other)) => {
+            match other.0.downcast_ref::<IdentityMismatch>() {
+                Some(m) => m.0.clone(),
+                None => format!("the server's certificate is refused: {other}"),
+            }
+        }
+        rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer) => {
+            "the server's certificate is not signed by a CA in --tls-ca-file (UnknownIssuer): \
+             check that --tls-ca-file holds the CA that issued calc-server's certificate"
+                .into()
+        }
+        rustls::Error::InvalidCertificate(
+            c @ (CertificateError::Expired
+            | CertificateError::ExpiredContext { .. }
+            | CertificateError::NotValidYet
+            | CertificateError::NotValidYetContext { .. }),
+        ) => format!(
+            "the server's certificate is outside its validity period ({c}): renew calc-server's \
+             certificate, or check this node's clock"
+        ),
+        rustls::Error::InvalidMessage(InvalidMessage::InvalidContentType) => {
+            "the server answered without TLS (InvalidContentType): it is not a TLS listener \
+             (use http:// for a server without --tls-*, and check the port is serve's --listen)"
+                .into()
+        }
+        rustls::Error::AlertReceived(alert) => format!(
+            "the server refused the TLS handshake (received fatal alert: {alert:?}): for \
+             UnknownCA, BadCertificate or CertificateRequired, the server's --tls-ca-file does not \
+             trust this agent's --tls-cert-file"
+        ),
+        _ => return None,
+    })
+}
+
+/// Says what a failed handshake means: certificate problems in one line with what to check
+/// (see [`certificate_hint`]), and what a bare reset during the handshake usually means.
 fn explain_handshake_error(e: std::io::Error) -> std::io::Error {
     use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    if let Some(hint) = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .and_then(certificate_hint)
+    {
+        return std::io::Error::new(e.kind(), hint);
+    }
     if matches!(
         e.kind(),
         ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
@@ -387,9 +433,22 @@ fn check_identity(
     if cn_ok || uri_ok {
         return Ok(());
     }
+    let expected = match (&expected.cn, &expected.uri_san) {
+        (Some(c), Some(u)) => format!("CN \"{c}\" or URI SAN {u}"),
+        (Some(c), None) => format!("CN \"{c}\" (--tls-server-cn)"),
+        (None, Some(u)) => format!("URI SAN {u} (--tls-server-uri-san)"),
+        (None, None) => "no identity".into(),
+    };
+    let found = match (cn, uris.is_empty()) {
+        (Some(c), true) => format!("CN \"{c}\" and no URI SAN"),
+        (Some(c), false) => format!("CN \"{c}\" and URI SANs {}", uris.join(", ")),
+        (None, true) => "no CN and no URI SAN".into(),
+        (None, false) => format!("no CN and URI SANs {}", uris.join(", ")),
+    };
     Err(format!(
-        "server certificate identity mismatch: expected CN {:?} or URI SAN {:?}, certificate has CN {:?} and URI SANs {:?}",
-        expected.cn, expected.uri_san, cn, uris
+        "server certificate identity mismatch: the server's certificate has {found}, this agent \
+         expects {expected}: check --tls-server-cn / --tls-server-uri-san against calc-server's \
+         certificate"
     ))
 }
 

@@ -79,6 +79,8 @@ struct State {
     config: BTreeMap<String, String>,
     ipsets: BTreeMap<String, IpSet>,
     policies: BTreeMap<String, Policy>,
+    /// The ids of `policies`, by the same key (the key alone cannot be split back safely).
+    policy_ids: BTreeMap<String, PolicyId>,
     profiles: BTreeMap<String, Profile>,
     workload_endpoints: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
     host_endpoints: BTreeMap<String, HostEndpoint>,
@@ -219,10 +221,13 @@ impl DryRunDriver {
                     .policies
                     .insert(key.clone(), u.policy.clone().unwrap_or_default())
                     .is_some();
+                s.policy_ids
+                    .insert(key.clone(), u.id.clone().unwrap_or_default());
                 info!(policy = %key, "dry-run: policy {}", verb(existed));
             }
             Payload::ActivePolicyRemove(u) => {
                 let key = policy_key(u.id.as_ref());
+                s.policy_ids.remove(&key);
                 if s.policies.remove(&key).is_none() {
                     return false;
                 }
@@ -428,6 +433,31 @@ impl Driver for DryRunDriver {
             rejected: None,
         }
     }
+
+    /// The recorded state, with the chain names the linux driver would program.
+    fn programmed_objects(&self) -> Option<super::ProgrammedObjects> {
+        let s = &self.state;
+        let mut c = super::programmed::Collector::default();
+        for (key, policy) in &s.policies {
+            if let Some(id) = s.policy_ids.get(key) {
+                c.policy(id, policy);
+            }
+        }
+        s.profiles.keys().for_each(|name| c.profile(name));
+        for (key, ep) in &s.workload_endpoints {
+            c.workload(key, ep, Some(ep.name.as_str()).filter(|n| !n.is_empty()));
+        }
+        for (id, ep) in &s.host_endpoints {
+            // Which interface holds a nameless endpoint's addresses is the kernel's to say.
+            let iface = match ep.name.as_str() {
+                "" => None,
+                "*" => Some(super::linux::rules::endpoint::ALL_INTERFACES),
+                name => Some(name),
+            };
+            c.host(id, ep, iface);
+        }
+        Some(c.finish())
+    }
 }
 
 #[cfg(test)]
@@ -523,6 +553,63 @@ mod tests {
         // Removing again is harmless.
         d.on_update(&msg(Payload::IpsetRemove(IpSetRemove { id: "s:a".into() })));
         assert_eq!(json_of(&d)["ipsets"], json!({}));
+    }
+
+    #[test]
+    fn programmed_objects_use_the_linux_chain_names() {
+        use crate::driver::linux::rules;
+        let mut d = DryRunDriver::new("n1", None);
+        let id = pid(
+            "GlobalNetworkPolicy",
+            "",
+            "a-policy-name-long-enough-to-be-hashed",
+        );
+        d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(id.clone()),
+            policy: Some(Policy {
+                tier: "security".into(),
+                ..Default::default()
+            }),
+        })));
+        let mut ep = wep("web-0", "10.0.0.1/32");
+        if let Some(Payload::WorkloadEndpointUpdate(u)) = &mut ep.payload
+            && let Some(e) = &mut u.endpoint
+        {
+            e.tiers.push(felix_proto::TierInfo {
+                name: "security".into(),
+                ingress_policies: vec![id.clone()],
+                ..Default::default()
+            });
+        }
+        d.on_update(&ep);
+        let dump = d.programmed_objects().expect("the dry-run driver reports");
+        let [p] = dump.policies.as_slice() else {
+            panic!("{dump:?}")
+        };
+        assert_eq!(
+            p.id,
+            "GlobalNetworkPolicy/a-policy-name-long-enough-to-be-hashed"
+        );
+        assert_eq!(p.tier, "security");
+        assert_eq!(
+            p.chains,
+            [
+                rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id),
+                rules::policy_chain_name(rules::POLICY_OUTBOUND_PFX, &id),
+            ]
+        );
+        assert_eq!(p.endpoints, ["k8s/web-0/eth0"]);
+        assert_eq!(
+            dump.endpoints[0].chains,
+            [
+                rules::endpoint_chain_name(rules::endpoint::WORKLOAD_FROM_PFX, "caliweb-0"),
+                rules::endpoint_chain_name(rules::endpoint::WORKLOAD_TO_PFX, "caliweb-0"),
+            ]
+        );
+        d.on_update(&msg(Payload::ActivePolicyRemove(ActivePolicyRemove {
+            id: Some(id),
+        })));
+        assert!(d.programmed_objects().unwrap().policies.is_empty());
     }
 
     #[test]

@@ -14,9 +14,11 @@ use felix_proto::{ToDataplane, WorkloadEndpoint, WorkloadEndpointId};
 
 pub mod dry_run;
 pub mod linux;
+pub mod programmed;
 
 pub use dry_run::DryRunDriver;
 pub use linux::{LinuxDriver, LinuxOptions};
+pub use programmed::ProgrammedObjects;
 
 /// A dataplane the session can drive.
 ///
@@ -79,6 +81,13 @@ pub trait Driver: Send {
     fn metrics(&self) -> DriverMetrics {
         DriverMetrics::default()
     }
+
+    /// What is programmed, by stream object, with Calico's chain names (the admin endpoint's
+    /// `/programmed`; see [`programmed`]). Read after each successful apply, and only while
+    /// that endpoint is served. `None`: the driver cannot say.
+    fn programmed_objects(&self) -> Option<ProgrammedObjects> {
+        None
+    }
 }
 
 /// Sizes of the programmed dataplane, as a driver reports them for `/metrics`.
@@ -123,6 +132,9 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
     fn metrics(&self) -> DriverMetrics {
         (**self).metrics()
+    }
+    fn programmed_objects(&self) -> Option<ProgrammedObjects> {
+        (**self).programmed_objects()
     }
 }
 
@@ -198,7 +210,8 @@ pub struct EndpointStatuses {
 pub enum DriverKind {
     /// Records the desired state, logs every change, optionally writes it to `--state-file`.
     DryRun,
-    /// Programs iptables and ipsets in Calico's layout (routes: not yet).
+    /// Programs iptables, ipsets, routes, interface sysctls and endpoint status in Calico's
+    /// layout (root).
     Linux,
 }
 

@@ -20,6 +20,36 @@ pub const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
 pub const LOG_PREFIX: &str = "LogPrefix";
 pub const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
 
+/// The settings [`effective`] applies.
+pub const APPLIED: &[&str] = &[
+    DEFAULT_ENDPOINT_TO_HOST_ACTION,
+    INTERFACE_PREFIX,
+    FAILSAFE_INBOUND,
+    FAILSAFE_OUTBOUND,
+    LOG_PREFIX,
+    FEATURE_DETECT_OVERRIDE,
+];
+
+/// The datastore's settings this agent does not act on, each group sorted: those it has no use
+/// for (Felix's BPF, logging, reporting settings …), those a flag pins, and those read at start
+/// only. An operator who sets one expecting an effect should see it named.
+pub fn not_applied<'a>(
+    pinned: &BTreeSet<String>,
+    datastore: &'a BTreeMap<String, String>,
+) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
+    let (mut unused, mut by_flag, mut at_start) = (Vec::new(), Vec::new(), Vec::new());
+    for key in datastore.keys().map(String::as_str) {
+        if RESTART_ONLY.contains(&key) {
+            at_start.push(key);
+        } else if !APPLIED.contains(&key) {
+            unused.push(key);
+        } else if pinned.contains(key) {
+            by_flag.push(key);
+        }
+    }
+    (unused, by_flag, at_start)
+}
+
 /// Settings read at start only: a datastore value that differs is reported, not applied.
 pub const RESTART_ONLY: &[&str] = &["IptablesBackend", "Ipv6Support", "DeviceRouteProtocol"];
 
@@ -164,6 +194,22 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect()
+    }
+
+    #[test]
+    fn settings_not_applied_are_named_by_why() {
+        let ds = map(&[
+            ("BPFEnabled", "true"),
+            ("LogSeverityScreen", "Debug"),
+            (LOG_PREFIX, "x"),
+            (INTERFACE_PREFIX, "cali"),
+            ("IptablesBackend", "nft"),
+        ]);
+        let pinned: BTreeSet<String> = [LOG_PREFIX.to_owned()].into();
+        let (unused, by_flag, at_start) = not_applied(&pinned, &ds);
+        assert_eq!(unused, ["BPFEnabled", "LogSeverityScreen"]);
+        assert_eq!(by_flag, [LOG_PREFIX]);
+        assert_eq!(at_start, ["IptablesBackend"]);
     }
 
     #[test]

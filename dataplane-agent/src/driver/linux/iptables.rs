@@ -156,6 +156,37 @@ struct KernelView {
     others: HashMap<String, Vec<KernelRule>>,
 }
 
+/// Our chains and hook rules that differ between two kernel views: chains changed, removed or
+/// added, and kernel chains whose rules of ours (by hash) changed.
+fn drift(before: &KernelView, now: &KernelView) -> Vec<String> {
+    let mut out = std::collections::BTreeSet::new();
+    for (name, hashes) in &before.ours {
+        if now.ours.get(name) != Some(hashes) {
+            out.insert(name.clone());
+        }
+    }
+    out.extend(
+        now.ours
+            .keys()
+            .filter(|n| !before.ours.contains_key(*n))
+            .cloned(),
+    );
+    let hooks = |v: &KernelView, chain: &str| -> Vec<String> {
+        v.others
+            .get(chain)
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.hash.clone())
+            .collect()
+    };
+    for chain in before.others.keys().chain(now.others.keys()) {
+        if hooks(before, chain) != hooks(now, chain) {
+            out.insert(format!("{chain} (our rules in it)"));
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// Extracts the `cali:` hash from a rule line, if any.
 fn hash_of(line: &str) -> Option<&str> {
     let i = line
@@ -301,6 +332,9 @@ pub struct Table {
     /// Hashes of the hook rules: kernel chain → (inserts, appends).
     hook_hashes: BTreeMap<String, (Vec<String>, Vec<String>)>,
     kernel: Option<KernelView>,
+    /// The kernel view `invalidate` dropped: what the next read back is compared with, so
+    /// changes made behind our back are reported when they are repaired.
+    last_known: Option<KernelView>,
     refused: BTreeMap<String, Refused>,
     /// The kernel view was loaded by `load_kernel_view` and no apply has reported it yet.
     loaded: bool,
@@ -317,6 +351,7 @@ impl Table {
             hooks: Hooks::default(),
             hook_hashes: BTreeMap::new(),
             kernel: None,
+            last_known: None,
             refused: BTreeMap::new(),
             loaded: false,
             lock_wait_secs: 10,
@@ -447,8 +482,30 @@ impl Table {
     /// Forgets the kernel view: the next apply reads the kernel back, repairs differences and
     /// tries refused chains again.
     pub fn invalidate(&mut self) {
-        self.kernel = None;
+        if let Some(k) = self.kernel.take() {
+            self.last_known = Some(k);
+        }
         self.refused.clear();
+    }
+
+    /// Takes a fresh read-back as the kernel view, reporting what changed behind our back since
+    /// the view `invalidate` dropped (an operator's hand edit, another tool): it is about to be
+    /// repaired, and an operator should hear of it without debug logging.
+    fn set_kernel_view(&mut self, view: KernelView) {
+        if let Some(before) = self.last_known.take() {
+            let changed = drift(&before, &view);
+            if !changed.is_empty() {
+                let shown: Vec<&str> = changed.iter().take(10).map(String::as_str).collect();
+                tracing::warn!(
+                    table = self.name,
+                    v = self.version.number(),
+                    count = changed.len(),
+                    chains = %shown.join(", "),
+                    "iptables chains of ours were changed outside the agent; repairing them"
+                );
+            }
+        }
+        self.kernel = Some(view);
     }
 
     /// Whether the next apply must read the kernel back first.
@@ -460,7 +517,7 @@ impl Table {
     /// sections in the same text are ignored). Lets the caller read every table of a family
     /// with one save: with nft, each save costs as much as the whole ruleset.
     pub fn load_kernel_view(&mut self, save_output: &str) {
-        self.kernel = Some(parse_save(&table_section(save_output, self.name)));
+        self.set_kernel_view(parse_save(&table_section(save_output, self.name)));
         self.loaded = true;
     }
 
@@ -491,7 +548,8 @@ impl Table {
             ..ApplyStats::default()
         };
         if self.kernel.is_none() {
-            self.kernel = Some(self.read_back(runner, backend)?);
+            let view = self.read_back(runner, backend)?;
+            self.set_kernel_view(view);
             stats.read_back = true;
         }
         let writes = self.chain_writes();
@@ -1025,6 +1083,27 @@ mod tests {
         assert!(
             input[0].contains("cali-INPUT") && input[1] == "-j KUBE-X",
             "{input:?}"
+        );
+    }
+
+    #[test]
+    fn changes_behind_our_back_are_named() {
+        let before = parse_save(
+            "*filter\n:cali-a - [0:0]\n:cali-b - [0:0]\n\
+             -A INPUT -m comment --comment \"cali:h0\" -j cali-a\n\
+             -A cali-a -m comment --comment \"cali:h1\" -j ACCEPT\n\
+             -A cali-b -m comment --comment \"cali:h2\" -j DROP\nCOMMIT\n",
+        );
+        assert!(drift(&before, &before).is_empty());
+        // cali-a edited, cali-b deleted, cali-x added, our hook in INPUT removed.
+        let now = parse_save(
+            "*filter\n:cali-a - [0:0]\n:cali-x - [0:0]\n\
+             -A INPUT -j KUBE-X\n\
+             -A cali-a -j ACCEPT\nCOMMIT\n",
+        );
+        assert_eq!(
+            drift(&before, &now),
+            ["INPUT (our rules in it)", "cali-a", "cali-b", "cali-x"]
         );
     }
 

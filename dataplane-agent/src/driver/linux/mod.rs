@@ -140,6 +140,8 @@ pub struct LinuxDriver {
     base_opts: LinuxOptions,
     /// The last FelixConfiguration map from the server, not yet applied.
     pending_config: Option<BTreeMap<String, String>>,
+    /// The FelixConfiguration settings last reported as not applied.
+    config_not_applied: Option<String>,
     runner: Box<dyn CommandRunner>,
     backend: Option<Backend>,
     /// Whether iptables and the kernel take `MASQUERADE --random-fully`; `None` until it is
@@ -256,6 +258,7 @@ impl LinuxDriver {
             ipsets: IpSets::new(versions.clone()),
             base_opts: opts.clone(),
             pending_config: None,
+            config_not_applied: None,
             opts,
             runner,
             backend,
@@ -978,11 +981,20 @@ impl LinuxDriver {
         for p in problems {
             warn!(problem = %p, "datastore setting ignored");
         }
-        for key in config::RESTART_ONLY {
-            if let Some(v) = ds.get(*key) {
-                debug!(setting = key, value = %v, "datastore setting is read at start only (use the flag)");
-            }
+        let (unused, by_flag, at_start) = config::not_applied(&self.base_opts.pinned, &ds);
+        let summary = format!(
+            "not used by this agent: {}; pinned by a flag: {}; read at start only (use the flag): {}",
+            list_or_none(&unused),
+            list_or_none(&by_flag),
+            list_or_none(&at_start)
+        );
+        // Once per change of what is not applied, not on every ConfigUpdate.
+        if !(unused.is_empty() && by_flag.is_empty() && at_start.is_empty())
+            && self.config_not_applied.as_deref() != Some(summary.as_str())
+        {
+            info!(settings = %summary, "FelixConfiguration settings not applied");
         }
+        self.config_not_applied = Some(summary);
         let statics_changed = next.statics.workload_prefixes != self.opts.statics.workload_prefixes
             || next.statics.endpoint_to_host != self.opts.statics.endpoint_to_host
             || next.statics.failsafe_in != self.opts.statics.failsafe_in
@@ -1425,6 +1437,23 @@ impl Driver for LinuxDriver {
         self.weps.get(id).cloned()
     }
 
+    /// From the state as rendered: an endpoint has chains once rendered for an interface.
+    /// Objects held failing closed are listed too: their chains exist (and drop).
+    fn programmed_objects(&self) -> Option<crate::driver::ProgrammedObjects> {
+        let mut c = crate::driver::programmed::Collector::default();
+        for (key, policy) in &self.policies {
+            c.policy(&policy_id(key), policy);
+        }
+        self.profiles.keys().for_each(|name| c.profile(name));
+        for (key, ep) in &self.weps {
+            c.workload(key, ep, self.wep_ifaces.get(key).map(String::as_str));
+        }
+        for (id, ep) in &self.heps {
+            c.host(id, ep, self.hep_ifaces.get(id).map(String::as_str));
+        }
+        Some(c.finish())
+    }
+
     fn metrics(&self) -> crate::driver::DriverMetrics {
         let p = self.programmed();
         crate::driver::DriverMetrics {
@@ -1464,6 +1493,15 @@ impl Driver for LinuxDriver {
             .map(|(id, _)| id.clone())
             .collect();
         self.dirty_heps.extend(by_address);
+    }
+}
+
+/// `a, b` or `none`.
+fn list_or_none(items: &[&str]) -> String {
+    if items.is_empty() {
+        "none".into()
+    } else {
+        items.join(", ")
     }
 }
 
@@ -1626,6 +1664,101 @@ mod tests {
             oper_up: true,
         });
         (d, k)
+    }
+
+    #[test]
+    fn programmed_objects_name_the_chains_the_renderer_programs() {
+        let (mut d, k) = driver();
+        let long = PolicyId {
+            name: "allow-the-frontend-to-reach-the-backend".into(),
+            namespace: "prod".into(),
+            kind: "NetworkPolicy".into(),
+        };
+        d.on_update(&clients_set());
+        d.on_update(&policy(false));
+        d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(long.clone()),
+            policy: Some(Policy {
+                tier: "default".into(),
+                ..Default::default()
+            }),
+        })));
+        d.on_update(&msg(Payload::ActiveProfileUpdate(
+            felix_proto::ActiveProfileUpdate {
+                id: Some(felix_proto::ProfileId {
+                    name: "kns.prod".into(),
+                }),
+                profile: Some(Profile::default()),
+            },
+        )));
+        let mut ep = wep("caliweb");
+        if let Some(Payload::WorkloadEndpointUpdate(u)) = &mut ep.payload
+            && let Some(e) = &mut u.endpoint
+        {
+            e.tiers[0].egress_policies.push(long.clone());
+            e.profile_ids.push("kns.prod".into());
+        }
+        d.on_update(&ep);
+        d.apply().unwrap();
+
+        let dump = d.programmed_objects().expect("the linux driver reports");
+        let p = dump
+            .policies
+            .iter()
+            .find(|p| p.name == long.name)
+            .expect("listed");
+        let mut expected = vec![
+            rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &long),
+            rules::policy_chain_name(rules::POLICY_OUTBOUND_PFX, &long),
+        ];
+        expected.sort();
+        assert_eq!(p.chains, expected);
+        assert!(
+            p.chains.iter().all(|c| !c.contains(&long.name)),
+            "a long id is hashed, which is why the dump exists: {:?}",
+            p.chains
+        );
+        assert_eq!(
+            (p.tier.as_str(), p.kind.as_str(), p.namespace.as_str()),
+            ("default", "NetworkPolicy", "prod")
+        );
+        assert_eq!(p.endpoints, ["k8s/prod/web/eth0"]);
+        let web = dump.policies.iter().find(|p| p.name == "web").unwrap();
+        assert_eq!(web.tier, "default", "from the endpoint's tier");
+        let profile = &dump.profiles[0];
+        assert_eq!(
+            profile.chains,
+            [
+                rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, "kns.prod"),
+                rules::profile_chain_name(rules::PROFILE_OUTBOUND_PFX, "kns.prod"),
+            ]
+        );
+        let [endpoint] = dump.endpoints.as_slice() else {
+            panic!("one endpoint: {:?}", dump.endpoints)
+        };
+        assert_eq!(endpoint.interface, "caliweb");
+        // Every chain the dump names is in the kernel, in both families.
+        let kernel = k.lock().unwrap();
+        let named = dump
+            .policies
+            .iter()
+            .flat_map(|p| &p.chains)
+            .chain(dump.profiles.iter().flat_map(|p| &p.chains))
+            .chain(&endpoint.chains);
+        for chain in named {
+            for v in IpVersion::BOTH {
+                assert!(kernel.has_chain(v, "filter", chain), "{chain} (v{v:?})");
+            }
+        }
+        drop(kernel);
+
+        d.on_update(&msg(Payload::WorkloadEndpointRemove(
+            WorkloadEndpointRemove { id: Some(wep_id()) },
+        )));
+        d.apply().unwrap();
+        let dump = d.programmed_objects().unwrap();
+        assert!(dump.endpoints.is_empty());
+        assert!(dump.policies.iter().all(|p| p.endpoints.is_empty()));
     }
 
     #[test]

@@ -57,22 +57,23 @@ impl std::str::FromStr for Failsafe {
 }
 
 /// Felix's default failsafe ports (`FailsafeInboundHostPorts` / `FailsafeOutboundHostPorts`).
+/// Felix's default FailsafeInboundHostPorts (also the flag's default, shown by `--help`).
+pub const DEFAULT_FAILSAFES_IN: &str =
+    "tcp:22,udp:68,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
+/// Felix's default FailsafeOutboundHostPorts.
+pub const DEFAULT_FAILSAFES_OUT: &str =
+    "udp:53,udp:67,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
+
 pub fn default_failsafes_in() -> Vec<Failsafe> {
-    parse_list(&[
-        "tcp:22", "udp:68", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666",
-        "tcp:6667",
-    ])
+    parse_list(DEFAULT_FAILSAFES_IN)
 }
 
 pub fn default_failsafes_out() -> Vec<Failsafe> {
-    parse_list(&[
-        "udp:53", "udp:67", "tcp:179", "tcp:2379", "tcp:2380", "tcp:5473", "tcp:6443", "tcp:6666",
-        "tcp:6667",
-    ])
+    parse_list(DEFAULT_FAILSAFES_OUT)
 }
 
-fn parse_list(items: &[&str]) -> Vec<Failsafe> {
-    items.iter().filter_map(|s| s.parse().ok()).collect()
+fn parse_list(items: &str) -> Vec<Failsafe> {
+    items.split(',').filter_map(|s| s.parse().ok()).collect()
 }
 
 /// Settings for the static chains.
