@@ -137,3 +137,32 @@ pub fn split_unusable(
     without.sort();
     (held, without)
 }
+
+/// Objects the datastore refused, by stage: the `calc_server_rejected_objects_total` counter.
+/// Each refusal counts once: a new bad value (etcd, Kubernetes) or a changed file read again.
+#[derive(Debug, Default)]
+pub struct Rejections([std::sync::atomic::AtomicU64; 3]);
+
+impl Rejections {
+    fn slot(stage: calc_graph::manifest::RejectStage) -> usize {
+        calc_graph::manifest::RejectStage::ALL
+            .iter()
+            .position(|s| *s == stage)
+            .expect("every stage is in ALL")
+    }
+
+    pub fn count(&self, stage: calc_graph::manifest::RejectStage) {
+        self.0[Self::slot(stage)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn get(&self, stage: calc_graph::manifest::RejectStage) -> u64 {
+        self.0[Self::slot(stage)].load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn total(&self) -> u64 {
+        calc_graph::manifest::RejectStage::ALL
+            .iter()
+            .map(|s| self.get(*s))
+            .sum()
+    }
+}

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use calc_graph::manifest::{Outcome, parse_manifest};
+use calc_graph::manifest::{Outcome, RejectStage, parse_manifest};
 use calc_graph::model::{DecodeError, Resource, ResourceKey};
 
 /// One problem with its location.
@@ -48,6 +48,8 @@ pub struct Report {
     /// Files that could not be read or parsed at all: which objects they hold is unknown.
     pub broken: Vec<PathBuf>,
     pub problems: Vec<Problem>,
+    /// One stage per object refused (a whole unreadable file counts once, as decode).
+    pub rejected: Vec<RejectStage>,
 }
 
 /// Largest manifest file read (a ConfigMap holds at most 1 MiB; a `calicoctl get -o yaml`
@@ -224,6 +226,7 @@ pub fn load_file(file: &Path, report: &mut Report) {
         Err(e) => {
             report.problems.push(problem(None, e));
             report.broken.push(file.to_path_buf());
+            report.rejected.push(RejectStage::Decode);
             return;
         }
     };
@@ -232,12 +235,16 @@ pub fn load_file(file: &Path, report: &mut Report) {
         Err(e) => {
             report.problems.push(problem(None, e.to_string()));
             report.broken.push(file.to_path_buf());
+            report.rejected.push(RejectStage::Decode);
             return;
         }
     };
     for entry in entries {
         report.objects += 1;
         let doc = Some(entry.document);
+        if let Some(r) = entry.outcome.rejection() {
+            report.rejected.push(r.stage);
+        }
         match entry.outcome {
             Outcome::Valid(key, res) => {
                 if let Some((prev, _)) = report.resources.get(&key) {

@@ -1,4 +1,9 @@
-//! `calc-server status --server ADDR`: asks a running server's admin endpoint for its nodes.
+//! `calc-server status --server ADDR`: asks a running server's admin endpoint for its nodes and
+//! prints them as a table (or the raw JSON).
+//!
+//! The admin endpoint is plain HTTP/1. A user who gives the gRPC address (`--listen`) instead
+//! gets told so, not a "connection reset": the first bytes of the answer tell an HTTP/2 or TLS
+//! listener apart.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -7,63 +12,248 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+/// The admin address `serve` listens on unless told otherwise (Felix's health port, 9099,
+/// and Typha's, 9098, are taken on a Calico node).
+pub const DEFAULT_ADMIN: &str = "127.0.0.1:9096";
+
 #[derive(Clone, Debug, clap::Args)]
 pub struct StatusArgs {
     /// The server's admin address (`--admin-listen` of serve), as host:port or http://host:port.
-    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = "127.0.0.1:9099")]
+    /// Not the gRPC address (`--listen`).
+    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
     pub server: String,
     /// Print the raw JSON instead of a table.
     #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
     pub json: bool,
 }
 
+/// What the first bytes of an answer say about the listener that sent them.
+fn not_http1(addr: &str, head: &[u8]) -> String {
+    let hint = format!(
+        "`calc-server status` needs the admin address (serve's --admin-listen, default {DEFAULT_ADMIN})"
+    );
+    // An HTTP/2 server answers a request it cannot read with a SETTINGS frame (type 4) and
+    // GOAWAY; a TLS server with an alert record (0x15) or a handshake record (0x16).
+    if head.len() >= 4 && head[3] == 4 || head.starts_with(b"\0\0") {
+        format!("{addr} answers HTTP/2: this is the gRPC port (serve's --listen); {hint}")
+    } else if head.first().is_some_and(|b| *b == 0x15 || *b == 0x16) {
+        format!("{addr} answers TLS: this is a TLS port (the gRPC --listen with --tls-*?); {hint}")
+    } else if head.is_empty() {
+        format!("{addr} closed the connection without answering: is this the gRPC port? {hint}")
+    } else {
+        format!("{addr} does not answer HTTP/1; {hint}")
+    }
+}
+
 /// A minimal HTTP/1.0 GET: the admin endpoint is local plain HTTP and this keeps the binary
 /// free of an HTTP client.
 fn get(addr: &str, path: &str) -> anyhow::Result<String> {
     let addr = addr.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+    let mut s = TcpStream::connect(addr).with_context(|| {
+        format!("connecting to {addr} (is `calc-server serve` running with --admin-listen {addr}?)")
+    })?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
+    let mut resp = Vec::new();
+    if let Err(e) = s.read_to_end(&mut resp) {
+        // A gRPC server resets a connection that spoke HTTP/1 at it.
+        if !resp.starts_with(b"HTTP/1.") {
+            anyhow::bail!("{} ({e})", not_http1(addr, &resp));
+        }
+        return Err(e).with_context(|| format!("reading {addr}{path}"));
+    }
+    if !resp.starts_with(b"HTTP/1.") {
+        anyhow::bail!(not_http1(addr, &resp));
+    }
+    let resp = String::from_utf8_lossy(&resp);
     let (head, body) = resp
         .split_once("\r\n\r\n")
         .context("malformed HTTP response")?;
     let status = head.lines().next().unwrap_or_default();
-    anyhow::ensure!(status.contains(" 200"), "{addr}{path}: {status}");
+    anyhow::ensure!(
+        status.contains(" 200"),
+        "{addr}{path}: {status}: {}",
+        body.trim()
+    );
     Ok(body.to_string())
 }
 
+/// A column-aligned table: each column as wide as its widest cell; numbers right-aligned.
+fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            let last = i + 1 == cells.len();
+            if i > 0 {
+                out.push_str("  ");
+            }
+            if right[i] {
+                out.push_str(&" ".repeat(pad));
+                out.push_str(cell);
+            } else {
+                out.push_str(cell);
+                if !last {
+                    out.push_str(&" ".repeat(pad));
+                }
+            }
+        }
+        out.push('\n');
+        out
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+/// One row per node of `/status` (see `serve::status::NodeStatus`).
+fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
+    nodes
+        .iter()
+        .map(|n| {
+            let endpoints = || {
+                n["workload_endpoints"]
+                    .as_object()
+                    .into_iter()
+                    .chain(n["host_endpoints"].as_object())
+                    .flat_map(|m| m.values())
+            };
+            let eps = endpoints().count();
+            let up = endpoints().filter(|v| *v == "up").count();
+            let connected = n["connected"].as_bool().unwrap_or_default();
+            let since = n["connected_since"].as_str().unwrap_or_default();
+            let state = match (connected, since.is_empty()) {
+                (true, _) => "yes",
+                (false, true) => "never",
+                (false, false) => "no",
+            };
+            let heartbeat = match n["last_heartbeat_age_seconds"].as_u64() {
+                Some(s) => format!("{s}s ago"),
+                None => "-".into(),
+            };
+            let dash = |s: &str| {
+                if s.is_empty() {
+                    "-".to_string()
+                } else {
+                    s.to_string()
+                }
+            };
+            vec![
+                n["node"].as_str().unwrap_or_default().to_string(),
+                if n["in_datastore"].as_bool().unwrap_or(true) {
+                    "yes".into()
+                } else {
+                    "no".into()
+                },
+                state.into(),
+                dash(since),
+                if n["dataplane_in_sync"].as_bool().unwrap_or_default() {
+                    "yes".into()
+                } else {
+                    "no".into()
+                },
+                heartbeat,
+                n["messages_sent"].as_u64().unwrap_or_default().to_string(),
+                n["last_sequence_received"]
+                    .as_u64()
+                    .unwrap_or_default()
+                    .to_string(),
+                format!("{up}/{eps} up"),
+            ]
+        })
+        .collect()
+}
+
+const HEADER: [&str; 9] = [
+    "NODE",
+    "IN-DATASTORE",
+    "CONNECTED",
+    "SINCE",
+    "IN-SYNC",
+    "HEARTBEAT",
+    "SENT",
+    "LAST-SEQ",
+    "ENDPOINTS",
+];
+const RIGHT: [bool; 9] = [false, false, false, false, false, true, true, true, false];
+
 pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     let body = get(&args.server, "/status")?;
-    if args.json {
-        println!("{body}");
-        return Ok(ExitCode::SUCCESS);
+    let mut out = std::io::stdout().lock();
+    let text = if args.json {
+        format!("{body}\n")
+    } else {
+        let nodes: Vec<serde_json::Value> =
+            serde_json::from_str(&body).context("decoding /status")?;
+        table(&HEADER, &rows(&nodes), &RIGHT)
+    };
+    // `status | head` closes stdout early: not an error.
+    match out.write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(ExitCode::SUCCESS),
     }
-    let nodes: Vec<serde_json::Value> = serde_json::from_str(&body).context("decoding /status")?;
-    println!(
-        "{:<20} {:<10} {:<21} {:<8} {:>8} {:>8}  ENDPOINTS",
-        "NODE", "CONNECTED", "SINCE", "IN-SYNC", "SENT", "LAST-SEQ"
-    );
-    for n in &nodes {
-        let eps = n["workload_endpoints"].as_object().map_or(0, |m| m.len())
-            + n["host_endpoints"].as_object().map_or(0, |m| m.len());
-        let up = n["workload_endpoints"]
-            .as_object()
-            .into_iter()
-            .chain(n["host_endpoints"].as_object())
-            .flat_map(|m| m.values())
-            .filter(|v| v == &"up")
-            .count();
-        println!(
-            "{:<20} {:<10} {:<21} {:<8} {:>8} {:>8}  {up}/{eps} up",
-            n["node"].as_str().unwrap_or_default(),
-            n["connected"].as_bool().unwrap_or_default(),
-            n["connected_since"].as_str().unwrap_or_default(),
-            n["dataplane_in_sync"].as_bool().unwrap_or_default(),
-            n["messages_sent"],
-            n["last_sequence_received"],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn columns_line_up_whatever_the_widths() {
+        let nodes = [
+            json!({"node": "a-very-long-node-name.example.internal", "in_datastore": true, "connected": true,
+                   "connected_since": "2026-11-24T10:00:00Z", "dataplane_in_sync": true,
+                   "last_heartbeat_age_seconds": 3, "messages_sent": 123456, "last_sequence_received": 7,
+                   "workload_endpoints": {"k8s/a/eth0": "up", "k8s/b/eth0": "down"}, "host_endpoints": {}}),
+            json!({"node": "n2", "in_datastore": true, "connected": false, "connected_since": "",
+                   "dataplane_in_sync": false, "messages_sent": 0, "last_sequence_received": 0,
+                   "workload_endpoints": {}, "host_endpoints": {}}),
+        ];
+        let text = table(&HEADER, &rows(&nodes), &RIGHT);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        // Every column starts at the same offset on every line.
+        for col in ["IN-DATASTORE", "CONNECTED", "SINCE", "IN-SYNC", "ENDPOINTS"] {
+            let at = lines[0].find(col).unwrap();
+            for l in &lines[1..] {
+                assert!(
+                    l.len() > at && l.as_bytes()[at - 1] == b' ' && l.as_bytes()[at] != b' ',
+                    "column {col} misaligned:\n{text}"
+                );
+            }
+        }
+        // Right-aligned numbers end where their header ends.
+        let end = lines[0].find("SENT").unwrap() + "SENT".len();
+        assert_eq!(&lines[1][end - 6..end], "123456", "{text}");
+        assert_eq!(&lines[2][end - 1..end], "0", "{text}");
+        assert!(
+            lines[1].contains("3s ago") && lines[1].contains("1/2 up"),
+            "{text}"
+        );
+        assert!(
+            lines[2].contains("never"),
+            "a node that never connected says so:\n{text}"
         );
     }
-    Ok(ExitCode::SUCCESS)
+
+    #[test]
+    fn the_grpc_port_is_named_as_such() {
+        // The start of an HTTP/2 SETTINGS frame.
+        let m = not_http1("127.0.0.1:50051", &[0, 0, 6, 4, 0, 0, 0, 0, 0]);
+        assert!(
+            m.contains("gRPC port") && m.contains("--admin-listen"),
+            "{m}"
+        );
+        let m = not_http1("127.0.0.1:50051", &[0x15, 3, 3, 0, 2]);
+        assert!(m.contains("TLS") && m.contains("--admin-listen"), "{m}");
+    }
 }

@@ -31,6 +31,79 @@ pub enum Outcome {
     Invalid(Invalid),
 }
 
+/// Why an object is not used: the stage that refused it (the label operators count it by).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectStage {
+    /// The value cannot be read as an object of its kind (syntax, key, shape).
+    Decode,
+    /// Read, but its values are invalid.
+    Validation,
+    /// Read, but it holds a field Calico's API does not define (a typo, most often).
+    UnknownField,
+}
+
+impl RejectStage {
+    pub const ALL: [RejectStage; 3] = [
+        RejectStage::Decode,
+        RejectStage::Validation,
+        RejectStage::UnknownField,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectStage::Decode => "decode",
+            RejectStage::Validation => "validation",
+            RejectStage::UnknownField => "unknown_field",
+        }
+    }
+}
+
+/// An object that is not used, with the stage that refused it and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub stage: RejectStage,
+    pub reason: String,
+}
+
+impl Rejection {
+    pub fn decode(reason: impl Into<String>) -> Rejection {
+        Rejection {
+            stage: RejectStage::Decode,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl Outcome {
+    /// The rejection this outcome stands for; `None` for a valid or ignored object. An object
+    /// with an unknown field counts as [`RejectStage::UnknownField`] even when other errors come
+    /// with it: the typo is the likely cause.
+    pub fn rejection(&self) -> Option<Rejection> {
+        match self {
+            Outcome::Valid(..) | Outcome::Ignored(..) => None,
+            Outcome::Undecodable(e) => Some(Rejection::decode(e.to_string())),
+            Outcome::Invalid(inv) => Some(Rejection {
+                stage: if inv
+                    .errors
+                    .iter()
+                    .any(crate::model::fields::is_unknown_field)
+                {
+                    RejectStage::UnknownField
+                } else {
+                    RejectStage::Validation
+                },
+                reason: inv.to_string(),
+            }),
+        }
+    }
+}
+
 /// Why a whole file could not be read as a manifest.
 #[derive(Debug, thiserror::Error)]
 pub enum SyntaxError {

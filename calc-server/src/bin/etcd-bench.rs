@@ -23,7 +23,12 @@ const PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
 )]
 struct Cli {
     /// etcd endpoint URLs, comma-separated.
-    #[arg(long, default_value = "http://127.0.0.1:2379", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "ETCD_BENCH_ENDPOINTS",
+        default_value = "http://127.0.0.1:2379",
+        value_delimiter = ','
+    )]
     endpoints: Vec<String>,
     #[command(subcommand)]
     command: Command,
@@ -33,21 +38,23 @@ struct Cli {
 enum Command {
     /// Write every object of a gen-cluster directory (JSON arrays) into etcd.
     Load {
-        #[arg(long)]
+        /// A directory written by `calc-server gen-cluster --out DIR`.
+        #[arg(long, env = "ETCD_BENCH_DIR")]
         dir: PathBuf,
         /// Puts per transaction (etcd allows 128 by default).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, env = "ETCD_BENCH_BATCH", default_value_t = 128)]
         batch: usize,
         /// Transactions in flight.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, env = "ETCD_BENCH_PARALLEL", default_value_t = 4)]
         parallel: usize,
     },
     /// Time a paginated range read of the Calico v3 prefix at one revision.
     List {
-        #[arg(long, default_value_t = 4000)]
+        /// Keys per range request.
+        #[arg(long, env = "ETCD_BENCH_PAGE_SIZE", default_value_t = 4000)]
         page_size: i64,
         /// Repetitions; the median is reported.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, env = "ETCD_BENCH_RUNS", default_value_t = 5)]
         runs: usize,
     },
 }
@@ -57,6 +64,12 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    // Checked before connecting: an empty or wrong directory is the user's mistake to hear about
+    // first, whatever etcd's state.
+    let files = match &cli.command {
+        Command::Load { dir, .. } => json_files(dir)?,
+        Command::List { .. } => Vec::new(),
+    };
     rt.block_on(async {
         let client = Client::connect(&cli.endpoints, None)
             .await
@@ -66,24 +79,36 @@ fn main() -> anyhow::Result<()> {
                 dir,
                 batch,
                 parallel,
-            } => load(client, &dir, batch.max(1), parallel.max(1)).await,
+            } => load(client, &dir, files, batch.max(1), parallel.max(1)).await,
             Command::List { page_size, runs } => list(client, page_size, runs.max(1)).await,
         }
     })
 }
 
-async fn load(
-    client: Client,
-    dir: &std::path::Path,
-    batch: usize,
-    parallel: usize,
-) -> anyhow::Result<()> {
+/// The `.json` files of a `gen-cluster` directory, sorted; none is an error.
+fn json_files(dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     files.sort();
+    anyhow::ensure!(
+        !files.is_empty(),
+        "{} holds no .json files: `load` reads a directory written by `calc-server gen-cluster \
+         --out DIR` (JSON arrays of v3 objects)",
+        dir.display()
+    );
+    Ok(files)
+}
+
+async fn load(
+    client: Client,
+    dir: &std::path::Path,
+    files: Vec<PathBuf>,
+    batch: usize,
+    parallel: usize,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut keys, mut bytes) = (0usize, 0usize);
     let mut pending: Vec<(String, String)> = Vec::with_capacity(batch);
@@ -117,6 +142,11 @@ async fn load(
     while let Some(r) = inflight.join_next().await {
         r??;
     }
+    anyhow::ensure!(
+        keys > 0,
+        "{} holds no v3 objects Calico stores in etcd; nothing loaded",
+        dir.display()
+    );
     println!(
         "loaded {keys} keys, {:.1} MiB of values, in {:.2} s",
         bytes as f64 / 1048576.0,

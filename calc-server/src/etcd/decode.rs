@@ -15,7 +15,7 @@
 //! Plurals of kinds the graph does not use (BGP, IPAM, staged policies, …) are skipped without
 //! reading the value.
 
-use calc_graph::manifest::{Outcome, decode_and_validate};
+use calc_graph::manifest::{Outcome, Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::{API_VERSION, Kind, Resource};
 use serde_json::{Map, Value};
 
@@ -36,8 +36,8 @@ pub enum Decision {
     Apply(Resource),
     /// Not something the graph reads (another key family, an unused kind).
     Skip,
-    /// The value cannot be used; the reason (the caller names the key).
-    Reject(String),
+    /// The value cannot be used; the stage and reason (the caller names the key).
+    Reject(Rejection),
 }
 
 /// The graph kind stored under `<plural>`, if any.
@@ -79,14 +79,16 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
     let (kind, namespace, name) = match parse_key(key) {
         Ok(Some(parts)) => parts,
         Ok(None) => return Decision::Skip,
-        Err(reason) => return Decision::Reject(reason),
+        Err(reason) => return Decision::Reject(Rejection::decode(reason)),
     };
     let mut v: Value = match serde_json::from_slice(value) {
         Ok(v) => v,
-        Err(e) => return Decision::Reject(format!("value is not valid JSON: {e}")),
+        Err(e) => {
+            return Decision::Reject(Rejection::decode(format!("value is not valid JSON: {e}")));
+        }
     };
     let Value::Object(obj) = &mut v else {
-        return Decision::Reject("value is not a JSON object".into());
+        return Decision::Reject(Rejection::decode("value is not a JSON object"));
     };
     match obj.get("kind") {
         None | Some(Value::Null) => {
@@ -94,10 +96,10 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
         }
         Some(Value::String(k)) if k == kind.as_str() => {}
         Some(other) => {
-            return Decision::Reject(format!(
+            return Decision::Reject(Rejection::decode(format!(
                 "value has kind {other}, but the key is under {}",
                 kind.plural()
-            ));
+            )));
         }
     }
     if matches!(obj.get("apiVersion"), None | Some(Value::Null)) {
@@ -116,7 +118,7 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
         *meta = Value::Object(Map::new());
     }
     let Value::Object(meta) = meta else {
-        return Decision::Reject("metadata is not a JSON object".into());
+        return Decision::Reject(Rejection::decode("metadata is not a JSON object"));
     };
     for (field, from_key) in [("name", Some(name)), ("namespace", namespace)] {
         let Some(from_key) = from_key else { continue };
@@ -135,11 +137,15 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
         let restored = policy_name(meta, name, &tier);
         meta.insert("name".into(), restored.into());
     }
-    match decode_and_validate(v) {
+    // calicoctl refuses unknown fields on write; one here was written around it (etcdctl), and
+    // a misspelt selector or rule list would change what the policy means.
+    let outcome = decode_and_validate_strict(v);
+    if let Some(rejection) = outcome.rejection() {
+        return Decision::Reject(rejection);
+    }
+    match outcome {
         Outcome::Valid(_, res) => Decision::Apply(res),
-        Outcome::Ignored(..) => Decision::Skip,
-        Outcome::Undecodable(e) => Decision::Reject(e.to_string()),
-        Outcome::Invalid(inv) => Decision::Reject(inv.to_string()),
+        _ => Decision::Skip,
     }
 }
 
@@ -192,7 +198,7 @@ mod tests {
 
     fn rejected(key: &str, value: &str) -> String {
         match decode(key, value.as_bytes()) {
-            Decision::Reject(r) => r,
+            Decision::Reject(r) => r.reason,
             other => panic!("{key}: expected Reject, got {other:?}"),
         }
     }
@@ -310,6 +316,37 @@ mod tests {
         assert!(r.contains("GlobalNetworkPolicy p"), "{r}");
         assert!(rejected(&format!("{P}workloadendpoints/only-name"), "{}").contains("malformed"));
         assert!(rejected(&format!("{P}tiers/a/b"), "{}").contains("malformed"));
+    }
+
+    #[test]
+    fn a_misspelt_field_rejects_the_value_by_name() {
+        let key = format!("{P}globalnetworkpolicies/default.typo");
+        let value =
+            r#"{"spec":{"tier":"default","selectr":"app == 'web'","ingres":[{"action":"Allow"}]}}"#;
+        let Decision::Reject(r) = decode(&key, value.as_bytes()) else {
+            panic!("a value with unknown fields must be rejected");
+        };
+        assert_eq!(r.stage, calc_graph::manifest::RejectStage::UnknownField);
+        assert!(r.reason.contains("spec.selectr"), "{}", r.reason);
+        assert!(
+            r.reason.contains("did you mean \"selector\""),
+            "{}",
+            r.reason
+        );
+        assert!(r.reason.contains("spec.ingres"), "{}", r.reason);
+        // A value that is merely invalid counts as validation.
+        let Decision::Reject(r) = decode(
+            &format!("{P}tiers/t"),
+            br#"{"spec":{"order":1,"defaultAction":"Maybe"}}"#,
+        ) else {
+            panic!("an invalid tier must be rejected");
+        };
+        assert_eq!(
+            r.stage,
+            calc_graph::manifest::RejectStage::Validation,
+            "{}",
+            r.reason
+        );
     }
 
     #[test]

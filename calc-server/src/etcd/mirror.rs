@@ -22,7 +22,6 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use calc_graph::graph::Update;
 use calc_graph::model::ResourceKey;
@@ -77,14 +76,14 @@ pub struct Mirror {
     owners: HashMap<ResourceKey, Vec<Box<str>>>,
     generation: u64,
     relist: bool,
-    rejected: Arc<AtomicU64>,
+    rejected: Arc<crate::datastore::Rejections>,
     /// A key became, or stopped being, rejected since [`Mirror::take_unusable`].
     unusable_changed: bool,
 }
 
 impl Mirror {
     /// `rejected` counts every rejected value (a metric).
-    pub fn new(rejected: Arc<AtomicU64>) -> Mirror {
+    pub fn new(rejected: Arc<crate::datastore::Rejections>) -> Mirror {
         Mirror {
             entries: HashMap::new(),
             owners: HashMap::new(),
@@ -126,8 +125,9 @@ impl Mirror {
                 // Not (or no longer) something the graph reads.
                 self.remove(key, out);
             }
-            Decision::Reject(reason) => {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
+            Decision::Reject(rejection) => {
+                self.rejected.count(rejection.stage);
+                let reason = rejection.reason;
                 self.unusable_changed = true;
                 let e = self.entries.entry(key.into()).or_insert(Entry {
                     value: fp,
@@ -313,8 +313,8 @@ mod tests {
             .collect()
     }
 
-    fn mirror() -> (Mirror, Arc<AtomicU64>) {
-        let c = Arc::new(AtomicU64::new(0));
+    fn mirror() -> (Mirror, Arc<crate::datastore::Rejections>) {
+        let c = Arc::new(crate::datastore::Rejections::default());
         (Mirror::new(c.clone()), c)
     }
 
@@ -373,14 +373,14 @@ mod tests {
         assert_eq!(out.problems[0].key, a);
         assert!(out.problems[0].held, "the last good version stays");
         assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
-        assert_eq!(rejected.load(Ordering::Relaxed), 1);
+        assert_eq!(rejected.total(), 1);
         // A re-list that sees the same bad value reports nothing new and deletes nothing.
         let mut out = Batch::default();
         m.begin_list();
         m.put(&a, b"{oops", &mut out);
         m.sweep(&mut out);
         assert!(out.updates.is_empty() && out.problems.is_empty());
-        assert_eq!(rejected.load(Ordering::Relaxed), 1);
+        assert_eq!(rejected.total(), 1);
         // A later valid value is applied; deleting the key deletes the resource.
         m.put(&a, gnp("a", "has(y)").as_bytes(), &mut out);
         assert_eq!(m.unusable(), (vec![], vec![]));

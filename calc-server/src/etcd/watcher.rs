@@ -27,7 +27,7 @@
 //! page of large values delays no agent's stream.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::Duration;
 
 use anyhow::Context;
@@ -237,7 +237,7 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let mut mirror = Mirror::new(Arc::new(AtomicU64::new(0)));
+        let mut mirror = Mirror::new(Arc::default());
         let mut out = Batch::default();
         out.updates
             .push(Update::Apply(decode::default_allow_profile()));
@@ -428,7 +428,7 @@ impl Watcher {
     pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
         Watcher {
             cfg,
-            mirror: Mirror::new(metrics.rejected_decode.clone()),
+            mirror: Mirror::new(metrics.rejections.clone()),
             out,
             synced: false,
             cluster_id: None,
@@ -644,7 +644,7 @@ impl Watcher {
 
     /// Logs rejected values by key and publishes the keys left unusable.
     fn report(&mut self, problems: &mut Vec<Problem>) {
-        let rejected_total = self.metrics.rejected_decode.load(Ordering::Relaxed);
+        let rejected_total = self.metrics.rejections.total();
         for p in problems.drain(..) {
             if p.held {
                 tracing::warn!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value; its last good version stays in force");

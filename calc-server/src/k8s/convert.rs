@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use calc_graph::manifest::{Outcome, decode_and_validate};
+use calc_graph::manifest::{Outcome, Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::validate::parse_cidr_or_ip;
 use calc_graph::model::{API_VERSION, Kind, Resource};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
@@ -82,8 +82,8 @@ pub enum Decision {
     /// Not something the graph has (a host-network or unscheduled pod, a pod without an IP, a
     /// CRD kind with no policy role).
     Skip,
-    /// The object cannot be used; the reason (the caller names the object).
-    Reject(String),
+    /// The object cannot be used; the stage and reason (the caller names the object).
+    Reject(Rejection),
 }
 
 /// Conversion settings.
@@ -104,6 +104,10 @@ impl Default for Converter {
 impl Converter {
     /// Converts one object of `source` (its full JSON, as the API server sends it).
     pub fn convert(&self, source: Source, object: Value) -> Decision {
+        // A Calico CRD's spec is the user's v3 spec: a field the API does not define (kept by a
+        // CRD that preserves unknown fields, or an old CRD version) is refused by name. The
+        // other sources are converted by us and hold only fields we wrote.
+        let strict = matches!(source, Source::Crd(_));
         let result = match source {
             Source::Crd(kind) => crd(kind, object),
             Source::Pod => typed::<Pod>(object).and_then(|p| self.pod(&p)),
@@ -117,14 +121,22 @@ impl Converter {
             }
         };
         match result {
-            Ok(Converted::Value(v, warnings)) => match decode_and_validate(v) {
-                Outcome::Valid(_, resource) => Decision::Apply { resource, warnings },
-                Outcome::Ignored(..) => Decision::Skip,
-                Outcome::Undecodable(e) => Decision::Reject(e.to_string()),
-                Outcome::Invalid(inv) => Decision::Reject(inv.to_string()),
-            },
+            Ok(Converted::Value(v, warnings)) => {
+                let outcome = if strict {
+                    decode_and_validate_strict(v)
+                } else {
+                    decode_and_validate(v)
+                };
+                if let Some(rejection) = outcome.rejection() {
+                    return Decision::Reject(rejection);
+                }
+                match outcome {
+                    Outcome::Valid(_, resource) => Decision::Apply { resource, warnings },
+                    _ => Decision::Skip,
+                }
+            }
             Ok(Converted::Skip) => Decision::Skip,
-            Err(reason) => Decision::Reject(reason),
+            Err(reason) => Decision::Reject(Rejection::decode(reason)),
         }
     }
 

@@ -20,7 +20,6 @@
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use calc_graph::graph::Update;
 use calc_graph::model::{Resource, ResourceKey};
@@ -96,14 +95,14 @@ pub struct Mirror {
     owners: HashMap<ResourceKey, Vec<ObjectKey>>,
     generations: HashMap<Source, u64>,
     relists: BTreeSet<Source>,
-    rejected: Arc<AtomicU64>,
+    rejected: Arc<crate::datastore::Rejections>,
     /// An object became, or stopped being, rejected since [`Mirror::take_unusable`].
     unusable_changed: bool,
 }
 
 impl Mirror {
     /// `rejected` counts every rejected object (a metric).
-    pub fn new(converter: Converter, rejected: Arc<AtomicU64>) -> Mirror {
+    pub fn new(converter: Converter, rejected: Arc<crate::datastore::Rejections>) -> Mirror {
         Mirror {
             converter,
             entries: HashMap::new(),
@@ -155,7 +154,8 @@ impl Mirror {
     /// An object's current state (from a list or a watch event).
     pub fn put(&mut self, source: Source, object: Value, out: &mut Batch) {
         let Some(key) = ObjectKey::of(source, &object) else {
-            self.rejected.fetch_add(1, Ordering::Relaxed);
+            self.rejected
+                .count(calc_graph::manifest::RejectStage::Decode);
             out.problems.push(Problem {
                 key: source.to_string(),
                 reason: "object without metadata.name".into(),
@@ -185,8 +185,9 @@ impl Mirror {
                     },
                 );
             }
-            Decision::Reject(reason) => {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
+            Decision::Reject(rejection) => {
+                self.rejected.count(rejection.stage);
+                let reason = rejection.reason;
                 self.unusable_changed = true;
                 let e = self.entries.entry(key.clone()).or_insert(Entry {
                     version: None,
@@ -326,8 +327,8 @@ mod tests {
             .collect()
     }
 
-    fn mirror() -> (Mirror, Arc<AtomicU64>) {
-        let c = Arc::new(AtomicU64::new(0));
+    fn mirror() -> (Mirror, Arc<crate::datastore::Rejections>) {
+        let c = Arc::new(crate::datastore::Rejections::default());
         (Mirror::new(Converter::default(), c.clone()), c)
     }
 
@@ -450,7 +451,7 @@ mod tests {
             "{:?}",
             out.problems
         );
-        assert_eq!(rejected.load(Ordering::Relaxed), 1);
+        assert_eq!(rejected.total(), 1);
         assert!(out.problems[0].held);
         let held = vec!["tiers.crd.projectcalico.org security".to_owned()];
         assert_eq!(m.unusable(), (held, vec![]));

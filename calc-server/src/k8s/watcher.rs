@@ -17,7 +17,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::datastore::off_runtime;
@@ -150,7 +149,7 @@ struct Merge {
 }
 
 impl Merge {
-    fn new(converter: Converter, rejected: Arc<AtomicU64>) -> Merge {
+    fn new(converter: Converter, rejected: Arc<crate::datastore::Rejections>) -> Merge {
         Merge {
             mirror: Mirror::new(converter, rejected),
             listed: BTreeSet::new(),
@@ -211,7 +210,7 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     let converter = Converter {
         interface_prefix: args.interface_prefix(),
     };
-    let mut merge = Merge::new(converter, Arc::new(AtomicU64::new(0)));
+    let mut merge = Merge::new(converter, Arc::default());
     let mut sources = start(&client);
     let mut out = Batch::default();
     out.updates.push(Update::Apply(default_allow_profile()));
@@ -261,7 +260,7 @@ impl Watcher {
         let converter = Converter {
             interface_prefix: self.cfg.args.interface_prefix(),
         };
-        let mut merge = Merge::new(converter, self.metrics.rejected_decode.clone());
+        let mut merge = Merge::new(converter, self.metrics.rejections.clone());
         // `_tasks` is bound (not `..`) so the watchers live as long as this loop.
         let Sources {
             mut rx,
@@ -312,7 +311,7 @@ impl Watcher {
                     t.notify_one();
                 }
             }
-            let rejected_total = self.metrics.rejected_decode.load(Ordering::Relaxed);
+            let rejected_total = self.metrics.rejections.total();
             for p in out.problems.drain(..) {
                 if p.held {
                     tracing::warn!(object = %p.key, reason = %p.reason, rejected_total, "Kubernetes object not used as is; its last good version stays in force");
@@ -369,7 +368,7 @@ mod tests {
 
     #[test]
     fn in_sync_waits_for_every_source_and_absent_crds_count_as_empty() {
-        let mut m = Merge::new(Converter::default(), Arc::new(AtomicU64::new(0)));
+        let mut m = Merge::new(Converter::default(), Arc::default());
         let mut out = Batch::default();
         let ns = json!({"metadata": {"name": "shop", "resourceVersion": "1"}});
         for (i, source) in Source::ALL.into_iter().enumerate() {
@@ -404,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_relist_after_expiry_sweeps_what_was_missed() {
-        let mut m = Merge::new(Converter::default(), Arc::new(AtomicU64::new(0)));
+        let mut m = Merge::new(Converter::default(), Arc::default());
         let mut out = Batch::default();
         let ns = |n: &str, rv: &str| json!({"metadata": {"name": n, "resourceVersion": rv}});
         m.handle(Source::Namespace, Report::Init, &mut out);

@@ -191,6 +191,7 @@ impl Engine {
             self.metrics.calc_seconds.observe(started.elapsed());
             if self.graph.in_sync() {
                 self.ready.store(true, Ordering::Relaxed);
+                self.board.set_known(self.graph.known_nodes());
             }
             if stop {
                 for (node, conn) in self.conns.drain() {
@@ -243,8 +244,8 @@ impl Engine {
                     }
                     if let Err(rejection) = self.graph.apply(u) {
                         self.metrics
-                            .rejected_validation
-                            .fetch_add(1, Ordering::Relaxed);
+                            .rejections
+                            .count(calc_graph::manifest::RejectStage::Validation);
                         tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
                     }
                 }
@@ -259,6 +260,16 @@ impl Engine {
                     && self.graph.in_sync()
                     && !self.graph.known_nodes().iter().any(|n| n == &node)
                 {
+                    tracing::warn!(
+                        %node,
+                        conn = conn.id,
+                        "refused an agent: the node is not in the datastore (no Node resource \
+                         and no endpoints); check the agent's --node against the Node names, \
+                         or start the server with --allow-unknown-nodes"
+                    );
+                    self.metrics
+                        .refused_unknown_nodes
+                        .fetch_add(1, Ordering::Relaxed);
                     let _ = reply.send(Err(Status::not_found(format!(
                         "node {node:?} is not in the datastore (no Node resource and no endpoints)"
                     ))));

@@ -466,14 +466,55 @@ impl AsyncWrite for Connection {
 /// The HTTP/2 client connection preface (RFC 9113 section 3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
+fn is_http1(first: &[u8]) -> bool {
+    first.starts_with(b"GET ") || first.starts_with(b"POST ") || first.starts_with(b"HEAD ")
+}
+
+/// What an HTTP/1 client (a browser, curl, `calc-server status` pointed at this port) is told.
+const HTTP1_ANSWER: &str = "this is calc-server's gRPC port (the Sync stream for dataplane \
+agents); /status, /metrics, /liveness and /readiness are on the admin address (serve's \
+--admin-listen, default 127.0.0.1:9096)\n";
+
+/// Answers an HTTP/1 request with a 400 that names the admin address, so the client reads a
+/// reason instead of a reset. The request head is read first (bounded, by the deadline): closing
+/// a socket with unread bytes makes the kernel reset it, and the answer would be lost.
+async fn answer_http1(io: &mut Io, mut head: Vec<u8>, deadline: tokio::time::Instant) {
+    use tokio::io::AsyncWriteExt;
+    let respond = async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+            let n = match io {
+                Io::Plain(s) => s.read(&mut buf).await?,
+                Io::Tls(s) => s.read(&mut buf).await?,
+            };
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        let answer = format!(
+            "HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{HTTP1_ANSWER}",
+            HTTP1_ANSWER.len()
+        );
+        match io {
+            Io::Plain(s) => {
+                s.write_all(answer.as_bytes()).await?;
+                s.shutdown().await
+            }
+            Io::Tls(s) => {
+                s.write_all(answer.as_bytes()).await?;
+                s.shutdown().await
+            }
+        }
+    };
+    let _ = tokio::time::timeout_at(deadline, respond).await;
+}
+
 /// Why the first bytes are not an HTTP/2 client: a hint for the log.
 fn not_http2(first: &[u8]) -> &'static str {
     if first.first() == Some(&0x16) {
         "a TLS client on a plaintext listener (set --tls-* here, or use http:// on the agent)"
-    } else if first.starts_with(b"GET ")
-        || first.starts_with(b"POST ")
-        || first.starts_with(b"HEAD ")
-    {
+    } else if is_http1(first) {
         "an HTTP/1 request on the gRPC port (the admin endpoint is --admin-listen)"
     } else {
         "not an HTTP/2 client"
@@ -609,7 +650,11 @@ async fn establish(
         Ok(Ok(_)) => {}
     }
     if first != PREFACE {
-        return Err(("not_http2", not_http2(&first).to_string()));
+        let reason = not_http2(&first).to_string();
+        if is_http1(&first) {
+            answer_http1(&mut io, first, deadline).await;
+        }
+        return Err(("not_http2", reason));
     }
     Ok(Connection {
         io,

@@ -87,10 +87,10 @@ pub struct Metrics {
     pub updates_processed: AtomicU64,
     /// Complete datastore listings delivered (the first sync and every re-list).
     pub datastore_syncs: AtomicU64,
-    /// Objects the graph refused (validation or conversion).
-    pub rejected_validation: AtomicU64,
-    /// Values the datastore adapter could not decode (shared with the etcd watcher).
-    pub rejected_decode: Arc<AtomicU64>,
+    /// Objects refused, by stage (shared with the datastore adapters).
+    pub rejections: Arc<crate::datastore::Rejections>,
+    /// Agents refused because their node is not in the datastore.
+    pub refused_unknown_nodes: AtomicU64,
     /// Time the engine spent applying one burst of inputs and flushing.
     pub calc_seconds: Histogram,
     /// Connections closed before the gRPC layer, by reason (see [`REFUSAL_REASONS`]).
@@ -225,12 +225,24 @@ impl Metrics {
             "Streams refused because the client certificate's node does not match the hello or a report.",
             c(&self.permission_denied),
         );
+        one(
+            "calc_server_unknown_node_refusals_total",
+            "counter",
+            "Agents refused because their node is not in the datastore (see --allow-unknown-nodes).",
+            c(&self.refused_unknown_nodes),
+        );
         let _ = writeln!(
             out,
-            "# HELP calc_server_rejected_objects_total Datastore objects rejected, by stage (decode: unreadable value; validation: refused by the graph).\n# TYPE calc_server_rejected_objects_total counter\ncalc_server_rejected_objects_total{{stage=\"decode\"}} {}\ncalc_server_rejected_objects_total{{stage=\"validation\"}} {}",
-            c(&self.rejected_decode),
-            c(&self.rejected_validation)
+            "# HELP calc_server_rejected_objects_total Datastore objects rejected, by stage (decode: unreadable; validation: invalid values; unknown_field: a field Calico's API does not define).\n# TYPE calc_server_rejected_objects_total counter"
         );
+        for stage in calc_graph::manifest::RejectStage::ALL {
+            let _ = writeln!(
+                out,
+                "calc_server_rejected_objects_total{{stage=\"{}\"}} {}",
+                stage.as_str(),
+                self.rejections.get(stage)
+            );
+        }
         let _ = writeln!(
             out,
             "# HELP calc_server_connections_refused_total Connections closed before they became an agent's, by reason.\n# TYPE calc_server_connections_refused_total counter"

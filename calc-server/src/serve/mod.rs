@@ -34,11 +34,13 @@ pub struct ServeArgs {
     /// Address the gRPC Sync service listens on.
     #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness, /metrics).
+    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness, /metrics). The
+    /// default port is 9096 because Felix's health port (9099) and Typha's (9098) are taken
+    /// on a Calico node.
     #[arg(
         long,
         env = "CALC_SERVER_ADMIN_LISTEN",
-        default_value = "127.0.0.1:9099"
+        default_value = crate::status_cmd::DEFAULT_ADMIN
     )]
     pub admin_listen: SocketAddr,
     /// How often the file datastore directory is checked for changes.
@@ -46,10 +48,17 @@ pub struct ServeArgs {
     pub file_poll_interval: Duration,
     /// File datastore: directory of the last-good store (the version of every object in force,
     /// so that after a restart an object that is invalid by then keeps its last good version).
-    /// Default: `status/last-good` inside --file-dir (shared by replicas that share the
-    /// directory); an empty value keeps it in memory only. See docs/operations.md.
+    /// Default: `last-good` inside the status directory (shared by replicas that share it);
+    /// an empty value keeps it in memory only. See docs/operations.md.
     #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH")]
     pub last_good_dir: Option<PathBuf>,
+    /// File datastore: directory the agents' endpoint status is written to (`<node>.json`).
+    /// Default: `status` inside --file-dir; set it when that directory is read-only (a
+    /// ConfigMap volume), e.g. to an emptyDir. An empty value writes no status files (the admin
+    /// endpoint's /status still has them). It may not be inside --file-dir elsewhere than
+    /// `status`: the manifest loader would read the status files.
+    #[arg(long, env = "CALC_SERVER_STATUS_DIR", value_name = "PATH")]
+    pub status_dir: Option<PathBuf>,
     /// An agent that falls this many messages behind is disconnected and resent a snapshot.
     #[arg(
         long,
@@ -78,6 +87,8 @@ pub struct ServeArgs {
     /// HTTP/2 keepalive ping interval; a peer that does not answer within the timeout is dropped.
     #[arg(long, env = "CALC_SERVER_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub keepalive_interval: Duration,
+    /// Time an agent has to answer a keepalive ping before its connection is dropped (and its
+    /// node shown disconnected); keep it above the network's worst round trip.
     #[arg(long, env = "CALC_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
     /// Largest message accepted from an agent (reports are small: a status, a heartbeat).
@@ -103,7 +114,9 @@ pub struct ServeArgs {
     /// Precedence: flags, then environment variables, then this file, then the defaults.
     #[arg(long, env = "CALC_SERVER_CONFIG_FILE", value_name = "PATH")]
     pub config_file: Option<PathBuf>,
-    /// Print the effective settings (after flags, environment and config file) and exit.
+    /// Print the effective settings (after flags, environment and config file) and exit: one
+    /// `key: value  # source` line each, in the config file's form (source: flag, env NAME,
+    /// file PATH or default). Answered by `config_file::parse_args` before serving starts.
     #[arg(long)]
     pub print_config: bool,
 }
@@ -137,10 +150,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    if args.print_config {
-        println!("{args:#?}");
-        return Ok(ExitCode::SUCCESS);
-    }
     // Checked before anything starts: TLS flags are all or nothing, files must load.
     let tls = args.listener.tls()?;
     let mut kube_client = None;
@@ -236,10 +245,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         DatastoreType::File => {
             let dir = args.datastore.file_dir.clone();
+            let status_dir = status::status_dir(&dir, args.status_dir.as_deref())?;
             let last_good = match &args.last_good_dir {
                 Some(d) if d.as_os_str().is_empty() => None,
                 Some(d) => Some(d.clone()),
-                None => Some(dir.join("status").join("last-good")),
+                None => status_dir.as_ref().map(|s| s.join("last-good")),
             };
             let (engine, interval, metrics) =
                 (engine_tx.clone(), args.file_poll_interval, metrics.clone());
@@ -248,11 +258,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             tokio::task::spawn_blocking(move || {
                 watch::run(watched, last_good, interval, engine, metrics)
             });
-            tokio::spawn(status::file_writer(
-                board.clone(),
-                dir,
-                args.status_interval,
-            ));
+            if let Some(status_dir) = status_dir {
+                tokio::spawn(status::file_writer(
+                    board.clone(),
+                    status_dir,
+                    args.status_interval,
+                ));
+            }
         }
     }
 

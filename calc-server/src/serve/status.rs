@@ -2,9 +2,11 @@
 //!
 //! The board keeps, per node, the latest ProcessStatusUpdate, WorkloadEndpointStatus and
 //! HostEndpointStatus, plus connection facts (connected since, dataplane in sync, last sequence
-//! number received). The admin endpoint reads it; the status writer persists it. The file
-//! datastore writes `status/<node>.json` inside the datastore directory (the manifest loader
-//! skips that directory), atomically and at most once per interval per node.
+//! number received). It also lists the nodes the datastore knows that never connected, so an
+//! operator sees the node that is missing, not only the ones that are there. The admin endpoint reads it; the status writer persists it. The file
+//! datastore writes `<node>.json` into the status directory (`--status-dir`, by default `status`
+//! inside the datastore directory, which the manifest loader skips), atomically and at most once
+//! per interval per node.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +21,8 @@ use serde::Serialize;
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct NodeStatus {
     pub node: String,
+    /// The datastore knows the node (a Node resource or endpoints on it).
+    pub in_datastore: bool,
     /// Whether an agent is connected now.
     pub connected: bool,
     /// RFC 3339 time the current (or last) stream started.
@@ -35,6 +39,12 @@ pub struct NodeStatus {
     pub agent_version: String,
     /// Latest heartbeat: timestamp and uptime as the agent reported them.
     pub last_heartbeat: Option<Heartbeat>,
+    /// Seconds since the latest heartbeat arrived, by the server's clock (admin answers only;
+    /// a persisted status file would make it stale).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat_age_seconds: Option<u64>,
+    #[serde(skip)]
+    pub heartbeat_received: Option<std::time::Instant>,
     /// `<orchestrator>/<workload>/<endpoint>` → `up` / `down` / `error`.
     pub workload_endpoints: BTreeMap<String, String>,
     /// Host endpoint id → status.
@@ -52,6 +62,7 @@ pub struct Heartbeat {
 pub struct Board {
     nodes: Mutex<BTreeMap<String, NodeStatus>>,
     dirty: Mutex<std::collections::BTreeSet<String>>,
+    known: Mutex<std::collections::BTreeSet<String>>,
 }
 
 fn workload_key(id: &Option<pb::WorkloadEndpointId>) -> String {
@@ -147,6 +158,7 @@ impl Board {
             s.last_sequence_received = s.last_sequence_received.max(msg.sequence_number);
             match &msg.payload {
                 Some(Payload::ProcessStatusUpdate(p)) => {
+                    s.heartbeat_received = Some(std::time::Instant::now());
                     s.last_heartbeat = Some(Heartbeat {
                         iso_timestamp: p.iso_timestamp.clone(),
                         uptime_seconds: p.uptime,
@@ -174,12 +186,31 @@ impl Board {
         });
     }
 
+    /// The nodes the datastore knows now (the engine calls it after each batch).
+    pub fn set_known(&self, nodes: impl IntoIterator<Item = String>) {
+        let nodes: std::collections::BTreeSet<String> = nodes.into_iter().collect();
+        let mut known = self.known.lock().expect("status known lock");
+        if *known != nodes {
+            *known = nodes;
+        }
+    }
+
+    /// Every node that connected at some time or that the datastore knows, by name.
     pub fn snapshot(&self) -> Vec<NodeStatus> {
-        self.nodes
-            .lock()
-            .expect("status board lock")
-            .values()
-            .cloned()
+        let known = self.known.lock().expect("status known lock").clone();
+        let mut all = self.nodes.lock().expect("status board lock").clone();
+        for node in &known {
+            all.entry(node.clone()).or_insert_with(|| NodeStatus {
+                node: node.clone(),
+                ..Default::default()
+            });
+        }
+        all.into_values()
+            .map(|mut s| {
+                s.in_datastore = known.contains(&s.node);
+                s.last_heartbeat_age_seconds = s.heartbeat_received.map(|t| t.elapsed().as_secs());
+                s
+            })
             .collect()
     }
 
@@ -191,15 +222,52 @@ impl Board {
     }
 }
 
-/// Writes changed node statuses to `<dir>/status/<node>.json` every `interval`.
+/// The status directory for the file datastore `file_dir` and `--status-dir` (`None`: no
+/// status files). A directory inside `file_dir` other than its `status` is refused: the manifest
+/// loader would read the status files as manifests.
+pub fn status_dir(file_dir: &Path, flag: Option<&Path>) -> anyhow::Result<Option<PathBuf>> {
+    let default = file_dir.join("status");
+    let dir = match flag {
+        Some(d) if d.as_os_str().is_empty() => return Ok(None),
+        Some(d) => d.to_path_buf(),
+        None => return Ok(Some(default)),
+    };
+    let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let (abs, root) = (canonical(&dir), canonical(file_dir));
+    anyhow::ensure!(
+        !abs.starts_with(&root) || abs == root.join("status"),
+        "--status-dir {} is inside --file-dir {} (only its `status` subdirectory is skipped by \
+         the manifest loader); choose a directory outside it",
+        dir.display(),
+        file_dir.display()
+    );
+    Ok(Some(dir))
+}
+
+/// Writes changed node statuses to `<dir>/<node>.json` every `interval`. A failing directory is
+/// reported once (with its path) when it starts failing and once when it recovers, not on every
+/// retry.
 pub async fn file_writer(board: Arc<Board>, dir: PathBuf, interval: std::time::Duration) {
     let mut tick = tokio::time::interval(interval);
+    let mut failing = false;
     loop {
         tick.tick().await;
         for st in board.take_dirty() {
-            if let Err(error) = write_atomic(&dir.join("status"), &st).await {
-                tracing::warn!(%error, node = %st.node, "writing endpoint status failed; will retry");
-                board.mark_dirty(&st.node);
+            match write_atomic(&dir, &st).await {
+                Err(error) => {
+                    if !failing {
+                        tracing::error!(%error, dir = %dir.display(), node = %st.node,
+                            "cannot write endpoint status files; retrying every --status-interval \
+                             (a read-only datastore directory? set --status-dir to a writable one)");
+                    }
+                    failing = true;
+                    board.mark_dirty(&st.node);
+                }
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!(dir = %dir.display(), "writing endpoint status files again");
+                }
+                Ok(()) => {}
             }
         }
     }
@@ -273,5 +341,54 @@ mod tests {
             },
         );
         assert!(b.snapshot()[0].workload_endpoints.is_empty());
+    }
+
+    #[test]
+    fn the_status_dir_stays_out_of_the_manifests() {
+        let root = std::env::temp_dir().join(format!("status-dir-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("policies")).unwrap();
+        assert_eq!(status_dir(&root, None).unwrap(), Some(root.join("status")));
+        assert_eq!(status_dir(&root, Some(Path::new(""))).unwrap(), None);
+        assert_eq!(
+            status_dir(&root, Some(Path::new("/var/run/calc-status"))).unwrap(),
+            Some(PathBuf::from("/var/run/calc-status"))
+        );
+        assert_eq!(
+            status_dir(&root, Some(&root.join("status"))).unwrap(),
+            Some(root.join("status"))
+        );
+        let err = status_dir(&root, Some(&root.join("policies"))).unwrap_err();
+        assert!(err.to_string().contains("inside --file-dir"), "{err}");
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn known_nodes_that_never_connected_are_listed() {
+        let b = Board::default();
+        b.connected("n1", 1, "0.1.0");
+        b.set_known(["n1".to_string(), "n2".to_string()]);
+        let s = b.snapshot();
+        assert_eq!(
+            s.iter()
+                .map(|n| (n.node.as_str(), n.in_datastore, n.connected))
+                .collect::<Vec<_>>(),
+            [("n1", true, true), ("n2", true, false)]
+        );
+        // A node that left the datastore but is still connected stays listed, marked.
+        b.set_known(["n2".to_string()]);
+        assert!(!b.snapshot()[0].in_datastore);
+        assert!(b.snapshot()[0].last_heartbeat_age_seconds.is_none());
+        b.report(
+            "n1",
+            1,
+            &pb::FromDataplane {
+                sequence_number: 2,
+                payload: Some(Payload::ProcessStatusUpdate(pb::ProcessStatusUpdate {
+                    iso_timestamp: "2026-11-24T10:00:00Z".into(),
+                    uptime: 3.0,
+                })),
+            },
+        );
+        assert_eq!(b.snapshot()[0].last_heartbeat_age_seconds, Some(0));
     }
 }

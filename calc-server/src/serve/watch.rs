@@ -48,6 +48,7 @@ struct FileState {
     /// Unreadable, unparseable, or emptied after holding objects: its keys are unknown.
     broken: bool,
     problems: BTreeSet<String>,
+    rejected: Vec<calc_graph::manifest::RejectStage>,
 }
 
 fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
@@ -62,6 +63,7 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
         invalid: report.invalid.into_keys().collect(),
         broken: !report.broken.is_empty(),
         problems: report.problems.iter().map(ToString::to_string).collect(),
+        rejected: report.rejected,
     };
     // An editor that truncates and then writes shows an empty file for a moment: emptying a
     // file is not how objects are deleted (remove the file, or the objects from it).
@@ -118,6 +120,9 @@ impl Watcher {
         }
         for f in changed {
             let state = read_file(f, self.files.get(f));
+            for stage in &state.rejected {
+                self.metrics.rejections.count(*stage);
+            }
             let before = self.files.get(f).map(|s| &s.problems);
             for p in &state.problems {
                 if before.is_none_or(|b| !b.contains(p)) {

@@ -240,10 +240,18 @@ fn walk(shape: &Shape, value: &Value, path: &str, out: &mut Vec<FieldError>) {
     }
 }
 
+/// How every unknown-field error's message starts (callers count them apart).
+pub const UNKNOWN_FIELD: &str = "unknown field";
+
+/// Whether `e` is one of [`unknown_fields`]' errors.
+pub fn is_unknown_field(e: &FieldError) -> bool {
+    e.message.starts_with(UNKNOWN_FIELD)
+}
+
 fn unknown<'a>(path: String, name: &str, known: impl Iterator<Item = &'a str>) -> FieldError {
     let message = match did_you_mean(name, known) {
-        Some(meant) => format!("unknown field (did you mean \"{meant}\"?)"),
-        None => "unknown field".to_owned(),
+        Some(meant) => format!("{UNKNOWN_FIELD} (did you mean \"{meant}\"?)"),
+        None => UNKNOWN_FIELD.to_owned(),
     };
     FieldError { path, message }
 }

@@ -35,7 +35,7 @@ fn skipped(source: Source, v: Value) {
 
 fn rejected(source: Source, v: Value) -> String {
     match conv().convert(source, v) {
-        Decision::Reject(r) => r,
+        Decision::Reject(r) => r.reason,
         other => panic!("expected Reject, got {other:?}"),
     }
 }
@@ -688,6 +688,26 @@ fn calico_crds_carry_v3_specs() {
         let r = applied(Source::Crd(kind), crd(kind.as_str(), meta, spec));
         assert_eq!(r.kind(), kind);
     }
+}
+
+#[test]
+fn a_crd_with_a_misspelt_field_is_rejected_by_name() {
+    let Decision::Reject(r) = conv().convert(
+        Source::Crd(Kind::GlobalNetworkPolicy),
+        crd(
+            "GlobalNetworkPolicy",
+            json!({"name": "typo"}),
+            json!({"selectr": "app == 'web'", "ingress": [{"action": "Allow"}]}),
+        ),
+    ) else {
+        panic!("a CRD with an unknown spec field must be rejected");
+    };
+    assert_eq!(r.stage, calc_graph::manifest::RejectStage::UnknownField);
+    assert!(
+        r.reason.contains("spec.selectr") && r.reason.contains("did you mean \"selector\""),
+        "{}",
+        r.reason
+    );
 }
 
 #[test]
