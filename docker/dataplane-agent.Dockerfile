@@ -18,6 +18,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends iptables ipset iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /dataplane-agent /usr/local/bin/dataplane-agent
-# 9098: admin HTTP (/liveness, /readiness, /metrics) when --admin-listen is set.
-EXPOSE 9098
+# 9097: admin HTTP (/liveness, /readiness, /metrics) when --admin-listen is set (the
+# DaemonSet uses 127.0.0.1:9097; Felix's health port 9099 and Typha's 9098 stay free).
+EXPOSE 9097
 ENTRYPOINT ["/usr/local/bin/dataplane-agent"]

@@ -2,36 +2,57 @@
 # The demo on the embedded default datastore (the YAML directory examples/cluster):
 # calc-server serves it, one dry-run agent per example node follows its stream, and edits to
 # the manifests reach the agents live. Ctrl-C stops everything cleanly.
-# DEMO_SECONDS=N stops after N seconds instead (for scripts).
+# Environment:
+#   DEMO_GRPC=HOST:PORT   calc-server's gRPC address (default 127.0.0.1:50051)
+#   DEMO_ADMIN=HOST:PORT  its admin address (default 127.0.0.1:9096)
+#   DEMO_SECONDS=N        stop after N seconds instead of waiting for Ctrl-C (for scripts)
+#   BIN=DIR               where the binaries are (default ./target/debug)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-./target/debug}
 DIR=examples/cluster
 GRPC=${DEMO_GRPC:-127.0.0.1:50051}
-ADMIN=${DEMO_ADMIN:-127.0.0.1:9099}
+ADMIN=${DEMO_ADMIN:-127.0.0.1:9096}
 WORK=$(mktemp -d)
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 pids=()
 cleanup() {
+  local rc=${1:-$?}
   trap - INT TERM EXIT
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
   rm -rf "$WORK"
-  printf '\nstopped (agents keep their dataplane; nothing was programmed: dry-run)\n'
-  exit 0
+  [ "$rc" = 0 ] && printf '\nstopped (agents keep their dataplane; nothing was programmed: dry-run)\n'
+  exit "$rc"
 }
-trap cleanup INT TERM EXIT
+trap 'cleanup 0' INT TERM
+trap cleanup EXIT
 
 say "1. Validate the example cluster (Calico v3 YAML: 2 nodes, 3 namespaces, 3 tiers)"
 "$BIN/calc-server" validate "$DIR" || exit 1
 
+# Something already on our ports (an earlier demo, a real server) would answer in our place.
+for addr in "$GRPC" "$ADMIN"; do
+  if (exec 3<>"/dev/tcp/${addr%:*}/${addr##*:}") 2>/dev/null; then
+    echo "demo: $addr is already in use (another calc-server or demo?); stop it, or choose" >&2
+    echo "      other addresses with DEMO_GRPC=HOST:PORT and DEMO_ADMIN=HOST:PORT" >&2
+    exit 1
+  fi
+done
+
 say "2. Start calc-server on $DIR (gRPC $GRPC, admin http://$ADMIN)"
 "$BIN/calc-server" serve --file-dir "$DIR" --listen "$GRPC" --admin-listen "$ADMIN" \
-  --file-poll-interval 300ms >"$WORK/server.log" 2>&1 &
-pids+=($!)
+  --status-dir "$WORK/status" --file-poll-interval 300ms >"$WORK/server.log" 2>&1 &
+server=$!
+pids+=($server)
 for _ in $(seq 100); do
   "$BIN/calc-server" status --server "$ADMIN" >/dev/null 2>&1 && break
+  if ! kill -0 "$server" 2>/dev/null; then
+    echo "demo: calc-server exited:" >&2
+    cat "$WORK/server.log" >&2
+    exit 1
+  fi
   sleep 0.1
 done
 
