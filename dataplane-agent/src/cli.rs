@@ -533,6 +533,26 @@ mod tests {
     use clap::CommandFactory as _;
 
     #[test]
+    fn help_shows_the_failsafe_defaults_and_the_server_exception() {
+        use crate::driver::linux::rules::static_chains::{
+            DEFAULT_FAILSAFES_IN, DEFAULT_FAILSAFES_OUT,
+        };
+        let help = Cli::command().render_long_help().to_string();
+        assert!(
+            help.contains(&format!("[default: {DEFAULT_FAILSAFES_IN}]")),
+            "{help}"
+        );
+        assert!(
+            help.contains(&format!("[default: {DEFAULT_FAILSAFES_OUT}]")),
+            "{help}"
+        );
+        assert!(help.contains("--server are always"), "{help}");
+        // The defaults parse to Felix's lists.
+        assert_eq!(default_failsafes_in().len(), 9);
+        assert_eq!(default_failsafes_out().len(), 9);
+    }
+
+    #[test]
     fn server_urls_give_the_addresses_the_failsafes_keep_open() {
         let addrs = |s: &str| {
             server_addresses(s)

@@ -150,6 +150,9 @@ pub struct Migration {
 pub struct IpSets {
     desired: HashMap<String, DesiredSet>,
     kernel: Option<HashMap<String, KernelSet>>,
+    /// `invalidate` dropped a kernel view we trusted: the next read back reports the sets that
+    /// changed behind our back.
+    check_drift: bool,
     dirty: HashSet<String>,
     /// Sets the kernel refused on their own: kernel name → error. Left out until they change
     /// (`replace`, `delta`, `remove`) or `invalidate`.
@@ -166,6 +169,7 @@ impl IpSets {
         Self {
             desired: HashMap::new(),
             kernel: None,
+            check_drift: false,
             dirty: HashSet::new(),
             refused: BTreeMap::new(),
             versions,
@@ -250,8 +254,29 @@ impl IpSets {
 
     /// The next apply reads the kernel back, repairs what differs and tries refused sets again.
     pub fn invalidate(&mut self) {
-        self.kernel = None;
+        self.check_drift |= self.kernel.take().is_some();
         self.refused.clear();
+    }
+
+    /// Our sets, with no change pending, that the kernel holds otherwise than we programmed
+    /// them (missing, another type, other members): changed behind our back.
+    fn drifted(&self, kernel: &HashMap<String, KernelSet>) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .desired
+            .iter()
+            .filter(|(name, _)| !self.dirty.contains(*name) && !self.refused.contains_key(*name))
+            .filter(|(name, d)| match kernel.get(*name) {
+                None => true,
+                Some(k) => {
+                    k.kind != d.kind.kernel_type()
+                        || k.family != family(d.version)
+                        || k.members != d.members
+                }
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        out.sort();
+        out
     }
 
     /// Number of sets and members we want in the kernel.
@@ -333,7 +358,19 @@ impl IpSets {
             self.dirty.insert(m.name);
         }
         if self.kernel.is_none() {
-            self.kernel = Some(self.read_back(runner)?);
+            let kernel = self.read_back(runner)?;
+            if std::mem::take(&mut self.check_drift) {
+                let changed = self.drifted(&kernel);
+                if !changed.is_empty() {
+                    let shown: Vec<&str> = changed.iter().take(10).map(String::as_str).collect();
+                    tracing::warn!(
+                        count = changed.len(),
+                        sets = %shown.join(", "),
+                        "IP sets of ours were changed outside the agent; repairing them"
+                    );
+                }
+            }
+            self.kernel = Some(kernel);
             stats.read_back = true;
             self.dirty = self.desired.keys().cloned().collect();
         }
@@ -736,6 +773,11 @@ mod tests {
         k.exec_ipset("del cali40s:x 10.0.0.1\nadd cali40s:x 10.9.9.9\n", false)
             .unwrap();
         s.invalidate();
+        // The edited set is named; a set with a change of ours pending is not.
+        s.replace("s:y", SetKind::Net, &["10.0.0.3".into()]);
+        let kernel = s.read_back(&mut k).unwrap();
+        assert_eq!(s.drifted(&kernel), ["cali40s:x"]);
+        s.remove("s:y");
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!((st.read_back, st.added, st.removed), (true, 1, 1));
         let members: Vec<_> = k
