@@ -265,6 +265,17 @@ fn status_files_go_to_the_status_dir() {
     );
     // The last-good store follows the status directory.
     assert!(status_dir.join("last-good").exists());
+    // An empty value writes no status files (and keeps the last-good store in memory).
+    let ds2 = example_datastore();
+    let server2 = Server::start(ds2.path(), &["--status-dir", ""]);
+    let agent2 = Agent::start(dir.path(), &server2.grpc, "node-1");
+    agent2.wait_for("in sync", |s| s["in_sync"] == true);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !ds2.path().join("status").exists(),
+        "{}",
+        server2.log_text()
+    );
     // A status directory inside the manifests is refused at start.
     let out = Command::new(binary("calc-server"))
         .args(["serve", "--file-dir", ds.path().to_str().unwrap()])

@@ -50,14 +50,14 @@ pub struct ServeArgs {
     /// so that after a restart an object that is invalid by then keeps its last good version).
     /// Default: `last-good` inside the status directory (shared by replicas that share it);
     /// an empty value keeps it in memory only. See docs/operations.md.
-    #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH")]
+    #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH", value_parser = path_or_empty)]
     pub last_good_dir: Option<PathBuf>,
     /// File datastore: directory the agents' endpoint status is written to (`<node>.json`).
     /// Default: `status` inside --file-dir; set it when that directory is read-only (a
     /// ConfigMap volume), e.g. to an emptyDir. An empty value writes no status files (the admin
     /// endpoint's /status still has them). It may not be inside --file-dir elsewhere than
     /// `status`: the manifest loader would read the status files.
-    #[arg(long, env = "CALC_SERVER_STATUS_DIR", value_name = "PATH")]
+    #[arg(long, env = "CALC_SERVER_STATUS_DIR", value_name = "PATH", value_parser = path_or_empty)]
     pub status_dir: Option<PathBuf>,
     /// An agent that falls this many messages behind is disconnected and resent a snapshot.
     #[arg(
@@ -122,6 +122,11 @@ pub struct ServeArgs {
 }
 
 /// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
+/// A path where an empty value means "none" (clap's path parser refuses empty values).
+fn path_or_empty(s: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(s))
+}
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
