@@ -242,8 +242,8 @@ pub fn load_file(file: &Path, report: &mut Report) {
     for entry in entries {
         report.objects += 1;
         let doc = Some(entry.document);
-        if let Some(r) = entry.outcome.rejection() {
-            report.rejected.push(r.stage);
+        if let Some(stage) = entry.outcome.stage() {
+            report.rejected.push(stage);
         }
         match entry.outcome {
             Outcome::Valid(key, res) => {

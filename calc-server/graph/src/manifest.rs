@@ -81,15 +81,15 @@ impl std::fmt::Display for Rejection {
 }
 
 impl Outcome {
-    /// The rejection this outcome stands for; `None` for a valid or ignored object. An object
-    /// with an unknown field counts as [`RejectStage::UnknownField`] even when other errors come
-    /// with it: the typo is the likely cause.
-    pub fn rejection(&self) -> Option<Rejection> {
+    /// The stage that refused the object; `None` for a valid or ignored one. An object with an
+    /// unknown field counts as [`RejectStage::UnknownField`] even when other errors come with
+    /// it: the typo is the likely cause.
+    pub fn stage(&self) -> Option<RejectStage> {
         match self {
             Outcome::Valid(..) | Outcome::Ignored(..) => None,
-            Outcome::Undecodable(e) => Some(Rejection::decode(e.to_string())),
-            Outcome::Invalid(inv) => Some(Rejection {
-                stage: if inv
+            Outcome::Undecodable(_) => Some(RejectStage::Decode),
+            Outcome::Invalid(inv) => Some(
+                if inv
                     .errors
                     .iter()
                     .any(crate::model::fields::is_unknown_field)
@@ -98,6 +98,19 @@ impl Outcome {
                 } else {
                     RejectStage::Validation
                 },
+            ),
+        }
+    }
+
+    /// The resource to use (`None`: a kind the dataplane ignores), or why not.
+    pub fn into_resource(self) -> Result<Option<Resource>, Rejection> {
+        let stage = self.stage();
+        match self {
+            Outcome::Valid(_, res) => Ok(Some(res)),
+            Outcome::Ignored(..) => Ok(None),
+            Outcome::Undecodable(e) => Err(Rejection::decode(e.to_string())),
+            Outcome::Invalid(inv) => Err(Rejection {
+                stage: stage.unwrap_or(RejectStage::Validation),
                 reason: inv.to_string(),
             }),
         }

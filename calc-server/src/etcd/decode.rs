@@ -139,13 +139,10 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
     }
     // calicoctl refuses unknown fields on write; one here was written around it (etcdctl), and
     // a misspelt selector or rule list would change what the policy means.
-    let outcome = decode_and_validate_strict(v);
-    if let Some(rejection) = outcome.rejection() {
-        return Decision::Reject(rejection);
-    }
-    match outcome {
-        Outcome::Valid(_, res) => Decision::Apply(res),
-        _ => Decision::Skip,
+    match decode_and_validate_strict(v).into_resource() {
+        Ok(Some(res)) => Decision::Apply(res),
+        Ok(None) => Decision::Skip,
+        Err(rejection) => Decision::Reject(rejection),
     }
 }
 

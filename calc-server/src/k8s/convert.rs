@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use calc_graph::manifest::{Outcome, Rejection, decode_and_validate, decode_and_validate_strict};
+use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::validate::parse_cidr_or_ip;
 use calc_graph::model::{API_VERSION, Kind, Resource};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
@@ -127,12 +127,10 @@ impl Converter {
                 } else {
                     decode_and_validate(v)
                 };
-                if let Some(rejection) = outcome.rejection() {
-                    return Decision::Reject(rejection);
-                }
-                match outcome {
-                    Outcome::Valid(_, resource) => Decision::Apply { resource, warnings },
-                    _ => Decision::Skip,
+                match outcome.into_resource() {
+                    Ok(Some(resource)) => Decision::Apply { resource, warnings },
+                    Ok(None) => Decision::Skip,
+                    Err(rejection) => Decision::Reject(rejection),
                 }
             }
             Ok(Converted::Skip) => Decision::Skip,

@@ -103,6 +103,8 @@ pub struct Engine {
     backlog_bytes_limit: u64,
     /// Whether a node not in the datastore may connect (it then gets config and InSync only).
     allow_unknown_nodes: bool,
+    /// A datastore batch arrived since the status board last learned the known nodes.
+    datastore_changed: bool,
     /// Set once the datastore's snapshot is in the graph (readiness).
     ready: Arc<std::sync::atomic::AtomicBool>,
     max_concurrent_snapshots: usize,
@@ -130,6 +132,7 @@ impl Engine {
             backlog_limit,
             backlog_bytes_limit,
             allow_unknown_nodes,
+            datastore_changed: false,
             ready,
             max_concurrent_snapshots: max_concurrent_snapshots.max(1),
             waiting: VecDeque::new(),
@@ -191,7 +194,10 @@ impl Engine {
             self.metrics.calc_seconds.observe(started.elapsed());
             if self.graph.in_sync() {
                 self.ready.store(true, Ordering::Relaxed);
-                self.board.set_known(self.graph.known_nodes());
+                // Only datastore input changes which nodes exist: not on every connect.
+                if std::mem::take(&mut self.datastore_changed) {
+                    self.board.set_known(self.graph.known_nodes());
+                }
             }
             if stop {
                 for (node, conn) in self.conns.drain() {
@@ -233,6 +239,7 @@ impl Engine {
     fn handle(&mut self, input: Input) -> bool {
         match input {
             Input::Datastore(updates) => {
+                self.datastore_changed = true;
                 let span = tracing::debug_span!("datastore_batch", updates = updates.len());
                 let _enter = span.enter();
                 self.metrics

@@ -186,13 +186,9 @@ impl Board {
         });
     }
 
-    /// The nodes the datastore knows now (the engine calls it after each batch).
+    /// The nodes the datastore knows now (the engine calls it after each datastore batch).
     pub fn set_known(&self, nodes: impl IntoIterator<Item = String>) {
-        let nodes: std::collections::BTreeSet<String> = nodes.into_iter().collect();
-        let mut known = self.known.lock().expect("status known lock");
-        if *known != nodes {
-            *known = nodes;
-        }
+        *self.known.lock().expect("status known lock") = nodes.into_iter().collect();
     }
 
     /// Every node that connected at some time or that the datastore knows, by name.

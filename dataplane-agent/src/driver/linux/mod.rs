@@ -2453,6 +2453,14 @@ mod tests {
         assert!(k.chain_rules(IpVersion::V4, "nat", "POSTROUTING")[0].contains("cali-POSTROUTING"));
     }
 
+    /// The first rule of the NAT-outgoing chain in the fake kernel.
+    fn nat_outgoing_rule(k: &Arc<Mutex<FakeKernel>>) -> String {
+        k.lock()
+            .unwrap()
+            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
+            .clone()
+    }
+
     #[test]
     fn masquerade_random_fully_follows_the_override_and_the_kernel() {
         let (mut d, k, _) = rig_with(LinuxOptions {
@@ -2462,11 +2470,7 @@ mod tests {
         });
         d.on_update(&msg(pool("10.65.0.0/16", true, &[])));
         d.apply().unwrap();
-        let rule = k
-            .lock()
-            .unwrap()
-            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
-            .clone();
+        let rule = nat_outgoing_rule(&k);
         assert!(rule.ends_with("--jump MASQUERADE"), "{rule}");
 
         // The datastore's FeatureDetectOverride applies (no flag pins it here).
@@ -2480,11 +2484,7 @@ mod tests {
             ..Default::default()
         })));
         d.apply().unwrap();
-        let rule = k
-            .lock()
-            .unwrap()
-            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
-            .clone();
+        let rule = nat_outgoing_rule(&k);
         assert!(rule.ends_with("--jump MASQUERADE --random-fully"), "{rule}");
 
         // An old kernel: detected as unsupported.
@@ -2494,11 +2494,7 @@ mod tests {
         });
         d.on_update(&msg(pool("10.65.0.0/16", true, &[])));
         d.apply().unwrap();
-        let rule = k
-            .lock()
-            .unwrap()
-            .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
-            .clone();
+        let rule = nat_outgoing_rule(&k);
         assert!(rule.ends_with("--jump MASQUERADE"), "{rule}");
     }
 
