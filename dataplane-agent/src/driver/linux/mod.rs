@@ -1496,12 +1496,17 @@ impl Driver for LinuxDriver {
     }
 }
 
-/// `a, b` or `none`.
+/// `"a", "b"` or `none`. The names come from the datastore: quoted and escaped, so a control
+/// character cannot forge log output.
 fn list_or_none(items: &[&str]) -> String {
     if items.is_empty() {
         "none".into()
     } else {
-        items.join(", ")
+        items
+            .iter()
+            .map(|i| format!("{i:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -2459,6 +2464,15 @@ mod tests {
             .unwrap()
             .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
             .clone()
+    }
+
+    #[test]
+    fn settings_named_in_logs_are_escaped() {
+        assert_eq!(list_or_none(&[]), "none");
+        assert_eq!(
+            list_or_none(&["BPFEnabled", "X\u{1b}[2Jy"]),
+            "\"BPFEnabled\", \"X\\u{1b}[2Jy\""
+        );
     }
 
     #[test]
