@@ -20,6 +20,9 @@ pub mod felix {
 
 pub use felix::*;
 
+#[cfg(feature = "grpc")]
+pub mod framed;
+
 /// The prost version the messages are generated with (for `Message::encoded_len` and friends).
 pub use prost;
 

@@ -181,16 +181,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let metrics = Arc::new(metrics::Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     let (engine_tx, engine_rx) = mpsc::channel(1024);
+    let (datastore_tx, datastore_rx) = mpsc::channel::<Vec<calc_graph::graph::Update>>(64);
     let engine = engine::Engine::new(
+        engine::Limits {
+            backlog: args.agent_backlog_limit as u64,
+            backlog_bytes: args.agent_backlog_bytes,
+            concurrent_snapshots: args.max_concurrent_snapshots,
+            allow_unknown_nodes: args.allow_unknown_nodes,
+        },
         board.clone(),
-        args.agent_backlog_limit,
-        args.agent_backlog_bytes,
-        args.allow_unknown_nodes,
         ready.clone(),
-        args.max_concurrent_snapshots,
         metrics.clone(),
     );
-    let engine_task = tokio::spawn(engine.run(engine_rx));
+    let engine_task = tokio::spawn(engine::run(engine, engine_rx, datastore_rx));
     match args.datastore.datastore_type {
         DatastoreType::Etcdv3 => {
             let (tx, mut rx) = mpsc::channel(64);
@@ -205,10 +208,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 metrics.clone(),
             );
             tokio::spawn(watcher.run());
-            let engine = engine_tx.clone();
+            let engine = datastore_tx.clone();
             tokio::spawn(async move {
                 while let Some(batch) = rx.recv().await {
-                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
+                    if engine.send(batch).await.is_err() {
                         return;
                     }
                 }
@@ -237,10 +240,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 metrics.clone(),
             );
             tokio::spawn(watcher.run(client));
-            let engine = engine_tx.clone();
+            let engine = datastore_tx.clone();
             tokio::spawn(async move {
                 while let Some(batch) = rx.recv().await {
-                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
+                    if engine.send(batch).await.is_err() {
                         return;
                     }
                 }
@@ -256,8 +259,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 Some(d) => Some(d.clone()),
                 None => status_dir.as_ref().map(|s| s.join("last-good")),
             };
-            let (engine, interval, metrics) =
-                (engine_tx.clone(), args.file_poll_interval, metrics.clone());
+            let (engine, interval, metrics) = (
+                datastore_tx.clone(),
+                args.file_poll_interval,
+                metrics.clone(),
+            );
             let watched = dir.clone();
             // Reading and parsing files is blocking work: its own thread, off the runtime.
             tokio::task::spawn_blocking(move || {
@@ -294,7 +300,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         next_id: AtomicU64::new(1),
         metrics: metrics.clone(),
     };
-    let svc = felix_proto::calc_server_server::CalcServerServer::new(service)
+    let svc = felix_proto::framed::server::calc_server_server::CalcServerServer::new(service)
         .max_decoding_message_size(args.max_recv_bytes)
         .max_encoding_message_size(usize::MAX);
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -12,19 +12,21 @@
 //! endpoint ends the stream with PERMISSION_DENIED.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use felix_proto as pb;
+use pb::framed::{Encoded, Frame};
 use pb::from_dataplane::Payload as FromPayload;
 use pb::to_dataplane::Payload as ToPayload;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::engine::{Conn, Input, Out};
+use super::engine::{CloseReason, Conn, Input, Out, Refusal};
 use super::listener::PeerInfo;
 use super::metrics::Metrics;
 use super::status::Board;
@@ -92,14 +94,43 @@ fn oversized_report(m: &pb::FromDataplane) -> Option<&'static str> {
     }
 }
 
-type OutStream = Pin<Box<dyn Stream<Item = Result<pb::ToDataplane, Status>> + Send>>;
+type OutStream = Pin<Box<dyn Stream<Item = Result<Frame, Status>> + Send>>;
+
+/// The gRPC status an agent is told when the engine ends its stream.
+fn close_status(reason: CloseReason) -> Status {
+    match reason {
+        CloseReason::ShuttingDown => Status::unavailable("calc-server is shutting down"),
+        CloseReason::Replaced { node } => {
+            Status::aborted(format!("replaced by a newer connection for node {node}"))
+        }
+        CloseReason::TooFarBehind {
+            node,
+            limit,
+            bytes_limit,
+        } => Status::resource_exhausted(format!(
+            "node {node} fell more than {limit} messages or {bytes_limit} bytes behind; reconnect for a fresh snapshot"
+        )),
+    }
+}
+
+/// The gRPC status a refused agent is told.
+fn refusal_status(refusal: Refusal) -> Status {
+    match refusal {
+        Refusal::UnknownNode { node } => Status::not_found(format!(
+            "node {node:?} is not in the datastore (no Node resource and no endpoints)"
+        )),
+    }
+}
 
 /// The outgoing stream: the ServerHello, then the node's queue, numbering every message;
-/// it ends at a Close (with that status) or when the engine drops the queue. Polled directly
-/// by the transport, so a message costs no extra task hop.
+/// it ends at a Close (with that status), at a protocol error the report reader found (`fault`)
+/// or when the engine drops the queue. Polled directly by the transport, so a message costs no
+/// extra task hop. Messages are sent as [`Frame`]s: the shared encoding plus this stream's
+/// sequence number.
 struct Outgoing {
     hello: Option<pb::ToDataplane>,
     rx: mpsc::UnboundedReceiver<Out>,
+    fault: Option<oneshot::Receiver<Status>>,
     taken: Arc<AtomicU64>,
     taken_bytes: Arc<AtomicU64>,
     seq: u64,
@@ -108,7 +139,7 @@ struct Outgoing {
 }
 
 impl Stream for Outgoing {
-    type Item = Result<pb::ToDataplane, Status>;
+    type Item = Result<Frame, Status>;
 
     fn poll_next(
         mut self: Pin<&mut Self>,
@@ -118,15 +149,29 @@ impl Stream for Outgoing {
         if self.done {
             return Poll::Ready(None);
         }
-        if let Some(mut hello) = self.hello.take() {
+        if let Some(hello) = self.hello.take() {
             self.seq = 1;
-            hello.sequence_number = 1;
-            return Poll::Ready(Some(Ok(hello)));
+            return Poll::Ready(Some(Ok(Frame {
+                sequence_number: 1,
+                body: Encoded::new(&hello),
+            })));
+        }
+        // A protocol error in the agent's reports ends the stream before anything else queued.
+        if let Some(fault) = self.fault.as_mut()
+            && let Poll::Ready(fault) = Pin::new(fault).poll(cx)
+        {
+            // Without a fault the reader just finished: only the queue matters from now on.
+            self.fault = None;
+            if let Ok(status) = fault {
+                self.done = true;
+                return Poll::Ready(Some(Err(status)));
+            }
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Out::Msg(m, len))) => {
+            Poll::Ready(Some(Out::Msg(m, body))) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
-                self.taken_bytes.fetch_add(len, Ordering::Relaxed);
+                self.taken_bytes
+                    .fetch_add(body.len() as u64, Ordering::Relaxed);
                 match &m.payload {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
@@ -145,13 +190,14 @@ impl Stream for Outgoing {
                     _ => {}
                 }
                 self.seq += 1;
-                let mut m = (*m).clone();
-                m.sequence_number = self.seq;
-                Poll::Ready(Some(Ok(m)))
+                Poll::Ready(Some(Ok(Frame {
+                    sequence_number: self.seq,
+                    body,
+                })))
             }
-            Poll::Ready(Some(Out::Close(status))) => {
+            Poll::Ready(Some(Out::Close(reason))) => {
                 self.done = true;
-                Poll::Ready(Some(Err(status)))
+                Poll::Ready(Some(Err(close_status(reason))))
             }
             Poll::Ready(None) => {
                 self.done = true;
@@ -165,6 +211,7 @@ impl Stream for Outgoing {
 fn outgoing(
     hello: pb::ToDataplane,
     rx: mpsc::UnboundedReceiver<Out>,
+    fault: oneshot::Receiver<Status>,
     taken: Arc<AtomicU64>,
     taken_bytes: Arc<AtomicU64>,
     sent_endpoints: SentEndpoints,
@@ -172,6 +219,7 @@ fn outgoing(
     Box::pin(Outgoing {
         hello: Some(hello),
         rx,
+        fault: Some(fault),
         taken,
         taken_bytes,
         seq: 0,
@@ -181,7 +229,7 @@ fn outgoing(
 }
 
 #[tonic::async_trait]
-impl pb::calc_server_server::CalcServer for SyncService {
+impl pb::framed::server::calc_server_server::CalcServer for SyncService {
     type SyncStream = OutStream;
 
     async fn sync(
@@ -274,13 +322,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
             let node = node.clone();
             tokio::spawn(async move {
                 watch.closed().await;
-                let _ = engine
-                    .send(Input::Disconnect {
-                        node,
-                        id,
-                        status: None,
-                    })
-                    .await;
+                let _ = engine.send(Input::Disconnect { node, id }).await;
             });
         }
         let (reply_tx, reply_rx) = oneshot::channel();
@@ -295,7 +337,8 @@ impl pb::calc_server_server::CalcServer for SyncService {
             .map_err(|_| Status::unavailable("calc-server is shutting down"))?;
         reply_rx
             .await
-            .map_err(|_| Status::unavailable("calc-server is shutting down"))??;
+            .map_err(|_| Status::unavailable("calc-server is shutting down"))?
+            .map_err(refusal_status)?;
         span.in_scope(|| {
             tracing::info!(?peer, agent_version = %Untrusted(&hello.agent_version), capabilities = ?hello.capabilities.iter().take(32).map(|c| Untrusted(c)).collect::<Vec<_>>(), tls = cert_node.is_some(), "agent connected")
         });
@@ -307,6 +350,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
         let reader_node = node.clone();
         let sent = sent_endpoints.clone();
         let metrics = self.metrics.clone();
+        let (fault_tx, fault_rx) = oneshot::channel();
         tokio::spawn(async move {
             let mut last = first.sequence_number;
             let failure = loop {
@@ -350,11 +394,12 @@ impl pb::calc_server_server::CalcServer for SyncService {
             match failure {
                 Some((reason, status)) => {
                     span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
+                    // The stream ends with the reason; then the engine forgets the node.
+                    let _ = fault_tx.send(status);
                     let _ = engine
                         .send(Input::Disconnect {
                             node: reader_node,
                             id,
-                            status: Some(status),
                         })
                         .await;
                 }
@@ -373,6 +418,7 @@ impl pb::calc_server_server::CalcServer for SyncService {
         Ok(Response::new(outgoing(
             server_hello,
             rx,
+            fault_rx,
             taken,
             taken_bytes,
             sent_endpoints,

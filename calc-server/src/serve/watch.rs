@@ -30,7 +30,6 @@ use calc_graph::graph::Update;
 use calc_graph::model::{Resource, ResourceKey};
 use tokio::sync::mpsc;
 
-use super::engine::Input;
 use super::metrics::Metrics;
 use crate::last_good::LastGood;
 use crate::manifest_dir::{self, Stamp};
@@ -255,7 +254,7 @@ pub fn run(
     dir: PathBuf,
     last_good_dir: Option<PathBuf>,
     interval: Duration,
-    engine: mpsc::Sender<Input>,
+    engine: mpsc::Sender<Vec<Update>>,
     metrics: Arc<Metrics>,
 ) {
     let (store, stored, problems) = LastGood::open(last_good_dir);
@@ -283,7 +282,7 @@ pub fn run(
     let mut first: Vec<Update> = w.current.values().cloned().map(Update::Apply).collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
-    if engine.blocking_send(Input::Datastore(first)).is_err() {
+    if engine.blocking_send(first).is_err() {
         return;
     }
     // The listing of the previous poll, and for how many polls it has kept changing.
@@ -335,7 +334,7 @@ pub fn run(
             files = changed.len() + gone.len(),
             "file datastore changed"
         );
-        if engine.blocking_send(Input::Datastore(updates)).is_err() {
+        if engine.blocking_send(updates).is_err() {
             return;
         }
     }

@@ -1,0 +1,411 @@
+//! The engine: the one owner of the calculation graph (DESIGN.md invariant 2), as a synchronous
+//! state machine.
+//!
+//! [`Engine::step`] takes a burst of [`Input`]s (datastore updates, agent connections and
+//! disconnections), applies them to the graph, admits waiting snapshots, flushes, and queues each
+//! node's batch on that node's connection. Its effects go out through the handles the inputs
+//! carry: a connection's queue ([`Out`]) and a connect reply. Nothing here is async or knows the
+//! transport: `run` drives it from channels and `service` maps [`CloseReason`]s and
+//! [`Refusal`]s to gRPC statuses, so the whole state machine is unit-tested without a network.
+//!
+//! Rules it keeps:
+//! - Each connection has an unbounded queue whose length is tracked in messages and encoded
+//!   bytes: when an agent falls further behind than either backlog limit, its stream is closed
+//!   ([`CloseReason::TooFarBehind`]) and its node unsubscribed, so a stalled agent costs bounded
+//!   memory; the agent reconnects and receives a fresh snapshot.
+//! - A second connection for a node replaces the first ([`CloseReason::Replaced`]).
+//! - Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
+//!   under way until its queue has drained, so a thousand agents connecting at once do not put a
+//!   thousand snapshots in flight at once.
+//! - A message shared by many nodes is encoded once per step ([`felix_proto::framed::Encoded`]);
+//!   each stream stamps its own sequence number on the shared bytes.
+
+mod run;
+#[cfg(test)]
+mod tests;
+
+pub use run::run;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use calc_graph::graph::{CalcGraph, SharedMessage, Update};
+use felix_proto::framed::Encoded;
+use tokio::sync::{mpsc, oneshot};
+
+use super::metrics::Metrics;
+use super::status::Board;
+
+/// What a connection's outgoing stream carries.
+pub enum Out {
+    /// A message and its encoding (shared by every node it goes to).
+    Msg(SharedMessage, Encoded),
+    /// End the stream for this reason.
+    Close(CloseReason),
+}
+
+/// Why the engine ends a stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// The server is stopping.
+    ShuttingDown,
+    /// A newer connection for the same node took over.
+    Replaced { node: String },
+    /// The agent's queue passed a backlog limit; it must reconnect for a fresh snapshot.
+    TooFarBehind {
+        node: String,
+        limit: u64,
+        bytes_limit: u64,
+    },
+}
+
+/// Why the engine refused an agent's connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The node is neither a Node resource nor the node of any endpoint.
+    UnknownNode { node: String },
+}
+
+/// One agent connection, as the engine sees it.
+pub struct Conn {
+    pub id: u64,
+    pub tx: mpsc::UnboundedSender<Out>,
+    /// Messages the stream has taken from the queue (counted by the stream).
+    pub taken: Arc<AtomicU64>,
+    /// Messages the engine has queued (shared with the metrics: lag = queued - taken).
+    pub queued: Arc<AtomicU64>,
+    /// Encoded bytes queued, and taken by the stream: the backlog in bytes.
+    pub queued_bytes: u64,
+    pub taken_bytes: Arc<AtomicU64>,
+    /// Where the node's snapshot ends in the queue, once it has been queued.
+    pub snapshot_end: Option<u64>,
+}
+
+impl Conn {
+    pub fn new(
+        id: u64,
+        tx: mpsc::UnboundedSender<Out>,
+        taken: Arc<AtomicU64>,
+        taken_bytes: Arc<AtomicU64>,
+    ) -> Conn {
+        Conn {
+            id,
+            tx,
+            taken,
+            queued: Arc::new(AtomicU64::new(0)),
+            queued_bytes: 0,
+            taken_bytes,
+            snapshot_end: None,
+        }
+    }
+
+    fn backlog(&self) -> u64 {
+        self.queued
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.taken.load(Ordering::Relaxed))
+    }
+
+    fn backlog_bytes(&self) -> u64 {
+        self.queued_bytes
+            .saturating_sub(self.taken_bytes.load(Ordering::Relaxed))
+    }
+
+    fn close(&self, reason: CloseReason) {
+        // A stream that is already gone needs no reason.
+        let _ = self.tx.send(Out::Close(reason));
+    }
+}
+
+pub enum Input {
+    /// A batch of datastore updates.
+    Datastore(Vec<Update>),
+    /// An agent said hello; `reply` says whether it is accepted.
+    Connect {
+        node: String,
+        agent_version: String,
+        conn: Conn,
+        reply: oneshot::Sender<Result<(), Refusal>>,
+    },
+    /// Stream `id` of `node` ended (its outgoing side is gone, or the gRPC layer closed it for
+    /// a protocol error in the agent's reports).
+    Disconnect { node: String, id: u64 },
+    /// Close every stream (server shutting down).
+    Shutdown,
+}
+
+/// The engine's settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Messages an agent may fall behind before it is cut off.
+    pub backlog: u64,
+    /// Encoded bytes an agent may fall behind before it is cut off.
+    pub backlog_bytes: u64,
+    /// Snapshots in flight at once.
+    pub concurrent_snapshots: usize,
+    /// Whether a node not in the datastore may connect (it then gets config and InSync only).
+    pub allow_unknown_nodes: bool,
+}
+
+/// What one step did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// A shutdown was asked for: every stream has been closed.
+    pub stopped: bool,
+}
+
+pub struct Engine {
+    graph: CalcGraph,
+    conns: HashMap<String, Conn>,
+    board: Arc<Board>,
+    limits: Limits,
+    /// A datastore batch arrived since the status board last learned the known nodes.
+    datastore_changed: bool,
+    /// Set once the datastore's snapshot is in the graph (readiness).
+    ready: Arc<AtomicBool>,
+    /// Connected nodes waiting for their snapshot to start.
+    waiting: VecDeque<String>,
+    /// Nodes whose snapshot is being delivered.
+    snapshotting: HashSet<String>,
+    metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    pub fn new(
+        limits: Limits,
+        board: Arc<Board>,
+        ready: Arc<AtomicBool>,
+        metrics: Arc<Metrics>,
+    ) -> Engine {
+        Engine {
+            graph: CalcGraph::new(),
+            conns: HashMap::new(),
+            board,
+            limits: Limits {
+                concurrent_snapshots: limits.concurrent_snapshots.max(1),
+                ..limits
+            },
+            datastore_changed: false,
+            ready,
+            waiting: VecDeque::new(),
+            snapshotting: HashSet::new(),
+            metrics,
+        }
+    }
+
+    /// Whether snapshots are waiting or under way: the driver then steps periodically even
+    /// without input, to notice drained queues and admit the next snapshots.
+    pub fn busy(&self) -> bool {
+        !self.waiting.is_empty() || !self.snapshotting.is_empty()
+    }
+
+    /// Applies a burst of inputs and flushes once for all of them.
+    pub fn step(&mut self, inputs: impl IntoIterator<Item = Input>) -> Step {
+        let started = std::time::Instant::now();
+        let mut stop = false;
+        for input in inputs {
+            stop |= self.handle(input);
+        }
+        self.sweep_closed();
+        self.admit();
+        self.flush();
+        self.metrics.calc_seconds.observe(started.elapsed());
+        if self.graph.in_sync() {
+            self.ready.store(true, Ordering::Relaxed);
+            // Only datastore input changes which nodes exist: not on every connect.
+            if std::mem::take(&mut self.datastore_changed) {
+                self.board.set_known(self.graph.known_nodes());
+            }
+        }
+        if stop {
+            for (node, conn) in self.conns.drain() {
+                conn.close(CloseReason::ShuttingDown);
+                self.board.disconnected(&node);
+                self.metrics.agent_gone(&node, None);
+            }
+            self.waiting.clear();
+            self.snapshotting.clear();
+        }
+        Step { stopped: stop }
+    }
+
+    /// Ends finished snapshots and starts waiting ones, up to the limit. A snapshot is
+    /// finished when the stream has taken its last message, whatever came after it.
+    fn admit(&mut self) {
+        let conns = &self.conns;
+        self.snapshotting.retain(|n| {
+            conns.get(n).is_some_and(|c| {
+                c.snapshot_end
+                    .is_none_or(|end| c.taken.load(Ordering::Relaxed) < end)
+            })
+        });
+        while self.snapshotting.len() < self.limits.concurrent_snapshots {
+            let Some(node) = self.waiting.pop_front() else {
+                break;
+            };
+            if self.conns.contains_key(&node) {
+                self.graph.subscribe(&node);
+                self.snapshotting.insert(node);
+            }
+        }
+    }
+
+    /// Forgets connections whose stream is gone (the agent went away, or the handshake was
+    /// abandoned after the engine accepted it).
+    fn sweep_closed(&mut self) {
+        let closed: Vec<String> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.tx.is_closed())
+            .map(|(n, _)| n.clone())
+            .collect();
+        for node in closed {
+            self.drop_conn(&node);
+        }
+    }
+
+    fn drop_conn(&mut self, node: &str) -> Option<Conn> {
+        let conn = self.conns.remove(node)?;
+        self.graph.unsubscribe(node);
+        self.snapshotting.remove(node);
+        self.waiting.retain(|n| n != node);
+        self.board.disconnected(node);
+        self.metrics.agent_gone(node, Some(conn.id));
+        Some(conn)
+    }
+
+    fn handle(&mut self, input: Input) -> bool {
+        match input {
+            Input::Datastore(updates) => self.apply(updates),
+            Input::Connect {
+                node,
+                agent_version,
+                conn,
+                reply,
+            } => {
+                let verdict = self.connect(node, &agent_version, conn);
+                // The agent may have gone while it waited: nothing to tell then.
+                let _ = reply.send(verdict);
+            }
+            Input::Disconnect { node, id } => {
+                if self.conns.get(&node).is_some_and(|c| c.id == id) {
+                    self.drop_conn(&node);
+                }
+            }
+            Input::Shutdown => return true,
+        }
+        false
+    }
+
+    fn apply(&mut self, updates: Vec<Update>) {
+        self.datastore_changed = true;
+        let span = tracing::debug_span!("datastore_batch", updates = updates.len());
+        let _enter = span.enter();
+        self.metrics
+            .updates_processed
+            .fetch_add(updates.len() as u64, Ordering::Relaxed);
+        for u in updates {
+            if matches!(u, Update::InSync) {
+                self.metrics.datastore_syncs.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Err(rejection) = self.graph.apply(u) {
+                self.metrics
+                    .rejections
+                    .count(calc_graph::manifest::RejectStage::Validation);
+                tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
+            }
+        }
+    }
+
+    fn connect(&mut self, node: String, agent_version: &str, conn: Conn) -> Result<(), Refusal> {
+        if !self.limits.allow_unknown_nodes
+            && self.graph.in_sync()
+            && !self.graph.known_nodes().iter().any(|n| n == &node)
+        {
+            tracing::warn!(
+                %node,
+                conn = conn.id,
+                "refused an agent: the node is not in the datastore (no Node resource \
+                 and no endpoints); check the agent's --node against the Node names, \
+                 or start the server with --allow-unknown-nodes"
+            );
+            self.metrics
+                .refused_unknown_nodes
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(Refusal::UnknownNode { node });
+        }
+        if let Some(old) = self.conns.remove(&node) {
+            tracing::info!(%node, old = old.id, new = conn.id, "a newer connection replaces the node's stream");
+            old.close(CloseReason::Replaced { node: node.clone() });
+        }
+        // The snapshot starts when there is room (admit); until then nothing is sent.
+        self.graph.unsubscribe(&node);
+        self.snapshotting.remove(&node);
+        self.waiting.retain(|n| n != &node);
+        self.waiting.push_back(node.clone());
+        self.board.connected(&node, conn.id, agent_version);
+        self.metrics
+            .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());
+        self.conns.insert(node, conn);
+        Ok(())
+    }
+
+    fn flush(&mut self) {
+        let conns = &mut self.conns;
+        let board = &self.board;
+        let snapshotting = &self.snapshotting;
+        let limit = self.limits.backlog;
+        let bytes_limit = self.limits.backlog_bytes;
+        let metrics = &self.metrics;
+        let mut overflowed = Vec::new();
+        // A shared message is encoded once per step however many nodes it goes to. The Arc
+        // held beside each encoding keeps its address from being reused within the step.
+        let mut encoded: HashMap<*const felix_proto::ToDataplane, Encoded> = HashMap::new();
+        self.graph.flush_with(|batch| {
+            let Some(conn) = conns.get_mut(&batch.node) else {
+                return;
+            };
+            let n = batch.messages.len() as u64;
+            let framed: Vec<(SharedMessage, Encoded)> = batch
+                .messages
+                .into_iter()
+                .map(|m| {
+                    let bytes = encoded
+                        .entry(Arc::as_ptr(&m))
+                        .or_insert_with(|| Encoded::new(&m))
+                        .clone();
+                    (m, bytes)
+                })
+                .collect();
+            let bytes: u64 = framed.iter().map(|(_, e)| e.len() as u64).sum();
+            let (backlog, backlog_bytes) = (conn.backlog(), conn.backlog_bytes());
+            // An empty queue always takes the batch: a snapshot larger than the limits must
+            // still be deliverable.
+            if backlog > 0 && (backlog + n > limit || backlog_bytes + bytes > bytes_limit) {
+                overflowed.push((batch.node.clone(), backlog, backlog_bytes));
+                return;
+            }
+            let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
+            conn.queued_bytes += bytes;
+            metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
+            // The node's first batch after it was admitted is its snapshot.
+            if conn.snapshot_end.is_none() && snapshotting.contains(&batch.node) {
+                conn.snapshot_end = Some(queued);
+            }
+            board.sent(&batch.node, n);
+            for (m, e) in framed {
+                let _ = conn.tx.send(Out::Msg(m, e));
+            }
+        });
+        for (node, backlog, backlog_bytes) in overflowed {
+            if let Some(conn) = self.drop_conn(&node) {
+                tracing::warn!(%node, backlog, backlog_bytes, limit, bytes_limit, "agent fell too far behind; closing its stream so it resyncs");
+                conn.close(CloseReason::TooFarBehind {
+                    node,
+                    limit,
+                    bytes_limit,
+                });
+            }
+        }
+    }
+}

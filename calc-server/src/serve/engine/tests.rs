@@ -1,0 +1,406 @@
+//! The engine's rules, step by step, with in-memory queues standing in for agent streams.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use calc_graph::graph::Update;
+use calc_graph::manifest::{Outcome, decode_and_validate};
+use felix_proto::to_dataplane::Payload;
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{CloseReason, Conn, Engine, Input, Limits, Out, Refusal};
+use crate::serve::metrics::Metrics;
+use crate::serve::status::Board;
+
+const LIMITS: Limits = Limits {
+    backlog: 1000,
+    backlog_bytes: 1 << 30,
+    concurrent_snapshots: 8,
+    allow_unknown_nodes: false,
+};
+
+fn apply(value: serde_json::Value) -> Update {
+    match decode_and_validate(value) {
+        Outcome::Valid(_, res) => Update::Apply(res),
+        _ => panic!("test object must be valid"),
+    }
+}
+
+fn workload(node: &str, pod: &str, ip: &str) -> Update {
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3",
+        "kind": "WorkloadEndpoint",
+        "metadata": {
+            // Calico's WorkloadEndpoint name: dashes inside each part doubled.
+            "name": format!("{}-k8s-{}-eth0", node.replace('-', "--"), pod.replace('-', "--")),
+            "namespace": "shop",
+            "labels": {"app": "web", "projectcalico.org/namespace": "shop"},
+        },
+        "spec": {
+            "orchestrator": "k8s", "node": node, "pod": pod, "endpoint": "eth0",
+            "interfaceName": format!("cali{pod}"), "ipNetworks": [format!("{ip}/32")],
+        },
+    }))
+}
+
+fn node(name: &str) -> Update {
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "Node",
+        "metadata": {"name": name}, "spec": {},
+    }))
+}
+
+fn web_policy(port: u16) -> Update {
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+        "metadata": {"name": "web"},
+        "spec": {
+            "selector": "app == 'web'",
+            "ingress": [{"action": "Allow", "protocol": "TCP", "destination": {"ports": [port]}}],
+        },
+    }))
+}
+
+/// Two nodes with a web pod each, the policy selecting both, in sync.
+fn cluster() -> Vec<Update> {
+    vec![
+        node("node-a"),
+        node("node-b"),
+        web_policy(80),
+        workload("node-a", "web-1", "10.0.0.1"),
+        workload("node-b", "web-2", "10.0.0.2"),
+        Update::InSync,
+    ]
+}
+
+struct Harness {
+    engine: Engine,
+    board: Arc<Board>,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    next_id: u64,
+}
+
+/// An agent stream as the engine sees it: the queue's receiving end and the stream's counters.
+struct Agent {
+    id: u64,
+    rx: mpsc::UnboundedReceiver<Out>,
+    taken: Arc<AtomicU64>,
+    taken_bytes: Arc<AtomicU64>,
+}
+
+impl Agent {
+    /// Everything queued so far, as the stream would take it.
+    fn take(&mut self) -> Vec<Out> {
+        let mut out = Vec::new();
+        while let Ok(o) = self.rx.try_recv() {
+            if let Out::Msg(_, body) = &o {
+                self.taken.fetch_add(1, Ordering::Relaxed);
+                self.taken_bytes
+                    .fetch_add(body.len() as u64, Ordering::Relaxed);
+            }
+            out.push(o);
+        }
+        out
+    }
+
+    /// The payload kinds taken, in order ("close:<reason>" for a close).
+    fn kinds(&mut self) -> Vec<String> {
+        self.take()
+            .into_iter()
+            .map(|o| match o {
+                Out::Msg(m, _) => kind(m.payload.as_ref().expect("payload")),
+                Out::Close(reason) => format!("close:{reason:?}"),
+            })
+            .collect()
+    }
+}
+
+fn kind(p: &Payload) -> String {
+    format!("{p:?}")
+        .split('(')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+impl Harness {
+    fn new(limits: Limits) -> Harness {
+        let (board, metrics) = (Arc::new(Board::default()), Arc::new(Metrics::default()));
+        let ready = Arc::new(AtomicBool::new(false));
+        Harness {
+            engine: Engine::new(limits, board.clone(), ready.clone(), metrics.clone()),
+            board,
+            metrics,
+            ready,
+            next_id: 1,
+        }
+    }
+
+    fn datastore(&mut self, updates: Vec<Update>) {
+        self.engine.step([Input::Datastore(updates)]);
+        assert_eq!(
+            self.metrics.rejections.total(),
+            0,
+            "every test object is accepted"
+        );
+    }
+
+    /// Connects an agent for `node` and steps once; returns the verdict and the stream.
+    fn connect(&mut self, node: &str) -> (Result<(), Refusal>, Agent) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let agent = Agent {
+            id: self.next_id,
+            rx,
+            taken: Arc::new(AtomicU64::new(0)),
+            taken_bytes: Arc::new(AtomicU64::new(0)),
+        };
+        self.next_id += 1;
+        let conn = Conn::new(agent.id, tx, agent.taken.clone(), agent.taken_bytes.clone());
+        let (reply, mut verdict) = oneshot::channel();
+        self.engine.step([Input::Connect {
+            node: node.into(),
+            agent_version: "test".into(),
+            conn,
+            reply,
+        }]);
+        (
+            verdict
+                .try_recv()
+                .expect("the engine answers in the same step"),
+            agent,
+        )
+    }
+}
+
+#[test]
+fn an_agent_gets_its_snapshot_then_deltas() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    assert!(
+        h.ready.load(Ordering::Relaxed),
+        "ready once the datastore is in sync"
+    );
+    let (verdict, mut a) = h.connect("node-a");
+    assert_eq!(verdict, Ok(()));
+    let snapshot = a.kinds();
+    assert_eq!(snapshot.last().map(String::as_str), Some("InSync"));
+    for needed in ["ActivePolicyUpdate", "WorkloadEndpointUpdate"] {
+        assert!(
+            snapshot.iter().any(|k| k == needed),
+            "{needed} in {snapshot:?}"
+        );
+    }
+    // A change to the node's pod arrives as a delta, not a new snapshot.
+    h.datastore(vec![Update::Delete(
+        match workload("node-a", "web-1", "10.0.0.1") {
+            Update::Apply(res) => res.key(),
+            _ => unreachable!(),
+        },
+    )]);
+    let delta = a.kinds();
+    assert!(
+        delta.contains(&"WorkloadEndpointRemove".to_string()),
+        "{delta:?}"
+    );
+    assert!(!delta.contains(&"InSync".to_string()), "{delta:?}");
+    assert_eq!(h.board.snapshot().iter().filter(|n| n.connected).count(), 1);
+}
+
+#[test]
+fn an_unknown_node_is_refused_once_the_datastore_is_in_sync() {
+    let mut h = Harness::new(LIMITS);
+    // Before the datastore is in sync nobody can tell: the agent waits for its snapshot.
+    let (early, _early_agent) = h.connect("node-x");
+    assert_eq!(early, Ok(()));
+    h.datastore(cluster());
+    let (verdict, mut agent) = h.connect("node-y");
+    assert_eq!(
+        verdict,
+        Err(Refusal::UnknownNode {
+            node: "node-y".into()
+        })
+    );
+    assert!(agent.kinds().is_empty(), "a refused agent is sent nothing");
+    assert_eq!(h.metrics.refused_unknown_nodes.load(Ordering::Relaxed), 1);
+
+    let mut open = Harness::new(Limits {
+        allow_unknown_nodes: true,
+        ..LIMITS
+    });
+    open.datastore(cluster());
+    let (verdict, mut agent) = open.connect("node-y");
+    assert_eq!(verdict, Ok(()));
+    // Config and InSync only: no endpoint lives there.
+    let kinds = agent.kinds();
+    assert_eq!(kinds.last().map(String::as_str), Some("InSync"));
+    assert!(
+        !kinds.iter().any(|k| k.starts_with("WorkloadEndpoint")),
+        "{kinds:?}"
+    );
+}
+
+#[test]
+fn snapshots_are_admitted_a_few_at_a_time() {
+    let mut h = Harness::new(Limits {
+        concurrent_snapshots: 1,
+        ..LIMITS
+    });
+    h.datastore(cluster());
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    // node-a's snapshot is queued but not yet taken: node-b waits.
+    let a_first: Vec<Out> = std::iter::from_fn(|| a.rx.try_recv().ok()).collect();
+    assert!(!a_first.is_empty());
+    h.engine.step([]);
+    assert!(
+        b.kinds().is_empty(),
+        "node-b must wait while node-a's snapshot is in flight"
+    );
+    assert!(h.engine.busy());
+    // node-a's stream takes its whole snapshot: the next step admits node-b.
+    a.taken.fetch_add(a_first.len() as u64, Ordering::Relaxed);
+    h.engine.step([]);
+    let kinds = b.kinds();
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("InSync"),
+        "{kinds:?}"
+    );
+    h.engine.step([]);
+    assert!(!h.engine.busy(), "both snapshots delivered");
+}
+
+#[test]
+fn an_agent_too_far_behind_is_cut_off_and_resyncs_on_reconnect() {
+    let mut h = Harness::new(Limits {
+        backlog: 3,
+        ..LIMITS
+    });
+    h.datastore(cluster());
+    // The snapshot is larger than the limit but the queue was empty: it is still delivered.
+    let (_, mut a) = h.connect("node-a");
+    let pending: Vec<Out> = std::iter::from_fn(|| a.rx.try_recv().ok()).collect();
+    assert!(pending.len() > 3, "snapshot of {} messages", pending.len());
+    // Nothing taken: the next change does not fit behind the backlog.
+    h.datastore(vec![web_policy(81)]);
+    let rest = a.take();
+    assert!(
+        matches!(
+            rest.last(),
+            Some(Out::Close(CloseReason::TooFarBehind { node, limit: 3, .. })) if node == "node-a"
+        ),
+        "the stream is closed for being too far behind"
+    );
+    assert!(
+        !h.board.snapshot().iter().any(|n| n.connected),
+        "node-a disconnected"
+    );
+    // Reconnecting gives a fresh snapshot with the current policy.
+    let (_, mut again) = h.connect("node-a");
+    let fresh = again.take();
+    assert!(
+        matches!(fresh.last(), Some(Out::Msg(m, _)) if matches!(m.payload, Some(Payload::InSync(_))))
+    );
+    let ports: Vec<String> = fresh
+        .iter()
+        .filter_map(|o| match o {
+            Out::Msg(m, _) => match &m.payload {
+                Some(Payload::ActivePolicyUpdate(u)) => Some(format!("{:?}", u.policy)),
+                _ => None,
+            },
+            Out::Close(_) => None,
+        })
+        .collect();
+    assert!(ports.iter().any(|p| p.contains("81")), "{ports:?}");
+}
+
+#[test]
+fn a_newer_connection_replaces_the_old_one() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let (_, mut old) = h.connect("node-a");
+    old.take();
+    let (verdict, mut new) = h.connect("node-a");
+    assert_eq!(verdict, Ok(()));
+    let closed = old.kinds();
+    assert_eq!(
+        closed,
+        vec![format!(
+            "close:{:?}",
+            CloseReason::Replaced {
+                node: "node-a".into()
+            }
+        )]
+    );
+    assert_eq!(new.kinds().last().map(String::as_str), Some("InSync"));
+    // The old stream going away later must not disconnect the new one.
+    h.engine.step([Input::Disconnect {
+        node: "node-a".into(),
+        id: old.id,
+    }]);
+    h.datastore(vec![web_policy(82)]);
+    assert!(new.kinds().contains(&"ActivePolicyUpdate".to_string()));
+}
+
+#[test]
+fn a_reconnecting_agent_gets_the_current_state_not_what_it_missed() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let (_, mut a) = h.connect("node-a");
+    a.take();
+    // The agent goes away (its stream is dropped); the engine notices on its next step.
+    drop(a);
+    h.datastore(vec![workload("node-a", "web-3", "10.0.0.3")]);
+    assert!(!h.board.snapshot().iter().any(|n| n.connected));
+    let (_, mut again) = h.connect("node-a");
+    let kinds = again.kinds();
+    let endpoints = kinds
+        .iter()
+        .filter(|k| *k == "WorkloadEndpointUpdate")
+        .count();
+    assert_eq!(endpoints, 2, "both pods, in one snapshot: {kinds:?}");
+    assert!(!kinds.iter().any(|k| k.ends_with("Remove")), "{kinds:?}");
+}
+
+#[test]
+fn a_message_shared_by_nodes_is_encoded_once() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    a.take();
+    b.take();
+    h.datastore(vec![web_policy(8080)]);
+    let policy = |outs: Vec<Out>| {
+        outs.into_iter()
+            .find_map(|o| match o {
+                Out::Msg(m, body) if matches!(m.payload, Some(Payload::ActivePolicyUpdate(_))) => {
+                    Some(body)
+                }
+                _ => None,
+            })
+            .expect("the policy change reaches both nodes")
+    };
+    let (pa, pb) = (policy(a.take()), policy(b.take()));
+    assert_eq!(
+        pa.as_slice().as_ptr(),
+        pb.as_slice().as_ptr(),
+        "one buffer for both"
+    );
+}
+
+#[test]
+fn shutdown_closes_every_stream() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    assert!(h.engine.step([Input::Shutdown]).stopped);
+    for agent in [&mut a, &mut b] {
+        let last = agent.kinds().pop();
+        assert_eq!(last, Some(format!("close:{:?}", CloseReason::ShuttingDown)));
+    }
+    assert!(!h.board.snapshot().iter().any(|n| n.connected));
+}
