@@ -52,8 +52,8 @@ fn all_members(model: &StreamModel) -> BTreeSet<String> {
 /// convert.rs:509-520 (convert_host_endpoint): expectedIPs are used verbatim, not canonicalised.
 /// "FD00::1" (valid: it parses as an IpAddr) becomes the member "FD00::1/128", while a workload
 /// with the same address contributes "fd00::1/128": one address, two members, and the
-/// member ref-count (graph.rs member_change) no longer dedupes them. Felix stores HEP addresses
-/// as parsed IPs (ip.FromNetIP(addr).AsCIDR()), i.e. canonical text.
+/// member ref-count (graph/indexes.rs member_change) no longer dedupes them. Felix stores HEP
+/// addresses as parsed IPs (ip.FromNetIP(addr).AsCIDR()), i.e. canonical text.
 #[test]
 fn host_endpoint_expected_ips_are_canonicalised() {
     let mut g = CalcGraph::new();

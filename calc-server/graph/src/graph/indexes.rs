@@ -1,0 +1,660 @@
+//! The cluster-wide indexes: every accepted endpoint, network set, policy, profile and IP set,
+//! kept in step with the label index.
+//!
+//! Contract: each `set_*` / `remove_*` leaves the indexes as if the resource had always had its
+//! new version (or never existed), whatever came before. Match events from the label index are
+//! routed here at once, so IP-set members and per-node spans never lag the selectors. Nothing
+//! here builds a node's output; changes that a node might see only go through the span counts
+//! ([`super::spans`]) or a dirty mark, which the sequencer reads at the next flush.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use felix_proto as pb;
+use pb::to_dataplane::Payload;
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
+use super::sequencer::record_delta;
+use super::spans::bump;
+use super::{CalcGraph, Key, Name, SharedMessage};
+use crate::convert::{EndpointModel, LABEL_NAMESPACE, PolicyModel};
+use crate::label_index::{ItemClass, ItemId, SelectorId};
+use crate::model::ObjectMeta;
+use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
+
+pub(super) struct EndpointState {
+    key: Key,
+    pub(super) model: EndpointModel,
+    node: Name,
+    pub(super) policies: FxHashSet<Key>,
+    /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
+    nets: Vec<Arc<str>>,
+}
+
+pub(super) struct NetSetState {
+    nets: Vec<Arc<str>>,
+}
+
+pub(super) struct PolicyState {
+    pub(super) model: PolicyModel,
+    pub(super) sort_string: String,
+    selector: SelectorId,
+    pub(super) ipsets: Vec<Name>,
+    pub(super) message: Arc<pb::Policy>,
+    /// The ActivePolicyUpdate, built once and shared by every node.
+    pub(super) update: SharedMessage,
+}
+
+pub(super) struct ProfileState {
+    pub(super) message: Arc<pb::Profile>,
+    pub(super) update: SharedMessage,
+    pub(super) ipsets: Vec<Name>,
+}
+
+pub(super) struct IpSetState {
+    pub(super) spec: IpSetSpec,
+    selector: SelectorId,
+    /// Policies and profiles whose rules reference this set.
+    defined_refs: u32,
+    pub(super) members: FxHashMap<Arc<str>, u32>,
+}
+
+pub(super) enum SelectorOwner {
+    Policy(Key),
+    IpSet(Name),
+}
+
+/// IP-set members an item contributes to a set of the given kind.
+fn members_of(
+    ep: Option<&EndpointState>,
+    ns: Option<&NetSetState>,
+    kind: &IpSetKind,
+) -> Vec<Arc<str>> {
+    match (kind, ep, ns) {
+        (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+        (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
+        (IpSetKind::NamedPort { protocol, name }, Some(ep), _) => {
+            let mut out = Vec::new();
+            for p in ep
+                .model
+                .ports
+                .iter()
+                .filter(|p| &p.name == name && &p.protocol == protocol)
+            {
+                for net in &ep.nets {
+                    let ip = net.split('/').next().unwrap_or_default();
+                    out.push(Arc::from(format!("{ip},{}:{}", p.protocol, p.port)));
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    }
+}
+
+impl CalcGraph {
+    fn alloc_selector(&mut self) -> SelectorId {
+        if let Some(id) = self.free_selectors.pop() {
+            return id;
+        }
+        self.next_selector += 1;
+        self.next_selector
+    }
+
+    fn alloc_item(&mut self) -> ItemId {
+        if let Some(id) = self.free_items.pop() {
+            return id;
+        }
+        self.next_item += 1;
+        self.next_item
+    }
+
+    /// Routes the label index's match events to their owners.
+    fn process_events(&mut self) {
+        loop {
+            let events = self.index.take_events();
+            if events.is_empty() {
+                return;
+            }
+            for ev in events {
+                match self.selector_owner.get(&ev.selector) {
+                    Some(SelectorOwner::Policy(pkey)) => {
+                        let pkey = pkey.clone();
+                        let Some(ep) = self.endpoints.get_mut(&ev.item) else {
+                            continue;
+                        };
+                        let node = ep.node.clone();
+                        let ekey = ep.key.clone();
+                        if ev.matched {
+                            ep.policies.insert(pkey.clone());
+                            self.node_policy_inc(&node, &pkey);
+                        } else {
+                            ep.policies.remove(&pkey);
+                            self.node_policy_dec(&node, &pkey);
+                        }
+                        self.node_mut(&node).dirty.endpoints.insert(ekey);
+                    }
+                    Some(SelectorOwner::IpSet(id)) => {
+                        let id = id.clone();
+                        let Some(set) = self.ipsets.get(&id) else {
+                            continue;
+                        };
+                        let members = members_of(
+                            self.endpoints.get(&ev.item),
+                            self.netsets.get(&ev.item),
+                            &set.spec.kind,
+                        );
+                        for m in members {
+                            self.member_change(&id, m, ev.matched);
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
+        let Some(set) = self.ipsets.get_mut(id) else {
+            return;
+        };
+        // Members are reference counted: two endpoints with one address make one member, and
+        // only its first arrival and last departure change the set.
+        let changed = bump(&mut set.members, &member, add);
+        if changed && self.ipset_sent_count.contains_key(id) {
+            record_delta(
+                self.ipset_deltas.entry(id.clone()).or_default(),
+                member,
+                add,
+            );
+        }
+    }
+
+    fn define_ipsets(&mut self, specs: &[IpSetSpec]) -> Vec<Name> {
+        let mut ids = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let id: Name = Arc::from(spec.id.as_str());
+            if let Some(set) = self.ipsets.get_mut(&id) {
+                set.defined_refs += 1;
+            } else {
+                let sel = self.alloc_selector();
+                self.selector_owner
+                    .insert(sel, SelectorOwner::IpSet(id.clone()));
+                self.ipsets.insert(
+                    id.clone(),
+                    IpSetState {
+                        spec: spec.clone(),
+                        selector: sel,
+                        defined_refs: 1,
+                        members: FxHashMap::default(),
+                    },
+                );
+                // Service sets have no label selector (and no members until services are tracked).
+                if !matches!(spec.kind, IpSetKind::Service { .. }) {
+                    let endpoints_only = matches!(spec.kind, IpSetKind::NamedPort { .. });
+                    self.index
+                        .add_selector(sel, spec.selector.clone(), endpoints_only);
+                    self.process_events();
+                }
+            }
+            ids.push(id);
+        }
+        ids
+    }
+
+    fn undefine_ipsets(&mut self, ids: &[Name]) {
+        for id in ids {
+            let Some(set) = self.ipsets.get_mut(id) else {
+                continue;
+            };
+            set.defined_refs -= 1;
+            if set.defined_refs == 0 {
+                let sel = set.selector;
+                self.index.remove_selector(sel);
+                self.process_events();
+                self.selector_owner.remove(&sel);
+                self.free_selectors.push(sel);
+                self.ipsets.remove(id);
+            }
+        }
+    }
+
+    pub(super) fn set_policy(&mut self, key: Key, model: PolicyModel) -> Result<(), String> {
+        let scanned = rule_scanner::scan_rules(
+            &model.inbound,
+            &model.outbound,
+            (
+                &format!("pol-in-default/{}", model.id.name),
+                &format!("pol-out-default/{}", model.id.name),
+            ),
+        )?;
+        // Define the new IP sets before dropping the old ones so shared sets keep their members.
+        let ipsets = self.define_ipsets(&scanned.ipsets);
+        if self
+            .policies
+            .get(&key)
+            .is_some_and(|old| same_placement(&old.model, &model))
+        {
+            self.replace_policy_rules(&key, model, &scanned, ipsets);
+            return Ok(());
+        }
+        self.remove_policy(&key);
+        let message = Arc::new(policy_message(&model, &scanned));
+        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+            id: Some(policy_id_proto(&model.id)),
+            policy: Some((*message).clone()),
+        })));
+        let sel = self.alloc_selector();
+        self.selector_owner
+            .insert(sel, SelectorOwner::Policy(key.clone()));
+        let everywhere = model.assume_needed_on_every_node();
+        let selector = model.selector.clone();
+        self.policies.insert(
+            key.clone(),
+            PolicyState {
+                sort_string: model.id.sort_string(),
+                model,
+                selector: sel,
+                ipsets: ipsets.clone(),
+                message,
+                update,
+            },
+        );
+        if everywhere {
+            // Needed on every node, including nodes that appear later: not reference counted
+            // per node; flush treats the policy and its IP sets as needed everywhere.
+            self.everywhere.insert(key.clone());
+            self.mark_everywhere_dirty(&key, &ipsets);
+        }
+        self.index.add_selector(sel, selector, true);
+        self.process_events();
+        // Nodes that were sent the previous version need the new content.
+        self.touch_policy(&key, false);
+        Ok(())
+    }
+
+    /// A new version of a policy that applies to the same endpoints in the same place (only
+    /// its rules differ): swap the rules and IP sets in place. Endpoints are untouched, so a
+    /// rule edit costs the nodes running the policy, not every endpoint it selects.
+    fn replace_policy_rules(
+        &mut self,
+        key: &Key,
+        model: PolicyModel,
+        scanned: &ScannedRules,
+        ipsets: Vec<Name>,
+    ) {
+        let message = Arc::new(policy_message(&model, scanned));
+        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+            id: Some(policy_id_proto(&model.id)),
+            policy: Some((*message).clone()),
+        })));
+        let state = self.policies.get_mut(key).expect("checked by the caller");
+        let old_ipsets = std::mem::replace(&mut state.ipsets, ipsets.clone());
+        state.model = model;
+        state.message = message;
+        state.update = update;
+        if self.everywhere.contains(key) {
+            let both: Vec<Name> = ipsets.iter().chain(&old_ipsets).cloned().collect();
+            self.mark_everywhere_dirty(key, &both);
+        } else {
+            let active_on: Vec<Name> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.span.policy_refs.contains_key(key))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for node in &active_on {
+                for id in &ipsets {
+                    self.node_ipset_inc(node, id);
+                }
+                for id in &old_ipsets {
+                    self.node_ipset_dec(node, id);
+                }
+            }
+        }
+        self.undefine_ipsets(&old_ipsets);
+        self.touch_policy(key, false);
+    }
+
+    fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {
+        for n in self.nodes.values_mut() {
+            n.dirty.policies.insert(key.clone());
+            n.dirty.ipsets.extend(ipsets.iter().cloned());
+        }
+    }
+
+    pub(super) fn remove_policy(&mut self, key: &Key) {
+        let Some(sel) = self.policies.get(key).map(|p| p.selector) else {
+            return;
+        };
+        self.index.remove_selector(sel);
+        self.process_events();
+        self.selector_owner.remove(&sel);
+        self.free_selectors.push(sel);
+        let state = self.policies.remove(key).expect("checked above");
+        if self.everywhere.remove(key) {
+            self.mark_everywhere_dirty(key, &state.ipsets);
+        }
+        self.undefine_ipsets(&state.ipsets);
+        self.touch_policy(key, false);
+    }
+
+    /// Marks a policy dirty on every node that runs it or was sent it and, with `endpoints`,
+    /// the endpoints it applies to (their tier lists change when its tier is reordered).
+    fn touch_policy(&mut self, key: &Key, endpoints: bool) {
+        let sel = self.policies.get(key).map(|p| p.selector);
+        for n in self.nodes.values_mut() {
+            if n.span.policy_refs.contains_key(key)
+                || n.sub.as_ref().is_some_and(|s| s.policies.contains_key(key))
+                || self.everywhere.contains(key)
+            {
+                n.dirty.policies.insert(key.clone());
+            }
+        }
+        if let Some(sel) = sel.filter(|_| endpoints) {
+            let items: Vec<ItemId> = self.index.matches(sel).collect();
+            for item in items {
+                if let Some(ep) = self.endpoints.get(&item) {
+                    let (node, ekey) = (ep.node.clone(), ep.key.clone());
+                    self.node_mut(&node).dirty.endpoints.insert(ekey);
+                }
+            }
+        }
+    }
+
+    /// A tier's order or default action changed: every endpoint with a policy in it is dirty.
+    pub(super) fn touch_tier(&mut self, tier: &str) {
+        let keys: Vec<Key> = self
+            .policies
+            .iter()
+            .filter(|(_, p)| p.model.tier == tier)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            self.touch_policy(&k, true);
+        }
+    }
+
+    pub(super) fn set_profile(
+        &mut self,
+        name: &str,
+        scanned: Option<ScannedRules>,
+        labels: &BTreeMap<String, String>,
+    ) {
+        let name: Name = Arc::from(name);
+        let (messages, new_ipsets) = match &scanned {
+            Some(s) => (
+                profile_messages(
+                    &name,
+                    pb::Profile {
+                        inbound_rules: s.inbound.clone(),
+                        outbound_rules: s.outbound.clone(),
+                    },
+                ),
+                self.define_ipsets(&s.ipsets),
+            ),
+            None => (profile_messages(&name, pb::Profile::default()), Vec::new()),
+        };
+        let old_ipsets = self
+            .profiles
+            .get(&name)
+            .map(|p| p.ipsets.clone())
+            .unwrap_or_default();
+        let active_on: Vec<Name> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.span.profile_refs.contains_key(&name))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for node in &active_on {
+            for id in &new_ipsets {
+                self.node_ipset_inc(node, id);
+            }
+            for id in &old_ipsets {
+                self.node_ipset_dec(node, id);
+            }
+        }
+        match scanned {
+            Some(_) => {
+                let (message, update) = messages;
+                self.profiles.insert(
+                    name.clone(),
+                    ProfileState {
+                        message,
+                        update,
+                        ipsets: new_ipsets,
+                    },
+                );
+            }
+            None => {
+                self.profiles.remove(&name);
+            }
+        }
+        self.undefine_ipsets(&old_ipsets);
+        for n in self.nodes.values_mut() {
+            if n.span.profile_refs.contains_key(&name)
+                || n.sub
+                    .as_ref()
+                    .is_some_and(|s| s.profiles.contains_key(&name))
+            {
+                n.dirty.profiles.insert(name.clone());
+            }
+        }
+        self.index.set_parent_labels(&name, labels);
+        self.process_events();
+    }
+
+    pub(super) fn set_endpoint(&mut self, key: Key, model: EndpointModel) {
+        if let Some(item) = self.item_of.get(&key)
+            && self.endpoints.get(item).is_some_and(|e| e.model == model)
+        {
+            return;
+        }
+        self.remove_endpoint(&key);
+        let item = self.alloc_item();
+        let node: Name = Arc::from(model.node.as_str());
+        let labels = model.labels.clone();
+        let profiles = model.profile_ids.clone();
+        {
+            let n = self.node_mut(&node);
+            n.span.endpoints.insert(key.clone());
+            n.dirty.endpoints.insert(key.clone());
+        }
+        for p in &profiles {
+            self.node_profile_inc(&node, &Arc::from(p.as_str()));
+        }
+        self.item_of.insert(key.clone(), item);
+        let nets = model
+            .ipv4_nets
+            .iter()
+            .chain(&model.ipv6_nets)
+            .map(|n| Arc::from(n.as_str()))
+            .collect();
+        self.endpoints.insert(
+            item,
+            EndpointState {
+                key,
+                model,
+                node,
+                policies: FxHashSet::default(),
+                nets,
+            },
+        );
+        self.index
+            .set_item(item, ItemClass::Endpoint, &labels, &profiles);
+        self.process_events();
+    }
+
+    pub(super) fn remove_endpoint(&mut self, key: &Key) {
+        let Some(item) = self.item_of.get(key).copied() else {
+            return;
+        };
+        if !self.endpoints.contains_key(&item) {
+            return;
+        }
+        self.index.remove_item(item);
+        self.process_events();
+        self.item_of.remove(key);
+        let ep = self.endpoints.remove(&item).expect("checked above");
+        self.free_items.push(item);
+        {
+            let n = self.node_mut(&ep.node);
+            n.span.endpoints.remove(key);
+            n.dirty.endpoints.insert(key.clone());
+        }
+        for p in &ep.model.profile_ids {
+            self.node_profile_dec(&ep.node, &Arc::from(p.as_str()));
+        }
+        self.prune_node(&ep.node.clone());
+    }
+
+    pub(super) fn set_netset(&mut self, key: Key, meta: &ObjectMeta, nets: &[String]) {
+        self.remove_netset(&key);
+        let item = self.alloc_item();
+        let mut labels = meta.labels.clone();
+        let mut parents = Vec::new();
+        if let Some(ns) = &key.namespace {
+            labels.insert(LABEL_NAMESPACE.into(), ns.clone());
+            parents.push(format!("kns.{ns}"));
+        }
+        let mut masked: Vec<String> = nets
+            .iter()
+            .filter_map(|n| crate::model::validate::parse_cidr_or_ip(n))
+            .filter_map(|n| ipnetwork::IpNetwork::new(n.network(), n.prefix()).ok())
+            .map(|n| n.to_string())
+            .collect();
+        masked.sort();
+        masked.dedup();
+        self.item_of.insert(key, item);
+        let nets = masked.iter().map(|n| Arc::from(n.as_str())).collect();
+        self.netsets.insert(item, NetSetState { nets });
+        self.index
+            .set_item(item, ItemClass::NetworkSet, &labels, &parents);
+        self.process_events();
+    }
+
+    pub(super) fn remove_netset(&mut self, key: &Key) {
+        let Some(item) = self.item_of.get(key).copied() else {
+            return;
+        };
+        if !self.netsets.contains_key(&item) {
+            return;
+        }
+        self.index.remove_item(item);
+        self.process_events();
+        self.item_of.remove(key);
+        self.netsets.remove(&item);
+        self.free_items.push(item);
+    }
+}
+
+/// Whether two versions of a policy select the same endpoints and sit in the same place in
+/// their tier lists (so only the rules can differ).
+fn same_placement(a: &PolicyModel, b: &PolicyModel) -> bool {
+    a.id == b.id
+        && a.tier == b.tier
+        && a.order.map(f64::to_bits) == b.order.map(f64::to_bits)
+        && a.selector.canonical() == b.selector.canonical()
+        && a.ingress == b.ingress
+        && a.egress == b.egress
+        && a.untracked == b.untracked
+        && a.pre_dnat == b.pre_dnat
+        && a.apply_on_forward == b.apply_on_forward
+        && a.performance_hints == b.performance_hints
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::super::test_util::{apply, flush_for, gnp, kinds, wep};
+    use super::*;
+    use crate::graph::Update;
+
+    #[test]
+    fn a_rule_only_edit_resends_the_policy_but_not_the_endpoints_it_selects() {
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        apply(&mut g, gnp("db", "role == 'db'", "Allow", "role == 'web'"));
+        apply(
+            &mut g,
+            wep(
+                "db-1",
+                "node-1",
+                "10.0.0.1",
+                json!({"role": "db"}),
+                json!([]),
+            ),
+        );
+        apply(
+            &mut g,
+            wep(
+                "db-2",
+                "node-1",
+                "10.0.0.2",
+                json!({"role": "db"}),
+                json!([]),
+            ),
+        );
+        g.flush();
+
+        apply(&mut g, gnp("db", "role == 'db'", "Deny", "role == 'web'"));
+        assert!(
+            g.nodes["node-1"].dirty.endpoints.is_empty(),
+            "a rule edit costs the nodes running the policy, not every endpoint it selects"
+        );
+        assert_eq!(kinds(&flush_for(&mut g, "node-1")), ["ActivePolicyUpdate"]);
+
+        // Moving the policy to other endpoints does touch the endpoints.
+        apply(&mut g, gnp("db", "role == 'none'", "Deny", "role == 'web'"));
+        let k = kinds(&flush_for(&mut g, "node-1"));
+        assert_eq!(
+            k.iter().filter(|k| *k == "WorkloadEndpointUpdate").count(),
+            2,
+            "{k:?}"
+        );
+    }
+
+    #[test]
+    fn ids_of_deleted_items_and_selectors_are_reused() {
+        let mut g = CalcGraph::new();
+        for _ in 0..100 {
+            let pol = apply(&mut g, gnp("db", "role == 'db'", "Allow", "role == 'web'"));
+            let ep = apply(
+                &mut g,
+                wep("db", "node-1", "10.0.0.1", json!({}), json!([])),
+            );
+            g.apply(Update::Delete((*ep).clone())).unwrap();
+            g.apply(Update::Delete((*pol).clone())).unwrap();
+        }
+        assert_eq!(g.next_item, 1, "one endpoint at a time needs one item id");
+        assert_eq!(
+            g.next_selector, 2,
+            "a policy and its IP set need two selector ids"
+        );
+    }
+
+    #[test]
+    fn a_member_shared_by_two_endpoints_stays_until_both_go() {
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        apply(&mut g, gnp("db", "role == 'db'", "Allow", "role == 'web'"));
+        apply(
+            &mut g,
+            wep("db", "node-1", "10.0.0.1", json!({"role": "db"}), json!([])),
+        );
+        let web = |pod: &str| wep(pod, "node-2", "10.0.0.9", json!({"role": "web"}), json!([]));
+        let w1 = apply(&mut g, web("web-1"));
+        apply(&mut g, web("web-2"));
+        g.flush();
+
+        g.apply(Update::Delete((*w1).clone())).unwrap();
+        assert!(
+            flush_for(&mut g, "node-1").is_empty(),
+            "web-2 still has the address: the set does not change"
+        );
+        let set = g.ipsets.values().next().expect("one IP set");
+        assert_eq!(set.members.get("10.0.0.9/32"), Some(&1));
+    }
+}

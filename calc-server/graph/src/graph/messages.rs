@@ -1,0 +1,280 @@
+//! The protobuf payloads the graph sends, built from its state.
+//!
+//! Contract: pure projections. Nothing here reads or changes what a node was sent or what is
+//! dirty, so one built message can be shared by every node that needs it. Field for field these
+//! are what Felix's calculation graph would send for the same state (names, ids, config sources),
+//! because the agent and Felix's dataplane code read them the same way.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use felix_proto as pb;
+use pb::to_dataplane::Payload;
+
+use super::{CalcGraph, Key, SharedMessage};
+use crate::convert::{EndpointKind, PolicyId, PolicyModel};
+use crate::model::{NodeSpec, ObjectMeta};
+use crate::policy_resolver::{self, PolicyRef};
+use crate::rule_scanner::ScannedRules;
+
+pub(super) fn msg(p: Payload) -> pb::ToDataplane {
+    pb::ToDataplane {
+        sequence_number: 0,
+        payload: Some(p),
+    }
+}
+
+/// Felix's parameter name for a FelixConfiguration field: `iptablesRefreshInterval` →
+/// `IptablesRefreshInterval`.
+pub(super) fn felix_param_name(field: &str) -> String {
+    let mut c = field.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().chain(c).collect(),
+        None => String::new(),
+    }
+}
+
+pub(super) fn config_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+pub(super) fn host_metadata(m: &ObjectMeta, s: &NodeSpec) -> pb::HostMetadataUpdate {
+    let strip = |a: &str| a.split('/').next().unwrap_or_default().to_string();
+    let bgp = s.bgp.clone().unwrap_or_default();
+    pb::HostMetadataUpdate {
+        hostname: m.name.clone(),
+        ipv4_addr: strip(&bgp.ipv4_address),
+        ipv6_addr: strip(&bgp.ipv6_address),
+        asnumber: bgp.as_number.map(|a| config_value(&a)).unwrap_or_default(),
+        labels: m.labels.clone().into_iter().collect(),
+    }
+}
+
+pub(super) fn policy_message(model: &PolicyModel, scanned: &ScannedRules) -> pb::Policy {
+    pb::Policy {
+        inbound_rules: scanned.inbound.clone(),
+        outbound_rules: scanned.outbound.clone(),
+        untracked: model.untracked,
+        pre_dnat: model.pre_dnat,
+        namespace: model.namespace.clone(),
+        original_selector: model.selector.canonical().to_string(),
+        perf_hints: model.performance_hints.clone(),
+        tier: model.tier.clone(),
+    }
+}
+
+pub(super) fn profile_messages(
+    name: &str,
+    profile: pb::Profile,
+) -> (Arc<pb::Profile>, SharedMessage) {
+    let update = Arc::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
+        id: Some(pb::ProfileId {
+            name: name.to_string(),
+        }),
+        profile: Some(profile.clone()),
+    })));
+    (Arc::new(profile), update)
+}
+
+pub(super) fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {
+    pb::PolicyId {
+        name: id.name.clone(),
+        namespace: id.namespace.clone(),
+        kind: id.kind.clone(),
+    }
+}
+
+impl CalcGraph {
+    pub(super) fn endpoint_message(&self, key: &Key) -> Option<Payload> {
+        let item = self.item_of.get(key)?;
+        let ep = self.endpoints.get(item)?;
+        let refs: Vec<PolicyRef<'_>> = ep
+            .policies
+            .iter()
+            .filter_map(|k| self.policies.get(k))
+            .map(|p| PolicyRef {
+                model: &p.model,
+                sort_string: &p.sort_string,
+            })
+            .collect();
+        let tiers = policy_resolver::resolve(refs, |t| self.tiers.get(t));
+        let m = &ep.model;
+        Some(match &m.kind {
+            EndpointKind::Workload {
+                orchestrator_id,
+                workload_id,
+                endpoint_id,
+                interface_name,
+                mac,
+                ipv4_nat,
+                ipv6_nat,
+                allow_spoofed_source_prefixes,
+            } => {
+                let nat = |v: &Vec<(String, String)>| {
+                    v.iter()
+                        .map(|(ext, int)| pb::NatInfo {
+                            ext_ip: ext.clone(),
+                            int_ip: int.clone(),
+                        })
+                        .collect()
+                };
+                Payload::WorkloadEndpointUpdate(pb::WorkloadEndpointUpdate {
+                    id: Some(pb::WorkloadEndpointId {
+                        orchestrator_id: orchestrator_id.clone(),
+                        workload_id: workload_id.clone(),
+                        endpoint_id: endpoint_id.clone(),
+                    }),
+                    endpoint: Some(pb::WorkloadEndpoint {
+                        state: "active".into(),
+                        name: interface_name.clone(),
+                        mac: mac.clone(),
+                        profile_ids: m.profile_ids.clone(),
+                        ipv4_nets: m.ipv4_nets.clone(),
+                        ipv6_nets: m.ipv6_nets.clone(),
+                        tiers: tiers.normal,
+                        ipv4_nat: nat(ipv4_nat),
+                        ipv6_nat: nat(ipv6_nat),
+                        allow_spoofed_source_prefixes: allow_spoofed_source_prefixes.clone(),
+                        ..Default::default()
+                    }),
+                })
+            }
+            EndpointKind::Host {
+                endpoint_id,
+                interface_name,
+                expected_ipv4,
+                expected_ipv6,
+            } => Payload::HostEndpointUpdate(pb::HostEndpointUpdate {
+                id: Some(pb::HostEndpointId {
+                    endpoint_id: endpoint_id.clone(),
+                }),
+                endpoint: Some(pb::HostEndpoint {
+                    name: interface_name.clone(),
+                    profile_ids: m.profile_ids.clone(),
+                    tiers: tiers.normal,
+                    expected_ipv4_addrs: expected_ipv4.clone(),
+                    expected_ipv6_addrs: expected_ipv6.clone(),
+                    untracked_tiers: tiers.untracked,
+                    pre_dnat_tiers: tiers.pre_dnat,
+                    forward_tiers: tiers.forward,
+                    ..Default::default()
+                }),
+            }),
+        })
+    }
+
+    pub(super) fn config_for(&self, node: &str) -> pb::ConfigUpdate {
+        let global = self
+            .felix_config
+            .get("default")
+            .cloned()
+            .unwrap_or_default();
+        let local = self
+            .felix_config
+            .get(&format!("node.{node}"))
+            .cloned()
+            .unwrap_or_default();
+        let mut config = global.clone();
+        config.extend(local.clone());
+        let mut raw = BTreeMap::new();
+        if !global.is_empty() {
+            raw.insert(
+                1,
+                pb::RawConfig {
+                    source: "DatastoreGlobal".into(),
+                    config: global,
+                },
+            );
+        }
+        if !local.is_empty() {
+            raw.insert(
+                3,
+                pb::RawConfig {
+                    source: "DatastorePerHost".into(),
+                    config: local,
+                },
+            );
+        }
+        pb::ConfigUpdate {
+            config,
+            source_to_raw_config: raw,
+            message: String::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::super::test_util::apply;
+    use super::*;
+
+    fn felix_config(name: &str, spec: serde_json::Value) -> serde_json::Value {
+        json!({"apiVersion": "projectcalico.org/v3", "kind": "FelixConfiguration",
+               "metadata": {"name": name}, "spec": spec})
+    }
+
+    #[test]
+    fn per_node_felix_config_overrides_the_global_one_under_felix_names() {
+        let mut g = CalcGraph::new();
+        apply(
+            &mut g,
+            felix_config(
+                "default",
+                json!({"logSeverityScreen": "Info", "routeRefreshInterval": 90,
+                       "bpfEnabled": false}),
+            ),
+        );
+        apply(
+            &mut g,
+            felix_config("node.node-1", json!({"logSeverityScreen": "Debug"})),
+        );
+
+        let c = g.config_for("node-1");
+        let want: BTreeMap<String, String> = [
+            ("LogSeverityScreen", "Debug"),
+            ("RouteRefreshInterval", "90"),
+            ("BpfEnabled", "false"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(c.config, want);
+        let sources: Vec<_> = c
+            .source_to_raw_config
+            .iter()
+            .map(|(k, r)| (*k, r.source.as_str()))
+            .collect();
+        assert_eq!(sources, [(1, "DatastoreGlobal"), (3, "DatastorePerHost")]);
+
+        let other = g.config_for("node-2");
+        assert_eq!(other.config["LogSeverityScreen"], "Info");
+        assert_eq!(
+            other.source_to_raw_config.len(),
+            1,
+            "no per-host source for node-2"
+        );
+    }
+
+    #[test]
+    fn host_metadata_carries_bare_addresses_and_the_as_number_as_text() {
+        let mut g = CalcGraph::new();
+        apply(
+            &mut g,
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
+                   "metadata": {"name": "node-1", "labels": {"rack": "r1"}},
+                   "spec": {"bgp": {"ipv4Address": "10.0.0.1/24",
+                                    "ipv6Address": "fd00::1/64", "asNumber": 64512}}}),
+        );
+        let h = &g.host_metadata["node-1"];
+        assert_eq!(h.hostname, "node-1");
+        assert_eq!(h.ipv4_addr, "10.0.0.1");
+        assert_eq!(h.ipv6_addr, "fd00::1");
+        assert_eq!(h.asnumber, "64512");
+        assert_eq!(h.labels.get("rack").map(String::as_str), Some("r1"));
+    }
+}

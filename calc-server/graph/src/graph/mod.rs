@@ -1,0 +1,415 @@
+//! The calculation graph: one pure, synchronous computation for the whole cluster, projected
+//! per node.
+//!
+//! Contract:
+//! - [`CalcGraph::apply`] takes an [`Update`] (`Apply`, `Delete`, `InSync`). It validates and
+//!   converts the resource, updates the cluster-wide indexes (label index, IP-set members,
+//!   per-node reference counts) and only *marks* per-node state dirty. An invalid object is
+//!   rejected with a reason and the last good version of that key stays in force (see
+//!   docs/architecture.md "Invalid updates").
+//! - [`CalcGraph::flush`] computes, for every subscribed node, the messages that move it from
+//!   what it was last sent to the current state, in dependency order (config → IP sets → policies
+//!   → profiles → endpoints, removals reversed, then host metadata and IPAM pools), and `InSync`
+//!   once after the datastore is in sync. Pending work is held as dirty keys and net IP-set
+//!   deltas, so it is bounded by state, not by event rate, and the output depends only on the
+//!   current state and what the node was sent — not on the path taken.
+//! - Membership of every IP set referenced by any policy or profile is tracked cluster-wide; a
+//!   node gets an IP set, policy or profile only while it is needed by one of its endpoints.
+//!
+//! Layout, one job per file: this module takes updates in (validation, conversion, the last good
+//! version of every key); `indexes` keeps the cluster-wide state and the label index in step;
+//! `spans` counts, per node, what its endpoints need; `sequencer` turns the resulting dirty
+//! marks into each node's ordered batch; `messages` builds the protobuf payloads.
+
+mod indexes;
+mod messages;
+mod sequencer;
+mod spans;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use felix_proto as pb;
+use rustc_hash::FxHashMap;
+
+use crate::convert;
+use crate::label_index::{ItemId, LabelIndex, SelectorId};
+use crate::model::validate::validate;
+use crate::model::{Kind, Resource, ResourceKey};
+use crate::policy_resolver::TierMeta;
+use crate::rule_scanner;
+
+use indexes::{EndpointState, IpSetState, NetSetState, PolicyState, ProfileState, SelectorOwner};
+use messages::{config_value, felix_param_name, host_metadata};
+use sequencer::{Dirty, Subscription};
+pub use sequencer::{NodeBatch, SharedMessage};
+use spans::Span;
+
+/// One input to the graph.
+// Updates are consumed at once; boxing the resource would only add an allocation per update.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    Apply(Resource),
+    Delete(ResourceKey),
+    /// The datastore has delivered its complete snapshot.
+    InSync,
+}
+
+/// An update the graph refused, with the reason. The previous good version (if any) stays.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {reason}")]
+pub struct Rejection {
+    pub key: ResourceKey,
+    pub reason: String,
+}
+
+type Key = Arc<ResourceKey>;
+type Name = Arc<str>;
+
+/// Everything the graph keeps about one node, kept for every node that has endpoints or
+/// subscribers: what it needs ([`Span`]), what changed since its last flush ([`Dirty`]) and, if
+/// subscribed, what it was sent.
+#[derive(Default)]
+struct NodeState {
+    span: Span,
+    dirty: Dirty,
+    sub: Option<Subscription>,
+}
+
+/// See the module documentation.
+#[derive(Default)]
+pub struct CalcGraph {
+    index: LabelIndex,
+    next_item: ItemId,
+    next_selector: SelectorId,
+    /// Ids given back by deleted items and selectors, reused first so ids stay small and never
+    /// run out however many updates a long-running server sees.
+    free_items: Vec<ItemId>,
+    free_selectors: Vec<SelectorId>,
+    /// Last good version of every accepted resource except endpoints (kept converted).
+    resources: FxHashMap<Key, Resource>,
+    item_of: FxHashMap<Key, ItemId>,
+    endpoints: FxHashMap<ItemId, EndpointState>,
+    netsets: FxHashMap<ItemId, NetSetState>,
+    policies: FxHashMap<Key, PolicyState>,
+    /// Policies with the AssumeNeededOnEveryNode hint: active on every node.
+    everywhere: BTreeSet<Key>,
+    profiles: FxHashMap<Name, ProfileState>,
+    tiers: FxHashMap<String, TierMeta>,
+    ipsets: FxHashMap<Name, IpSetState>,
+    selector_owner: FxHashMap<SelectorId, SelectorOwner>,
+    /// Net member changes since the last flush, per IP set id: `true` added, `false` removed.
+    /// Only kept for sets some subscribed node holds (`ipset_sent_count`); others are sent whole.
+    ipset_deltas: FxHashMap<Name, FxHashMap<Arc<str>, bool>>,
+    /// How many subscribed nodes hold each IP set.
+    ipset_sent_count: FxHashMap<Name, u32>,
+    nodes: FxHashMap<Name, NodeState>,
+    felix_config: BTreeMap<String, BTreeMap<String, String>>,
+    config_dirty: bool,
+    host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
+    pools: BTreeMap<String, pb::IpamPoolUpdate>,
+    /// IPPool resource name → pool id (CIDR with '-').
+    pool_ids: FxHashMap<String, String>,
+    /// Broadcast state as of the last flush, and the keys changed since.
+    flushed_host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
+    flushed_pools: BTreeMap<String, pb::IpamPoolUpdate>,
+    in_sync: bool,
+}
+
+impl CalcGraph {
+    pub fn new() -> CalcGraph {
+        CalcGraph::default()
+    }
+
+    /// Label-index sizes and work done, for metrics and benchmarks.
+    pub fn index_stats(&self) -> crate::label_index::IndexStats {
+        self.index.stats()
+    }
+
+    /// Whether the datastore has reported in-sync.
+    pub fn in_sync(&self) -> bool {
+        self.in_sync
+    }
+
+    /// Nodes that have at least one endpoint, sorted.
+    pub fn nodes_with_endpoints(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.span.endpoints.is_empty())
+            .map(|(k, _)| k.to_string())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Every node the graph knows of: with endpoints, Node resources or subscribers; sorted.
+    pub fn known_nodes(&self) -> Vec<String> {
+        let mut v: BTreeSet<String> = self.nodes.keys().map(|k| k.to_string()).collect();
+        v.extend(self.host_metadata.keys().cloned());
+        v.into_iter().collect()
+    }
+
+    fn node_mut(&mut self, node: &str) -> &mut NodeState {
+        if !self.nodes.contains_key(node) {
+            self.nodes.insert(Arc::from(node), NodeState::default());
+        }
+        self.nodes.get_mut(node).expect("just inserted")
+    }
+
+    fn prune_node(&mut self, node: &str) {
+        if let Some(n) = self.nodes.get(node)
+            && n.sub.is_none()
+            && n.span.endpoints.is_empty()
+            && n.span.policy_refs.is_empty()
+        {
+            self.nodes.remove(node);
+        }
+    }
+
+    /// Applies one update. On `Err`, nothing changed.
+    pub fn apply(&mut self, update: Update) -> Result<(), Rejection> {
+        match update {
+            Update::InSync => {
+                self.in_sync = true;
+                Ok(())
+            }
+            Update::Delete(key) => {
+                self.delete(Arc::new(key));
+                Ok(())
+            }
+            Update::Apply(res) => {
+                let key = Arc::new(res.key());
+                if let Err(invalid) = validate(&res) {
+                    let reason = invalid
+                        .errors
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    return Err(Rejection {
+                        key: (*key).clone(),
+                        reason,
+                    });
+                }
+                // Endpoints are the bulk of a cluster: their converted form is kept (and compared
+                // for no-op updates) instead of the whole resource.
+                let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+                if !endpoint && self.resources.get(&key) == Some(&res) {
+                    return Ok(());
+                }
+                self.install(key.clone(), &res)
+                    .map_err(|reason| Rejection {
+                        key: (*key).clone(),
+                        reason,
+                    })?;
+                if !endpoint {
+                    self.resources.insert(key, res);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn delete(&mut self, key: Key) {
+        let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+        if !endpoint && self.resources.remove(&key).is_none() {
+            return;
+        }
+        match key.kind {
+            Kind::NetworkPolicy | Kind::GlobalNetworkPolicy => self.remove_policy(&key),
+            Kind::WorkloadEndpoint | Kind::HostEndpoint => self.remove_endpoint(&key),
+            Kind::NetworkSet | Kind::GlobalNetworkSet => self.remove_netset(&key),
+            Kind::Profile => self.set_profile(&key.name, None, &BTreeMap::new()),
+            Kind::Tier => {
+                self.tiers.remove(&key.name);
+                self.touch_tier(&key.name);
+            }
+            Kind::IPPool => {
+                if let Some(id) = self.pool_ids.remove(&key.name) {
+                    self.pools.remove(&id);
+                }
+            }
+            Kind::FelixConfiguration => {
+                self.felix_config.remove(&key.name);
+                self.config_dirty = true;
+            }
+            Kind::Node => {
+                self.host_metadata.remove(&key.name);
+            }
+            Kind::ClusterInformation => {}
+        }
+    }
+
+    /// Converts and installs a validated resource (replacing any previous version).
+    fn install(&mut self, key: Key, res: &Resource) -> Result<(), String> {
+        match res {
+            Resource::NetworkPolicy(m, s) => {
+                let model = convert::convert_policy(&key, s, m.namespace.as_deref())?;
+                self.set_policy(key, model)
+            }
+            Resource::GlobalNetworkPolicy(_, s) => {
+                let model = convert::convert_policy(&key, s, None)?;
+                self.set_policy(key, model)
+            }
+            Resource::Tier(_, s) => {
+                self.tiers.insert(
+                    key.name.clone(),
+                    TierMeta {
+                        order: s.order,
+                        default_action: if s.default_action == "Pass" {
+                            "Pass".into()
+                        } else {
+                            "Deny".into()
+                        },
+                    },
+                );
+                self.touch_tier(&key.name);
+                Ok(())
+            }
+            Resource::Profile(_, s) => {
+                let inbound = convert::convert_profile_rules(&s.ingress)?;
+                let outbound = convert::convert_profile_rules(&s.egress)?;
+                let scanned = rule_scanner::scan_rules(
+                    &inbound,
+                    &outbound,
+                    (
+                        &format!("prof-in-{}", key.name),
+                        &format!("prof-out-{}", key.name),
+                    ),
+                )?;
+                self.set_profile(&key.name, Some(scanned), &s.labels_to_apply);
+                Ok(())
+            }
+            Resource::WorkloadEndpoint(m, s) => {
+                match convert::convert_workload_endpoint(m, s)? {
+                    Some(ep) => self.set_endpoint(key, ep),
+                    // No IPs yet: Felix filters it out, exactly as if it were deleted.
+                    None => self.remove_endpoint(&key),
+                }
+                Ok(())
+            }
+            Resource::HostEndpoint(m, s) => {
+                self.set_endpoint(key, convert::convert_host_endpoint(m, s));
+                Ok(())
+            }
+            Resource::NetworkSet(m, s) | Resource::GlobalNetworkSet(m, s) => {
+                self.set_netset(key, m, &s.nets);
+                Ok(())
+            }
+            Resource::IPPool(_, s) => {
+                if let Some(id) = self.pool_ids.remove(&key.name) {
+                    self.pools.remove(&id);
+                }
+                if let Some(net) = crate::model::validate::parse_cidr_or_ip(&s.cidr) {
+                    let cidr = net.to_string();
+                    let id = cidr.replace('/', "-");
+                    self.pools.insert(
+                        id.clone(),
+                        pb::IpamPoolUpdate {
+                            id,
+                            pool: Some(pb::IpamPool {
+                                cidr,
+                                masquerade: s.nat_outgoing,
+                                ipip_mode: s.ipip_mode.clone(),
+                                vxlan_mode: s.vxlan_mode.clone(),
+                                allowed_uses: s.allowed_uses.clone(),
+                            }),
+                        },
+                    );
+                    self.pool_ids
+                        .insert(key.name.clone(), net.to_string().replace('/', "-"));
+                }
+                Ok(())
+            }
+            Resource::FelixConfiguration(_, spec) => {
+                let cfg = spec
+                    .iter()
+                    .map(|(k, v)| (felix_param_name(k), config_value(v)))
+                    .collect();
+                self.felix_config.insert(key.name.clone(), cfg);
+                self.config_dirty = true;
+                Ok(())
+            }
+            Resource::Node(m, s) => {
+                self.host_metadata
+                    .insert(key.name.clone(), host_metadata(m, s));
+                Ok(())
+            }
+            Resource::ClusterInformation(..) => Ok(()),
+        }
+    }
+}
+
+/// Builders shared by the submodules' unit tests.
+#[cfg(test)]
+mod test_util {
+    use std::sync::Arc;
+
+    use serde_json::{Value, json};
+
+    use super::{CalcGraph, Key, SharedMessage, Update};
+    use crate::model::{Decoded, Resource};
+
+    pub(super) fn resource(v: Value) -> Resource {
+        match Resource::from_value(v.clone()) {
+            Ok(Decoded::Resource(_, r)) => r,
+            other => panic!("does not decode: {other:?}\n{v}"),
+        }
+    }
+
+    /// Applies `v` (which must be accepted) and returns its key.
+    pub(super) fn apply(g: &mut CalcGraph, v: Value) -> Key {
+        let r = resource(v);
+        let key = Arc::new(r.key());
+        g.apply(Update::Apply(r)).expect("accepted");
+        key
+    }
+
+    /// Workload endpoint `pod` in namespace `ns` on `node`, with one address.
+    pub(super) fn wep(pod: &str, node: &str, ip: &str, labels: Value, profiles: Value) -> Value {
+        json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "WorkloadEndpoint",
+            "metadata": {
+                "name": format!("{}-k8s-{}-eth0", node.replace('-', "--"), pod.replace('-', "--")),
+                "namespace": "ns", "labels": labels,
+            },
+            "spec": {"orchestrator": "k8s", "node": node, "pod": pod, "endpoint": "eth0",
+                     "interfaceName": format!("cali-{pod}"), "ipNetworks": [ip],
+                     "profiles": profiles}
+        })
+    }
+
+    /// GlobalNetworkPolicy `name` selecting `selector`, allowing ingress from `source`: the
+    /// source selector makes the policy use one IP set.
+    pub(super) fn gnp(name: &str, selector: &str, action: &str, source: &str) -> Value {
+        json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": name},
+            "spec": {"selector": selector, "types": ["Ingress"],
+                     "ingress": [{"action": action, "source": {"selector": source}}]}
+        })
+    }
+
+    /// The payload variant of each message, e.g. `IpsetUpdate`.
+    pub(super) fn kinds(messages: &[SharedMessage]) -> Vec<String> {
+        messages
+            .iter()
+            .map(|m| {
+                let p = m.payload.as_ref().expect("every message has a payload");
+                let text = format!("{p:?}");
+                text[..text.find('(').unwrap_or(text.len())].to_string()
+            })
+            .collect()
+    }
+
+    /// The messages `node` got from one flush (empty when it got no batch).
+    pub(super) fn flush_for(g: &mut CalcGraph, node: &str) -> Vec<SharedMessage> {
+        g.flush()
+            .into_iter()
+            .find(|b| b.node == node)
+            .map(|b| b.messages)
+            .unwrap_or_default()
+    }
+}
