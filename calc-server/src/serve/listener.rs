@@ -23,7 +23,9 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -140,7 +142,7 @@ impl Limits {
             .clone()
             .try_acquire_owned()
             .map_err(|_| "pending_limit")?;
-        let mut per = self.per_address.lock().expect("limits lock");
+        let mut per = self.per_address.lock();
         let n = per.entry(ip).or_default();
         if *n >= self.max_per_address {
             return Err("pending_per_address");
@@ -157,7 +159,7 @@ impl Limits {
     }
 
     fn release_address(&self, ip: IpAddr) {
-        let mut per = self.per_address.lock().expect("limits lock");
+        let mut per = self.per_address.lock();
         if let Some(n) = per.get_mut(&ip) {
             *n -= 1;
             if *n == 0 {
@@ -193,7 +195,7 @@ impl Admission {
     /// Moves the connection from pending to an agent slot (idempotent); `false` when every
     /// agent slot is taken.
     pub fn admit(&self) -> bool {
-        let mut state = self.state.lock().expect("admission lock");
+        let mut state = self.state.lock();
         if state.admitted {
             return true;
         }
@@ -209,13 +211,13 @@ impl Admission {
     }
 
     fn admitted(&self) -> bool {
-        self.state.lock().expect("admission lock").admitted
+        self.state.lock().admitted
     }
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        if !self.state.get_mut().expect("admission lock").admitted {
+        if !self.state.get_mut().admitted {
             self.limits.release_address(self.ip);
         }
     }

@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 /// A histogram with fixed buckets (seconds).
@@ -126,7 +128,7 @@ impl Metrics {
         queued: Arc<AtomicU64>,
         taken: Arc<AtomicU64>,
     ) {
-        self.agents.lock().expect("metrics lock").insert(
+        self.agents.lock().insert(
             node.to_string(),
             AgentQueue {
                 conn_id,
@@ -138,7 +140,7 @@ impl Metrics {
 
     /// Forgets the node's agent (if it is still connection `conn_id`, when given).
     pub fn agent_gone(&self, node: &str, conn_id: Option<u64>) {
-        let mut agents = self.agents.lock().expect("metrics lock");
+        let mut agents = self.agents.lock();
         if agents
             .get(node)
             .is_some_and(|a| conn_id.is_none_or(|id| a.conn_id == id))
@@ -160,7 +162,7 @@ impl Metrics {
             held_last_good: held,
             without_last_good: without,
         };
-        let mut cur = self.last_good.lock().expect("metrics lock");
+        let mut cur = self.last_good.lock();
         let changed = *cur != new;
         *cur = new;
         changed
@@ -182,7 +184,7 @@ impl Metrics {
     }
 
     pub fn last_good(&self) -> LastGoodHealth {
-        self.last_good.lock().expect("metrics lock").clone()
+        self.last_good.lock().clone()
     }
 
     /// The Prometheus text exposition of every metric.
@@ -266,7 +268,7 @@ impl Metrics {
             "calc_server_calc_seconds",
             "Time to apply one burst of inputs to the graph and flush every node's changes.",
         );
-        let agents = self.agents.lock().expect("metrics lock");
+        let agents = self.agents.lock();
         let _ = writeln!(
             out,
             "# HELP calc_server_connected_agents Agents with an accepted Sync stream.\n# TYPE calc_server_connected_agents gauge\ncalc_server_connected_agents {}",

@@ -15,7 +15,9 @@ use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use felix_proto as pb;
@@ -68,7 +70,7 @@ fn foreign_report(m: &pb::FromDataplane, sent: &SentEndpoints) -> Option<String>
         Some(FromPayload::HostEndpointStatusUpdate(u)) => host_key(u.id.as_ref()),
         _ => return None,
     };
-    let known = sent.lock().expect("sent endpoints lock").contains(&key);
+    let known = sent.lock().contains(&key);
     (!known).then(|| key[2..].to_string())
 }
 
@@ -177,14 +179,12 @@ impl Stream for Outgoing {
                         let key = workload_key(u.id.as_ref());
                         self.sent_endpoints
                             .lock()
-                            .expect("sent endpoints lock")
                             .insert(key);
                     }
                     Some(ToPayload::HostEndpointUpdate(u)) => {
                         let key = host_key(u.id.as_ref());
                         self.sent_endpoints
                             .lock()
-                            .expect("sent endpoints lock")
                             .insert(key);
                     }
                     _ => {}

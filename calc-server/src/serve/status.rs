@@ -10,7 +10,9 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::SystemTime;
 
 use felix_proto as pb;
@@ -99,7 +101,7 @@ pub fn rfc3339(t: SystemTime) -> String {
 
 impl Board {
     fn with(&self, node: &str, f: impl FnOnce(&mut NodeStatus)) {
-        let mut nodes = self.nodes.lock().expect("status board lock");
+        let mut nodes = self.nodes.lock();
         let st = nodes.entry(node.to_string()).or_insert_with(|| NodeStatus {
             node: node.to_string(),
             ..Default::default()
@@ -107,7 +109,6 @@ impl Board {
         f(st);
         self.dirty
             .lock()
-            .expect("status dirty lock")
             .insert(node.to_string());
     }
 
@@ -129,7 +130,7 @@ impl Board {
     }
 
     pub fn sent(&self, node: &str, n: u64) {
-        if let Some(s) = self.nodes.lock().expect("status board lock").get_mut(node) {
+        if let Some(s) = self.nodes.lock().get_mut(node) {
             s.messages_sent += n;
         }
     }
@@ -138,7 +139,6 @@ impl Board {
     pub fn mark_dirty(&self, node: &str) {
         self.dirty
             .lock()
-            .expect("status dirty lock")
             .insert(node.to_string());
     }
 
@@ -148,7 +148,6 @@ impl Board {
         let current = self
             .nodes
             .lock()
-            .expect("status board lock")
             .get(node)
             .is_some_and(|s| s.conn_id == conn_id);
         if !current {
@@ -188,13 +187,13 @@ impl Board {
 
     /// The nodes the datastore knows now (the engine calls it after each datastore batch).
     pub fn set_known(&self, nodes: impl IntoIterator<Item = String>) {
-        *self.known.lock().expect("status known lock") = nodes.into_iter().collect();
+        *self.known.lock() = nodes.into_iter().collect();
     }
 
     /// Every node that connected at some time or that the datastore knows, by name.
     pub fn snapshot(&self) -> Vec<NodeStatus> {
-        let known = self.known.lock().expect("status known lock").clone();
-        let mut all = self.nodes.lock().expect("status board lock").clone();
+        let known = self.known.lock().clone();
+        let mut all = self.nodes.lock().clone();
         for node in &known {
             all.entry(node.clone()).or_insert_with(|| NodeStatus {
                 node: node.clone(),
@@ -212,8 +211,8 @@ impl Board {
 
     /// The nodes whose status changed since the last call (status writers).
     pub fn take_dirty(&self) -> Vec<NodeStatus> {
-        let dirty = std::mem::take(&mut *self.dirty.lock().expect("status dirty lock"));
-        let nodes = self.nodes.lock().expect("status board lock");
+        let dirty = std::mem::take(&mut *self.dirty.lock());
+        let nodes = self.nodes.lock();
         dirty.iter().filter_map(|n| nodes.get(n).cloned()).collect()
     }
 }
