@@ -19,7 +19,9 @@
 //! stand for events lost while a watch was expired, which only a re-list can recover.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -185,7 +187,7 @@ impl FakeKube {
 
     fn change(&self, path: &str, object: Option<Value>, delete: Option<&str>, silent: bool) {
         let (store, tx) = &*self.shared;
-        let mut s = store.lock().unwrap();
+        let mut s = store.lock();
         s.rv += 1;
         let rv = s.rv;
         let coll = s
@@ -257,7 +259,7 @@ impl FakeKube {
     /// any watch from an older revision, so clients must list again.
     pub fn expire(&self) {
         let (store, tx) = &*self.shared;
-        let mut s = store.lock().unwrap();
+        let mut s = store.lock();
         s.expired_below = s.rv + 1;
         s.log.clear();
         let _ = tx.send(Broadcast::Expire);
@@ -265,12 +267,12 @@ impl FakeKube {
 
     /// How many lists / watches of `path` were served.
     pub fn lists(&self, path: &str) -> usize {
-        let s = self.shared.0.lock().unwrap();
+        let s = self.shared.0.lock();
         s.lists.get(path).copied().unwrap_or(0)
     }
 
     pub fn watches(&self, path: &str) -> usize {
-        let s = self.shared.0.lock().unwrap();
+        let s = self.shared.0.lock();
         s.watches.get(path).copied().unwrap_or(0)
     }
 }
@@ -302,7 +304,7 @@ async fn handle(AxumState(shared): AxumState<Shared>, uri: Uri) -> Response<Body
     let q = query(&uri);
     let watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     let (store, tx) = &*shared;
-    let mut s = store.lock().unwrap();
+    let mut s = store.lock();
     let Some(coll) = s.collections.get(&path) else {
         return json_response(
             StatusCode::NOT_FOUND,
@@ -401,7 +403,7 @@ async fn handle(AxumState(shared): AxumState<Shared>, uri: Uri) -> Response<Body
                 }
                 Ok(Broadcast::Event { .. }) => continue,
                 Ok(Broadcast::Bookmark) if bookmarks => {
-                    let rv = shared_for_task.0.lock().unwrap().rv;
+                    let rv = shared_for_task.0.lock().rv;
                     json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": api_version,
                            "metadata": {"resourceVersion": rv.to_string()}}})
                 }

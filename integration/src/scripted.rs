@@ -10,7 +10,9 @@
 
 use std::path::Path;
 use std::process::Child;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
@@ -146,23 +148,23 @@ impl ScriptedServer {
 
     /// Sends a payload on every stream (and on any later one).
     pub fn send(&self, payload: Payload) {
-        self.shared.sent.lock().expect("lock").push(payload);
+        self.shared.sent.lock().push(payload);
         self.shared.more.notify_waiters();
     }
 
     /// Every report received so far, on any stream.
     pub fn reports(&self) -> Vec<FromDataplane> {
-        self.shared.reports.lock().expect("lock").clone()
+        self.shared.reports.lock().clone()
     }
 
     /// Streams opened so far.
     pub fn streams(&self) -> usize {
-        self.shared.opened.lock().expect("lock").len()
+        self.shared.opened.lock().len()
     }
 
     /// When each stream opened so far.
     pub fn stream_times(&self) -> Vec<Instant> {
-        self.shared.opened.lock().expect("lock").clone()
+        self.shared.opened.lock().clone()
     }
 
     /// DataplaneInSync reports received so far, on any stream.
@@ -170,7 +172,6 @@ impl ScriptedServer {
         self.shared
             .reports
             .lock()
-            .expect("lock")
             .iter()
             .filter(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
             .count()
@@ -236,7 +237,7 @@ impl CalcServer for Service {
         request: Request<Streaming<FromDataplane>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
         let n = {
-            let mut opened = self.shared.opened.lock().expect("lock");
+            let mut opened = self.shared.opened.lock();
             opened.push(Instant::now());
             opened.len() - 1
         };
@@ -253,7 +254,7 @@ impl CalcServer for Service {
                 {
                     let _ = tx.send(());
                 }
-                shared.reports.lock().expect("lock").push(msg);
+                shared.reports.lock().push(msg);
                 if let Some(tx) = hello_tx.take() {
                     let _ = tx.send(());
                 }
@@ -308,7 +309,7 @@ impl Numbered {
             let more = shared.more.notified();
             tokio::pin!(more);
             more.as_mut().enable();
-            let batch: Vec<Payload> = shared.sent.lock().expect("lock")[next..].to_vec();
+            let batch: Vec<Payload> = shared.sent.lock()[next..].to_vec();
             next += batch.len();
             for payload in batch {
                 if self.send(payload).await.is_err() {
