@@ -964,63 +964,9 @@ pub fn is_subdomain(s: &str) -> bool {
         })
 }
 
-/// A value as shown in an error: quoted and escaped, cut to 80 characters (a hostile value can
-/// be megabytes long).
-pub fn shown(s: &str) -> String {
-    let mut out = format!("{s:?}");
-    if out.len() > 80 {
-        let mut cut = 77;
-        while !out.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        out.truncate(cut);
-        out.push_str("...");
-    }
-    out
-}
-
-/// Felix's `LogPrefix` rule, shared with the agent: Calico's character set `[A-Za-z0-9%: /_-]`
-/// and at most 27 characters (the kernel's LOG prefix limit, less the `": "` appended).
-pub fn log_prefix(p: &str) -> Result<(), String> {
-    if p.len() > 27 {
-        Err(format!(
-            "{} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")",
-            shown(p)
-        ))
-    } else if !p
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b))
-    {
-        Err(format!(
-            "{} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'",
-            shown(p)
-        ))
-    } else {
-        Ok(())
-    }
-}
-
-/// A workload interface prefix, shared with the agent: 1 to 14 interface name characters, and
-/// never one the loopback interface matches (`l`, `lo`): the prefixes decide which interfaces
-/// the agent takes over.
-pub fn interface_prefix(p: &str) -> Result<(), String> {
-    if p.len() > 14 || !is_interface(p) {
-        Err(format!(
-            "{} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])",
-            shown(p)
-        ))
-    } else if "lo".starts_with(p) {
-        Err(format!("{} would match the loopback interface", shown(p)))
-    } else {
-        Ok(())
-    }
-}
-
-fn is_interface(s: &str) -> bool {
-    (1..=15).contains(&s.len())
-        && s.bytes()
-            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-')
-}
+// Shared with the agent, which re-checks the same settings on the stream it receives.
+use calico_names::validate::is_interface_name as is_interface;
+pub use calico_names::validate::{interface_prefix, log_prefix, shown};
 
 fn is_mac(s: &str) -> bool {
     let parts: Vec<&str> = s.split([':', '-']).collect();

@@ -9,7 +9,7 @@
 //!
 //! Pure functions, no IO.
 
-use calc_graph::model::validate::shown;
+use calico_names::validate::shown;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
@@ -506,7 +506,7 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 }
 
 /// The FelixConfiguration rules the calc-server applies too (one definition for both ends).
-pub use calc_graph::model::validate::{interface_prefix, log_prefix};
+pub use calico_names::validate::{interface_prefix, log_prefix};
 
 /// The reasons for every rejected object, by kind and key, for status and metrics.
 pub type Rejections = BTreeMap<String, String>;

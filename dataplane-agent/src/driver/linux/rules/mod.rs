@@ -471,7 +471,7 @@ pub fn endpoint_chain_name(prefix: &str, iface: &str) -> String {
 /// and it keeps every chain name safe by construction.
 fn chain_name(prefix: &str, id: &str) -> String {
     if !id.is_empty() && id.bytes().all(quote::is_bare) {
-        return calc_graph::hash::length_limited_id(prefix, id, MAX_CHAIN_NAME);
+        return calico_names::hash::length_limited_id(prefix, id, MAX_CHAIN_NAME);
     }
     let hash = URL_SAFE_NO_PAD.encode(sha2::Sha256::digest(id.as_bytes()));
     let keep = MAX_CHAIN_NAME

@@ -1,0 +1,16 @@
+//! Names both ends of the split Felix must agree on, byte for byte.
+//!
+//! calc-server computes IP set ids and validates FelixConfiguration; the agent turns the same ids
+//! into chain and IP set names and re-checks the same settings against an untrusted stream. Both
+//! take these functions from here, so the agent does not link the calculation graph and the two
+//! can never drift apart.
+//!
+//! Contract: everything here is pure (no IO, no clock, no allocation beyond the returned value)
+//! and never panics on any input: hostile strings come back as values or `Err` texts.
+//!
+//! - [`hash`]: Calico's `libcalico-go/lib/hash` ids (unique ids, length-limited names).
+//! - [`validate`]: the name rules both binaries enforce (interface and log prefixes) and how a
+//!   rejected value is shown in an error.
+
+pub mod hash;
+pub mod validate;
