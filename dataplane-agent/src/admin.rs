@@ -23,64 +23,30 @@
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use common::Histogram;
+use parking_lot::Mutex;
 
 use crate::driver::{DriverMetrics, ProgrammedObjects};
 
-const SECONDS_BUCKETS: &[f64] = &[
+/// The apply-time buckets: an agent's applies run from a millisecond to tens of seconds.
+const APPLY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// A histogram of durations with fixed buckets (seconds).
+/// Apply durations, in [`APPLY_BUCKETS`].
 #[derive(Debug)]
-struct Histogram {
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
-}
+struct ApplyTimes(Histogram);
 
-impl Default for Histogram {
+impl Default for ApplyTimes {
     fn default() -> Self {
-        Self {
-            counts: SECONDS_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Histogram {
-    fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = SECONDS_BUCKETS.iter().position(|b| secs <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, c) in SECONDS_BUCKETS.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
-        );
+        ApplyTimes(Histogram::new(APPLY_BUCKETS))
     }
 }
 
@@ -92,7 +58,7 @@ pub struct AgentMetrics {
     /// `None` before the first apply.
     last_apply_ok: Mutex<Option<bool>>,
     session_running: AtomicBool,
-    applies: Histogram,
+    applies: ApplyTimes,
     apply_failures: AtomicU64,
     resyncs: AtomicU64,
     streams: AtomicU64,
@@ -161,12 +127,12 @@ impl AgentMetrics {
 
     /// An apply finished.
     pub fn applied(&self, took: Duration, ok: bool, driver: DriverMetrics) {
-        self.applies.observe(took);
+        self.applies.0.observe(took);
         if !ok {
             self.apply_failures.fetch_add(1, Ordering::Relaxed);
         }
-        *self.last_apply_ok.lock().expect("metrics lock") = Some(ok);
-        *self.driver.lock().expect("metrics lock") = driver;
+        *self.last_apply_ok.lock() = Some(ok);
+        *self.driver.lock() = driver;
     }
 
     /// After a successful apply: `dump` gives the driver's [`ProgrammedObjects`] for
@@ -179,7 +145,7 @@ impl AgentMetrics {
             Some(objects) => ProgrammedView::Objects(Arc::new(objects)),
             None => ProgrammedView::Unsupported,
         };
-        *self.programmed.lock().expect("metrics lock") = view;
+        *self.programmed.lock() = view;
     }
 
     /// The session task runs (liveness).
@@ -201,8 +167,8 @@ impl AgentMetrics {
         self.health().progress = Some(Instant::now());
     }
 
-    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
-        self.health.lock().expect("metrics lock")
+    fn health(&self) -> parking_lot::MutexGuard<'_, Health> {
+        self.health.lock()
     }
 
     /// `Ok` when live, else a one-line reason.
@@ -256,7 +222,7 @@ impl AgentMetrics {
         if !self.stream_in_sync.load(Ordering::Relaxed) {
             return Err("waiting for the calc-server's snapshot (InSync)");
         }
-        match *self.last_apply_ok.lock().expect("metrics lock") {
+        match *self.last_apply_ok.lock() {
             Some(true) => Ok(()),
             Some(false) => Err("the last apply failed"),
             None => Err("the dataplane has not been programmed yet"),
@@ -309,12 +275,12 @@ impl AgentMetrics {
             "Applies that failed (retried with back-off).",
             c(&self.apply_failures),
         );
-        self.applies.render(
+        self.applies.0.render(
             &mut out,
             "dataplane_agent_apply_seconds",
             "Time of each apply (programming the dataplane), failed ones included.",
         );
-        let d = *self.driver.lock().expect("metrics lock");
+        let d = *self.driver.lock();
         for (name, help, v) in [
             (
                 "dataplane_agent_programmed_rules",
@@ -376,7 +342,7 @@ async fn metrics_text(State(m): State<Arc<AgentMetrics>>) -> impl axum::response
 
 async fn programmed(State(m): State<Arc<AgentMetrics>>) -> axum::response::Response {
     use axum::response::IntoResponse as _;
-    let view = m.programmed.lock().expect("metrics lock").clone();
+    let view = m.programmed.lock().clone();
     match view {
         ProgrammedView::NotYet => (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -4,7 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+pub use common::LogFormat;
+use common::parse_duration;
 
 use crate::driver::linux::iptables::Backend;
 use crate::driver::linux::rules::static_chains::{
@@ -13,15 +15,6 @@ use crate::driver::linux::rules::static_chains::{
 use crate::driver::{DriverKind, LinuxOptions};
 use crate::session::{SessionConfig, normalize_server_url};
 use crate::tls::{ClientTls, ServerIdentity};
-
-/// Log line format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Plain,
-    /// One JSON object per line.
-    Json,
-}
 
 /// Follows a calc-server's Sync stream and programs this node's dataplane through a pluggable
 /// driver.
@@ -503,30 +496,6 @@ fn running_as_root_on_linux() -> bool {
     }
 }
 
-/// Parses `500ms`, `5s`, `1.5s`, `2m`, `1h`; a bare number is seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (e.g. 200ms, 5s, 1m)"))?;
-    let scale = match unit.trim() {
-        "ms" => 0.001,
-        "" | "s" => 1.0,
-        "m" => 60.0,
-        "h" => 3600.0,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
-            ));
-        }
-    };
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -566,17 +535,6 @@ mod tests {
         assert_eq!(addrs("http://[fd00::5]:7/path"), vec!["[fd00::5]:7"]);
         assert!(addrs("http://localhost:50051").contains(&"127.0.0.1:50051".to_owned()));
         assert!(addrs("http://no-such-host.invalid:1").is_empty());
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("200ms"), Ok(Duration::from_millis(200)));
-        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
-        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("fast").is_err());
-        assert!(parse_duration("5 days").is_err());
     }
 
     #[test]

@@ -10,9 +10,7 @@
 //! `docs/proto.md` is the stream contract; `docs/drivers.md` is the driver contract.
 
 pub mod admin;
-pub mod backoff;
 pub mod cli;
-pub mod clock;
 pub mod driver;
 pub mod session;
 pub mod tls;

@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use dataplane_agent::cli::{Cli, LogFormat};
+use dataplane_agent::cli::Cli;
 use dataplane_agent::driver::{self, DriverOptions};
 use dataplane_agent::{admin, session};
 use tracing::info;
@@ -13,7 +13,7 @@ fn main() -> ExitCode {
     // --config-file (or DATAPLANE_AGENT_CONFIG_FILE) supplies defaults beneath flags and env;
     // --print-config is answered (and the process exits) inside parse_args.
     let cli: Cli = config_file::parse_args("--config-file", "DATAPLANE_AGENT_CONFIG_FILE", None);
-    init_logging(&cli.log_level, cli.log_format);
+    common::init_logging(&cli.log_level, cli.log_format, "info");
     let config = match cli.session_config() {
         Ok(c) => c,
         Err(e) => {
@@ -82,7 +82,7 @@ fn main() -> ExitCode {
         metrics.set_session_running(true);
         // The session runs on a worker thread so a driver's blocking apply can use
         // block_in_place.
-        let task = tokio::spawn(session::run(config, driver, shutdown_signal()));
+        let task = tokio::spawn(session::run(config, driver, common::shutdown_signal()));
         let driver = task.await;
         metrics.set_session_running(false);
         driver.map(Some)
@@ -97,45 +97,5 @@ fn main() -> ExitCode {
             eprintln!("dataplane-agent: session task failed: {e}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => info!("SIGINT received"),
-        () = term => info!("SIGTERM received"),
-    }
-}
-
-fn init_logging(level: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour only for a person at a terminal: a log file or collector gets plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Plain => builder.init(),
-        LogFormat::Json => builder.json().init(),
     }
 }

@@ -52,11 +52,10 @@ use tonic::transport::Endpoint;
 use tracing::{debug, error, info, warn};
 
 use crate::admin::AgentMetrics;
-use crate::backoff::Backoff;
-use crate::clock::rfc3339_utc;
 use crate::driver::{Driver, EndpointStatuses};
 use crate::tls::{ClientTls, ConnectionErrors};
 use crate::tracker::Tracker;
+use common::{Backoff, rfc3339_utc};
 use std::sync::Arc;
 
 /// Default [`SessionConfig::snapshot_timeout`]: a 100k-endpoint node's snapshot arrives in

@@ -16,7 +16,9 @@
 use std::fmt;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::{Context, Poll};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -268,20 +270,16 @@ struct RecordedErrors {
 impl ConnectionErrors {
     /// The most telling error recorded so far, if any.
     pub fn first(&self) -> Option<String> {
-        let e = self.0.lock().expect("connection errors lock");
+        let e = self.0.lock();
         e.read.clone().or_else(|| e.write.clone())
     }
 
     fn has_read_error(&self) -> bool {
-        self.0
-            .lock()
-            .expect("connection errors lock")
-            .read
-            .is_some()
+        self.0.lock().read.is_some()
     }
 
     fn record(&self, read: bool, error: &std::io::Error) {
-        let mut e = self.0.lock().expect("connection errors lock");
+        let mut e = self.0.lock();
         let slot = if read { &mut e.read } else { &mut e.write };
         if slot.is_none() {
             *slot = Some(crate::session::error_chain(error));
