@@ -251,27 +251,22 @@ impl ArrayWriter {
 // ---------------------------------------------------------------------------------------------
 // Deterministic randomness
 
-/// splitmix64: tiny, fast and good enough for test data. A crate's generator could change its
-/// output between versions, and that would silently change every benchmark cluster.
-struct Rng(u64);
+/// The shared splitmix64 ([`common::Rng`]), one independent stream per part of the cluster,
+/// with the picks the generator needs.
+struct Rng(common::Rng);
 
 impl Rng {
     /// An independent stream for one part of the cluster.
     fn new(seed: u64, stream: &str) -> Rng {
-        Rng(seed ^ fnv1a(stream.as_bytes()))
+        Rng(common::Rng::new(seed ^ fnv1a(stream.as_bytes())))
     }
 
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
-    /// A value in `0..n` (`n > 0`); the modulo bias is irrelevant at these sizes.
     fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        self.0.below(n)
     }
 
     fn chance(&mut self, percent: usize) -> bool {

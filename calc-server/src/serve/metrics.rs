@@ -6,59 +6,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use std::time::Duration;
 
-/// A histogram with fixed buckets (seconds).
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
-}
-
-const SECONDS_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
-impl Default for Histogram {
-    fn default() -> Self {
-        Histogram {
-            bounds: SECONDS_BUCKETS,
-            counts: SECONDS_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
-    }
-}
+pub use common::Histogram;
 
 /// One connected agent's queue counters (shared with its connection).
 struct AgentQueue {
@@ -298,8 +251,8 @@ mod tests {
     fn renders_prometheus_text() {
         let m = Metrics::default();
         m.updates_processed.fetch_add(3, Ordering::Relaxed);
-        m.calc_seconds.observe(Duration::from_millis(2));
-        m.calc_seconds.observe(Duration::from_secs(20));
+        m.calc_seconds.observe(std::time::Duration::from_millis(2));
+        m.calc_seconds.observe(std::time::Duration::from_secs(20));
         let q = Arc::new(AtomicU64::new(10));
         let t = Arc::new(AtomicU64::new(4));
         m.agent_connected("node-\"1\"", 1, q, t);

@@ -14,8 +14,8 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use std::time::Duration;
@@ -177,15 +177,11 @@ impl Stream for Outgoing {
                 match &m.payload {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
-                        self.sent_endpoints
-                            .lock()
-                            .insert(key);
+                        self.sent_endpoints.lock().insert(key);
                     }
                     Some(ToPayload::HostEndpointUpdate(u)) => {
                         let key = host_key(u.id.as_ref());
-                        self.sent_endpoints
-                            .lock()
-                            .insert(key);
+                        self.sent_endpoints.lock().insert(key);
                     }
                     _ => {}
                 }

@@ -75,29 +75,7 @@ fn workload_key(id: &Option<pb::WorkloadEndpointId>) -> String {
     )
 }
 
-/// RFC 3339 in UTC, seconds precision, without a date library.
-pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
+pub use common::rfc3339_utc as rfc3339;
 
 impl Board {
     fn with(&self, node: &str, f: impl FnOnce(&mut NodeStatus)) {
@@ -107,9 +85,7 @@ impl Board {
             ..Default::default()
         });
         f(st);
-        self.dirty
-            .lock()
-            .insert(node.to_string());
+        self.dirty.lock().insert(node.to_string());
     }
 
     /// A new stream for `node` started (replacing any previous one).
@@ -137,9 +113,7 @@ impl Board {
 
     /// Marks a node's status for writing again (after a failed write).
     pub fn mark_dirty(&self, node: &str) {
-        self.dirty
-            .lock()
-            .insert(node.to_string());
+        self.dirty.lock().insert(node.to_string());
     }
 
     /// Records one report from a node's agent on stream `conn_id`; a report from a stream that
@@ -279,13 +253,6 @@ async fn write_atomic(dir: &Path, st: &NodeStatus) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rfc3339_formats_utc() {
-        let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_795_000_000);
-        assert_eq!(rfc3339(t), "2026-11-18T11:06:40Z");
-        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00Z");
-    }
 
     #[test]
     fn reports_update_the_board() {
