@@ -43,8 +43,16 @@ mod tests {
 
     #[test]
     fn mistakes_are_named() {
-        assert!(parse_duration("fast").unwrap_err().contains("not a duration"));
-        assert!(parse_duration("5d").unwrap_err().contains("unknown unit \"d\""));
+        assert!(
+            parse_duration("fast")
+                .unwrap_err()
+                .contains("not a duration")
+        );
+        assert!(
+            parse_duration("5d")
+                .unwrap_err()
+                .contains("unknown unit \"d\"")
+        );
         assert!(parse_duration("").is_err());
     }
 }
