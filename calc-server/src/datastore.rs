@@ -120,24 +120,6 @@ pub fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// The rejected objects an adapter tracks, as (name, whether a last good version is in force),
-/// split into the held and the without lists, each sorted.
-pub fn split_unusable(
-    rejected: impl Iterator<Item = (String, bool)>,
-) -> (Vec<String>, Vec<String>) {
-    let (mut held, mut without) = (Vec::new(), Vec::new());
-    for (name, has_last_good) in rejected {
-        if has_last_good {
-            held.push(name);
-        } else {
-            without.push(name);
-        }
-    }
-    held.sort();
-    without.sort();
-    (held, without)
-}
-
 /// Objects the datastore refused, by stage: the `calc_server_rejected_objects_total` counter.
 /// Each refusal counts once: a new bad value (etcd, Kubernetes) or a changed file read again.
 #[derive(Debug, Default)]

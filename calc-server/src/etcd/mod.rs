@@ -1,18 +1,13 @@
 //! The etcd v3 datastore: Calico's key layout, read with a paginated list at one revision and
 //! then watched; endpoint status written back under Calico's status keys.
 //!
-//! - [`decode`]: one etcd key/value → a graph resource (policy names restored, metadata filled
-//!   from the key) or a rejection naming the key. Pure.
-//! - [`mirror`]: what was last delivered per etcd key, so a re-list (after compaction, a lost
-//!   connection, a new cluster ID or the periodic anti-entropy pass) becomes exactly the
-//!   `Apply`/`Delete` updates that reconcile the graph (mark and sweep). Pure.
+//! What a key/value means and how a re-list reconciles (mark and sweep) are pure and live in
+//! `calc_ingest::etcd` and `calc_ingest::mirror`; this module is the IO:
 //! - [`watcher`]: the IO: connect, list, watch, back off, re-list.
 //! - [`status`]: the status writer (endpoint status and node liveness keys).
 //!
 //! The adapter is thin (DESIGN.md invariant 2): meaning and validation stay in `calc-graph`.
 
-pub mod decode;
-pub mod mirror;
 pub mod status;
 pub mod watcher;
 
@@ -24,8 +19,7 @@ use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 
 use crate::serve::parse_duration;
 
-/// Where Calico keeps the v3 resources.
-pub const RESOURCE_PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
+pub use calc_ingest::etcd::RESOURCE_PREFIX;
 
 /// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`). The env
 /// names are Felix's.

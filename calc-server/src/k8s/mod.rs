@@ -1,13 +1,11 @@
 //! The Kubernetes datastore: Calico's CRDs (`crd.projectcalico.org/v1`) and the native objects
 //! Calico's Kubernetes datastore derives policy data from, read with the kube client's list/watch.
 //!
-//! - [`convert`]: one object of one watched [`Source`] → a graph resource, a skip, or a rejection
-//!   naming the object, exactly as Calico's Kubernetes backend converts it (pods → workload
-//!   endpoints, namespaces and service accounts → profiles, Kubernetes NetworkPolicy → a
-//!   `knp.default.` NetworkPolicy, nodes → Node, CRDs → the v3 object they carry). Pure.
-//! - [`mirror`]: what was last delivered per watched object, so that every (re-)list of a source
-//!   becomes exactly the `Apply`/`Delete` updates that reconcile the graph (mark and sweep per
-//!   source). Pure.
+//! Which collections are watched, how each object converts (pods → workload endpoints,
+//! namespaces and service accounts → profiles, Kubernetes NetworkPolicy → a `knp.default.`
+//! NetworkPolicy, nodes → Node, CRDs → the v3 object they carry) and how a re-list reconciles
+//! (mark and sweep per source) are pure and live in `calc_ingest::kubernetes` and
+//! `calc_ingest::mirror`; this module is the IO:
 //! - [`watcher`]: the IO: one kube-runtime watcher per source (list at a resourceVersion, watch
 //!   with bookmarks, re-list on 410 Gone, back-off on errors), merged into one update stream;
 //!   also the one-shot snapshot `compute` uses.
@@ -15,21 +13,16 @@
 //! The adapter is thin (DESIGN.md invariant 2): it produces the same v3 resources the etcd and
 //! file adapters do, so the graph cannot tell which datastore it runs on.
 
-pub mod convert;
-pub mod mirror;
 pub mod watcher;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use calc_graph::model::Kind;
+pub use calc_ingest::kubernetes::Source;
 use kube::core::ApiResource;
 
 use crate::serve::parse_duration;
-
-/// The API group of Calico's CRDs.
-pub const CRD_GROUP: &str = "crd.projectcalico.org";
 
 /// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`).
 #[derive(Clone, Debug, clap::Args)]
@@ -101,89 +94,15 @@ pub async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
     kube::Client::try_from(config).with_context(|| format!("creating a client for {url}"))
 }
 
-/// One watched collection: a Calico CRD or a native Kubernetes kind.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Source {
-    /// A Calico CRD whose spec is the v3 spec of this kind.
-    Crd(Kind),
-    Pod,
-    Namespace,
-    ServiceAccount,
-    Node,
-    /// `networking.k8s.io/v1` NetworkPolicy.
-    KubernetesNetworkPolicy,
-}
-
-impl Source {
-    /// Every source the adapter watches.
-    pub const ALL: [Source; 14] = [
-        Source::Crd(Kind::Tier),
-        Source::Crd(Kind::GlobalNetworkPolicy),
-        Source::Crd(Kind::NetworkPolicy),
-        Source::Crd(Kind::GlobalNetworkSet),
-        Source::Crd(Kind::NetworkSet),
-        Source::Crd(Kind::HostEndpoint),
-        Source::Crd(Kind::IPPool),
-        Source::Crd(Kind::FelixConfiguration),
-        Source::Crd(Kind::ClusterInformation),
-        Source::Namespace,
-        Source::ServiceAccount,
-        Source::Node,
-        Source::KubernetesNetworkPolicy,
-        Source::Pod,
-    ];
-
-    /// Whether objects of this source live in a namespace.
-    pub fn namespaced(self) -> bool {
-        match self {
-            Source::Crd(kind) => kind.namespaced(),
-            Source::Pod | Source::ServiceAccount | Source::KubernetesNetworkPolicy => true,
-            Source::Namespace | Source::Node => false,
-        }
-    }
-
-    /// Group, version, kind and plural, for the dynamic API.
-    pub fn api_resource(self) -> ApiResource {
-        let (group, version, kind, plural) = match self {
-            Source::Crd(kind) => (CRD_GROUP, "v1", kind.as_str(), kind.plural()),
-            Source::Pod => ("", "v1", "Pod", "pods"),
-            Source::Namespace => ("", "v1", "Namespace", "namespaces"),
-            Source::ServiceAccount => ("", "v1", "ServiceAccount", "serviceaccounts"),
-            Source::Node => ("", "v1", "Node", "nodes"),
-            Source::KubernetesNetworkPolicy => (
-                "networking.k8s.io",
-                "v1",
-                "NetworkPolicy",
-                "networkpolicies",
-            ),
-        };
-        ApiResource {
-            group: group.into(),
-            version: version.into(),
-            api_version: if group.is_empty() {
-                version.into()
-            } else {
-                format!("{group}/{version}")
-            },
-            kind: kind.into(),
-            plural: plural.into(),
-        }
-    }
-
-    /// `<plural>.<group>` (or the plural alone for the core group), as kubectl names it.
-    pub fn name(self) -> String {
-        let r = self.api_resource();
-        if r.group.is_empty() {
-            r.plural
-        } else {
-            format!("{}.{}", r.plural, r.group)
-        }
-    }
-}
-
-impl std::fmt::Display for Source {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.name())
+/// The kube client's description of `source`'s collection.
+pub fn api_resource(source: Source) -> ApiResource {
+    let c = source.collection();
+    ApiResource {
+        group: c.group.into(),
+        version: c.version.into(),
+        api_version: c.api_version(),
+        kind: c.kind.into(),
+        plural: c.plural.into(),
     }
 }
 
@@ -192,21 +111,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sources_name_their_collections() {
-        assert_eq!(Source::Pod.name(), "pods");
-        assert_eq!(
-            Source::KubernetesNetworkPolicy.name(),
-            "networkpolicies.networking.k8s.io"
-        );
-        assert_eq!(
-            Source::Crd(Kind::GlobalNetworkPolicy).name(),
-            "globalnetworkpolicies.crd.projectcalico.org"
-        );
-        let r = Source::Crd(Kind::Tier).api_resource();
+    fn api_resources_carry_the_collection() {
+        use calc_graph::model::Kind;
+        let r = api_resource(Source::Crd(Kind::Tier));
         assert_eq!(r.api_version, "crd.projectcalico.org/v1");
-        assert_eq!(Source::Node.api_resource().api_version, "v1");
-        assert!(Source::Crd(Kind::NetworkSet).namespaced());
-        assert!(!Source::Crd(Kind::Tier).namespaced());
+        assert_eq!((r.kind.as_str(), r.plural.as_str()), ("Tier", "tiers"));
+        let r = api_resource(Source::KubernetesNetworkPolicy);
+        assert_eq!(r.group, "networking.k8s.io");
+        assert_eq!(api_resource(Source::Node).api_version, "v1");
     }
 
     #[test]
