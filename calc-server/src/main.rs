@@ -9,11 +9,7 @@ mod bench;
 mod bench_sync;
 mod compute;
 mod datastore;
-mod etcd;
 mod gen_cluster;
-mod k8s;
-mod last_good;
-mod manifest_dir;
 mod serve;
 mod status_cmd;
 
@@ -185,7 +181,7 @@ fn selector_normalize(sel: &str) -> anyhow::Result<ExitCode> {
 }
 
 fn validate(paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
-    let report = manifest_dir::load(paths);
+    let report = datastore::file::manifest_dir::load(paths);
     let mut out = std::io::stdout().lock();
     for problem in &report.problems {
         writeln!(out, "{problem}")?;

@@ -162,10 +162,17 @@ impl Engine {
         }
     }
 
-    /// Runs until the input channel closes or a Shutdown arrives.
-    pub async fn run(mut self, mut rx: mpsc::Receiver<Input>) {
+    /// Runs until the input channel closes or a Shutdown arrives. `datastore` carries the
+    /// adapter's batches of updates (`crate::datastore::Sink` is its sender); the engine goes on
+    /// serving what it has if the adapter stops.
+    pub async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<Input>,
+        mut datastore: mpsc::Receiver<Vec<Update>>,
+    ) {
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(10));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut datastore_open = true;
         loop {
             let busy = !self.waiting.is_empty() || !self.snapshotting.is_empty();
             let first = tokio::select! {
@@ -173,10 +180,23 @@ impl Engine {
                     Some(i) => Some(i),
                     None => return,
                 },
+                batch = datastore.recv(), if datastore_open => match batch {
+                    Some(batch) => Some(Input::Datastore(batch)),
+                    None => {
+                        datastore_open = false;
+                        None
+                    }
+                },
                 _ = tick.tick(), if busy => None,
             };
             let mut inputs: Vec<Input> = first.into_iter().collect();
             // Take everything already waiting: one flush for the whole burst.
+            while inputs.len() < 4096 {
+                match datastore.try_recv() {
+                    Ok(batch) => inputs.push(Input::Datastore(batch)),
+                    Err(_) => break,
+                }
+            }
             while inputs.len() < 4096 {
                 match rx.try_recv() {
                     Ok(i) => inputs.push(i),

@@ -1,7 +1,8 @@
 //! `calc-server serve`: the datastore adapter, the engine that owns the graph, the gRPC Sync
 //! service and the admin endpoint, wired together.
 //!
-//! Tasks: the watcher (datastore → engine), the engine (graph, per-node queues), one task per
+//! Tasks: the datastore adapter (its updates go straight into the engine's datastore receiver),
+//! the engine (graph, per-node queues), one task per
 //! agent stream (its outgoing queue) and one per agent's reports, the status writer, the admin
 //! HTTP server. SIGTERM/SIGINT: every stream is closed with UNAVAILABLE, then the process exits 0.
 //! `listener` accepts connections (mutual TLS, handshake timeout, connection limit) and
@@ -13,7 +14,6 @@ pub mod listener;
 pub mod metrics;
 mod service;
 pub mod status;
-mod watch;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -102,10 +102,10 @@ pub struct ServeArgs {
     pub status_interval: Duration,
     /// etcd watch and status settings (for `--datastore-type etcdv3`).
     #[command(flatten)]
-    pub etcd: crate::etcd::EtcdServeArgs,
+    pub etcd: crate::datastore::etcd::EtcdServeArgs,
     /// Kubernetes watch settings (for `--datastore-type kubernetes`).
     #[command(flatten)]
-    pub kube: crate::k8s::KubeServeArgs,
+    pub kube: crate::datastore::kubernetes::KubeServeArgs,
     /// mTLS and connection limits of the Sync listener.
     #[command(flatten)]
     pub listener: listener::ListenerArgs,
@@ -161,18 +161,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let source = match args.datastore.datastore_type {
         DatastoreType::File => {
             let dir: PathBuf = args.datastore.file_dir.clone();
-            crate::datastore::check_file_dir(&dir)?;
+            crate::datastore::file::check_file_dir(&dir)?;
             dir.display().to_string()
         }
         DatastoreType::Etcdv3 => {
             // Fail fast on bad URLs or TLS files; an unreachable etcd is retried.
-            crate::etcd::connect(&args.datastore.etcd).await?;
+            crate::datastore::etcd::connect(&args.datastore.etcd).await?;
             format!("etcd {}", args.datastore.etcd.etcd_endpoints.join(","))
         }
         DatastoreType::Kubernetes => {
             // Fail fast on a missing or broken configuration; an unreachable API server is
             // retried by the watchers.
-            kube_client = Some(crate::k8s::client(&args.datastore.kube).await?);
+            kube_client = Some(crate::datastore::kubernetes::client(&args.datastore.kube).await?);
             "the Kubernetes API".to_string()
         }
     };
@@ -181,6 +181,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let metrics = Arc::new(metrics::Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     let (engine_tx, engine_rx) = mpsc::channel(1024);
+    let (sink, datastore_rx): (crate::datastore::Sink, _) = mpsc::channel(64);
     let engine = engine::Engine::new(
         board.clone(),
         args.agent_backlog_limit,
@@ -190,32 +191,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.max_concurrent_snapshots,
         metrics.clone(),
     );
-    let engine_task = tokio::spawn(engine.run(engine_rx));
+    let engine_task = tokio::spawn(engine.run(engine_rx, datastore_rx));
     match args.datastore.datastore_type {
         DatastoreType::Etcdv3 => {
-            let (tx, mut rx) = mpsc::channel(64);
-            let watcher = crate::etcd::watcher::Watcher::new(
-                crate::etcd::watcher::WatchConfig {
+            let watcher = crate::datastore::etcd::watcher::Watcher::new(
+                crate::datastore::etcd::watcher::WatchConfig {
                     args: args.datastore.etcd.clone(),
                     resync_interval: args.etcd.etcd_resync_interval,
                     min_backoff: Duration::from_millis(100),
                     max_backoff: args.etcd.etcd_max_backoff,
                 },
-                tx,
+                sink,
                 metrics.clone(),
             );
             tokio::spawn(watcher.run());
-            let engine = engine_tx.clone();
-            tokio::spawn(async move {
-                while let Some(batch) = rx.recv().await {
-                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            let writer = crate::etcd::status::StatusWriter::new(
+            let writer = crate::datastore::etcd::status::StatusWriter::new(
                 board.clone(),
-                crate::etcd::status::StatusConfig {
+                crate::datastore::etcd::status::StatusConfig {
                     args: args.datastore.etcd.clone(),
                     interval: args.status_interval,
                     resync_interval: args.etcd.etcd_status_resync_interval,
@@ -227,44 +219,35 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             let client = kube_client
                 .take()
                 .context("the Kubernetes client is made before the engine starts")?;
-            let (tx, mut rx) = mpsc::channel(64);
-            let watcher = crate::k8s::watcher::Watcher::new(
-                crate::k8s::watcher::WatchConfig {
+            let watcher = crate::datastore::kubernetes::watcher::Watcher::new(
+                crate::datastore::kubernetes::watcher::WatchConfig {
                     args: args.datastore.kube.clone(),
                     resync_interval: args.kube.kube_resync_interval,
                 },
-                tx,
+                sink,
                 metrics.clone(),
             );
             tokio::spawn(watcher.run(client));
-            let engine = engine_tx.clone();
-            tokio::spawn(async move {
-                while let Some(batch) = rx.recv().await {
-                    if engine.send(engine::Input::Datastore(batch)).await.is_err() {
-                        return;
-                    }
-                }
-            });
             // Calico's Kubernetes datastore keeps no endpoint status: reports stay on the
             // status board (admin /status) only.
         }
         DatastoreType::File => {
             let dir = args.datastore.file_dir.clone();
-            let status_dir = status::status_dir(&dir, args.status_dir.as_deref())?;
+            let status_dir =
+                crate::datastore::file::status::status_dir(&dir, args.status_dir.as_deref())?;
             let last_good = match &args.last_good_dir {
                 Some(d) if d.as_os_str().is_empty() => None,
                 Some(d) => Some(d.clone()),
                 None => status_dir.as_ref().map(|s| s.join("last-good")),
             };
-            let (engine, interval, metrics) =
-                (engine_tx.clone(), args.file_poll_interval, metrics.clone());
+            let (interval, metrics) = (args.file_poll_interval, metrics.clone());
             let watched = dir.clone();
             // Reading and parsing files is blocking work: its own thread, off the runtime.
             tokio::task::spawn_blocking(move || {
-                watch::run(watched, last_good, interval, engine, metrics)
+                crate::datastore::file::watch::run(watched, last_good, interval, sink, metrics)
             });
             if let Some(status_dir) = status_dir {
-                tokio::spawn(status::file_writer(
+                tokio::spawn(crate::datastore::file::status::file_writer(
                     board.clone(),
                     status_dir,
                     args.status_interval,

@@ -1,17 +1,28 @@
 //! Datastore adapters: each turns its source into graph [`Update`]s. Thin by design
-//! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph.
+//! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph,
+//! and what keys and objects mean in `calc_ingest`.
 //!
-//! One-shot snapshots (for `compute`): the file datastore (a directory of Calico v3 manifests),
-//! etcd v3 in Calico's layout (`crate::etcd`) and the Kubernetes API (`crate::k8s`: Calico CRDs
-//! and native objects). `serve` watches all three.
+//! - [`file`]: a directory of Calico v3 manifests (the embedded default);
+//! - [`etcd`]: etcd v3 in Calico's layout, and the status writer to Felix's status keys;
+//! - [`kubernetes`]: the Kubernetes API (Calico CRDs and native objects).
+//!
+//! Contract: every adapter `serve` runs sends its updates, as batches, into one [`Sink`]: the
+//! engine's datastore receiver. The first batches hold the complete snapshot and end with
+//! `InSync`; later ones hold changes. For `compute`, [`snapshot`] reads a datastore once.
 
-use std::path::{Path, PathBuf};
+pub mod etcd;
+pub mod file;
+pub mod kubernetes;
+
+use std::path::PathBuf;
 
 use calc_graph::graph::Update;
 
-use crate::etcd::EtcdArgs;
-use crate::k8s::KubeArgs;
-use crate::manifest_dir;
+use self::etcd::EtcdArgs;
+use self::kubernetes::KubeArgs;
+
+/// Where every adapter sends its batches of updates: the engine's datastore input.
+pub type Sink = tokio::sync::mpsc::Sender<Vec<Update>>;
 
 /// Which datastore to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -51,36 +62,10 @@ pub struct Snapshot {
 /// Reads the whole datastore once.
 pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
     match args.datastore_type {
-        DatastoreType::File => {
-            check_file_dir(&args.file_dir)?;
-            Ok(file_snapshot(&args.file_dir))
-        }
+        DatastoreType::File => file::snapshot(&args.file_dir),
         DatastoreType::Etcdv3 => etcd_snapshot(&args.etcd),
         DatastoreType::Kubernetes => kube_snapshot(&args.kube),
     }
-}
-
-/// The file datastore's directory must exist: a typo would otherwise read as an empty cluster
-/// (no policy anywhere) rather than as an error.
-pub fn check_file_dir(dir: &Path) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        dir.is_dir(),
-        "--file-dir {} is not a directory: give the directory holding the manifests",
-        dir.display()
-    );
-    Ok(())
-}
-
-fn file_snapshot(dir: &Path) -> Snapshot {
-    let report = manifest_dir::load(&[dir.to_path_buf()]);
-    let problems = report.problems.iter().map(ToString::to_string).collect();
-    let mut updates: Vec<Update> = report
-        .resources
-        .into_values()
-        .map(|(_, res)| Update::Apply(res))
-        .collect();
-    updates.push(Update::InSync);
-    Snapshot { updates, problems }
 }
 
 fn etcd_snapshot(args: &EtcdArgs) -> anyhow::Result<Snapshot> {
@@ -89,7 +74,7 @@ fn etcd_snapshot(args: &EtcdArgs) -> anyhow::Result<Snapshot> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let (updates, problems) = rt.block_on(crate::etcd::watcher::snapshot(args))?;
+    let (updates, problems) = rt.block_on(etcd::watcher::snapshot(args))?;
     let problems = problems
         .into_iter()
         .map(|p| format!("{}: {}", p.key, p.reason))
@@ -102,7 +87,7 @@ fn kube_snapshot(args: &KubeArgs) -> anyhow::Result<Snapshot> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let (updates, problems) = rt.block_on(crate::k8s::watcher::snapshot(args))?;
+    let (updates, problems) = rt.block_on(kubernetes::watcher::snapshot(args))?;
     let problems = problems
         .into_iter()
         .map(|p| format!("{}: {}", p.key, p.reason))

@@ -18,7 +18,7 @@
 //!    `.yml` is not a delete);
 //! 4. else it is deleted.
 //!
-//! The versions in force are saved to the last-good store (`last_good`), so a restart with an
+//! The versions in force are saved to the last-good store ([`LastGood`]), so a restart with an
 //! invalid object starts from its last good version.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,12 +28,11 @@ use std::time::Duration;
 
 use calc_graph::graph::Update;
 use calc_graph::model::{Resource, ResourceKey};
-use tokio::sync::mpsc;
 
-use super::engine::Input;
-use super::metrics::Metrics;
-use crate::last_good::LastGood;
-use crate::manifest_dir::{self, Stamp};
+use super::last_good::LastGood;
+use super::manifest_dir::{self, Stamp};
+use crate::datastore::Sink;
+use crate::serve::metrics::Metrics;
 
 type Listing = BTreeMap<PathBuf, Stamp>;
 
@@ -248,14 +247,15 @@ enum Desired {
     Absent,
 }
 
-/// Sends the initial snapshot and InSync, then changes as they appear, until the engine goes.
+/// Sends the initial snapshot and InSync, then changes as they appear, until the sink's
+/// receiver goes. `metrics` gets the rejected objects (counter) and unusable ones (gauges).
 /// Only files whose size or modification time changed are read again, and only their keys
 /// (and the held ones) are reconciled.
 pub fn run(
     dir: PathBuf,
     last_good_dir: Option<PathBuf>,
     interval: Duration,
-    engine: mpsc::Sender<Input>,
+    sink: Sink,
     metrics: Arc<Metrics>,
 ) {
     let (store, stored, problems) = LastGood::open(last_good_dir);
@@ -283,7 +283,7 @@ pub fn run(
     let mut first: Vec<Update> = w.current.values().cloned().map(Update::Apply).collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
-    if engine.blocking_send(Input::Datastore(first)).is_err() {
+    if sink.blocking_send(first).is_err() {
         return;
     }
     // The listing of the previous poll, and for how many polls it has kept changing.
@@ -291,7 +291,7 @@ pub fn run(
     let mut unsettled = 0;
     loop {
         std::thread::sleep(interval);
-        if engine.is_closed() {
+        if sink.is_closed() {
             return;
         }
         let now = w.listing();
@@ -335,7 +335,7 @@ pub fn run(
             files = changed.len() + gone.len(),
             "file datastore changed"
         );
-        if engine.blocking_send(Input::Datastore(updates)).is_err() {
+        if sink.blocking_send(updates).is_err() {
             return;
         }
     }
