@@ -26,8 +26,6 @@
 //! Decoding (JSON parsing and validation) runs off the async workers (`block_in_place`), so a
 //! page of large values delays no agent's stream.
 
-use std::sync::Arc;
-
 use std::time::Duration;
 
 use anyhow::Context;
@@ -39,9 +37,9 @@ use tokio::time::Instant;
 use calc_ingest::etcd::{self as ingest, Mirror};
 use calc_ingest::{Batch, Decision, Problem, default_allow_profile};
 
-use super::{Backoff, EtcdArgs, RESOURCE_PREFIX, connect};
-use crate::datastore::off_runtime;
-use crate::serve::metrics::Metrics;
+use super::{Backoff, RESOURCE_PREFIX, connect};
+use crate::args::EtcdArgs;
+use crate::datastore::{Health, Sink, off_runtime};
 
 /// How long one range request may take before the connection is considered lost.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -417,23 +415,23 @@ enum End {
 pub struct Watcher {
     cfg: WatchConfig,
     mirror: Mirror,
-    out: mpsc::Sender<Vec<Update>>,
+    out: Sink,
     /// Whether the first complete snapshot (and InSync) has been delivered.
     synced: bool,
     cluster_id: Option<u64>,
     /// Rejected values (counter) and unusable keys (gauges, readiness).
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
         Watcher {
             cfg,
             mirror: Mirror::new(),
             out,
             synced: false,
             cluster_id: None,
-            metrics,
+            health,
         }
     }
 
@@ -645,9 +643,9 @@ impl Watcher {
     /// Counts and logs rejected values by key and publishes the keys left unusable.
     fn report(&mut self, problems: &mut Vec<Problem>) {
         for stage in problems.iter().filter_map(|p| p.stage) {
-            self.metrics.rejections.count(stage);
+            self.health.rejections.count(stage);
         }
-        let rejected_total = self.metrics.rejections.total();
+        let rejected_total = self.health.rejections.total();
         for p in problems.drain(..) {
             if p.held {
                 tracing::warn!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value; its last good version stays in force");
@@ -656,7 +654,7 @@ impl Watcher {
             }
         }
         if let Some((held, without)) = self.mirror.take_unusable() {
-            self.metrics.set_unusable(held, without);
+            self.health.unusable.publish(held, without);
         }
     }
 }

@@ -15,10 +15,39 @@ pub mod status;
 pub mod watch;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use calc_graph::graph::Update;
 
-use super::Snapshot;
+use super::{Health, Sink, Snapshot};
+use crate::args::ServeArgs;
+use crate::status::Board;
+
+/// Starts the polling watcher (into `sink`) and the status-file writer; fails if the directory
+/// is missing or the status directory is inside it.
+pub(super) fn start(
+    args: &ServeArgs,
+    board: Arc<Board>,
+    health: Health,
+    sink: Sink,
+) -> anyhow::Result<String> {
+    let dir = args.datastore.file_dir.clone();
+    check_file_dir(&dir)?;
+    let status_dir = status::status_dir(&dir, args.status_dir.as_deref())?;
+    let last_good = match &args.last_good_dir {
+        Some(d) if d.as_os_str().is_empty() => None,
+        Some(d) => Some(d.clone()),
+        None => status_dir.as_ref().map(|s| s.join("last-good")),
+    };
+    let interval = args.file_poll_interval;
+    let watched = dir.clone();
+    // Reading and parsing files is blocking work: its own thread, off the runtime.
+    tokio::task::spawn_blocking(move || watch::run(watched, last_good, interval, sink, health));
+    if let Some(status_dir) = status_dir {
+        tokio::spawn(status::file_writer(board, status_dir, args.status_interval));
+    }
+    Ok(dir.display().to_string())
+}
 
 /// The file datastore's directory must exist: a typo would otherwise read as an empty cluster
 /// (no policy anywhere) rather than as an error.

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::serve::status::{Board, NodeStatus};
+use crate::status::{Board, NodeStatus};
 
 /// The status directory for the file datastore `file_dir` and `--status-dir` (`None`: no
 /// status files). A directory inside `file_dir` other than its `status` is refused: the manifest

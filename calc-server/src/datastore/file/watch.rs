@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::Arc;
+
 use std::time::Duration;
 
 use calc_graph::graph::Update;
@@ -31,8 +31,7 @@ use calc_graph::model::{Resource, ResourceKey};
 
 use super::last_good::LastGood;
 use super::manifest_dir::{self, Stamp};
-use crate::datastore::Sink;
-use crate::serve::metrics::Metrics;
+use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
 
@@ -98,7 +97,7 @@ struct Watcher {
     held: BTreeSet<ResourceKey>,
     /// The file whose definition of a key is in force (unknown for what the store gave).
     origin: BTreeMap<ResourceKey, PathBuf>,
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
@@ -120,7 +119,7 @@ impl Watcher {
         for f in changed {
             let state = read_file(f, self.files.get(f));
             for stage in &state.rejected {
-                self.metrics.rejections.count(*stage);
+                self.health.rejections.count(*stage);
             }
             let before = self.files.get(f).map(|s| &s.problems);
             for p in &state.problems {
@@ -214,7 +213,7 @@ impl Watcher {
             .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
         let without: Vec<String> = without.iter().map(ToString::to_string).collect();
-        self.metrics.set_unusable(held, without);
+        self.health.unusable.publish(held, without);
         updates
     }
 
@@ -248,7 +247,7 @@ enum Desired {
 }
 
 /// Sends the initial snapshot and InSync, then changes as they appear, until the sink's
-/// receiver goes. `metrics` gets the rejected objects (counter) and unusable ones (gauges).
+/// receiver goes. `health` gets the rejected objects (counter) and unusable ones (gauges).
 /// Only files whose size or modification time changed are read again, and only their keys
 /// (and the held ones) are reconciled.
 pub fn run(
@@ -256,7 +255,7 @@ pub fn run(
     last_good_dir: Option<PathBuf>,
     interval: Duration,
     sink: Sink,
-    metrics: Arc<Metrics>,
+    health: Health,
 ) {
     let (store, stored, problems) = LastGood::open(last_good_dir);
     for p in &problems {
@@ -272,7 +271,7 @@ pub fn run(
         duplicates: BTreeMap::new(),
         held: BTreeSet::new(),
         origin: BTreeMap::new(),
-        metrics,
+        health,
     };
     let mut seen = w.listing();
     let files: Vec<PathBuf> = seen.keys().cloned().collect();

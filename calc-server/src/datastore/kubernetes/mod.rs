@@ -15,51 +15,27 @@
 
 pub mod watcher;
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 use anyhow::Context;
 pub use calc_ingest::kubernetes::Source;
 use kube::core::ApiResource;
 
-use crate::serve::parse_duration;
+use super::{Health, Sink};
+use crate::args::{KubeArgs, ServeArgs};
 
-/// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`).
-#[derive(Clone, Debug, clap::Args)]
-pub struct KubeArgs {
-    /// Kubeconfig file for `--datastore-type kubernetes`. Without it the client is configured
-    /// as kubectl would be: $KUBECONFIG, then ~/.kube/config, then the in-cluster service
-    /// account.
-    #[arg(long, env = "CALC_SERVER_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
-    /// Context of the kubeconfig to use (default: its current context).
-    #[arg(long, env = "CALC_SERVER_KUBE_CONTEXT")]
-    pub kube_context: Option<String>,
-    /// Prefix of the host-side interface names of pods (Felix's InterfacePrefix; the first of a
-    /// comma-separated list is used, as Calico's CNI plugin does).
-    #[arg(long, env = "FELIX_INTERFACEPREFIX", default_value = "cali")]
-    pub interface_prefix: String,
-}
-
-/// Flags only `serve` needs (flattened into `ServeArgs`).
-#[derive(Clone, Debug, clap::Args)]
-pub struct KubeServeArgs {
-    /// Anti-entropy: re-list every source this often and reconcile (only differences are
-    /// sent; 0 disables). Watches already re-list on 410 Gone and after errors.
-    #[arg(long, env = "CALC_SERVER_KUBE_RESYNC_INTERVAL", default_value = "30m", value_parser = parse_duration)]
-    pub kube_resync_interval: Duration,
-}
-
-impl KubeArgs {
-    /// The interface prefix in force (first entry of the list).
-    pub fn interface_prefix(&self) -> String {
-        self.interface_prefix
-            .split(',')
-            .map(str::trim)
-            .find(|p| !p.is_empty())
-            .unwrap_or("cali")
-            .to_string()
-    }
+/// Starts the watcher (into `sink`); fails on a missing or broken configuration, while an
+/// unreachable API server is retried by the watchers.
+pub(super) async fn start(args: &ServeArgs, health: Health, sink: Sink) -> anyhow::Result<String> {
+    let client = client(&args.datastore.kube).await?;
+    let watcher = watcher::Watcher::new(
+        watcher::WatchConfig {
+            args: args.datastore.kube.clone(),
+            resync_interval: args.kube.kube_resync_interval,
+        },
+        sink,
+        health,
+    );
+    tokio::spawn(watcher.run(client));
+    Ok("the Kubernetes API".into())
 }
 
 /// A kube client for `args`. Fails on unreadable or invalid configuration; an unreachable API
@@ -119,15 +95,5 @@ mod tests {
         let r = api_resource(Source::KubernetesNetworkPolicy);
         assert_eq!(r.group, "networking.k8s.io");
         assert_eq!(api_resource(Source::Node).api_version, "v1");
-    }
-
-    #[test]
-    fn interface_prefix_takes_the_first_entry() {
-        let args = KubeArgs {
-            kubeconfig: None,
-            kube_context: None,
-            interface_prefix: " eni , veth".into(),
-        };
-        assert_eq!(args.interface_prefix(), "eni");
     }
 }

@@ -19,8 +19,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::datastore::off_runtime;
-use crate::serve::metrics::Metrics;
+use crate::args::KubeArgs;
+use crate::datastore::{Health, Sink, off_runtime};
 use anyhow::Context;
 use calc_graph::graph::Update;
 use kube::api::{Api, DynamicObject};
@@ -34,7 +34,7 @@ use calc_ingest::kubernetes::convert::Converter;
 use calc_ingest::kubernetes::{self as ingest, Mirror};
 use calc_ingest::{Batch, Problem, default_allow_profile};
 
-use super::{KubeArgs, Source, api_resource, client};
+use super::{Source, api_resource, client};
 
 /// What one source's watcher reports.
 #[derive(Debug)]
@@ -247,14 +247,14 @@ pub struct WatchConfig {
 /// Watches every source and sends update batches until the receiver goes away.
 pub struct Watcher {
     cfg: WatchConfig,
-    out: mpsc::Sender<Vec<Update>>,
+    out: Sink,
     /// Rejected objects (counter) and unusable ones (gauges, readiness).
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
-        Watcher { cfg, out, metrics }
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
+        Watcher { cfg, out, health }
     }
 
     /// Runs until the receiver of the updates goes away. `client` comes from [`client`].
@@ -314,9 +314,9 @@ impl Watcher {
                 }
             }
             for stage in out.problems.iter().filter_map(|p| p.stage) {
-                self.metrics.rejections.count(stage);
+                self.health.rejections.count(stage);
             }
-            let rejected_total = self.metrics.rejections.total();
+            let rejected_total = self.health.rejections.total();
             for p in out.problems.drain(..) {
                 if p.held {
                     tracing::warn!(object = %p.key, reason = %p.reason, rejected_total, "Kubernetes object not used as is; its last good version stays in force");
@@ -325,7 +325,7 @@ impl Watcher {
                 }
             }
             if let Some((held, without)) = merge.mirror.take_unusable() {
-                self.metrics.set_unusable(held, without);
+                self.health.unusable.publish(held, without);
             }
             if !out.updates.is_empty() {
                 tracing::debug!(changes = out.updates.len(), "Kubernetes changes");
