@@ -14,7 +14,8 @@ use calc_graph::model::Resource;
 
 use calc_graph::manifest::{self, Outcome};
 
-use crate::datastore::{self, DatastoreArgs};
+use crate::args::DatastoreArgs;
+use crate::datastore;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {

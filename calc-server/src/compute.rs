@@ -2,34 +2,14 @@
 //! requested nodes would be sent.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use calc_graph::graph::CalcGraph;
 use felix_proto as pb;
 
-use crate::datastore::{self, DatastoreArgs};
-
-#[derive(Clone, Debug, clap::Args)]
-pub struct ComputeArgs {
-    #[command(flatten)]
-    pub datastore: DatastoreArgs,
-    /// Node to compute (repeat for several).
-    #[arg(
-        long = "node",
-        env = "CALC_SERVER_NODES",
-        value_delimiter = ',',
-        required_unless_present = "all_nodes"
-    )]
-    pub nodes: Vec<String>,
-    /// Compute every node that has endpoints or a Node resource.
-    #[arg(long, env = "CALC_SERVER_ALL_NODES", conflicts_with = "nodes")]
-    pub all_nodes: bool,
-    /// Write `<node>.jsonl` per node into this directory instead of printing to stdout.
-    #[arg(long, env = "CALC_SERVER_OUT_DIR")]
-    pub out_dir: Option<PathBuf>,
-}
+use crate::args::ComputeArgs;
+use crate::datastore;
 
 /// Builds the graph from a snapshot and returns each node's stream (sequence numbers from 1).
 pub fn compute(

@@ -1,29 +1,16 @@
-//! calc-server: the command-line entry point.
+//! calc-server: the command-line entry point. Only the CLI lives here (parsing, logging,
+//! dispatch); the commands are in the `calc_server` library.
 //!
-//! Subcommands: `compute` (the stream a node would receive), the offline tools (selector
-//! evaluation and normalisation, manifest validation), `gen-cluster` and `bench` for
-//! benchmarks. The serving path (`serve`) arrives with the Sync stream.
+//! Subcommands: `serve` (the Sync stream), `status`, `compute` (the stream a node would
+//! receive), the offline tools (selector evaluation and normalisation, manifest validation),
+//! `gen-cluster`, `bench` and `bench-sync` for benchmarks.
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
-mod bench;
-mod bench_sync;
-mod compute;
-mod datastore;
-mod etcd;
-mod gen_cluster;
-mod k8s;
-mod last_good;
-mod manifest_dir;
-mod serve;
-mod status_cmd;
-
-use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
-use calc_graph::selector;
+use calc_server::args::{ComputeArgs, ServeArgs, StatusArgs};
+use calc_server::{bench, bench_sync, compute, gen_cluster, offline, serve, status_cmd};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -58,12 +45,12 @@ struct Cli {
 enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
     /// per line: the proto3 JSON mapping of each ToDataplane.
-    Compute(compute::ComputeArgs),
+    Compute(ComputeArgs),
     /// Serve the CalcServer.Sync gRPC stream: each connected agent gets its node's snapshot,
     /// InSync, then deltas; endpoint status flows back and is written to the datastore.
-    Serve(serve::ServeArgs),
+    Serve(ServeArgs),
     /// Show connected nodes and their reported status (from a server's admin endpoint).
-    Status(status_cmd::StatusArgs),
+    Status(StatusArgs),
     /// Write a synthetic Calico cluster (JSON manifests) for benchmarks.
     GenCluster(gen_cluster::GenClusterArgs),
     /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
@@ -134,10 +121,12 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::BenchSync(args) => bench_sync::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
-            selector_eval(&labels, &selector)
+            offline::selector_eval(&labels, &selector)
         }
-        Command::Selector(SelectorCommand::Normalize { selector }) => selector_normalize(&selector),
-        Command::Validate { paths } => validate(&paths),
+        Command::Selector(SelectorCommand::Normalize { selector }) => {
+            offline::selector_normalize(&selector)
+        }
+        Command::Validate { paths } => offline::validate(&paths),
     };
     match result {
         Ok(code) => code,
@@ -162,45 +151,4 @@ fn init_logging(level: &str, format: LogFormat) {
         LogFormat::Plain => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
-}
-
-fn parse_selector(input: &str) -> anyhow::Result<selector::Selector> {
-    // Trimmed as Calico's Normalise does, so a stray shell newline is not an error.
-    Ok(selector::parse(input.trim())?)
-}
-
-fn selector_eval(labels: &str, sel: &str) -> anyhow::Result<ExitCode> {
-    let labels: BTreeMap<String, String> = serde_json::from_str(labels)
-        .context("--labels must be a JSON object whose values are strings")?;
-    let sel = parse_selector(sel)?;
-    println!("{}", sel.evaluate(&labels));
-    Ok(ExitCode::SUCCESS)
-}
-
-fn selector_normalize(sel: &str) -> anyhow::Result<ExitCode> {
-    let sel = parse_selector(sel)?;
-    let out = serde_json::json!({"canonical": sel.canonical(), "unique_id": sel.unique_id()});
-    println!("{out}");
-    Ok(ExitCode::SUCCESS)
-}
-
-fn validate(paths: &[PathBuf]) -> anyhow::Result<ExitCode> {
-    let report = manifest_dir::load(paths);
-    let mut out = std::io::stdout().lock();
-    for problem in &report.problems {
-        writeln!(out, "{problem}")?;
-    }
-    eprintln!(
-        "checked {} object(s) in {} file(s): {} valid, {} ignored (not used by the policy dataplane), {} problem(s)",
-        report.objects,
-        report.files,
-        report.resources.len(),
-        report.ignored,
-        report.problems.len()
-    );
-    Ok(if report.problems.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
 }

@@ -12,20 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-/// The admin address `serve` listens on unless told otherwise (Felix's health port, 9099,
-/// and Typha's, 9098, are taken on a Calico node).
-pub const DEFAULT_ADMIN: &str = "127.0.0.1:9096";
-
-#[derive(Clone, Debug, clap::Args)]
-pub struct StatusArgs {
-    /// The server's admin address (`--admin-listen` of serve), as host:port or http://host:port.
-    /// Not the gRPC address (`--listen`).
-    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
-    pub server: String,
-    /// Print the raw JSON instead of a table.
-    #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
-    pub json: bool,
-}
+use crate::args::{DEFAULT_ADMIN, StatusArgs};
 
 /// What the first bytes of an answer say about the listener that sent them.
 fn not_http1(addr: &str, head: &[u8]) -> String {

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -38,58 +38,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::metrics::Metrics;
-use super::parse_duration;
-
-/// Flags of the Sync listener: TLS and connection limits.
-#[derive(Clone, Debug, clap::Args)]
-pub struct ListenerArgs {
-    /// PEM bundle of the CA that signs agents' client certificates. Setting any of
-    /// --tls-ca-file, --tls-cert-file, --tls-key-file requires all three; then every agent must
-    /// present a certificate chaining to this CA (no plaintext fallback).
-    #[arg(long, env = "CALC_SERVER_TLS_CA_FILE", value_name = "PATH")]
-    pub tls_ca_file: Option<PathBuf>,
-    /// PEM certificate (chain) this server presents to agents.
-    #[arg(long, env = "CALC_SERVER_TLS_CERT_FILE", value_name = "PATH")]
-    pub tls_cert_file: Option<PathBuf>,
-    /// PEM private key of --tls-cert-file.
-    #[arg(long, env = "CALC_SERVER_TLS_KEY_FILE", value_name = "PATH")]
-    pub tls_key_file: Option<PathBuf>,
-    /// Take the node name from the client certificate's URI SAN instead of its CN: the URI SAN
-    /// that starts with this prefix, minus the prefix, is the node name (e.g.
-    /// `spiffe://cluster.local/calico-node/` and a SAN `spiffe://cluster.local/calico-node/node-1`).
-    #[arg(
-        long,
-        env = "CALC_SERVER_TLS_CLIENT_URI_SAN_PREFIX",
-        value_name = "PREFIX"
-    )]
-    pub tls_client_uri_san_prefix: Option<String>,
-    /// Time a client has to complete the TLS handshake (with TLS) and send the HTTP/2 preface
-    /// (plaintext too) before its socket is closed.
-    #[arg(long, env = "CALC_SERVER_TLS_HANDSHAKE_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
-    pub tls_handshake_timeout: Duration,
-    /// Most agents (connections whose AgentHello was accepted) at once; a further hello is
-    /// refused with RESOURCE_EXHAUSTED. Pending connections do not count here.
-    #[arg(long, env = "CALC_SERVER_MAX_CONNECTIONS", default_value_t = 10_000)]
-    pub max_connections: usize,
-    /// Most connections not yet accepted as agents (handshaking, or waiting for their hello) at
-    /// once; further ones are closed at once.
-    #[arg(
-        long,
-        env = "CALC_SERVER_MAX_PENDING_CONNECTIONS",
-        default_value_t = 1024
-    )]
-    pub max_pending_connections: usize,
-    /// Most pending connections from one source address.
-    #[arg(
-        long,
-        env = "CALC_SERVER_MAX_PENDING_PER_ADDRESS",
-        default_value_t = 64
-    )]
-    pub max_pending_per_address: usize,
-    /// Most concurrent HTTP/2 streams per connection (an agent uses one).
-    #[arg(long, env = "CALC_SERVER_MAX_CONCURRENT_STREAMS", default_value_t = 16)]
-    pub max_concurrent_streams: u32,
-}
+use crate::args::ListenerArgs;
 
 /// How the node name is read from a verified client certificate.
 #[derive(Clone, Debug)]
@@ -674,6 +623,7 @@ async fn establish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn cert(cn: &str, uris: &[&str]) -> Vec<u8> {
         let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();

@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+pub use crate::datastore::LastGoodHealth;
+use crate::datastore::{Health, Rejections, Unusable};
+
 pub use common::Histogram;
 
 /// One connected agent's queue counters (shared with its connection).
@@ -42,8 +45,8 @@ pub struct Metrics {
     pub updates_processed: AtomicU64,
     /// Complete datastore listings delivered (the first sync and every re-list).
     pub datastore_syncs: AtomicU64,
-    /// Objects refused, by stage (shared with the datastore adapters).
-    pub rejections: Arc<crate::datastore::Rejections>,
+    /// Objects refused, by stage (shared with the datastore adapter).
+    pub rejections: Arc<Rejections>,
     /// Agents refused because their node is not in the datastore.
     pub refused_unknown_nodes: AtomicU64,
     /// Time the engine spent applying one burst of inputs and flushing.
@@ -55,16 +58,8 @@ pub struct Metrics {
     /// Messages sent to agents (all streams).
     pub messages_sent: AtomicU64,
     agents: Mutex<BTreeMap<String, AgentQueue>>,
-    last_good: Mutex<LastGoodHealth>,
-}
-
-/// Objects whose datastore version is unusable, as the datastore adapter last reported them.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct LastGoodHealth {
-    /// Invalid (or possibly in an unreadable file) with their last good version in force.
-    pub held_last_good: Vec<String>,
-    /// Invalid with no known last good version: not in force at all.
-    pub without_last_good: Vec<String>,
+    /// What the datastore adapter reports as unusable.
+    unusable: Arc<Unusable>,
 }
 
 fn escape_label(v: &str) -> String {
@@ -109,35 +104,16 @@ impl Metrics {
         }
     }
 
-    /// Records the adapter's view of unusable objects; true when it changed.
-    pub fn set_last_good(&self, held: Vec<String>, without: Vec<String>) -> bool {
-        let new = LastGoodHealth {
-            held_last_good: held,
-            without_last_good: without,
-        };
-        let mut cur = self.last_good.lock();
-        let changed = *cur != new;
-        *cur = new;
-        changed
-    }
-
-    /// [`Self::set_last_good`], logging the objects without a last good version as an error
-    /// whenever that list changes (not on every re-list).
-    pub fn set_unusable(&self, held: Vec<String>, without: Vec<String>) {
-        let shown = (!without.is_empty()).then(|| without.clone());
-        if self.set_last_good(held, without)
-            && let Some(objects) = shown
-        {
-            tracing::error!(
-                ?objects,
-                "invalid objects with no known last good version are not in force; fix them (a \
-                 deny policy among them is not enforced)"
-            );
+    /// The part the datastore adapter writes.
+    pub fn datastore_health(&self) -> Health {
+        Health {
+            rejections: self.rejections.clone(),
+            unusable: self.unusable.clone(),
         }
     }
 
     pub fn last_good(&self) -> LastGoodHealth {
-        self.last_good.lock().clone()
+        self.unusable.get()
     }
 
     /// The Prometheus text exposition of every metric.

@@ -23,9 +23,10 @@ use std::time::Duration;
 use anyhow::Context;
 use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp};
 
+use super::connect;
 use super::watcher::prefix_end;
-use super::{EtcdArgs, connect};
-use crate::serve::status::{Board, Heartbeat, NodeStatus};
+use crate::args::EtcdArgs;
+use crate::status::{Board, Heartbeat, NodeStatus};
 
 /// Felix's `ReportingTTLSecs`: the liveness key expires when reports stop.
 pub const STATUS_TTL: Duration = Duration::from_secs(90);

@@ -1,76 +1,61 @@
 //! The etcd v3 datastore: Calico's key layout, read with a paginated list at one revision and
 //! then watched; endpoint status written back under Calico's status keys.
 //!
-//! - [`decode`]: one etcd key/value → a graph resource (policy names restored, metadata filled
-//!   from the key) or a rejection naming the key. Pure.
-//! - [`mirror`]: what was last delivered per etcd key, so a re-list (after compaction, a lost
-//!   connection, a new cluster ID or the periodic anti-entropy pass) becomes exactly the
-//!   `Apply`/`Delete` updates that reconcile the graph (mark and sweep). Pure.
+//! What a key/value means and how a re-list reconciles (mark and sweep) are pure and live in
+//! `calc_ingest::etcd` and `calc_ingest::mirror`; this module is the IO:
 //! - [`watcher`]: the IO: connect, list, watch, back off, re-list.
 //! - [`status`]: the status writer (endpoint status and node liveness keys).
 //!
 //! The adapter is thin (DESIGN.md invariant 2): meaning and validation stay in `calc-graph`.
 
-pub mod decode;
-pub mod mirror;
 pub mod status;
 pub mod watcher;
 
-use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 
-use crate::serve::parse_duration;
+use super::{Health, Sink};
+use crate::args::{EtcdArgs, ServeArgs};
+use crate::status::Board;
 
-/// Where Calico keeps the v3 resources.
-pub const RESOURCE_PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
+pub use calc_ingest::etcd::RESOURCE_PREFIX;
 
-/// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`). The env
-/// names are Felix's.
-#[derive(Clone, Debug, clap::Args)]
-pub struct EtcdArgs {
-    /// etcd v3 endpoints, comma-separated URLs (`http://` or `https://`).
-    #[arg(
-        long,
-        env = "ETCD_ENDPOINTS",
-        value_delimiter = ',',
-        default_value = "http://127.0.0.1:2379"
-    )]
-    pub etcd_endpoints: Vec<String>,
-    /// PEM CA bundle that signs the etcd servers' certificates (needed for https endpoints).
-    #[arg(long, env = "ETCD_CA_CERT_FILE")]
-    pub etcd_ca_file: Option<PathBuf>,
-    /// PEM client certificate for etcd (with --etcd-key-file).
-    #[arg(long, env = "ETCD_CERT_FILE", requires = "etcd_key_file")]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// PEM private key of the client certificate (with --etcd-cert-file).
-    #[arg(long, env = "ETCD_KEY_FILE", requires = "etcd_cert_file")]
-    pub etcd_key_file: Option<PathBuf>,
-    /// Keys per range request when listing (all pages are read at one revision).
-    #[arg(
-        long,
-        env = "CALC_SERVER_ETCD_PAGE_SIZE",
-        default_value_t = 4000,
-        value_parser = clap::value_parser!(i64).range(1..)
-    )]
-    pub etcd_page_size: i64,
-}
-
-/// Flags only `serve` needs (flattened into `ServeArgs`).
-#[derive(Clone, Debug, clap::Args)]
-pub struct EtcdServeArgs {
-    /// Anti-entropy: re-list everything this often and reconcile (only differences are sent).
-    #[arg(long, env = "CALC_SERVER_ETCD_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
-    pub etcd_resync_interval: Duration,
-    /// How often this server's own status keys are listed and repaired (rewritten if they
-    /// differ, deleted if stale).
-    #[arg(long, env = "CALC_SERVER_ETCD_STATUS_RESYNC_INTERVAL", default_value = "1m", value_parser = parse_duration)]
-    pub etcd_status_resync_interval: Duration,
-    /// Longest wait between reconnection attempts (the back-off doubles from 100 ms, jittered).
-    #[arg(long, env = "CALC_SERVER_ETCD_MAX_BACKOFF", default_value = "10s", value_parser = parse_duration)]
-    pub etcd_max_backoff: Duration,
+/// Starts the watcher (into `sink`) and the status writer; fails only on bad arguments.
+pub(super) async fn start(
+    args: &ServeArgs,
+    board: Arc<Board>,
+    health: Health,
+    sink: Sink,
+) -> anyhow::Result<String> {
+    // Fail fast on bad URLs or TLS files; an unreachable etcd is retried.
+    connect(&args.datastore.etcd).await?;
+    let watcher = watcher::Watcher::new(
+        watcher::WatchConfig {
+            args: args.datastore.etcd.clone(),
+            resync_interval: args.etcd.etcd_resync_interval,
+            min_backoff: Duration::from_millis(100),
+            max_backoff: args.etcd.etcd_max_backoff,
+        },
+        sink,
+        health,
+    );
+    tokio::spawn(watcher.run());
+    let writer = status::StatusWriter::new(
+        board,
+        status::StatusConfig {
+            args: args.datastore.etcd.clone(),
+            interval: args.status_interval,
+            resync_interval: args.etcd.etcd_status_resync_interval,
+        },
+    );
+    tokio::spawn(writer.run());
+    Ok(format!(
+        "etcd {}",
+        args.datastore.etcd.etcd_endpoints.join(",")
+    ))
 }
 
 /// A client for `args`. Connecting is lazy: this fails only on bad arguments (URLs, TLS files);

@@ -2,7 +2,7 @@
 //!
 //! Key: `/calico/resources/v3/projectcalico.org/<plural>/[<namespace>/]<name>`; value: the JSON
 //! of the v3 object as calicoctl (libcalico-go's `clientv3`) writes it. Before decoding with
-//! [`decode_and_validate`] (the same path manifests take):
+//! [`decode_and_validate_strict`] (the path manifests take):
 //! - `kind` and `apiVersion` are filled in from the key when the value lacks them;
 //! - `metadata.name` and `metadata.namespace` are taken from the key: the key is the object's
 //!   identity in etcd (a value that disagrees is logged at debug and the key wins, so a delete of
@@ -15,30 +15,15 @@
 //! Plurals of kinds the graph does not use (BGP, IPAM, staged policies, …) are skipped without
 //! reading the value.
 
-use calc_graph::manifest::{Outcome, Rejection, decode_and_validate, decode_and_validate_strict};
-use calc_graph::model::{API_VERSION, Kind, Resource};
+use calc_graph::manifest::{Rejection, decode_and_validate_strict};
+use calc_graph::model::{API_VERSION, Kind};
 use serde_json::{Map, Value};
 
 use super::RESOURCE_PREFIX;
+use crate::Decision;
 
 /// The annotation Calico's etcd backend stores a policy's v3 name in.
 pub const POLICY_NAME_ANNOTATION: &str = "projectcalico.org/metadata";
-
-/// The profile Calico's client synthesises (never stored): allow everything both ways.
-pub const DEFAULT_ALLOW_PROFILE: &str = "projectcalico-default-allow";
-
-/// What one key/value means for the graph.
-#[derive(Debug)]
-// A transient value, consumed at once; boxing would only add an allocation per object.
-#[allow(clippy::large_enum_variant)]
-pub enum Decision {
-    /// A valid resource of a kind the graph uses.
-    Apply(Resource),
-    /// Not something the graph reads (another key family, an unused kind).
-    Skip,
-    /// The value cannot be used; the stage and reason (the caller names the key).
-    Reject(Rejection),
-}
 
 /// The graph kind stored under `<plural>`, if any.
 pub fn kind_of_plural(plural: &str) -> Option<Kind> {
@@ -139,11 +124,7 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
     }
     // calicoctl refuses unknown fields on write; one here was written around it (etcdctl), and
     // a misspelt selector or rule list would change what the policy means.
-    match decode_and_validate_strict(v).into_resource() {
-        Ok(Some(res)) => Decision::Apply(res),
-        Ok(None) => Decision::Skip,
-        Err(rejection) => Decision::Reject(rejection),
-    }
+    Decision::from_outcome(decode_and_validate_strict(v), Vec::new())
 }
 
 /// `model.determinePolicyName`: the annotation's name, else `default.` stripped in the default
@@ -167,28 +148,14 @@ fn policy_name(meta: &Map<String, Value>, stored: &str, tier: &str) -> String {
     stored.to_string()
 }
 
-/// Calico's synthesised `projectcalico-default-allow` profile (ingress and egress Allow).
-pub fn default_allow_profile() -> Resource {
-    let v = serde_json::json!({
-        "kind": "Profile",
-        "apiVersion": API_VERSION,
-        "metadata": {"name": DEFAULT_ALLOW_PROFILE},
-        "spec": {"ingress": [{"action": "Allow"}], "egress": [{"action": "Allow"}]},
-    });
-    match decode_and_validate(v) {
-        Outcome::Valid(_, res) => res,
-        other => unreachable!("the built-in default-allow profile is valid: {other:?}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use calc_graph::model::ResourceKey;
+    use calc_graph::model::{Resource, ResourceKey};
 
     fn applied(key: &str, value: &str) -> Resource {
         match decode(key, value.as_bytes()) {
-            Decision::Apply(r) => r,
+            Decision::Apply { resource, .. } => resource,
             other => panic!("{key}: expected Apply, got {other:?}"),
         }
     }
@@ -344,19 +311,5 @@ mod tests {
             "{}",
             r.reason
         );
-    }
-
-    #[test]
-    fn default_allow_profile_allows_both_ways() {
-        let r = default_allow_profile();
-        assert_eq!(
-            r.key(),
-            ResourceKey::new(Kind::Profile, None, DEFAULT_ALLOW_PROFILE)
-        );
-        let Resource::Profile(_, spec) = r else {
-            unreachable!()
-        };
-        assert_eq!(spec.ingress.len(), 1);
-        assert_eq!(spec.egress.len(), 1);
     }
 }

@@ -3,7 +3,7 @@
 
 use super::*;
 use calc_graph::model::rule::Port;
-use calc_graph::model::{ObjectMeta, PolicySpec, ResourceKey};
+use calc_graph::model::{ObjectMeta, PolicySpec, Resource, ResourceKey};
 
 fn conv() -> Converter {
     Converter::default()
@@ -105,8 +105,10 @@ fn a_pod_becomes_the_workload_endpoint_calico_stores() {
         "/calico/resources/v3/projectcalico.org/workloadendpoints/default/node1-k8s-nginx--5d8f-eth0",
         br#"{"kind":"WorkloadEndpoint","apiVersion":"projectcalico.org/v3","metadata":{"name":"node1-k8s-nginx--5d8f-eth0","namespace":"default","labels":{"app":"nginx","projectcalico.org/namespace":"default","projectcalico.org/orchestrator":"k8s","projectcalico.org/serviceaccount":"default"}},"spec":{"orchestrator":"k8s","node":"node1","containerID":"4a1b","pod":"nginx-5d8f","endpoint":"eth0","serviceAccountName":"default","ipNetworks":["10.65.0.5/32"],"profiles":["kns.default","ksa.default.default"],"interfaceName":"calia37792c9b43"}}"#,
     );
-    let crate::etcd::decode::Decision::Apply(Resource::WorkloadEndpoint(stored_meta, stored_spec)) =
-        stored
+    let Decision::Apply {
+        resource: Resource::WorkloadEndpoint(stored_meta, stored_spec),
+        ..
+    } = stored
     else {
         panic!("the reference example decodes")
     };

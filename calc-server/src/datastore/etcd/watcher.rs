@@ -26,8 +26,6 @@
 //! Decoding (JSON parsing and validation) runs off the async workers (`block_in_place`), so a
 //! page of large values delays no agent's stream.
 
-use std::sync::Arc;
-
 use std::time::Duration;
 
 use anyhow::Context;
@@ -36,10 +34,12 @@ use etcd_client::{Client, EventType, GetOptions, KeyValue, KvClient, WatchOption
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::mirror::{Batch, Mirror, Problem};
-use super::{Backoff, EtcdArgs, RESOURCE_PREFIX, connect, decode};
-use crate::datastore::off_runtime;
-use crate::serve::metrics::Metrics;
+use calc_ingest::etcd::{self as ingest, Mirror};
+use calc_ingest::{Batch, Decision, Problem, default_allow_profile};
+
+use super::{Backoff, RESOURCE_PREFIX, connect};
+use crate::args::EtcdArgs;
+use crate::datastore::{Health, Sink, off_runtime};
 
 /// How long one range request may take before the connection is considered lost.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -237,15 +237,14 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let mut mirror = Mirror::new(Arc::default());
+        let mut mirror = Mirror::new();
         let mut out = Batch::default();
-        out.updates
-            .push(Update::Apply(decode::default_allow_profile()));
+        out.updates.push(Update::Apply(default_allow_profile()));
         let mut pages = prefetch(
             Lister::new(RESOURCE_PREFIX, args.etcd_page_size),
             kv_client(&client),
         );
-        mirror.begin_list();
+        mirror.begin_list(());
         let mut revision = 0;
         let result = loop {
             match next_page(&mut pages).await {
@@ -306,7 +305,7 @@ fn put_page<'a>(
                 continue;
             };
             let before = out.problems.len();
-            mirror.put(key, item.value(), out);
+            ingest::put(mirror, key, item.value(), out);
             if out.problems[before..].iter().any(|p| !p.held) {
                 orphans.push(Orphan {
                     key: key.to_owned(),
@@ -352,8 +351,8 @@ async fn last_good_in_history(kv: &mut KvClient, orphan: &Orphan) -> History {
             return History::Nothing("no earlier version in etcd's history".into());
         };
         if matches!(
-            off_runtime(|| decode::decode(&orphan.key, item.value())),
-            decode::Decision::Apply(_)
+            off_runtime(|| ingest::decode(&orphan.key, item.value())),
+            Decision::Apply { .. }
         ) {
             return History::Found(item.mod_revision(), item.value().to_vec());
         }
@@ -370,7 +369,7 @@ async fn recover(mirror: &mut Mirror, kv: &mut KvClient, orphans: Vec<Orphan>, o
     for orphan in orphans {
         let outcome = match last_good_in_history(kv, &orphan).await {
             History::Found(revision, value) => {
-                if off_runtime(|| mirror.adopt_last_good(&orphan.key, &value, out)) {
+                if off_runtime(|| ingest::adopt_last_good(mirror, &orphan.key, &value, out)) {
                     Ok(revision)
                 } else {
                     Err("its earlier version could not be used".to_owned())
@@ -416,23 +415,23 @@ enum End {
 pub struct Watcher {
     cfg: WatchConfig,
     mirror: Mirror,
-    out: mpsc::Sender<Vec<Update>>,
+    out: Sink,
     /// Whether the first complete snapshot (and InSync) has been delivered.
     synced: bool,
     cluster_id: Option<u64>,
     /// Rejected values (counter) and unusable keys (gauges, readiness).
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
         Watcher {
             cfg,
-            mirror: Mirror::new(metrics.rejections.clone()),
+            mirror: Mirror::new(),
             out,
             synced: false,
             cluster_id: None,
-            metrics,
+            health,
         }
     }
 
@@ -494,12 +493,11 @@ impl Watcher {
                 kv_client(client),
             );
             let mut revision = 0;
-            self.mirror.begin_list();
+            self.mirror.begin_list(());
             let mut changes = 0usize;
             let mut out = Batch::default();
             if first {
-                out.updates
-                    .push(Update::Apply(decode::default_allow_profile()));
+                out.updates.push(Update::Apply(default_allow_profile()));
             }
             loop {
                 let page = match next_page(&mut pages).await {
@@ -530,7 +528,7 @@ impl Watcher {
                     return Err(End::EngineGone);
                 }
             }
-            self.mirror.sweep(&mut out);
+            self.mirror.sweep((), &mut out);
             self.report(&mut out.problems);
             if !self.synced {
                 out.updates.push(Update::InSync);
@@ -570,7 +568,7 @@ impl Watcher {
         };
         let resync_at = Instant::now() + self.cfg.resync_interval;
         loop {
-            if self.mirror.needs_relist() {
+            if !self.mirror.take_relists().is_empty() {
                 return End::Relist("restoring a resource another key still names");
             }
             let msg = tokio::select! {
@@ -625,7 +623,7 @@ impl Watcher {
                 }
             }
             // A key deleted later in the same response is no longer an orphan.
-            orphans.retain(|o| self.mirror.is_rejected_without_last_good(&o.key));
+            orphans.retain(|o| self.mirror.is_rejected_without_last_good(o.key.as_str()));
             recover(&mut self.mirror, &mut kv_client(client), orphans, &mut out).await;
             self.report(&mut out.problems);
             if !out.updates.is_empty() {
@@ -642,9 +640,12 @@ impl Watcher {
         self.out.send(updates).await.is_err()
     }
 
-    /// Logs rejected values by key and publishes the keys left unusable.
+    /// Counts and logs rejected values by key and publishes the keys left unusable.
     fn report(&mut self, problems: &mut Vec<Problem>) {
-        let rejected_total = self.metrics.rejections.total();
+        for stage in problems.iter().filter_map(|p| p.stage) {
+            self.health.rejections.count(stage);
+        }
+        let rejected_total = self.health.rejections.total();
         for p in problems.drain(..) {
             if p.held {
                 tracing::warn!(key = %p.key, reason = %p.reason, rejected_total, "rejected etcd value; its last good version stays in force");
@@ -653,7 +654,7 @@ impl Watcher {
             }
         }
         if let Some((held, without)) = self.mirror.take_unusable() {
-            self.metrics.set_unusable(held, without);
+            self.health.unusable.publish(held, without);
         }
     }
 }

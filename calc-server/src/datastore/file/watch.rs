@@ -18,21 +18,20 @@
 //!    `.yml` is not a delete);
 //! 4. else it is deleted.
 //!
-//! The versions in force are saved to the last-good store (`last_good`), so a restart with an
+//! The versions in force are saved to the last-good store ([`LastGood`]), so a restart with an
 //! invalid object starts from its last good version.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::Arc;
+
 use std::time::Duration;
 
 use calc_graph::graph::Update;
 use calc_graph::model::{Resource, ResourceKey};
-use tokio::sync::mpsc;
 
-use super::metrics::Metrics;
-use crate::last_good::LastGood;
-use crate::manifest_dir::{self, Stamp};
+use super::last_good::LastGood;
+use super::manifest_dir::{self, Stamp};
+use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
 
@@ -98,7 +97,7 @@ struct Watcher {
     held: BTreeSet<ResourceKey>,
     /// The file whose definition of a key is in force (unknown for what the store gave).
     origin: BTreeMap<ResourceKey, PathBuf>,
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
@@ -120,7 +119,7 @@ impl Watcher {
         for f in changed {
             let state = read_file(f, self.files.get(f));
             for stage in &state.rejected {
-                self.metrics.rejections.count(*stage);
+                self.health.rejections.count(*stage);
             }
             let before = self.files.get(f).map(|s| &s.problems);
             for p in &state.problems {
@@ -214,7 +213,7 @@ impl Watcher {
             .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
         let without: Vec<String> = without.iter().map(ToString::to_string).collect();
-        self.metrics.set_unusable(held, without);
+        self.health.unusable.publish(held, without);
         updates
     }
 
@@ -247,15 +246,16 @@ enum Desired {
     Absent,
 }
 
-/// Sends the initial snapshot and InSync, then changes as they appear, until the engine goes.
+/// Sends the initial snapshot and InSync, then changes as they appear, until the sink's
+/// receiver goes. `health` gets the rejected objects (counter) and unusable ones (gauges).
 /// Only files whose size or modification time changed are read again, and only their keys
 /// (and the held ones) are reconciled.
 pub fn run(
     dir: PathBuf,
     last_good_dir: Option<PathBuf>,
     interval: Duration,
-    engine: mpsc::Sender<Vec<Update>>,
-    metrics: Arc<Metrics>,
+    sink: Sink,
+    health: Health,
 ) {
     let (store, stored, problems) = LastGood::open(last_good_dir);
     for p in &problems {
@@ -271,7 +271,7 @@ pub fn run(
         duplicates: BTreeMap::new(),
         held: BTreeSet::new(),
         origin: BTreeMap::new(),
-        metrics,
+        health,
     };
     let mut seen = w.listing();
     let files: Vec<PathBuf> = seen.keys().cloned().collect();
@@ -282,7 +282,7 @@ pub fn run(
     let mut first: Vec<Update> = w.current.values().cloned().map(Update::Apply).collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
-    if engine.blocking_send(first).is_err() {
+    if sink.blocking_send(first).is_err() {
         return;
     }
     // The listing of the previous poll, and for how many polls it has kept changing.
@@ -290,7 +290,7 @@ pub fn run(
     let mut unsettled = 0;
     loop {
         std::thread::sleep(interval);
-        if engine.is_closed() {
+        if sink.is_closed() {
             return;
         }
         let now = w.listing();
@@ -334,7 +334,7 @@ pub fn run(
             files = changed.len() + gone.len(),
             "file datastore changed"
         );
-        if engine.blocking_send(updates).is_err() {
+        if sink.blocking_send(updates).is_err() {
             return;
         }
     }

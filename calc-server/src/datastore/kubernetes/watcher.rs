@@ -19,8 +19,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::datastore::off_runtime;
-use crate::serve::metrics::Metrics;
+use crate::args::KubeArgs;
+use crate::datastore::{Health, Sink, off_runtime};
 use anyhow::Context;
 use calc_graph::graph::Update;
 use kube::api::{Api, DynamicObject};
@@ -30,11 +30,11 @@ use serde_json::Value;
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::StreamExt;
 
-use super::convert::Converter;
-use super::mirror::Mirror;
-use super::{KubeArgs, Source, client};
-use crate::etcd::decode::default_allow_profile;
-use crate::etcd::mirror::{Batch, Problem};
+use calc_ingest::kubernetes::convert::Converter;
+use calc_ingest::kubernetes::{self as ingest, Mirror};
+use calc_ingest::{Batch, Problem, default_allow_profile};
+
+use super::{Source, api_resource, client};
 
 /// What one source's watcher reports.
 #[derive(Debug)]
@@ -68,7 +68,7 @@ async fn watch_source(
     tx: mpsc::Sender<(Source, Report)>,
     relist: Arc<Notify>,
 ) {
-    let api: Api<DynamicObject> = Api::all_with(client, &source.api_resource());
+    let api: Api<DynamicObject> = Api::all_with(client, &api_resource(source));
     loop {
         let stream = watcher::watcher(api.clone(), watcher::Config::default()).default_backoff();
         let mut stream = std::pin::pin!(stream);
@@ -142,6 +142,7 @@ fn start(client: &kube::Client) -> Sources {
 
 /// The merged state: the mirror and which sources have completed a list.
 struct Merge {
+    converter: Converter,
     mirror: Mirror,
     listed: BTreeSet<Source>,
     absent: BTreeSet<Source>,
@@ -149,9 +150,10 @@ struct Merge {
 }
 
 impl Merge {
-    fn new(converter: Converter, rejected: Arc<crate::datastore::Rejections>) -> Merge {
+    fn new(converter: Converter) -> Merge {
         Merge {
-            mirror: Mirror::new(converter, rejected),
+            converter,
+            mirror: ingest::new_mirror(),
             listed: BTreeSet::new(),
             absent: BTreeSet::new(),
             in_sync: false,
@@ -167,8 +169,8 @@ impl Merge {
                 }
                 self.mirror.begin_list(source);
             }
-            Report::Apply(v) => self.mirror.put(source, v, out),
-            Report::Delete(v) => self.mirror.delete(source, &v, out),
+            Report::Apply(v) => ingest::put(&mut self.mirror, &self.converter, source, v, out),
+            Report::Delete(v) => ingest::delete(&mut self.mirror, source, &v, out),
             Report::InitDone => {
                 self.mirror.sweep(source, out);
                 self.listed.insert(source);
@@ -210,7 +212,7 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     let converter = Converter {
         interface_prefix: args.interface_prefix(),
     };
-    let mut merge = Merge::new(converter, Arc::default());
+    let mut merge = Merge::new(converter);
     let mut sources = start(&client);
     let mut out = Batch::default();
     out.updates.push(Update::Apply(default_allow_profile()));
@@ -245,14 +247,14 @@ pub struct WatchConfig {
 /// Watches every source and sends update batches until the receiver goes away.
 pub struct Watcher {
     cfg: WatchConfig,
-    out: mpsc::Sender<Vec<Update>>,
+    out: Sink,
     /// Rejected objects (counter) and unusable ones (gauges, readiness).
-    metrics: Arc<Metrics>,
+    health: Health,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: mpsc::Sender<Vec<Update>>, metrics: Arc<Metrics>) -> Watcher {
-        Watcher { cfg, out, metrics }
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
+        Watcher { cfg, out, health }
     }
 
     /// Runs until the receiver of the updates goes away. `client` comes from [`client`].
@@ -260,7 +262,7 @@ impl Watcher {
         let converter = Converter {
             interface_prefix: self.cfg.args.interface_prefix(),
         };
-        let mut merge = Merge::new(converter, self.metrics.rejections.clone());
+        let mut merge = Merge::new(converter);
         // `_tasks` is bound (not `..`) so the watchers live as long as this loop.
         let Sources {
             mut rx,
@@ -311,7 +313,10 @@ impl Watcher {
                     t.notify_one();
                 }
             }
-            let rejected_total = self.metrics.rejections.total();
+            for stage in out.problems.iter().filter_map(|p| p.stage) {
+                self.health.rejections.count(stage);
+            }
+            let rejected_total = self.health.rejections.total();
             for p in out.problems.drain(..) {
                 if p.held {
                     tracing::warn!(object = %p.key, reason = %p.reason, rejected_total, "Kubernetes object not used as is; its last good version stays in force");
@@ -320,7 +325,7 @@ impl Watcher {
                 }
             }
             if let Some((held, without)) = merge.mirror.take_unusable() {
-                self.metrics.set_unusable(held, without);
+                self.health.unusable.publish(held, without);
             }
             if !out.updates.is_empty() {
                 tracing::debug!(changes = out.updates.len(), "Kubernetes changes");
@@ -368,7 +373,7 @@ mod tests {
 
     #[test]
     fn in_sync_waits_for_every_source_and_absent_crds_count_as_empty() {
-        let mut m = Merge::new(Converter::default(), Arc::default());
+        let mut m = Merge::new(Converter::default());
         let mut out = Batch::default();
         let ns = json!({"metadata": {"name": "shop", "resourceVersion": "1"}});
         for (i, source) in Source::ALL.into_iter().enumerate() {
@@ -403,7 +408,7 @@ mod tests {
 
     #[test]
     fn a_relist_after_expiry_sweeps_what_was_missed() {
-        let mut m = Merge::new(Converter::default(), Arc::default());
+        let mut m = Merge::new(Converter::default());
         let mut out = Batch::default();
         let ns = |n: &str, rv: &str| json!({"metadata": {"name": n, "resourceVersion": rv}});
         m.handle(Source::Namespace, Report::Init, &mut out);

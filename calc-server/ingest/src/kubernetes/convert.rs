@@ -10,7 +10,7 @@
 //!   annotations merged over the CR's own; its name, when set, is the v3 name). Policies without
 //!   that name lose a legacy `default.` prefix in the default tier, as the etcd adapter does.
 //! - Pod → WorkloadEndpoint `<node>-k8s-<pod>-eth0` (dashes in a part doubled), interface
-//!   `<prefix>` + 11 hex digits of SHA-1("<namespace>.<pod>"), IPs from `status.podIPs`, then
+//!   `<prefix>` + 11 hex digits of `SHA-1("<namespace>.<pod>")`, IPs from `status.podIPs`, then
 //!   `status.podIP`, then Calico's and AWS's annotations; profiles `kns.<ns>` and
 //!   `ksa.<ns>.<sa>`; labels plus `projectcalico.org/{namespace,orchestrator,serviceaccount}`;
 //!   named (and host) container ports. Not endpoints ([`Decision::Skip`]): host-network pods,
@@ -20,7 +20,7 @@
 //!   `pcns.projectcalico.org/name`. ServiceAccount → Profile `ksa.<ns>.<sa>`: labels `pcsa.<k>`
 //!   and `pcsa.projectcalico.org/name`, no rules.
 //! - Kubernetes NetworkPolicy → NetworkPolicy `knp.default.<name>` in the default tier at order
-//!   1000 (see [`k8s_network_policy`]).
+//!   1000 (see `k8s_network_policy`).
 //! - Node → Node: labels, BGP addresses and AS number from Calico's node annotations, addresses.
 
 use std::collections::BTreeMap;
@@ -28,7 +28,7 @@ use std::fmt::Write as _;
 
 use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::validate::parse_cidr_or_ip;
-use calc_graph::model::{API_VERSION, Kind, Resource};
+use calc_graph::model::{API_VERSION, Kind};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy as K8sNetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort,
@@ -39,6 +39,7 @@ use serde_json::{Map, Value, json};
 use sha1::{Digest, Sha1};
 
 use super::Source;
+use crate::Decision;
 
 /// The annotation Calico's client stores a CRD-backed object's v3 metadata in.
 pub const METADATA_ANNOTATION: &str = "projectcalico.org/metadata";
@@ -67,24 +68,6 @@ const NODE_IPV4_ANNOTATION: &str = "projectcalico.org/IPv4Address";
 const NODE_IPV6_ANNOTATION: &str = "projectcalico.org/IPv6Address";
 const NODE_ASN_ANNOTATION: &str = "projectcalico.org/ASNumber";
 const NODE_LABELS_ANNOTATION: &str = "projectcalico.org/labels";
-
-/// What one object means for the graph.
-#[derive(Debug)]
-// A transient value, consumed at once; boxing would only add an allocation per object.
-#[allow(clippy::large_enum_variant)]
-pub enum Decision {
-    /// A valid resource. `warnings`: parts Calico drops while keeping the rest (a Kubernetes
-    /// NetworkPolicy rule that cannot be converted), each worth reporting.
-    Apply {
-        resource: Resource,
-        warnings: Vec<String>,
-    },
-    /// Not something the graph has (a host-network or unscheduled pod, a pod without an IP, a
-    /// CRD kind with no policy role).
-    Skip,
-    /// The object cannot be used; the stage and reason (the caller names the object).
-    Reject(Rejection),
-}
 
 /// Conversion settings.
 #[derive(Clone, Debug)]
@@ -127,11 +110,7 @@ impl Converter {
                 } else {
                     decode_and_validate(v)
                 };
-                match outcome.into_resource() {
-                    Ok(Some(resource)) => Decision::Apply { resource, warnings },
-                    Ok(None) => Decision::Skip,
-                    Err(rejection) => Decision::Reject(rejection),
-                }
+                Decision::from_outcome(outcome, warnings)
             }
             Ok(Converted::Skip) => Decision::Skip,
             Err(reason) => Decision::Reject(Rejection::decode(reason)),

@@ -1,0 +1,227 @@
+//! The etcd front of the mirror: keys identify, values version, re-lists reconcile.
+
+use super::*;
+use crate::etcd::RESOURCE_PREFIX as P;
+use calc_graph::graph::Update;
+use calc_graph::manifest::RejectStage;
+use calc_graph::model::Kind;
+
+fn gnp(name: &str, selector: &str) -> String {
+    format!(
+        r#"{{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{{"name":"{name}"}},"spec":{{"selector":"{selector}"}}}}"#
+    )
+}
+
+fn summary(b: &Batch) -> Vec<String> {
+    b.updates
+        .iter()
+        .map(|u| match u {
+            Update::Apply(r) => format!("apply {}", r.key()),
+            Update::Delete(k) => format!("delete {k}"),
+            Update::InSync => "in-sync".into(),
+        })
+        .collect()
+}
+
+/// The stages of the rejections in `b` (what the adapter counts).
+fn rejected(b: &Batch) -> Vec<RejectStage> {
+    b.problems.iter().filter_map(|p| p.stage).collect()
+}
+
+#[test]
+fn relist_sends_only_differences() {
+    let mut m = Mirror::new();
+    let (a, b, c) = (
+        format!("{P}globalnetworkpolicies/a"),
+        format!("{P}globalnetworkpolicies/b"),
+        format!("{P}globalnetworkpolicies/c"),
+    );
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &a, gnp("a", "all()").as_bytes(), &mut out);
+    put(&mut m, &b, gnp("b", "all()").as_bytes(), &mut out);
+    put(&mut m, &format!("{P}bgppeers/x"), b"{}", &mut out);
+    m.sweep((), &mut out);
+    assert_eq!(
+        summary(&out),
+        ["apply GlobalNetworkPolicy a", "apply GlobalNetworkPolicy b"]
+    );
+    assert_eq!(m.len(), 2);
+
+    // Re-list: a unchanged, b changed, c new; a key missing from the list is deleted.
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &b, gnp("b", "has(x)").as_bytes(), &mut out);
+    put(&mut m, &c, gnp("c", "all()").as_bytes(), &mut out);
+    m.sweep((), &mut out);
+    assert_eq!(
+        summary(&out),
+        [
+            "apply GlobalNetworkPolicy b",
+            "apply GlobalNetworkPolicy c",
+            "delete GlobalNetworkPolicy a"
+        ]
+    );
+    // Same list again: nothing at all.
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &b, gnp("b", "has(x)").as_bytes(), &mut out);
+    put(&mut m, &c, gnp("c", "all()").as_bytes(), &mut out);
+    m.sweep((), &mut out);
+    assert!(out.updates.is_empty());
+}
+
+#[test]
+fn a_rejected_value_keeps_the_last_good_one_and_is_counted_once() {
+    let mut m = Mirror::new();
+    let a = format!("{P}globalnetworkpolicies/a");
+    let mut out = Batch::default();
+    put(&mut m, &a, gnp("a", "all()").as_bytes(), &mut out);
+    put(&mut m, &a, b"{oops", &mut out);
+    assert_eq!(summary(&out), ["apply GlobalNetworkPolicy a"]);
+    assert_eq!(out.problems.len(), 1);
+    assert_eq!(out.problems[0].key, a);
+    assert!(out.problems[0].held, "the last good version stays");
+    assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
+    assert_eq!(rejected(&out), [RejectStage::Decode]);
+    // A re-list that sees the same bad value reports nothing new and deletes nothing.
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &a, b"{oops", &mut out);
+    m.sweep((), &mut out);
+    assert!(out.updates.is_empty() && out.problems.is_empty());
+    // A later valid value is applied; deleting the key deletes the resource.
+    put(&mut m, &a, gnp("a", "has(y)").as_bytes(), &mut out);
+    assert_eq!(m.unusable(), (vec![], vec![]));
+    m.delete(a.as_str(), &mut out);
+    assert_eq!(
+        summary(&out),
+        [
+            "apply GlobalNetworkPolicy a",
+            "delete GlobalNetworkPolicy a"
+        ]
+    );
+    // A key that was only ever bad deletes nothing.
+    let mut out = Batch::default();
+    let b = format!("{P}globalnetworkpolicies/b");
+    put(&mut m, &b, b"[]", &mut out);
+    m.delete(b.as_str(), &mut out);
+    assert!(out.updates.is_empty());
+}
+
+#[test]
+fn two_keys_naming_one_policy() {
+    let mut m = Mirror::new();
+    let legacy = format!("{P}globalnetworkpolicies/default.p");
+    let new = format!("{P}globalnetworkpolicies/p");
+    let mut out = Batch::default();
+    put(&mut m, &new, gnp("p", "all()").as_bytes(), &mut out);
+    put(
+        &mut m,
+        &legacy,
+        gnp("default.p", "has(old)").as_bytes(),
+        &mut out,
+    );
+    assert_eq!(
+        summary(&out),
+        ["apply GlobalNetworkPolicy p", "apply GlobalNetworkPolicy p"]
+    );
+    // The legacy key goes: the graph holds its version, so `p`'s must be re-sent.
+    let mut out = Batch::default();
+    m.delete(legacy.as_str(), &mut out);
+    assert!(out.updates.is_empty());
+    assert_eq!(m.take_relists().len(), 1, "a re-list restores p");
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &new, gnp("p", "all()").as_bytes(), &mut out);
+    m.sweep((), &mut out);
+    assert_eq!(summary(&out), ["apply GlobalNetworkPolicy p"]);
+    assert!(m.take_relists().is_empty());
+    // The last key goes: the policy is deleted.
+    let mut out = Batch::default();
+    m.delete(new.as_str(), &mut out);
+    assert_eq!(summary(&out), ["delete GlobalNetworkPolicy p"]);
+}
+
+#[test]
+fn a_value_that_renames_its_resource_deletes_the_old_name() {
+    let mut m = Mirror::new();
+    let key = format!("{P}globalnetworkpolicies/default.q");
+    let mut out = Batch::default();
+    put(&mut m, &key, gnp("default.q", "all()").as_bytes(), &mut out);
+    let annotated = r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"default.q","annotations":{"projectcalico.org/metadata":"{\"name\":\"renamed\"}"}},"spec":{"selector":"all()"}}"#;
+    put(&mut m, &key, annotated.as_bytes(), &mut out);
+    assert_eq!(
+        summary(&out),
+        [
+            "apply GlobalNetworkPolicy q",
+            "delete GlobalNetworkPolicy q",
+            "apply GlobalNetworkPolicy renamed"
+        ]
+    );
+    assert!(matches!(&out.updates[2], Update::Apply(r) if r.kind() == Kind::GlobalNetworkPolicy));
+}
+
+/// After a restart the mirror knows only the bad value; the caller finds an earlier valid
+/// one in etcd's history and adopts it: applied, the bad value still remembered (a re-list
+/// sends nothing), and a later valid value replaces it.
+#[test]
+fn a_last_good_version_from_history_is_adopted_for_a_rejected_key_only() {
+    let mut m = Mirror::new();
+    let a = format!("{P}globalnetworkpolicies/a");
+    let b = format!("{P}globalnetworkpolicies/b");
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &a, b"{oops", &mut out);
+    put(&mut m, &b, gnp("b", "all()").as_bytes(), &mut out);
+    assert!(!out.problems[0].held, "nothing to hold yet");
+    assert!(m.is_rejected_without_last_good(a.as_str()));
+    assert_eq!(m.unusable(), (vec![], vec![a.clone()]));
+    // Neither an invalid old version nor a valid key's takes effect.
+    assert!(!adopt_last_good(&mut m, &a, b"[]", &mut out));
+    assert!(!adopt_last_good(
+        &mut m,
+        &b,
+        gnp("b", "has(x)").as_bytes(),
+        &mut out
+    ));
+    assert!(adopt_last_good(
+        &mut m,
+        &a,
+        gnp("a", "has(x)").as_bytes(),
+        &mut out
+    ));
+    assert!(
+        !adopt_last_good(&mut m, &a, gnp("a", "all()").as_bytes(), &mut out),
+        "once"
+    );
+    m.sweep((), &mut out);
+    assert_eq!(
+        summary(&out),
+        ["apply GlobalNetworkPolicy b", "apply GlobalNetworkPolicy a"]
+    );
+    assert_eq!(m.unusable(), (vec![a.clone()], vec![]));
+    assert_eq!(m.take_unusable(), Some((vec![a.clone()], vec![])));
+
+    let mut out = Batch::default();
+    m.begin_list(());
+    put(&mut m, &a, b"{oops", &mut out);
+    put(&mut m, &b, gnp("b", "all()").as_bytes(), &mut out);
+    m.sweep((), &mut out);
+    assert!(out.updates.is_empty() && out.problems.is_empty());
+    assert_eq!(
+        m.take_unusable(),
+        None,
+        "nothing changed: nothing to publish"
+    );
+
+    put(&mut m, &a, gnp("a", "all()").as_bytes(), &mut out);
+    assert_eq!(summary(&out), ["apply GlobalNetworkPolicy a"]);
+    assert_eq!(m.take_unusable(), Some((vec![], vec![])), "repaired");
+    // A key only ever bad, then deleted, leaves the lists too.
+    let c = format!("{P}globalnetworkpolicies/c");
+    put(&mut m, &c, b"[]", &mut out);
+    assert_eq!(m.take_unusable(), Some((vec![], vec![c.clone()])));
+    m.delete(c.as_str(), &mut out);
+    assert_eq!(m.take_unusable(), Some((vec![], vec![])));
+}

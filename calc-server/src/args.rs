@@ -1,0 +1,357 @@
+//! Every flag and environment variable of calc-server's commands, and their value parsers.
+//!
+//! These are user contracts (names, env vars, defaults and help text are checked by
+//! `calc-server/tests/cli.rs` and `integration/tests/operator.rs`): they live here, at the top,
+//! so that the adapters and the serving layer take their settings from one place and none of
+//! them imports another for a flag type. This module imports none of ours.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The admin address `serve` listens on unless told otherwise (Felix's health port, 9099,
+/// and Typha's, 9098, are taken on a Calico node).
+pub const DEFAULT_ADMIN: &str = "127.0.0.1:9096";
+
+/// Which datastore to read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DatastoreType {
+    /// A directory of Calico v3 YAML/JSON manifests (the embedded default).
+    File,
+    /// Calico's etcd v3 layout (`/calico/resources/v3/projectcalico.org/...`).
+    Etcdv3,
+    /// The Kubernetes API: Calico CRDs (crd.projectcalico.org/v1) and pods, namespaces,
+    /// service accounts, nodes and NetworkPolicies, as Calico's Kubernetes datastore reads them.
+    Kubernetes,
+}
+
+/// Datastore selection flags shared by `compute` and `serve`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DatastoreArgs {
+    /// Where the cluster's Calico resources come from.
+    #[arg(long, env = "DATASTORE_TYPE", value_enum, default_value = "file")]
+    pub datastore_type: DatastoreType,
+    /// Directory of manifests for the file datastore (searched recursively; `status/` ignored).
+    #[arg(long, env = "CALC_SERVER_FILE_DIR", default_value = "examples/cluster")]
+    pub file_dir: PathBuf,
+    /// etcd connection (for `--datastore-type etcdv3`).
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Kubernetes API connection (for `--datastore-type kubernetes`).
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`). The env
+/// names are Felix's.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EtcdArgs {
+    /// etcd v3 endpoints, comma-separated URLs (`http://` or `https://`).
+    #[arg(
+        long,
+        env = "ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+    /// PEM CA bundle that signs the etcd servers' certificates (needed for https endpoints).
+    #[arg(long, env = "ETCD_CA_CERT_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// PEM client certificate for etcd (with --etcd-key-file).
+    #[arg(long, env = "ETCD_CERT_FILE", requires = "etcd_key_file")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate (with --etcd-cert-file).
+    #[arg(long, env = "ETCD_KEY_FILE", requires = "etcd_cert_file")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// Keys per range request when listing (all pages are read at one revision).
+    #[arg(
+        long,
+        env = "CALC_SERVER_ETCD_PAGE_SIZE",
+        default_value_t = 4000,
+        value_parser = clap::value_parser!(i64).range(1..)
+    )]
+    pub etcd_page_size: i64,
+}
+
+/// Flags only `serve` needs (flattened into `ServeArgs`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct EtcdServeArgs {
+    /// Anti-entropy: re-list everything this often and reconcile (only differences are sent).
+    #[arg(long, env = "CALC_SERVER_ETCD_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    pub etcd_resync_interval: Duration,
+    /// How often this server's own status keys are listed and repaired (rewritten if they
+    /// differ, deleted if stale).
+    #[arg(long, env = "CALC_SERVER_ETCD_STATUS_RESYNC_INTERVAL", default_value = "1m", value_parser = parse_duration)]
+    pub etcd_status_resync_interval: Duration,
+    /// Longest wait between reconnection attempts (the back-off doubles from 100 ms, jittered).
+    #[arg(long, env = "CALC_SERVER_ETCD_MAX_BACKOFF", default_value = "10s", value_parser = parse_duration)]
+    pub etcd_max_backoff: Duration,
+}
+
+/// Connection flags shared by `serve` and `compute` (flattened into `DatastoreArgs`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct KubeArgs {
+    /// Kubeconfig file for `--datastore-type kubernetes`. Without it the client is configured
+    /// as kubectl would be: $KUBECONFIG, then ~/.kube/config, then the in-cluster service
+    /// account.
+    #[arg(long, env = "CALC_SERVER_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Context of the kubeconfig to use (default: its current context).
+    #[arg(long, env = "CALC_SERVER_KUBE_CONTEXT")]
+    pub kube_context: Option<String>,
+    /// Prefix of the host-side interface names of pods (Felix's InterfacePrefix; the first of a
+    /// comma-separated list is used, as Calico's CNI plugin does).
+    #[arg(long, env = "FELIX_INTERFACEPREFIX", default_value = "cali")]
+    pub interface_prefix: String,
+}
+
+/// Flags only `serve` needs (flattened into `ServeArgs`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct KubeServeArgs {
+    /// Anti-entropy: re-list every source this often and reconcile (only differences are
+    /// sent; 0 disables). Watches already re-list on 410 Gone and after errors.
+    #[arg(long, env = "CALC_SERVER_KUBE_RESYNC_INTERVAL", default_value = "30m", value_parser = parse_duration)]
+    pub kube_resync_interval: Duration,
+}
+
+impl KubeArgs {
+    /// The interface prefix in force (first entry of the list).
+    pub fn interface_prefix(&self) -> String {
+        self.interface_prefix
+            .split(',')
+            .map(str::trim)
+            .find(|p| !p.is_empty())
+            .unwrap_or("cali")
+            .to_string()
+    }
+}
+
+// `calc-server serve` (a doc comment here would become the subcommand's help).
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub datastore: DatastoreArgs,
+    /// Address the gRPC Sync service listens on.
+    #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness, /metrics). The
+    /// default port is 9096 because Felix's health port (9099) and Typha's (9098) are taken
+    /// on a Calico node.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_LISTEN",
+        default_value = DEFAULT_ADMIN
+    )]
+    pub admin_listen: SocketAddr,
+    /// How often the file datastore directory is checked for changes.
+    #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
+    pub file_poll_interval: Duration,
+    /// File datastore: directory of the last-good store (the version of every object in force,
+    /// so that after a restart an object that is invalid by then keeps its last good version).
+    /// Default: `last-good` inside the status directory (shared by replicas that share it);
+    /// an empty value keeps it in memory only. See docs/operations.md.
+    #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH", value_parser = path_or_empty)]
+    pub last_good_dir: Option<PathBuf>,
+    /// File datastore: directory the agents' endpoint status is written to (`<node>.json`).
+    /// Default: `status` inside --file-dir; set it when that directory is read-only (a
+    /// ConfigMap volume), e.g. to an emptyDir. An empty value writes no status files (the admin
+    /// endpoint's /status still has them). It may not be inside --file-dir elsewhere than
+    /// `status`: the manifest loader would read the status files.
+    #[arg(long, env = "CALC_SERVER_STATUS_DIR", value_name = "PATH", value_parser = path_or_empty)]
+    pub status_dir: Option<PathBuf>,
+    /// An agent that falls this many messages behind is disconnected and resent a snapshot.
+    #[arg(
+        long,
+        env = "CALC_SERVER_AGENT_BACKLOG_LIMIT",
+        default_value_t = 200_000
+    )]
+    pub agent_backlog_limit: usize,
+    /// An agent that falls this many bytes (encoded messages) behind is disconnected and resent
+    /// a snapshot: a stalled agent costs at most this much memory beyond shared messages.
+    #[arg(
+        long,
+        env = "CALC_SERVER_AGENT_BACKLOG_BYTES",
+        default_value_t = 256 * 1024 * 1024
+    )]
+    pub agent_backlog_bytes: u64,
+    /// How many nodes' snapshots may be in flight at once (others wait their turn).
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_CONCURRENT_SNAPSHOTS",
+        default_value_t = 32
+    )]
+    pub max_concurrent_snapshots: usize,
+    /// Time an agent has to send its AgentHello.
+    #[arg(long, env = "CALC_SERVER_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub hello_timeout: Duration,
+    /// HTTP/2 keepalive ping interval; a peer that does not answer within the timeout is dropped.
+    #[arg(long, env = "CALC_SERVER_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub keepalive_interval: Duration,
+    /// Time an agent has to answer a keepalive ping before its connection is dropped (and its
+    /// node shown disconnected); keep it above the network's worst round trip.
+    #[arg(long, env = "CALC_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub keepalive_timeout: Duration,
+    /// Largest message accepted from an agent (reports are small: a status, a heartbeat).
+    #[arg(long, env = "CALC_SERVER_MAX_RECV_BYTES", default_value_t = 64 * 1024)]
+    pub max_recv_bytes: usize,
+    /// Accept agents for nodes the datastore does not know (they get config and InSync only).
+    #[arg(long, env = "CALC_SERVER_ALLOW_UNKNOWN_NODES")]
+    pub allow_unknown_nodes: bool,
+    /// How often changed endpoint status is written to the datastore.
+    #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub status_interval: Duration,
+    /// etcd watch and status settings (for `--datastore-type etcdv3`).
+    #[command(flatten)]
+    pub etcd: EtcdServeArgs,
+    /// Kubernetes watch settings (for `--datastore-type kubernetes`).
+    #[command(flatten)]
+    pub kube: KubeServeArgs,
+    /// mTLS and connection limits of the Sync listener.
+    #[command(flatten)]
+    pub listener: ListenerArgs,
+    /// YAML file of settings for serve: keys are flag names without the dashes
+    /// (`listen: 0.0.0.0:50051`, `tls-ca-file: /etc/calc/ca.pem`, lists as YAML sequences).
+    /// Precedence: flags, then environment variables, then this file, then the defaults.
+    #[arg(long, env = "CALC_SERVER_CONFIG_FILE", value_name = "PATH")]
+    pub config_file: Option<PathBuf>,
+    /// Print the effective settings (after flags, environment and config file) and exit: one
+    /// `key: value  # source` line each, in the config file's form (source: flag, env NAME,
+    /// file PATH or default). Answered by `config_file::parse_args` before serving starts.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// Flags of the Sync listener: TLS and connection limits.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ListenerArgs {
+    /// PEM bundle of the CA that signs agents' client certificates. Setting any of
+    /// --tls-ca-file, --tls-cert-file, --tls-key-file requires all three; then every agent must
+    /// present a certificate chaining to this CA (no plaintext fallback).
+    #[arg(long, env = "CALC_SERVER_TLS_CA_FILE", value_name = "PATH")]
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM certificate (chain) this server presents to agents.
+    #[arg(long, env = "CALC_SERVER_TLS_CERT_FILE", value_name = "PATH")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "CALC_SERVER_TLS_KEY_FILE", value_name = "PATH")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Take the node name from the client certificate's URI SAN instead of its CN: the URI SAN
+    /// that starts with this prefix, minus the prefix, is the node name (e.g.
+    /// `spiffe://cluster.local/calico-node/` and a SAN `spiffe://cluster.local/calico-node/node-1`).
+    #[arg(
+        long,
+        env = "CALC_SERVER_TLS_CLIENT_URI_SAN_PREFIX",
+        value_name = "PREFIX"
+    )]
+    pub tls_client_uri_san_prefix: Option<String>,
+    /// Time a client has to complete the TLS handshake (with TLS) and send the HTTP/2 preface
+    /// (plaintext too) before its socket is closed.
+    #[arg(long, env = "CALC_SERVER_TLS_HANDSHAKE_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub tls_handshake_timeout: Duration,
+    /// Most agents (connections whose AgentHello was accepted) at once; a further hello is
+    /// refused with RESOURCE_EXHAUSTED. Pending connections do not count here.
+    #[arg(long, env = "CALC_SERVER_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
+    /// Most connections not yet accepted as agents (handshaking, or waiting for their hello) at
+    /// once; further ones are closed at once.
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_PENDING_CONNECTIONS",
+        default_value_t = 1024
+    )]
+    pub max_pending_connections: usize,
+    /// Most pending connections from one source address.
+    #[arg(
+        long,
+        env = "CALC_SERVER_MAX_PENDING_PER_ADDRESS",
+        default_value_t = 64
+    )]
+    pub max_pending_per_address: usize,
+    /// Most concurrent HTTP/2 streams per connection (an agent uses one).
+    #[arg(long, env = "CALC_SERVER_MAX_CONCURRENT_STREAMS", default_value_t = 16)]
+    pub max_concurrent_streams: u32,
+}
+
+// `calc-server compute`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ComputeArgs {
+    #[command(flatten)]
+    pub datastore: DatastoreArgs,
+    /// Node to compute (repeat for several).
+    #[arg(
+        long = "node",
+        env = "CALC_SERVER_NODES",
+        value_delimiter = ',',
+        required_unless_present = "all_nodes"
+    )]
+    pub nodes: Vec<String>,
+    /// Compute every node that has endpoints or a Node resource.
+    #[arg(long, env = "CALC_SERVER_ALL_NODES", conflicts_with = "nodes")]
+    pub all_nodes: bool,
+    /// Write `<node>.jsonl` per node into this directory instead of printing to stdout.
+    #[arg(long, env = "CALC_SERVER_OUT_DIR")]
+    pub out_dir: Option<PathBuf>,
+}
+
+// `calc-server status`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct StatusArgs {
+    /// The server's admin address (`--admin-listen` of serve), as host:port or http://host:port.
+    /// Not the gRPC address (`--listen`).
+    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
+    pub server: String,
+    /// Print the raw JSON instead of a table.
+    #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
+    pub json: bool,
+}
+
+/// A path where an empty value means "none" (clap's path parser refuses empty values).
+pub fn path_or_empty(s: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(s))
+}
+
+/// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_prefix_takes_the_first_entry() {
+        let args = KubeArgs {
+            kubeconfig: None,
+            kube_context: None,
+            interface_prefix: " eni , veth".into(),
+        };
+        assert_eq!(args.interface_prefix(), "eni");
+    }
+
+    /// Durations are written as operators write them in flags, env vars and config files.
+    #[test]
+    fn durations_take_a_unit_or_mean_seconds() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration(" 2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert!(parse_duration("10d").unwrap_err().contains("unit"));
+        assert!(parse_duration("fast").is_err());
+    }
+}

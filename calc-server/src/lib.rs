@@ -1,0 +1,23 @@
+//! calc-server as a library: everything the `calc-server` binary runs, so that tools (the
+//! benchmarks, later in their own crate) can reuse the adapters and the graph wiring.
+//!
+//! Layers, each importing only those above it:
+//! - [`args`]: every flag and environment variable (user contracts) and their value parsers;
+//! - [`status`]: the status board, what the agents report (shared by the serving layer and the
+//!   datastore's status writers);
+//! - [`datastore`]: one adapter per datastore (file, etcd, Kubernetes) feeding one sink; the
+//!   pure part of ingest is the `calc_ingest` crate;
+//! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
+//!   admin endpoint; [`compute`], [`status_cmd`] and [`offline`]: the other commands;
+//! - [`bench`](mod@bench), [`bench_sync`], [`gen_cluster`]: benchmark tools (never part of serving).
+
+pub mod args;
+pub mod bench;
+pub mod bench_sync;
+pub mod compute;
+pub mod datastore;
+pub mod gen_cluster;
+pub mod offline;
+pub mod serve;
+pub mod status;
+pub mod status_cmd;
