@@ -2,8 +2,9 @@
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p calc-server -p calc-graph --benches --bins >/dev/null 2>&1 || cargo build --release -p calc-server
+cargo build --release -p calc-server -p bench-tools -p calc-graph --benches --bins >/dev/null 2>&1 || cargo build --release -p calc-server -p bench-tools
 BIN=./target/release/calc-server
+BENCH=./target/release/calc-bench
 WORK=${BENCH_DIR:-$(mktemp -d)}
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -r)"
 
@@ -12,9 +13,9 @@ cargo bench -q -p calc-graph --bench selectors 2>/dev/null | grep selector
 
 run() { # name nodes eps policies namespaces
   local dir="$WORK/$1"
-  "$BIN" gen-cluster --nodes "$2" --endpoints-per-node "$3" --policies "$4" --namespaces "$5" --out "$dir" >/dev/null 2>&1
+  "$BENCH" gen-cluster --nodes "$2" --endpoints-per-node "$3" --policies "$4" --namespaces "$5" --out "$dir" >/dev/null 2>&1
   echo; echo "== calculation graph: $2 nodes x $3 endpoints, $4 policies, $5 namespaces"
-  "$BIN" bench --file-dir "$dir" | tee "$WORK/$1.out"
+  "$BENCH" bench --file-dir "$dir" | tee "$WORK/$1.out"
 }
 run c10k 100 100 1000 100
 run c100k 100 1000 1000 100
@@ -23,7 +24,7 @@ b=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c100k.out")
 echo; echo "memory per endpoint (slope 10k -> 100k endpoints): $(( (b - a) / 90000 )) bytes"
 
 echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
-"$BIN" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
+"$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
 PORT=${BENCH_GRPC_PORT:-50771}
 "$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
   --file-poll-interval 10ms --log-level warn >"$WORK/serve.log" 2>&1 &
@@ -33,7 +34,7 @@ for _ in $(seq 100); do
   "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
   sleep 0.1
 done
-"$BIN" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20
+"$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20
 
 echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh network namespaces)"
 if [ "$(id -u)" = 0 ]; then

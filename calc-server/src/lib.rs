@@ -1,5 +1,5 @@
 //! calc-server as a library: everything the `calc-server` binary runs, so that tools (the
-//! benchmarks, later in their own crate) can reuse the adapters and the graph wiring.
+//! benchmarks in `tools/bench`) can reuse the adapters and the graph wiring.
 //!
 //! Layers, each importing only those above it:
 //! - [`args`]: every flag and environment variable (user contracts) and their value parsers;
@@ -9,14 +9,13 @@
 //!   pure part of ingest is the `calc_ingest` crate;
 //! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
 //!   admin endpoint; [`compute`], [`status_cmd`] and [`offline`]: the other commands;
-//! - [`bench`](mod@bench), [`bench_sync`], [`gen_cluster`]: benchmark tools (never part of serving).
+//!
+//! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
+//! `bench-tools` crate (`tools/bench`), which uses this library.
 
 pub mod args;
-pub mod bench;
-pub mod bench_sync;
 pub mod compute;
 pub mod datastore;
-pub mod gen_cluster;
 pub mod offline;
 pub mod serve;
 pub mod status;

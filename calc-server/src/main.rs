@@ -3,15 +3,18 @@
 //!
 //! Subcommands: `serve` (the Sync stream), `status`, `compute` (the stream a node would
 //! receive), the offline tools (selector evaluation and normalisation, manifest validation),
-//! `gen-cluster`, `bench` and `bench-sync` for benchmarks.
+//! and `gen-cluster`, `bench`, `bench-sync`, which run the separate `calc-bench` tool installed
+//! beside this binary (benchmarks do not ship inside the server).
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use calc_server::args::{ComputeArgs, ServeArgs, StatusArgs};
-use calc_server::{bench, bench_sync, compute, gen_cluster, offline, serve, status_cmd};
+use calc_server::{compute, offline, serve, status_cmd};
 use clap::{Parser, Subcommand};
+use common::LogFormat;
 
 #[derive(Parser)]
 #[command(
@@ -51,12 +54,16 @@ enum Command {
     Serve(ServeArgs),
     /// Show connected nodes and their reported status (from a server's admin endpoint).
     Status(StatusArgs),
-    /// Write a synthetic Calico cluster (JSON manifests) for benchmarks.
-    GenCluster(gen_cluster::GenClusterArgs),
-    /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
-    Bench(bench::BenchArgs),
-    /// Simulated agents against a running server: time to sync, memory, change latency.
-    BenchSync(bench_sync::BenchSyncArgs),
+    /// Write a synthetic Calico cluster (JSON manifests) for benchmarks: runs
+    /// `calc-bench gen-cluster` (installed beside calc-server) with the same arguments.
+    #[command(disable_help_flag = true)]
+    GenCluster(Forwarded),
+    /// Measure the calculation graph on a datastore directory: runs `calc-bench bench`.
+    #[command(disable_help_flag = true)]
+    Bench(Forwarded),
+    /// Simulated agents against a running server: runs `calc-bench bench-sync`.
+    #[command(disable_help_flag = true)]
+    BenchSync(Forwarded),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -69,13 +76,11 @@ enum Command {
     },
 }
 
-/// Log line format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum LogFormat {
-    /// Human-readable lines.
-    Plain,
-    /// One JSON object per line.
-    Json,
+/// The arguments of a benchmark command, passed to `calc-bench` untouched (`--help` too).
+#[derive(clap::Args)]
+struct Forwarded {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<OsString>,
 }
 
 #[derive(Subcommand)]
@@ -106,20 +111,18 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    init_logging(
+    common::init_logging(
         cli.log_level.as_deref().unwrap_or(default_level),
         cli.log_format,
+        "warn",
     );
     let result = match cli.command {
         Command::Compute(args) => compute::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
-        Command::GenCluster(args) => gen_cluster::run(&args).map(|stats| {
-            eprintln!("{stats}");
-            ExitCode::SUCCESS
-        }),
-        Command::Bench(args) => bench::run(&args),
-        Command::BenchSync(args) => bench_sync::run(&args),
+        Command::GenCluster(f) => calc_bench("gen-cluster", f.args),
+        Command::Bench(f) => calc_bench("bench", f.args),
+        Command::BenchSync(f) => calc_bench("bench-sync", f.args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }
@@ -137,18 +140,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(level: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    // Colour only for a person at a terminal: a log file or collector gets plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Plain => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+/// Runs `calc-bench <command> <args>` from this binary's directory, where `cargo build` and
+/// the release archive put it.
+fn calc_bench(command: &str, args: Vec<OsString>) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
+    let exe = std::env::current_exe().context("locating calc-server")?;
+    let tool = exe.with_file_name("calc-bench");
+    anyhow::ensure!(
+        tool.is_file(),
+        "`calc-server {command}` runs the benchmark tool calc-bench, which is not installed at {} \
+         (build it with `cargo build --release -p bench-tools`)",
+        tool.display()
+    );
+    let status = std::process::Command::new(&tool)
+        .arg(command)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {}", tool.display()))?;
+    Ok(match status.code() {
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    })
 }

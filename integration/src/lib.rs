@@ -38,16 +38,32 @@ pub fn binary(name: &str) -> PathBuf {
             )
         });
     let root = workspace_root();
-    // The sources a binary is built from: its own crate (for calc-server, with its graph
-    // crate) and the proto crate.
+    // The sources a binary is built from: its own crate (for calc-server, with its graph and
+    // ingest crates) and the shared crates it links.
     let dirs: &[&str] = match name {
         "dataplane-agent" => &[
             "dataplane-agent",
             "proto",
-            "calc-server/graph",
+            "calico-names",
+            "common",
             "config-file",
         ],
-        _ => &["calc-server", "proto", "config-file"],
+        "calc-bench" | "etcd-bench" | "linux-bench" => &[
+            "tools",
+            "calc-server",
+            "dataplane-agent",
+            "proto",
+            "calico-names",
+            "common",
+            "config-file",
+        ],
+        _ => &[
+            "calc-server",
+            "proto",
+            "calico-names",
+            "common",
+            "config-file",
+        ],
     };
     let newest = dirs
         .iter()

@@ -51,21 +51,17 @@ fn every_flag_and_env_var_is_documented() {
     let operations = doc("operations.md");
     // The bench tools share the global flags documented with the operator commands.
     let benchmarks = doc("benchmarks.md") + &operations;
-    let commands: [(&str, &[&str], &str, &str); 13] = [
+    let commands: [(&str, &[&str], &str, &str); 14] = [
         ("calc-server", &[], "operations.md", &operations),
         ("calc-server", &["serve"], "operations.md", &operations),
         ("calc-server", &["status"], "operations.md", &operations),
         ("calc-server", &["compute"], "operations.md", &operations),
         ("calc-server", &["validate"], "operations.md", &operations),
         ("dataplane-agent", &[], "operations.md", &operations),
-        (
-            "calc-server",
-            &["gen-cluster"],
-            "benchmarks.md",
-            &benchmarks,
-        ),
-        ("calc-server", &["bench"], "benchmarks.md", &benchmarks),
-        ("calc-server", &["bench-sync"], "benchmarks.md", &benchmarks),
+        ("calc-bench", &[], "benchmarks.md", &benchmarks),
+        ("calc-bench", &["gen-cluster"], "benchmarks.md", &benchmarks),
+        ("calc-bench", &["bench"], "benchmarks.md", &benchmarks),
+        ("calc-bench", &["bench-sync"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &[], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["load"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["list"], "benchmarks.md", &benchmarks),

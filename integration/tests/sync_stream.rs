@@ -282,7 +282,7 @@ async fn a_stalled_agent_is_cut_off_not_buffered_forever() {
     // A bigger cluster so one node's snapshot overflows the HTTP/2 window of a client that
     // never reads.
     let dir = tempfile::tempdir().unwrap();
-    let generated = std::process::Command::new(integration::binary("calc-server"))
+    let generated = std::process::Command::new(integration::binary("calc-bench"))
         .args([
             "gen-cluster",
             "--nodes",

@@ -14,8 +14,8 @@ use calc_graph::model::Resource;
 
 use calc_graph::manifest::{self, Outcome};
 
-use crate::args::DatastoreArgs;
-use crate::datastore;
+use calc_server::args::DatastoreArgs;
+use calc_server::datastore;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {

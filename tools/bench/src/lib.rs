@@ -1,0 +1,13 @@
+//! The benchmark tools' library: the synthetic cluster generator and the measurements
+//! `calc-bench` runs (see docs/benchmarks.md). Nothing here ships in `calc-server` or
+//! `dataplane-agent`.
+//!
+//! - [`gen_cluster`]: a deterministic synthetic Calico cluster (JSON manifests) from a seed;
+//! - [`graph_bench`]: the calculation graph on a datastore, against the floor of reading and
+//!   validating the same objects;
+//! - [`bench_sync`]: simulated agents against a running server (time to sync, memory, change
+//!   latency).
+
+pub mod bench_sync;
+pub mod gen_cluster;
+pub mod graph_bench;

@@ -1,0 +1,54 @@
+//! calc-bench: the calc-server benchmarks (docs/benchmarks.md). `calc-server gen-cluster`,
+//! `calc-server bench` and `calc-server bench-sync` forward here.
+
+use std::process::ExitCode;
+
+use bench_tools::{bench_sync, gen_cluster, graph_bench};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "calc-bench",
+    version,
+    about = "Benchmarks for calc-server: synthetic clusters, the calculation graph, simulated agents."
+)]
+struct Cli {
+    /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
+    #[arg(
+        long,
+        env = "CALC_BENCH_LOG_LEVEL",
+        global = true,
+        default_value = "warn"
+    )]
+    log_level: String,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic Calico cluster (JSON manifests) for benchmarks.
+    GenCluster(gen_cluster::GenClusterArgs),
+    /// Measure the calculation graph on a datastore directory (see docs/benchmarks.md).
+    Bench(graph_bench::BenchArgs),
+    /// Simulated agents against a running server: time to sync, memory, change latency.
+    BenchSync(bench_sync::BenchSyncArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_logging(&cli.log_level, common::LogFormat::Plain, "warn");
+    let result = match cli.command {
+        Command::GenCluster(args) => gen_cluster::run(&args).map(|stats| {
+            eprintln!("{stats}");
+            ExitCode::SUCCESS
+        }),
+        Command::Bench(args) => graph_bench::run(&args),
+        Command::BenchSync(args) => bench_sync::run(&args),
+    };
+    result.unwrap_or_else(|error| {
+        eprintln!("error: {error:#}");
+        ExitCode::from(2)
+    })
+}
