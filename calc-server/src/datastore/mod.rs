@@ -19,7 +19,9 @@ pub mod etcd;
 pub mod file;
 pub mod kubernetes;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use calc_graph::graph::Update;
 use calc_graph::manifest::RejectStage;
@@ -131,7 +133,7 @@ impl Unusable {
             held_last_good: held,
             without_last_good: without,
         };
-        let mut cur = self.0.lock().expect("unusable lock");
+        let mut cur = self.0.lock();
         let changed = *cur != new;
         *cur = new;
         changed
@@ -153,7 +155,7 @@ impl Unusable {
     }
 
     pub fn get(&self) -> LastGoodHealth {
-        self.0.lock().expect("unusable lock").clone()
+        self.0.lock().clone()
     }
 }
 
