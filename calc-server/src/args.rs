@@ -310,25 +310,9 @@ pub fn path_or_empty(s: &str) -> Result<PathBuf, String> {
     Ok(PathBuf::from(s))
 }
 
-/// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
-        Some(i) => s.split_at(i),
-        None => (s, "s"),
-    };
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
-    };
-    Ok(Duration::from_secs_f64(secs))
-}
+/// Parses `500ms`, `10s`, `1.5s`, `2m`, `1h` or a bare number of seconds (shared with the
+/// agent).
+pub use common::parse_duration;
 
 #[cfg(test)]
 mod tests {

@@ -108,7 +108,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     );
 
     let shutdown = async move {
-        shutdown_signal().await;
+        common::shutdown_signal().await;
         tracing::info!("shutting down: closing agent streams");
         let _ = engine_tx.send(engine::Input::Shutdown).await;
         let _ = engine_task.await;
@@ -123,19 +123,4 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .context("gRPC server")?;
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term.recv() => {},
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
