@@ -6,8 +6,8 @@
 //! can keep every good object of a file that also holds a bad one. Only text that is not YAML or
 //! JSON at all fails the whole file. The caller reads the bytes (this crate does no IO).
 
-use crate::model::validate::{Invalid, validate};
-use crate::model::{DecodeError, Decoded, Resource, ResourceKey};
+use crate::model::validate::Invalid;
+use crate::model::{DecodeError, Decoded, Resource, ResourceKey, Valid};
 
 /// One object of a manifest, with its position for error messages.
 #[derive(Debug)]
@@ -21,8 +21,8 @@ pub struct Entry {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Outcome {
-    /// Decoded and valid.
-    Valid(ResourceKey, Resource),
+    /// Decoded and valid: the key and the validated resource (validation runs once, here).
+    Valid(ResourceKey, Valid),
     /// A Calico kind the policy dataplane does not use (kind, name); skipped.
     Ignored(String, String),
     /// Could not be decoded.
@@ -103,7 +103,7 @@ impl Outcome {
     }
 
     /// The resource to use (`None`: a kind the dataplane ignores), or why not.
-    pub fn into_resource(self) -> Result<Option<Resource>, Rejection> {
+    pub fn into_resource(self) -> Result<Option<Valid>, Rejection> {
         let stage = self.stage();
         match self {
             Outcome::Valid(_, res) => Ok(Some(res)),
@@ -211,8 +211,8 @@ pub fn decode_and_validate(value: serde_json::Value) -> Outcome {
     match Resource::from_value(value) {
         Err(e) => Outcome::Undecodable(e),
         Ok(Decoded::Ignored(kind, name)) => Outcome::Ignored(kind, name),
-        Ok(Decoded::Resource(key, res)) => match validate(&res) {
-            Ok(()) => Outcome::Valid(key, res),
+        Ok(Decoded::Resource(key, res)) => match Valid::check(res) {
+            Ok(valid) => Outcome::Valid(key, valid),
             Err(invalid) => Outcome::Invalid(invalid),
         },
     }

@@ -173,3 +173,24 @@ fn service_match_does_not_widen_to_allow_all() {
         "an Allow to a service must not become an Allow to anywhere: {r:?}"
     );
 }
+
+/// Validation runs once on the way in, and the graph still refuses every invalid object: a
+/// plain resource is validated by the graph, and the only way past that check, a `Valid`,
+/// cannot be made from an invalid resource.
+#[test]
+fn invalid_objects_are_refused_whichever_way_they_come() {
+    let policy = |selector: &str| {
+        decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": "p"}, "spec": {"selector": selector}
+        }))
+    };
+    let (good, bad) = (policy("all()"), policy("a ="));
+    assert!(calc_graph::model::Valid::check(bad.clone()).is_err());
+    let valid = calc_graph::model::Valid::check(good).expect("valid");
+    let mut g = CalcGraph::new();
+    g.apply(Update::ApplyValid(valid)).expect("accepted");
+    let rejection = g.apply(Update::Apply(bad)).expect_err("refused");
+    assert_eq!(rejection.key.to_string(), "GlobalNetworkPolicy p");
+    assert!(rejection.reason.contains("spec.selector"), "{rejection}");
+}

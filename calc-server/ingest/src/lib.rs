@@ -22,7 +22,7 @@ pub mod mirror;
 
 use calc_graph::graph::Update;
 use calc_graph::manifest::{Outcome, RejectStage, Rejection, decode_and_validate};
-use calc_graph::model::{API_VERSION, Resource};
+use calc_graph::model::{API_VERSION, Valid};
 
 /// The profile Calico's client synthesises (never stored): allow everything both ways.
 pub const DEFAULT_ALLOW_PROFILE: &str = "projectcalico-default-allow";
@@ -30,7 +30,7 @@ pub const DEFAULT_ALLOW_PROFILE: &str = "projectcalico-default-allow";
 /// Calico's synthesised `projectcalico-default-allow` profile (ingress and egress Allow). The
 /// etcd and Kubernetes adapters send it before their first list, as Calico's client does; the
 /// file datastore has only what its files hold.
-pub fn default_allow_profile() -> Resource {
+pub fn default_allow_profile() -> Valid {
     let v = serde_json::json!({
         "kind": "Profile",
         "apiVersion": API_VERSION,
@@ -48,10 +48,11 @@ pub fn default_allow_profile() -> Resource {
 // A transient value, consumed at once; boxing would only add an allocation per object.
 #[allow(clippy::large_enum_variant)]
 pub enum Decision {
-    /// A valid resource. `warnings`: parts Calico drops while keeping the rest (a Kubernetes
-    /// NetworkPolicy rule that cannot be converted), each worth reporting.
+    /// A valid resource (validated once, here: the graph takes it as is). `warnings`: parts
+    /// Calico drops while keeping the rest (a Kubernetes NetworkPolicy rule that cannot be
+    /// converted), each worth reporting.
     Apply {
-        resource: Resource,
+        resource: Valid,
         warnings: Vec<String>,
     },
     /// Not something the graph has (another key family, a kind with no policy role, a pod
@@ -113,10 +114,25 @@ pub fn split_unusable(
     (held, without)
 }
 
+/// The updates of `b`, one line each, as tests compare them. A resource the graph would have to
+/// validate again shows as such: everything the adapters send is validated once, on decoding.
+#[cfg(test)]
+pub(crate) fn summary(b: &Batch) -> Vec<String> {
+    b.updates
+        .iter()
+        .map(|u| match u {
+            Update::ApplyValid(r) => format!("apply {}", r.key()),
+            Update::Apply(r) => format!("apply (not validated) {}", r.key()),
+            Update::Delete(k) => format!("delete {k}"),
+            Update::InSync => "in-sync".into(),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use calc_graph::model::{Kind, ResourceKey};
+    use calc_graph::model::{Kind, Resource, ResourceKey};
 
     #[test]
     fn default_allow_profile_allows_both_ways() {
@@ -125,7 +141,7 @@ mod tests {
             r.key(),
             ResourceKey::new(Kind::Profile, None, DEFAULT_ALLOW_PROFILE)
         );
-        let Resource::Profile(_, spec) = r else {
+        let Resource::Profile(_, spec) = r.into_resource() else {
             unreachable!()
         };
         assert_eq!(spec.ingress.len(), 1);

@@ -32,7 +32,7 @@ use std::fmt::{Debug, Display};
 use std::hash::{Hash, Hasher};
 
 use calc_graph::graph::Update;
-use calc_graph::model::{Resource, ResourceKey};
+use calc_graph::model::{Resource, ResourceKey, Valid};
 
 use crate::{Batch, Decision, Problem};
 
@@ -295,7 +295,7 @@ where
         group: G,
         id: &Q,
         version: Option<Fingerprint>,
-        res: Resource,
+        res: Valid,
         rejected: bool,
         out: &mut Batch,
     ) where
@@ -334,7 +334,7 @@ where
             tracing::warn!(object = %id, resource = %rk, others = ?owners, "several datastore objects name the same resource; the latest one wins");
         }
         owners.push(id.to_owned().into());
-        out.updates.push(Update::Apply(res));
+        out.updates.push(Update::ApplyValid(res));
     }
 
     /// An object was deleted.
@@ -413,19 +413,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summary;
     use calc_graph::manifest::{Rejection, decode_and_validate};
     use serde_json::json;
-
-    fn summary(b: &Batch) -> Vec<String> {
-        b.updates
-            .iter()
-            .map(|u| match u {
-                Update::Apply(r) => format!("apply {}", r.key()),
-                Update::Delete(k) => format!("delete {k}"),
-                Update::InSync => "in-sync".into(),
-            })
-            .collect()
-    }
 
     /// A GlobalNetworkPolicy `name` with `selector`.
     fn gnp(name: &str, selector: &str) -> impl FnOnce() -> Decision {

@@ -87,12 +87,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         largest_file = largest_file.max(text.len());
         manifest::for_each_entry(&text, |e| match e.outcome {
             Outcome::Valid(_, res) => {
-                match &res {
+                match &*res {
                     Resource::WorkloadEndpoint(..) => {
                         endpoint_count += 1;
                         // Every 50th endpoint is kept for the flips.
                         if endpoint_count % 50 == 1 && workloads.len() < args.flips {
-                            workloads.push(res.clone());
+                            workloads.push(res.clone().into_resource());
                         }
                     }
                     Resource::NetworkPolicy(..) | Resource::GlobalNetworkPolicy(..) => {
@@ -101,7 +101,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                     _ => {}
                 }
                 let t = Instant::now();
-                if g.apply(Update::Apply(res)).is_err() {
+                // Validated once, by the decoder, as the serving path does.
+                if g.apply(Update::ApplyValid(res)).is_err() {
                     rejected += 1;
                 }
                 apply_time += t.elapsed();

@@ -2,7 +2,8 @@
 //! per node.
 //!
 //! Contract:
-//! - [`CalcGraph::apply`] takes an [`Update`] (`Apply`, `Delete`, `InSync`). It validates and
+//! - [`CalcGraph::apply`] takes an [`Update`] (`Apply`, `ApplyValid`, `Delete`, `InSync`). It
+//!   validates (unless the resource comes as a [`Valid`], validated once by its decoder) and
 //!   converts the resource, updates the cluster-wide indexes (label index, IP-set members,
 //!   per-node reference counts) and only *marks* per-node state dirty. An invalid object is
 //!   rejected with a reason and the last good version of that key stays in force (see
@@ -34,8 +35,7 @@ use rustc_hash::FxHashMap;
 
 use crate::convert;
 use crate::label_index::{ItemId, LabelIndex, SelectorId};
-use crate::model::validate::validate;
-use crate::model::{Kind, Resource, ResourceKey};
+use crate::model::{Kind, Resource, ResourceKey, Valid};
 use crate::policy_resolver::TierMeta;
 use crate::rule_scanner;
 
@@ -50,7 +50,10 @@ use spans::Span;
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Update {
+    /// A resource the graph validates first.
     Apply(Resource),
+    /// A resource validated on its way in (see [`Valid`]): not validated again.
+    ApplyValid(Valid),
     Delete(ResourceKey),
     /// The datastore has delivered its complete snapshot.
     InSync,
@@ -179,20 +182,24 @@ impl CalcGraph {
                 self.delete(Arc::new(key));
                 Ok(())
             }
-            Update::Apply(res) => {
-                let key = Arc::new(res.key());
-                if let Err(invalid) = validate(&res) {
+            Update::Apply(res) => match Valid::check(res) {
+                Ok(valid) => self.apply(Update::ApplyValid(valid)),
+                Err(invalid) => {
                     let reason = invalid
                         .errors
                         .iter()
                         .map(ToString::to_string)
                         .collect::<Vec<_>>()
                         .join("; ");
-                    return Err(Rejection {
-                        key: (*key).clone(),
+                    Err(Rejection {
+                        key: invalid.key,
                         reason,
-                    });
+                    })
                 }
+            },
+            Update::ApplyValid(valid) => {
+                let res = valid.into_resource();
+                let key = Arc::new(res.key());
                 // Endpoints are the bulk of a cluster: their converted form is kept (and compared
                 // for no-op updates) instead of the whole resource.
                 let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);

@@ -17,6 +17,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use rule::{Action, EntityRule, IcmpFields, Port, Protocol, Rule};
+pub use validate::Valid;
 
 /// Label Calico puts on namespaced endpoints and network sets.
 pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";

@@ -34,6 +34,43 @@ impl fmt::Display for FieldError {
     }
 }
 
+/// A resource that passed [`validate`], and the proof of it: the only ways to build one are
+/// [`Valid::check`] and the manifest decoders (`crate::manifest::decode_and_validate`), which
+/// both run [`validate`] on exactly this value, and it cannot be changed afterwards (no
+/// `DerefMut`, no public field, no `Deserialize`). A clone is as valid as the original.
+///
+/// Why: the datastore adapters validate every object as they decode it (to report and count a
+/// rejection by name, and keep the last good version); handing the graph a `Valid`
+/// (`Update::ApplyValid`) lets it skip a second identical validation, while a plain `Resource`
+/// (`Update::Apply`) from any other producer is still validated by the graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Valid(Resource);
+
+impl Valid {
+    /// Validates `res`.
+    pub fn check(res: Resource) -> Result<Valid, Invalid> {
+        validate(&res)?;
+        Ok(Valid(res))
+    }
+
+    pub fn resource(&self) -> &Resource {
+        &self.0
+    }
+
+    /// The resource, no longer carrying the proof (to change it, or to store it).
+    pub fn into_resource(self) -> Resource {
+        self.0
+    }
+}
+
+impl std::ops::Deref for Valid {
+    type Target = Resource;
+
+    fn deref(&self) -> &Resource {
+        &self.0
+    }
+}
+
 /// An object that failed validation, with all of its problems.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub struct Invalid {

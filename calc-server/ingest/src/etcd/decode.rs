@@ -155,7 +155,7 @@ mod tests {
 
     fn applied(key: &str, value: &str) -> Resource {
         match decode(key, value.as_bytes()) {
-            Decision::Apply { resource, .. } => resource,
+            Decision::Apply { resource, .. } => resource.into_resource(),
             other => panic!("{key}: expected Apply, got {other:?}"),
         }
     }

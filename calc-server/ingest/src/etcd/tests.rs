@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::etcd::RESOURCE_PREFIX as P;
+use crate::summary;
 use calc_graph::graph::Update;
 use calc_graph::manifest::RejectStage;
 use calc_graph::model::Kind;
@@ -10,17 +11,6 @@ fn gnp(name: &str, selector: &str) -> String {
     format!(
         r#"{{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{{"name":"{name}"}},"spec":{{"selector":"{selector}"}}}}"#
     )
-}
-
-fn summary(b: &Batch) -> Vec<String> {
-    b.updates
-        .iter()
-        .map(|u| match u {
-            Update::Apply(r) => format!("apply {}", r.key()),
-            Update::Delete(k) => format!("delete {k}"),
-            Update::InSync => "in-sync".into(),
-        })
-        .collect()
 }
 
 /// The stages of the rejections in `b` (what the adapter counts).
@@ -159,7 +149,9 @@ fn a_value_that_renames_its_resource_deletes_the_old_name() {
             "apply GlobalNetworkPolicy renamed"
         ]
     );
-    assert!(matches!(&out.updates[2], Update::Apply(r) if r.kind() == Kind::GlobalNetworkPolicy));
+    assert!(
+        matches!(&out.updates[2], Update::ApplyValid(r) if r.kind() == Kind::GlobalNetworkPolicy)
+    );
 }
 
 /// After a restart the mirror knows only the bad value; the caller finds an earlier valid

@@ -1,19 +1,8 @@
 //! The Kubernetes front of the mirror: per-source lists, resourceVersions, conversions.
 
 use super::*;
-use calc_graph::graph::Update;
+use crate::summary;
 use serde_json::json;
-
-fn summary(b: &Batch) -> Vec<String> {
-    b.updates
-        .iter()
-        .map(|u| match u {
-            Update::Apply(r) => format!("apply {}", r.key()),
-            Update::Delete(k) => format!("delete {k}"),
-            Update::InSync => "in-sync".into(),
-        })
-        .collect()
-}
 
 /// The stages of the rejections in `b` (what the adapter counts).
 fn rejected(b: &Batch) -> Vec<RejectStage> {

@@ -239,7 +239,8 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
         attempts += 1;
         let mut mirror = Mirror::new();
         let mut out = Batch::default();
-        out.updates.push(Update::Apply(default_allow_profile()));
+        out.updates
+            .push(Update::ApplyValid(default_allow_profile()));
         let mut pages = prefetch(
             Lister::new(RESOURCE_PREFIX, args.etcd_page_size),
             kv_client(&client),
@@ -497,7 +498,8 @@ impl Watcher {
             let mut changes = 0usize;
             let mut out = Batch::default();
             if first {
-                out.updates.push(Update::Apply(default_allow_profile()));
+                out.updates
+                    .push(Update::ApplyValid(default_allow_profile()));
             }
             loop {
                 let page = match next_page(&mut pages).await {

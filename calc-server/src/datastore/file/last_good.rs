@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use calc_graph::manifest::{Outcome, decode_and_validate};
-use calc_graph::model::{Resource, ResourceKey};
+use calc_graph::model::{ResourceKey, Valid};
 
 /// Where last-good versions are kept; see the module documentation.
 #[derive(Debug)]
@@ -42,7 +42,7 @@ fn file_name(key: &ResourceKey) -> String {
 impl LastGood {
     /// Opens (creating it) the store in `dir` and reads what it holds; `None` keeps nothing on
     /// disk. Problems (unreadable directory, damaged entries) are returned, not fatal.
-    pub fn open(dir: Option<PathBuf>) -> (LastGood, BTreeMap<ResourceKey, Resource>, Vec<String>) {
+    pub fn open(dir: Option<PathBuf>) -> (LastGood, BTreeMap<ResourceKey, Valid>, Vec<String>) {
         let mut objects = BTreeMap::new();
         let mut problems = Vec::new();
         let Some(dir) = dir else {
@@ -107,7 +107,7 @@ impl LastGood {
     }
 
     /// Records `res` as the version in force.
-    pub fn save(&mut self, key: &ResourceKey, res: &Resource) {
+    pub fn save(&mut self, key: &ResourceKey, res: &Valid) {
         let Some(dir) = &self.dir else { return };
         let path = dir.join(file_name(key));
         let tmp = dir.join(format!(".{}.tmp", file_name(key)));
@@ -136,7 +136,7 @@ impl LastGood {
     }
 }
 
-fn read_entry(path: &Path) -> Result<(ResourceKey, Resource), String> {
+fn read_entry(path: &Path) -> Result<(ResourceKey, Valid), String> {
     let text = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
     let value: serde_json::Value =
         serde_json::from_slice(&text).map_err(|e| format!("not JSON: {e}"))?;
@@ -152,7 +152,7 @@ fn read_entry(path: &Path) -> Result<(ResourceKey, Resource), String> {
 mod tests {
     use super::*;
 
-    fn policy(name: &str, selector: &str) -> (ResourceKey, Resource) {
+    fn policy(name: &str, selector: &str) -> (ResourceKey, Valid) {
         let text = format!(
             "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: {name}}}\nspec: {{selector: \"{selector}\", ingress: [{{action: Deny}}]}}\n"
         );

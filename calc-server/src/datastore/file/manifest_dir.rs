@@ -14,7 +14,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use calc_graph::manifest::{Outcome, RejectStage, parse_manifest};
-use calc_graph::model::{DecodeError, Resource, ResourceKey};
+use calc_graph::model::{DecodeError, ResourceKey, Valid};
 
 /// One problem with its location.
 #[derive(Debug)]
@@ -41,7 +41,7 @@ pub struct Report {
     pub objects: usize,
     pub ignored: usize,
     /// Valid resources by key, with the file each came from.
-    pub resources: BTreeMap<ResourceKey, (PathBuf, Resource)>,
+    pub resources: BTreeMap<ResourceKey, (PathBuf, Valid)>,
     /// Objects present but unusable (invalid, or a named object with a malformed field), with
     /// their file: their last good version, if one is known, stays in force.
     pub invalid: BTreeMap<ResourceKey, PathBuf>,

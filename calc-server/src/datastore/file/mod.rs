@@ -68,7 +68,7 @@ pub fn snapshot(dir: &Path) -> anyhow::Result<Snapshot> {
     let mut updates: Vec<Update> = report
         .resources
         .into_values()
-        .map(|(_, res)| Update::Apply(res))
+        .map(|(_, res)| Update::ApplyValid(res))
         .collect();
     updates.push(Update::InSync);
     Ok(Snapshot { updates, problems })

@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use calc_graph::graph::Update;
-use calc_graph::model::{Resource, ResourceKey};
+use calc_graph::model::{ResourceKey, Valid};
 
 use super::last_good::LastGood;
 use super::manifest_dir::{self, Stamp};
@@ -41,7 +41,7 @@ const UNSETTLED_POLLS: u32 = 10;
 /// What one file held when it was last read.
 #[derive(Default)]
 struct FileState {
-    objects: BTreeMap<ResourceKey, Resource>,
+    objects: BTreeMap<ResourceKey, Valid>,
     invalid: BTreeSet<ResourceKey>,
     /// Unreadable, unparseable, or emptied after holding objects: its keys are unknown.
     broken: bool,
@@ -87,7 +87,7 @@ struct Watcher {
     dir: PathBuf,
     files: BTreeMap<PathBuf, FileState>,
     /// The version of each key in force (what the engine has).
-    current: BTreeMap<ResourceKey, Resource>,
+    current: BTreeMap<ResourceKey, Valid>,
     store: LastGood,
     /// Problems of the directory walk already logged.
     walk_problems: BTreeSet<String>,
@@ -183,7 +183,7 @@ impl Watcher {
                     if self.current.get(key) != Some(&*r) {
                         self.store.save(key, &r);
                         self.current.insert(key.clone(), (*r).clone());
-                        updates.push(Update::Apply(*r));
+                        updates.push(Update::ApplyValid(*r));
                     }
                 }
                 Desired::Held => {
@@ -240,7 +240,7 @@ impl Watcher {
 }
 
 enum Desired {
-    Valid(Box<Resource>, Vec<PathBuf>),
+    Valid(Box<Valid>, Vec<PathBuf>),
     Held,
     NoLastGood,
     Absent,
@@ -279,7 +279,12 @@ pub fn run(
     let mut keys: BTreeSet<ResourceKey> = w.current.keys().cloned().collect();
     w.keys_of(&files, &mut keys);
     w.reconcile(keys);
-    let mut first: Vec<Update> = w.current.values().cloned().map(Update::Apply).collect();
+    let mut first: Vec<Update> = w
+        .current
+        .values()
+        .cloned()
+        .map(Update::ApplyValid)
+        .collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
     if sink.blocking_send(first).is_err() {

@@ -215,7 +215,8 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
     let mut merge = Merge::new(converter);
     let mut sources = start(&client);
     let mut out = Batch::default();
-    out.updates.push(Update::Apply(default_allow_profile()));
+    out.updates
+        .push(Update::ApplyValid(default_allow_profile()));
     let result = loop {
         let Some((source, report)) = sources.rx.recv().await else {
             break Err(anyhow::anyhow!("the Kubernetes watchers stopped"));
@@ -271,7 +272,7 @@ impl Watcher {
         } = start(&client);
         if self
             .out
-            .send(vec![Update::Apply(default_allow_profile())])
+            .send(vec![Update::ApplyValid(default_allow_profile())])
             .await
             .is_err()
         {
@@ -364,7 +365,8 @@ mod tests {
         b.updates
             .iter()
             .map(|u| match u {
-                Update::Apply(r) => format!("apply {}", r.key()),
+                Update::ApplyValid(r) => format!("apply {}", r.key()),
+                Update::Apply(r) => format!("apply (not validated) {}", r.key()),
                 Update::Delete(k) => format!("delete {k}"),
                 Update::InSync => "in-sync".into(),
             })

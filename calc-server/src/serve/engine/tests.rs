@@ -22,7 +22,7 @@ const LIMITS: Limits = Limits {
 
 fn apply(value: serde_json::Value) -> Update {
     match decode_and_validate(value) {
-        Outcome::Valid(_, res) => Update::Apply(res),
+        Outcome::Valid(_, res) => Update::ApplyValid(res),
         _ => panic!("test object must be valid"),
     }
 }
@@ -195,7 +195,7 @@ fn an_agent_gets_its_snapshot_then_deltas() {
     // A change to the node's pod arrives as a delta, not a new snapshot.
     h.datastore(vec![Update::Delete(
         match workload("node-a", "web-1", "10.0.0.1") {
-            Update::Apply(res) => res.key(),
+            Update::ApplyValid(res) => res.resource().key(),
             _ => unreachable!(),
         },
     )]);

@@ -13,7 +13,7 @@ fn applied(source: Source, v: Value) -> Resource {
     match conv().convert(source, v.clone()) {
         Decision::Apply { resource, warnings } => {
             assert!(warnings.is_empty(), "{warnings:?}");
-            resource
+            resource.into_resource()
         }
         other => panic!("{source} {v}: expected Apply, got {other:?}"),
     }
@@ -21,7 +21,7 @@ fn applied(source: Source, v: Value) -> Resource {
 
 fn applied_with_warnings(source: Source, v: Value) -> (Resource, Vec<String>) {
     match conv().convert(source, v) {
-        Decision::Apply { resource, warnings } => (resource, warnings),
+        Decision::Apply { resource, warnings } => (resource.into_resource(), warnings),
         other => panic!("expected Apply, got {other:?}"),
     }
 }
@@ -105,12 +105,11 @@ fn a_pod_becomes_the_workload_endpoint_calico_stores() {
         "/calico/resources/v3/projectcalico.org/workloadendpoints/default/node1-k8s-nginx--5d8f-eth0",
         br#"{"kind":"WorkloadEndpoint","apiVersion":"projectcalico.org/v3","metadata":{"name":"node1-k8s-nginx--5d8f-eth0","namespace":"default","labels":{"app":"nginx","projectcalico.org/namespace":"default","projectcalico.org/orchestrator":"k8s","projectcalico.org/serviceaccount":"default"}},"spec":{"orchestrator":"k8s","node":"node1","containerID":"4a1b","pod":"nginx-5d8f","endpoint":"eth0","serviceAccountName":"default","ipNetworks":["10.65.0.5/32"],"profiles":["kns.default","ksa.default.default"],"interfaceName":"calia37792c9b43"}}"#,
     );
-    let Decision::Apply {
-        resource: Resource::WorkloadEndpoint(stored_meta, stored_spec),
-        ..
-    } = stored
-    else {
+    let Decision::Apply { resource, .. } = stored else {
         panic!("the reference example decodes")
+    };
+    let Resource::WorkloadEndpoint(stored_meta, stored_spec) = resource.into_resource() else {
+        panic!("the reference example is a workload endpoint")
     };
     let (meta, spec) = wep(&r);
     assert_eq!(
