@@ -3,7 +3,9 @@
 //!
 //! * [`session`] — the stream: hello, snapshot, `InSync`, deltas, reports back, reconnects with
 //!   back-off and fail-over, mark and sweep across reconnects.
-//! * [`driver`] — the driver trait and the drivers (`dry-run`; `linux` is not implemented yet).
+//! * [`message`] — the typed boundary: each `ToDataplane` converted once into a [`message::Message`]
+//!   with typed keys, or refused as [`message::InvalidMessage`].
+//! * [`driver`] — the driver trait and the drivers (`dry-run`, `linux`).
 //! * [`cli`] — the command line (with [`config_file`] beneath flags and environment).
 //! * [`tls`] — mutual TLS to the calc-server; [`admin`] — health and metrics.
 //!
@@ -12,6 +14,7 @@
 pub mod admin;
 pub mod cli;
 pub mod driver;
+pub mod message;
 pub mod session;
 pub mod tls;
 pub mod tracker;

@@ -27,6 +27,13 @@
 //! than `max_snapshot_bytes` (encoded size), is dropped with an error and retried with normal
 //! back-off.
 //!
+//! Every message is converted once, on receipt, into a typed [`Message`] (`message.rs`). One
+//! the conversion refuses (no id, an update without its object, an unknown enum value) fails
+//! closed the way a sequence gap does: it is logged by kind and key, the stream is dropped with
+//! its unfinished snapshot (the driver never sees the bad message nor anything after it; the
+//! dataplane stays as it is) and the agent reconnects after `reconnect_max_delay`, as after a
+//! refusal, for a fresh snapshot. Nothing is default-filled or guessed.
+//!
 //! Liveness: the session marks progress in [`AgentMetrics`] whenever its loop turns (a watchdog
 //! tick while connecting, streaming or backing off, a batch of messages, a heartbeat, an apply).
 //! Only a loop stuck in a blocking call (an apply that never returns) stops the marks.
@@ -38,11 +45,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use felix_proto::calc_server_client::CalcServerClient;
 use felix_proto::from_dataplane::Payload as Report;
-use felix_proto::to_dataplane::Payload;
 use felix_proto::{
-    AgentHello, DataplaneInSync, EndpointStatus, FromDataplane, HostEndpointId,
-    HostEndpointStatusRemove, HostEndpointStatusUpdate, ProcessStatusUpdate, ToDataplane,
-    WorkloadEndpointStatusRemove, WorkloadEndpointStatusUpdate,
+    AgentHello, DataplaneInSync, EndpointStatus, FromDataplane, HostEndpointStatusRemove,
+    HostEndpointStatusUpdate, ProcessStatusUpdate, ToDataplane, WorkloadEndpointStatusRemove,
+    WorkloadEndpointStatusUpdate,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -53,6 +59,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::admin::AgentMetrics;
 use crate::driver::{Driver, EndpointStatuses};
+use crate::message::{Inbound, InvalidMessage, Message, Received};
 use crate::tls::{ClientTls, ConnectionErrors};
 use crate::tracker::Tracker;
 use common::{Backoff, rfc3339_utc};
@@ -241,6 +248,9 @@ pub async fn run<D: Driver>(
             // agents for one node do not keep replacing each other at the shortest one.
             StreamEnd::Status(status) if status.code() == Code::Aborted => (backoff.max(), false),
             StreamEnd::Rejected(_) => (backoff.max(), false),
+            // A server that sent one invalid message will most likely send it again in the
+            // next snapshot: do not hammer it.
+            StreamEnd::Invalid { .. } => (backoff.max(), false),
             _ => (backoff.next_delay(), false),
         };
         result.log(&url, delay);
@@ -298,6 +308,8 @@ enum StreamEnd {
     Protocol(String),
     /// The server bound the stream to another node.
     Rejected(String),
+    /// The server sent a message the typed boundary refuses.
+    Invalid { seq: u64, error: InvalidMessage },
     /// No `InSync` within `snapshot_timeout` of the `ServerHello`.
     SnapshotTimeout {
         timeout: Duration,
@@ -403,6 +415,16 @@ impl StreamResult {
                 warn!(server = url, error = %e, retry_in, "protocol error; ending the stream")
             }
             StreamEnd::Rejected(e) => error!(server = url, error = %e, retry_in, "stream rejected"),
+            StreamEnd::Invalid { seq, error } => warn!(
+                server = url,
+                %error,
+                kind = error.kind(),
+                key = %error.key().unwrap_or("none"),
+                seq,
+                retry_in,
+                "invalid message from calc-server; dropping the stream and its unfinished \
+                 snapshot (the dataplane stays as it is)"
+            ),
             StreamEnd::SnapshotTimeout {
                 timeout,
                 messages,
@@ -491,7 +513,7 @@ struct StreamState {
     messages: u64,
     /// The snapshot so far, held here until the stream's `InSync` and then given to the driver
     /// at once: dropping the stream drops it, and the driver never holds half a snapshot.
-    snapshot: Vec<ToDataplane>,
+    snapshot: Vec<Message>,
     /// Encoded bytes received on this stream before its `InSync` (the `ServerHello` included).
     snapshot_bytes: u64,
 }
@@ -704,9 +726,13 @@ async fn stream_inner<D: Driver>(
         Ok(Some(Ok(msg))) => msg,
     };
     let hello_bytes = encoded_len(&first);
-    let hello = match first.payload {
-        Some(Payload::ServerHello(h)) if first.sequence_number == 1 => h,
-        Some(Payload::ServerHello(_)) => {
+    let first = match Inbound::try_from(first) {
+        Ok(first) => first,
+        Err(error) => return StreamEnd::Invalid { seq: 1, error },
+    };
+    let hello = match first.received {
+        Received::ServerHello(h) if first.sequence_number == 1 => h,
+        Received::ServerHello(_) => {
             return StreamEnd::Protocol(format!(
                 "ServerHello carries sequence number {}, expected 1",
                 first.sequence_number
@@ -715,7 +741,7 @@ async fn stream_inner<D: Driver>(
         other => {
             return StreamEnd::Protocol(format!(
                 "first message is not a ServerHello: {}",
-                payload_name(other.as_ref())
+                other.kind()
             ));
         }
     };
@@ -808,8 +834,8 @@ async fn stream_inner<D: Driver>(
                             };
                         }
                     }
-                    if let Err(e) = handle(msg, &mut st, driver, agent) {
-                        return StreamEnd::Protocol(e);
+                    if let Err(end) = handle(msg, &mut st, driver, agent) {
+                        return end;
                     }
                     if st.in_sync {
                         outcome.reached_in_sync = true;
@@ -895,48 +921,40 @@ async fn wake_signal(wake: Option<&std::sync::Arc<tokio::sync::Notify>>) {
     }
 }
 
-fn payload_name(payload: Option<&Payload>) -> String {
-    match payload {
-        None => "empty payload".to_owned(),
-        Some(p) => {
-            let debug = format!("{p:?}");
-            debug.split('(').next().unwrap_or_default().to_owned()
-        }
-    }
-}
-
-/// Checks the sequence number and gives one message to the driver (and the tracker).
+/// Checks the sequence number, converts the message, and gives it to the driver (and the
+/// tracker). A stream that must end comes back as `Err`.
 fn handle<D: Driver>(
     msg: ToDataplane,
     st: &mut StreamState,
     driver: &mut D,
     agent: &mut AgentState,
-) -> Result<(), String> {
+) -> Result<(), StreamEnd> {
     if msg.sequence_number != st.expected_seq {
-        return Err(format!(
+        return Err(StreamEnd::Protocol(format!(
             "sequence gap: expected {}, got {}",
             st.expected_seq, msg.sequence_number
-        ));
+        )));
     }
+    let seq = msg.sequence_number;
     st.expected_seq += 1;
     st.messages += 1;
-    match &msg.payload {
-        None => {
-            debug!(
-                seq = msg.sequence_number,
-                "message with an unknown or empty payload; ignored"
-            );
+    let received = match Inbound::try_from(msg) {
+        Ok(inbound) => inbound.received,
+        Err(error) => return Err(StreamEnd::Invalid { seq, error }),
+    };
+    match received {
+        Received::Unknown => {
+            debug!(seq, "message with an unknown or empty payload; ignored");
         }
-        Some(Payload::ServerHello(_)) => {
-            return Err("a second ServerHello on one stream".to_owned());
+        Received::ServerHello(_) => {
+            return Err(StreamEnd::Protocol(
+                "a second ServerHello on one stream".to_owned(),
+            ));
         }
-        Some(Payload::InSync(_)) if st.in_sync => {
-            warn!(
-                seq = msg.sequence_number,
-                "a second InSync on one stream; ignored"
-            );
+        Received::Message(Message::InSync) if st.in_sync => {
+            warn!(seq, "a second InSync on one stream; ignored");
         }
-        Some(Payload::InSync(_)) => {
+        Received::Message(msg @ Message::InSync) => {
             // The snapshot is complete: the driver gets all of it now, then InSync, then the
             // removes for what it lacks.
             let snapshot = std::mem::take(&mut st.snapshot);
@@ -949,7 +967,7 @@ fn handle<D: Driver>(
             agent.pending += 1;
             let stale = agent.tracker.sweep();
             for remove in &stale {
-                debug!(message = ?remove.payload, "sweeping an object the new snapshot lacks");
+                debug!(message = ?remove, "sweeping an object the new snapshot lacks");
                 driver.on_update(remove);
             }
             agent.pending += stale.len();
@@ -966,8 +984,8 @@ fn handle<D: Driver>(
             st.in_sync = true;
             agent.ever_in_sync = true;
         }
-        Some(_) if !st.in_sync => st.snapshot.push(msg),
-        Some(_) => {
+        Received::Message(msg) if !st.in_sync => st.snapshot.push(msg),
+        Received::Message(msg) => {
             agent.tracker.observe(&msg);
             driver.on_update(&msg);
             agent.pending += 1;
@@ -1052,9 +1070,7 @@ fn report_statuses<D: Driver>(st: &mut StreamState, driver: &D, agent: &mut Agen
         if all || prev.hosts.get(id) != Some(status) {
             st.out
                 .send(Report::HostEndpointStatusUpdate(HostEndpointStatusUpdate {
-                    id: Some(HostEndpointId {
-                        endpoint_id: id.clone(),
-                    }),
+                    id: Some(id.to_proto()),
                     status: Some(EndpointStatus {
                         status: status.clone(),
                     }),
@@ -1066,9 +1082,7 @@ fn report_statuses<D: Driver>(st: &mut StreamState, driver: &D, agent: &mut Agen
         if !now.hosts.contains_key(id) {
             st.out
                 .send(Report::HostEndpointStatusRemove(HostEndpointStatusRemove {
-                    id: Some(HostEndpointId {
-                        endpoint_id: id.clone(),
-                    }),
+                    id: Some(id.to_proto()),
                 }));
             sent += 1;
         }
@@ -1099,6 +1113,7 @@ mod tests {
 
     #[test]
     fn a_large_node_snapshot_fits_the_default_bound() {
+        use felix_proto::to_dataplane::Payload;
         use felix_proto::{
             ActivePolicyUpdate, ActiveProfileUpdate, IpSetUpdate, Policy, PolicyId, PortRange,
             Profile, ProfileId, Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
@@ -1262,14 +1277,5 @@ mod tests {
             watchdog_tick(Duration::from_millis(1)),
             Duration::from_millis(10)
         );
-    }
-
-    #[test]
-    fn payload_names_are_short() {
-        assert_eq!(
-            payload_name(Some(&Payload::InSync(felix_proto::InSync {}))),
-            "InSync"
-        );
-        assert_eq!(payload_name(None), "empty payload");
     }
 }

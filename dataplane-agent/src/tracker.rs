@@ -9,127 +9,83 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use felix_proto::to_dataplane::Payload;
-use felix_proto::{
-    ActivePolicyRemove, ActiveProfileRemove, HostEndpointId, HostEndpointRemove,
-    HostMetadataRemove, IpSetRemove, IpamPoolRemove, NamespaceId, NamespaceRemove, PolicyId,
-    ProfileId, RouteRemove, ServiceAccountId, ServiceAccountRemove, ServiceRemove, ToDataplane,
-    VxlanTunnelEndpointRemove, WireguardEndpointRemove, WireguardEndpointV6Remove,
-    WorkloadEndpointRemove,
+use crate::message::{
+    HostEndpointKey, HostName, IpSetId, IpamPoolId, Message, NamespaceKey, PolicyKey, ProfileKey,
+    RouteDst, ServiceAccountKey, ServiceKey, VtepNode, WorkloadEndpointKey,
 };
-
-use crate::driver::WorkloadEndpointKey;
 
 /// The identity of one removable object. The variant order is the order stale objects are
 /// removed in (dependency-safe: users first, then what they use).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Key {
-    /// A workload endpoint.
     WorkloadEndpoint(WorkloadEndpointKey),
-    /// A host endpoint, by endpoint id.
-    HostEndpoint(String),
-    /// A profile, by name.
-    Profile(String),
-    /// A policy: (kind, namespace, name).
-    Policy(String, String, String),
-    /// An IP set, by id.
-    IpSet(String),
-    /// A service account: (namespace, name).
-    ServiceAccount(String, String),
-    /// A namespace, by name.
-    Namespace(String),
-    /// A route, by destination.
-    Route(String),
-    /// A VXLAN tunnel endpoint, by node.
-    Vtep(String),
-    /// A wireguard peer, by hostname.
-    WireguardEndpoint(String),
-    /// A wireguard v6 peer, by hostname.
-    WireguardEndpointV6(String),
-    /// Host metadata, by hostname.
-    HostMetadata(String),
-    /// An IPAM pool, by id.
-    IpamPool(String),
-    /// A Kubernetes service: (namespace, name).
-    Service(String, String),
+    HostEndpoint(HostEndpointKey),
+    Profile(ProfileKey),
+    Policy(PolicyKey),
+    IpSet(IpSetId),
+    ServiceAccount(ServiceAccountKey),
+    Namespace(NamespaceKey),
+    Route(RouteDst),
+    Vtep(VtepNode),
+    WireguardEndpoint(HostName),
+    WireguardEndpointV6(HostName),
+    HostMetadata(HostName),
+    IpamPool(IpamPoolId),
+    Service(ServiceKey),
 }
 
 /// What a message does to the set of objects the driver holds.
 enum Effect {
     Upsert(Key),
     Remove(Key),
+    /// Singletons that are replaced, never removed (config, encapsulation, BGP config), set
+    /// deltas (the set's key is unchanged) and markers.
+    None,
 }
 
-fn policy_key(id: Option<&PolicyId>) -> Key {
-    let id = id.cloned().unwrap_or_default();
-    Key::Policy(id.kind, id.namespace, id.name)
-}
-
-fn effect(payload: &Payload) -> Option<Effect> {
+fn effect(msg: &Message) -> Effect {
     use Effect::{Remove, Upsert};
-    Some(match payload {
-        Payload::IpsetUpdate(u) => Upsert(Key::IpSet(u.id.clone())),
-        Payload::IpsetRemove(u) => Remove(Key::IpSet(u.id.clone())),
-        Payload::ActivePolicyUpdate(u) => Upsert(policy_key(u.id.as_ref())),
-        Payload::ActivePolicyRemove(u) => Remove(policy_key(u.id.as_ref())),
-        Payload::ActiveProfileUpdate(u) => Upsert(Key::Profile(
-            u.id.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
-        )),
-        Payload::ActiveProfileRemove(u) => Remove(Key::Profile(
-            u.id.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
-        )),
-        Payload::WorkloadEndpointUpdate(u) => Upsert(Key::WorkloadEndpoint(
-            WorkloadEndpointKey::from_proto(u.id.as_ref()),
-        )),
-        Payload::WorkloadEndpointRemove(u) => Remove(Key::WorkloadEndpoint(
-            WorkloadEndpointKey::from_proto(u.id.as_ref()),
-        )),
-        Payload::HostEndpointUpdate(u) => Upsert(Key::HostEndpoint(
-            u.id.as_ref()
-                .map(|i| i.endpoint_id.clone())
-                .unwrap_or_default(),
-        )),
-        Payload::HostEndpointRemove(u) => Remove(Key::HostEndpoint(
-            u.id.as_ref()
-                .map(|i| i.endpoint_id.clone())
-                .unwrap_or_default(),
-        )),
-        Payload::ServiceAccountUpdate(u) => {
-            let id = u.id.clone().unwrap_or_default();
-            Upsert(Key::ServiceAccount(id.namespace, id.name))
+    match msg {
+        Message::IpSetUpdate { id, .. } => Upsert(Key::IpSet(id.clone())),
+        Message::IpSetRemove { id } => Remove(Key::IpSet(id.clone())),
+        Message::PolicyUpdate { key, .. } => Upsert(Key::Policy(key.clone())),
+        Message::PolicyRemove { key } => Remove(Key::Policy(key.clone())),
+        Message::ProfileUpdate { key, .. } => Upsert(Key::Profile(key.clone())),
+        Message::ProfileRemove { key } => Remove(Key::Profile(key.clone())),
+        Message::WorkloadEndpointUpdate { key, .. } => Upsert(Key::WorkloadEndpoint(key.clone())),
+        Message::WorkloadEndpointRemove { key } => Remove(Key::WorkloadEndpoint(key.clone())),
+        Message::HostEndpointUpdate { key, .. } => Upsert(Key::HostEndpoint(key.clone())),
+        Message::HostEndpointRemove { key } => Remove(Key::HostEndpoint(key.clone())),
+        Message::ServiceAccountUpdate { key, .. } => Upsert(Key::ServiceAccount(key.clone())),
+        Message::ServiceAccountRemove { key } => Remove(Key::ServiceAccount(key.clone())),
+        Message::NamespaceUpdate { key, .. } => Upsert(Key::Namespace(key.clone())),
+        Message::NamespaceRemove { key } => Remove(Key::Namespace(key.clone())),
+        Message::RouteUpdate { dst, .. } => Upsert(Key::Route(dst.clone())),
+        Message::RouteRemove { dst } => Remove(Key::Route(dst.clone())),
+        Message::VtepUpdate { node, .. } => Upsert(Key::Vtep(node.clone())),
+        Message::VtepRemove { node } => Remove(Key::Vtep(node.clone())),
+        Message::WireguardEndpointUpdate { host, .. } => {
+            Upsert(Key::WireguardEndpoint(host.clone()))
         }
-        Payload::ServiceAccountRemove(u) => {
-            let id = u.id.clone().unwrap_or_default();
-            Remove(Key::ServiceAccount(id.namespace, id.name))
+        Message::WireguardEndpointRemove { host } => Remove(Key::WireguardEndpoint(host.clone())),
+        Message::WireguardEndpointV6Update { host, .. } => {
+            Upsert(Key::WireguardEndpointV6(host.clone()))
         }
-        Payload::NamespaceUpdate(u) => Upsert(Key::Namespace(
-            u.id.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
-        )),
-        Payload::NamespaceRemove(u) => Remove(Key::Namespace(
-            u.id.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
-        )),
-        Payload::RouteUpdate(u) => Upsert(Key::Route(u.dst.clone())),
-        Payload::RouteRemove(u) => Remove(Key::Route(u.dst.clone())),
-        Payload::VtepUpdate(u) => Upsert(Key::Vtep(u.node.clone())),
-        Payload::VtepRemove(u) => Remove(Key::Vtep(u.node.clone())),
-        Payload::WireguardEndpointUpdate(u) => Upsert(Key::WireguardEndpoint(u.hostname.clone())),
-        Payload::WireguardEndpointRemove(u) => Remove(Key::WireguardEndpoint(u.hostname.clone())),
-        Payload::WireguardEndpointV6Update(u) => {
-            Upsert(Key::WireguardEndpointV6(u.hostname.clone()))
+        Message::WireguardEndpointV6Remove { host } => {
+            Remove(Key::WireguardEndpointV6(host.clone()))
         }
-        Payload::WireguardEndpointV6Remove(u) => {
-            Remove(Key::WireguardEndpointV6(u.hostname.clone()))
-        }
-        Payload::HostMetadataUpdate(u) => Upsert(Key::HostMetadata(u.hostname.clone())),
-        Payload::HostMetadataRemove(u) => Remove(Key::HostMetadata(u.hostname.clone())),
-        Payload::IpamPoolUpdate(u) => Upsert(Key::IpamPool(u.id.clone())),
-        Payload::IpamPoolRemove(u) => Remove(Key::IpamPool(u.id.clone())),
-        Payload::ServiceUpdate(u) => Upsert(Key::Service(u.namespace.clone(), u.name.clone())),
-        Payload::ServiceRemove(u) => Remove(Key::Service(u.namespace.clone(), u.name.clone())),
-        // Singletons that are replaced, never removed (config, encapsulation, BGP config), set
-        // deltas (the set's key is unchanged), markers and the hello.
-        _ => return None,
-    })
+        Message::HostMetadataUpdate { host, .. } => Upsert(Key::HostMetadata(host.clone())),
+        Message::HostMetadataRemove { host, .. } => Remove(Key::HostMetadata(host.clone())),
+        Message::IpamPoolUpdate { id, .. } => Upsert(Key::IpamPool(id.clone())),
+        Message::IpamPoolRemove { id } => Remove(Key::IpamPool(id.clone())),
+        Message::ServiceUpdate { key, .. } => Upsert(Key::Service(key.clone())),
+        Message::ServiceRemove { key } => Remove(Key::Service(key.clone())),
+        Message::InSync
+        | Message::Config(_)
+        | Message::IpSetDeltaUpdate { .. }
+        | Message::GlobalBgpConfig(_)
+        | Message::Encapsulation(_) => Effect::None,
+    }
 }
 
 /// Known and seen keys; see the module documentation.
@@ -140,7 +96,7 @@ pub struct Tracker {
     /// True while a stream's snapshot is arriving (between its start and its `InSync`).
     marking: bool,
     /// Last known IPv4 address per host, so a synthetic `HostMetadataRemove` carries it too.
-    host_ipv4: BTreeMap<String, String>,
+    host_ipv4: BTreeMap<HostName, String>,
 }
 
 impl Tracker {
@@ -152,33 +108,32 @@ impl Tracker {
 
     /// Records what `msg` does to the driver's objects. Call for every message given to the
     /// driver.
-    pub fn observe(&mut self, msg: &ToDataplane) {
-        let Some(payload) = &msg.payload else { return };
-        if let Payload::HostMetadataUpdate(u) = payload {
+    pub fn observe(&mut self, msg: &Message) {
+        if let Message::HostMetadataUpdate { host, metadata } = msg {
             self.host_ipv4
-                .insert(u.hostname.clone(), u.ipv4_addr.clone());
+                .insert(host.clone(), metadata.ipv4_addr.clone());
         }
-        match effect(payload) {
-            Some(Effect::Upsert(key)) => {
+        match effect(msg) {
+            Effect::Upsert(key) => {
                 if self.marking {
                     self.seen.insert(key.clone());
                 }
                 self.known.insert(key);
             }
-            Some(Effect::Remove(key)) => {
+            Effect::Remove(key) => {
                 if let Key::HostMetadata(host) = &key {
                     self.host_ipv4.remove(host);
                 }
                 self.seen.remove(&key);
                 self.known.remove(&key);
             }
-            None => {}
+            Effect::None => {}
         }
     }
 
     /// The stream's `InSync` arrived: forgets every known key its snapshot did not contain and
     /// returns the synthetic removes for them, in dependency-safe order.
-    pub fn sweep(&mut self) -> Vec<ToDataplane> {
+    pub fn sweep(&mut self) -> Vec<Message> {
         self.marking = false;
         let seen = std::mem::take(&mut self.seen);
         let stale: Vec<Key> = self
@@ -191,11 +146,7 @@ impl Tracker {
             .into_iter()
             .map(|key| {
                 self.known.remove(&key);
-                let payload = self.remove_payload(key);
-                ToDataplane {
-                    payload: Some(payload),
-                    sequence_number: 0,
-                }
+                self.remove_message(key)
             })
             .collect()
     }
@@ -205,52 +156,25 @@ impl Tracker {
         self.known.len()
     }
 
-    fn remove_payload(&mut self, key: Key) -> Payload {
+    fn remove_message(&mut self, key: Key) -> Message {
         match key {
-            Key::WorkloadEndpoint(k) => Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
-                id: Some(k.to_proto()),
-            }),
-            Key::HostEndpoint(endpoint_id) => Payload::HostEndpointRemove(HostEndpointRemove {
-                id: Some(HostEndpointId { endpoint_id }),
-            }),
-            Key::Profile(name) => Payload::ActiveProfileRemove(ActiveProfileRemove {
-                id: Some(ProfileId { name }),
-            }),
-            Key::Policy(kind, namespace, name) => Payload::ActivePolicyRemove(ActivePolicyRemove {
-                id: Some(PolicyId {
-                    name,
-                    namespace,
-                    kind,
-                }),
-            }),
-            Key::IpSet(id) => Payload::IpsetRemove(IpSetRemove { id }),
-            Key::ServiceAccount(namespace, name) => {
-                Payload::ServiceAccountRemove(ServiceAccountRemove {
-                    id: Some(ServiceAccountId { namespace, name }),
-                })
+            Key::WorkloadEndpoint(key) => Message::WorkloadEndpointRemove { key },
+            Key::HostEndpoint(key) => Message::HostEndpointRemove { key },
+            Key::Profile(key) => Message::ProfileRemove { key },
+            Key::Policy(key) => Message::PolicyRemove { key },
+            Key::IpSet(id) => Message::IpSetRemove { id },
+            Key::ServiceAccount(key) => Message::ServiceAccountRemove { key },
+            Key::Namespace(key) => Message::NamespaceRemove { key },
+            Key::Route(dst) => Message::RouteRemove { dst },
+            Key::Vtep(node) => Message::VtepRemove { node },
+            Key::WireguardEndpoint(host) => Message::WireguardEndpointRemove { host },
+            Key::WireguardEndpointV6(host) => Message::WireguardEndpointV6Remove { host },
+            Key::HostMetadata(host) => {
+                let ipv4_addr = self.host_ipv4.remove(&host).unwrap_or_default();
+                Message::HostMetadataRemove { host, ipv4_addr }
             }
-            Key::Namespace(name) => Payload::NamespaceRemove(NamespaceRemove {
-                id: Some(NamespaceId { name }),
-            }),
-            Key::Route(dst) => Payload::RouteRemove(RouteRemove { dst }),
-            Key::Vtep(node) => Payload::VtepRemove(VxlanTunnelEndpointRemove { node }),
-            Key::WireguardEndpoint(hostname) => {
-                Payload::WireguardEndpointRemove(WireguardEndpointRemove { hostname })
-            }
-            Key::WireguardEndpointV6(hostname) => {
-                Payload::WireguardEndpointV6Remove(WireguardEndpointV6Remove { hostname })
-            }
-            Key::HostMetadata(hostname) => {
-                let ipv4_addr = self.host_ipv4.remove(&hostname).unwrap_or_default();
-                Payload::HostMetadataRemove(HostMetadataRemove {
-                    hostname,
-                    ipv4_addr,
-                })
-            }
-            Key::IpamPool(id) => Payload::IpamPoolRemove(IpamPoolRemove { id }),
-            Key::Service(namespace, name) => {
-                Payload::ServiceRemove(ServiceRemove { name, namespace })
-            }
+            Key::IpamPool(id) => Message::IpamPoolRemove { id },
+            Key::Service(key) => Message::ServiceRemove { key },
         }
     }
 }
@@ -258,63 +182,58 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use felix_proto::to_dataplane::Payload;
     use felix_proto::{
-        ActivePolicyUpdate, ActiveProfileUpdate, HostMetadataUpdate, IpSetUpdate,
-        WorkloadEndpointId, WorkloadEndpointUpdate,
+        ActivePolicyUpdate, ActiveProfileUpdate, HostMetadataUpdate, IpSetRemove, IpSetUpdate,
+        Policy, PolicyId, Profile, ProfileId, WorkloadEndpoint, WorkloadEndpointId,
+        WorkloadEndpointUpdate,
     };
 
-    fn m(payload: Payload) -> ToDataplane {
-        ToDataplane {
-            payload: Some(payload),
-            sequence_number: 1,
-        }
+    fn m(payload: Payload) -> Message {
+        Message::try_from(payload).expect("a valid message")
     }
-    fn ipset(id: &str) -> ToDataplane {
+    fn ipset(id: &str) -> Message {
         m(Payload::IpsetUpdate(IpSetUpdate {
             id: id.into(),
             ..Default::default()
         }))
     }
-    fn policy(name: &str) -> ToDataplane {
+    fn policy(name: &str) -> Message {
         m(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
             id: Some(PolicyId {
                 kind: "GlobalNetworkPolicy".into(),
                 namespace: String::new(),
                 name: name.into(),
             }),
-            policy: None,
+            policy: Some(Policy::default()),
         }))
     }
-    fn profile(name: &str) -> ToDataplane {
+    fn profile(name: &str) -> Message {
         m(Payload::ActiveProfileUpdate(ActiveProfileUpdate {
             id: Some(ProfileId { name: name.into() }),
-            profile: None,
+            profile: Some(Profile::default()),
         }))
     }
-    fn wep(wl: &str) -> ToDataplane {
+    fn wep(wl: &str) -> Message {
         m(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
             id: Some(WorkloadEndpointId {
                 orchestrator_id: "k8s".into(),
                 workload_id: wl.into(),
                 endpoint_id: "eth0".into(),
             }),
-            endpoint: None,
+            endpoint: Some(WorkloadEndpoint::default()),
         }))
     }
-    fn kinds(msgs: &[ToDataplane]) -> Vec<String> {
+    fn kinds(msgs: &[Message]) -> Vec<String> {
         msgs.iter()
-            .map(|msg| match msg.payload.as_ref().expect("payload") {
-                Payload::WorkloadEndpointRemove(r) => {
-                    format!("wep:{}", r.id.as_ref().expect("id").workload_id)
+            .map(|msg| match msg {
+                Message::WorkloadEndpointRemove { key } => format!("wep:{}", key.workload_id),
+                Message::ProfileRemove { key } => format!("profile:{key}"),
+                Message::PolicyRemove { key } => format!("policy:{}", key.name),
+                Message::IpSetRemove { id } => format!("ipset:{id}"),
+                Message::HostMetadataRemove { host, ipv4_addr } => {
+                    format!("host:{host}:{ipv4_addr}")
                 }
-                Payload::ActiveProfileRemove(r) => {
-                    format!("profile:{}", r.id.as_ref().expect("id").name)
-                }
-                Payload::ActivePolicyRemove(r) => {
-                    format!("policy:{}", r.id.as_ref().expect("id").name)
-                }
-                Payload::IpsetRemove(r) => format!("ipset:{}", r.id),
-                Payload::HostMetadataRemove(r) => format!("host:{}:{}", r.hostname, r.ipv4_addr),
                 other => format!("{other:?}"),
             })
             .collect()
@@ -371,7 +290,6 @@ mod tests {
                 "host:h1:10.0.0.1"
             ]
         );
-        assert!(removes.iter().all(|r| r.sequence_number == 0));
         assert_eq!(t.known_len(), 3);
         // Nothing left to sweep on a repeat of the same snapshot.
         t.begin_stream();

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use dataplane_agent::driver::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
-use felix_proto::ToDataplane;
-use felix_proto::to_dataplane::Payload;
+use dataplane_agent::driver::{
+    Driver, DriverError, EndpointStatuses, Message, WorkloadEndpointKey,
+};
 
 /// Counts this node's workload endpoints and prints their IPs after every change.
 #[derive(Default)]
@@ -26,21 +26,24 @@ impl EndpointCounter {
 }
 
 impl Driver for EndpointCounter {
-    fn on_update(&mut self, msg: &ToDataplane) {
-        // Cheap, no IO: just record the desired state.
-        match &msg.payload {
-            Some(Payload::WorkloadEndpointUpdate(u)) => {
-                let ep = u.endpoint.clone().unwrap_or_default();
-                let ips = ep.ipv4_nets.into_iter().chain(ep.ipv6_nets).collect();
+    fn on_update(&mut self, msg: &Message) {
+        // Cheap, no IO: just record the desired state. The key and the endpoint are always
+        // there: the session refuses a message without them before it gets here.
+        match msg {
+            Message::WorkloadEndpointUpdate { key, endpoint } => {
+                let ips = endpoint
+                    .ipv4_nets
+                    .iter()
+                    .chain(&endpoint.ipv6_nets)
+                    .cloned()
+                    .collect();
                 // An update replaces whatever we had for this endpoint.
-                self.endpoints
-                    .insert(WorkloadEndpointKey::from_proto(u.id.as_ref()), ips);
+                self.endpoints.insert(key.clone(), ips);
                 self.dirty = true;
             }
-            Some(Payload::WorkloadEndpointRemove(r)) => {
+            Message::WorkloadEndpointRemove { key } => {
                 // Removing something we do not have is harmless.
-                let key = WorkloadEndpointKey::from_proto(r.id.as_ref());
-                self.dirty |= self.endpoints.remove(&key).is_some();
+                self.dirty |= self.endpoints.remove(key).is_some();
             }
             // IP sets, policies, profiles, config, InSync, …: not our business.
             _ => {}
@@ -70,23 +73,33 @@ impl Driver for EndpointCounter {
 
 #[test]
 fn endpoint_counter_tracks_updates_and_removes() {
+    use dataplane_agent::message::{Inbound, Received};
+    use felix_proto::to_dataplane::Payload;
     use felix_proto::{
-        WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
+        ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
+        WorkloadEndpointUpdate,
+    };
+    // What the session does with each message from the stream before a driver sees it.
+    let convert = |msg: ToDataplane| match Inbound::try_from(msg).map(|i| i.received) {
+        Ok(Received::Message(m)) => m,
+        other => panic!("{other:?}"),
     };
     let id = |w: &str| WorkloadEndpointId {
         orchestrator_id: "k8s".into(),
         workload_id: w.into(),
         endpoint_id: "eth0".into(),
     };
-    let update = |w: &str, ip: &str| ToDataplane {
-        sequence_number: 0,
-        payload: Some(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-            id: Some(id(w)),
-            endpoint: Some(WorkloadEndpoint {
-                ipv4_nets: vec![ip.into()],
-                ..Default::default()
-            }),
-        })),
+    let update = |w: &str, ip: &str| {
+        convert(ToDataplane {
+            sequence_number: 0,
+            payload: Some(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+                id: Some(id(w)),
+                endpoint: Some(WorkloadEndpoint {
+                    ipv4_nets: vec![ip.into()],
+                    ..Default::default()
+                }),
+            })),
+        })
     };
     let mut d = EndpointCounter::default();
     d.on_update(&update("ns/a", "10.0.0.1/32"));
@@ -99,12 +112,12 @@ fn endpoint_counter_tracks_updates_and_removes() {
         d.render(),
         "2 workload endpoints\n  k8s/ns/a/eth0: 10.0.0.3/32\n  k8s/ns/b/eth0: 10.0.0.2/32\n"
     );
-    d.on_update(&ToDataplane {
+    d.on_update(&convert(ToDataplane {
         sequence_number: 0,
         payload: Some(Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
             id: Some(id("ns/b")),
         })),
-    });
+    }));
     assert_eq!(d.endpoint_statuses().workloads.len(), 1);
     assert_eq!(
         d.render(),

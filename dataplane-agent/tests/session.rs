@@ -15,6 +15,7 @@ use dataplane_agent::admin::AgentMetrics;
 use dataplane_agent::driver::{
     Driver, DriverError, DryRunDriver, EndpointStatuses, WorkloadEndpointKey,
 };
+use dataplane_agent::message::Message;
 use dataplane_agent::session::{self, SessionConfig};
 use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
 use felix_proto::from_dataplane::Payload as Report;
@@ -54,7 +55,7 @@ enum Step {
     Signal(Arc<Notify>),
     /// End the stream: cleanly (`None`) or with a status.
     End(Option<Status>),
-    /// Keep the stream open until the agent goes away.
+    /// Keep the stream open until the agent goes away (recorded as the stream's end).
     Hold,
 }
 
@@ -178,6 +179,8 @@ impl CalcServer for Fake {
                     }
                     Step::Hold => {
                         tx.closed().await;
+                        // The agent dropped the stream.
+                        state.connections.lock().expect("lock")[conn].ended = Some(Instant::now());
                         return;
                     }
                 }
@@ -216,7 +219,7 @@ async fn start_fake(scripts: Vec<Vec<Step>>) -> (String, Arc<FakeState>) {
 
 #[derive(Default)]
 struct Log {
-    updates: Vec<ToDataplane>,
+    updates: Vec<Message>,
     /// How many updates had been recorded at each successful apply.
     applied_at: Vec<usize>,
     failed_applies: usize,
@@ -234,7 +237,7 @@ struct Recording {
 }
 
 impl Driver for Recording {
-    fn on_update(&mut self, msg: &ToDataplane) {
+    fn on_update(&mut self, msg: &Message) {
         self.log.lock().expect("lock").updates.push(msg.clone());
         self.inner.on_update(msg);
     }
@@ -282,7 +285,7 @@ impl Agent {
     fn applies(&self) -> usize {
         self.log.lock().expect("lock").applied_at.len()
     }
-    fn updates(&self) -> Vec<ToDataplane> {
+    fn updates(&self) -> Vec<Message> {
         self.log.lock().expect("lock").updates.clone()
     }
     fn state(&self) -> Option<Value> {
@@ -675,7 +678,7 @@ async fn server_hello_must_come_first() {
     .await;
     assert_eq!(fake.connection_count(), 2);
     let marker_bad = agent.updates().iter().any(|m| {
-        matches!(&m.payload, Some(Payload::ConfigUpdate(c)) if c.config.get("Marker").map(String::as_str) == Some("bad"))
+        matches!(m, Message::Config(c) if c.config.get("Marker").map(String::as_str) == Some("bad"))
     });
     assert!(
         !marker_bad,
@@ -752,7 +755,7 @@ async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
     let removes_before = agent
         .updates()
         .iter()
-        .filter(|m| format!("{:?}", m.payload).contains("Remove("))
+        .filter(|m| m.kind().ends_with("Remove"))
         .count();
     assert_eq!(removes_before, 0, "nothing removed before the new InSync");
     let state = agent.state().expect("state from the first stream");
@@ -791,35 +794,23 @@ async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
     let in_syncs: Vec<usize> = updates
         .iter()
         .enumerate()
-        .filter(|(_, m)| matches!(m.payload, Some(Payload::InSync(_))))
+        .filter(|(_, m)| matches!(m, Message::InSync))
         .map(|(i, _)| i)
         .collect();
     assert_eq!(in_syncs.len(), 2);
     let sweep: Vec<String> = updates[in_syncs[1] + 1..]
         .iter()
-        .map(|m| {
-            assert_eq!(
-                m.sequence_number, 0,
-                "synthetic removes carry no sequence number"
-            );
-            match m.payload.as_ref().expect("payload") {
-                Payload::WorkloadEndpointRemove(r) => {
-                    format!("wep {}", r.id.as_ref().expect("id").workload_id)
-                }
-                Payload::HostEndpointRemove(r) => {
-                    format!("hep {}", r.id.as_ref().expect("id").endpoint_id)
-                }
-                Payload::ActiveProfileRemove(r) => {
-                    format!("profile {}", r.id.as_ref().expect("id").name)
-                }
-                Payload::ActivePolicyRemove(r) => {
-                    format!("policy {}", r.id.as_ref().expect("id").name)
-                }
-                Payload::IpsetRemove(r) => format!("ipset {}", r.id),
-                Payload::HostMetadataRemove(r) => format!("host {} {}", r.hostname, r.ipv4_addr),
-                Payload::IpamPoolRemove(r) => format!("pool {}", r.id),
-                other => panic!("unexpected {other:?}"),
+        .map(|m| match m {
+            Message::WorkloadEndpointRemove { key } => format!("wep {}", key.workload_id),
+            Message::HostEndpointRemove { key } => format!("hep {key}"),
+            Message::ProfileRemove { key } => format!("profile {key}"),
+            Message::PolicyRemove { key } => format!("policy {}", key.name),
+            Message::IpSetRemove { id } => format!("ipset {id}"),
+            Message::HostMetadataRemove { host, ipv4_addr } => {
+                format!("host {host} {ipv4_addr}")
             }
+            Message::IpamPoolRemove { id } => format!("pool {id}"),
+            other => panic!("unexpected {other:?}"),
         })
         .collect();
     assert_eq!(
@@ -1285,8 +1276,8 @@ async fn a_cut_short_resync_leaves_the_last_complete_state_in_force() {
     let seen_by_driver: Vec<String> = agent
         .updates()
         .iter()
-        .filter_map(|m| match &m.payload {
-            Some(Payload::IpsetUpdate(u)) => Some(format!("{} {:?}", u.id, u.members)),
+        .filter_map(|m| match m {
+            Message::IpSetUpdate { id, members, .. } => Some(format!("{id} {members:?}")),
             _ => None,
         })
         .collect();
@@ -1327,8 +1318,8 @@ async fn a_million_member_ip_set_syncs() {
     })
     .await;
     let updates = agent.updates();
-    let got = updates.iter().find_map(|m| match &m.payload {
-        Some(Payload::IpsetUpdate(u)) if u.id == "s:big" => Some(u.members.len()),
+    let got = updates.iter().find_map(|m| match m {
+        Message::IpSetUpdate { id, members, .. } if id.as_str() == "s:big" => Some(members.len()),
         _ => None,
     });
     assert_eq!(got, Some(1_000_000));
@@ -1378,8 +1369,8 @@ fn ipset_updates(agent: &Agent) -> Vec<String> {
     agent
         .updates()
         .iter()
-        .filter_map(|m| match &m.payload {
-            Some(Payload::IpsetUpdate(u)) => Some(format!("{} {:?}", u.id, u.members)),
+        .filter_map(|m| match m {
+            Message::IpSetUpdate { id, members, .. } => Some(format!("{id} {members:?}")),
             _ => None,
         })
         .collect()
@@ -1492,7 +1483,7 @@ async fn a_snapshot_over_the_byte_bound_is_dropped() {
         agent
             .updates()
             .iter()
-            .filter(|m| matches!(m.payload, Some(Payload::IpsetDeltaUpdate(_))))
+            .filter(|m| matches!(m, Message::IpSetDeltaUpdate { .. }))
             .count()
             == 20
     })
@@ -1587,5 +1578,151 @@ async fn a_stream_ending_right_after_in_sync_is_applied() {
     let agent = start_agent(config, 0);
     eventually("the snapshot is applied", || agent.state().is_some()).await;
     assert_eq!(agent.applies(), 1);
+    agent.stop().await;
+}
+
+/// Warnings the agent logs, for tests that check what an operator reads. One subscriber for the
+/// whole test binary (the session's tasks run on the runtime's threads, so a thread-local one
+/// would miss them); each test looks only for its own keys.
+fn captured_warnings() -> Arc<Mutex<Vec<u8>>> {
+    use std::sync::OnceLock;
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || CaptureWriter(writer.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("one global subscriber");
+        buf
+    })
+    .clone()
+}
+
+struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for CaptureWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log_lines_with(log: &Arc<Mutex<Vec<u8>>>, needle: &str) -> Vec<String> {
+    String::from_utf8_lossy(&log.lock().expect("lock"))
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A snapshot message that does not say which object it is about is refused, not
+/// default-filled: the stream is dropped with its whole unfinished snapshot (the driver sees
+/// none of it), the refusal is logged with the payload kind, and the agent resyncs after the
+/// longest delay, as after a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_without_an_id_drops_the_stream_before_the_driver_sees_it() {
+    let log = captured_warnings();
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![
+                ipset("s:first-stream", &["10.0.0.1"]),
+                Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+                    id: None,
+                    endpoint: Some(WorkloadEndpoint {
+                        name: "cali-no-id".into(),
+                        ..Default::default()
+                    }),
+                }),
+                in_sync(),
+            ]),
+            vec![Step::Hold],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:second-stream", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.reconnect_min_delay = Duration::from_millis(10);
+    config.reconnect_max_delay = Duration::from_millis(400);
+    let agent = start_agent(config, 0);
+    eventually("the second stream is applied", || agent.state().is_some()).await;
+    let updates = format!("{:?}", agent.updates());
+    assert!(!updates.contains("s:first-stream"), "{updates}");
+    assert!(!updates.contains("cali-no-id"), "{updates}");
+    let state = agent.state().expect("state");
+    assert_eq!(keys(&state["ipsets"]), vec!["s:second-stream"]);
+    assert_eq!(keys(&state["workload_endpoints"]), Vec::<String>::new());
+    let (_, ended) = fake.times(0);
+    let (opened, _) = fake.times(1);
+    let gap = opened.expect("opened") - ended.expect("ended");
+    assert!(gap >= Duration::from_millis(380), "retried after {gap:?}");
+    let lines = log_lines_with(&log, "WorkloadEndpointUpdate without an id");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("invalid message from calc-server"),
+        "{lines:?}"
+    );
+    assert!(lines[0].contains("seq=3"), "{lines:?}");
+    agent.stop().await;
+}
+
+/// A delta that lacks its object after InSync: the dataplane keeps the last applied state (the
+/// bad message and everything after it never reach the driver), the refusal is logged with the
+/// object's key, and the next stream's snapshot replaces the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_without_its_object_leaves_the_dataplane_as_it_is() {
+    let log = captured_warnings();
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:a", &[]), policy("keep-me", "s:a"), in_sync()]),
+            vec![programmed()],
+            sends(vec![
+                Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                    id: Some(pid("lost-its-body")),
+                    policy: None,
+                }),
+                ipset("s:after-the-bad-one", &[]),
+            ]),
+            vec![Step::Hold],
+        ]),
+        script(vec![
+            handshake(),
+            sends(vec![ipset("s:b", &[]), in_sync()]),
+            vec![Step::Hold],
+        ]),
+    ])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    eventually("the second stream is applied", || {
+        agent
+            .state()
+            .is_some_and(|s| s["ipsets"].get("s:b").is_some())
+    })
+    .await;
+    assert_eq!(fake.connection_count(), 2);
+    let updates = format!("{:?}", agent.updates());
+    assert!(!updates.contains("lost-its-body"), "{updates}");
+    assert!(!updates.contains("s:after-the-bad-one"), "{updates}");
+    assert_eq!(agent.applies(), 2, "one apply per complete snapshot");
+    let lines = log_lines_with(&log, "lost-its-body");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    for part in [
+        "error=ActivePolicyUpdate \"GlobalNetworkPolicy/lost-its-body\" without its policy",
+        "kind=\"ActivePolicyUpdate\"",
+        "key=\"GlobalNetworkPolicy/lost-its-body\"",
+    ] {
+        assert!(lines[0].contains(part), "{part} in {lines:?}");
+    }
     agent.stop().await;
 }

@@ -18,11 +18,11 @@ use std::time::Instant;
 
 use dataplane_agent::driver::linux::iptables::Backend;
 use dataplane_agent::driver::linux::runner::{CommandRunner, Output, SystemRunner};
-use dataplane_agent::driver::{Driver, LinuxDriver, LinuxOptions};
+use dataplane_agent::driver::{Driver, LinuxDriver, LinuxOptions, Message};
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
     ActivePolicyUpdate, ActiveProfileUpdate, IpSetUpdate, Policy, PolicyId, PortRange, Profile,
-    ProfileId, Protocol, Rule, TierInfo, ToDataplane, WorkloadEndpoint, WorkloadEndpointId,
+    ProfileId, Protocol, Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
     WorkloadEndpointUpdate, protocol,
 };
 
@@ -100,11 +100,8 @@ fn main() {
     }
 }
 
-fn msg(payload: Payload) -> ToDataplane {
-    ToDataplane {
-        sequence_number: 0,
-        payload: Some(payload),
-    }
+fn msg(payload: Payload) -> Message {
+    Message::try_from(payload).expect("the synthetic state is valid")
 }
 
 fn pid(i: usize) -> PolicyId {
@@ -117,7 +114,7 @@ fn pid(i: usize) -> PolicyId {
 
 /// The synthetic node state: IP sets of 10.x addresses, policies of 10 inbound and 10
 /// outbound rules (set match + ports), endpoints in two tiers of 4 policies each.
-fn state(p: &Params, variant: usize) -> Vec<ToDataplane> {
+fn state(p: &Params, variant: usize) -> Vec<Message> {
     let mut out = Vec::new();
     let sets = (p.policies).max(1);
     let per_set = p.members / sets;
@@ -302,11 +299,9 @@ fn program(p: &Params, dump: &Path) {
     // One-chain changes: one policy's inbound rules alternate between two versions.
     let base = state(p, 0);
     let changed = state(p, 1);
-    let pick = |s: &[ToDataplane]| -> ToDataplane {
+    let pick = |s: &[Message]| -> Message {
         s.iter()
-            .find(|m| {
-                matches!(&m.payload, Some(Payload::ActivePolicyUpdate(u)) if u.id.as_ref().is_some_and(|i| i.name == "policy-0000"))
-            })
+            .find(|m| matches!(m, Message::PolicyUpdate { key, .. } if key.name == "policy-0000"))
             .cloned()
             .expect("policy-0000")
     };

@@ -30,25 +30,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use felix_proto::to_dataplane::Payload;
 use felix_proto::{
-    Encapsulation, HostEndpoint, HostMetadataUpdate, IpamPool, Policy, PolicyId, Profile,
-    RouteUpdate, ToDataplane, VxlanTunnelEndpointUpdate, WorkloadEndpoint, ip_set_update,
+    Encapsulation, HostEndpoint, HostMetadataUpdate, IpamPool, Policy, Profile, RouteUpdate,
+    VxlanTunnelEndpointUpdate, WorkloadEndpoint,
 };
 use serde::Serialize;
 use tracing::{debug, info, warn};
 
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
-
-/// The state-file key of a policy: `<kind>/<name>` for a global policy, `<kind>/<namespace>/<name>`
-/// for a namespaced one.
-pub fn policy_key(id: Option<&PolicyId>) -> String {
-    match id {
-        None => String::new(),
-        Some(id) if id.namespace.is_empty() => format!("{}/{}", id.kind, id.name),
-        Some(id) => format!("{}/{}/{}", id.kind, id.namespace, id.name),
-    }
-}
+use crate::message::{
+    HostEndpointKey, HostName, IpSetId, IpamPoolId, Message, PolicyKey, ProfileKey, RouteDst,
+    VtepNode,
+};
 
 /// One IP set as the dry-run driver keeps it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -77,17 +70,15 @@ pub struct DryRunDriver {
 struct State {
     in_sync: bool,
     config: BTreeMap<String, String>,
-    ipsets: BTreeMap<String, IpSet>,
-    policies: BTreeMap<String, Policy>,
-    /// The ids of `policies`, by the same key (the key alone cannot be split back safely).
-    policy_ids: BTreeMap<String, PolicyId>,
-    profiles: BTreeMap<String, Profile>,
+    ipsets: BTreeMap<IpSetId, IpSet>,
+    policies: BTreeMap<PolicyKey, Policy>,
+    profiles: BTreeMap<ProfileKey, Profile>,
     workload_endpoints: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
-    host_endpoints: BTreeMap<String, HostEndpoint>,
-    host_metadata: BTreeMap<String, HostMetadataUpdate>,
-    ipam_pools: BTreeMap<String, IpamPool>,
-    routes: BTreeMap<String, RouteUpdate>,
-    vteps: BTreeMap<String, VxlanTunnelEndpointUpdate>,
+    host_endpoints: BTreeMap<HostEndpointKey, HostEndpoint>,
+    host_metadata: BTreeMap<HostName, HostMetadataUpdate>,
+    ipam_pools: BTreeMap<IpamPoolId, IpamPool>,
+    routes: BTreeMap<RouteDst, RouteUpdate>,
+    vteps: BTreeMap<VtepNode, VxlanTunnelEndpointUpdate>,
     encapsulation: Option<Encapsulation>,
 }
 
@@ -97,26 +88,21 @@ struct StateFile<'a> {
     node: &'a str,
     in_sync: bool,
     config: &'a BTreeMap<String, String>,
-    ipsets: &'a BTreeMap<String, IpSet>,
-    policies: &'a BTreeMap<String, Policy>,
-    profiles: &'a BTreeMap<String, Profile>,
+    ipsets: &'a BTreeMap<IpSetId, IpSet>,
+    /// Keyed by the key's text: its order, not the key's, is the file's.
+    policies: BTreeMap<String, &'a Policy>,
+    profiles: &'a BTreeMap<ProfileKey, Profile>,
     workload_endpoints: BTreeMap<String, &'a WorkloadEndpoint>,
-    host_endpoints: &'a BTreeMap<String, HostEndpoint>,
-    host_metadata: &'a BTreeMap<String, HostMetadataUpdate>,
-    ipam_pools: &'a BTreeMap<String, IpamPool>,
-    routes: &'a BTreeMap<String, RouteUpdate>,
-    vteps: &'a BTreeMap<String, VxlanTunnelEndpointUpdate>,
+    host_endpoints: &'a BTreeMap<HostEndpointKey, HostEndpoint>,
+    host_metadata: &'a BTreeMap<HostName, HostMetadataUpdate>,
+    ipam_pools: &'a BTreeMap<IpamPoolId, IpamPool>,
+    routes: &'a BTreeMap<RouteDst, RouteUpdate>,
+    vteps: &'a BTreeMap<VtepNode, VxlanTunnelEndpointUpdate>,
     encapsulation: &'a Option<Encapsulation>,
 }
 
 fn verb(existed: bool) -> &'static str {
     if existed { "updated" } else { "added" }
-}
-
-fn ipset_type_name(value: i32) -> String {
-    ip_set_update::IpSetType::try_from(value)
-        .map(|t| t.as_str_name().to_owned())
-        .unwrap_or_else(|_| value.to_string())
 }
 
 impl DryRunDriver {
@@ -157,7 +143,7 @@ impl DryRunDriver {
             in_sync: s.in_sync,
             config: &s.config,
             ipsets: &s.ipsets,
-            policies: &s.policies,
+            policies: s.policies.iter().map(|(k, v)| (k.to_string(), v)).collect(),
             profiles: &s.profiles,
             workload_endpoints: s
                 .workload_endpoints
@@ -177,152 +163,129 @@ impl DryRunDriver {
         out
     }
 
-    fn record(&mut self, payload: &Payload) -> bool {
+    fn record(&mut self, msg: &Message) -> bool {
         let s = &mut self.state;
-        match payload {
-            Payload::InSync(_) => {
+        match msg {
+            Message::InSync => {
                 info!("dry-run: in sync");
                 s.in_sync = true;
             }
-            Payload::ConfigUpdate(u) => {
+            Message::Config(u) => {
                 info!(entries = u.config.len(), "dry-run: config updated");
                 s.config = u.config.clone();
             }
-            Payload::IpsetUpdate(u) => {
+            Message::IpSetUpdate {
+                id,
+                set_type,
+                members,
+            } => {
                 let set = IpSet {
-                    set_type: ipset_type_name(u.r#type),
-                    members: u.members.iter().cloned().collect(),
+                    set_type: set_type.as_str_name().to_owned(),
+                    members: members.iter().cloned().collect(),
                 };
-                let existed = s.ipsets.insert(u.id.clone(), set).is_some();
-                info!(ipset = %u.id, set_type = %ipset_type_name(u.r#type), members = u.members.len(), "dry-run: ipset {}", verb(existed));
+                let existed = s.ipsets.insert(id.clone(), set).is_some();
+                info!(ipset = %id, set_type = %set_type.as_str_name(), members = members.len(), "dry-run: ipset {}", verb(existed));
             }
-            Payload::IpsetDeltaUpdate(u) => match s.ipsets.get_mut(&u.id) {
+            Message::IpSetDeltaUpdate { id, added, removed } => match s.ipsets.get_mut(id) {
                 Some(set) => {
-                    for m in &u.removed_members {
+                    for m in removed {
                         set.members.remove(m);
                     }
-                    set.members.extend(u.added_members.iter().cloned());
-                    info!(ipset = %u.id, added = u.added_members.len(), removed = u.removed_members.len(), members = set.members.len(), "dry-run: ipset members changed");
+                    set.members.extend(added.iter().cloned());
+                    info!(ipset = %id, added = added.len(), removed = removed.len(), members = set.members.len(), "dry-run: ipset members changed");
                 }
                 None => {
-                    warn!(ipset = %u.id, "dry-run: delta for an IP set that was never sent; ignored");
+                    warn!(ipset = %id, "dry-run: delta for an IP set that was never sent; ignored");
                     return false;
                 }
             },
-            Payload::IpsetRemove(u) => {
-                if s.ipsets.remove(&u.id).is_none() {
+            Message::IpSetRemove { id } => {
+                if s.ipsets.remove(id).is_none() {
                     return false;
                 }
-                info!(ipset = %u.id, "dry-run: ipset removed");
+                info!(ipset = %id, "dry-run: ipset removed");
             }
-            Payload::ActivePolicyUpdate(u) => {
-                let key = policy_key(u.id.as_ref());
-                let existed = s
-                    .policies
-                    .insert(key.clone(), u.policy.clone().unwrap_or_default())
-                    .is_some();
-                s.policy_ids
-                    .insert(key.clone(), u.id.clone().unwrap_or_default());
+            Message::PolicyUpdate { key, policy } => {
+                let existed = s.policies.insert(key.clone(), policy.clone()).is_some();
                 info!(policy = %key, "dry-run: policy {}", verb(existed));
             }
-            Payload::ActivePolicyRemove(u) => {
-                let key = policy_key(u.id.as_ref());
-                s.policy_ids.remove(&key);
-                if s.policies.remove(&key).is_none() {
+            Message::PolicyRemove { key } => {
+                if s.policies.remove(key).is_none() {
                     return false;
                 }
                 info!(policy = %key, "dry-run: policy removed");
             }
-            Payload::ActiveProfileUpdate(u) => {
-                let key = u.id.as_ref().map(|id| id.name.clone()).unwrap_or_default();
-                let existed = s
-                    .profiles
-                    .insert(key.clone(), u.profile.clone().unwrap_or_default())
-                    .is_some();
+            Message::ProfileUpdate { key, profile } => {
+                let existed = s.profiles.insert(key.clone(), profile.clone()).is_some();
                 info!(profile = %key, "dry-run: profile {}", verb(existed));
             }
-            Payload::ActiveProfileRemove(u) => {
-                let key = u.id.as_ref().map(|id| id.name.as_str()).unwrap_or_default();
+            Message::ProfileRemove { key } => {
                 if s.profiles.remove(key).is_none() {
                     return false;
                 }
                 info!(profile = %key, "dry-run: profile removed");
             }
-            Payload::WorkloadEndpointUpdate(u) => {
-                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
-                let ep = u.endpoint.clone().unwrap_or_default();
-                info!(endpoint = %key, iface = %ep.name, ipv4 = ?ep.ipv4_nets, ipv6 = ?ep.ipv6_nets, tiers = ep.tiers.len(), "dry-run: workload endpoint {}", verb(s.workload_endpoints.contains_key(&key)));
-                s.workload_endpoints.insert(key, ep);
+            Message::WorkloadEndpointUpdate { key, endpoint: ep } => {
+                info!(endpoint = %key, iface = %ep.name, ipv4 = ?ep.ipv4_nets, ipv6 = ?ep.ipv6_nets, tiers = ep.tiers.len(), "dry-run: workload endpoint {}", verb(s.workload_endpoints.contains_key(key)));
+                s.workload_endpoints.insert(key.clone(), (**ep).clone());
             }
-            Payload::WorkloadEndpointRemove(u) => {
-                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
-                if s.workload_endpoints.remove(&key).is_none() {
+            Message::WorkloadEndpointRemove { key } => {
+                if s.workload_endpoints.remove(key).is_none() {
                     return false;
                 }
                 info!(endpoint = %key, "dry-run: workload endpoint removed");
             }
-            Payload::HostEndpointUpdate(u) => {
-                let key =
-                    u.id.as_ref()
-                        .map(|id| id.endpoint_id.clone())
-                        .unwrap_or_default();
-                let ep = u.endpoint.clone().unwrap_or_default();
-                info!(endpoint = %key, iface = %ep.name, tiers = ep.tiers.len(), "dry-run: host endpoint {}", verb(s.host_endpoints.contains_key(&key)));
-                s.host_endpoints.insert(key, ep);
+            Message::HostEndpointUpdate { key, endpoint: ep } => {
+                info!(endpoint = %key, iface = %ep.name, tiers = ep.tiers.len(), "dry-run: host endpoint {}", verb(s.host_endpoints.contains_key(key)));
+                s.host_endpoints.insert(key.clone(), (**ep).clone());
             }
-            Payload::HostEndpointRemove(u) => {
-                let key =
-                    u.id.as_ref()
-                        .map(|id| id.endpoint_id.as_str())
-                        .unwrap_or_default();
+            Message::HostEndpointRemove { key } => {
                 if s.host_endpoints.remove(key).is_none() {
                     return false;
                 }
                 info!(endpoint = %key, "dry-run: host endpoint removed");
             }
-            Payload::HostMetadataUpdate(u) => {
-                let existed = s.host_metadata.insert(u.hostname.clone(), u.clone());
-                info!(host = %u.hostname, ipv4 = %u.ipv4_addr, "dry-run: host metadata {}", verb(existed.is_some()));
+            Message::HostMetadataUpdate { host, metadata } => {
+                let existed = s.host_metadata.insert(host.clone(), metadata.clone());
+                info!(host = %host, ipv4 = %metadata.ipv4_addr, "dry-run: host metadata {}", verb(existed.is_some()));
             }
-            Payload::HostMetadataRemove(u) => {
-                if s.host_metadata.remove(&u.hostname).is_none() {
+            Message::HostMetadataRemove { host, .. } => {
+                if s.host_metadata.remove(host).is_none() {
                     return false;
                 }
-                info!(host = %u.hostname, "dry-run: host metadata removed");
+                info!(host = %host, "dry-run: host metadata removed");
             }
-            Payload::IpamPoolUpdate(u) => {
-                let existed = s
-                    .ipam_pools
-                    .insert(u.id.clone(), u.pool.clone().unwrap_or_default());
-                info!(pool = %u.id, "dry-run: IPAM pool {}", verb(existed.is_some()));
+            Message::IpamPoolUpdate { id, pool } => {
+                let existed = s.ipam_pools.insert(id.clone(), pool.clone());
+                info!(pool = %id, "dry-run: IPAM pool {}", verb(existed.is_some()));
             }
-            Payload::IpamPoolRemove(u) => {
-                if s.ipam_pools.remove(&u.id).is_none() {
+            Message::IpamPoolRemove { id } => {
+                if s.ipam_pools.remove(id).is_none() {
                     return false;
                 }
-                info!(pool = %u.id, "dry-run: IPAM pool removed");
+                info!(pool = %id, "dry-run: IPAM pool removed");
             }
-            Payload::RouteUpdate(u) => {
-                let existed = s.routes.insert(u.dst.clone(), u.clone());
-                info!(dst = %u.dst, "dry-run: route {}", verb(existed.is_some()));
+            Message::RouteUpdate { dst, route } => {
+                let existed = s.routes.insert(dst.clone(), route.clone());
+                info!(dst = %dst, "dry-run: route {}", verb(existed.is_some()));
             }
-            Payload::RouteRemove(u) => {
-                if s.routes.remove(&u.dst).is_none() {
+            Message::RouteRemove { dst } => {
+                if s.routes.remove(dst).is_none() {
                     return false;
                 }
-                info!(dst = %u.dst, "dry-run: route removed");
+                info!(dst = %dst, "dry-run: route removed");
             }
-            Payload::VtepUpdate(u) => {
-                let existed = s.vteps.insert(u.node.clone(), u.clone());
-                info!(node = %u.node, "dry-run: VXLAN tunnel endpoint {}", verb(existed.is_some()));
+            Message::VtepUpdate { node, vtep } => {
+                let existed = s.vteps.insert(node.clone(), vtep.clone());
+                info!(node = %node, "dry-run: VXLAN tunnel endpoint {}", verb(existed.is_some()));
             }
-            Payload::VtepRemove(u) => {
-                if s.vteps.remove(&u.node).is_none() {
+            Message::VtepRemove { node } => {
+                if s.vteps.remove(node).is_none() {
                     return false;
                 }
-                info!(node = %u.node, "dry-run: VXLAN tunnel endpoint removed");
+                info!(node = %node, "dry-run: VXLAN tunnel endpoint removed");
             }
-            Payload::Encapsulation(u) => {
+            Message::Encapsulation(u) => {
                 info!(
                     ipip = u.ipip_enabled,
                     vxlan = u.vxlan_enabled,
@@ -330,9 +293,18 @@ impl DryRunDriver {
                 );
                 s.encapsulation = Some(*u);
             }
-            Payload::ServerHello(_) => return false,
-            other => {
-                debug!(message = ?other, "dry-run: message not modelled; ignored");
+            Message::ServiceAccountUpdate { .. }
+            | Message::ServiceAccountRemove { .. }
+            | Message::NamespaceUpdate { .. }
+            | Message::NamespaceRemove { .. }
+            | Message::WireguardEndpointUpdate { .. }
+            | Message::WireguardEndpointRemove { .. }
+            | Message::WireguardEndpointV6Update { .. }
+            | Message::WireguardEndpointV6Remove { .. }
+            | Message::GlobalBgpConfig(_)
+            | Message::ServiceUpdate { .. }
+            | Message::ServiceRemove { .. } => {
+                debug!(message = ?msg, "dry-run: message not modelled; ignored");
                 return false;
             }
         }
@@ -370,10 +342,8 @@ impl DryRunDriver {
 }
 
 impl Driver for DryRunDriver {
-    fn on_update(&mut self, msg: &ToDataplane) {
-        if let Some(payload) = &msg.payload
-            && self.record(payload)
-        {
+    fn on_update(&mut self, msg: &Message) {
+        if self.record(msg) {
             self.pending += 1;
         }
     }
@@ -439,11 +409,9 @@ impl Driver for DryRunDriver {
         let s = &self.state;
         let mut c = super::programmed::Collector::default();
         for (key, policy) in &s.policies {
-            if let Some(id) = s.policy_ids.get(key) {
-                c.policy(id, policy);
-            }
+            c.policy(key, policy);
         }
-        s.profiles.keys().for_each(|name| c.profile(name));
+        s.profiles.keys().for_each(|key| c.profile(key.as_str()));
         for (key, ep) in &s.workload_endpoints {
             c.workload(key, ep, Some(ep.name.as_str()).filter(|n| !n.is_empty()));
         }
@@ -454,7 +422,7 @@ impl Driver for DryRunDriver {
                 "*" => Some(super::linux::rules::endpoint::ALL_INTERFACES),
                 name => Some(name),
             };
-            c.host(id, ep, iface);
+            c.host(id.as_str(), ep, iface);
         }
         Some(c.finish())
     }
@@ -463,21 +431,20 @@ impl Driver for DryRunDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use felix_proto::to_dataplane::Payload;
     use felix_proto::{
         ActivePolicyRemove, ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, HostEndpointId,
-        HostEndpointUpdate, InSync, IpSetDeltaUpdate, IpSetRemove, IpSetUpdate, ProfileId, Rule,
-        WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
+        HostEndpointUpdate, InSync, IpSetDeltaUpdate, IpSetRemove, IpSetUpdate, PolicyId,
+        ProfileId, Rule, WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
+        ip_set_update,
     };
     use serde_json::{Value, json};
 
-    fn msg(payload: Payload) -> ToDataplane {
-        ToDataplane {
-            payload: Some(payload),
-            sequence_number: 0,
-        }
+    fn msg(payload: Payload) -> Message {
+        Message::try_from(payload).expect("a valid message")
     }
 
-    fn ipset(id: &str, members: &[&str], t: ip_set_update::IpSetType) -> ToDataplane {
+    fn ipset(id: &str, members: &[&str], t: ip_set_update::IpSetType) -> Message {
         msg(Payload::IpsetUpdate(IpSetUpdate {
             id: id.into(),
             members: members.iter().map(|m| m.to_string()).collect(),
@@ -485,7 +452,7 @@ mod tests {
         }))
     }
 
-    fn delta(id: &str, added: &[&str], removed: &[&str]) -> ToDataplane {
+    fn delta(id: &str, added: &[&str], removed: &[&str]) -> Message {
         msg(Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
             id: id.into(),
             added_members: added.iter().map(|m| m.to_string()).collect(),
@@ -509,7 +476,7 @@ mod tests {
         }
     }
 
-    fn wep(wl: &str, ip: &str) -> ToDataplane {
+    fn wep(wl: &str, ip: &str) -> Message {
         msg(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
             id: Some(wep_id(wl)),
             endpoint: Some(WorkloadEndpoint {
@@ -572,9 +539,7 @@ mod tests {
             }),
         })));
         let mut ep = wep("web-0", "10.0.0.1/32");
-        if let Some(Payload::WorkloadEndpointUpdate(u)) = &mut ep.payload
-            && let Some(e) = &mut u.endpoint
-        {
+        if let Message::WorkloadEndpointUpdate { endpoint: e, .. } = &mut ep {
             e.tiers.push(felix_proto::TierInfo {
                 name: "security".into(),
                 ingress_policies: vec![id.clone()],

@@ -6,11 +6,12 @@
 //! written out for driver authors in `docs/drivers.md`.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use felix_proto::{ToDataplane, WorkloadEndpoint, WorkloadEndpointId};
+use felix_proto::WorkloadEndpoint;
+
+pub use crate::message::{HostEndpointKey, Message, WorkloadEndpointKey};
 
 pub mod dry_run;
 pub mod linux;
@@ -24,24 +25,26 @@ pub use programmed::ProgrammedObjects;
 ///
 /// What the session guarantees (see `docs/drivers.md`):
 ///
+/// * Messages are typed ([`Message`]): converted once from the stream, with their keys built and
+///   their required parts present. A message the session could not convert never reaches a
+///   driver (see `session.rs`).
 /// * Messages reach `on_update` in the server's order, which keeps dependencies before users
 ///   (IP sets before the policies using them, policies and profiles before the endpoints using
 ///   them) and removals in the reverse order. No message names an IP set, policy or profile the
 ///   driver has not been given.
 /// * An `*Update` carries the complete object and replaces what the driver had; a `*Remove` of
 ///   something the driver does not have is harmless and must be ignored.
-/// * `ToDataplane::in_sync` is passed through as well (a driver may ignore it). `ServerHello` is
+/// * [`Message::InSync`] is passed through as well (a driver may ignore it). `ServerHello` is
 ///   not: it belongs to the session.
 /// * `apply` is never called before the process saw its first `InSync`, and never while a
 ///   reconnect's snapshot is still arriving. After a reconnect, the session feeds the new snapshot
 ///   (updates replace) and at its `InSync` sends synthetic `*Remove`s for every object the new
 ///   snapshot did not contain (mark and sweep), endpoints first and IP sets last, then applies.
-///   Synthetic messages carry `sequence_number` 0.
 /// * Calls are sequential; a driver needs no locking of its own.
 pub trait Driver: Send {
     /// Records the desired change. Cheap and without IO: an `*Update` replaces the object, a
     /// `*Remove` deletes it, an `IPSetDeltaUpdate` adds and removes members.
-    fn on_update(&mut self, msg: &ToDataplane);
+    fn on_update(&mut self, msg: &Message);
 
     /// Does the work for everything recorded since the last successful apply. On error the
     /// failed work must stay recorded (dirty): the session retries with back-off, and keeps
@@ -106,7 +109,7 @@ pub struct DriverMetrics {
 }
 
 impl<D: Driver + ?Sized> Driver for Box<D> {
-    fn on_update(&mut self, msg: &ToDataplane) {
+    fn on_update(&mut self, msg: &Message) {
         (**self).on_update(msg);
     }
     fn apply(&mut self) -> Result<(), DriverError> {
@@ -154,55 +157,13 @@ pub enum DriverError {
     Other(String),
 }
 
-/// A workload endpoint's identity: `orchestrator/workload/endpoint`, ordered.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct WorkloadEndpointKey {
-    /// e.g. "k8s".
-    pub orchestrator_id: String,
-    /// e.g. "default/web-0".
-    pub workload_id: String,
-    /// e.g. "eth0".
-    pub endpoint_id: String,
-}
-
-impl WorkloadEndpointKey {
-    /// The key of a proto id (a missing id is the empty key).
-    pub fn from_proto(id: Option<&WorkloadEndpointId>) -> Self {
-        let id = id.cloned().unwrap_or_default();
-        Self {
-            orchestrator_id: id.orchestrator_id,
-            workload_id: id.workload_id,
-            endpoint_id: id.endpoint_id,
-        }
-    }
-
-    /// The proto id of this key.
-    pub fn to_proto(&self) -> WorkloadEndpointId {
-        WorkloadEndpointId {
-            orchestrator_id: self.orchestrator_id.clone(),
-            workload_id: self.workload_id.clone(),
-            endpoint_id: self.endpoint_id.clone(),
-        }
-    }
-}
-
-impl fmt::Display for WorkloadEndpointKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}/{}/{}",
-            self.orchestrator_id, self.workload_id, self.endpoint_id
-        )
-    }
-}
-
 /// Per-endpoint oper status, as a driver reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EndpointStatuses {
     /// Workload endpoint -> "up" | "down" | "error".
     pub workloads: BTreeMap<WorkloadEndpointKey, String>,
-    /// Host endpoint id -> "up" | "down" | "error".
-    pub hosts: BTreeMap<String, String>,
+    /// Host endpoint -> "up" | "down" | "error".
+    pub hosts: BTreeMap<HostEndpointKey, String>,
 }
 
 /// The `--driver` values.

@@ -19,8 +19,8 @@ use felix_proto::{HostEndpoint, Policy, PolicyId, TierInfo, WorkloadEndpoint};
 use serde::Serialize;
 
 use super::WorkloadEndpointKey;
-use super::dry_run::policy_key;
 use super::linux::rules::{self, endpoint};
+use crate::message::PolicyKey;
 
 /// The dump: everything a driver programmed from the stream, by object.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -109,19 +109,20 @@ pub struct Collector {
 
 impl Collector {
     /// A policy the driver holds.
-    pub fn policy(&mut self, id: &PolicyId, policy: &Policy) {
+    pub fn policy(&mut self, key: &PolicyKey, policy: &Policy) {
+        let proto = key.to_proto();
         let chains = [rules::POLICY_INBOUND_PFX, rules::POLICY_OUTBOUND_PFX]
-            .map(|pfx| rules::policy_chain_name(pfx, id))
+            .map(|pfx| rules::policy_chain_name(pfx, &proto))
             .into();
-        let key = policy_key(Some(id));
+        let id = key.to_string();
         self.policies.insert(
-            key.clone(),
+            id.clone(),
             ProgrammedPolicy {
-                id: key,
+                id,
                 tier: policy.tier.clone(),
-                kind: id.kind.clone(),
-                namespace: id.namespace.clone(),
-                name: id.name.clone(),
+                kind: key.kind.clone(),
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
                 chains,
                 endpoints: Vec::new(),
             },
@@ -254,7 +255,11 @@ impl Collector {
 }
 
 fn tiers(tiers: &[TierInfo]) -> Vec<ProgrammedTier> {
-    let ids = |ids: &[PolicyId]| ids.iter().map(|id| policy_key(Some(id))).collect();
+    let ids = |ids: &[PolicyId]| {
+        ids.iter()
+            .map(|id| PolicyKey::from(id).to_string())
+            .collect()
+    };
     tiers
         .iter()
         .map(|t| ProgrammedTier {
@@ -290,9 +295,9 @@ mod tests {
             namespace: "shop".into(),
             kind: "NetworkPolicy".into(),
         };
-        c.policy(&np, &Policy::default());
+        c.policy(&PolicyKey::from(&np), &Policy::default());
         c.policy(
-            &gnp("allow-dns"),
+            &PolicyKey::from(gnp("allow-dns")),
             &Policy {
                 tier: "platform".into(),
                 ..Policy::default()
@@ -398,7 +403,7 @@ mod tests {
     fn hostile_names_stay_inside_their_json_strings() {
         let mut c = Collector::default();
         let id = gnp("x\",\"injected\":\"</script>\n");
-        c.policy(&id, &Policy::default());
+        c.policy(&PolicyKey::from(&id), &Policy::default());
         let json = serde_json::to_string(&c.finish()).unwrap();
         let back: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(back["policies"][0]["name"], id.name.as_str());

@@ -32,11 +32,12 @@ pub enum SetKind {
 
 impl SetKind {
     /// From `IPSetUpdate.type`.
-    pub fn from_proto(t: i32) -> Self {
+    pub fn from_proto(t: crate::message::IpSetType) -> Self {
+        use crate::message::IpSetType;
         match t {
-            0 => SetKind::Ip,
-            1 => SetKind::IpPort,
-            _ => SetKind::Net,
+            IpSetType::Ip => SetKind::Ip,
+            IpSetType::IpAndPort => SetKind::IpPort,
+            IpSetType::Net => SetKind::Net,
         }
     }
 

@@ -24,8 +24,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use felix_proto::to_dataplane::Payload;
-use felix_proto::{HostEndpoint, Policy, Profile, ToDataplane, WorkloadEndpoint};
+use felix_proto::{HostEndpoint, Policy, Profile, WorkloadEndpoint};
 use tracing::{debug, info, warn};
 
 use self::interfaces::Interfaces;
@@ -40,6 +39,7 @@ use self::rules::{Chain, IpVersion};
 use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
+use crate::message::{HostEndpointKey, IpamPoolId, Message, PolicyKey, ProfileKey};
 
 /// Settings of the Linux driver.
 #[derive(Clone, Debug)]
@@ -78,20 +78,6 @@ impl Default for LinuxOptions {
             pinned: Default::default(),
             masq_fully_random: None,
         }
-    }
-}
-
-type PolicyKey = (String, String, String);
-
-fn policy_key(id: &felix_proto::PolicyId) -> PolicyKey {
-    (id.kind.clone(), id.namespace.clone(), id.name.clone())
-}
-
-fn policy_id(k: &PolicyKey) -> felix_proto::PolicyId {
-    felix_proto::PolicyId {
-        kind: k.0.clone(),
-        namespace: k.1.clone(),
-        name: k.2.clone(),
     }
 }
 
@@ -154,20 +140,20 @@ pub struct LinuxDriver {
 
     policies: HashMap<PolicyKey, Policy>,
     dirty_policies: HashSet<PolicyKey>,
-    profiles: HashMap<String, Profile>,
-    dirty_profiles: HashSet<String>,
+    profiles: HashMap<ProfileKey, Profile>,
+    dirty_profiles: HashSet<ProfileKey>,
     weps: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
     dirty_weps: HashSet<WorkloadEndpointKey>,
     /// Interface each workload's chains were rendered for.
     wep_ifaces: HashMap<WorkloadEndpointKey, String>,
-    heps: BTreeMap<String, HostEndpoint>,
-    dirty_heps: HashSet<String>,
+    heps: BTreeMap<HostEndpointKey, HostEndpoint>,
+    dirty_heps: HashSet<HostEndpointKey>,
     /// Normal policies and profiles some host endpoint uses for egress: their outbound chains
     /// are also in the mangle table, for DNAT'd host traffic (Felix puts every policy in every
     /// table and programs what is used; we place only what is used).
     mangle_policies: HashSet<PolicyKey>,
-    mangle_profiles: HashSet<String>,
-    hep_ifaces: HashMap<String, String>,
+    mangle_profiles: HashSet<ProfileKey>,
+    hep_ifaces: HashMap<HostEndpointKey, String>,
     dispatch_dirty: bool,
 
     /// Endpoints whose chains are in the kernel as last rendered.
@@ -175,7 +161,7 @@ pub struct LinuxDriver {
     /// Set when the last apply failed (endpoints changed since then report "error").
     last_error: Option<String>,
 
-    pools: BTreeMap<String, felix_proto::IpamPool>,
+    pools: BTreeMap<IpamPoolId, felix_proto::IpamPool>,
     pools_dirty: bool,
 
     /// Interfaces as the monitor sees them.
@@ -210,7 +196,7 @@ pub struct LinuxDriver {
     /// Endpoints refused by `validate` (reported as "error"), kept to check again when the
     /// workload prefixes change.
     rejected_weps: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
-    rejected_heps: HashSet<String>,
+    rejected_heps: HashSet<HostEndpointKey>,
 }
 
 impl LinuxDriver {
@@ -534,12 +520,12 @@ impl LinuxDriver {
             .heps
             .values()
             .flat_map(|h| h.tiers.iter().flat_map(|t| &t.egress_policies))
-            .map(policy_key)
+            .map(PolicyKey::from)
             .collect();
-        let profiles: HashSet<String> = self
+        let profiles: HashSet<ProfileKey> = self
             .heps
             .values()
-            .flat_map(|h| h.profile_ids.iter().cloned())
+            .flat_map(|h| h.profile_ids.iter().map(ProfileKey::new))
             .collect();
         self.dirty_policies.extend(
             policies
@@ -557,7 +543,7 @@ impl LinuxDriver {
 
     fn render_policies(&mut self) {
         for key in std::mem::take(&mut self.dirty_policies) {
-            let id = policy_id(&key);
+            let id = key.to_proto();
             let names = [
                 rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id),
                 rules::policy_chain_name(rules::POLICY_OUTBOUND_PFX, &id),
@@ -604,8 +590,8 @@ impl LinuxDriver {
     fn render_profiles(&mut self) {
         for name in std::mem::take(&mut self.dirty_profiles) {
             let names = [
-                rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, &name),
-                rules::profile_chain_name(rules::PROFILE_OUTBOUND_PFX, &name),
+                rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, name.as_str()),
+                rules::profile_chain_name(rules::PROFILE_OUTBOUND_PFX, name.as_str()),
             ];
             let what = format!("profile {name:?}");
             let p = self.profiles.get(&name).cloned();
@@ -627,7 +613,7 @@ impl LinuxDriver {
                 let Some(p) = &p else {
                     continue;
                 };
-                let chains = policy::profile_chains(&self.opts.render, &name, p, v);
+                let chains = policy::profile_chains(&self.opts.render, name.as_str(), p, v);
                 if self.mangle_profiles.contains(&name) {
                     let t = self.table(v, "mangle");
                     chains
@@ -752,7 +738,7 @@ impl LinuxDriver {
     fn render_dispatch(&mut self) {
         let wl_ifaces: Vec<String> = self.wep_ifaces.values().cloned().collect();
         // Dispatch names the interfaces; "*" stands for the catch-all endpoint.
-        let hep_iface = |id: &String| {
+        let hep_iface = |id: &HostEndpointKey| {
             self.hep_ifaces.get(id).map(|i| {
                 if i == ALL_INTERFACES {
                     "*".to_owned()
@@ -1180,47 +1166,43 @@ impl LinuxDriver {
 }
 
 impl Driver for LinuxDriver {
-    fn on_update(&mut self, msg: &ToDataplane) {
-        let Some(payload) = &msg.payload else {
-            return;
-        };
-        match payload {
-            Payload::IpsetUpdate(u) => {
-                let key = format!("ipset {:?}", u.id);
-                if let Err(e) = validate::ipset_id("id", &u.id) {
+    fn on_update(&mut self, msg: &Message) {
+        match msg {
+            Message::IpSetUpdate {
+                id,
+                set_type,
+                members,
+            } => {
+                let key = format!("ipset {id:?}");
+                if let Err(e) = validate::ipset_id("id", id.as_str()) {
                     return self.reject(key, e.to_string());
                 }
-                let refused = self
-                    .ipsets
-                    .replace(&u.id, SetKind::from_proto(u.r#type), &u.members);
-                self.members_checked(&u.id, key, refused, true);
+                let refused =
+                    self.ipsets
+                        .replace(id.as_str(), SetKind::from_proto(*set_type), members);
+                self.members_checked(id.as_str(), key, refused, true);
             }
-            Payload::IpsetDeltaUpdate(u) => {
-                let key = format!("ipset {:?}", u.id);
-                if let Err(e) = validate::ipset_id("id", &u.id) {
+            Message::IpSetDeltaUpdate { id, added, removed } => {
+                let key = format!("ipset {id:?}");
+                if let Err(e) = validate::ipset_id("id", id.as_str()) {
                     return self.reject(key, e.to_string());
                 }
-                let refused = self
-                    .ipsets
-                    .delta(&u.id, &u.added_members, &u.removed_members);
-                self.members_checked(&u.id, key, refused, false);
+                let refused = self.ipsets.delta(id.as_str(), added, removed);
+                self.members_checked(id.as_str(), key, refused, false);
             }
-            Payload::IpsetRemove(u) => {
-                self.accept(&format!("ipset {:?}", u.id));
-                if validate::ipset_id("id", &u.id).is_ok() {
-                    self.ipsets.remove(&u.id);
-                    if self.poisoned_sets.remove(&u.id) {
-                        self.dirty_users_of_set(&u.id);
+            Message::IpSetRemove { id } => {
+                self.accept(&format!("ipset {id:?}"));
+                if validate::ipset_id("id", id.as_str()).is_ok() {
+                    self.ipsets.remove(id.as_str());
+                    if self.poisoned_sets.remove(id.as_str()) {
+                        self.dirty_users_of_set(id.as_str());
                     }
                 }
             }
-            Payload::ActivePolicyUpdate(u) => {
-                let (Some(id), Some(p)) = (&u.id, &u.policy) else {
-                    return;
-                };
-                let k = policy_key(id);
-                let key = format!("policy {}", rules::policy_id_string(id));
-                let p = match validate::policy(id, p) {
+            Message::PolicyUpdate { key: k, policy: p } => {
+                let id = k.to_proto();
+                let key = format!("policy {}", rules::policy_id_string(&id));
+                let p = match validate::policy(&id, p) {
                     Ok(()) => {
                         self.accept(&key);
                         p.clone()
@@ -1231,22 +1213,22 @@ impl Driver for LinuxDriver {
                     }
                 };
                 self.policies.insert(k.clone(), p);
-                self.dirty_policies.insert(k);
+                self.dirty_policies.insert(k.clone());
             }
-            Payload::ActivePolicyRemove(u) => {
-                if let Some(id) = &u.id {
-                    self.accept(&format!("policy {}", rules::policy_id_string(id)));
-                    let k = policy_key(id);
-                    self.policies.remove(&k);
-                    self.dirty_policies.insert(k);
-                }
+            Message::PolicyRemove { key: k } => {
+                self.accept(&format!(
+                    "policy {}",
+                    rules::policy_id_string(&k.to_proto())
+                ));
+                self.policies.remove(k);
+                self.dirty_policies.insert(k.clone());
             }
-            Payload::ActiveProfileUpdate(u) => {
-                let (Some(id), Some(p)) = (&u.id, &u.profile) else {
-                    return;
-                };
-                let key = format!("profile {:?}", id.name);
-                let p = match validate::profile(&id.name, p) {
+            Message::ProfileUpdate {
+                key: id,
+                profile: p,
+            } => {
+                let key = format!("profile {id:?}");
+                let p = match validate::profile(id.as_str(), p) {
                     Ok(()) => {
                         self.accept(&key);
                         p.clone()
@@ -1259,85 +1241,88 @@ impl Driver for LinuxDriver {
                         }
                     }
                 };
-                self.profiles.insert(id.name.clone(), p);
-                self.dirty_profiles.insert(id.name.clone());
+                self.profiles.insert(id.clone(), p);
+                self.dirty_profiles.insert(id.clone());
             }
-            Payload::ActiveProfileRemove(u) => {
-                if let Some(id) = &u.id {
-                    self.accept(&format!("profile {:?}", id.name));
-                    self.profiles.remove(&id.name);
-                    self.dirty_profiles.insert(id.name.clone());
-                }
+            Message::ProfileRemove { key: id } => {
+                self.accept(&format!("profile {id:?}"));
+                self.profiles.remove(id);
+                self.dirty_profiles.insert(id.clone());
             }
-            Payload::WorkloadEndpointUpdate(u) => {
-                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
-                let Some(ep) = &u.endpoint else {
-                    return;
-                };
-                self.take_workload(key, ep.clone());
+            Message::WorkloadEndpointUpdate { key, endpoint } => {
+                self.take_workload(key.clone(), (**endpoint).clone());
             }
-            Payload::WorkloadEndpointRemove(u) => {
-                let key = WorkloadEndpointKey::from_proto(u.id.as_ref());
+            Message::WorkloadEndpointRemove { key } => {
                 self.accept(&format!("workload endpoint {key}"));
-                self.rejected_weps.remove(&key);
-                self.weps.remove(&key);
-                self.dirty_weps.insert(key);
+                self.rejected_weps.remove(key);
+                self.weps.remove(key);
+                self.dirty_weps.insert(key.clone());
             }
-            Payload::HostEndpointUpdate(u) => {
-                let id =
-                    u.id.as_ref()
-                        .map(|i| i.endpoint_id.clone())
-                        .unwrap_or_default();
-                let Some(ep) = &u.endpoint else {
-                    return;
-                };
+            Message::HostEndpointUpdate {
+                key: id,
+                endpoint: ep,
+            } => {
                 let what = format!("host endpoint {id:?}");
-                match validate::host_endpoint(&id, ep) {
+                match validate::host_endpoint(id.as_str(), ep) {
                     Ok(()) => {
                         self.accept(&what);
-                        self.rejected_heps.remove(&id);
-                        self.heps.insert(id.clone(), ep.clone());
-                        self.dirty_heps.insert(id);
+                        self.rejected_heps.remove(id);
+                        self.heps.insert(id.clone(), (**ep).clone());
+                        self.dirty_heps.insert(id.clone());
                     }
                     Err(e) => {
                         self.reject(what, e.to_string());
-                        if validate::object_name("id", &id).is_ok() {
+                        if validate::object_name("id", id.as_str()).is_ok() {
                             self.rejected_heps.insert(id.clone());
-                            self.heps.remove(&id);
-                            self.dirty_heps.insert(id);
+                            self.heps.remove(id);
+                            self.dirty_heps.insert(id.clone());
                         }
                     }
                 }
             }
-            Payload::ConfigUpdate(u) => {
+            Message::HostEndpointRemove { key: id } => {
+                self.accept(&format!("host endpoint {id:?}"));
+                self.rejected_heps.remove(id);
+                self.heps.remove(id);
+                self.dirty_heps.insert(id.clone());
+            }
+            Message::Config(u) => {
                 self.pending_config = Some(u.config.clone().into_iter().collect());
             }
-            Payload::IpamPoolUpdate(u) => {
-                if let Some(pool) = &u.pool {
-                    let what = format!("IPAM pool {:?}", u.id);
-                    if let Err(e) = validate::ipam_pool(&u.id, pool) {
-                        return self.reject(what, e.to_string());
-                    }
-                    self.accept(&what);
-                    self.pools.insert(u.id.clone(), pool.clone());
+            Message::IpamPoolUpdate { id, pool } => {
+                let what = format!("IPAM pool {id:?}");
+                if let Err(e) = validate::ipam_pool(id.as_str(), pool) {
+                    return self.reject(what, e.to_string());
+                }
+                self.accept(&what);
+                self.pools.insert(id.clone(), pool.clone());
+                self.pools_dirty = true;
+            }
+            Message::IpamPoolRemove { id } => {
+                if self.pools.remove(id).is_some() {
                     self.pools_dirty = true;
                 }
             }
-            Payload::IpamPoolRemove(u) if self.pools.contains_key(&u.id) => {
-                self.pools.remove(&u.id);
-                self.pools_dirty = true;
-            }
-            Payload::HostEndpointRemove(u) => {
-                let id =
-                    u.id.as_ref()
-                        .map(|i| i.endpoint_id.clone())
-                        .unwrap_or_default();
-                self.accept(&format!("host endpoint {id:?}"));
-                self.rejected_heps.remove(&id);
-                self.heps.remove(&id);
-                self.dirty_heps.insert(id);
-            }
-            _ => {}
+            // Not programmed by this driver: the session's tracker still sweeps them.
+            Message::InSync
+            | Message::HostMetadataUpdate { .. }
+            | Message::HostMetadataRemove { .. }
+            | Message::ServiceAccountUpdate { .. }
+            | Message::ServiceAccountRemove { .. }
+            | Message::NamespaceUpdate { .. }
+            | Message::NamespaceRemove { .. }
+            | Message::RouteUpdate { .. }
+            | Message::RouteRemove { .. }
+            | Message::VtepUpdate { .. }
+            | Message::VtepRemove { .. }
+            | Message::WireguardEndpointUpdate { .. }
+            | Message::WireguardEndpointRemove { .. }
+            | Message::WireguardEndpointV6Update { .. }
+            | Message::WireguardEndpointV6Remove { .. }
+            | Message::GlobalBgpConfig(_)
+            | Message::Encapsulation(_)
+            | Message::ServiceUpdate { .. }
+            | Message::ServiceRemove { .. } => {}
         }
     }
 
@@ -1442,14 +1427,16 @@ impl Driver for LinuxDriver {
     fn programmed_objects(&self) -> Option<crate::driver::ProgrammedObjects> {
         let mut c = crate::driver::programmed::Collector::default();
         for (key, policy) in &self.policies {
-            c.policy(&policy_id(key), policy);
+            c.policy(key, policy);
         }
-        self.profiles.keys().for_each(|name| c.profile(name));
+        self.profiles
+            .keys()
+            .for_each(|name| c.profile(name.as_str()));
         for (key, ep) in &self.weps {
             c.workload(key, ep, self.wep_ifaces.get(key).map(String::as_str));
         }
         for (id, ep) in &self.heps {
-            c.host(id, ep, self.hep_ifaces.get(id).map(String::as_str));
+            c.host(id.as_str(), ep, self.hep_ifaces.get(id).map(String::as_str));
         }
         Some(c.finish())
     }
@@ -1486,7 +1473,7 @@ impl Driver for LinuxDriver {
 
     fn on_wakeup(&mut self) {
         // Host endpoints found by address may have found (or lost) their interface.
-        let by_address: Vec<String> = self
+        let by_address: Vec<HostEndpointKey> = self
             .heps
             .iter()
             .filter(|(_, h)| h.name.is_empty())
@@ -1514,6 +1501,7 @@ fn list_or_none(items: &[&str]) -> String {
 mod tests {
     use super::fake::FakeKernel;
     use super::*;
+    use felix_proto::to_dataplane::Payload;
     use felix_proto::{
         ActivePolicyRemove, ActivePolicyUpdate, IpSetUpdate, PolicyId, Rule, TierInfo,
         WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
@@ -1536,11 +1524,8 @@ mod tests {
         }
     }
 
-    fn msg(p: Payload) -> ToDataplane {
-        ToDataplane {
-            sequence_number: 1,
-            payload: Some(p),
-        }
+    fn msg(p: Payload) -> Message {
+        Message::try_from(p).expect("a valid message")
     }
 
     fn pol_id() -> PolicyId {
@@ -1551,7 +1536,7 @@ mod tests {
         }
     }
 
-    fn policy(untracked: bool) -> ToDataplane {
+    fn policy(untracked: bool) -> Message {
         msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
             id: Some(pol_id()),
             policy: Some(Policy {
@@ -1567,7 +1552,7 @@ mod tests {
     }
 
     /// The set `policy()` uses.
-    fn clients_set() -> ToDataplane {
+    fn clients_set() -> Message {
         msg(Payload::IpsetUpdate(IpSetUpdate {
             id: "s:clients".into(),
             members: vec!["10.65.0.1/32".into()],
@@ -1583,7 +1568,7 @@ mod tests {
         }
     }
 
-    fn wep(iface: &str) -> ToDataplane {
+    fn wep(iface: &str) -> Message {
         msg(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
             id: Some(wep_id()),
             endpoint: Some(WorkloadEndpoint {
@@ -1697,9 +1682,7 @@ mod tests {
             },
         )));
         let mut ep = wep("caliweb");
-        if let Some(Payload::WorkloadEndpointUpdate(u)) = &mut ep.payload
-            && let Some(e) = &mut u.endpoint
-        {
+        if let Message::WorkloadEndpointUpdate { endpoint: e, .. } = &mut ep {
             e.tiers[0].egress_policies.push(long.clone());
             e.profile_ids.push("kns.prod".into());
         }
@@ -1866,7 +1849,7 @@ mod tests {
         r
     }
 
-    fn policy_named(name: &str, rule: Rule) -> ToDataplane {
+    fn policy_named(name: &str, rule: Rule) -> Message {
         msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
             id: Some(PolicyId {
                 name: name.into(),
@@ -2530,7 +2513,7 @@ mod tests {
         ifaces.address(&a, true);
     }
 
-    fn config(pairs: &[(&str, &str)]) -> ToDataplane {
+    fn config(pairs: &[(&str, &str)]) -> Message {
         msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
             config: pairs
                 .iter()
