@@ -16,7 +16,7 @@ use super::metrics::{LastGoodHealth, Metrics};
 use super::status::{Board, NodeStatus};
 
 #[derive(Clone)]
-pub struct AdminState {
+pub(super) struct AdminState {
     pub board: Arc<Board>,
     pub ready: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
@@ -73,7 +73,7 @@ async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
     )
 }
 
-pub fn router(state: AdminState) -> axum::Router {
+pub(super) fn router(state: AdminState) -> axum::Router {
     axum::Router::new()
         .route("/status", get(status))
         .route("/status/datastore", get(datastore))

@@ -34,9 +34,9 @@ use super::metrics::Metrics;
 use super::status::Board;
 use calc_graph::untrusted::Untrusted;
 
-pub const CAPABILITIES: &[&str] = &[];
+pub(super) const CAPABILITIES: &[&str] = &[];
 
-pub struct SyncService {
+pub(super) struct SyncService {
     pub engine: mpsc::Sender<Input>,
     pub board: Arc<Board>,
     pub hello_timeout: Duration,

@@ -24,7 +24,7 @@ mod run;
 #[cfg(test)]
 mod tests;
 
-pub use run::run;
+pub(super) use run::run;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -38,7 +38,7 @@ use super::metrics::Metrics;
 use super::status::Board;
 
 /// What a connection's outgoing stream carries.
-pub enum Out {
+pub(super) enum Out {
     /// A message and its encoding (shared by every node it goes to).
     Msg(SharedMessage, Encoded),
     /// End the stream for this reason.
@@ -47,7 +47,7 @@ pub enum Out {
 
 /// Why the engine ends a stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum CloseReason {
+pub(super) enum CloseReason {
     /// The server is stopping.
     ShuttingDown,
     /// A newer connection for the same node took over.
@@ -62,13 +62,13 @@ pub enum CloseReason {
 
 /// Why the engine refused an agent's connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Refusal {
+pub(super) enum Refusal {
     /// The node is neither a Node resource nor the node of any endpoint.
     UnknownNode { node: String },
 }
 
 /// One agent connection, as the engine sees it.
-pub struct Conn {
+pub(super) struct Conn {
     pub id: u64,
     pub tx: mpsc::UnboundedSender<Out>,
     /// Messages the stream has taken from the queue (counted by the stream).
@@ -83,7 +83,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn new(
+    pub(super) fn new(
         id: u64,
         tx: mpsc::UnboundedSender<Out>,
         taken: Arc<AtomicU64>,
@@ -117,7 +117,7 @@ impl Conn {
     }
 }
 
-pub enum Input {
+pub(super) enum Input {
     /// A batch of datastore updates.
     Datastore(Vec<Update>),
     /// An agent said hello; `reply` says whether it is accepted.
@@ -136,7 +136,7 @@ pub enum Input {
 
 /// The engine's settings.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub(super) struct Limits {
     /// Messages an agent may fall behind before it is cut off.
     pub backlog: u64,
     /// Encoded bytes an agent may fall behind before it is cut off.
@@ -149,12 +149,12 @@ pub struct Limits {
 
 /// What one step did.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Step {
+pub(super) struct Step {
     /// A shutdown was asked for: every stream has been closed.
     pub stopped: bool,
 }
 
-pub struct Engine {
+pub(super) struct Engine {
     graph: CalcGraph,
     conns: HashMap<String, Conn>,
     board: Arc<Board>,
@@ -171,7 +171,7 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(
+    pub(super) fn new(
         limits: Limits,
         board: Arc<Board>,
         ready: Arc<AtomicBool>,
@@ -195,12 +195,12 @@ impl Engine {
 
     /// Whether snapshots are waiting or under way: the driver then steps periodically even
     /// without input, to notice drained queues and admit the next snapshots.
-    pub fn busy(&self) -> bool {
+    pub(super) fn busy(&self) -> bool {
         !self.waiting.is_empty() || !self.snapshotting.is_empty()
     }
 
     /// Applies a burst of inputs and flushes once for all of them.
-    pub fn step(&mut self, inputs: impl IntoIterator<Item = Input>) -> Step {
+    pub(super) fn step(&mut self, inputs: impl IntoIterator<Item = Input>) -> Step {
         let started = std::time::Instant::now();
         let mut stop = false;
         for input in inputs {

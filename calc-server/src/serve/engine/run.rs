@@ -10,7 +10,7 @@ use super::{Engine, Input};
 const MAX_BURST: usize = 4096;
 
 /// Runs until both channels close or a Shutdown arrives.
-pub async fn run(
+pub(crate) async fn run(
     mut engine: Engine,
     mut control: mpsc::Receiver<Input>,
     mut datastore: mpsc::Receiver<Vec<Update>>,
