@@ -27,7 +27,7 @@ echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 10
 "$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
 PORT=${BENCH_GRPC_PORT:-50771}
 "$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
-  --file-poll-interval 10ms --log-level warn >"$WORK/serve.log" 2>&1 &
+  --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null' EXIT
 for _ in $(seq 100); do
