@@ -909,7 +909,9 @@ fn apply_offline<D: Driver>(driver: &mut D, why: &str, metrics: &AgentMetrics) {
             // An interface change can give a host endpoint its chains.
             metrics.publish_programmed(|| driver.programmed_objects());
         }
-        Err(e) => warn!(why, error = %e, "apply while disconnected failed; will retry"),
+        Err(e) => {
+            warn!(why, error = %error_chain(&e), "apply while disconnected failed; will retry")
+        }
     }
 }
 
@@ -1028,7 +1030,7 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
         }
         Err(e) => {
             let delay = agent.apply_backoff.next_delay();
-            warn!(error = %e, changes, elapsed_ms, retry_in = ?delay, "apply failed; will retry");
+            warn!(error = %error_chain(&e), changes, elapsed_ms, retry_in = ?delay, "apply failed; will retry");
             st.retry_at = Some(tokio::time::Instant::now() + delay);
         }
     }

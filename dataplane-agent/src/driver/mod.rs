@@ -141,7 +141,11 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
 }
 
-/// Why an apply failed. The session logs it and retries with back-off.
+/// Why an apply failed. The session logs it with its sources and retries with back-off.
+///
+/// The Linux driver's failures keep the error of the layer that failed as their typed
+/// [`std::error::Error::source`], so a caller can tell a table the kernel refused from an IP
+/// set restore or a netlink failure without parsing text.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
     /// Reading or writing a file failed.
@@ -150,6 +154,27 @@ pub enum DriverError {
         /// The file involved.
         path: PathBuf,
         /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Reading back or writing the iptables tables failed.
+    #[error("iptables not programmed")]
+    Tables(#[source] linux::tables::TableApplyError),
+    /// Creating, filling or destroying IP sets failed.
+    #[error("IP sets not {stage}")]
+    IpSets {
+        /// "programmed" or "destroyed".
+        stage: &'static str,
+        #[source]
+        source: linux::ipsets::IpSetError,
+    },
+    /// Programming routes failed.
+    #[error("routes not programmed")]
+    Routes(#[source] linux::routes::RouteError),
+    /// The interface monitor or the netlink socket could not start.
+    #[error("{what} could not start")]
+    Netlink {
+        what: &'static str,
+        #[source]
         source: std::io::Error,
     },
     /// Anything else, described.
