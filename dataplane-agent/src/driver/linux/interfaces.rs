@@ -199,6 +199,7 @@ impl Interfaces {
     }
 
     /// Marks the initial dump done (what the monitor does; for tests that feed links).
+    #[cfg(any(test, feature = "test-util"))]
     pub fn mark_ready_for_tests(&self) {
         self.set_ready();
     }

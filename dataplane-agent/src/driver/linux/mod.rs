@@ -26,6 +26,7 @@
 pub mod config;
 pub mod config_mgr;
 pub mod endpoint_mgr;
+#[cfg(any(test, feature = "test-util"))]
 pub mod fake;
 pub mod interfaces;
 pub mod ipsets;

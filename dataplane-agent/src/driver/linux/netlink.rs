@@ -1,7 +1,9 @@
 //! The rtnetlink seam: links, routes and neighbours. [`Netlink`] is what the driver calls
 //! (synchronously, from `apply`); [`RtNetlink`] talks to the kernel through the rtnetlink crate
-//! on the agent's tokio runtime; [`FakeNetlink`] keeps an in-memory routing table for tests.
+//! on the agent's tokio runtime; `FakeNetlink` (tests and the `test-util` feature) keeps an
+//! in-memory routing table.
 
+#[cfg(any(test, feature = "test-util"))]
 use std::collections::BTreeSet;
 use std::io;
 use std::net::IpAddr;
@@ -247,6 +249,7 @@ impl Netlink for RtNetlink {
 }
 
 /// An in-memory kernel routing table for tests.
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Debug, Default)]
 pub struct FakeNetlink {
     pub links: Vec<LinkInfo>,
@@ -256,6 +259,7 @@ pub struct FakeNetlink {
     pub writes: usize,
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl Netlink for FakeNetlink {
     fn links(&mut self) -> io::Result<Vec<LinkInfo>> {
         Ok(self.links.clone())

@@ -1,5 +1,6 @@
 //! The syscall seam of the Linux driver: every `iptables-*` and `ipset` invocation goes through
-//! a [`CommandRunner`], so unit tests can swap the kernel for [`super::fake::FakeKernel`].
+//! a [`CommandRunner`], so unit tests can swap the kernel for `fake::FakeKernel` (built for
+//! tests and with the `test-util` feature only).
 
 use std::io::Write as _;
 use std::process::{Command, Stdio};

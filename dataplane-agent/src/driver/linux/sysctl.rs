@@ -1,5 +1,6 @@
 //! Per-interface kernel settings, written under `/proc/sys` (a seam: tests record instead).
 
+#[cfg(any(test, feature = "test-util"))]
 use std::collections::BTreeMap;
 use std::io;
 
@@ -30,12 +31,14 @@ impl Sysctl for ProcSysctl {
     }
 }
 
-/// Records writes (tests).
+/// Records writes (tests and the `test-util` feature).
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Debug, Default, Clone)]
 pub struct FakeSysctl {
     pub values: BTreeMap<String, String>,
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl Sysctl for FakeSysctl {
     fn write(&mut self, key: &str, value: &str) -> io::Result<()> {
         self.values.insert(key.to_owned(), value.to_owned());
