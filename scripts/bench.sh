@@ -38,7 +38,7 @@ done
 
 echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh network namespaces)"
 if [ "$(id -u)" = 0 ]; then
-  cargo build --release -p dataplane-agent --bin linux-bench >/dev/null 2>&1
+  cargo build --release -p bench-tools --bin linux-bench >/dev/null 2>&1
   ./target/release/linux-bench --runs 5
 else
   echo "skipped: needs root (network namespaces, iptables, ipset)"

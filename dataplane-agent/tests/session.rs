@@ -8,7 +8,9 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use dataplane_agent::admin::AgentMetrics;
@@ -79,18 +81,17 @@ struct Fake {
 
 impl FakeState {
     fn connection_count(&self) -> usize {
-        self.connections.lock().expect("lock").len()
+        self.connections.lock().len()
     }
     fn received(&self, conn: usize) -> Vec<FromDataplane> {
         self.connections
             .lock()
-            .expect("lock")
             .get(conn)
             .map(|c| c.received.clone())
             .unwrap_or_default()
     }
     fn times(&self, conn: usize) -> (Option<Instant>, Option<Instant>) {
-        let c = &self.connections.lock().expect("lock")[conn];
+        let c = &self.connections.lock()[conn];
         (c.opened, c.ended)
     }
 }
@@ -107,11 +108,10 @@ impl CalcServer for Fake {
             .state
             .scripts
             .lock()
-            .expect("lock")
             .pop_front()
             .unwrap_or_else(|| vec![Step::End(Some(Status::unavailable("no script left")))]);
         let conn = {
-            let mut conns = self.state.connections.lock().expect("lock");
+            let mut conns = self.state.connections.lock();
             conns.push(Connection {
                 opened: Some(Instant::now()),
                 ..Connection::default()
@@ -124,9 +124,7 @@ impl CalcServer for Fake {
         let changed = self.changed.clone();
         tokio::spawn(async move {
             while let Some(Ok(msg)) = inbound.next().await {
-                state.connections.lock().expect("lock")[conn]
-                    .received
-                    .push(msg);
+                state.connections.lock()[conn].received.push(msg);
                 changed.send_modify(|n| *n += 1);
             }
         });
@@ -171,7 +169,7 @@ impl CalcServer for Fake {
                     Step::Gate(gate) => gate.notified().await,
                     Step::Signal(signal) => signal.notify_one(),
                     Step::End(status) => {
-                        state.connections.lock().expect("lock")[conn].ended = Some(Instant::now());
+                        state.connections.lock()[conn].ended = Some(Instant::now());
                         if let Some(status) = status {
                             let _ = tx.send(Err(status)).await;
                         }
@@ -180,7 +178,7 @@ impl CalcServer for Fake {
                     Step::Hold => {
                         tx.closed().await;
                         // The agent dropped the stream.
-                        state.connections.lock().expect("lock")[conn].ended = Some(Instant::now());
+                        state.connections.lock()[conn].ended = Some(Instant::now());
                         return;
                     }
                 }
@@ -238,15 +236,15 @@ struct Recording {
 
 impl Driver for Recording {
     fn on_update(&mut self, msg: &Message) {
-        self.log.lock().expect("lock").updates.push(msg.clone());
+        self.log.lock().updates.push(msg.clone());
         self.inner.on_update(msg);
     }
     fn apply(&mut self) -> Result<(), DriverError> {
-        let block = *self.apply_blocks_for.lock().expect("lock");
+        let block = *self.apply_blocks_for.lock();
         if !block.is_zero() {
             std::thread::sleep(block);
         }
-        let mut log = self.log.lock().expect("lock");
+        let mut log = self.log.lock();
         if self.fail_applies > 0 {
             self.fail_applies -= 1;
             log.failed_applies += 1;
@@ -267,7 +265,7 @@ impl Driver for Recording {
         self.refresh
     }
     fn request_refresh(&mut self) {
-        self.log.lock().expect("lock").refreshes += 1;
+        self.log.lock().refreshes += 1;
     }
 }
 
@@ -283,10 +281,10 @@ struct Agent {
 
 impl Agent {
     fn applies(&self) -> usize {
-        self.log.lock().expect("lock").applied_at.len()
+        self.log.lock().applied_at.len()
     }
     fn updates(&self) -> Vec<Message> {
-        self.log.lock().expect("lock").updates.clone()
+        self.log.lock().updates.clone()
     }
     fn state(&self) -> Option<Value> {
         read_state(&self.state_file)
@@ -625,7 +623,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
         vec!["k8s/default/web-0/eth0"]
     );
     assert_eq!(
-        agent.log.lock().expect("lock").applied_at.first().copied(),
+        agent.log.lock().applied_at.first().copied(),
         Some(6),
         "the first apply covers the whole snapshot and InSync at once"
     );
@@ -1147,7 +1145,7 @@ async fn failed_apply_is_retried_and_in_sync_waits_for_success() {
     })
     .await;
     let log = agent.log.clone();
-    assert_eq!(log.lock().expect("lock").failed_applies, 2);
+    assert_eq!(log.lock().failed_applies, 2);
     assert_eq!(agent.applies(), 1);
     assert!(agent.state().is_some());
     assert_eq!(
@@ -1172,7 +1170,7 @@ async fn shutdown_leaves_the_dataplane_in_place() {
     let path = agent.state_file.clone();
     let before = std::fs::read_to_string(&path).expect("state");
     let (driver, _dir) = agent.stop().await;
-    assert_eq!(driver.log.lock().expect("lock").applied_at.len(), 1);
+    assert_eq!(driver.log.lock().applied_at.len(), 1);
     assert!(driver.inner.in_sync());
     assert_eq!(
         std::fs::read_to_string(&path).expect("state file still there"),
@@ -1194,7 +1192,7 @@ async fn a_driver_asking_for_refreshes_gets_them_only_once_in_sync() {
     eventually("the snapshot reaches the agent", || agent.received() == 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
-        agent.log.lock().expect("lock").refreshes,
+        agent.log.lock().refreshes,
         0,
         "no refresh (and so no apply) before InSync"
     );
@@ -1202,7 +1200,7 @@ async fn a_driver_asking_for_refreshes_gets_them_only_once_in_sync() {
     gate.notify_one();
     // Each refresh is followed by an apply even though nothing new arrived.
     eventually("refreshes and applies keep coming", || {
-        agent.log.lock().expect("lock").refreshes >= 3 && agent.applies() >= 4
+        agent.log.lock().refreshes >= 3 && agent.applies() >= 4
     })
     .await;
     agent.stop().await;
@@ -1227,7 +1225,7 @@ async fn refreshes_continue_while_the_server_is_gone() {
     eventually("the first apply", || agent.applies() >= 1).await;
     let before = agent.applies();
     eventually("refresh applies while disconnected", || {
-        agent.log.lock().expect("lock").refreshes >= 3 && agent.applies() >= before + 3
+        agent.log.lock().refreshes >= 3 && agent.applies() >= before + 3
     })
     .await;
     agent.stop().await;
@@ -1265,11 +1263,11 @@ async fn a_cut_short_resync_leaves_the_last_complete_state_in_force() {
     })
     .await;
     let (refreshes, applies) = {
-        let log = agent.log.lock().expect("lock");
+        let log = agent.log.lock();
         (log.refreshes, log.applied_at.len())
     };
     eventually("refreshes and applies continue while disconnected", || {
-        let log = agent.log.lock().expect("lock");
+        let log = agent.log.lock();
         log.refreshes >= refreshes + 2 && log.applied_at.len() >= applies + 2
     })
     .await;
@@ -1338,7 +1336,7 @@ async fn a_server_that_never_answers_is_left_after_the_hello_timeout() {
     let keep = held.clone();
     tokio::spawn(async move {
         while let Ok((sock, _)) = silent.accept().await {
-            keep.lock().unwrap().push(sock);
+            keep.lock().push(sock);
         }
     });
     let (url, fake) = start_fake(vec![script(vec![
@@ -1357,10 +1355,7 @@ async fn a_server_that_never_answers_is_left_after_the_hello_timeout() {
     })
     .await;
     assert!(started.elapsed() < Duration::from_secs(4));
-    assert!(
-        !held.lock().unwrap().is_empty(),
-        "the silent server was tried first"
-    );
+    assert!(!held.lock().is_empty(), "the silent server was tried first");
     assert_eq!(fake.connection_count(), 1);
     agent.stop().await;
 }
@@ -1518,7 +1513,7 @@ async fn liveness_fails_while_the_session_loop_is_stuck() {
         assert_eq!(liveness_always(&agent), Ok(()), "idle is not stuck");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    *agent.apply_blocks_for.lock().expect("lock") = Duration::from_millis(1500);
+    *agent.apply_blocks_for.lock() = Duration::from_millis(1500);
     change.notify_one();
     eventually("liveness fails while the apply blocks", || {
         agent.metrics.liveness().is_err()
@@ -1528,7 +1523,7 @@ async fn liveness_fails_while_the_session_loop_is_stuck() {
     assert!(why.contains("session loop stalled"), "{why}");
     assert!(!why.contains('\n'), "one line: {why}");
     assert!(agent.metrics.readiness().is_err());
-    *agent.apply_blocks_for.lock().expect("lock") = Duration::ZERO;
+    *agent.apply_blocks_for.lock() = Duration::ZERO;
     eventually("live again once the apply returned", || {
         agent.metrics.liveness().is_ok() && agent.metrics.readiness().is_ok()
     })
@@ -1605,7 +1600,7 @@ struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
 
 impl std::io::Write for CaptureWriter {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("lock").extend_from_slice(b);
+        self.0.lock().extend_from_slice(b);
         Ok(b.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -1614,7 +1609,7 @@ impl std::io::Write for CaptureWriter {
 }
 
 fn log_lines_with(log: &Arc<Mutex<Vec<u8>>>, needle: &str) -> Vec<String> {
-    String::from_utf8_lossy(&log.lock().expect("lock"))
+    String::from_utf8_lossy(&log.lock())
         .lines()
         .filter(|l| l.contains(needle))
         .map(str::to_owned)

@@ -1,4 +1,4 @@
-//! The benchmark tools' library: the synthetic cluster generator and the measurements
+//! The benchmark tools' library (the binaries: `calc-bench`, `etcd-bench`, `linux-bench`): the synthetic cluster generator and the measurements
 //! `calc-bench` runs (see docs/benchmarks.md). Nothing here ships in `calc-server` or
 //! `dataplane-agent`.
 //!

@@ -5,7 +5,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use futures::{StreamExt as _, TryStreamExt as _};
 use rtnetlink::MulticastGroup;
@@ -48,12 +50,12 @@ impl Interfaces {
     }
 
     pub fn get(&self, name: &str) -> Option<LinkInfo> {
-        self.state.lock().expect("lock").links.get(name).cloned()
+        self.state.lock().links.get(name).cloned()
     }
 
     /// The name of the interface holding one of `ips`, if any.
     pub fn by_address(&self, ips: &[IpAddr]) -> Option<String> {
-        let st = self.state.lock().expect("lock");
+        let st = self.state.lock();
         let index = st
             .addrs
             .iter()
@@ -69,7 +71,7 @@ impl Interfaces {
     /// own interfaces do, a workload's host-side veth never does (Calico routes to it and
     /// answers ARP by proxy). The agent never takes over such an interface.
     pub fn has_host_addresses(&self, index: u32) -> bool {
-        let st = self.state.lock().expect("lock");
+        let st = self.state.lock();
         st.addrs.get(&index).is_some_and(|set| {
             set.iter().any(|ip| match ip {
                 IpAddr::V4(_) => true,
@@ -81,7 +83,7 @@ impl Interfaces {
     /// Whether a default route (any table, either family) leaves through the interface: the
     /// host's uplink, which the agent never takes over.
     pub fn carries_default_route(&self, index: u32) -> bool {
-        let st = self.state.lock().expect("lock");
+        let st = self.state.lock();
         st.default_routes.iter().any(|(oif, ..)| *oif == index)
     }
 
@@ -100,7 +102,7 @@ impl Interfaces {
     /// `prefix`, with the reason.
     pub fn host_interfaces_matching(&self, prefix: &str) -> Vec<(String, &'static str)> {
         let links: Vec<LinkInfo> = {
-            let st = self.state.lock().expect("lock");
+            let st = self.state.lock();
             st.links
                 .values()
                 .filter(|l| l.name.starts_with(prefix))
@@ -133,7 +135,7 @@ impl Interfaces {
                 _ => {}
             }
         }
-        let mut st = self.state.lock().expect("lock");
+        let mut st = self.state.lock();
         let mut changed = false;
         for oif in oifs {
             let key = (oif, v6, table, metric);
@@ -151,12 +153,12 @@ impl Interfaces {
     }
 
     pub fn is_ready(&self) -> bool {
-        self.state.lock().expect("lock").ready
+        self.state.lock().ready
     }
 
     /// Records a link (new or changed).
     pub fn upsert(&self, link: LinkInfo) {
-        let mut st = self.state.lock().expect("lock");
+        let mut st = self.state.lock();
         // An index can be reused under another name: drop the stale entry.
         st.links
             .retain(|n, l| !(l.index == link.index && *n != link.name));
@@ -170,7 +172,7 @@ impl Interfaces {
     }
 
     pub fn remove(&self, name: &str) {
-        let mut st = self.state.lock().expect("lock");
+        let mut st = self.state.lock();
         if let Some(l) = st.links.remove(name) {
             st.addrs.remove(&l.index);
             drop(st);
@@ -185,7 +187,7 @@ impl Interfaces {
             _ => None,
         });
         let Some(ip) = ip else { return };
-        let mut st = self.state.lock().expect("lock");
+        let mut st = self.state.lock();
         let set = st.addrs.entry(msg.header.index).or_default();
         let changed = if present {
             set.insert(ip)
@@ -205,7 +207,7 @@ impl Interfaces {
     }
 
     fn set_ready(&self) {
-        self.state.lock().expect("lock").ready = true;
+        self.state.lock().ready = true;
         self.changed.notify_one();
     }
 }

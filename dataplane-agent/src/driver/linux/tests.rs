@@ -10,7 +10,9 @@ use felix_proto::{
     WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
 };
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 /// A runner over a shared fake kernel, so the test can look at it while the driver owns
 /// the runner.
@@ -24,7 +26,7 @@ impl CommandRunner for Shared {
         args: &[&str],
         stdin: Option<&[u8]>,
     ) -> std::io::Result<runner::Output> {
-        self.0.lock().unwrap().run(program, args, stdin)
+        self.0.lock().run(program, args, stdin)
     }
 }
 
@@ -96,19 +98,19 @@ struct SharedNl(Arc<Mutex<netlink::FakeNetlink>>);
 
 impl Netlink for SharedNl {
     fn links(&mut self) -> std::io::Result<Vec<netlink::LinkInfo>> {
-        self.0.lock().unwrap().links()
+        self.0.lock().links()
     }
     fn routes(&mut self, v: IpVersion, p: u8) -> std::io::Result<Vec<netlink::RouteEntry>> {
-        self.0.lock().unwrap().routes(v, p)
+        self.0.lock().routes(v, p)
     }
     fn add_route(&mut self, r: &netlink::RouteEntry, p: u8) -> std::io::Result<()> {
-        self.0.lock().unwrap().add_route(r, p)
+        self.0.lock().add_route(r, p)
     }
     fn del_route(&mut self, r: &netlink::RouteEntry, p: u8) -> std::io::Result<()> {
-        self.0.lock().unwrap().del_route(r, p)
+        self.0.lock().del_route(r, p)
     }
     fn set_neighbour(&mut self, i: u32, ip: IpAddr, mac: [u8; 6]) -> std::io::Result<()> {
-        self.0.lock().unwrap().set_neighbour(i, ip, mac)
+        self.0.lock().set_neighbour(i, ip, mac)
     }
 }
 
@@ -230,7 +232,7 @@ fn programmed_objects_name_the_chains_the_renderer_programs() {
     };
     assert_eq!(endpoint.interface, "caliweb");
     // Every chain the dump names is in the kernel, in both families.
-    let kernel = k.lock().unwrap();
+    let kernel = k.lock();
     let named = dump
         .policies
         .iter()
@@ -265,7 +267,7 @@ fn programs_endpoints_policies_and_sets_then_cleans_up() {
     d.on_update(&wep("caliweb"));
     d.apply().unwrap();
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         let v4 = IpVersion::V4;
         assert!(k.has_chain(v4, "filter", "cali-pi-np/prod/web"));
         assert!(k.has_chain(v4, "filter", "cali-tw-caliweb"));
@@ -285,7 +287,7 @@ fn programs_endpoints_policies_and_sets_then_cleans_up() {
     d.on_update(&wep("caliweb2"));
     d.apply().unwrap();
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         assert!(!k.has_chain(IpVersion::V4, "filter", "cali-tw-caliweb"));
         assert!(k.has_chain(IpVersion::V4, "filter", "cali-tw-caliweb2"));
     }
@@ -305,7 +307,7 @@ fn programs_endpoints_policies_and_sets_then_cleans_up() {
     )));
     d.apply().unwrap();
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         assert!(!k.has_chain(IpVersion::V4, "filter", "cali-pi-np/prod/web"));
         assert!(k.has_chain(IpVersion::V4, "raw", "cali-pi-np/prod/web"));
     }
@@ -321,7 +323,7 @@ fn programs_endpoints_policies_and_sets_then_cleans_up() {
         id: "s:clients".into(),
     })));
     d.apply().unwrap();
-    let k = k.lock().unwrap();
+    let k = k.lock();
     let chains = k.chain_names(IpVersion::V4, "filter");
     assert!(
         !chains
@@ -467,7 +469,7 @@ fn hostile_messages_are_refused_by_key_and_the_rest_applies() {
     assert_eq!(statuses.values().collect::<Vec<_>>(), ["error", "up"]);
     assert_eq!(d.metrics().rejected, Some(7));
 
-    let k = k.lock().unwrap();
+    let k = k.lock();
     let v4 = IpVersion::V4;
     // The valid objects are programmed.
     assert!(k.has_chain(v4, "filter", "cali-tw-caliweb"));
@@ -625,7 +627,7 @@ mod hostile {
             })));
             prop_assert!(d.apply().is_ok());
             prop_assert_eq!(d.rejected().is_empty(), valid, "{:?}", d.rejected());
-            let k = k.lock().unwrap();
+            let k = k.lock();
             let chain = rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &id);
             prop_assert!(chain.bytes().all(rules::quote::is_bare));
             prop_assert!(k.has_chain(IpVersion::V4, "filter", &chain));
@@ -652,7 +654,7 @@ mod hostile {
 #[test]
 fn what_the_kernel_refuses_fails_closed_by_name_and_the_rest_applies() {
     let (mut d, k) = driver();
-    k.lock().unwrap().refuse.push("10.66.6.6".into());
+    k.lock().refuse.push("10.66.6.6".into());
     d.on_update(&clients_set());
     d.on_update(&policy(false));
     d.on_update(&wep("caliweb"));
@@ -684,7 +686,7 @@ fn what_the_kernel_refuses_fails_closed_by_name_and_the_rest_applies() {
     d.on_update(&policy_with(&other_id, "10.1.0.0/16"));
     d.apply().expect("a refused chain does not fail the apply");
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         let bad = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
         assert_eq!(bad.len(), 1);
         assert!(bad[0].ends_with("--jump DROP"), "{bad:?}");
@@ -732,7 +734,7 @@ fn what_the_kernel_refuses_fails_closed_by_name_and_the_rest_applies() {
         "{rejected:?}"
     );
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         let web = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
         assert!(!web.iter().any(|r| r.contains("--match-set")), "{web:?}");
         assert!(web.iter().any(|r| r.contains("DROP")), "{web:?}");
@@ -740,7 +742,7 @@ fn what_the_kernel_refuses_fails_closed_by_name_and_the_rest_applies() {
     d.on_update(&clients_set());
     d.apply().unwrap();
     assert!(d.rejected().is_empty(), "{:?}", d.rejected());
-    let k = k.lock().unwrap();
+    let k = k.lock();
     let web = k.chain_rules(IpVersion::V4, "filter", "cali-pi-np/prod/web");
     assert!(web.iter().any(|r| r.contains("cali40s:clients")), "{web:?}");
 }
@@ -751,8 +753,7 @@ fn a_failed_apply_reports_error_and_the_retry_converges() {
     d.on_update(&clients_set());
     d.on_update(&policy(false));
     d.on_update(&wep("caliweb"));
-    k.lock().unwrap().fail_restores =
-        Some("Another app is currently holding the xtables lock".into());
+    k.lock().fail_restores = Some("Another app is currently holding the xtables lock".into());
     let err = d.apply().unwrap_err();
     // The kernel's reason is the typed source, and reaches the log through the chain.
     let DriverError::Tables(tables::TableApplyError::Restore { table, source, .. }) = &err else {
@@ -766,11 +767,10 @@ fn a_failed_apply_reports_error_and_the_retry_converges() {
         d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
         vec!["error"]
     );
-    k.lock().unwrap().fail_restores = None;
+    k.lock().fail_restores = None;
     d.apply().unwrap();
     assert!(
         k.lock()
-            .unwrap()
             .has_chain(IpVersion::V4, "filter", "cali-tw-caliweb")
     );
     assert_eq!(
@@ -778,13 +778,13 @@ fn a_failed_apply_reports_error_and_the_retry_converges() {
         vec!["up"]
     );
     // Nothing to do: no restore at all.
-    let calls = k.lock().unwrap().restore_calls();
+    let calls = k.lock().restore_calls();
     d.apply().unwrap();
-    assert_eq!(k.lock().unwrap().restore_calls(), calls);
+    assert_eq!(k.lock().restore_calls(), calls);
     // A refresh reads back (saves) but, with nothing changed, writes nothing.
     d.request_refresh();
     d.apply().unwrap();
-    assert_eq!(k.lock().unwrap().restore_calls(), calls);
+    assert_eq!(k.lock().restore_calls(), calls);
 }
 
 #[test]
@@ -795,7 +795,7 @@ fn routes_follow_interfaces_and_status_follows_the_link() {
     d.on_update(&wep("caliweb"));
     // The monitor has not dumped yet: nothing is touched, the endpoint is down.
     d.apply().unwrap();
-    assert!(rig.nl.lock().unwrap().routes.is_empty());
+    assert!(rig.nl.lock().routes.is_empty());
     assert_eq!(
         d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
         vec!["down"]
@@ -806,7 +806,7 @@ fn routes_follow_interfaces_and_status_follows_the_link() {
         name: "caliweb".into(),
         oper_up: true,
     });
-    rig.nl.lock().unwrap().links.push(netlink::LinkInfo {
+    rig.nl.lock().links.push(netlink::LinkInfo {
         index: 10,
         name: "caliweb".into(),
         oper_up: true,
@@ -815,7 +815,7 @@ fn routes_follow_interfaces_and_status_follows_the_link() {
     rig.ifaces.mark_ready_for_tests();
     d.apply().unwrap();
     {
-        let nl = rig.nl.lock().unwrap();
+        let nl = rig.nl.lock();
         let routes: Vec<_> = nl
             .routes
             .iter()
@@ -836,7 +836,7 @@ fn routes_follow_interfaces_and_status_follows_the_link() {
     });
     d.on_wakeup();
     d.apply().unwrap();
-    assert!(rig.nl.lock().unwrap().routes.is_empty());
+    assert!(rig.nl.lock().routes.is_empty());
     assert_eq!(
         d.endpoint_statuses().workloads.values().collect::<Vec<_>>(),
         vec!["down"]
@@ -847,20 +847,20 @@ fn routes_follow_interfaces_and_status_follows_the_link() {
         oper_up: true,
     });
     d.apply().unwrap();
-    assert_eq!(rig.nl.lock().unwrap().routes.len(), 1);
+    assert_eq!(rig.nl.lock().routes.len(), 1);
 
     // Deleted by hand: the refresh puts it back.
-    rig.nl.lock().unwrap().routes.clear();
+    rig.nl.lock().routes.clear();
     d.request_refresh();
     d.apply().unwrap();
-    assert_eq!(rig.nl.lock().unwrap().routes.len(), 1);
+    assert_eq!(rig.nl.lock().routes.len(), 1);
 
     // Endpoint removed: route and status gone.
     d.on_update(&msg(Payload::WorkloadEndpointRemove(
         WorkloadEndpointRemove { id: Some(wep_id()) },
     )));
     d.apply().unwrap();
-    assert!(rig.nl.lock().unwrap().routes.is_empty());
+    assert!(rig.nl.lock().routes.is_empty());
     assert!(d.endpoint_statuses().workloads.is_empty());
 }
 
@@ -874,7 +874,7 @@ fn felix_configuration_from_the_datastore_reshapes_the_static_chains() {
             .cloned()
             .unwrap()
     };
-    assert!(last(&k.lock().unwrap()).ends_with("--jump DROP"));
+    assert!(last(&k.lock()).ends_with("--jump DROP"));
     d.on_update(&msg(Payload::ConfigUpdate(felix_proto::ConfigUpdate {
         config: [
             (
@@ -887,7 +887,7 @@ fn felix_configuration_from_the_datastore_reshapes_the_static_chains() {
         ..Default::default()
     })));
     d.apply().unwrap();
-    let k = k.lock().unwrap();
+    let k = k.lock();
     assert!(last(&k).ends_with("--jump ACCEPT"), "{}", last(&k));
     let fwd = k.chain_rules(IpVersion::V4, "filter", "cali-FORWARD");
     assert!(
@@ -919,7 +919,6 @@ fn nat_outgoing_pools_fill_the_pool_sets() {
     // No natOutgoing pool: Felix's chain is empty.
     assert!(
         k.lock()
-            .unwrap()
             .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")
             .is_empty()
     );
@@ -929,7 +928,7 @@ fn nat_outgoing_pools_fill_the_pool_sets() {
     // LoadBalancer addresses are outside the network: traffic to them is masqueraded.
     d.on_update(&msg(pool("10.96.100.0/24", false, &["LoadBalancer"])));
     d.apply().unwrap();
-    let k = k.lock().unwrap();
+    let k = k.lock();
     assert_eq!(members(&k, "cali40masq-ipam-pools"), vec!["10.65.0.0/16"]);
     assert_eq!(
         members(&k, "cali40network-ip-pools"),
@@ -955,7 +954,6 @@ fn nat_outgoing_pools_fill_the_pool_sets() {
 /// The first rule of the NAT-outgoing chain in the fake kernel.
 fn nat_outgoing_rule(k: &Arc<Mutex<FakeKernel>>) -> String {
     k.lock()
-        .unwrap()
         .chain_rules(IpVersion::V4, "nat", "cali-nat-outgoing")[0]
         .clone()
 }
@@ -1037,7 +1035,7 @@ fn the_hosts_own_interfaces_are_never_taken_over() {
             oper_up: true,
         };
         rig.ifaces.upsert(link.clone());
-        rig.nl.lock().unwrap().links.push(link);
+        rig.nl.lock().links.push(link);
     }
     default_route_via(&rig.ifaces, 20);
     host_address_on(&rig.ifaces, 21, "192.168.1.10".parse().unwrap());
@@ -1061,7 +1059,7 @@ fn the_hosts_own_interfaces_are_never_taken_over() {
         )));
     }
     d.apply().unwrap();
-    let nl = rig.nl.lock().unwrap();
+    let nl = rig.nl.lock();
     let routed: Vec<u32> = nl.routes.iter().map(|(r, _)| r.ifindex).collect();
     assert_eq!(routed, vec![22], "only the workload's veth gets a route");
     let neighbours: Vec<u32> = nl.neighbours.iter().map(|(i, _, _)| *i).collect();
@@ -1080,7 +1078,7 @@ fn interface_prefix_changes_recheck_endpoints_and_never_match_the_host() {
             oper_up: true,
         };
         rig.ifaces.upsert(link.clone());
-        rig.nl.lock().unwrap().links.push(link);
+        rig.nl.lock().links.push(link);
     }
     default_route_via(&rig.ifaces, 2);
     rig.ifaces.mark_ready_for_tests();
@@ -1090,25 +1088,17 @@ fn interface_prefix_changes_recheck_endpoints_and_never_match_the_host() {
     d.apply().unwrap();
     let what = "workload endpoint k8s/prod/web/eth0";
     assert!(d.rejected().contains_key(what), "{:?}", d.rejected());
-    assert!(
-        !k.lock()
-            .unwrap()
-            .has_chain(IpVersion::V4, "filter", "cali-tw-tap0")
-    );
+    assert!(!k.lock().has_chain(IpVersion::V4, "filter", "cali-tw-tap0"));
 
     d.on_update(&config(&[("InterfacePrefix", "cali,tap")]));
     d.apply().unwrap();
     assert!(!d.rejected().contains_key(what), "{:?}", d.rejected());
-    assert!(
-        k.lock()
-            .unwrap()
-            .has_chain(IpVersion::V4, "filter", "cali-tw-tap0")
-    );
+    assert!(k.lock().has_chain(IpVersion::V4, "filter", "cali-tw-tap0"));
 
     // "eth" would hand the uplink to workload dispatch: refused, the flag value is used.
     d.on_update(&config(&[("InterfacePrefix", "eth,tap")]));
     d.apply().unwrap();
-    let k = k.lock().unwrap();
+    let k = k.lock();
     let fwd = k.chain_rules(IpVersion::V4, "filter", "cali-FORWARD");
     assert!(!fwd.iter().any(|r| r.contains("eth+")), "{fwd:?}");
     assert!(fwd.iter().any(|r| r.contains("cali+")), "{fwd:?}");
@@ -1148,7 +1138,7 @@ fn host_endpoint_egress_policy_is_placed_in_mangle_while_used() {
     }]));
     d.apply().unwrap();
     {
-        let k = k.lock().unwrap();
+        let k = k.lock();
         assert!(k.has_chain(IpVersion::V4, "mangle", "cali-po-np/prod/web"));
         assert!(!k.has_chain(IpVersion::V4, "mangle", "cali-pi-np/prod/web"));
         let th = k.chain_rules(IpVersion::V4, "mangle", "cali-th-lo");
@@ -1168,7 +1158,7 @@ fn host_endpoint_egress_policy_is_placed_in_mangle_while_used() {
     }
     d.on_update(&hep(vec![]));
     d.apply().unwrap();
-    let k = k.lock().unwrap();
+    let k = k.lock();
     assert!(!k.has_chain(IpVersion::V4, "mangle", "cali-po-np/prod/web"));
     assert!(k.has_chain(IpVersion::V4, "filter", "cali-po-np/prod/web"));
 }

@@ -230,7 +230,7 @@ fn state(p: &Params, variant: usize) -> Vec<Message> {
 /// Sums the time spent in each external program (printed to stderr for the breakdown).
 struct Timing {
     inner: SystemRunner,
-    spent: std::sync::Arc<std::sync::Mutex<Vec<(String, f64)>>>,
+    spent: std::sync::Arc<parking_lot::Mutex<Vec<(String, f64)>>>,
 }
 
 impl CommandRunner for Timing {
@@ -243,10 +243,7 @@ impl CommandRunner for Timing {
         let t = Instant::now();
         let out = self.inner.run(program, args, stdin);
         let label = format!("{program} {}", args.join(" "));
-        self.spent
-            .lock()
-            .expect("lock")
-            .push((label, t.elapsed().as_secs_f64()));
+        self.spent.lock().push((label, t.elapsed().as_secs_f64()));
         out
     }
 }
@@ -272,7 +269,7 @@ fn sh(cmd: &str) -> String {
 
 /// Inside a fresh namespace: program the state with the driver, time it, dump the result.
 fn program(p: &Params, dump: &Path) {
-    let spent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let spent = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut driver = LinuxDriver::new(
         options(),
         Box::new(Timing {
@@ -287,8 +284,8 @@ fn program(p: &Params, dump: &Path) {
     driver.apply().expect("full apply");
     let full = t.elapsed().as_secs_f64();
     let programmed = driver.programmed();
-    let commands: f64 = spent.lock().expect("lock").iter().map(|(_, d)| d).sum();
-    for (label, d) in spent.lock().expect("lock").drain(..) {
+    let commands: f64 = spent.lock().iter().map(|(_, d)| d).sum();
+    for (label, d) in spent.lock().drain(..) {
         eprintln!("  {:>8.1} ms  {label}", d * 1e3);
     }
     eprintln!(
@@ -337,15 +334,8 @@ fn program(p: &Params, dump: &Path) {
     }
     // Breakdown of the last change (stderr, for BENCH_VERBOSE).
     let last: f64 = *change_times.last().expect("changes");
-    let commands: f64 = spent
-        .lock()
-        .expect("lock")
-        .iter()
-        .rev()
-        .take(2)
-        .map(|(_, d)| d)
-        .sum();
-    for (label, d) in spent.lock().expect("lock").iter().rev().take(2) {
+    let commands: f64 = spent.lock().iter().rev().take(2).map(|(_, d)| d).sum();
+    for (label, d) in spent.lock().iter().rev().take(2) {
         eprintln!("  change {:>8.2} ms  {label}", d * 1e3);
     }
     eprintln!(
