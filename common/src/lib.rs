@@ -1,6 +1,7 @@
 //! Small utilities both binaries (and the benchmark tools) share, so that each exists once:
 //! jittered back-off, a deterministic RNG, duration flags, logging set-up, the shutdown signal,
-//! RFC 3339 timestamps and fixed-bucket histograms in Prometheus text.
+//! the task tracker (spans, cancellation, bounded shutdown), RFC 3339 timestamps and
+//! fixed-bucket histograms in Prometheus text.
 //!
 //! Nothing here knows Calico, the graph or the dataplane.
 
@@ -10,6 +11,7 @@ pub mod histogram;
 pub mod logging;
 pub mod rng;
 pub mod shutdown;
+pub mod tasks;
 pub mod time;
 
 pub use backoff::Backoff;
@@ -18,4 +20,5 @@ pub use histogram::Histogram;
 pub use logging::{LogFormat, init_logging};
 pub use rng::Rng;
 pub use shutdown::shutdown_signal;
+pub use tasks::Tasks;
 pub use time::rfc3339_utc;

@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 
 use calc_graph::graph::Update;
 use calc_graph::manifest::RejectStage;
+use common::Tasks;
 
 use crate::args::{DatastoreArgs, EtcdArgs, KubeArgs, ServeArgs};
 use crate::status::Board;
@@ -34,22 +35,27 @@ pub use crate::args::DatastoreType;
 /// Where every adapter sends its batches of updates: the engine's datastore input.
 pub type Sink = tokio::sync::mpsc::Sender<Vec<Update>>;
 
-/// Checks `args`' datastore settings and starts its adapter (and status writer) on the current
-/// runtime, sending into `sink`. Fails on what retrying cannot fix (a missing directory, bad
+/// Checks `args`' datastore settings and starts its adapter (and status writer) through
+/// `tasks`, sending into `sink`. Fails on what retrying cannot fix (a missing directory, bad
 /// URLs or TLS files, a broken kubeconfig); an unreachable datastore is retried by the adapter.
 /// Returns how to name the datastore in logs.
+///
+/// The adapter's tasks run in the span `datastore{type="file"|"etcd"|"kubernetes"}` (the
+/// watcher) or a child of it (`file_watch`, `status_writer`, …), and stop when `tasks` is
+/// cancelled.
 pub async fn start_adapter(
     args: &ServeArgs,
     board: Arc<Board>,
     health: Health,
     sink: Sink,
+    tasks: &Tasks,
 ) -> anyhow::Result<String> {
     match args.datastore.datastore_type {
-        DatastoreType::File => file::start(args, board, health, sink),
-        DatastoreType::Etcdv3 => etcd::start(args, board, health, sink).await,
+        DatastoreType::File => file::start(args, board, health, sink, tasks),
+        DatastoreType::Etcdv3 => etcd::start(args, board, health, sink, tasks).await,
         // Calico's Kubernetes datastore keeps no endpoint status: reports stay on the status
         // board (admin /status) only.
-        DatastoreType::Kubernetes => kubernetes::start(args, health, sink).await,
+        DatastoreType::Kubernetes => kubernetes::start(args, health, sink, tasks).await,
     }
 }
 

@@ -481,19 +481,26 @@ pub struct Deadlines {
     pub hello: Duration,
 }
 
-/// Accepts connections on `listener` until the returned stream is dropped: each one gets a
-/// pending slot (or is closed at once), then its TLS handshake and HTTP/2 preface run in its own
-/// task under the handshake deadline. Only established connections come out of the stream.
+/// Accepts connections on `listener` until the returned stream is dropped (or `tasks` is
+/// cancelled): each one gets a pending slot (or is closed at once), then its TLS handshake and
+/// HTTP/2 preface run in its own task (span `handshake`) under the handshake deadline.
+/// Only established connections come out of the stream.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<TlsSettings>,
     limits: Arc<Limits>,
     deadlines: Deadlines,
     metrics: Arc<Metrics>,
+    tasks: &common::Tasks,
 ) -> ReceiverStream<io::Result<Connection>> {
     let (tx, rx) = mpsc::channel::<io::Result<Connection>>(64);
     let tls = tls.map(Arc::new);
-    tokio::spawn(async move {
+    let span = tracing::info_span!(
+        "listener",
+        listen = %listener.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string())
+    );
+    let spawner = tasks.clone();
+    tasks.spawn(span, async move {
         loop {
             let accepted = tokio::select! {
                 () = tx.closed() => return,
@@ -518,7 +525,8 @@ pub fn incoming(
             };
             let _ = tcp.set_nodelay(true);
             let (tx, tls, metrics) = (tx.clone(), tls.clone(), metrics.clone());
-            tokio::spawn(async move {
+            // Its events name the remote address themselves.
+            spawner.spawn(tracing::info_span!("handshake"), async move {
                 let started = tokio::time::Instant::now();
                 match establish(
                     tcp,

@@ -3,8 +3,12 @@
 //!
 //! Tasks: the datastore adapter and its status writer (`crate::datastore::start_adapter`; its
 //! updates go straight into the engine's datastore receiver), the engine (graph, per-node
-//! queues), one task per agent stream (its outgoing queue) and one per agent's reports, the
-//! admin HTTP server. SIGTERM/SIGINT: every stream is closed with UNAVAILABLE, then the process exits 0.
+//! queues), two per agent stream (the watch for its going away, its reports), the listener's
+//! accept loop and handshakes, the admin HTTP server. All are spawned through one
+//! [`common::Tasks`]: each runs in a span naming it (`engine`, `agent{node, conn}`,
+//! `datastore{type}` …), and all are cancelled together. SIGTERM/SIGINT: every stream is closed
+//! with UNAVAILABLE through the engine, the remaining tasks are cancelled and awaited (at most
+//! [`SHUTDOWN_TIMEOUT`]), then the process exits 0.
 //! `listener` accepts connections (mutual TLS, handshake timeout, connection limit) and
 //! `metrics` holds what `/metrics` shows.
 
@@ -19,11 +23,16 @@ pub use crate::status;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::time::Duration;
 
 use anyhow::Context;
+use common::Tasks;
 use tokio::sync::mpsc;
 
 use crate::args::ServeArgs;
+
+/// How long tasks get to stop once cancelled, after the agent streams are closed.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -36,6 +45,24 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Checked before anything starts: TLS flags are all or nothing, files must load.
     let tls = args.listener.tls()?;
+    // Every task below is spawned through this: spans, one cancellation, a bounded wait.
+    let tasks = Tasks::new();
+    let result = serve_with(args, tls, &tasks).await;
+    // Whatever ended serving (the signal, once the streams are closed, or an error): stop and
+    // wait for the rest.
+    tracing::debug!(tasks = tasks.len(), "stopping tasks");
+    tasks.shutdown(SHUTDOWN_TIMEOUT).await;
+    if result.is_ok() {
+        tracing::info!("stopped");
+    }
+    result
+}
+
+async fn serve_with(
+    args: ServeArgs,
+    tls: Option<listener::TlsSettings>,
+    tasks: &Tasks,
+) -> anyhow::Result<ExitCode> {
     let board = Arc::new(status::Board::default());
     let metrics = Arc::new(metrics::Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
@@ -52,10 +79,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ready.clone(),
         metrics.clone(),
     );
-    let source =
-        crate::datastore::start_adapter(&args, board.clone(), metrics.datastore_health(), sink)
-            .await?;
-    let engine_task = tokio::spawn(engine::run(engine, engine_rx, datastore_rx));
+    let source = crate::datastore::start_adapter(
+        &args,
+        board.clone(),
+        metrics.datastore_health(),
+        sink,
+        tasks,
+    )
+    .await?;
+    let engine_task = tasks.spawn(
+        tracing::info_span!("engine"),
+        engine::run(engine, engine_rx, datastore_rx),
+    );
 
     let admin = tokio::net::TcpListener::bind(args.admin_listen)
         .await
@@ -65,11 +100,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ready,
         metrics: metrics.clone(),
     });
-    tokio::spawn(async move {
-        if let Err(error) = axum::serve(admin, admin_router).await {
-            tracing::error!(%error, "admin endpoint failed");
-        }
-    });
+    tasks.spawn(
+        tracing::info_span!("admin", listen = %args.admin_listen),
+        async move {
+            if let Err(error) = axum::serve(admin, admin_router).await {
+                tracing::error!(%error, "admin endpoint failed");
+            }
+        },
+    );
 
     let service = service::SyncService {
         engine: engine_tx.clone(),
@@ -77,6 +115,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         hello_timeout: args.hello_timeout,
         next_id: AtomicU64::new(1),
         metrics: metrics.clone(),
+        tasks: tasks.clone(),
     };
     let svc = felix_proto::framed::server::calc_server_server::CalcServerServer::new(service)
         .max_decoding_message_size(args.max_recv_bytes)
@@ -105,6 +144,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             hello: args.hello_timeout,
         },
         metrics,
+        tasks,
     );
 
     let shutdown = async move {
@@ -121,6 +161,5 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .context("gRPC server")?;
-    tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -42,6 +42,8 @@ pub(super) struct SyncService {
     pub hello_timeout: Duration,
     pub next_id: AtomicU64,
     pub metrics: Arc<Metrics>,
+    /// Per-agent tasks run in the agent's span and stop with the rest.
+    pub tasks: common::Tasks,
 }
 
 /// Endpoints a stream has sent its agent (`w:<orch>/<workload>/<endpoint>`, `h:<id>`): the
@@ -316,7 +318,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             let watch = tx.clone();
             let engine = self.engine.clone();
             let node = node.clone();
-            tokio::spawn(async move {
+            self.tasks.spawn(span.clone(), async move {
                 watch.closed().await;
                 let _ = engine.send(Input::Disconnect { node, id }).await;
             });
@@ -347,7 +349,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
         let sent = sent_endpoints.clone();
         let metrics = self.metrics.clone();
         let (fault_tx, fault_rx) = oneshot::channel();
-        tokio::spawn(async move {
+        self.tasks.spawn(span, async move {
             let mut last = first.sequence_number;
             let failure = loop {
                 match inbound.next().await {
@@ -362,12 +364,12 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                         last = m.sequence_number;
                         if let Some(field) = oversized_report(&m) {
                             let why = format!("{field} is longer than {MAX_REPORT_TEXT} bytes");
-                            span.in_scope(|| tracing::warn!(reason = %why, "refused a report"));
+                            tracing::warn!(reason = %why, "refused a report");
                             break Some((why.clone(), Status::invalid_argument(why)));
                         }
                         if let Some(endpoint) = foreign_report(&m, &sent) {
                             metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
-                            span.in_scope(|| tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node"));
+                            tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node");
                             break Some((
                                 format!("status for endpoint {endpoint} not on this node"),
                                 Status::permission_denied(format!(
@@ -389,7 +391,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             };
             match failure {
                 Some((reason, status)) => {
-                    span.in_scope(|| tracing::info!(%reason, "agent disconnected"));
+                    tracing::info!(%reason, "agent disconnected");
                     // The stream ends with the reason; then the engine forgets the node.
                     let _ = fault_tx.send(status);
                     let _ = engine
@@ -399,7 +401,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                         })
                         .await;
                 }
-                None => span.in_scope(|| tracing::debug!("agent closed its sending side")),
+                None => tracing::debug!("agent closed its sending side"),
             }
         });
 

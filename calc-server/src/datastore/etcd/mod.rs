@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use common::Tasks;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 
 use super::{Health, Sink};
@@ -29,6 +30,7 @@ pub(super) async fn start(
     board: Arc<Board>,
     health: Health,
     sink: Sink,
+    tasks: &Tasks,
 ) -> anyhow::Result<String> {
     // Fail fast on bad URLs or TLS files; an unreachable etcd is retried.
     connect(&args.datastore.etcd).await?;
@@ -41,8 +43,10 @@ pub(super) async fn start(
         },
         sink,
         health,
+        tasks.clone(),
     );
-    tokio::spawn(watcher.run());
+    let span = tracing::info_span!("datastore", "type" = "etcd");
+    tasks.spawn(span.clone(), watcher.run());
     let writer = status::StatusWriter::new(
         board,
         status::StatusConfig {
@@ -51,7 +55,10 @@ pub(super) async fn start(
             resync_interval: args.etcd.etcd_status_resync_interval,
         },
     );
-    tokio::spawn(writer.run());
+    tasks.spawn(
+        tracing::info_span!(parent: &span, "status_writer"),
+        writer.run(),
+    );
     Ok(format!(
         "etcd {}",
         args.datastore.etcd.etcd_endpoints.join(",")

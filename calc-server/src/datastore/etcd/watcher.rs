@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use calc_graph::graph::Update;
+use common::Tasks;
 use etcd_client::{Client, EventType, GetOptions, KeyValue, KvClient, WatchOptions};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -197,11 +198,12 @@ struct Page {
 /// What the page fetcher sends: a page, the end of the list, or why it stopped.
 type PageResult = Result<Option<Page>, ListError>;
 
-/// Fetches the pages of one list in a task of its own, a page ahead of the consumer, so
-/// reading etcd overlaps with decoding (and, when serving, with the graph applying).
-fn prefetch(mut lister: Lister, mut kv: KvClient) -> mpsc::Receiver<PageResult> {
+/// Fetches the pages of one list in a task of its own (span `etcd_list`, under the caller's),
+/// a page ahead of the consumer, so reading etcd overlaps with decoding (and, when serving,
+/// with the graph applying).
+fn prefetch(mut lister: Lister, mut kv: KvClient, tasks: &Tasks) -> mpsc::Receiver<PageResult> {
     let (tx, rx) = mpsc::channel(1);
-    tokio::spawn(async move {
+    tasks.spawn(tracing::info_span!("etcd_list"), async move {
         loop {
             let result = lister.next_page(&mut kv).await;
             let last = !matches!(result, Ok(Some(_)));
@@ -233,6 +235,8 @@ async fn next_page(rx: &mut mpsc::Receiver<PageResult>) -> PageResult {
 /// object as `Apply`, then `InSync`; rejected keys with their reasons.
 pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Problem>)> {
     let client = connect(args).await?;
+    // A one-shot read on its own runtime: its list tasks need no shared tracker.
+    let tasks = Tasks::new();
     let started = std::time::Instant::now();
     let mut attempts = 0;
     loop {
@@ -244,6 +248,7 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
         let mut pages = prefetch(
             Lister::new(RESOURCE_PREFIX, args.etcd_page_size),
             kv_client(&client),
+            &tasks,
         );
         mirror.begin_list(());
         let mut revision = 0;
@@ -422,10 +427,12 @@ pub struct Watcher {
     cluster_id: Option<u64>,
     /// Rejected values (counter) and unusable keys (gauges, readiness).
     health: Health,
+    /// Where the list prefetch tasks are spawned.
+    tasks: Tasks,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health, tasks: Tasks) -> Watcher {
         Watcher {
             cfg,
             mirror: Mirror::new(),
@@ -433,6 +440,7 @@ impl Watcher {
             synced: false,
             cluster_id: None,
             health,
+            tasks,
         }
     }
 
@@ -492,6 +500,7 @@ impl Watcher {
             let mut pages = prefetch(
                 Lister::new(RESOURCE_PREFIX, self.cfg.args.etcd_page_size),
                 kv_client(client),
+                &self.tasks,
             );
             let mut revision = 0;
             self.mirror.begin_list(());

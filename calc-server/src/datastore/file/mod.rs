@@ -18,6 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use calc_graph::graph::Update;
+use common::Tasks;
 
 use super::{Health, Sink, Snapshot};
 use crate::args::ServeArgs;
@@ -30,6 +31,7 @@ pub(super) fn start(
     board: Arc<Board>,
     health: Health,
     sink: Sink,
+    tasks: &Tasks,
 ) -> anyhow::Result<String> {
     let dir = args.datastore.file_dir.clone();
     check_file_dir(&dir)?;
@@ -41,10 +43,18 @@ pub(super) fn start(
     };
     let interval = args.file_poll_interval;
     let watched = dir.clone();
-    // Reading and parsing files is blocking work: its own thread, off the runtime.
-    tokio::task::spawn_blocking(move || watch::run(watched, last_good, interval, sink, health));
+    let span = tracing::info_span!("datastore", "type" = "file");
+    // Reading and parsing files is blocking work: its own thread, off the runtime. It checks
+    // the token between polls (and while waiting for the next one) and stops once cancelled.
+    tasks.spawn_blocking(
+        tracing::info_span!(parent: &span, "file_watch"),
+        move |stop| watch::run(watched, last_good, interval, sink, health, &stop),
+    );
     if let Some(status_dir) = status_dir {
-        tokio::spawn(status::file_writer(board, status_dir, args.status_interval));
+        tasks.spawn(
+            tracing::info_span!(parent: &span, "status_writer"),
+            status::file_writer(board, status_dir, args.status_interval),
+        );
     }
     Ok(dir.display().to_string())
 }

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use calc_graph::graph::Update;
 use calc_graph::model::{ResourceKey, Valid};
+use common::tasks::CancellationToken;
 
 use super::last_good::LastGood;
 use super::manifest_dir::{self, Stamp};
@@ -239,6 +240,23 @@ impl Watcher {
     }
 }
 
+/// Waits `interval`, or less once `stop` is cancelled; true when it is. Sleeps in short slices
+/// (no runtime needed, so this works even while the runtime shuts down).
+fn wait(stop: &CancellationToken, interval: Duration) -> bool {
+    const SLICE: Duration = Duration::from_millis(50);
+    let until = std::time::Instant::now() + interval;
+    loop {
+        if stop.is_cancelled() {
+            return true;
+        }
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::sleep(left.min(SLICE));
+    }
+}
+
 enum Desired {
     Valid(Box<Valid>, Vec<PathBuf>),
     Held,
@@ -247,7 +265,8 @@ enum Desired {
 }
 
 /// Sends the initial snapshot and InSync, then changes as they appear, until the sink's
-/// receiver goes. `health` gets the rejected objects (counter) and unusable ones (gauges).
+/// receiver goes or `stop` is cancelled (checked at every poll; the wait between polls ends
+/// early). `health` gets the rejected objects (counter) and unusable ones (gauges).
 /// Only files whose size or modification time changed are read again, and only their keys
 /// (and the held ones) are reconciled.
 pub fn run(
@@ -256,6 +275,7 @@ pub fn run(
     interval: Duration,
     sink: Sink,
     health: Health,
+    stop: &CancellationToken,
 ) {
     let (store, stored, problems) = LastGood::open(last_good_dir);
     for p in &problems {
@@ -287,15 +307,14 @@ pub fn run(
         .collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
-    if sink.blocking_send(first).is_err() {
+    if stop.is_cancelled() || sink.blocking_send(first).is_err() {
         return;
     }
     // The listing of the previous poll, and for how many polls it has kept changing.
     let mut last = seen.clone();
     let mut unsettled = 0;
     loop {
-        std::thread::sleep(interval);
-        if sink.is_closed() {
+        if wait(stop, interval) || sink.is_closed() {
             return;
         }
         let now = w.listing();
@@ -342,5 +361,31 @@ pub fn run(
         if sink.blocking_send(updates).is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watcher_stops_when_cancelled_without_waiting_for_its_next_poll() {
+        let dir = tempfile::tempdir().unwrap();
+        let (sink, mut rx) = tokio::sync::mpsc::channel(4);
+        let stop = CancellationToken::new();
+        let watcher = {
+            let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
+            // An hour between polls: only the cancel can end the wait.
+            let hour = Duration::from_secs(3600);
+            std::thread::spawn(move || run(dir, None, hour, sink, Health::default(), &stop))
+        };
+        let first = rx.blocking_recv().expect("the initial snapshot");
+        assert!(matches!(first.last(), Some(Update::InSync)));
+        let cancelled = std::time::Instant::now();
+        stop.cancel();
+        watcher.join().unwrap();
+        assert!(cancelled.elapsed() < Duration::from_secs(2));
+        // The receiver is still there: the cancel, not a closed sink, stopped it.
+        drop(rx);
     }
 }

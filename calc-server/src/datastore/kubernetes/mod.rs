@@ -17,6 +17,7 @@ pub mod watcher;
 
 use anyhow::Context;
 pub use calc_ingest::kubernetes::Source;
+use common::Tasks;
 use kube::core::ApiResource;
 
 use super::{Health, Sink};
@@ -24,7 +25,12 @@ use crate::args::{KubeArgs, ServeArgs};
 
 /// Starts the watcher (into `sink`); fails on a missing or broken configuration, while an
 /// unreachable API server is retried by the watchers.
-pub(super) async fn start(args: &ServeArgs, health: Health, sink: Sink) -> anyhow::Result<String> {
+pub(super) async fn start(
+    args: &ServeArgs,
+    health: Health,
+    sink: Sink,
+    tasks: &Tasks,
+) -> anyhow::Result<String> {
     let client = client(&args.datastore.kube).await?;
     let watcher = watcher::Watcher::new(
         watcher::WatchConfig {
@@ -33,8 +39,12 @@ pub(super) async fn start(args: &ServeArgs, health: Health, sink: Sink) -> anyho
         },
         sink,
         health,
+        tasks.clone(),
     );
-    tokio::spawn(watcher.run(client));
+    tasks.spawn(
+        tracing::info_span!("datastore", "type" = "kubernetes"),
+        watcher.run(client),
+    );
     Ok("the Kubernetes API".into())
 }
 

@@ -23,6 +23,7 @@ use crate::args::KubeArgs;
 use crate::datastore::{Health, Sink, off_runtime};
 use anyhow::Context;
 use calc_graph::graph::Update;
+use common::Tasks;
 use kube::api::{Api, DynamicObject};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -118,25 +119,23 @@ struct Sources {
     _tasks: AbortOnDrop,
 }
 
-/// Starts every source's watcher.
-fn start(client: &kube::Client) -> Sources {
+/// Starts every source's watcher (span `watch{source}`, under the caller's).
+fn start(client: &kube::Client, tasks: &Tasks) -> Sources {
     let (tx, rx) = mpsc::channel(1024);
     let mut triggers = HashMap::new();
-    let mut tasks = Vec::new();
+    let mut handles = Vec::new();
     for source in Source::ALL {
         let relist = Arc::new(Notify::new());
         triggers.insert(source, relist.clone());
-        tasks.push(tokio::spawn(watch_source(
-            client.clone(),
-            source,
-            tx.clone(),
-            relist,
-        )));
+        handles.push(tasks.spawn(
+            tracing::info_span!("watch", %source),
+            watch_source(client.clone(), source, tx.clone(), relist),
+        ));
     }
     Sources {
         rx,
         triggers,
-        _tasks: AbortOnDrop(tasks),
+        _tasks: AbortOnDrop(handles),
     }
 }
 
@@ -213,7 +212,8 @@ pub async fn snapshot(args: &KubeArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
         interface_prefix: args.interface_prefix(),
     };
     let mut merge = Merge::new(converter);
-    let mut sources = start(&client);
+    // A one-shot read on its own runtime: its watchers need no shared tracker.
+    let mut sources = start(&client, &Tasks::new());
     let mut out = Batch::default();
     out.updates
         .push(Update::ApplyValid(default_allow_profile()));
@@ -251,11 +251,18 @@ pub struct Watcher {
     out: Sink,
     /// Rejected objects (counter) and unusable ones (gauges, readiness).
     health: Health,
+    /// Where the per-source watchers are spawned.
+    tasks: Tasks,
 }
 
 impl Watcher {
-    pub fn new(cfg: WatchConfig, out: Sink, health: Health) -> Watcher {
-        Watcher { cfg, out, health }
+    pub fn new(cfg: WatchConfig, out: Sink, health: Health, tasks: Tasks) -> Watcher {
+        Watcher {
+            cfg,
+            out,
+            health,
+            tasks,
+        }
     }
 
     /// Runs until the receiver of the updates goes away. `client` comes from [`client`].
@@ -269,7 +276,7 @@ impl Watcher {
             mut rx,
             triggers,
             _tasks,
-        } = start(&client);
+        } = start(&client, &self.tasks);
         if self
             .out
             .send(vec![Update::ApplyValid(default_allow_profile())])
@@ -346,7 +353,7 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 /// Stops the per-source watchers when the merged watcher ends.
-struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<Option<()>>>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
