@@ -120,9 +120,9 @@ fn main() -> ExitCode {
         Command::Compute(args) => compute::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
-        Command::GenCluster(f) => calc_bench("gen-cluster", f.args),
-        Command::Bench(f) => calc_bench("bench", f.args),
-        Command::BenchSync(f) => calc_bench("bench-sync", f.args),
+        Command::GenCluster(f) => calc_bench("gen-cluster", cli.log_level, f.args),
+        Command::Bench(f) => calc_bench("bench", cli.log_level, f.args),
+        Command::BenchSync(f) => calc_bench("bench-sync", cli.log_level, f.args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }
@@ -141,8 +141,13 @@ fn main() -> ExitCode {
 }
 
 /// Runs `calc-bench <command> <args>` from this binary's directory, where `cargo build` and
-/// the release archive put it.
-fn calc_bench(command: &str, args: Vec<OsString>) -> anyhow::Result<ExitCode> {
+/// the release archive put it. A `--log-level` given to calc-server goes along (calc-bench logs
+/// plain text only).
+fn calc_bench(
+    command: &str,
+    log_level: Option<String>,
+    args: Vec<OsString>,
+) -> anyhow::Result<ExitCode> {
     use anyhow::Context as _;
     let exe = std::env::current_exe().context("locating calc-server")?;
     let tool = exe.with_file_name("calc-bench");
@@ -154,6 +159,7 @@ fn calc_bench(command: &str, args: Vec<OsString>) -> anyhow::Result<ExitCode> {
     );
     let status = std::process::Command::new(&tool)
         .arg(command)
+        .args(log_level.map(|level| format!("--log-level={level}")))
         .args(args)
         .status()
         .with_context(|| format!("running {}", tool.display()))?;

@@ -358,9 +358,12 @@ impl Engine {
         let bytes_limit = self.limits.backlog_bytes;
         let metrics = &self.metrics;
         let mut overflowed = Vec::new();
-        // A shared message is encoded once per step however many nodes it goes to. The Arc
-        // held beside each encoding keeps its address from being reused within the step.
-        let mut encoded: HashMap<*const felix_proto::ToDataplane, Encoded> = HashMap::new();
+        // A shared message is encoded once per step however many nodes it goes to. The map
+        // holds a clone of each Arc it has seen: a batch dropped half-way (an overflowing node,
+        // a stream gone) must not free a message whose address a later node's fresh message
+        // could then reuse, and be sent the wrong bytes.
+        let mut encoded: HashMap<*const felix_proto::ToDataplane, (SharedMessage, Encoded)> =
+            HashMap::new();
         self.graph.flush_with(|batch| {
             let Some(conn) = conns.get_mut(&batch.node) else {
                 return;
@@ -372,7 +375,8 @@ impl Engine {
                 .map(|m| {
                     let bytes = encoded
                         .entry(Arc::as_ptr(&m))
-                        .or_insert_with(|| Encoded::new(&m))
+                        .or_insert_with(|| (m.clone(), Encoded::new(&m)))
+                        .1
                         .clone();
                     (m, bytes)
                 })

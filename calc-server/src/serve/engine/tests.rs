@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use calc_graph::graph::Update;
 use calc_graph::manifest::{Outcome, decode_and_validate};
+use felix_proto::prost::Message as _;
 use felix_proto::to_dataplane::Payload;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
@@ -95,7 +96,10 @@ impl Agent {
     fn take(&mut self) -> Vec<Out> {
         let mut out = Vec::new();
         while let Ok(o) = self.rx.try_recv() {
-            if let Out::Msg(_, body) = &o {
+            if let Out::Msg(m, body) = &o {
+                // What goes on the wire is exactly the message the graph meant for this node.
+                let sent = felix_proto::ToDataplane::decode(body.as_slice()).expect("decodes");
+                assert_eq!(sent.payload, m.payload, "the encoding is this message's");
                 self.taken.fetch_add(1, Ordering::Relaxed);
                 self.taken_bytes
                     .fetch_add(body.len() as u64, Ordering::Relaxed);
@@ -403,4 +407,49 @@ fn shutdown_closes_every_stream() {
         assert_eq!(last, Some(format!("close:{:?}", CloseReason::ShuttingDown)));
     }
     assert!(!h.board.snapshot().iter().any(|n| n.connected));
+}
+
+#[test]
+fn a_node_cut_off_mid_flush_does_not_lend_its_encodings_to_the_next() {
+    // Several stalled nodes overflow in the same flushes as healthy ones: the messages of a
+    // dropped batch are freed mid-flush, and the healthy nodes' fresh messages must still be
+    // sent with their own bytes (checked by `Agent::take` on every message).
+    let mut h = Harness::new(Limits {
+        backlog: 2,
+        ..LIMITS
+    });
+    let nodes: Vec<String> = (0..8).map(|i| format!("node-{i}")).collect();
+    let mut updates: Vec<Update> = nodes.iter().map(|n| node(n)).collect();
+    updates.push(web_policy(80));
+    updates.push(Update::InSync);
+    h.datastore(updates);
+    let mut agents: Vec<Agent> = nodes.iter().map(|n| h.connect(n).1).collect();
+    // Even nodes read their snapshot; odd ones never read anything.
+    for (i, agent) in agents.iter_mut().enumerate() {
+        if i % 2 == 0 {
+            agent.take();
+        }
+    }
+    for round in 0..3 {
+        let pods: Vec<Update> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| workload(n, &format!("p{round}-{i}"), &format!("10.{round}.0.{i}")))
+            .collect();
+        h.datastore(pods);
+        for agent in agents.iter_mut().step_by(2) {
+            let kinds = agent.kinds();
+            assert!(
+                kinds.contains(&"WorkloadEndpointUpdate".to_string()),
+                "{kinds:?}"
+            );
+        }
+    }
+    for agent in agents.iter_mut().skip(1).step_by(2) {
+        let last = agent.kinds().pop().unwrap_or_default();
+        assert!(
+            last.starts_with("close:TooFarBehind"),
+            "stalled node ends with {last}"
+        );
+    }
 }
