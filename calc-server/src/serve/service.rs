@@ -172,11 +172,10 @@ impl Stream for Outgoing {
             }
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Out::Msg(m, body))) => {
+            Poll::Ready(Some(Out::Msg(o))) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
-                self.taken_bytes
-                    .fetch_add(body.len() as u64, Ordering::Relaxed);
-                match &m.payload {
+                self.taken_bytes.fetch_add(o.len(), Ordering::Relaxed);
+                match &o.message().payload {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
                         self.sent_endpoints.lock().insert(key);
@@ -190,7 +189,7 @@ impl Stream for Outgoing {
                 self.seq += 1;
                 Poll::Ready(Some(Ok(Frame {
                     sequence_number: self.seq,
-                    body,
+                    body: o.encoded().clone(),
                 })))
             }
             Poll::Ready(Some(Out::Close(reason))) => {

@@ -17,8 +17,10 @@
 //! - Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
 //!   under way until its queue has drained, so a thousand agents connecting at once do not put a
 //!   thousand snapshots in flight at once.
-//! - A message shared by many nodes is encoded once per step ([`felix_proto::framed::Encoded`]);
-//!   each stream stamps its own sequence number on the shared bytes.
+//! - A message shared by many nodes in a step is queued as one [`Outbound`]: the first stream
+//!   that sends it encodes it ([`felix_proto::framed::Encoded`]) and the others reuse the bytes,
+//!   each stamping its own sequence number. Encoding at send time, not at queue time, keeps a
+//!   queued snapshot as small as the graph's shared messages.
 
 mod run;
 #[cfg(test)]
@@ -27,8 +29,8 @@ mod tests;
 pub(super) use run::run;
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use calc_graph::graph::{CalcGraph, SharedMessage, Update};
 use felix_proto::framed::Encoded;
@@ -37,10 +39,43 @@ use tokio::sync::{mpsc, oneshot};
 use super::metrics::Metrics;
 use super::status::Board;
 
+/// A message on its way to the streams of one step, encoded once by the first that sends it.
+#[derive(Debug)]
+pub(super) struct Outbound {
+    message: SharedMessage,
+    /// The encoded length without a sequence number (what backlogs are measured in).
+    len: u64,
+    encoded: OnceLock<Encoded>,
+}
+
+impl Outbound {
+    fn new(message: SharedMessage) -> Outbound {
+        let len = felix_proto::prost::Message::encoded_len(&*message) as u64;
+        Outbound {
+            message,
+            len,
+            encoded: OnceLock::new(),
+        }
+    }
+
+    pub(super) fn message(&self) -> &felix_proto::ToDataplane {
+        &self.message
+    }
+
+    pub(super) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The bytes to send (encoded on the first call, shared afterwards).
+    pub(super) fn encoded(&self) -> &Encoded {
+        self.encoded.get_or_init(|| Encoded::new(&self.message))
+    }
+}
+
 /// What a connection's outgoing stream carries.
 pub(super) enum Out {
-    /// A message and its encoding (shared by every node it goes to).
-    Msg(SharedMessage, Encoded),
+    /// A message (shared with every node it goes to in the same step).
+    Msg(Arc<Outbound>),
     /// End the stream for this reason.
     Close(CloseReason),
 }
@@ -358,30 +393,27 @@ impl Engine {
         let bytes_limit = self.limits.backlog_bytes;
         let metrics = &self.metrics;
         let mut overflowed = Vec::new();
-        // A shared message is encoded once per step however many nodes it goes to. The map
-        // holds a clone of each Arc it has seen: a batch dropped half-way (an overflowing node,
-        // a stream gone) must not free a message whose address a later node's fresh message
-        // could then reuse, and be sent the wrong bytes.
-        let mut encoded: HashMap<*const felix_proto::ToDataplane, (SharedMessage, Encoded)> =
-            HashMap::new();
+        // A message the graph shares between nodes becomes one Outbound per step however many
+        // nodes it goes to. Keyed by the message's address, the map also holds each message, so
+        // a batch dropped half-way (an overflowing node, a stream gone) cannot free an address a
+        // later node's fresh message would then reuse, and be given the wrong Outbound.
+        let mut outbound: HashMap<*const felix_proto::ToDataplane, Arc<Outbound>> = HashMap::new();
         self.graph.flush_with(|batch| {
             let Some(conn) = conns.get_mut(&batch.node) else {
                 return;
             };
             let n = batch.messages.len() as u64;
-            let framed: Vec<(SharedMessage, Encoded)> = batch
+            let framed: Vec<Arc<Outbound>> = batch
                 .messages
                 .into_iter()
                 .map(|m| {
-                    let bytes = encoded
+                    outbound
                         .entry(Arc::as_ptr(&m))
-                        .or_insert_with(|| (m.clone(), Encoded::new(&m)))
-                        .1
-                        .clone();
-                    (m, bytes)
+                        .or_insert_with(|| Arc::new(Outbound::new(m)))
+                        .clone()
                 })
                 .collect();
-            let bytes: u64 = framed.iter().map(|(_, e)| e.len() as u64).sum();
+            let bytes: u64 = framed.iter().map(|o| o.len()).sum();
             let (backlog, backlog_bytes) = (conn.backlog(), conn.backlog_bytes());
             // An empty queue always takes the batch: a snapshot larger than the limits must
             // still be deliverable.
@@ -397,8 +429,8 @@ impl Engine {
                 conn.snapshot_end = Some(queued);
             }
             board.sent(&batch.node, n);
-            for (m, e) in framed {
-                let _ = conn.tx.send(Out::Msg(m, e));
+            for o in framed {
+                let _ = conn.tx.send(Out::Msg(o));
             }
         });
         for (node, backlog, backlog_bytes) in overflowed {

@@ -96,10 +96,20 @@ impl Agent {
     fn take(&mut self) -> Vec<Out> {
         let mut out = Vec::new();
         while let Ok(o) = self.rx.try_recv() {
-            if let Out::Msg(m, body) = &o {
+            if let Out::Msg(msg) = &o {
                 // What goes on the wire is exactly the message the graph meant for this node.
+                let body = msg.encoded();
                 let sent = felix_proto::ToDataplane::decode(body.as_slice()).expect("decodes");
-                assert_eq!(sent.payload, m.payload, "the encoding is this message's");
+                assert_eq!(
+                    sent.payload,
+                    msg.message().payload,
+                    "the encoding is this message's"
+                );
+                assert_eq!(
+                    msg.len(),
+                    body.len() as u64,
+                    "backlogs count the bytes sent"
+                );
                 self.taken.fetch_add(1, Ordering::Relaxed);
                 self.taken_bytes
                     .fetch_add(body.len() as u64, Ordering::Relaxed);
@@ -114,7 +124,7 @@ impl Agent {
         self.take()
             .into_iter()
             .map(|o| match o {
-                Out::Msg(m, _) => kind(m.payload.as_ref().expect("payload")),
+                Out::Msg(m) => kind(m.message().payload.as_ref().expect("payload")),
                 Out::Close(reason) => format!("close:{reason:?}"),
             })
             .collect()
@@ -305,12 +315,12 @@ fn an_agent_too_far_behind_is_cut_off_and_resyncs_on_reconnect() {
     let (_, mut again) = h.connect("node-a");
     let fresh = again.take();
     assert!(
-        matches!(fresh.last(), Some(Out::Msg(m, _)) if matches!(m.payload, Some(Payload::InSync(_))))
+        matches!(fresh.last(), Some(Out::Msg(m)) if matches!(m.message().payload, Some(Payload::InSync(_))))
     );
     let ports: Vec<String> = fresh
         .iter()
         .filter_map(|o| match o {
-            Out::Msg(m, _) => match &m.payload {
+            Out::Msg(m) => match &m.message().payload {
                 Some(Payload::ActivePolicyUpdate(u)) => Some(format!("{:?}", u.policy)),
                 _ => None,
             },
@@ -380,18 +390,21 @@ fn a_message_shared_by_nodes_is_encoded_once() {
     let policy = |outs: Vec<Out>| {
         outs.into_iter()
             .find_map(|o| match o {
-                Out::Msg(m, body) if matches!(m.payload, Some(Payload::ActivePolicyUpdate(_))) => {
-                    Some(body)
+                Out::Msg(m)
+                    if matches!(m.message().payload, Some(Payload::ActivePolicyUpdate(_))) =>
+                {
+                    Some(m)
                 }
                 _ => None,
             })
             .expect("the policy change reaches both nodes")
     };
     let (pa, pb) = (policy(a.take()), policy(b.take()));
+    assert!(Arc::ptr_eq(&pa, &pb), "one message for both streams");
     assert_eq!(
-        pa.as_slice().as_ptr(),
-        pb.as_slice().as_ptr(),
-        "one buffer for both"
+        pa.encoded().as_slice().as_ptr(),
+        pb.encoded().as_slice().as_ptr(),
+        "encoded once, the bytes shared"
     );
 }
 
