@@ -172,10 +172,14 @@ impl Stream for Outgoing {
             }
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Out::Msg(o))) => {
+            Poll::Ready(Some(Out::Close(reason))) => {
+                self.done = true;
+                Poll::Ready(Some(Err(close_status(reason))))
+            }
+            Poll::Ready(Some(out)) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
-                self.taken_bytes.fetch_add(o.len(), Ordering::Relaxed);
-                match &o.message().payload {
+                self.taken_bytes.fetch_add(out.len(), Ordering::Relaxed);
+                match out.message().and_then(|m| m.payload.as_ref()) {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
                         self.sent_endpoints.lock().insert(key);
@@ -189,12 +193,8 @@ impl Stream for Outgoing {
                 self.seq += 1;
                 Poll::Ready(Some(Ok(Frame {
                     sequence_number: self.seq,
-                    body: o.encoded().clone(),
+                    body: out.encoded().unwrap_or_default(),
                 })))
-            }
-            Poll::Ready(Some(Out::Close(reason))) => {
-                self.done = true;
-                Poll::Ready(Some(Err(close_status(reason))))
             }
             Poll::Ready(None) => {
                 self.done = true;

@@ -17,10 +17,10 @@
 //! - Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
 //!   under way until its queue has drained, so a thousand agents connecting at once do not put a
 //!   thousand snapshots in flight at once.
-//! - A message shared by many nodes in a step is queued as one [`Outbound`]: the first stream
-//!   that sends it encodes it ([`felix_proto::framed::Encoded`]) and the others reuse the bytes,
-//!   each stamping its own sequence number. Encoding at send time, not at queue time, keeps a
-//!   queued snapshot as small as the graph's shared messages.
+//! - A message several nodes receive in one step is queued as one [`Outbound`]: the first
+//!   stream that sends it encodes it ([`felix_proto::framed::Encoded`]) and the others reuse the
+//!   bytes, each stamping its own sequence number. A message for one node is encoded by its
+//!   stream when sent. Encoding at send time keeps a queued snapshot as small as before.
 
 mod run;
 #[cfg(test)]
@@ -74,10 +74,42 @@ impl Outbound {
 
 /// What a connection's outgoing stream carries.
 pub(super) enum Out {
-    /// A message (shared with every node it goes to in the same step).
-    Msg(Arc<Outbound>),
+    /// A message only this stream sends in its step (with its encoded length): encoded when
+    /// sent, as it would be anyway.
+    Msg(SharedMessage, u64),
+    /// A message several streams send in the same step: encoded once, by the first.
+    Shared(Arc<Outbound>),
     /// End the stream for this reason.
     Close(CloseReason),
+}
+
+impl Out {
+    /// The message, unless this is a close.
+    pub(super) fn message(&self) -> Option<&felix_proto::ToDataplane> {
+        match self {
+            Out::Msg(m, _) => Some(m),
+            Out::Shared(o) => Some(o.message()),
+            Out::Close(_) => None,
+        }
+    }
+
+    /// The encoded length without a sequence number (what backlogs are measured in).
+    pub(super) fn len(&self) -> u64 {
+        match self {
+            Out::Msg(_, len) => *len,
+            Out::Shared(o) => o.len(),
+            Out::Close(_) => 0,
+        }
+    }
+
+    /// The bytes to send, unless this is a close.
+    pub(super) fn encoded(&self) -> Option<Encoded> {
+        match self {
+            Out::Msg(m, _) => Some(Encoded::new(m)),
+            Out::Shared(o) => Some(o.encoded().clone()),
+            Out::Close(_) => None,
+        }
+    }
 }
 
 /// Why the engine ends a stream.
@@ -386,53 +418,64 @@ impl Engine {
     }
 
     fn flush(&mut self) {
-        let conns = &mut self.conns;
-        let board = &self.board;
-        let snapshotting = &self.snapshotting;
+        let mut batches = Vec::new();
+        self.graph.flush_with(|batch| batches.push(batch));
+        // Which messages more than one batch of this step carries: only those are worth one
+        // shared encoding; a message for one node is encoded by its stream, as before, and
+        // costs no extra allocation. Every message stays alive in `batches` (or in `shared`)
+        // until it is queued or its batch dropped, and none is created after this point, so
+        // an address names one message for the whole step.
+        let mut carried: HashMap<*const felix_proto::ToDataplane, u32> = HashMap::new();
+        for batch in &batches {
+            for m in &batch.messages {
+                *carried.entry(Arc::as_ptr(m)).or_default() += 1;
+            }
+        }
+        let mut shared: HashMap<*const felix_proto::ToDataplane, Arc<Outbound>> = HashMap::new();
         let limit = self.limits.backlog;
         let bytes_limit = self.limits.backlog_bytes;
-        let metrics = &self.metrics;
         let mut overflowed = Vec::new();
-        // A message the graph shares between nodes becomes one Outbound per step however many
-        // nodes it goes to. Keyed by the message's address, the map also holds each message, so
-        // a batch dropped half-way (an overflowing node, a stream gone) cannot free an address a
-        // later node's fresh message would then reuse, and be given the wrong Outbound.
-        let mut outbound: HashMap<*const felix_proto::ToDataplane, Arc<Outbound>> = HashMap::new();
-        self.graph.flush_with(|batch| {
-            let Some(conn) = conns.get_mut(&batch.node) else {
-                return;
+        for batch in batches {
+            let Some(conn) = self.conns.get_mut(&batch.node) else {
+                continue;
             };
             let n = batch.messages.len() as u64;
-            let framed: Vec<Arc<Outbound>> = batch
+            let outs: Vec<Out> = batch
                 .messages
                 .into_iter()
                 .map(|m| {
-                    outbound
-                        .entry(Arc::as_ptr(&m))
-                        .or_insert_with(|| Arc::new(Outbound::new(m)))
-                        .clone()
+                    let ptr = Arc::as_ptr(&m);
+                    if carried.get(&ptr).is_some_and(|c| *c > 1) {
+                        let o = shared
+                            .entry(ptr)
+                            .or_insert_with(|| Arc::new(Outbound::new(m)));
+                        Out::Shared(o.clone())
+                    } else {
+                        let len = felix_proto::prost::Message::encoded_len(&*m) as u64;
+                        Out::Msg(m, len)
+                    }
                 })
                 .collect();
-            let bytes: u64 = framed.iter().map(|o| o.len()).sum();
+            let bytes: u64 = outs.iter().map(Out::len).sum();
             let (backlog, backlog_bytes) = (conn.backlog(), conn.backlog_bytes());
             // An empty queue always takes the batch: a snapshot larger than the limits must
             // still be deliverable.
             if backlog > 0 && (backlog + n > limit || backlog_bytes + bytes > bytes_limit) {
                 overflowed.push((batch.node.clone(), backlog, backlog_bytes));
-                return;
+                continue;
             }
             let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
             conn.queued_bytes += bytes;
-            metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
+            self.metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
             // The node's first batch after it was admitted is its snapshot.
-            if conn.snapshot_end.is_none() && snapshotting.contains(&batch.node) {
+            if conn.snapshot_end.is_none() && self.snapshotting.contains(&batch.node) {
                 conn.snapshot_end = Some(queued);
             }
-            board.sent(&batch.node, n);
-            for o in framed {
-                let _ = conn.tx.send(Out::Msg(o));
+            self.board.sent(&batch.node, n);
+            for out in outs {
+                let _ = conn.tx.send(out);
             }
-        });
+        }
         for (node, backlog, backlog_bytes) in overflowed {
             if let Some(conn) = self.drop_conn(&node) {
                 tracing::warn!(%node, backlog, backlog_bytes, limit, bytes_limit, "agent fell too far behind; closing its stream so it resyncs");

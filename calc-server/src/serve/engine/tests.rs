@@ -96,20 +96,11 @@ impl Agent {
     fn take(&mut self) -> Vec<Out> {
         let mut out = Vec::new();
         while let Ok(o) = self.rx.try_recv() {
-            if let Out::Msg(msg) = &o {
+            if let (Some(msg), Some(body)) = (o.message(), o.encoded()) {
                 // What goes on the wire is exactly the message the graph meant for this node.
-                let body = msg.encoded();
                 let sent = felix_proto::ToDataplane::decode(body.as_slice()).expect("decodes");
-                assert_eq!(
-                    sent.payload,
-                    msg.message().payload,
-                    "the encoding is this message's"
-                );
-                assert_eq!(
-                    msg.len(),
-                    body.len() as u64,
-                    "backlogs count the bytes sent"
-                );
+                assert_eq!(sent.payload, msg.payload, "the encoding is this message's");
+                assert_eq!(o.len(), body.len() as u64, "backlogs count the bytes sent");
                 self.taken.fetch_add(1, Ordering::Relaxed);
                 self.taken_bytes
                     .fetch_add(body.len() as u64, Ordering::Relaxed);
@@ -124,8 +115,12 @@ impl Agent {
         self.take()
             .into_iter()
             .map(|o| match o {
-                Out::Msg(m) => kind(m.message().payload.as_ref().expect("payload")),
                 Out::Close(reason) => format!("close:{reason:?}"),
+                msg => kind(
+                    msg.message()
+                        .and_then(|m| m.payload.as_ref())
+                        .expect("payload"),
+                ),
             })
             .collect()
     }
@@ -315,16 +310,13 @@ fn an_agent_too_far_behind_is_cut_off_and_resyncs_on_reconnect() {
     let (_, mut again) = h.connect("node-a");
     let fresh = again.take();
     assert!(
-        matches!(fresh.last(), Some(Out::Msg(m)) if matches!(m.message().payload, Some(Payload::InSync(_))))
+        matches!(fresh.last(), Some(o) if matches!(o.message().and_then(|m| m.payload.as_ref()), Some(Payload::InSync(_))))
     );
     let ports: Vec<String> = fresh
         .iter()
-        .filter_map(|o| match o {
-            Out::Msg(m) => match &m.message().payload {
-                Some(Payload::ActivePolicyUpdate(u)) => Some(format!("{:?}", u.policy)),
-                _ => None,
-            },
-            Out::Close(_) => None,
+        .filter_map(|o| match o.message().and_then(|m| m.payload.as_ref()) {
+            Some(Payload::ActivePolicyUpdate(u)) => Some(format!("{:?}", u.policy)),
+            _ => None,
         })
         .collect();
     assert!(ports.iter().any(|p| p.contains("81")), "{ports:?}");
@@ -390,7 +382,7 @@ fn a_message_shared_by_nodes_is_encoded_once() {
     let policy = |outs: Vec<Out>| {
         outs.into_iter()
             .find_map(|o| match o {
-                Out::Msg(m)
+                Out::Shared(m)
                     if matches!(m.message().payload, Some(Payload::ActivePolicyUpdate(_))) =>
                 {
                     Some(m)
