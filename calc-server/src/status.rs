@@ -70,8 +70,6 @@ fn workload_key(id: &Option<pb::WorkloadEndpointId>) -> String {
     )
 }
 
-pub use common::rfc3339_utc as rfc3339;
-
 impl Board {
     fn with(&self, node: &str, f: impl FnOnce(&mut NodeStatus)) {
         let mut nodes = self.nodes.lock();
@@ -88,7 +86,7 @@ impl Board {
         self.with(node, |s| {
             s.conn_id = conn_id;
             s.connected = true;
-            s.connected_since = rfc3339(SystemTime::now());
+            s.connected_since = common::rfc3339_utc(SystemTime::now());
             s.dataplane_in_sync = false;
             s.last_sequence_received = 1;
             s.messages_sent = 0;

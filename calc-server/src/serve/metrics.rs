@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 pub use crate::datastore::LastGoodHealth;
 use crate::datastore::{Health, Rejections, Unusable};
 
-pub use common::Histogram;
+use common::Histogram;
 
 /// One connected agent's queue counters (shared with its connection).
 struct AgentQueue {

@@ -105,6 +105,3 @@ pub async fn connect(args: &EtcdArgs) -> anyhow::Result<Client> {
         .await
         .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
 }
-
-/// The shared jittered back-off (reconnecting to etcd).
-pub use common::Backoff;

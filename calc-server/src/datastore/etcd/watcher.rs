@@ -38,7 +38,9 @@ use tokio::time::Instant;
 use calc_ingest::etcd::{self as ingest, Mirror};
 use calc_ingest::{Batch, Decision, Problem, default_allow_profile};
 
-use super::{Backoff, RESOURCE_PREFIX, connect};
+use common::Backoff;
+
+use super::{RESOURCE_PREFIX, connect};
 use crate::args::EtcdArgs;
 use crate::datastore::{Health, Sink, off_runtime};
 
