@@ -79,6 +79,10 @@ done
 say "5. calc-server status"
 "$BIN/calc-server" status --server "$ADMIN"
 
+say "6. Why is Prometheus's scrape of the shop API denied? (calc-server explain, docs/explain.md)"
+"$BIN/calc-server" explain --server "$ADMIN" --from monitoring/prometheus-0 --to shop/api-1 --port 9090 |
+  grep -E '^(ALLOW|DENY)|^(egress|ingress) of|Pass\) matched|end of tier \(default action Deny\)'
+
 say "Now edit a manifest and watch the change arrive, e.g. in another terminal:"
 echo "  sed -i 's/ports: \[80, 443\]/ports: [80, 8443]/' $DIR/policies.yaml"
 echo "  (undo with: git checkout $DIR)"
