@@ -1359,6 +1359,118 @@ spec: {orchestrator: k8s, node: node-a, pod: orphan, endpoint: eth0, interfaceNa
         assert!(g.explain_endpoint("203.0.113.1").is_err());
     }
 
+    const HOSTS: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: HostEndpoint
+metadata: {name: a-eth0, labels: {role: node}}
+spec: {node: node-a, interfaceName: eth0, expectedIPs: [192.168.0.1], profiles: []}
+---
+apiVersion: projectcalico.org/v3
+kind: HostEndpoint
+metadata: {name: b-all, labels: {role: gateway}}
+spec: {node: node-b, interfaceName: "*", expectedIPs: [192.168.0.2]}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: untracked-trusted}
+spec:
+  selector: role == 'node'
+  doNotTrack: true
+  applyOnForward: true
+  types: [Ingress]
+  ingress: [{action: Allow, source: {nets: [10.9.0.0/16]}}]
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: prednat-block}
+spec:
+  selector: role == 'node'
+  preDNAT: true
+  applyOnForward: true
+  types: [Ingress]
+  ingress: [{action: Deny, source: {nets: [10.66.0.0/16]}}]
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: node-web}
+spec:
+  selector: role == 'node'
+  types: [Ingress]
+  ingress: [{action: Allow, protocol: TCP, destination: {ports: [443]}}]
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: gateway-forward}
+spec:
+  selector: role == 'gateway'
+  applyOnForward: true
+  types: [Ingress]
+  ingress: [{action: Deny, protocol: TCP, destination: {ports: [25]}}]
+---
+apiVersion: projectcalico.org/v3
+kind: FelixConfiguration
+metadata: {name: default}
+spec:
+  defaultEndpointToHostAction: Accept
+  failsafeInboundHostPorts: [{protocol: TCP, port: 2222}]
+"#;
+
+    #[test]
+    fn host_endpoints_meet_untracked_pre_dnat_normal_and_forward_policy() {
+        let g = graph(HOSTS);
+        // doNotTrack allows at once: no later chain is walked.
+        let e = ask(&g, "10.9.1.1", "hep:a-eth0", "tcp", Some(80));
+        assert_eq!(
+            e.ingress.decided_by,
+            by_policy("default", "untracked-trusted", 0, "Allow")
+        );
+        assert!(
+            e.ingress.steps.iter().all(|s| s.stage == "untracked"),
+            "{}",
+            render_text(&e)
+        );
+        // pre-DNAT denies before normal policy.
+        let e = ask(&g, "10.66.1.1", "hep:a-eth0", "tcp", Some(443));
+        assert_eq!(
+            e.ingress.decided_by,
+            by_policy("default", "prednat-block", 0, "Deny")
+        );
+        // Otherwise normal policy (no profile: the end of the tier drops what it does not allow).
+        assert_eq!(
+            ask(&g, "10.1.1.1", "hep:a-eth0", "tcp", Some(443)).verdict,
+            Allow
+        );
+        let e = ask(&g, "10.1.1.1", "hep:a-eth0", "tcp", Some(80));
+        assert_eq!(e.ingress.decided_by, default("end-of-tier default"));
+        // The failsafes FelixConfiguration sets replace Felix's defaults.
+        let e = ask(&g, "10.1.1.1", "hep:a-eth0", "tcp", Some(2222));
+        assert_eq!(e.ingress.decided_by, default("failsafe tcp:2222"));
+        assert_eq!(
+            ask(&g, "10.1.1.1", "hep:a-eth0", "tcp", Some(22)).verdict,
+            Deny
+        );
+        // A workload to its own host: DefaultEndpointToHostAction, not host endpoint policy.
+        let e = ask(&g, "prod/web", "hep:a-eth0", "tcp", Some(80));
+        assert_eq!(
+            e.ingress.decided_by,
+            default("DefaultEndpointToHostAction Accept")
+        );
+        // The `*` endpoint's forward policy meets traffic forwarded to node-b's workload.
+        let e = ask(&g, "10.1.1.1", "prod/db", "tcp", Some(25));
+        assert_eq!(
+            e.ingress.decided_by,
+            by_policy("default", "gateway-forward", 0, "Deny")
+        );
+        assert_eq!(e.ingress.steps[0].stage, "forward");
+        // Forward chains drop at the end of a tier too.
+        let e = ask(&g, "10.1.1.1", "prod/db", "tcp", Some(80));
+        assert_eq!(e.ingress.decided_by, default("end-of-tier default"));
+        assert_eq!(e.ingress.steps[1].stage, "forward");
+        // Traffic between node-a's workloads never reaches node-b's gateway.
+        let e = ask(&g, "prod/client", "prod/web", "tcp", Some(25));
+        assert!(e.ingress.steps.iter().all(|s| s.stage != "forward"));
+    }
+
     #[test]
     fn bad_queries_say_what_is_wrong() {
         let g = graph("");
