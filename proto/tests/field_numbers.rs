@@ -21,9 +21,10 @@ const TABLE: &str = include_str!("../../testdata/proto_field_numbers.json");
 const META_KEYS: [&str; 3] = ["source", "field_types", "reserved"];
 
 /// Our additions to Calico's messages: (message, field, number).
-const OUR_ADDITIONS: [(&str, &str, i32); 2] = [
+const OUR_ADDITIONS: [(&str, &str, i32); 3] = [
     ("ToDataplane", "server_hello", 1000),
     ("FromDataplane", "agent_hello", 1000),
+    ("FromDataplane", "dataplane_applied", 1001),
 ];
 
 struct Schema {
@@ -361,9 +362,10 @@ fn our_hello_messages_have_the_documented_shape() {
     for (env, fname, ty) in [
         ("ToDataplane", "server_hello", ".felix.ServerHello"),
         ("FromDataplane", "agent_hello", ".felix.AgentHello"),
+        ("FromDataplane", "dataplane_applied", ".felix.DataplaneApplied"),
     ] {
         let m = &schema.messages[env];
-        let f = field(m, fname).expect("hello field");
+        let f = field(m, fname).expect("our field");
         assert_eq!(f.type_name(), ty);
         let oneof = f.oneof_index.expect("in a oneof") as usize;
         assert_eq!(m.oneof_decl[oneof].name(), "payload");
