@@ -358,6 +358,14 @@ pub struct StatusArgs {
     /// Print the raw JSON instead of a table.
     #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
     pub json: bool,
+    /// One line per policy and profile: POLICY TIER DESIRED REALIZED FAILED PHASE (where it is
+    /// in force, from what the agents report they applied).
+    #[arg(long, env = "CALC_SERVER_STATUS_POLICIES", conflicts_with = "policy")]
+    pub policies: bool,
+    /// One policy ([NAMESPACE/]NAME, or a profile's name): its counts and the nodes that lag,
+    /// with their reason.
+    #[arg(long, env = "CALC_SERVER_STATUS_POLICY")]
+    pub policy: Option<String>,
 }
 
 /// A path where an empty value means "none" (clap's path parser refuses empty values).

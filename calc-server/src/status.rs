@@ -46,6 +46,40 @@ pub struct NodeStatus {
     pub workload_endpoints: BTreeMap<String, String>,
     /// Host endpoint id → status.
     pub host_endpoints: BTreeMap<String, String>,
+    /// The agent reports what its dataplane holds (`DataplaneApplied`).
+    pub reports_applied: bool,
+    /// Highest sequence number of the current stream the agent reported in its dataplane.
+    pub applied_sequence: u64,
+    /// Why the agent's last apply failed (empty when it succeeded).
+    pub apply_error: String,
+    /// `yes` when the agent has applied everything sent to it, else why not (not connected,
+    /// snapshot not applied, last apply failed…); filled in by [`Board::snapshot`].
+    pub programmed: String,
+}
+
+impl NodeStatus {
+    /// Whether the node's dataplane holds what it was sent, else why not: the same reasons the
+    /// agent's `/readiness` gives.
+    fn programmed(&self) -> String {
+        // The ServerHello is sequence number 1; the stream numbers what follows from 2.
+        let last_sent = self.messages_sent + 1;
+        if !self.connected {
+            "no: not connected".into()
+        } else if !self.apply_error.is_empty() {
+            format!("no: last apply failed: {}", self.apply_error)
+        } else if !self.dataplane_in_sync {
+            "no: snapshot not applied yet".into()
+        } else if !self.reports_applied {
+            "yes (snapshot; the agent does not report later applies)".into()
+        } else if self.applied_sequence < last_sent {
+            format!(
+                "behind: applied up to {} of {last_sent}",
+                self.applied_sequence
+            )
+        } else {
+            "yes".into()
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -82,8 +116,11 @@ impl Board {
     }
 
     /// A new stream for `node` started (replacing any previous one).
-    pub fn connected(&self, node: &str, conn_id: u64, agent_version: &str) {
+    pub fn connected(&self, node: &str, conn_id: u64, agent_version: &str, reports_applied: bool) {
         self.with(node, |s| {
+            s.reports_applied = reports_applied;
+            s.applied_sequence = 0;
+            s.apply_error.clear();
             s.conn_id = conn_id;
             s.connected = true;
             s.connected_since = common::rfc3339_utc(SystemTime::now());
@@ -131,6 +168,10 @@ impl Board {
                     });
                 }
                 Some(Payload::DataplaneInSync(_)) => s.dataplane_in_sync = true,
+                Some(Payload::DataplaneApplied(a)) => {
+                    s.applied_sequence = s.applied_sequence.max(a.applied_sequence_number);
+                    s.apply_error = a.error.clone();
+                }
                 Some(Payload::WorkloadEndpointStatusUpdate(u)) => {
                     let status = u.status.clone().unwrap_or_default().status;
                     s.workload_endpoints.insert(workload_key(&u.id), status);
@@ -170,6 +211,7 @@ impl Board {
         all.into_values()
             .map(|mut s| {
                 s.in_datastore = known.contains(&s.node);
+                s.programmed = s.programmed();
                 s.last_heartbeat_age_seconds = s.heartbeat_received.map(|t| t.elapsed().as_secs());
                 s
             })
@@ -191,7 +233,7 @@ mod tests {
     #[test]
     fn reports_update_the_board() {
         let b = Board::default();
-        b.connected("n1", 7, "0.1.0");
+        b.connected("n1", 7, "0.1.0", false);
         let id = pb::WorkloadEndpointId {
             orchestrator_id: "k8s".into(),
             workload_id: "ns/pod".into(),
@@ -242,7 +284,7 @@ mod tests {
     #[test]
     fn known_nodes_that_never_connected_are_listed() {
         let b = Board::default();
-        b.connected("n1", 1, "0.1.0");
+        b.connected("n1", 1, "0.1.0", false);
         b.set_known(["n1".to_string(), "n2".to_string()]);
         let s = b.snapshot();
         assert_eq!(

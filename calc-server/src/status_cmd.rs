@@ -1,5 +1,6 @@
 //! `calc-server status --server ADDR`: asks a running server's admin endpoint for its nodes and
-//! prints them as a table (or the raw JSON).
+//! prints them as a table (or the raw JSON); with `--policies` / `--policy NAME`, where policies
+//! are in force.
 //!
 //! The admin endpoint is plain HTTP/1. A user who gives the gRPC address (`--listen`) instead
 //! gets told so, not a "connection reset": the first bytes of the answer tell an HTTP/2 or TLS
@@ -34,17 +35,6 @@ fn not_http1(addr: &str, head: &[u8]) -> String {
 
 /// A minimal HTTP/1.0 GET: the admin endpoint is local plain HTTP and this keeps the binary
 /// free of an HTTP client.
-fn get(addr: &str, path: &str) -> anyhow::Result<String> {
-    let (status, body) = fetch(addr, path)?;
-    let addr = addr.trim_start_matches("http://").trim_end_matches('/');
-    anyhow::ensure!(
-        status.contains(" 200"),
-        "{addr}{path}: {status}: {}",
-        body.trim()
-    );
-    Ok(body)
-}
-
 /// A GET's status line and body, whatever the status.
 pub(crate) fn fetch(addr: &str, path: &str) -> anyhow::Result<(String, String)> {
     let addr = addr.trim_start_matches("http://").trim_end_matches('/');
@@ -161,12 +151,13 @@ fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
                     .unwrap_or_default()
                     .to_string(),
                 format!("{up}/{eps} up"),
+                n["programmed"].as_str().unwrap_or("-").to_string(),
             ]
         })
         .collect()
 }
 
-const HEADER: [&str; 9] = [
+const HEADER: [&str; 10] = [
     "NODE",
     "IN-DATASTORE",
     "CONNECTED",
@@ -176,14 +167,105 @@ const HEADER: [&str; 9] = [
     "SENT",
     "LAST-SEQ",
     "ENDPOINTS",
+    "PROGRAMMED",
 ];
-const RIGHT: [bool; 9] = [false, false, false, false, false, true, true, true, false];
+const RIGHT: [bool; 10] = [
+    false, false, false, false, false, true, true, true, false, false,
+];
+
+/// `/status/policies` as a table.
+fn policy_rows(rows: &[serde_json::Value]) -> Vec<Vec<String>> {
+    rows.iter()
+        .map(|r| {
+            let text = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            let num = |k: &str| r[k].as_u64().unwrap_or_default().to_string();
+            let tier = text("tier");
+            vec![
+                if r["kind"] == "Profile" {
+                    format!("profile:{}", text("policy"))
+                } else {
+                    text("policy")
+                },
+                if tier.is_empty() { "-".into() } else { tier },
+                num("desired"),
+                num("realized"),
+                num("failed"),
+                text("phase"),
+            ]
+        })
+        .collect()
+}
+
+const POLICY_HEADER: [&str; 6] = ["POLICY", "TIER", "DESIRED", "REALIZED", "FAILED", "PHASE"];
+const POLICY_RIGHT: [bool; 6] = [false, false, true, true, true, false];
+
+/// One policy: its line, then the nodes that lag.
+fn policy_detail(r: &serde_json::Value) -> String {
+    let mut out = table(
+        &POLICY_HEADER,
+        &policy_rows(std::slice::from_ref(r)),
+        &POLICY_RIGHT,
+    );
+    let lagging = r["lagging"].as_array().cloned().unwrap_or_default();
+    if lagging.is_empty() {
+        out.push_str("\nno node lags\n");
+        return out;
+    }
+    out.push('\n');
+    let rows: Vec<Vec<String>> = lagging
+        .iter()
+        .map(|l| {
+            ["node", "state", "reason"]
+                .iter()
+                .map(|k| l[*k].as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .collect();
+    out.push_str(&table(
+        &["NODE", "STATE", "REASON"],
+        &rows,
+        &[false, false, false],
+    ));
+    out
+}
+
+/// `[NAMESPACE/]NAME` as a path segment (kept readable: `/` separates namespace and name).
+fn policy_path(name: &str) -> String {
+    let mut out = String::from("/status/policies/");
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
 
 pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
-    let body = get(&args.server, "/status")?;
+    let path = match (&args.policy, args.policies) {
+        (Some(name), _) => policy_path(name),
+        (None, true) => "/status/policies".to_string(),
+        (None, false) => "/status".to_string(),
+    };
+    let (status, body) = fetch(&args.server, &path)?;
+    if !status.contains(" 200") {
+        // The admin endpoint answers errors as {"error": …}.
+        let why = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or_else(|| body.trim().to_string());
+        anyhow::bail!("{path}: {status}: {why}");
+    }
     let mut out = std::io::stdout().lock();
     let text = if args.json {
         format!("{body}\n")
+    } else if args.policy.is_some() {
+        policy_detail(&serde_json::from_str(&body).context("decoding the policy's status")?)
+    } else if args.policies {
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&body).context("decoding /status/policies")?;
+        table(&POLICY_HEADER, &policy_rows(&rows), &POLICY_RIGHT)
     } else {
         let nodes: Vec<serde_json::Value> =
             serde_json::from_str(&body).context("decoding /status")?;

@@ -362,7 +362,11 @@ fn our_hello_messages_have_the_documented_shape() {
     for (env, fname, ty) in [
         ("ToDataplane", "server_hello", ".felix.ServerHello"),
         ("FromDataplane", "agent_hello", ".felix.AgentHello"),
-        ("FromDataplane", "dataplane_applied", ".felix.DataplaneApplied"),
+        (
+            "FromDataplane",
+            "dataplane_applied",
+            ".felix.DataplaneApplied",
+        ),
     ] {
         let m = &schema.messages[env];
         let f = field(m, fname).expect("our field");

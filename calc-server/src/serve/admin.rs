@@ -1,6 +1,7 @@
 //! Admin HTTP endpoint: `/status` (JSON of every node's connection and reported status),
 //! `/status/datastore` (JSON: objects held at their last good version, and invalid objects
-//! with none), `/liveness`, `/readiness` (200 once the datastore is loaded, 503 before; the body
+//! with none), `/status/policies` and `/status/policies/[NAMESPACE/]NAME` (JSON: where each
+//! policy is in force, from the engine's realization tracking), `/liveness`, `/readiness` (200 once the datastore is loaded, 503 before; the body
 //! names the invalid objects that have no last good version, a degraded condition that does
 //! not take the server out of service), `/metrics` (Prometheus text, see `metrics`) and
 //! `/explain` (JSON: why traffic is allowed or denied, what applies to an endpoint, where a
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
-use axum::extract::{RawQuery, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::routing::get;
 
@@ -186,10 +187,57 @@ async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
     )
 }
 
+/// Asks the engine where policies are in force (`only`: one policy, with its lagging nodes).
+async fn realization(
+    s: &AdminState,
+    only: Option<String>,
+) -> (StatusCode, Json<serde_json::Value>) {
+    if !s.ready.load(Ordering::Relaxed) {
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "datastore not loaded yet".into(),
+        );
+    }
+    let single = only.is_some();
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let asked = s
+        .engine
+        .send(super::engine::Input::Realization { only, reply })
+        .await;
+    match (asked, answer.await) {
+        (Ok(()), Ok(Ok(mut rows))) if single => match rows.pop() {
+            Some(row) => (StatusCode::OK, Json(serde_json::json!(row))),
+            None => json_error(
+                StatusCode::NOT_FOUND,
+                "no such policy, and no profile of that name is in use".into(),
+            ),
+        },
+        (Ok(()), Ok(Ok(rows))) => (StatusCode::OK, Json(serde_json::json!(rows))),
+        (Ok(()), Ok(Err(e))) => json_error(StatusCode::BAD_REQUEST, e),
+        _ => json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "calc-server is shutting down".into(),
+        ),
+    }
+}
+
+async fn policies(State(s): State<AdminState>) -> (StatusCode, Json<serde_json::Value>) {
+    realization(&s, None).await
+}
+
+async fn policy(
+    State(s): State<AdminState>,
+    Path(name): Path<String>,
+) -> (StatusCode, Json<serde_json::Value>) {
+    realization(&s, Some(name)).await
+}
+
 pub(super) fn router(state: AdminState) -> axum::Router {
     axum::Router::new()
         .route("/status", get(status))
         .route("/status/datastore", get(datastore))
+        .route("/status/policies", get(policies))
+        .route("/status/policies/{*name}", get(policy))
         .route("/liveness", get(|| async { "alive\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(metrics))

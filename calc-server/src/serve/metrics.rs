@@ -58,6 +58,10 @@ pub struct Metrics {
     /// Messages sent to agents (all streams).
     pub messages_sent: AtomicU64,
     agents: Mutex<BTreeMap<String, AgentQueue>>,
+    /// Time from a new endpoint's first message to its node's agent reporting it applied.
+    pub endpoint_programmed_seconds: Histogram,
+    /// Per tier: nodes that need its policies, that have applied them, that failed to.
+    realization: Mutex<BTreeMap<String, (u64, u64, u64)>>,
     /// What the datastore adapter reports as unusable.
     unusable: Arc<Unusable>,
 }
@@ -69,6 +73,12 @@ fn escape_label(v: &str) -> String {
 }
 
 impl Metrics {
+    /// The per-tier realization counts (desired, realized, failed), as the engine last summed
+    /// them.
+    pub fn set_realization(&self, tiers: BTreeMap<String, (u64, u64, u64)>) {
+        *self.realization.lock() = tiers;
+    }
+
     pub fn agent_connected(
         &self,
         node: &str,
@@ -197,6 +207,36 @@ impl Metrics {
             "calc_server_calc_seconds",
             "Time to apply one burst of inputs to the graph and flush every node's changes.",
         );
+        self.endpoint_programmed_seconds.render(
+            &mut out,
+            "calc_server_endpoint_programmed_seconds",
+            "Time from a new endpoint's first message to its node's agent reporting it in the dataplane.",
+        );
+        let realization = self.realization.lock();
+        for (i, (name, help)) in [
+            (
+                "calc_server_policy_nodes_desired",
+                "Node-policy pairs where the tier's policies must be in force (their spans).",
+            ),
+            (
+                "calc_server_policy_nodes_realized",
+                "Node-policy pairs whose agent reported the policy's current version applied.",
+            ),
+            (
+                "calc_server_policy_nodes_failed",
+                "Node-policy pairs not realized because the node's last apply failed.",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (tier, (d, r, f)) in realization.iter() {
+                let v = [d, r, f][i];
+                let _ = writeln!(out, "{name}{{tier=\"{}\"}} {v}", escape_label(tier));
+            }
+        }
+        drop(realization);
         let agents = self.agents.lock();
         let _ = writeln!(
             out,

@@ -34,7 +34,8 @@ use super::metrics::Metrics;
 use super::status::Board;
 use calc_graph::untrusted::Untrusted;
 
-pub(super) const CAPABILITIES: &[&str] = &[];
+/// The capability token for `DataplaneApplied` reports (docs/proto.md, "Capabilities").
+pub(super) const APPLIED: &str = "applied";
 
 pub(super) struct SyncService {
     pub engine: mpsc::Sender<Input>,
@@ -74,6 +75,31 @@ fn foreign_report(m: &pb::FromDataplane, sent: &SentEndpoints) -> Option<String>
     };
     let known = sent.lock().contains(&key);
     (!known).then(|| key[2..].to_string())
+}
+
+/// Longest `DataplaneApplied.error` accepted (the agent cuts its error to this).
+const MAX_APPLY_ERROR: usize = 256;
+
+/// A `DataplaneApplied` that cannot be true of this stream: why. `last_sent` is the highest
+/// sequence number the stream has sent.
+fn impossible_applied(a: &pb::DataplaneApplied, last_sent: u64) -> Option<String> {
+    if a.error.len() > MAX_APPLY_ERROR {
+        Some(format!(
+            "DataplaneApplied.error is longer than {MAX_APPLY_ERROR} bytes"
+        ))
+    } else if a.applied_sequence_number > a.received_sequence_number {
+        Some(format!(
+            "DataplaneApplied: applied {} is beyond received {}",
+            a.applied_sequence_number, a.received_sequence_number
+        ))
+    } else if a.received_sequence_number > last_sent {
+        Some(format!(
+            "DataplaneApplied: received {} is beyond the {last_sent} messages sent",
+            a.received_sequence_number
+        ))
+    } else {
+        None
+    }
 }
 
 /// Longest text field accepted in a report (a status is `up`/`down`/`error`, a timestamp is
@@ -305,6 +331,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             ));
         }
         let node = hello.node_name.clone();
+        let reports_applied = hello.capabilities.iter().any(|c| c == APPLIED);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -327,7 +354,8 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             .send(Input::Connect {
                 node: node.clone(),
                 agent_version: hello.agent_version.clone(),
-                conn: Conn::new(id, tx, taken.clone(), taken_bytes.clone()),
+                conn: Conn::new(id, tx, taken.clone(), taken_bytes.clone())
+                    .reporting_applied(reports_applied),
                 reply: reply_tx,
             })
             .await
@@ -347,6 +375,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
         let reader_node = node.clone();
         let sent = sent_endpoints.clone();
         let metrics = self.metrics.clone();
+        let sent = (sent, taken.clone());
         let (fault_tx, fault_rx) = oneshot::channel();
         self.tasks.spawn(span, async move {
             let mut last = first.sequence_number;
@@ -366,7 +395,23 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                             tracing::warn!(reason = %why, "refused a report");
                             break Some((why.clone(), Status::invalid_argument(why)));
                         }
-                        if let Some(endpoint) = foreign_report(&m, &sent) {
+                        if let Some(FromPayload::DataplaneApplied(a)) = &m.payload {
+                            // The ServerHello is 1; the stream has taken `taken` more.
+                            let last_sent = sent.1.load(Ordering::Relaxed) + 1;
+                            if let Some(why) = impossible_applied(a, last_sent) {
+                                tracing::warn!(reason = %why, "refused a report");
+                                break Some((why.clone(), Status::invalid_argument(why)));
+                            }
+                            let _ = engine
+                                .send(Input::Applied {
+                                    node: reader_node.clone(),
+                                    id,
+                                    applied: a.applied_sequence_number,
+                                    error: (!a.error.is_empty()).then(|| a.error.clone()),
+                                })
+                                .await;
+                        }
+                        if let Some(endpoint) = foreign_report(&m, &sent.0) {
                             metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node");
                             break Some((
@@ -408,7 +453,12 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             sequence_number: 0,
             payload: Some(ToPayload::ServerHello(pb::ServerHello {
                 server_version: env!("CARGO_PKG_VERSION").to_string(),
-                capabilities: CAPABILITIES.iter().map(|c| c.to_string()).collect(),
+                // Only what this stream will use: a subset of what the agent offered.
+                capabilities: if reports_applied {
+                    vec![APPLIED.to_string()]
+                } else {
+                    Vec::new()
+                },
                 node_name: node,
             })),
         };

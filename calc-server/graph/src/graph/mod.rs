@@ -60,6 +60,13 @@ pub enum Update {
     InSync,
 }
 
+/// A policy or profile a node needs ([`CalcGraph::for_each_in_span`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanItem<'a> {
+    Policy(&'a ResourceKey),
+    Profile(&'a str),
+}
+
 /// An update the graph refused, with the reason. The previous good version (if any) stays.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{key}: {reason}")]
@@ -153,6 +160,33 @@ impl CalcGraph {
         let mut v: BTreeSet<String> = self.nodes.keys().map(|k| k.to_string()).collect();
         v.extend(self.host_metadata.keys().cloned());
         v.into_iter().collect()
+    }
+
+    /// Every policy with its tier, and every profile in some node's span (for realization
+    /// tables: a policy that selects nothing is listed too).
+    pub fn policies_and_tiers(&self) -> Vec<(&ResourceKey, &str)> {
+        self.policies
+            .iter()
+            .map(|(k, p)| (&**k, p.model.tier.as_str()))
+            .collect()
+    }
+
+    /// Calls `f(node, item)` for every policy and profile each node needs (its span; a policy
+    /// hinted `AssumeNeededOnEveryNode` on every node the graph holds).
+    pub fn for_each_in_span<'g>(&'g self, mut f: impl FnMut(&'g str, SpanItem<'g>)) {
+        for (name, n) in &self.nodes {
+            for k in n.span.policy_refs.keys() {
+                if !self.everywhere.contains(k) {
+                    f(name, SpanItem::Policy(k));
+                }
+            }
+            for k in &self.everywhere {
+                f(name, SpanItem::Policy(k));
+            }
+            for p in n.span.profile_refs.keys() {
+                f(name, SpanItem::Profile(p));
+            }
+        }
     }
 
     fn node_mut(&mut self, node: &str) -> &mut NodeState {

@@ -21,10 +21,16 @@
 //!   stream that sends it encodes it ([`felix_proto::framed::Encoded`]) and the others reuse the
 //!   bytes, each stamping its own sequence number. A message for one node is encoded by its
 //!   stream when sent. Encoding at send time keeps a queued snapshot as small as before.
+//! - Every message queued is numbered as its stream will number it, so what agents report
+//!   applied (`DataplaneApplied`) says which policy versions are in force where
+//!   ([`realization`]).
 
+mod realization;
 mod run;
 #[cfg(test)]
 mod tests;
+
+pub(crate) use realization::PolicyRealization;
 
 pub(super) use run::run;
 
@@ -147,6 +153,8 @@ pub(super) struct Conn {
     pub taken_bytes: Arc<AtomicU64>,
     /// Where the node's snapshot ends in the queue, once it has been queued.
     pub snapshot_end: Option<u64>,
+    /// The agent offered the `applied` capability: it reports what its dataplane holds.
+    pub reports_applied: bool,
 }
 
 impl Conn {
@@ -164,7 +172,14 @@ impl Conn {
             queued_bytes: 0,
             taken_bytes,
             snapshot_end: None,
+            reports_applied: false,
         }
+    }
+
+    /// The agent reports what it applied (`DataplaneApplied`).
+    pub(super) fn reporting_applied(mut self, reports: bool) -> Conn {
+        self.reports_applied = reports;
+        self
     }
 
     fn backlog(&self) -> u64 {
@@ -202,6 +217,20 @@ pub(super) enum Input {
     Explain {
         request: calc_graph::explain::Request,
         reply: oneshot::Sender<Result<serde_json::Value, calc_graph::explain::QueryError>>,
+    },
+    /// Stream `id` of `node` reports its dataplane holds everything up to `applied` (and, with
+    /// `error`, that its last apply failed).
+    Applied {
+        node: String,
+        id: u64,
+        applied: u64,
+        error: Option<String>,
+    },
+    /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
+    /// nodes.
+    Realization {
+        only: Option<String>,
+        reply: oneshot::Sender<Result<Vec<PolicyRealization>, String>>,
     },
     /// Close every stream (server shutting down).
     Shutdown,
@@ -241,6 +270,11 @@ pub(super) struct Engine {
     /// Nodes whose snapshot is being delivered.
     snapshotting: HashSet<String>,
     metrics: Arc<Metrics>,
+    realization: realization::Realization,
+    /// When the per-tier realization gauges were last summed.
+    realization_summed: Option<std::time::Instant>,
+    /// When the current step started.
+    now: std::time::Instant,
 }
 
 impl Engine {
@@ -263,6 +297,9 @@ impl Engine {
             waiting: VecDeque::new(),
             snapshotting: HashSet::new(),
             metrics,
+            realization: realization::Realization::default(),
+            realization_summed: None,
+            now: std::time::Instant::now(),
         }
     }
 
@@ -275,6 +312,7 @@ impl Engine {
     /// Applies a burst of inputs and flushes once for all of them.
     pub(super) fn step(&mut self, inputs: impl IntoIterator<Item = Input>) -> Step {
         let started = std::time::Instant::now();
+        self.now = started;
         let mut stop = false;
         for input in inputs {
             stop |= self.handle(input);
@@ -282,6 +320,7 @@ impl Engine {
         self.sweep_closed();
         self.admit();
         self.flush();
+        self.sum_realization();
         self.metrics.calc_seconds.observe(started.elapsed());
         if self.graph.in_sync() {
             self.ready.store(true, Ordering::Relaxed);
@@ -300,6 +339,27 @@ impl Engine {
             self.snapshotting.clear();
         }
         Step { stopped: stop }
+    }
+
+    /// Refreshes the per-tier realization gauges, at most once a second: summing walks every
+    /// node's span.
+    fn sum_realization(&mut self) {
+        const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+        if !self.realization.dirty
+            || self
+                .realization_summed
+                .is_some_and(|t| self.now.duration_since(t) < EVERY)
+        {
+            return;
+        }
+        self.realization_summed = Some(self.now);
+        let tiers = self
+            .realization
+            .tiers(&self.graph)
+            .into_iter()
+            .map(|(t, c)| (t, (c.desired, c.realized, c.failed)))
+            .collect();
+        self.metrics.set_realization(tiers);
     }
 
     /// Ends finished snapshots and starts waiting ones, up to the limit. A snapshot is
@@ -344,6 +404,7 @@ impl Engine {
         self.waiting.retain(|n| n != node);
         self.board.disconnected(node);
         self.metrics.agent_gone(node, Some(conn.id));
+        self.realization.disconnected(node);
         Some(conn)
     }
 
@@ -364,6 +425,27 @@ impl Engine {
                 if self.conns.get(&node).is_some_and(|c| c.id == id) {
                     self.drop_conn(&node);
                 }
+            }
+            Input::Applied {
+                node,
+                id,
+                applied,
+                error,
+            } => {
+                for waited in self
+                    .realization
+                    .applied(&node, id, applied, error, self.now)
+                {
+                    self.metrics.endpoint_programmed_seconds.observe(waited);
+                }
+            }
+            Input::Realization { only, reply } => {
+                let answer = match only {
+                    None => Ok(self.realization.table(&self.graph, None)),
+                    Some(name) => realization::Realization::find(&self.graph, &name)
+                        .map(|t| self.realization.table(&self.graph, Some(&t))),
+                };
+                let _ = reply.send(answer);
             }
             Input::Explain { request, reply } => {
                 let span = tracing::debug_span!("explain");
@@ -422,7 +504,10 @@ impl Engine {
         self.snapshotting.remove(&node);
         self.waiting.retain(|n| n != &node);
         self.waiting.push_back(node.clone());
-        self.board.connected(&node, conn.id, agent_version);
+        self.board
+            .connected(&node, conn.id, agent_version, conn.reports_applied);
+        self.realization
+            .connected(&node, conn.id, conn.reports_applied);
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());
         self.conns.insert(node, conn);
@@ -480,8 +565,22 @@ impl Engine {
             conn.queued_bytes += bytes;
             self.metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
             // The node's first batch after it was admitted is its snapshot.
-            if conn.snapshot_end.is_none() && self.snapshotting.contains(&batch.node) {
+            let snapshot = conn.snapshot_end.is_none() && self.snapshotting.contains(&batch.node);
+            if snapshot {
                 conn.snapshot_end = Some(queued);
+            }
+            // The ServerHello is sequence number 1; queued message k (from 1) is k + 1.
+            let first_seq = queued - n + 2;
+            for (i, out) in outs.iter().enumerate() {
+                if let Some(m) = out.message() {
+                    self.realization.queued(
+                        &batch.node,
+                        first_seq + i as u64,
+                        m,
+                        snapshot,
+                        self.now,
+                    );
+                }
             }
             self.board.sent(&batch.node, n);
             for out in outs {

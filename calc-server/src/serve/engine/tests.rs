@@ -458,3 +458,170 @@ fn a_node_cut_off_mid_flush_does_not_lend_its_encodings_to_the_next() {
         );
     }
 }
+
+impl Harness {
+    /// Connects an agent that reports what it applied, and takes its snapshot.
+    fn connect_reporting(&mut self, node: &str) -> Agent {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut agent = Agent {
+            id: self.next_id,
+            rx,
+            taken: Arc::new(AtomicU64::new(0)),
+            taken_bytes: Arc::new(AtomicU64::new(0)),
+        };
+        self.next_id += 1;
+        let conn = Conn::new(agent.id, tx, agent.taken.clone(), agent.taken_bytes.clone())
+            .reporting_applied(true);
+        let (reply, _verdict) = oneshot::channel();
+        self.engine.step([Input::Connect {
+            node: node.into(),
+            agent_version: "test".into(),
+            conn,
+            reply,
+        }]);
+        let snapshot = agent.kinds();
+        assert_eq!(snapshot.last().map(String::as_str), Some("InSync"));
+        agent
+    }
+
+    /// The agent on `node` reports everything it has taken as applied (or the error).
+    fn ack(&mut self, node: &str, a: &Agent, error: Option<&str>) {
+        // The ServerHello is 1; the stream numbers what it takes from 2.
+        let applied = a.taken.load(Ordering::Relaxed) + 1;
+        self.engine.step([Input::Applied {
+            node: node.into(),
+            id: a.id,
+            applied: if error.is_some() { 0 } else { applied },
+            error: error.map(str::to_string),
+        }]);
+    }
+
+    fn realization(&mut self, only: Option<&str>) -> Vec<super::PolicyRealization> {
+        let (reply, mut answer) = oneshot::channel();
+        self.engine.step([Input::Realization {
+            only: only.map(str::to_string),
+            reply,
+        }]);
+        answer
+            .try_recv()
+            .expect("answered in the step")
+            .expect("a known policy")
+    }
+
+    /// (desired, realized, failed, phase) of the `web` policy.
+    fn web(&mut self) -> (u32, u32, u32, String) {
+        let rows = self.realization(Some("web"));
+        let r = &rows[0];
+        (r.desired, r.realized, r.failed, r.phase.clone())
+    }
+}
+
+#[test]
+fn a_policy_edit_is_realizing_until_every_node_applies_it() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let mut a = h.connect_reporting("node-a");
+    let mut b = h.connect_reporting("node-b");
+    assert_eq!(
+        h.web(),
+        (2, 0, 0, "Realizing".into()),
+        "snapshots not applied yet"
+    );
+    h.ack("node-a", &a, None);
+    assert_eq!(h.web(), (2, 1, 0, "Realizing".into()));
+    h.ack("node-b", &b, None);
+    assert_eq!(h.web(), (2, 2, 0, "Realized".into()));
+
+    // An edit goes out to both: realizing again until each applies the new version.
+    h.datastore(vec![web_policy(8080)]);
+    assert!(a.kinds().contains(&"ActivePolicyUpdate".to_string()));
+    assert!(b.kinds().contains(&"ActivePolicyUpdate".to_string()));
+    assert_eq!(h.web(), (2, 0, 0, "Realizing".into()));
+    let detail = &h.realization(Some("web"))[0];
+    assert_eq!(detail.lagging.len(), 2);
+    assert!(
+        detail.lagging[0]
+            .reason
+            .starts_with("update sent at sequence"),
+        "{detail:?}"
+    );
+    h.ack("node-a", &a, None);
+    h.ack("node-b", &b, None);
+    assert_eq!(h.web(), (2, 2, 0, "Realized".into()));
+    // The per-tier gauges follow (summed at most once a second, and at the first change).
+    let text = h.metrics.render(true);
+    assert!(
+        text.contains("calc_server_policy_nodes_desired{tier=\"default\"} 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_node_whose_apply_fails_is_failed_with_the_error() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let a = h.connect_reporting("node-a");
+    let b = h.connect_reporting("node-b");
+    h.ack("node-a", &a, None);
+    h.ack("node-b", &b, Some("iptables-restore: line 3 failed"));
+    assert_eq!(h.web(), (2, 1, 1, "Failed".into()));
+    let detail = &h.realization(Some("web"))[0];
+    assert_eq!(detail.lagging.len(), 1);
+    assert_eq!(detail.lagging[0].node, "node-b");
+    assert_eq!(detail.lagging[0].state, "failed");
+    assert_eq!(
+        detail.lagging[0].reason,
+        "last apply failed: iptables-restore: line 3 failed"
+    );
+    // A later success clears it.
+    h.ack("node-b", &b, None);
+    assert_eq!(h.web(), (2, 2, 0, "Realized".into()));
+    // A node that is not connected is pending, not failed.
+    drop(b);
+    h.engine.step([]);
+    let detail = &h.realization(Some("web"))[0];
+    assert_eq!(
+        (detail.realized, detail.lagging[0].reason.as_str()),
+        (1, "not connected")
+    );
+}
+
+#[test]
+fn a_node_that_leaves_the_span_stops_counting() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let a = h.connect_reporting("node-a");
+    let _b = h.connect_reporting("node-b");
+    h.ack("node-a", &a, None);
+    assert_eq!(h.web(), (2, 1, 0, "Realizing".into()));
+    h.datastore(vec![Update::Delete(calc_graph::model::ResourceKey::new(
+        calc_graph::model::Kind::WorkloadEndpoint,
+        Some("shop"),
+        "node--b-k8s-web--2-eth0",
+    ))]);
+    assert_eq!(h.web(), (1, 1, 0, "Realized".into()));
+}
+
+#[test]
+fn a_new_endpoint_is_timed_until_its_node_applies_it() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let mut a = h.connect_reporting("node-a");
+    h.ack("node-a", &a, None);
+    let count = |h: &Harness| {
+        let text = h.metrics.render(true);
+        text.lines()
+            .find(|l| l.starts_with("calc_server_endpoint_programmed_seconds_count"))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+    };
+    assert_eq!(
+        count(&h).as_deref(),
+        Some("0"),
+        "snapshot endpoints are not new"
+    );
+    h.datastore(vec![workload("node-a", "web-3", "10.0.0.3")]);
+    assert!(a.kinds().contains(&"WorkloadEndpointUpdate".to_string()));
+    assert_eq!(count(&h).as_deref(), Some("0"), "not applied yet");
+    h.ack("node-a", &a, None);
+    assert_eq!(count(&h).as_deref(), Some("1"));
+}

@@ -1,0 +1,412 @@
+//! Realization: where each policy and profile is in force, and how long a new endpoint waits
+//! for its node to program it.
+//!
+//! Contract: the engine tells this module which sequence number carried each message to each
+//! node ([`Realization::queued`]) and what each agent reports it has applied
+//! ([`Realization::applied`], from `DataplaneApplied`). A policy's *desired* nodes are its span
+//! in the graph (the nodes that need it); a desired node has *realized* it when its agent has
+//! applied its snapshot and every update of the policy sent to it since. Only messages not yet
+//! acknowledged are remembered (per node, in sequence order), so the cost is bounded by what is
+//! in flight, not by nodes × policies. A node whose last apply failed counts as *failed* for
+//! every policy it has not realized, with the agent's error; anything else is pending, with the
+//! reason (not connected, not reporting, snapshot not applied, update not applied yet).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use calc_graph::graph::{CalcGraph, SpanItem};
+use calc_graph::model::ResourceKey;
+use felix_proto as pb;
+use pb::to_dataplane::Payload;
+use serde::{Deserialize, Serialize};
+
+/// `Kind/namespace/name` of a policy (`Profile//name` for a profile): the same string from a
+/// `PolicyId` on the wire and from the graph's key.
+fn policy_id_key(id: &pb::PolicyId) -> String {
+    format!("{}/{}/{}", id.kind, id.namespace, id.name)
+}
+
+fn resource_key(k: &ResourceKey) -> String {
+    format!(
+        "{}/{}/{}",
+        k.kind.as_str(),
+        k.namespace.as_deref().unwrap_or_default(),
+        k.name
+    )
+}
+
+fn profile_key(name: &str) -> String {
+    format!("Profile//{name}")
+}
+
+/// What one node's agent has acknowledged, and what it still has to.
+#[derive(Debug, Default)]
+struct NodeTrack {
+    conn: u64,
+    /// The agent offered the `applied` capability.
+    reports: bool,
+    /// The stream's InSync, once queued: the snapshot is applied when this is.
+    in_sync_seq: Option<u64>,
+    /// The highest sequence number queued on the stream.
+    last_queued: u64,
+    applied: u64,
+    error: Option<String>,
+    /// Policy and profile updates sent and not yet applied, in sequence order.
+    inflight: VecDeque<(u64, String)>,
+    inflight_count: HashMap<String, u32>,
+    /// New endpoints sent and not yet applied: (sequence number, id, first seen).
+    new_endpoints: VecDeque<(u64, String, Instant)>,
+}
+
+impl NodeTrack {
+    fn snapshot_applied(&self) -> bool {
+        self.in_sync_seq.is_some_and(|s| self.applied >= s)
+    }
+
+    /// Why `key` is not realized on this node (`None`: it is).
+    fn lag(&self, key: &str) -> Option<(bool, String)> {
+        if !self.reports {
+            return Some((
+                false,
+                "the agent does not report what it applied (no \"applied\" capability)".into(),
+            ));
+        }
+        let pending_update = self.inflight_count.contains_key(key);
+        if self.snapshot_applied() && !pending_update {
+            return None;
+        }
+        if let Some(e) = &self.error {
+            return Some((true, format!("last apply failed: {e}")));
+        }
+        Some((
+            false,
+            if self.snapshot_applied() {
+                let seq = self
+                    .inflight
+                    .iter()
+                    .rev()
+                    .find(|(_, k)| k == key)
+                    .map_or(0, |(s, _)| *s);
+                format!(
+                    "update sent at sequence {seq}, applied up to {}",
+                    self.applied
+                )
+            } else {
+                format!(
+                    "snapshot not applied yet (applied up to {} of {})",
+                    self.applied,
+                    self.in_sync_seq.unwrap_or(self.last_queued)
+                )
+            },
+        ))
+    }
+}
+
+/// A policy or a profile, as a single-policy query names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Target {
+    Policy(ResourceKey),
+    Profile(String),
+}
+
+/// One policy's (or profile's) realization across its nodes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PolicyRealization {
+    /// `namespace/name` or `name`.
+    pub policy: String,
+    pub kind: String,
+    /// The tier (empty for a profile).
+    pub tier: String,
+    pub desired: u32,
+    pub realized: u32,
+    pub failed: u32,
+    /// `Realized`, `Realizing` or `Failed`.
+    pub phase: String,
+    /// The nodes that lag, with why (only in a single-policy answer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lagging: Vec<NodeLag>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct NodeLag {
+    pub node: String,
+    /// `failed` or `pending`.
+    pub state: String,
+    pub reason: String,
+}
+
+/// Desired, realized and failed node counts of one tier's policies (Prometheus gauges).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TierCounts {
+    pub desired: u64,
+    pub realized: u64,
+    pub failed: u64,
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub(super) struct Realization {
+    nodes: HashMap<String, NodeTrack>,
+    /// Every endpoint id any node has been sent: an id sent for the first time outside a
+    /// snapshot is a new endpoint, whose time to be programmed is measured.
+    seen_endpoints: HashSet<String>,
+    /// Something changed since the last [`Realization::tiers`].
+    pub(super) dirty: bool,
+}
+
+fn endpoint_id(p: &Payload) -> Option<String> {
+    match p {
+        Payload::WorkloadEndpointUpdate(u) => u.id.as_ref().map(|i| {
+            format!(
+                "w:{}/{}/{}",
+                i.orchestrator_id, i.workload_id, i.endpoint_id
+            )
+        }),
+        Payload::HostEndpointUpdate(u) => u.id.as_ref().map(|i| format!("h:{}", i.endpoint_id)),
+        _ => None,
+    }
+}
+
+fn removed_endpoint_id(p: &Payload) -> Option<String> {
+    match p {
+        Payload::WorkloadEndpointRemove(u) => u.id.as_ref().map(|i| {
+            format!(
+                "w:{}/{}/{}",
+                i.orchestrator_id, i.workload_id, i.endpoint_id
+            )
+        }),
+        Payload::HostEndpointRemove(u) => u.id.as_ref().map(|i| format!("h:{}", i.endpoint_id)),
+        _ => None,
+    }
+}
+
+impl Realization {
+    /// A new stream for `node`: what the old one acknowledged no longer counts.
+    pub(super) fn connected(&mut self, node: &str, conn: u64, reports: bool) {
+        self.nodes.insert(
+            node.to_string(),
+            NodeTrack {
+                conn,
+                reports,
+                ..NodeTrack::default()
+            },
+        );
+        self.dirty = true;
+    }
+
+    pub(super) fn disconnected(&mut self, node: &str) {
+        self.nodes.remove(node);
+        self.dirty = true;
+    }
+
+    /// `msg` was queued for `node` with sequence number `seq`; `snapshot` when it is part of
+    /// the node's snapshot; `now` is when the step that produced it started.
+    pub(super) fn queued(
+        &mut self,
+        node: &str,
+        seq: u64,
+        msg: &pb::ToDataplane,
+        snapshot: bool,
+        now: Instant,
+    ) {
+        let Some(t) = self.nodes.get_mut(node) else {
+            return;
+        };
+        t.last_queued = t.last_queued.max(seq);
+        let Some(p) = &msg.payload else { return };
+        let key = match p {
+            Payload::InSync(_) => {
+                t.in_sync_seq.get_or_insert(seq);
+                return;
+            }
+            Payload::ActivePolicyUpdate(u) => u.id.as_ref().map(policy_id_key),
+            Payload::ActiveProfileUpdate(u) => u.id.as_ref().map(|i| profile_key(&i.name)),
+            other => {
+                if let Some(id) = endpoint_id(other) {
+                    let new = self.seen_endpoints.insert(id.clone());
+                    if new && !snapshot && t.reports {
+                        t.new_endpoints.push_back((seq, id, now));
+                    }
+                } else if let Some(id) = removed_endpoint_id(other) {
+                    self.seen_endpoints.remove(&id);
+                }
+                return;
+            }
+        };
+        if let Some(key) = key
+            && t.reports
+        {
+            *t.inflight_count.entry(key.clone()).or_default() += 1;
+            t.inflight.push_back((seq, key));
+            self.dirty = true;
+        }
+    }
+
+    /// `node`'s agent on stream `conn` reports its dataplane holds everything up to `applied`
+    /// (and, if `error`, that its last apply failed). Returns how long each new endpoint it now
+    /// holds waited, from the step that first sent it.
+    pub(super) fn applied(
+        &mut self,
+        node: &str,
+        conn: u64,
+        applied: u64,
+        error: Option<String>,
+        now: Instant,
+    ) -> Vec<Duration> {
+        let Some(t) = self.nodes.get_mut(node) else {
+            return Vec::new();
+        };
+        if t.conn != conn {
+            return Vec::new();
+        }
+        self.dirty = true;
+        t.applied = t.applied.max(applied);
+        t.error = error;
+        while t.inflight.front().is_some_and(|(s, _)| *s <= t.applied) {
+            let (_, key) = t.inflight.pop_front().expect("checked");
+            if let Some(c) = t.inflight_count.get_mut(&key) {
+                *c -= 1;
+                if *c == 0 {
+                    t.inflight_count.remove(&key);
+                }
+            }
+        }
+        let mut waited = Vec::new();
+        while t
+            .new_endpoints
+            .front()
+            .is_some_and(|(s, _, _)| *s <= t.applied)
+        {
+            let (_, _, first) = t.new_endpoints.pop_front().expect("checked");
+            waited.push(now.saturating_duration_since(first));
+        }
+        waited
+    }
+
+    /// Every policy's and profile's realization, by the graph's spans. With `only`, just that
+    /// one, with its lagging nodes.
+    pub(super) fn table(&self, graph: &CalcGraph, only: Option<&Target>) -> Vec<PolicyRealization> {
+        let mut policies: HashMap<&ResourceKey, PolicyRealization> = HashMap::new();
+        let mut profiles: BTreeMap<&str, PolicyRealization> = BTreeMap::new();
+        for (k, tier) in graph.policies_and_tiers() {
+            if only.is_some_and(|o| *o != Target::Policy(k.clone())) {
+                continue;
+            }
+            policies.insert(
+                k,
+                PolicyRealization {
+                    policy: match &k.namespace {
+                        Some(ns) => format!("{ns}/{}", k.name),
+                        None => k.name.clone(),
+                    },
+                    kind: k.kind.as_str().to_string(),
+                    tier: tier.to_string(),
+                    ..PolicyRealization::default()
+                },
+            );
+        }
+        let detail = only.is_some();
+        graph.for_each_in_span(|node, item| {
+            let row = match item {
+                SpanItem::Policy(k) => match policies.get_mut(k) {
+                    Some(row) => row,
+                    None => return,
+                },
+                SpanItem::Profile(p) => {
+                    if only.is_some_and(|o| *o != Target::Profile(p.to_string())) {
+                        return;
+                    }
+                    profiles.entry(p).or_insert_with(|| PolicyRealization {
+                        policy: p.to_string(),
+                        kind: "Profile".into(),
+                        ..PolicyRealization::default()
+                    })
+                }
+            };
+            row.desired += 1;
+            let lag = match self.nodes.get(node) {
+                None => Some((false, "not connected".to_string())),
+                // The common case needs no key: everything the node was sent is applied.
+                Some(t) if t.reports && t.snapshot_applied() && t.inflight.is_empty() => None,
+                Some(t) => t.lag(&match item {
+                    SpanItem::Policy(k) => resource_key(k),
+                    SpanItem::Profile(p) => profile_key(p),
+                }),
+            };
+            match lag {
+                None => row.realized += 1,
+                Some((failed, reason)) => {
+                    if failed {
+                        row.failed += 1;
+                    }
+                    if detail {
+                        row.lagging.push(NodeLag {
+                            node: node.to_string(),
+                            state: if failed { "failed" } else { "pending" }.into(),
+                            reason,
+                        });
+                    }
+                }
+            }
+        });
+        let mut rows: Vec<PolicyRealization> = policies.into_values().collect();
+        rows.sort_by(|a, b| (&a.tier, &a.policy, &a.kind).cmp(&(&b.tier, &b.policy, &b.kind)));
+        rows.extend(profiles.into_values());
+        for r in &mut rows {
+            r.phase = if r.failed > 0 {
+                "Failed"
+            } else if r.realized == r.desired {
+                "Realized"
+            } else {
+                "Realizing"
+            }
+            .into();
+            r.lagging.sort_by(|a, b| a.node.cmp(&b.node));
+        }
+        rows
+    }
+
+    /// What `[NAMESPACE/]NAME` names: a policy, or else a profile.
+    pub(super) fn find(graph: &CalcGraph, name: &str) -> Result<Target, String> {
+        let (ns, n) = match name.split_once('/') {
+            Some((ns, n)) => (Some(ns), n),
+            None => (None, name),
+        };
+        let mut found: Vec<ResourceKey> = graph
+            .policies_and_tiers()
+            .into_iter()
+            .filter(|(k, _)| k.name == n && (ns.is_none() || k.namespace.as_deref() == ns))
+            .map(|(k, _)| k.clone())
+            .collect();
+        found.sort();
+        match found.len() {
+            1 => Ok(Target::Policy(found.remove(0))),
+            0 if ns.is_none() => Ok(Target::Profile(n.to_string())),
+            0 => Err(format!("no policy {name:?} in the datastore")),
+            _ => Err(format!(
+                "{name:?} is ambiguous: it names {}",
+                found
+                    .iter()
+                    .map(|k| format!("{} {}", k.kind.as_str(), resource_key(k)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+
+    /// Desired, realized and failed counts per tier (policies only).
+    pub(super) fn tiers(&mut self, graph: &CalcGraph) -> BTreeMap<String, TierCounts> {
+        self.dirty = false;
+        let mut out: BTreeMap<String, TierCounts> = BTreeMap::new();
+        for row in self.table(graph, None) {
+            if row.kind == "Profile" {
+                continue;
+            }
+            let t = out.entry(row.tier).or_default();
+            t.desired += u64::from(row.desired);
+            t.realized += u64::from(row.realized);
+            t.failed += u64::from(row.failed);
+        }
+        out
+    }
+}
