@@ -293,6 +293,61 @@ pub struct ComputeArgs {
     pub out_dir: Option<PathBuf>,
 }
 
+// `calc-server explain`.
+#[derive(Clone, Debug, clap::Args)]
+#[command(group(
+    clap::ArgGroup::new("question")
+        .required(true)
+        .args(["from", "endpoint", "policy"])
+))]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub datastore: DatastoreArgs,
+    /// Ask a running server (its admin address, serve's --admin-listen) instead of reading the
+    /// datastore: the answer then reflects exactly the state it serves.
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_SERVER")]
+    pub server: Option<String>,
+    /// The source: a workload as namespace/pod (or its WorkloadEndpoint name, optionally
+    /// namespace/-prefixed), a host endpoint as hep:NAME, or an IP address (an address no
+    /// endpoint owns is outside the cluster).
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_FROM", requires = "to")]
+    pub from: Option<String>,
+    /// The destination, in the same forms as --from.
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_TO", requires = "from")]
+    pub to: Option<String>,
+    /// The protocol: tcp, udp, sctp, icmp, icmpv6 or a number (icmp means an echo request).
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_PROTOCOL", default_value = "tcp")]
+    pub protocol: String,
+    /// The destination port (needed for tcp, udp and sctp).
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_PORT")]
+    pub port: Option<String>,
+    /// The source port; without it, rules that match source ports do not match.
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_SOURCE_PORT")]
+    pub source_port: Option<String>,
+    /// List the tiers and policies that apply to this endpoint (same forms as --from), in
+    /// order, per direction, with their selectors.
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_ENDPOINT", conflicts_with_all = ["from", "policy"])]
+    pub endpoint: Option<String>,
+    /// List the endpoints this policy ([NAMESPACE/]NAME) selects and the nodes where it is
+    /// active.
+    #[arg(long, env = "CALC_SERVER_EXPLAIN_POLICY", conflicts_with_all = ["from", "endpoint"])]
+    pub policy: Option<String>,
+    /// Output: the walk as text, one line per step, or one JSON object.
+    #[arg(
+        long,
+        env = "CALC_SERVER_EXPLAIN_OUTPUT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub output: ExplainOutput,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExplainOutput {
+    Text,
+    Json,
+}
+
 // `calc-server status`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct StatusArgs {

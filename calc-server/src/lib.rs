@@ -8,7 +8,8 @@
 //! - [`datastore`]: one adapter per datastore (file, etcd, Kubernetes) feeding one sink; the
 //!   pure part of ingest is the `calc_ingest` crate;
 //! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
-//!   admin endpoint; [`compute`], [`status_cmd`] and [`offline`]: the other commands;
+//!   admin endpoint; [`compute`], [`explain_cmd`], [`status_cmd`] and [`offline`]: the other
+//!   commands;
 //!
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
@@ -16,6 +17,7 @@
 pub mod args;
 pub mod compute;
 pub mod datastore;
+pub mod explain_cmd;
 pub mod offline;
 pub mod serve;
 pub mod status;

@@ -2,8 +2,8 @@
 //! dispatch); the commands are in the `calc_server` library.
 //!
 //! Subcommands: `serve` (the Sync stream), `status`, `compute` (the stream a node would
-//! receive), the offline tools (selector evaluation and normalisation, manifest validation),
-//! and `gen-cluster`, `bench`, `bench-sync`, which run the separate `calc-bench` tool installed
+//! receive), `explain` (why traffic is allowed or denied), the offline tools (selector
+//! evaluation and normalisation, manifest validation), and `gen-cluster`, `bench`, `bench-sync`, which run the separate `calc-bench` tool installed
 //! beside this binary (benchmarks do not ship inside the server).
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
@@ -11,8 +11,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use calc_server::args::{ComputeArgs, ServeArgs, StatusArgs};
-use calc_server::{compute, offline, serve, status_cmd};
+use calc_server::args::{ComputeArgs, ExplainArgs, ServeArgs, StatusArgs};
+use calc_server::{compute, explain_cmd, offline, serve, status_cmd};
 use clap::{Parser, Subcommand};
 use common::LogFormat;
 
@@ -49,6 +49,10 @@ enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
     /// per line: the proto3 JSON mapping of each ToDataplane.
     Compute(ComputeArgs),
+    /// Explain why traffic is allowed or denied (--from/--to), list what applies to an endpoint
+    /// (--endpoint) or where a policy is in force (--policy): from the datastore, or from a
+    /// running server with --server ADMIN_ADDR.
+    Explain(ExplainArgs),
     /// Serve the CalcServer.Sync gRPC stream: each connected agent gets its node's snapshot,
     /// InSync, then deltas; endpoint status flows back and is written to the datastore.
     Serve(ServeArgs),
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
     );
     let result = match cli.command {
         Command::Compute(args) => compute::run(&args),
+        Command::Explain(args) => explain_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
         Command::GenCluster(f) => calc_bench("gen-cluster", cli.log_level, f.args),

@@ -35,6 +35,18 @@ fn not_http1(addr: &str, head: &[u8]) -> String {
 /// A minimal HTTP/1.0 GET: the admin endpoint is local plain HTTP and this keeps the binary
 /// free of an HTTP client.
 fn get(addr: &str, path: &str) -> anyhow::Result<String> {
+    let (status, body) = fetch(addr, path)?;
+    let addr = addr.trim_start_matches("http://").trim_end_matches('/');
+    anyhow::ensure!(
+        status.contains(" 200"),
+        "{addr}{path}: {status}: {}",
+        body.trim()
+    );
+    Ok(body)
+}
+
+/// A GET's status line and body, whatever the status.
+pub(crate) fn fetch(addr: &str, path: &str) -> anyhow::Result<(String, String)> {
     let addr = addr.trim_start_matches("http://").trim_end_matches('/');
     let mut s = TcpStream::connect(addr).with_context(|| {
         format!("connecting to {addr} (is `calc-server serve` running with --admin-listen {addr}?)")
@@ -56,13 +68,8 @@ fn get(addr: &str, path: &str) -> anyhow::Result<String> {
     let (head, body) = resp
         .split_once("\r\n\r\n")
         .context("malformed HTTP response")?;
-    let status = head.lines().next().unwrap_or_default();
-    anyhow::ensure!(
-        status.contains(" 200"),
-        "{addr}{path}: {status}: {}",
-        body.trim()
-    );
-    Ok(body.to_string())
+    let status = head.lines().next().unwrap_or_default().to_string();
+    Ok((status, body.to_string()))
 }
 
 /// A column-aligned table: each column as wide as its widest cell; numbers right-aligned.

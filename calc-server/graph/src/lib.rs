@@ -10,6 +10,7 @@
 //! - [`untrusted`]: datastore strings made safe to show in logs and errors.
 
 pub mod convert;
+pub mod explain;
 pub mod graph;
 pub mod hash;
 pub mod label_index;

@@ -2,13 +2,15 @@
 //! `/status/datastore` (JSON: objects held at their last good version, and invalid objects
 //! with none), `/liveness`, `/readiness` (200 once the datastore is loaded, 503 before; the body
 //! names the invalid objects that have no last good version, a degraded condition that does
-//! not take the server out of service) and `/metrics` (Prometheus text, see `metrics`).
+//! not take the server out of service), `/metrics` (Prometheus text, see `metrics`) and
+//! `/explain` (JSON: why traffic is allowed or denied, what applies to an endpoint, where a
+//! policy is in force; answered by the engine from its current state, see `calc_graph::explain`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::routing::get;
 
@@ -20,6 +22,117 @@ pub(super) struct AdminState {
     pub board: Arc<Board>,
     pub ready: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
+    /// The engine, which answers explain queries from its state.
+    pub engine: tokio::sync::mpsc::Sender<super::engine::Input>,
+}
+
+/// `/explain`'s parameters: `from` and `to` (with `protocol`, `port`, `source_port`), or
+/// `endpoint`, or `policy`.
+#[derive(Debug, Default)]
+pub(super) struct ExplainParams {
+    from: Option<String>,
+    to: Option<String>,
+    protocol: Option<String>,
+    port: Option<String>,
+    source_port: Option<String>,
+    endpoint: Option<String>,
+    policy: Option<String>,
+}
+
+/// `%XX` and `+` decoded; `None` for an invalid escape or non-UTF-8 text.
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = [bytes.next()?, bytes.next()?];
+                out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+            }
+            b => out.push(b),
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+impl ExplainParams {
+    fn parse(query: &str) -> Result<Self, String> {
+        let mut p = ExplainParams::default();
+        for pair in query.split('&').filter(|s| !s.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let v = percent_decode(v).ok_or_else(|| format!("parameter {k}: invalid escape"))?;
+            let slot = match k {
+                "from" => &mut p.from,
+                "to" => &mut p.to,
+                "protocol" => &mut p.protocol,
+                "port" => &mut p.port,
+                "source_port" => &mut p.source_port,
+                "endpoint" => &mut p.endpoint,
+                "policy" => &mut p.policy,
+                other => {
+                    return Err(format!(
+                        "unknown parameter {:?}",
+                        calc_graph::untrusted::Untrusted(other)
+                    ));
+                }
+            };
+            *slot = Some(v);
+        }
+        Ok(p)
+    }
+
+    fn request(self) -> Result<calc_graph::explain::Request, String> {
+        use calc_graph::explain::{Query, Request};
+        match (self.from, self.to, self.endpoint, self.policy) {
+            (Some(from), Some(to), None, None) => Ok(Request::Path(Query {
+                from,
+                to,
+                protocol: self.protocol,
+                port: self.port,
+                source_port: self.source_port,
+            })),
+            (None, None, Some(e), None) => Ok(Request::Endpoint(e)),
+            (None, None, None, Some(p)) => Ok(Request::Policy(p)),
+            _ => Err("give from and to (with protocol and port), or endpoint, or policy".into()),
+        }
+    }
+}
+
+fn json_error(status: StatusCode, error: String) -> (StatusCode, Json<serde_json::Value>) {
+    (status, Json(serde_json::json!({ "error": error })))
+}
+
+async fn explain(
+    State(s): State<AdminState>,
+    RawQuery(query): RawQuery,
+) -> (StatusCode, Json<serde_json::Value>) {
+    // Before the datastore is loaded an answer would describe a partial cluster.
+    if !s.ready.load(Ordering::Relaxed) {
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "datastore not loaded yet".into(),
+        );
+    }
+    let request = match ExplainParams::parse(query.as_deref().unwrap_or_default())
+        .and_then(ExplainParams::request)
+    {
+        Ok(r) => r,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let asked = s
+        .engine
+        .send(super::engine::Input::Explain { request, reply })
+        .await;
+    match (asked, answer.await) {
+        (Ok(()), Ok(Ok(value))) => (StatusCode::OK, Json(value)),
+        (Ok(()), Ok(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
+        _ => json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "calc-server is shutting down".into(),
+        ),
+    }
 }
 
 async fn metrics(State(s): State<AdminState>) -> impl axum::response::IntoResponse {
@@ -80,5 +193,6 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/liveness", get(|| async { "alive\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(metrics))
+        .route("/explain", get(explain))
         .with_state(state)
 }

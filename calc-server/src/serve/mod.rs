@@ -99,6 +99,7 @@ async fn serve_with(
         board: board.clone(),
         ready,
         metrics: metrics.clone(),
+        engine: engine_tx.clone(),
     });
     tasks.spawn(
         tracing::info_span!("admin", listen = %args.admin_listen),

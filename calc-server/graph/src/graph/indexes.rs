@@ -24,16 +24,16 @@ use crate::model::ObjectMeta;
 use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
 
 pub(super) struct EndpointState {
-    key: Key,
+    pub(super) key: Key,
     pub(super) model: EndpointModel,
     node: Name,
     pub(super) policies: FxHashSet<Key>,
     /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
-    nets: Vec<Arc<str>>,
+    pub(super) nets: Vec<Arc<str>>,
 }
 
 pub(super) struct NetSetState {
-    nets: Vec<Arc<str>>,
+    pub(super) nets: Vec<Arc<str>>,
 }
 
 pub(super) struct PolicyState {

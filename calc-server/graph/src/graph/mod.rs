@@ -22,6 +22,7 @@
 //! `spans` counts, per node, what its endpoints need; `sequencer` turns the resulting dirty
 //! marks into each node's ordered batch; `messages` builds the protobuf payloads.
 
+mod explain;
 mod indexes;
 mod messages;
 mod sequencer;

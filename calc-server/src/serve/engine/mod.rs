@@ -197,6 +197,12 @@ pub(super) enum Input {
     /// Stream `id` of `node` ended (its outgoing side is gone, or the gRPC layer closed it for
     /// a protocol error in the agent's reports).
     Disconnect { node: String, id: u64 },
+    /// An explain query over the current state (answered after the datastore batches that
+    /// came before it).
+    Explain {
+        request: calc_graph::explain::Request,
+        reply: oneshot::Sender<Result<serde_json::Value, calc_graph::explain::QueryError>>,
+    },
     /// Close every stream (server shutting down).
     Shutdown,
 }
@@ -358,6 +364,12 @@ impl Engine {
                 if self.conns.get(&node).is_some_and(|c| c.id == id) {
                     self.drop_conn(&node);
                 }
+            }
+            Input::Explain { request, reply } => {
+                let span = tracing::debug_span!("explain");
+                let _enter = span.enter();
+                // The asker may have given up: nothing to tell then.
+                let _ = reply.send(self.graph.answer(&request));
             }
             Input::Shutdown => return true,
         }

@@ -1,0 +1,486 @@
+//! Explain: why traffic between two endpoints (or an endpoint and an address) is allowed or
+//! denied, answered from the calculation graph's state, and which policies apply where.
+//!
+//! Contract: the answer interprets exactly what the graph sends the nodes involved — each
+//! endpoint's tier lists, the active policies' and profiles' proto rules and the IP-set
+//! members — the way the Linux dataplane renders them (see [`walk`] and [`rules`]), so it
+//! agrees with the kernel. It covers the first packet of a connection (conntrack lets replies
+//! through). Pure: the graph is queried, not re-computed; the query, the answer and its text
+//! form are plain values ([`Query`], [`Explanation`], [`render_text`]) that travel as JSON.
+
+pub mod rules;
+pub mod walk;
+
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// The packet a query stands for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Packet {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    pub src_port: Option<u16>,
+    pub dst_port: Option<u16>,
+    /// ICMP type and code (an echo request unless the query says otherwise).
+    pub icmp: Option<(u8, u8)>,
+}
+
+/// Which of an endpoint's chains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// Filter-table policy: a workload's, or a host endpoint's for traffic to or from the host.
+    Normal,
+    /// A host endpoint's doNotTrack policy (raw table).
+    Untracked,
+    /// A host endpoint's preDNAT policy (mangle table, ingress only).
+    PreDnat,
+    /// A host endpoint's applyOnForward policy, for traffic forwarded through the host.
+    Forward,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dir {
+    Ingress,
+    Egress,
+}
+
+impl Stage {
+    pub fn label(self) -> String {
+        match self {
+            Stage::Normal => "policy",
+            Stage::Untracked => "untracked",
+            Stage::PreDnat => "pre-DNAT",
+            Stage::Forward => "forward",
+        }
+        .to_string()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Allow,
+    Deny,
+}
+
+/// A rule by its index in the policy's (or profile's) rules for the direction, and its action.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleRef {
+    pub index: usize,
+    pub action: String,
+}
+
+/// A rule that did not match, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleMiss {
+    pub index: usize,
+    pub action: String,
+    pub why: String,
+}
+
+/// What decided a direction's verdict.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DecidedBy {
+    Policy {
+        tier: String,
+        policy: String,
+        kind: String,
+        rule: RuleRef,
+    },
+    Profile {
+        profile: String,
+        rule: RuleRef,
+    },
+    /// No rule: `end-of-tier <tier>`, `no policy`, `no profile matched`, a failsafe…
+    Default {
+        default: String,
+    },
+}
+
+/// One tier, policy or profile visited (or passed over), in evaluation order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// Which chain: `policy`, `untracked`, `pre-DNAT`, `forward`, or a host-level stage.
+    pub stage: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// Whether the policy's selector selects the endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selected: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The rule that matched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<RuleRef>,
+    /// Rules evaluated before a match (or all of them) that did not match.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_matched: Vec<RuleMiss>,
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// One side of the path: the source's egress or the destination's ingress.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Side {
+    /// The endpoint whose policy applies; `None` for an address outside the cluster.
+    pub endpoint: Option<String>,
+    pub verdict: Verdict,
+    pub decided_by: DecidedBy,
+    pub steps: Vec<Step>,
+}
+
+/// A query's source or destination, resolved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peer {
+    /// `workload`, `host endpoint` or `outside the cluster`.
+    pub kind: String,
+    /// `namespace/pod` (a workload), the host endpoint's name, or the address.
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// The address the packet uses.
+    pub ip: String,
+    /// Network sets (`namespace/name` or global `name`) the address falls in.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network_sets: Vec<String>,
+}
+
+/// The answer to an explain query.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Explanation {
+    pub verdict: Verdict,
+    pub from: Peer,
+    pub to: Peer,
+    pub protocol: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    pub egress: Side,
+    pub ingress: Side,
+}
+
+/// One tier's policies that apply to an endpoint in one direction and chain, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierPolicies {
+    pub tier: String,
+    /// `Deny`, `Pass`, or empty when no Tier resource exists (then Deny).
+    pub default_action: String,
+    pub policies: Vec<PolicyBrief>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyBrief {
+    pub policy: String,
+    pub kind: String,
+    pub selector: String,
+}
+
+/// The policies of one chain of an endpoint, per direction.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChainPolicies {
+    /// `policy` (normal), `untracked`, `pre-DNAT` or `forward`.
+    pub stage: String,
+    pub ingress: Vec<TierPolicies>,
+    pub egress: Vec<TierPolicies>,
+}
+
+/// `explain --endpoint`: what applies to an endpoint, in evaluation order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointPolicies {
+    pub endpoint: Peer,
+    /// Every address of the endpoint.
+    pub addresses: Vec<String>,
+    pub chains: Vec<ChainPolicies>,
+    /// Evaluated after the normal tiers, in order.
+    pub profiles: Vec<String>,
+}
+
+/// `explain --policy`: where a policy is in force.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyReach {
+    pub policy: String,
+    pub kind: String,
+    pub tier: String,
+    pub selector: String,
+    pub types: Vec<Dir>,
+    /// The endpoints it selects (`namespace/pod`, `hep:NAME`), sorted.
+    pub endpoints: Vec<String>,
+    /// Nodes where it is active (it selects an endpoint there, or it is hinted to be needed
+    /// everywhere), sorted.
+    pub nodes: Vec<String>,
+}
+
+/// An explain query, as the CLI and `/explain` take it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Query {
+    pub from: String,
+    pub to: String,
+    /// `tcp`, `udp`, `sctp`, `icmp`, `icmpv6` or a number; default `tcp`.
+    #[serde(default)]
+    pub protocol: Option<String>,
+    /// The destination port (TCP, UDP, SCTP).
+    #[serde(default)]
+    pub port: Option<String>,
+    /// The source port; when absent, rules that match source ports do not match.
+    #[serde(default)]
+    pub source_port: Option<String>,
+}
+
+/// One explain request: a path between two peers, what applies to an endpoint, or where a
+/// policy is in force. The server's `/explain` and the offline command answer the same.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Request {
+    Path(Query),
+    Endpoint(String),
+    Policy(String),
+}
+
+/// A query that cannot be answered as asked.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueryError {
+    #[error("{0}")]
+    Bad(String),
+    #[error(
+        "no endpoint {0:?} in the datastore (a workload as namespace/pod or its WorkloadEndpoint name, a host endpoint as hep:NAME, or an IP address)"
+    )]
+    Unknown(String),
+    #[error("{what:?} is ambiguous: it names {}", candidates.join(", "))]
+    Ambiguous {
+        what: String,
+        candidates: Vec<String>,
+    },
+}
+
+/// The protocol number and ports a query asks for.
+pub fn parse_protocol_and_ports(q: &Query) -> Result<(u8, Option<u16>, Option<u16>), QueryError> {
+    let name = q.protocol.as_deref().unwrap_or("tcp");
+    let protocol = rules::protocol_number(name).ok_or_else(|| {
+        QueryError::Bad(format!(
+            "unknown protocol {name:?}: use tcp, udp, sctp, icmp, icmpv6 or a number 0-255"
+        ))
+    })?;
+    let port = |what: &str, v: &Option<String>| -> Result<Option<u16>, QueryError> {
+        let Some(v) = v else { return Ok(None) };
+        match v.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(Some(p)),
+            _ => Err(QueryError::Bad(format!(
+                "{what} {v:?} is not a port number (1-65535)"
+            ))),
+        }
+    };
+    let dst = port("port", &q.port)?;
+    let src = port("source port", &q.source_port)?;
+    let has_ports = matches!(protocol, 6 | 17 | 132 | 136);
+    if !has_ports && (dst.is_some() || src.is_some()) {
+        return Err(QueryError::Bad(format!(
+            "protocol {} has no ports; drop --port",
+            rules::protocol_name(protocol)
+        )));
+    }
+    if has_ports && dst.is_none() {
+        return Err(QueryError::Bad(format!(
+            "protocol {} needs a destination port (--port N)",
+            rules::protocol_name(protocol)
+        )));
+    }
+    Ok((protocol, dst, src))
+}
+
+fn decided_text(d: &DecidedBy) -> String {
+    match d {
+        DecidedBy::Policy {
+            tier,
+            policy,
+            kind,
+            rule,
+        } => format!(
+            "{kind} {policy} (tier {tier}), rule {} ({})",
+            rule.index, rule.action
+        ),
+        DecidedBy::Profile { profile, rule } => {
+            format!("profile {profile}, rule {} ({})", rule.index, rule.action)
+        }
+        DecidedBy::Default { default } => default.clone(),
+    }
+}
+
+fn verdict_text(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Allow => "ALLOW",
+        Verdict::Deny => "DENY",
+    }
+}
+
+fn peer_text(p: &Peer) -> String {
+    let mut s = format!("{} {} ({}", p.kind, p.name, p.ip);
+    if let Some(node) = &p.node {
+        s.push_str(&format!(", node {node}"));
+    }
+    s.push(')');
+    if !p.network_sets.is_empty() {
+        s.push_str(&format!(" in network sets {}", p.network_sets.join(", ")));
+    }
+    s
+}
+
+fn step_text(s: &Step) -> String {
+    let mut what = Vec::new();
+    if let Some(e) = &s.endpoint {
+        what.push(e.clone());
+    }
+    if let Some(t) = &s.tier {
+        what.push(format!("tier {t}"));
+    }
+    if let (Some(p), Some(k)) = (&s.policy, &s.kind) {
+        what.push(format!("{k} {p}"));
+    }
+    if let Some(p) = &s.profile {
+        what.push(format!("profile {p}"));
+    }
+    let mut line = format!("  [{}] ", s.stage);
+    if !what.is_empty() {
+        line.push_str(&what.join(" / "));
+        line.push_str(": ");
+    }
+    if let (Some(false), Some(sel)) = (s.selected, &s.selector) {
+        line.push_str(&format!("{} (selector `{sel}`)", s.outcome));
+    } else {
+        if let Some(r) = &s.rule {
+            line.push_str(&format!("rule {} ({}) matched → ", r.index, r.action));
+        }
+        line.push_str(&s.outcome);
+    }
+    for m in &s.not_matched {
+        line.push_str(&format!(
+            "\n      rule {} ({}) did not match: {}",
+            m.index, m.action, m.why
+        ));
+    }
+    if let Some(n) = &s.note {
+        line.push_str(&format!("\n      note: {n}"));
+    }
+    line
+}
+
+/// The text form: the path, one line per step, like `policy-assistant`.
+pub fn render_text(e: &Explanation) -> String {
+    let mut out = String::new();
+    let port = e.port.map(|p| format!(" port {p}")).unwrap_or_default();
+    out.push_str(&format!(
+        "{} {}{}\n  from {}\n  to   {}\n",
+        verdict_text(e.verdict),
+        e.protocol,
+        port,
+        peer_text(&e.from),
+        peer_text(&e.to)
+    ));
+    for (title, side) in [("egress", &e.egress), ("ingress", &e.ingress)] {
+        out.push_str(&format!(
+            "\n{title} of {}: {} — decided by {}\n",
+            side.endpoint.as_deref().unwrap_or("(outside the cluster)"),
+            verdict_text(side.verdict),
+            decided_text(&side.decided_by)
+        ));
+        for s in &side.steps {
+            out.push_str(&step_text(s));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn tier_lines(out: &mut String, title: &str, tiers: &[TierPolicies]) {
+    if tiers.is_empty() {
+        out.push_str(&format!("  {title}: no policy\n"));
+        return;
+    }
+    out.push_str(&format!("  {title}:\n"));
+    for t in tiers {
+        let default = if t.default_action.is_empty() {
+            "no Tier resource: Deny".to_string()
+        } else {
+            t.default_action.clone()
+        };
+        out.push_str(&format!("    tier {} (end of tier: {default})\n", t.tier));
+        for (i, p) in t.policies.iter().enumerate() {
+            out.push_str(&format!(
+                "      {}. {} {}  selector `{}`\n",
+                i + 1,
+                p.kind,
+                p.policy,
+                p.selector
+            ));
+        }
+    }
+}
+
+/// The text form of `explain --endpoint`.
+pub fn render_endpoint_text(e: &EndpointPolicies) -> String {
+    let mut out = format!(
+        "{} {}{} addresses {}\n",
+        e.endpoint.kind,
+        e.endpoint.name,
+        e.endpoint
+            .node
+            .as_ref()
+            .map(|n| format!(" on node {n},"))
+            .unwrap_or_default(),
+        e.addresses.join(", ")
+    );
+    for c in &e.chains {
+        out.push_str(&format!("[{}]\n", c.stage));
+        tier_lines(&mut out, "ingress", &c.ingress);
+        tier_lines(&mut out, "egress", &c.egress);
+    }
+    out.push_str(&format!(
+        "profiles (after the tiers, first Allow wins): {}\n",
+        if e.profiles.is_empty() {
+            "none".to_string()
+        } else {
+            e.profiles.join(", ")
+        }
+    ));
+    out
+}
+
+/// The text form of `explain --policy`.
+pub fn render_policy_text(p: &PolicyReach) -> String {
+    let types: Vec<&str> = p
+        .types
+        .iter()
+        .map(|t| match t {
+            Dir::Ingress => "Ingress",
+            Dir::Egress => "Egress",
+        })
+        .collect();
+    let mut out = format!(
+        "{} {} (tier {}, types {}) selector `{}`\n",
+        p.kind,
+        p.policy,
+        p.tier,
+        types.join(", "),
+        p.selector
+    );
+    out.push_str(&format!("selects {} endpoint(s):\n", p.endpoints.len()));
+    for e in &p.endpoints {
+        out.push_str(&format!("  {e}\n"));
+    }
+    out.push_str(&format!("active on {} node(s):\n", p.nodes.len()));
+    for n in &p.nodes {
+        out.push_str(&format!("  {n}\n"));
+    }
+    out
+}

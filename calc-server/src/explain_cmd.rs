@@ -1,0 +1,146 @@
+//! `calc-server explain`: why traffic is allowed or denied, what applies to an endpoint, where
+//! a policy is in force — from a datastore snapshot (as `compute` reads it) or from a running
+//! server's admin endpoint (`--server`, `GET /explain`). Both answer with the same
+//! `calc_graph::explain` values; this module only reads the question, asks, and prints.
+//! Exit codes: 0 with an answer (allow or deny alike), 2 for a question that cannot be answered
+//! (unknown or ambiguous endpoint, bad port…) or an unreachable datastore or server.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use calc_graph::explain::{
+    EndpointPolicies, Explanation, PolicyReach, Query, Request, render_endpoint_text,
+    render_policy_text, render_text,
+};
+use calc_graph::graph::{CalcGraph, Update};
+
+use crate::args::{ExplainArgs, ExplainOutput};
+use crate::datastore;
+
+fn request(args: &ExplainArgs) -> Request {
+    if let Some(e) = &args.endpoint {
+        return Request::Endpoint(e.clone());
+    }
+    if let Some(p) = &args.policy {
+        return Request::Policy(p.clone());
+    }
+    Request::Path(Query {
+        from: args.from.clone().unwrap_or_default(),
+        to: args.to.clone().unwrap_or_default(),
+        protocol: Some(args.protocol.clone()),
+        port: args.port.clone(),
+        source_port: args.source_port.clone(),
+    })
+}
+
+/// Query-string escaping for `/explain`'s parameters.
+fn escape(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn path_of(r: &Request) -> String {
+    let mut params: Vec<(&str, &str)> = Vec::new();
+    match r {
+        Request::Path(q) => {
+            params.push(("from", &q.from));
+            params.push(("to", &q.to));
+            for (k, v) in [
+                ("protocol", &q.protocol),
+                ("port", &q.port),
+                ("source_port", &q.source_port),
+            ] {
+                if let Some(v) = v {
+                    params.push((k, v));
+                }
+            }
+        }
+        Request::Endpoint(e) => params.push(("endpoint", e)),
+        Request::Policy(p) => params.push(("policy", p)),
+    }
+    let query: Vec<String> = params
+        .iter()
+        .map(|(k, v)| format!("{k}={}", escape(v)))
+        .collect();
+    format!("/explain?{}", query.join("&"))
+}
+
+fn ask_server(addr: &str, r: &Request) -> anyhow::Result<serde_json::Value> {
+    let (status, body) = crate::status_cmd::fetch(addr, &path_of(r))?;
+    let value: serde_json::Value = serde_json::from_str(&body)
+        .with_context(|| format!("{addr} answered {status} with no JSON: {}", body.trim()))?;
+    if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
+        anyhow::bail!("{error}");
+    }
+    anyhow::ensure!(status.contains(" 200"), "{addr}: {status}");
+    Ok(value)
+}
+
+fn ask_datastore(args: &ExplainArgs, r: &Request) -> anyhow::Result<serde_json::Value> {
+    let snap = datastore::snapshot(&args.datastore)?;
+    for p in &snap.problems {
+        eprintln!("warning: skipped: {p}");
+    }
+    let mut g = CalcGraph::new();
+    for u in snap.updates {
+        if let Err(rejection) = g.apply(u) {
+            eprintln!("warning: rejected: {rejection}");
+        }
+    }
+    g.apply(Update::InSync)
+        .map_err(|r| anyhow::anyhow!("{r}"))?;
+    Ok(g.answer(r)?)
+}
+
+pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
+    let r = request(args);
+    let answer = match &args.server {
+        Some(addr) => ask_server(addr, &r)?,
+        None => ask_datastore(args, &r)?,
+    };
+    let text = match args.output {
+        ExplainOutput::Json => serde_json::to_string_pretty(&answer)? + "\n",
+        ExplainOutput::Text => match r {
+            Request::Path(_) => render_text(&serde_json::from_value::<Explanation>(answer)?),
+            Request::Endpoint(_) => {
+                render_endpoint_text(&serde_json::from_value::<EndpointPolicies>(answer)?)
+            }
+            Request::Policy(_) => {
+                render_policy_text(&serde_json::from_value::<PolicyReach>(answer)?)
+            }
+        },
+    };
+    print!("{text}");
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries_reach_the_admin_endpoint_escaped() {
+        let r = Request::Path(Query {
+            from: "prod/web".into(),
+            to: "fd00::1".into(),
+            protocol: Some("tcp".into()),
+            port: Some("80".into()),
+            source_port: None,
+        });
+        assert_eq!(
+            path_of(&r),
+            "/explain?from=prod/web&to=fd00::1&protocol=tcp&port=80"
+        );
+        assert_eq!(
+            path_of(&Request::Policy("a b&c".into())),
+            "/explain?policy=a%20b%26c"
+        );
+    }
+}
