@@ -5,9 +5,12 @@
 //! evaluation (the source's egress, then the destination's ingress). This test checks that
 //! answer against the ground truth: a host network namespace runs calc-server and
 //! `dataplane-agent --driver linux` on the same manifests, workload namespaces hang off it by
-//! veth pairs, and a few hundred random (source, destination, protocol, port) probes are sent
-//! as real packets (TCP connects and pings). Every probe's kernel verdict must equal explain's
-//! `verdict`; the failure lists every disagreement with explain's whole JSON.
+//! veth pairs, and a few hundred (source, destination, protocol, port) probes, every flow of the
+//! cluster in a seeded random order and naming, are sent as real packets (TCP connects and
+//! pings). Every probe's kernel verdict must equal explain's `verdict`; the failure lists every
+//! disagreement with explain's whole JSON. The probes must also be meaningful: both verdicts
+//! many times, and every rule, end of tier and profile the cluster was built to exercise
+//! deciding at least one probe (explain's `decided_by`).
 //!
 //! The cluster exercises what makes policy evaluation subtle: a Deny tier and a Pass tier before
 //! the default tier, Pass rules, end-of-tier drops, policies without an order and policies of
@@ -538,6 +541,101 @@ spec:
     protocol: TCP
 ";
 
+/// What some probe must be decided by (explain's `decided_by`, as [`decisions`] labels it), and
+/// the feature it stands for: without these the probe set would not show that explain handles
+/// them.
+const MUST_DECIDE: &[(&str, &str)] = &[
+    (
+        "ingress sec-guard rule 0",
+        "ICMP type Allow with notNets, Deny tier",
+    ),
+    ("ingress sec-guard rule 1", "Deny with notPorts"),
+    (
+        "ingress end-of-tier security",
+        "end-of-tier drop of a Deny tier",
+    ),
+    (
+        "egress sec-egress rule 0",
+        "Deny on nets and port in a policy without order",
+    ),
+    (
+        "egress sec-egress-db rule 0",
+        "an ordered policy before one without order",
+    ),
+    (
+        "egress sec-egress-ops rule 1",
+        "named port in an egress rule",
+    ),
+    ("egress end-of-tier security", "end-of-tier drop on egress"),
+    (
+        "ingress metrics-allow rule 0",
+        "equal order, first by name; namespaceSelector",
+    ),
+    ("ingress metrics-deny rule 0", "equal order, second by name"),
+    (
+        "ingress from-prod rule 0",
+        "namespaceSelector matching a namespaced NetworkSet",
+    ),
+    (
+        "egress tester-egress rule 0",
+        "notSelector Deny in a Pass tier",
+    ),
+    ("ingress prod/web-ingress rule 0", "named port"),
+    (
+        "ingress prod/web-ingress rule 1",
+        "NetworkSet matched by a namespaced selector",
+    ),
+    (
+        "ingress prod/api-allow rule 0",
+        "equal order: the Allow first",
+    ),
+    (
+        "ingress prod/api-deny rule 0",
+        "source nets, named port in notPorts",
+    ),
+    (
+        "ingress prod/api-deny rule 1",
+        "equal order: the Deny second",
+    ),
+    (
+        "ingress prod/db-policy rule 0",
+        "named port, selector on another label",
+    ),
+    ("egress prod/db-policy rule 0", "ICMP Deny on egress"),
+    (
+        "egress end-of-tier default",
+        "end-of-tier drop of the default tier on egress",
+    ),
+    (
+        "ingress dev-web rule 0",
+        "policy without order, namespaceSelector",
+    ),
+    (
+        "ingress dev-web rule 1",
+        "GlobalNetworkSet matched by selector",
+    ),
+    (
+        "ingress q-bastion rule 0",
+        "equal order: global before namespaced",
+    ),
+    (
+        "ingress ops/z-bastion rule 0",
+        "equal order: namespaced after global",
+    ),
+    (
+        "ingress end-of-tier default",
+        "end-of-tier drop of the default tier",
+    ),
+    (
+        "ingress profile kns.dev",
+        "no policy in the last tiers: the profile",
+    ),
+    (
+        "egress profile kns.prod",
+        "Pass through every tier to the profile",
+    ),
+];
+
 /// The running cluster: the host (calc-server and the agent), the workloads (indexed as
 /// [`PODS`]) and the outside peer.
 struct Cluster {
@@ -702,7 +800,7 @@ fn probes() -> Vec<Probe> {
             let flow = flows[k % flows.len()];
             let from_arg = match flow.from {
                 Peer::Outside => OUTSIDE_IP.to_owned(),
-                Peer::Pod(i) if rng.below(6) == 0 => wep_arg(i),
+                Peer::Pod(i) if rng.below(6) == 0 => wep_arg(i, rng.below(2) == 0),
                 Peer::Pod(i) => format!("{}/{}", PODS[i].ns, PODS[i].name),
             };
             let to_arg = if rng.below(2) == 0 {
@@ -719,9 +817,16 @@ fn probes() -> Vec<Probe> {
         .collect()
 }
 
-/// A pod named by its full WorkloadEndpoint name.
-fn wep_arg(i: usize) -> String {
-    format!("{}/{}", PODS[i].ns, PODS[i].wep_name())
+/// A pod named by its WorkloadEndpoint name: bare when `bare` and no other pod's endpoint has
+/// that name (both `web` pods' endpoints are `node--a-k8s-web-eth0`), else `namespace/`-prefixed.
+fn wep_arg(i: usize, bare: bool) -> String {
+    let name = PODS[i].wep_name();
+    let unique = PODS.iter().filter(|p| p.wep_name() == name).count() == 1;
+    if bare && unique {
+        name
+    } else {
+        format!("{}/{name}", PODS[i].ns)
+    }
 }
 
 /// Sends one flow's packet from its source's namespace: whether it got through (a TCP connect
@@ -844,6 +949,7 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
 
     let mut problems = Vec::new();
     let (mut allowed, mut denied) = (0, 0);
+    let mut decided: BTreeMap<String, usize> = BTreeMap::new();
     for (probe, answer) in probes.iter().zip(&answers) {
         let kernel_allows = kernel[&probe.flow];
         if kernel_allows {
@@ -868,7 +974,11 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
                 json["verdict"],
                 serde_json::to_string_pretty(json).expect("JSON")
             )),
-            Ok(_) => {}
+            Ok(json) => {
+                for d in decisions(&probe.flow, json) {
+                    *decided.entry(d).or_default() += 1;
+                }
+            }
         }
     }
     eprintln!(
@@ -900,7 +1010,7 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
         .count();
     let by_wep = probes
         .iter()
-        .filter(|p| matches!(p.flow.from, Peer::Pod(i) if p.from_arg == wep_arg(i)))
+        .filter(|p| matches!(p.flow.from, Peer::Pod(i) if p.from_arg.contains(&PODS[i].wep_name())))
         .count();
     let to_ip = probes
         .iter()
@@ -912,6 +1022,48 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
         "too few probes of a kind: {outside} from outside, {by_wep} by endpoint name, \
          {to_ip} to an IP, {pings} pings"
     );
+
+    // And every feature of the cluster must decide some probe.
+    let summary: Vec<String> = decided.iter().map(|(d, n)| format!("{n:4} {d}")).collect();
+    eprintln!("decided by:\n{}", summary.join("\n"));
+    let missing: Vec<String> = MUST_DECIDE
+        .iter()
+        .filter(|(d, _)| !decided.contains_key(*d))
+        .map(|(d, why)| format!("{d} ({why})"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "no probe was decided by:\n  {}\nprobes were decided by:\n{}",
+        missing.join("\n  "),
+        summary.join("\n")
+    );
+}
+
+/// What decided a probe, per side that took part: the source's egress (a pod only: the outside
+/// peer has no policy of its own here) and, when egress let it through, the destination's
+/// ingress. Labelled `<direction> <policy> rule <n>`, `<direction> profile <name>` or
+/// `<direction> <explain's default>` (`end-of-tier <tier>`, …).
+fn decisions(flow: &Flow, json: &Value) -> Vec<String> {
+    let label = |direction: &str| {
+        let d = &json[direction]["decided_by"];
+        let what = if let Some(policy) = d["policy"].as_str() {
+            format!("{policy} rule {}", d["rule"]["index"])
+        } else if let Some(profile) = d["profile"].as_str() {
+            format!("profile {profile}")
+        } else {
+            d["default"].as_str().unwrap_or("?").to_owned()
+        };
+        format!("{direction} {what}")
+    };
+    let mut out = Vec::new();
+    if flow.from != Peer::Outside {
+        out.push(label("egress"));
+        if json["egress"]["verdict"] != "allow" {
+            return out;
+        }
+    }
+    out.push(label("ingress"));
+    out
 }
 
 fn verdict(allowed: bool) -> &'static str {
