@@ -47,6 +47,14 @@ pub struct BenchSyncArgs {
     /// How many global changes to time.
     #[arg(long, env = "BENCH_SYNC_CHANGES", default_value_t = 20)]
     pub changes: usize,
+    /// Simulated agents offer the `applied` capability and report every message applied as
+    /// soon as it arrives (`DataplaneApplied`), as a real agent does after each apply.
+    #[arg(long, env = "BENCH_SYNC_REPORT_APPLIED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub report_applied: bool,
+    /// The server's admin address: with it, each change is also timed until the server shows
+    /// the marker policy `Realized` on every node (`/status/policies/bench-sync-marker`).
+    #[arg(long, env = "BENCH_SYNC_ADMIN")]
+    pub admin: Option<String>,
 }
 
 fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
@@ -74,7 +82,13 @@ enum Event {
     Failed(usize, String),
 }
 
-async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSender<Event>) {
+async fn agent(
+    i: usize,
+    url: String,
+    node: String,
+    report_applied: bool,
+    events: mpsc::UnboundedSender<Event>,
+) {
     let run = async {
         let mut client = pb::calc_server_client::CalcServerClient::connect(url)
             .await
@@ -86,7 +100,11 @@ async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSende
             payload: Some(pb::from_dataplane::Payload::AgentHello(pb::AgentHello {
                 node_name: node,
                 agent_version: "bench-sync".into(),
-                capabilities: vec![],
+                capabilities: if report_applied {
+                    vec!["applied".into()]
+                } else {
+                    vec![]
+                },
             })),
         })
         .await
@@ -96,10 +114,19 @@ async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSende
             .await
             .map_err(|e| e.to_string())?
             .into_inner();
+        let mut in_sync = false;
+        // Reports go only to a server that echoed the capability in its hello.
+        let mut server_takes_reports = false;
+        let mut report_seq = 1;
         while let Some(m) = stream.next().await {
             let m = m.map_err(|e| e.to_string())?;
+            let seq = m.sequence_number;
+            if let Some(To::ServerHello(h)) = &m.payload {
+                server_takes_reports = h.capabilities.iter().any(|c| c == "applied");
+            }
             match m.payload {
                 Some(To::InSync(_)) => {
+                    in_sync = true;
                     let _ = events.send(Event::InSync(i));
                 }
                 Some(To::ActivePolicyUpdate(u)) => {
@@ -118,6 +145,21 @@ async fn agent(i: usize, url: String, node: String, events: mpsc::UnboundedSende
                     }
                 }
                 _ => {}
+            }
+            if report_applied && server_takes_reports && in_sync {
+                report_seq += 1;
+                tx.send(pb::FromDataplane {
+                    sequence_number: report_seq,
+                    payload: Some(pb::from_dataplane::Payload::DataplaneApplied(
+                        pb::DataplaneApplied {
+                            applied_sequence_number: seq,
+                            received_sequence_number: seq,
+                            ..Default::default()
+                        },
+                    )),
+                })
+                .await
+                .map_err(|e| e.to_string())?;
             }
         }
         drop(tx);
@@ -204,6 +246,7 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
             i,
             args.server.clone(),
             format!("{}{i}", args.node_prefix),
+            args.report_applied,
             etx.clone(),
         ));
     }
@@ -237,6 +280,7 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
 
     let mut lat_all = Vec::new();
     let mut lat_each = Vec::new();
+    let mut lat_realized = Vec::new();
     for c in 0..args.changes {
         let port = 1000 + c as i32;
         let t = Instant::now();
@@ -256,8 +300,13 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
             }
         }
         lat_all.push(t.elapsed());
+        if let Some(admin) = &args.admin {
+            wait_realized(admin, args.nodes).await?;
+            lat_realized.push(t.elapsed());
+        }
     }
     target.remove().await;
+    lat_realized.sort();
     lat_all.sort();
     lat_each.sort();
     let pct = |v: &[Duration], p: f64| {
@@ -283,5 +332,40 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
         pct(&lat_each, 0.5),
         pct(&lat_each, 0.99)
     );
+    if !lat_realized.is_empty() {
+        println!(
+            "one global change until the server shows it Realized on all {} nodes (from the agents' applied reports): p50 {:.1} ms, p99 {:.1} ms",
+            args.nodes,
+            pct(&lat_realized, 0.5),
+            pct(&lat_realized, 0.99)
+        );
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Polls the admin endpoint until the marker policy is realized on `nodes` nodes.
+async fn wait_realized(admin: &str, nodes: usize) -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut s = tokio::net::TcpStream::connect(admin)
+            .await
+            .with_context(|| format!("connecting to the admin endpoint {admin}"))?;
+        s.write_all(b"GET /status/policies/bench-sync-marker HTTP/1.0\r\n\r\n")
+            .await?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await?;
+        let json = body.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+        let realized = v["realized"].as_u64().unwrap_or_default() as usize;
+        if v["phase"] == "Realized" && realized >= nodes {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the marker policy was not realized on {nodes} nodes within 30 s: {}",
+            json.chars().take(400).collect::<String>()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }

@@ -20,23 +20,40 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 use serde::{Deserialize, Serialize};
 
-/// `Kind/namespace/name` of a policy (`Profile//name` for a profile): the same string from a
-/// `PolicyId` on the wire and from the graph's key.
-fn policy_id_key(id: &pb::PolicyId) -> String {
-    format!("{}/{}/{}", id.kind, id.namespace, id.name)
+/// A policy or profile as the in-flight log holds it: a hash of `kind/namespace/name` (the
+/// same from a `PolicyId` on the wire and from the graph's key). Two keys sharing a hash would
+/// only make one wait for the other's acknowledgement: never a policy counted as realized
+/// early.
+type Tracked = u64;
+
+fn hash_of(kind: &str, namespace: &str, name: &str) -> Tracked {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    (kind, namespace, name).hash(&mut h);
+    h.finish()
 }
 
-fn resource_key(k: &ResourceKey) -> String {
-    format!(
-        "{}/{}/{}",
+fn policy_id_key(id: &pb::PolicyId) -> Tracked {
+    hash_of(&id.kind, &id.namespace, &id.name)
+}
+
+fn resource_key(k: &ResourceKey) -> Tracked {
+    hash_of(
         k.kind.as_str(),
         k.namespace.as_deref().unwrap_or_default(),
-        k.name
+        &k.name,
     )
 }
 
-fn profile_key(name: &str) -> String {
-    format!("Profile//{name}")
+fn profile_key(name: &str) -> Tracked {
+    hash_of("Profile", "", name)
+}
+
+fn key_text(k: &ResourceKey) -> String {
+    match &k.namespace {
+        Some(ns) => format!("{} {ns}/{}", k.kind.as_str(), k.name),
+        None => format!("{} {}", k.kind.as_str(), k.name),
+    }
 }
 
 /// What one node's agent has acknowledged, and what it still has to.
@@ -51,11 +68,12 @@ struct NodeTrack {
     last_queued: u64,
     applied: u64,
     error: Option<String>,
-    /// Policy and profile updates sent and not yet applied, in sequence order.
-    inflight: VecDeque<(u64, String)>,
-    inflight_count: HashMap<String, u32>,
-    /// New endpoints sent and not yet applied: (sequence number, id, first seen).
-    new_endpoints: VecDeque<(u64, String, Instant)>,
+    /// Policy and profile updates sent after the snapshot and not yet applied, in sequence
+    /// order (the snapshot's are covered by its InSync).
+    inflight: VecDeque<(u64, Tracked)>,
+    inflight_count: HashMap<Tracked, u32>,
+    /// New endpoints sent and not yet applied: (sequence number, first seen).
+    new_endpoints: VecDeque<(u64, Instant)>,
 }
 
 impl NodeTrack {
@@ -64,14 +82,14 @@ impl NodeTrack {
     }
 
     /// Why `key` is not realized on this node (`None`: it is).
-    fn lag(&self, key: &str) -> Option<(bool, String)> {
+    fn lag(&self, key: Tracked) -> Option<(bool, String)> {
         if !self.reports {
             return Some((
                 false,
                 "the agent does not report what it applied (no \"applied\" capability)".into(),
             ));
         }
-        let pending_update = self.inflight_count.contains_key(key);
+        let pending_update = self.inflight_count.contains_key(&key);
         if self.snapshot_applied() && !pending_update {
             return None;
         }
@@ -85,7 +103,7 @@ impl NodeTrack {
                     .inflight
                     .iter()
                     .rev()
-                    .find(|(_, k)| k == key)
+                    .find(|(_, k)| *k == key)
                     .map_or(0, |(s, _)| *s);
                 format!(
                     "update sent at sequence {seq}, applied up to {}",
@@ -147,35 +165,33 @@ pub(crate) struct TierCounts {
 #[derive(Debug, Default)]
 pub(super) struct Realization {
     nodes: HashMap<String, NodeTrack>,
-    /// Every endpoint id any node has been sent: an id sent for the first time outside a
-    /// snapshot is a new endpoint, whose time to be programmed is measured.
-    seen_endpoints: HashSet<String>,
+    /// Every endpoint any node has been sent (hashed ids): one sent for the first time outside
+    /// a snapshot is a new endpoint, whose time to be programmed is measured.
+    seen_endpoints: HashSet<u64>,
     /// Something changed since the last [`Realization::tiers`].
     pub(super) dirty: bool,
 }
 
-fn endpoint_id(p: &Payload) -> Option<String> {
+fn workload_hash(i: &pb::WorkloadEndpointId) -> u64 {
+    hash_of(&i.orchestrator_id, &i.workload_id, &i.endpoint_id)
+}
+
+fn host_hash(i: &pb::HostEndpointId) -> u64 {
+    hash_of("HostEndpoint", "", &i.endpoint_id)
+}
+
+fn endpoint_id(p: &Payload) -> Option<u64> {
     match p {
-        Payload::WorkloadEndpointUpdate(u) => u.id.as_ref().map(|i| {
-            format!(
-                "w:{}/{}/{}",
-                i.orchestrator_id, i.workload_id, i.endpoint_id
-            )
-        }),
-        Payload::HostEndpointUpdate(u) => u.id.as_ref().map(|i| format!("h:{}", i.endpoint_id)),
+        Payload::WorkloadEndpointUpdate(u) => u.id.as_ref().map(workload_hash),
+        Payload::HostEndpointUpdate(u) => u.id.as_ref().map(host_hash),
         _ => None,
     }
 }
 
-fn removed_endpoint_id(p: &Payload) -> Option<String> {
+fn removed_endpoint_id(p: &Payload) -> Option<u64> {
     match p {
-        Payload::WorkloadEndpointRemove(u) => u.id.as_ref().map(|i| {
-            format!(
-                "w:{}/{}/{}",
-                i.orchestrator_id, i.workload_id, i.endpoint_id
-            )
-        }),
-        Payload::HostEndpointRemove(u) => u.id.as_ref().map(|i| format!("h:{}", i.endpoint_id)),
+        Payload::WorkloadEndpointRemove(u) => u.id.as_ref().map(workload_hash),
+        Payload::HostEndpointRemove(u) => u.id.as_ref().map(host_hash),
         _ => None,
     }
 }
@@ -214,6 +230,9 @@ impl Realization {
         };
         t.last_queued = t.last_queued.max(seq);
         let Some(p) = &msg.payload else { return };
+        // The snapshot's policies are in force once its InSync is applied: only what follows
+        // it needs remembering.
+        let after_snapshot = t.in_sync_seq.is_some();
         let key = match p {
             Payload::InSync(_) => {
                 t.in_sync_seq.get_or_insert(seq);
@@ -223,9 +242,9 @@ impl Realization {
             Payload::ActiveProfileUpdate(u) => u.id.as_ref().map(|i| profile_key(&i.name)),
             other => {
                 if let Some(id) = endpoint_id(other) {
-                    let new = self.seen_endpoints.insert(id.clone());
+                    let new = self.seen_endpoints.insert(id);
                     if new && !snapshot && t.reports {
-                        t.new_endpoints.push_back((seq, id, now));
+                        t.new_endpoints.push_back((seq, now));
                     }
                 } else if let Some(id) = removed_endpoint_id(other) {
                     self.seen_endpoints.remove(&id);
@@ -235,8 +254,9 @@ impl Realization {
         };
         if let Some(key) = key
             && t.reports
+            && after_snapshot
         {
-            *t.inflight_count.entry(key.clone()).or_default() += 1;
+            *t.inflight_count.entry(key).or_default() += 1;
             t.inflight.push_back((seq, key));
             self.dirty = true;
         }
@@ -275,9 +295,9 @@ impl Realization {
         while t
             .new_endpoints
             .front()
-            .is_some_and(|(s, _, _)| *s <= t.applied)
+            .is_some_and(|(s, _)| *s <= t.applied)
         {
-            let (_, _, first) = t.new_endpoints.pop_front().expect("checked");
+            let (_, first) = t.new_endpoints.pop_front().expect("checked");
             waited.push(now.saturating_duration_since(first));
         }
         waited
@@ -328,7 +348,7 @@ impl Realization {
                 None => Some((false, "not connected".to_string())),
                 // The common case needs no key: everything the node was sent is applied.
                 Some(t) if t.reports && t.snapshot_applied() && t.inflight.is_empty() => None,
-                Some(t) => t.lag(&match item {
+                Some(t) => t.lag(match item {
                     SpanItem::Policy(k) => resource_key(k),
                     SpanItem::Profile(p) => profile_key(p),
                 }),
@@ -385,11 +405,7 @@ impl Realization {
             0 => Err(format!("no policy {name:?} in the datastore")),
             _ => Err(format!(
                 "{name:?} is ambiguous: it names {}",
-                found
-                    .iter()
-                    .map(|k| format!("{} {}", k.kind.as_str(), resource_key(k)))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                found.iter().map(key_text).collect::<Vec<_>>().join(", ")
             )),
         }
     }
