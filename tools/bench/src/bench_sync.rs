@@ -358,7 +358,7 @@ async fn wait_realized(admin: &str, nodes: usize) -> anyhow::Result<()> {
         let json = body.split_once("\r\n\r\n").map_or("", |(_, b)| b);
         let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
         let realized = v["realized"].as_u64().unwrap_or_default() as usize;
-        if v["phase"] == "Realized" && realized >= nodes {
+        if realized >= nodes {
             return Ok(());
         }
         anyhow::ensure!(
