@@ -9,7 +9,9 @@
 //!
 //! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), the
 //! last apply succeeded, and the session is live. Before the first InSync, while reconnecting,
-//! or while an apply is failing, `/readiness` answers 503 with the reason.
+//! or while an apply is failing, `/readiness` answers 503 with the reason; for a failing apply
+//! that is `the last apply failed: <error>`, the same short line the session reports to the
+//! calc-server in `DataplaneApplied.error`.
 //!
 //! Live means the session task runs and its loop makes progress: the session marks progress
 //! ([`AgentMetrics::progress`]) on every turn of its loop — a watchdog tick while connecting,
@@ -55,8 +57,8 @@ impl Default for ApplyTimes {
 pub struct AgentMetrics {
     connected: AtomicBool,
     stream_in_sync: AtomicBool,
-    /// `None` before the first apply.
-    last_apply_ok: Mutex<Option<bool>>,
+    /// `None` before the first apply; the error (one short line) of a failed one.
+    last_apply: Mutex<Option<Result<(), String>>>,
     session_running: AtomicBool,
     applies: ApplyTimes,
     apply_failures: AtomicU64,
@@ -125,13 +127,14 @@ impl AgentMetrics {
         self.messages.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An apply finished.
-    pub fn applied(&self, took: Duration, ok: bool, driver: DriverMetrics) {
+    /// An apply finished: `Ok`, or `Err` with why it failed on one short line (readiness shows
+    /// it as given).
+    pub fn applied(&self, took: Duration, outcome: Result<(), &str>, driver: DriverMetrics) {
         self.applies.0.observe(took);
-        if !ok {
+        if outcome.is_err() {
             self.apply_failures.fetch_add(1, Ordering::Relaxed);
         }
-        *self.last_apply_ok.lock() = Some(ok);
+        *self.last_apply.lock() = Some(outcome.map_err(str::to_owned));
         *self.driver.lock() = driver;
     }
 
@@ -211,21 +214,23 @@ impl AgentMetrics {
         Ok(())
     }
 
-    /// `Ok` when ready, else why not.
-    pub fn readiness(&self) -> Result<(), &'static str> {
+    /// `Ok` when ready, else why not, on one line.
+    pub fn readiness(&self) -> Result<(), String> {
         if self.stall_at(Instant::now()).is_err() {
-            return Err("the session loop is stuck (see /liveness)");
+            return Err("the session loop is stuck (see /liveness)".to_owned());
         }
         if !self.connected.load(Ordering::Relaxed) {
-            return Err("not connected to a calc-server");
+            return Err("not connected to a calc-server".to_owned());
         }
         if !self.stream_in_sync.load(Ordering::Relaxed) {
-            return Err("waiting for the calc-server's snapshot (InSync)");
+            return Err("waiting for the calc-server's snapshot (InSync)".to_owned());
         }
-        match *self.last_apply_ok.lock() {
-            Some(true) => Ok(()),
-            Some(false) => Err("the last apply failed"),
-            None => Err("the dataplane has not been programmed yet"),
+        match &*self.last_apply.lock() {
+            Some(Ok(())) => Ok(()),
+            // The error says what to fix (a held xtables lock, a refused table) without a trip
+            // to the log.
+            Some(Err(error)) => Err(format!("the last apply failed: {error}")),
+            None => Err("the dataplane has not been programmed yet".to_owned()),
         }
     }
 
@@ -400,7 +405,7 @@ mod tests {
         m.stream_started();
         assert_eq!(
             m.readiness(),
-            Err("waiting for the calc-server's snapshot (InSync)")
+            Err("waiting for the calc-server's snapshot (InSync)".to_owned())
         );
         m.in_sync(false);
         assert!(m.readiness().is_err(), "not programmed yet");
@@ -408,13 +413,25 @@ mod tests {
             ipsets: Some(2),
             ..DriverMetrics::default()
         };
-        m.applied(Duration::from_millis(3), true, driver);
+        m.applied(Duration::from_millis(3), Ok(()), driver);
         assert_eq!(m.readiness(), Ok(()));
-        m.applied(Duration::from_millis(3), false, driver);
-        assert_eq!(m.readiness(), Err("the last apply failed"));
-        m.applied(Duration::from_millis(3), true, driver);
+        m.applied(
+            Duration::from_millis(3),
+            Err("iptables not programmed: xtables lock held"),
+            driver,
+        );
+        assert_eq!(
+            m.readiness(),
+            Err("the last apply failed: iptables not programmed: xtables lock held".to_owned()),
+            "the reason carries the apply's error"
+        );
+        m.applied(Duration::from_millis(3), Ok(()), driver);
+        assert_eq!(m.readiness(), Ok(()), "a success clears the error");
         m.stream_ended();
-        assert_eq!(m.readiness(), Err("not connected to a calc-server"));
+        assert_eq!(
+            m.readiness(),
+            Err("not connected to a calc-server".to_owned())
+        );
         m.stream_started();
         m.in_sync(true);
         let text = m.render();
@@ -469,7 +486,7 @@ mod tests {
         assert_eq!(m.liveness_at(late), Ok(()), "so does the stream's end");
 
         // A stalled loop is not ready either.
-        m.applied(Duration::from_millis(1), true, DriverMetrics::default());
+        m.applied(Duration::from_millis(1), Ok(()), DriverMetrics::default());
         m.stream_started();
         m.in_sync(true);
         m.progress();
@@ -477,7 +494,7 @@ mod tests {
         m.health().progress = Some(Instant::now() - watchdog - Duration::from_secs(1));
         assert_eq!(
             m.readiness(),
-            Err("the session loop is stuck (see /liveness)")
+            Err("the session loop is stuck (see /liveness)".to_owned())
         );
     }
 

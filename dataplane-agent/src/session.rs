@@ -6,6 +6,13 @@
 //! stream after the first successful apply, endpoint status changes after every apply, and a
 //! `ProcessStatusUpdate` heartbeat every `heartbeat_interval`.
 //!
+//! Realization (capability `applied`, docs/proto.md): the agent always offers it; when the
+//! server's hello lists it too, every apply attempt once the stream is in sync ends its reports
+//! with a `DataplaneApplied` (after `DataplaneInSync` and the endpoint statuses of that apply):
+//! the highest sequence number of this stream in the dataplane, the highest handed to the
+//! driver, the error of a failed apply (the same short line `/readiness` shows) and what is
+//! still pending. A report identical to the previous one on the stream is not sent again.
+//!
 //! The session never opens a window (DESIGN.md invariant 6): `apply` is not called before the
 //! process's first `InSync`, nor while a reconnect's snapshot is arriving; on a lost server the
 //! dataplane stays as it is until the next stream's `InSync`.
@@ -46,9 +53,9 @@ use std::time::{Duration, Instant, SystemTime};
 use felix_proto::calc_server_client::CalcServerClient;
 use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::{
-    AgentHello, DataplaneInSync, EndpointStatus, FromDataplane, HostEndpointStatusRemove,
-    HostEndpointStatusUpdate, ProcessStatusUpdate, ToDataplane, WorkloadEndpointStatusRemove,
-    WorkloadEndpointStatusUpdate,
+    AgentHello, DataplaneApplied, DataplaneInSync, EndpointStatus, FromDataplane,
+    HostEndpointStatusRemove, HostEndpointStatusUpdate, ProcessStatusUpdate, ToDataplane,
+    WorkloadEndpointStatusRemove, WorkloadEndpointStatusUpdate,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -79,6 +86,13 @@ pub const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 /// Default [`SessionConfig::watchdog_timeout`], as Felix's `DataplaneWatchdogTimeout`.
 pub const DEFAULT_WATCHDOG_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// The capability token for `DataplaneApplied` reports (docs/proto.md, "Capabilities"). The
+/// agent always offers it and reports only when the server's hello lists it.
+pub const CAPABILITY_APPLIED: &str = "applied";
+
+/// The longest `DataplaneApplied.error` the protocol allows (the server refuses longer ones).
+pub const MAX_APPLIED_ERROR_BYTES: usize = 256;
+
 /// Everything the session needs; build with [`SessionConfig::new`] and adjust the fields.
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
@@ -89,7 +103,8 @@ pub struct SessionConfig {
     pub node_name: String,
     /// Sent in `AgentHello.agent_version`.
     pub agent_version: String,
-    /// Sent in `AgentHello.capabilities`.
+    /// Further tokens for `AgentHello.capabilities`, after the ones the agent always offers
+    /// ([`CAPABILITY_APPLIED`]).
     pub capabilities: Vec<String>,
     /// How often to send a `ProcessStatusUpdate`.
     pub heartbeat_interval: Duration,
@@ -132,7 +147,8 @@ pub struct SessionConfig {
 impl SessionConfig {
     /// Defaults: heartbeat 5 s, reconnect 200 ms..10 s, connect and hello timeouts 10 s / 30 s,
     /// keep-alive 20 s / 10 s, messages up to 128 MiB, batches of at most 10 000 messages,
-    /// snapshots within 5 min and 2 GiB, watchdog 90 s, no capabilities.
+    /// snapshots within 5 min and 2 GiB, watchdog 90 s, no capabilities beyond the built-in
+    /// ones.
     pub fn new(servers: Vec<String>, node_name: impl Into<String>) -> Self {
         Self {
             servers,
@@ -516,6 +532,15 @@ struct StreamState {
     snapshot: Vec<Message>,
     /// Encoded bytes received on this stream before its `InSync` (the `ServerHello` included).
     snapshot_bytes: u64,
+    /// The server listed [`CAPABILITY_APPLIED`]: send `DataplaneApplied` after applies.
+    report_applied: bool,
+    /// The highest sequence number of this stream the driver has been handed, or ignored once
+    /// in sync (see `handle`); 0 before `InSync`, as the snapshot is held here until then.
+    handled_seq: u64,
+    /// `handled_seq` as of this stream's last successful apply (0: none yet).
+    applied_seq: u64,
+    /// The last `DataplaneApplied` sent on this stream, so an identical one is not resent.
+    last_applied_report: Option<DataplaneApplied>,
 }
 
 /// `e` and its `source()` chain on one line, each cause once (wrappers often repeat their
@@ -543,6 +568,37 @@ fn push_chain(out: &mut String, first: Option<&dyn std::error::Error>) {
 
 fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `e`'s chain on one line, cut to [`MAX_APPLIED_ERROR_BYTES`] on a char boundary (ending in
+/// `…` when cut): what `DataplaneApplied.error` and `/readiness` say. The log has it whole.
+fn short_error(e: &dyn std::error::Error) -> String {
+    let mut text = error_chain(e);
+    if text.is_empty() {
+        // An empty error would read as "no error" to the server.
+        text = "apply failed without an error message".to_owned();
+    }
+    if text.len() > MAX_APPLIED_ERROR_BYTES {
+        let mut end = MAX_APPLIED_ERROR_BYTES - '…'.len_utf8();
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
+/// The tokens for `AgentHello.capabilities`: the built-in ones, then the configured ones, each
+/// once.
+fn offered_capabilities(configured: &[String]) -> Vec<String> {
+    let mut out = vec![CAPABILITY_APPLIED.to_owned()];
+    for c in configured {
+        if !out.contains(c) {
+            out.push(c.clone());
+        }
+    }
+    out
 }
 
 /// `reason`, plus what the connection itself met when the reason does not already say it.
@@ -691,7 +747,7 @@ async fn stream_inner<D: Driver>(
     out.send(Report::AgentHello(AgentHello {
         node_name: config.node_name.clone(),
         agent_version: config.agent_version.clone(),
-        capabilities: config.capabilities.clone(),
+        capabilities: offered_capabilities(&config.capabilities),
     }));
     // A server that accepts the connection but never answers must not hold the agent.
     let opened = tokio::time::timeout(
@@ -759,6 +815,9 @@ async fn stream_inner<D: Driver>(
         "connected to calc-server"
     );
     config.metrics.stream_started();
+    // An older server, or a Felix-shaped one, does not list the token: it gets no new messages.
+    // Exact match: a token with a `:value` suffix would be a variant this agent does not know.
+    let report_applied = hello.capabilities.iter().any(|c| c == CAPABILITY_APPLIED);
     // The snapshot's deadline runs from the hello: a server that keeps the stream busy (or
     // idle) without ever finishing its snapshot is left.
     let snapshot_deadline = tokio::time::sleep(config.snapshot_timeout);
@@ -781,6 +840,10 @@ async fn stream_inner<D: Driver>(
         messages: 0,
         snapshot: Vec::new(),
         snapshot_bytes: hello_bytes,
+        report_applied,
+        handled_seq: 0,
+        applied_seq: 0,
+        last_applied_report: None,
     };
     // The first tick is immediate: a heartbeat right after the hello, then one per interval.
     let mut heartbeat =
@@ -993,6 +1056,13 @@ fn handle<D: Driver>(
             agent.pending += 1;
         }
     }
+    // Once in sync, everything up to this message is with the driver: the snapshot and InSync
+    // went to it together just above, later messages one by one. An ignored one (unknown
+    // payload, a second InSync) counts too: it asks nothing of the dataplane, so it is in force
+    // as soon as what came before it is, and the server need not wait on it.
+    if st.in_sync {
+        st.handled_seq = seq;
+    }
     Ok(())
 }
 
@@ -1010,9 +1080,12 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
     let changes = agent.pending;
     let result = run_blocking(|| driver.apply());
     agent.metrics.progress();
-    agent
-        .metrics
-        .applied(started.elapsed(), result.is_ok(), driver.metrics());
+    let error = result.as_ref().err().map(|e| short_error(e));
+    agent.metrics.applied(
+        started.elapsed(),
+        error.as_deref().map_or(Ok(()), Err),
+        driver.metrics(),
+    );
     let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     match result {
         Ok(()) => {
@@ -1021,6 +1094,7 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
                 .metrics
                 .publish_programmed(|| driver.programmed_objects());
             agent.pending = 0;
+            st.applied_seq = st.handled_seq;
             agent.apply_backoff.reset();
             if !st.dataplane_in_sync_sent {
                 st.dataplane_in_sync_sent = true;
@@ -1035,6 +1109,36 @@ fn maybe_apply<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut Agen
         }
     }
     report_statuses(st, driver, agent);
+    // Last, so that when the server reads it the apply's statuses are already in.
+    report_applied(st, agent.pending, error);
+}
+
+/// Tells a server that asked for it (capability `applied`) what the dataplane holds after an
+/// apply attempt. A report identical to the last one on this stream is skipped: retries that
+/// keep failing the same way, and refreshes that change nothing, would otherwise flood the
+/// server with copies.
+fn report_applied(st: &mut StreamState, pending: usize, error: Option<String>) {
+    if !st.report_applied {
+        return;
+    }
+    let report = DataplaneApplied {
+        applied_sequence_number: st.applied_seq,
+        received_sequence_number: st.handled_seq,
+        error: error.unwrap_or_default(),
+        pending_changes: u64::try_from(pending).unwrap_or(u64::MAX),
+    };
+    if st.last_applied_report.as_ref() == Some(&report) {
+        return;
+    }
+    debug!(
+        applied = report.applied_sequence_number,
+        received = report.received_sequence_number,
+        pending = report.pending_changes,
+        error = %report.error,
+        "dataplane applied reported"
+    );
+    st.out.send(Report::DataplaneApplied(report.clone()));
+    st.last_applied_report = Some(report);
 }
 
 /// Sends what changed in the endpoint statuses since the last report (everything, once per
@@ -1098,6 +1202,7 @@ fn report_statuses<D: Driver>(st: &mut StreamState, driver: &D, agent: &mut Agen
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::DriverError;
 
     #[test]
     fn urls_get_a_scheme() {
@@ -1263,6 +1368,34 @@ mod tests {
             "said once"
         );
         assert_eq!(status_reason(&tonic::Status::unknown("")), "Unknown");
+    }
+
+    #[test]
+    fn apply_errors_are_cut_to_the_protocol_limit_on_a_char_boundary() {
+        let short = DriverError::Other("xtables lock\n held".into());
+        assert_eq!(short_error(&short), "xtables lock held", "one line");
+        // 'é' is two bytes: a cut at 253 bytes would split one.
+        let long = DriverError::Other("é".repeat(300));
+        let text = short_error(&long);
+        assert_eq!(text.len(), 252 + '…'.len_utf8(), "{text}");
+        assert!(text.starts_with("éé") && text.ends_with('…'), "{text}");
+        let exact = DriverError::Other("a".repeat(MAX_APPLIED_ERROR_BYTES));
+        assert_eq!(
+            short_error(&exact).len(),
+            MAX_APPLIED_ERROR_BYTES,
+            "at the limit: not cut"
+        );
+        assert!(!short_error(&DriverError::Other(String::new())).is_empty());
+    }
+
+    #[test]
+    fn the_agent_always_offers_applied() {
+        assert_eq!(offered_capabilities(&[]), ["applied"]);
+        assert_eq!(
+            offered_capabilities(&["x-test".to_owned(), "applied".to_owned()]),
+            ["applied", "x-test"],
+            "configured ones kept, each once"
+        );
     }
 
     #[test]

@@ -23,10 +23,10 @@ use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
 use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
-    ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, FromDataplane, HostEndpoint,
-    HostEndpointId, HostEndpointUpdate, HostMetadataUpdate, InSync, IpSetDeltaUpdate, IpSetUpdate,
-    IpamPool, IpamPoolUpdate, Policy, PolicyId, Profile, ProfileId, Rule, ServerHello, TierInfo,
-    ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
+    ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, DataplaneApplied, FromDataplane,
+    HostEndpoint, HostEndpointId, HostEndpointUpdate, HostMetadataUpdate, InSync, IpSetDeltaUpdate,
+    IpSetUpdate, IpamPool, IpamPoolUpdate, Policy, PolicyId, Profile, ProfileId, Rule, ServerHello,
+    TierInfo, ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
     WorkloadEndpointUpdate,
 };
 use serde_json::Value;
@@ -228,7 +228,8 @@ struct Log {
 struct Recording {
     inner: DryRunDriver,
     log: Arc<Mutex<Log>>,
-    fail_applies: usize,
+    /// The next this many applies fail (the test may change it while the agent runs).
+    fail_applies: Arc<Mutex<usize>>,
     refresh: Option<Duration>,
     /// Applies block this long first (an `iptables-restore` waiting on the xtables lock).
     apply_blocks_for: Arc<Mutex<Duration>>,
@@ -245,8 +246,9 @@ impl Driver for Recording {
             std::thread::sleep(block);
         }
         let mut log = self.log.lock();
-        if self.fail_applies > 0 {
-            self.fail_applies -= 1;
+        let mut fail = self.fail_applies.lock();
+        if *fail > 0 {
+            *fail -= 1;
             log.failed_applies += 1;
             return Err(DriverError::Other("injected failure".into()));
         }
@@ -272,6 +274,7 @@ impl Driver for Recording {
 struct Agent {
     log: Arc<Mutex<Log>>,
     metrics: Arc<AgentMetrics>,
+    fail_applies: Arc<Mutex<usize>>,
     apply_blocks_for: Arc<Mutex<Duration>>,
     state_file: PathBuf,
     dir: tempfile::TempDir,
@@ -333,10 +336,11 @@ fn start_agent_with(
     let state_file = dir.path().join("state.json");
     let log = Arc::new(Mutex::new(Log::default()));
     let apply_blocks_for = Arc::new(Mutex::new(Duration::ZERO));
+    let fail_applies = Arc::new(Mutex::new(fail_applies));
     let driver = Recording {
         inner: DryRunDriver::new(NODE, Some(state_file.clone())),
         log: log.clone(),
-        fail_applies,
+        fail_applies: fail_applies.clone(),
         refresh,
         apply_blocks_for: apply_blocks_for.clone(),
     };
@@ -348,6 +352,7 @@ fn start_agent_with(
     Agent {
         log,
         metrics,
+        fail_applies,
         apply_blocks_for,
         state_file,
         dir,
@@ -374,9 +379,13 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 // ------------------------------------------------------------------------------------------------
 
 fn server_hello(node: &str) -> Payload {
+    server_hello_with(node, &[])
+}
+
+fn server_hello_with(node: &str, capabilities: &[&str]) -> Payload {
     Payload::ServerHello(ServerHello {
         server_version: "fake".into(),
-        capabilities: vec![],
+        capabilities: capabilities.iter().map(|c| (*c).to_owned()).collect(),
         node_name: node.into(),
     })
 }
@@ -495,6 +504,14 @@ fn handshake() -> Vec<Step> {
     ]
 }
 
+/// [`handshake`] by a server that wants `DataplaneApplied` reports.
+fn handshake_applied() -> Vec<Step> {
+    vec![
+        Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
+        Step::Send(server_hello_with(NODE, &["applied"])),
+    ]
+}
+
 fn script(parts: Vec<Vec<Step>>) -> Vec<Step> {
     parts.into_iter().flatten().collect()
 }
@@ -513,6 +530,31 @@ fn programmed() -> Step {
 
 fn is_dataplane_in_sync(m: &FromDataplane) -> bool {
     matches!(m.payload, Some(Report::DataplaneInSync(_)))
+}
+
+fn applied_reports(reports: &[FromDataplane]) -> Vec<DataplaneApplied> {
+    reports
+        .iter()
+        .filter_map(|m| match &m.payload {
+            Some(Report::DataplaneApplied(a)) => Some(a.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A `DataplaneApplied` as the test expects it.
+fn applied(applied: u64, received: u64, error: &str, pending: u64) -> DataplaneApplied {
+    DataplaneApplied {
+        applied_sequence_number: applied,
+        received_sequence_number: received,
+        error: error.into(),
+        pending_changes: pending,
+    }
+}
+
+/// Waits on the fake's side for a `DataplaneApplied` equal to `want`.
+fn wait_applied(what: &'static str, want: DataplaneApplied) -> Step {
+    Step::WaitFor(what, Box::new(move |r| applied_reports(r).contains(&want)))
 }
 
 fn count(reports: &[FromDataplane], f: impl Fn(&Report) -> bool) -> usize {
@@ -599,7 +641,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
         Some(Report::AgentHello(h)) => {
             assert_eq!(h.node_name, NODE);
             assert_eq!(h.agent_version, env!("CARGO_PKG_VERSION"));
-            assert!(h.capabilities.is_empty());
+            assert_eq!(h.capabilities, ["applied"], "always offered");
         }
         other => panic!("first report must be AgentHello, got {other:?}"),
     }
@@ -1549,7 +1591,7 @@ async fn reconnecting_to_an_absent_server_is_live_not_ready() {
         assert_eq!(liveness_always(&agent), Ok(()));
         assert_eq!(
             agent.metrics.readiness(),
-            Err("not connected to a calc-server")
+            Err("not connected to a calc-server".to_owned())
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -1557,11 +1599,12 @@ async fn reconnecting_to_an_absent_server_is_live_not_ready() {
 }
 
 /// A server that ends the stream right behind its InSync: the complete snapshot is applied at
-/// once, not left pending until some later stream's InSync.
+/// once, not left pending until some later stream's InSync. The server asked for
+/// `DataplaneApplied`: the report of that apply has no stream to go to, and that is harmless.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_ending_right_after_in_sync_is_applied() {
     let (url, _fake) = start_fake(vec![script(vec![
-        handshake(),
+        handshake_applied(),
         sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
         vec![Step::End(None)],
     ])])
@@ -1719,5 +1762,202 @@ async fn an_update_without_its_object_leaves_the_dataplane_as_it_is() {
     ] {
         assert!(lines[0].contains(part), "{part} in {lines:?}");
     }
+    agent.stop().await;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Realization reports (capability "applied")
+// ------------------------------------------------------------------------------------------------
+
+/// A server offering `applied` learns, after the snapshot, that the InSync's sequence number is
+/// in the dataplane, then each delta's number once it is applied. DataplaneInSync comes before
+/// the first report, and each report follows the endpoint statuses of its apply. Refresh
+/// applies that change nothing send no copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_reports_follow_the_snapshot_and_each_delta() {
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake_applied(),
+        // ServerHello is 1; the snapshot 2..=5; InSync 6.
+        sends(vec![
+            ipset("s:a", &["10.0.0.1"]),
+            policy("p", "s:a"),
+            profile("pr"),
+            wep("ns/w1", "10.0.0.1/32", "p", "pr"),
+            in_sync(),
+        ]),
+        vec![wait_applied("the snapshot applied", applied(6, 6, "", 0))],
+        // One delta, number 7.
+        sends(vec![wep("ns/w2", "10.0.0.2/32", "p", "pr")]),
+        vec![
+            wait_applied("the delta applied", applied(7, 7, "", 0)),
+            Step::Hold,
+        ],
+    ])])
+    .await;
+    let agent = start_agent_with(test_config(vec![url]), 0, Some(Duration::from_millis(20)));
+    eventually("the delta is reported applied", || {
+        applied_reports(&fake.received(0)).contains(&applied(7, 7, "", 0))
+    })
+    .await;
+    let after = agent.log.lock().refreshes;
+    eventually("more refresh applies", || {
+        agent.log.lock().refreshes >= after + 3
+    })
+    .await;
+
+    let reports = fake.received(0);
+    assert_sequence_numbers(&reports);
+    assert_eq!(
+        applied_reports(&reports),
+        [applied(6, 6, "", 0), applied(7, 7, "", 0)],
+        "one report per change; successful refreshes repeat nothing"
+    );
+    let position = |f: &dyn Fn(&Report) -> bool| {
+        reports
+            .iter()
+            .position(|m| m.payload.as_ref().is_some_and(f))
+            .expect("reported")
+    };
+    let first_applied = position(&|p| matches!(p, Report::DataplaneApplied(_)));
+    assert!(position(&|p| matches!(p, Report::DataplaneInSync(_))) < first_applied);
+    assert!(position(&wep_status_update("ns/w1")) < first_applied);
+    let second_applied = reports
+        .iter()
+        .rposition(|m| matches!(m.payload, Some(Report::DataplaneApplied(_))))
+        .expect("reported");
+    assert!(position(&wep_status_update("ns/w2")) < second_applied);
+    agent.stop().await;
+}
+
+/// An apply that fails is reported with its error and the number still in the dataplane; the
+/// retries that fail the same way are not reported again, a message arriving meanwhile is;
+/// `/readiness` gives the same error; the success after it clears the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_apply_reports_its_error_and_what_is_still_applied() {
+    let first_delta = Arc::new(Notify::new());
+    let second_delta = Arc::new(Notify::new());
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake_applied(),
+        // ServerHello 1, IP set 2, InSync 3.
+        sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
+        vec![Step::Gate(first_delta.clone())],
+        sends(vec![ipset("s:a", &["10.0.0.2"])]),
+        vec![Step::Gate(second_delta.clone())],
+        sends(vec![ipset("s:a", &["10.0.0.3"])]),
+        vec![Step::Hold],
+    ])])
+    .await;
+    let agent = start_agent(test_config(vec![url]), 0);
+    let reports = || applied_reports(&fake.received(0));
+    eventually("the snapshot applied", || {
+        reports().contains(&applied(3, 3, "", 0))
+    })
+    .await;
+    assert_eq!(agent.metrics.readiness(), Ok(()));
+
+    // Every apply fails from now until the test says otherwise.
+    *agent.fail_applies.lock() = usize::MAX;
+    first_delta.notify_one();
+    let failing = applied(3, 4, "injected failure", 1);
+    eventually("the failure reported", || reports().contains(&failing)).await;
+    assert_eq!(
+        agent.metrics.readiness(),
+        Err("the last apply failed: injected failure".to_owned())
+    );
+    let failed = agent.log.lock().failed_applies;
+    eventually("several retries", || {
+        agent.log.lock().failed_applies >= failed + 3
+    })
+    .await;
+    assert_eq!(
+        reports(),
+        [applied(3, 3, "", 0), failing.clone()],
+        "retries failing the same way are not reported again"
+    );
+
+    // A message arriving while the apply fails: the next retry's report says so.
+    second_delta.notify_one();
+    let still_failing = applied(3, 5, "injected failure", 2);
+    eventually("the new message reported", || {
+        reports().contains(&still_failing)
+    })
+    .await;
+
+    *agent.fail_applies.lock() = 0;
+    eventually("the recovery reported", || {
+        reports().contains(&applied(5, 5, "", 0))
+    })
+    .await;
+    assert_eq!(
+        reports(),
+        [
+            applied(3, 3, "", 0),
+            failing,
+            still_failing,
+            applied(5, 5, "", 0)
+        ]
+    );
+    eventually("ready again", || agent.metrics.readiness().is_ok()).await;
+    assert_eq!(
+        agent.state().expect("state")["ipsets"]["s:a"]["members"],
+        serde_json::json!(["10.0.0.3"])
+    );
+    agent.stop().await;
+}
+
+/// A server that does not list `applied` (an older one, or a Felix-shaped one) never gets a
+/// `DataplaneApplied`, after failed applies, the snapshot's or a delta's, though the agent
+/// offered the capability.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_servers_capability_no_applied_reports_are_sent() {
+    let (url, fake) = start_fake(vec![script(vec![
+        handshake(),
+        sends(vec![
+            ipset("s:a", &[]),
+            policy("p", "s:a"),
+            profile("pr"),
+            in_sync(),
+        ]),
+        vec![programmed()],
+        sends(vec![wep("ns/w1", "10.0.0.1/32", "p", "pr")]),
+        vec![
+            // Reports go out in order on one stream: a heartbeat after the delta's status
+            // comes after anything that apply sent.
+            Step::WaitFor(
+                "a heartbeat after the delta's status",
+                Box::new(|r| {
+                    r.iter()
+                        .position(|m| m.payload.as_ref().is_some_and(wep_status_update("ns/w1")))
+                        .is_some_and(|at| {
+                            count(&r[at..], |p| matches!(p, Report::ProcessStatusUpdate(_))) > 0
+                        })
+                }),
+            ),
+            Step::Hold,
+        ],
+    ])])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.heartbeat_interval = Duration::from_millis(20);
+    let agent = start_agent(config, 2);
+    eventually("the delta's apply reported", || {
+        let r = fake.received(0);
+        r.iter()
+            .position(|m| m.payload.as_ref().is_some_and(wep_status_update("ns/w1")))
+            .is_some_and(|at| count(&r[at..], |p| matches!(p, Report::ProcessStatusUpdate(_))) > 0)
+    })
+    .await;
+    assert_eq!(agent.log.lock().failed_applies, 2);
+    assert_eq!(agent.applies(), 2);
+    let reports = fake.received(0);
+    match &reports[0].payload {
+        Some(Report::AgentHello(h)) => assert_eq!(h.capabilities, ["applied"]),
+        other => panic!("first report must be AgentHello, got {other:?}"),
+    }
+    assert!(applied_reports(&reports).is_empty(), "{reports:?}");
+    assert_eq!(
+        reports.iter().filter(|m| is_dataplane_in_sync(m)).count(),
+        1
+    );
     agent.stop().await;
 }
