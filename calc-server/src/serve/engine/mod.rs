@@ -303,10 +303,11 @@ impl Engine {
         }
     }
 
-    /// Whether snapshots are waiting or under way: the driver then steps periodically even
-    /// without input, to notice drained queues and admit the next snapshots.
+    /// Whether snapshots are waiting or under way, or the realization gauges are stale: the
+    /// driver then steps periodically even without input, to notice drained queues, admit the
+    /// next snapshots and sum the gauges.
     pub(super) fn busy(&self) -> bool {
-        !self.waiting.is_empty() || !self.snapshotting.is_empty()
+        !self.waiting.is_empty() || !self.snapshotting.is_empty() || self.realization.dirty
     }
 
     /// Applies a burst of inputs and flushes once for all of them.

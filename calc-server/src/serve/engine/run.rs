@@ -1,5 +1,6 @@
 //! Drives the [`Engine`] from its channels: control inputs (connections) and datastore
-//! batches, each burst applied in one step, plus a 10 ms tick while snapshots are admitted.
+//! batches, each burst applied in one step, plus a 10 ms tick while snapshots are admitted or
+//! the realization gauges wait to be summed.
 
 use calc_graph::graph::Update;
 use tokio::sync::mpsc;

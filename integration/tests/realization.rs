@@ -1,0 +1,160 @@
+//! Where policies are in force, as an operator asks it: real agents (dry-run) report what they
+//! applied; one agent's driver fails on purpose (its state file is a directory). The CLI and
+//! the admin endpoint show the counts, the phase and the failing node's reason; a new
+//! endpoint's time to be programmed reaches the metrics.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use integration::{Agent, Server, binary, example_datastore, http_get, metric};
+
+fn status(server: &Server, args: &[&str]) -> String {
+    let out = Command::new(binary("calc-server"))
+        .args(["status", "--server", &server.admin])
+        .args(args)
+        .output()
+        .expect("run calc-server status");
+    assert!(
+        out.status.success(),
+        "status {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+/// Polls `/status/policies/NAME` until `pred` holds (20 s), returning the JSON.
+fn wait_policy(
+    server: &Server,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = serde_json::Value::Null;
+    while Instant::now() < deadline {
+        if let Some((200, body)) = http_get(&server.admin, &format!("/status/policies/{name}")) {
+            last = serde_json::from_str(&body).expect("JSON");
+            if pred(&last) {
+                return last;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{what}: never reached; last answer: {last}");
+}
+
+#[test]
+fn a_failing_node_shows_as_failed_with_its_error_and_the_others_as_realized() {
+    let dir = example_datastore();
+    let server = Server::start(dir.path(), &[]);
+    let good = Agent::start(dir.path(), &server.grpc, "node-1");
+    // A state file that is a directory: every apply of this agent fails.
+    std::fs::create_dir(dir.path().join("broken.state.json")).expect("mkdir");
+    let broken = Agent::start_with(dir.path(), &server.grpc, "node-2", "broken", &[]);
+
+    // production-isolation selects pods on both nodes.
+    let p = wait_policy(
+        &server,
+        "production-isolation",
+        "node-1 realized, node-2 failed",
+        |p| p["realized"] == 1 && p["failed"] == 1,
+    );
+    assert_eq!(p["desired"], 2);
+    assert_eq!(p["phase"], "Failed");
+    assert_eq!(p["lagging"][0]["node"], "node-2");
+    assert_eq!(p["lagging"][0]["state"], "failed");
+    let reason = p["lagging"][0]["reason"].as_str().expect("reason");
+    assert!(reason.starts_with("last apply failed: "), "{reason}");
+
+    // The CLI: the table line, the lagging node with its reason, the node table's column.
+    let table = status(&server, &["--policies"]);
+    assert!(table.starts_with("POLICY"), "{table}");
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("production-isolation "))
+        .unwrap_or_else(|| panic!("no line for the policy:\n{table}"));
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        cells,
+        ["production-isolation", "security", "2", "1", "1", "Failed"]
+    );
+    let one = status(&server, &["--policy", "production-isolation"]);
+    assert!(one.contains("node-2  failed  last apply failed: "), "{one}");
+    let nodes = status(&server, &[]);
+    let node2 = nodes
+        .lines()
+        .find(|l| l.starts_with("node-2"))
+        .expect("node-2");
+    assert!(node2.contains("no: last apply failed: "), "{nodes}");
+    let node1 = nodes
+        .lines()
+        .find(|l| l.starts_with("node-1"))
+        .expect("node-1");
+    assert!(node1.trim_end().ends_with("yes"), "{nodes}");
+
+    // Per-tier gauges (summed at most once a second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = http_get(&server.admin, "/metrics").expect("metrics").1;
+        let failed = metric(&m, "calc_server_policy_nodes_failed{tier=\"security\"}");
+        if failed.unwrap_or(0.0) >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no failed security nodes in:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Once the broken agent is gone, its node is pending (not connected), not failed.
+    drop(broken);
+    let p = wait_policy(&server, "production-isolation", "node-2 pending", |p| {
+        p["failed"] == 0 && p["phase"] == "Realizing"
+    });
+    assert_eq!(p["lagging"][0]["reason"], "not connected");
+    drop(good);
+}
+
+#[test]
+fn a_new_endpoint_is_timed_until_its_agent_applies_it() {
+    let dir = example_datastore();
+    let server = Server::start(dir.path(), &[]);
+    let agent = Agent::start(dir.path(), &server.grpc, "node-1");
+    wait_policy(&server, "production-isolation", "snapshot applied", |p| {
+        p["realized"] == 1
+    });
+    let count = || {
+        let m = http_get(&server.admin, "/metrics").expect("metrics").1;
+        metric(&m, "calc_server_endpoint_programmed_seconds_count").unwrap_or(-1.0)
+    };
+    assert_eq!(count(), 0.0, "the snapshot's endpoints are not new");
+    std::fs::write(
+        dir.path().join("new-pod.yaml"),
+        "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--1-k8s-web--9-eth0
+  namespace: shop
+  labels: {app: web, projectcalico.org/namespace: shop, projectcalico.org/orchestrator: k8s}
+spec:
+  orchestrator: k8s
+  node: node-1
+  pod: web-9
+  endpoint: eth0
+  interfaceName: caliweb9
+  ipNetworks: [10.65.1.99/32]
+  profiles: [kns.shop]
+",
+    )
+    .expect("write");
+    agent.wait_for("the new pod", |s| s.to_string().contains("web-9"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while count() < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the new endpoint was never timed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
