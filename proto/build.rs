@@ -31,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .route_name("Sync")
             .input_type("crate::FromDataplane")
             .output_type("crate::framed::Frame")
-            .codec_path("tonic_prost::ProstCodec")
+            .codec_path("crate::framed::FrameCodec")
             .client_streaming()
             .server_streaming()
             .build();

@@ -303,11 +303,15 @@ impl Engine {
         }
     }
 
-    /// Whether snapshots are waiting or under way, or the realization gauges are stale: the
-    /// driver then steps periodically even without input, to notice drained queues, admit the
-    /// next snapshots and sum the gauges.
+    /// Whether snapshots are waiting or under way.
     pub(super) fn busy(&self) -> bool {
-        !self.waiting.is_empty() || !self.snapshotting.is_empty() || self.realization.dirty
+        !self.waiting.is_empty() || !self.snapshotting.is_empty()
+    }
+
+    /// Whether the driver should step periodically even without input: to notice drained
+    /// queues and admit the next snapshots, or to sum stale realization gauges.
+    pub(super) fn wants_tick(&self) -> bool {
+        self.busy() || self.realization.dirty
     }
 
     /// Applies a burst of inputs and flushes once for all of them.

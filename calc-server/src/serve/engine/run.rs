@@ -20,7 +20,7 @@ pub(crate) async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut datastore_open = true;
     loop {
-        let busy = engine.busy();
+        let busy = engine.wants_tick();
         let first = tokio::select! {
             i = control.recv() => match i {
                 Some(i) => Some(i),
