@@ -33,19 +33,6 @@ fn request(args: &ExplainArgs) -> Request {
     })
 }
 
-/// Query-string escaping for `/explain`'s parameters.
-fn escape(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 fn path_of(r: &Request) -> String {
     let mut params: Vec<(&str, &str)> = Vec::new();
     match r {
@@ -67,7 +54,7 @@ fn path_of(r: &Request) -> String {
     }
     let query: Vec<String> = params
         .iter()
-        .map(|(k, v)| format!("{k}={}", escape(v)))
+        .map(|(k, v)| format!("{k}={}", crate::status_cmd::url_escape(v)))
         .collect();
     format!("/explain?{}", query.join("&"))
 }

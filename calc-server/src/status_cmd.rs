@@ -229,17 +229,23 @@ fn policy_detail(r: &serde_json::Value) -> String {
     out
 }
 
-/// `[NAMESPACE/]NAME` as a path segment (kept readable: `/` separates namespace and name).
-fn policy_path(name: &str) -> String {
-    let mut out = String::from("/status/policies/");
-    for b in name.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+/// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate
+/// namespace and name, or an IPv6 address's groups, and mean nothing else there).
+pub(crate) fn url_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
     }
     out
+}
+
+/// `[NAMESPACE/]NAME`'s `/status/policies` path.
+fn policy_path(name: &str) -> String {
+    format!("/status/policies/{}", url_escape(name))
 }
 
 pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {

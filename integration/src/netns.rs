@@ -60,6 +60,25 @@ pub fn require() {
 
 /// Writes a manifest for the file datastore beside its final name and renames it, so the
 /// server's watcher never reads half a file.
+/// A namespace's profile as kube-controllers writes it: allow all both ways, carrying the
+/// namespace's labels (`pcns.`-prefixed, `env` here) for namespace selectors.
+pub fn namespace_profile(ns: &str, env: &str) -> String {
+    format!(
+        "apiVersion: projectcalico.org/v3
+kind: Profile
+metadata:
+  name: kns.{ns}
+spec:
+  ingress: [{{action: Allow}}]
+  egress: [{{action: Allow}}]
+  labelsToApply:
+    pcns.projectcalico.org/name: {ns}
+    pcns.env: {env}
+---
+"
+    )
+}
+
 pub fn write_manifest(dir: &Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     std::fs::write(&tmp, text).expect("write manifest");

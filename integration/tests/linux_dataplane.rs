@@ -7,27 +7,11 @@
 //! (see `integration::netns::require`).
 
 use integration::netns::{
-    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, write_manifest,
+    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, namespace_profile,
+    write_manifest,
 };
 
 const NODE: &str = "node-a";
-
-fn profile(ns: &str, env: &str) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: Profile
-metadata:
-  name: kns.{ns}
-spec:
-  ingress: [{{action: Allow}}]
-  egress: [{{action: Allow}}]
-  labelsToApply:
-    pcns.projectcalico.org/name: {ns}
-    pcns.env: {env}
----
-"
-    )
-}
 
 fn wep(ns: &str, pod: &str, app: &str, iface: &str, w: &Workload, ports: &str) -> String {
     format!(
@@ -172,8 +156,8 @@ fn cluster() -> Cluster {
     web.listen(9090);
     db.listen(5432);
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut manifests = profile("prod", "prod");
-    manifests.push_str(&profile("dev", "dev"));
+    let mut manifests = namespace_profile("prod", "prod");
+    manifests.push_str(&namespace_profile("dev", "dev"));
     manifests.push_str(&wep("prod", "client", "client", &client.iface, &client, ""));
     manifests.push_str(&wep(
         "prod",

@@ -29,7 +29,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use integration::netns::{ControlPlane, Netns, Workload, write_manifest};
+use integration::netns::{ControlPlane, Netns, Workload, namespace_profile, write_manifest};
 use serde_json::Value;
 
 const NODE: &str = "node-a";
@@ -173,25 +173,6 @@ spec:
             v6 = Pod::ipv6(i),
         )
     }
-}
-
-/// Namespace profiles as kube-controllers writes them: allow all, and carry the namespace's
-/// labels (`pcns.`-prefixed) for namespace selectors.
-fn profile(ns: &str) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: Profile
-metadata:
-  name: kns.{ns}
-spec:
-  ingress: [{{action: Allow}}]
-  egress: [{{action: Allow}}]
-  labelsToApply:
-    pcns.projectcalico.org/name: {ns}
-    pcns.env: {ns}
----
-"
-    )
 }
 
 /// The policy under test. The comments say which probes each rule is meant to decide; the
@@ -665,7 +646,7 @@ fn cluster() -> Cluster {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut manifests: String = ["prod", "dev", "ops"]
         .iter()
-        .map(|ns| profile(ns))
+        .map(|ns| namespace_profile(ns, ns))
         .collect();
     for (i, pod) in PODS.iter().enumerate() {
         manifests.push_str(&pod.manifest(i));

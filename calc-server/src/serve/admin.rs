@@ -104,35 +104,42 @@ fn json_error(status: StatusCode, error: String) -> (StatusCode, Json<serde_json
     (status, Json(serde_json::json!({ "error": error })))
 }
 
-async fn explain(
-    State(s): State<AdminState>,
-    RawQuery(query): RawQuery,
-) -> (StatusCode, Json<serde_json::Value>) {
-    // Before the datastore is loaded an answer would describe a partial cluster.
+type JsonAnswer = (StatusCode, Json<serde_json::Value>);
+
+/// Asks the engine a question (`make` builds the input around the reply channel); 503 before
+/// the datastore is loaded (an answer would describe a partial cluster) or while stopping.
+async fn ask<T>(
+    s: &AdminState,
+    make: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> super::engine::Input,
+) -> Result<T, JsonAnswer> {
     if !s.ready.load(Ordering::Relaxed) {
-        return json_error(
+        return Err(json_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "datastore not loaded yet".into(),
-        );
+        ));
     }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let stopping = || {
+        json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "calc-server is shutting down".into(),
+        )
+    };
+    s.engine.send(make(reply)).await.map_err(|_| stopping())?;
+    answer.await.map_err(|_| stopping())
+}
+
+async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> JsonAnswer {
     let request = match ExplainParams::parse(query.as_deref().unwrap_or_default())
         .and_then(ExplainParams::request)
     {
         Ok(r) => r,
         Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
     };
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    let asked = s
-        .engine
-        .send(super::engine::Input::Explain { request, reply })
-        .await;
-    match (asked, answer.await) {
-        (Ok(()), Ok(Ok(value))) => (StatusCode::OK, Json(value)),
-        (Ok(()), Ok(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
-        _ => json_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "calc-server is shutting down".into(),
-        ),
+    match ask(&s, |reply| super::engine::Input::Explain { request, reply }).await {
+        Ok(Ok(value)) => (StatusCode::OK, Json(value)),
+        Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(answer) => answer,
     }
 }
 
@@ -188,47 +195,27 @@ async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
 }
 
 /// Asks the engine where policies are in force (`only`: one policy, with its lagging nodes).
-async fn realization(
-    s: &AdminState,
-    only: Option<String>,
-) -> (StatusCode, Json<serde_json::Value>) {
-    if !s.ready.load(Ordering::Relaxed) {
-        return json_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "datastore not loaded yet".into(),
-        );
-    }
+async fn realization(s: &AdminState, only: Option<String>) -> JsonAnswer {
     let single = only.is_some();
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    let asked = s
-        .engine
-        .send(super::engine::Input::Realization { only, reply })
-        .await;
-    match (asked, answer.await) {
-        (Ok(()), Ok(Ok(mut rows))) if single => match rows.pop() {
+    match ask(s, |reply| super::engine::Input::Realization { only, reply }).await {
+        Ok(Ok(mut rows)) if single => match rows.pop() {
             Some(row) => (StatusCode::OK, Json(serde_json::json!(row))),
             None => json_error(
                 StatusCode::NOT_FOUND,
                 "no such policy, and no profile of that name is in use".into(),
             ),
         },
-        (Ok(()), Ok(Ok(rows))) => (StatusCode::OK, Json(serde_json::json!(rows))),
-        (Ok(()), Ok(Err(e))) => json_error(StatusCode::BAD_REQUEST, e),
-        _ => json_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "calc-server is shutting down".into(),
-        ),
+        Ok(Ok(rows)) => (StatusCode::OK, Json(serde_json::json!(rows))),
+        Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e),
+        Err(answer) => answer,
     }
 }
 
-async fn policies(State(s): State<AdminState>) -> (StatusCode, Json<serde_json::Value>) {
+async fn policies(State(s): State<AdminState>) -> JsonAnswer {
     realization(&s, None).await
 }
 
-async fn policy(
-    State(s): State<AdminState>,
-    Path(name): Path<String>,
-) -> (StatusCode, Json<serde_json::Value>) {
+async fn policy(State(s): State<AdminState>, Path(name): Path<String>) -> JsonAnswer {
     realization(&s, Some(name)).await
 }
 

@@ -586,31 +586,7 @@ impl CalcGraph {
             );
             return side.finish("host to local workload");
         }
-        let h = s.host().expect("a host endpoint");
-        let failsafe_out = self.failsafes_of(&s.node, Dir::Egress);
-        if !s.wildcard && !h.untracked_tiers.is_empty() {
-            let c = Chain {
-                stage: Stage::Untracked,
-                dir: Dir::Egress,
-                tiers: &h.untracked_tiers,
-                profiles: &[],
-                failsafes: &failsafe_out,
-                drop_encap: false,
-            };
-            if side.chain(&s.name, &c, p, view, true) {
-                return side.finish("no policy");
-            }
-        }
-        let c = Chain {
-            stage: Stage::Normal,
-            dir: Dir::Egress,
-            tiers,
-            profiles,
-            failsafes: &failsafe_out,
-            drop_encap: false,
-        };
-        side.chain(&s.name, &c, p, view, false);
-        side.finish("no policy")
+        self.host_side(side, s, Dir::Egress, p, view)
     }
 
     fn ingress_side(
@@ -682,38 +658,52 @@ impl CalcGraph {
             );
             return side.finish("host to itself");
         }
-        let h = d.host().expect("a host endpoint");
-        let failsafe_in = self.failsafes_of(&d.node, Dir::Ingress);
-        if !d.wildcard {
-            for (stage, list) in [
-                (Stage::Untracked, &h.untracked_tiers),
-                (Stage::PreDnat, &h.pre_dnat_tiers),
-            ] {
-                if list.is_empty() {
-                    continue;
-                }
+        self.host_side(side, d, Dir::Ingress, p, view)
+    }
+
+    /// A host endpoint's chains for traffic to or from its own host: doNotTrack (and, inbound,
+    /// pre-DNAT) policy, whose Allow is final, then its normal policy and profiles; each opens
+    /// with the failsafes.
+    fn host_side(
+        &self,
+        mut side: SideBuilder,
+        e: &Ep,
+        dir: Dir,
+        p: &Packet,
+        view: &View<'_>,
+    ) -> Side {
+        let h = e.host().expect("a host endpoint");
+        let failsafes = self.failsafes_of(&e.node, dir);
+        let mut early: Vec<(Stage, &[pb::TierInfo])> = vec![(Stage::Untracked, &h.untracked_tiers)];
+        if dir == Dir::Ingress {
+            early.push((Stage::PreDnat, &h.pre_dnat_tiers));
+        }
+        // As in Felix, doNotTrack and pre-DNAT policy do not apply to the `*` endpoint.
+        if !e.wildcard {
+            for (stage, tiers) in early.into_iter().filter(|(_, t)| !t.is_empty()) {
                 let c = Chain {
                     stage,
-                    dir: Dir::Ingress,
-                    tiers: list,
+                    dir,
+                    tiers,
                     profiles: &[],
-                    failsafes: &failsafe_in,
+                    failsafes: &failsafes,
                     drop_encap: false,
                 };
-                if side.chain(&d.name, &c, p, view, true) {
+                if side.chain(&e.name, &c, p, view, true) {
                     return side.finish("no policy");
                 }
             }
         }
+        let (tiers, profiles) = e.tiers();
         let c = Chain {
             stage: Stage::Normal,
-            dir: Dir::Ingress,
+            dir,
             tiers,
             profiles,
-            failsafes: &failsafe_in,
+            failsafes: &failsafes,
             drop_encap: false,
         };
-        side.chain(&d.name, &c, p, view, false);
+        side.chain(&e.name, &c, p, view, false);
         side.finish("no policy")
     }
 }
