@@ -1,7 +1,7 @@
 # The two commands a new user runs: `make demo` and `make test`. See README.md.
 CARGO ?= cargo
 
-.PHONY: deps build test demo bench lint fmt clean fresh-check
+.PHONY: deps build test demo bench bench-calc bench-sync lint fmt clean fresh-check
 
 ## deps: install the missing system packages (idempotent; apt-get update first), then check that
 ## every tool and file the build and the tests read is present (scripts/deps.sh lists them)
@@ -26,7 +26,16 @@ demo: build
 
 ## bench: print the benchmark figures recorded in docs/benchmarks.md
 bench: deps
-	./scripts/bench.sh
+	./scripts/bench.sh all
+
+## bench-calc: only the calculation-graph benchmarks (10k and 100k endpoints): prints
+## `calc 10k: floor … ms, compute … ms, ratio …`, the same for 100k, and `memory per endpoint`
+bench-calc: deps
+	./scripts/bench.sh calc
+
+## bench-sync: only the 1,000-agent Sync benchmark: prints `sync 1000 agents: in sync … s, rss above idle … MiB`
+bench-sync: deps
+	./scripts/bench.sh sync
 
 ## lint: formatting and clippy, warnings are errors
 lint: deps

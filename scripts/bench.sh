@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
+#   scripts/bench.sh [all|calc|sync]   (make bench, make bench-calc, make bench-sync)
+# calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-all}
+case "$MODE" in all|calc|sync) ;; *) echo "usage: $0 [all|calc|sync]" >&2; exit 2 ;; esac
 cargo build --release -p calc-server -p bench-tools -p calc-graph --benches --bins >/dev/null 2>&1 || cargo build --release -p calc-server -p bench-tools
 BIN=./target/release/calc-server
 BENCH=./target/release/calc-bench
 WORK=${BENCH_DIR:-$(mktemp -d)}
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -r)"
 
-echo; echo "== selectors"
-cargo bench -q -p calc-graph --bench selectors 2>/dev/null | grep selector
+if [ "$MODE" = all ]; then
+  echo; echo "== selectors"
+  cargo bench -q -p calc-graph --bench selectors 2>/dev/null | grep selector
+fi
 
 run() { # name nodes eps policies namespaces
   local dir="$WORK/$1"
@@ -17,11 +23,15 @@ run() { # name nodes eps policies namespaces
   echo; echo "== calculation graph: $2 nodes x $3 endpoints, $4 policies, $5 namespaces"
   "$BENCH" bench --file-dir "$dir" | tee "$WORK/$1.out"
 }
-run c10k 100 100 1000 100
-run c100k 100 1000 1000 100
-a=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c10k.out")
-b=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c100k.out")
-echo; echo "memory per endpoint (slope 10k -> 100k endpoints): $(( (b - a) / 90000 )) bytes"
+if [ "$MODE" != sync ]; then
+  run c10k 100 100 1000 100
+  run c100k 100 1000 1000 100
+  a=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c10k.out")
+  b=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c100k.out")
+  echo; echo "(slope of the retained memory from 10k to 100k endpoints)"
+  echo "memory per endpoint: $(( (b - a) / 90000 )) bytes"
+fi
+[ "$MODE" = calc ] && exit 0
 
 echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
 "$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
@@ -34,7 +44,23 @@ for _ in $(seq 100); do
   "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
   sleep 0.1
 done
-"$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20
+"$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20 \
+  --admin "127.0.0.1:$((PORT + 1))"
+[ "$MODE" = sync ] && exit 0
+kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+
+echo; echo "== Churn: 100 agents on the 10k cluster, label flips and policy edits at increasing rates"
+CPORT=$((PORT + 2))
+"$BIN" serve --file-dir "$WORK/c10k" --listen "127.0.0.1:$CPORT" --admin-listen "127.0.0.1:$((CPORT + 1))" \
+  --file-poll-interval 10ms --log-level warn >"$WORK/churn-serve.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 100); do
+  "$BIN" status --server "127.0.0.1:$((CPORT + 1))" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+"$BENCH" churn --server "http://127.0.0.1:$CPORT" --admin "127.0.0.1:$((CPORT + 1))" --file-dir "$WORK/c10k" \
+  --nodes 100 --seconds "${CHURN_SECONDS:-60}"
+kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
 
 echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh network namespaces)"
 if [ "$(id -u)" = 0 ]; then

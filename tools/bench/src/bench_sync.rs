@@ -75,14 +75,14 @@ fn mib(b: u64) -> f64 {
 }
 
 /// What each simulated agent reports to the coordinator.
-enum Event {
+pub(crate) enum Event {
     InSync(usize),
     /// An agent saw the marker policy with this port.
     Marker(i32),
     Failed(usize, String),
 }
 
-async fn agent(
+pub(crate) async fn agent(
     i: usize,
     url: String,
     node: String,
@@ -212,7 +212,7 @@ impl Target {
     }
 }
 
-fn marker_policy(port: i32) -> String {
+pub(crate) fn marker_policy(port: i32) -> String {
     format!(
         "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata:\n  name: bench-sync-marker\nspec:\n  order: 1\n  selector: all()\n  types: [Ingress]\n  ingress:\n  - action: Allow\n    protocol: TCP\n    destination:\n      ports: [{port}]\n"
     )
@@ -314,6 +314,16 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
     };
     println!("agents: {}", args.nodes);
     println!("time until all in sync: {:.2} s", all_in_sync.as_secs_f64());
+    // The contract line scripts read (`make bench-sync`).
+    println!(
+        "sync {} agents: in sync {:.2} s, rss above idle {}",
+        args.nodes,
+        all_in_sync.as_secs_f64(),
+        match (idle, steady) {
+            (Some((i, _)), Some((s, _))) => format!("{:.1} MiB", mib(s.saturating_sub(i))),
+            _ => "unknown (no --server-pid)".to_string(),
+        }
+    );
     if let (Some((idle_rss, _)), Some((steady_rss, hwm))) = (idle, steady) {
         println!(
             "server RSS: idle {:.1} MiB, with all agents in sync {:.1} MiB (+{:.1} MiB), peak during the initial sync {:.1} MiB (high-water {:.1} MiB)",

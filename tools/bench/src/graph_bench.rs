@@ -181,6 +181,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         mib(largest_file as u64)
     );
     println!("retained_rss_bytes: {}", rss_flushed.saturating_sub(rss0));
+    // The contract line scripts read (`make bench-calc`): the cluster named by its endpoints.
+    let size = if endpoint_count >= 1000 && endpoint_count % 1000 == 0 {
+        format!("{}k", endpoint_count / 1000)
+    } else {
+        endpoint_count.to_string()
+    };
+    println!(
+        "calc {size}: floor {:.0} ms, compute {:.0} ms, ratio {:.2}",
+        ms(floor),
+        ms(compute),
+        compute.as_secs_f64() / floor.as_secs_f64().max(1e-9)
+    );
     println!(
         "incremental label flip ({} flips): median {:.3} ms, p99 {:.3} ms, max {:.3} ms; {:.1} messages to {:.1} nodes per flip",
         lat.len(),

@@ -6,8 +6,10 @@
 //! - [`graph_bench`]: the calculation graph on a datastore, against the floor of reading and
 //!   validating the same objects;
 //! - [`bench_sync`]: simulated agents against a running server (time to sync, memory, change
-//!   latency).
+//!   latency);
+//! - [`churn`]: datastore churn at increasing rates against a running server and its agents.
 
 pub mod bench_sync;
+pub mod churn;
 pub mod gen_cluster;
 pub mod graph_bench;

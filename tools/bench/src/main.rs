@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use bench_tools::{bench_sync, gen_cluster, graph_bench};
+use bench_tools::{bench_sync, churn, gen_cluster, graph_bench};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -34,6 +34,9 @@ enum Command {
     Bench(graph_bench::BenchArgs),
     /// Simulated agents against a running server: time to sync, memory, change latency.
     BenchSync(bench_sync::BenchSyncArgs),
+    /// Datastore churn at increasing rates against a running server and simulated agents:
+    /// the highest rate held with the change latency's p99 within a limit.
+    Churn(churn::ChurnArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         }),
         Command::Bench(args) => graph_bench::run(&args),
         Command::BenchSync(args) => bench_sync::run(&args),
+        Command::Churn(args) => churn::run(&args),
     };
     result.unwrap_or_else(|error| {
         eprintln!("error: {error:#}");
