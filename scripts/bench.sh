@@ -52,7 +52,7 @@ kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
 echo; echo "== Churn: 100 agents on the 10k cluster, label flips and policy edits at increasing rates"
 CPORT=$((PORT + 2))
 "$BIN" serve --file-dir "$WORK/c10k" --listen "127.0.0.1:$CPORT" --admin-listen "127.0.0.1:$((CPORT + 1))" \
-  --file-poll-interval 10ms --log-level warn >"$WORK/churn-serve.log" 2>&1 &
+  --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/churn-serve.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do
   "$BIN" status --server "127.0.0.1:$((CPORT + 1))" >/dev/null 2>&1 && break

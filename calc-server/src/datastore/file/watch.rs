@@ -36,8 +36,51 @@ use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
 
-/// Polls a changing directory waits for it to settle before reading it anyway.
+/// Polls a changing file waits to settle before it is read anyway.
 const UNSETTLED_POLLS: u32 = 10;
+
+/// What to read at this poll, per file: a file whose stamp differs from what was read, once it
+/// has kept that stamp for a whole interval (a file being written, an editor's
+/// truncate-then-write or a rename seen half done is read once it is done), or after
+/// [`UNSETTLED_POLLS`] polls of changing; a file gone from the listing, once it stayed gone
+/// for an interval. Each file settles on its own, so a directory under constant churn still
+/// has every finished write read within about two intervals. `unsettled` counts, per file,
+/// the polls it has been seen changing.
+fn settled(
+    seen: &Listing,
+    last: &Listing,
+    now: &Listing,
+    unsettled: &mut BTreeMap<PathBuf, u32>,
+) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let mut ready = |p: &PathBuf, stable: bool| {
+        let polls = unsettled.entry(p.clone()).or_default();
+        if stable || *polls >= UNSETTLED_POLLS {
+            unsettled.remove(p);
+            true
+        } else {
+            *polls += 1;
+            false
+        }
+    };
+    let mut changed = Vec::new();
+    for (p, stamp) in now {
+        if seen.get(p) == Some(stamp) {
+            continue;
+        }
+        if ready(p, last.get(p) == Some(stamp)) {
+            changed.push(p.clone());
+        }
+    }
+    let mut gone = Vec::new();
+    for p in seen.keys().filter(|p| !now.contains_key(*p)) {
+        if ready(p, !last.contains_key(p)) {
+            gone.push(p.clone());
+        }
+    }
+    // Files back to what was read need no more waiting.
+    unsettled.retain(|p, _| now.get(p) != seen.get(p));
+    (changed, gone)
+}
 
 /// What one file held when it was last read.
 #[derive(Default)]
@@ -310,9 +353,9 @@ pub fn run(
     if stop.is_cancelled() || sink.blocking_send(first).is_err() {
         return;
     }
-    // The listing of the previous poll, and for how many polls it has kept changing.
+    // The listing of the previous poll, and for how many polls each file has kept changing.
     let mut last = seen.clone();
-    let mut unsettled = 0;
+    let mut unsettled: BTreeMap<PathBuf, u32> = BTreeMap::new();
     loop {
         if wait(stop, interval) || sink.is_closed() {
             return;
@@ -320,30 +363,21 @@ pub fn run(
         let now = w.listing();
         if now == seen {
             last = now;
-            unsettled = 0;
+            unsettled.clear();
             continue;
         }
-        // Read only what stayed the same for a whole interval: a file being written (or an
-        // editor's truncate-then-write, or a rename seen half done) is read once it is done.
-        // A directory that never settles is read anyway after a few polls.
-        if now != last && unsettled < UNSETTLED_POLLS {
-            last = now;
-            unsettled += 1;
+        let (changed, gone) = settled(&seen, &last, &now, &mut unsettled);
+        last = now;
+        if changed.is_empty() && gone.is_empty() {
             continue;
         }
-        last = now.clone();
-        unsettled = 0;
-        let changed: Vec<PathBuf> = now
-            .iter()
-            .filter(|(p, meta)| seen.get(*p) != Some(*meta))
-            .map(|(p, _)| p.clone())
-            .collect();
-        let gone: Vec<PathBuf> = seen
-            .keys()
-            .filter(|p| !now.contains_key(*p))
-            .cloned()
-            .collect();
-        seen = now;
+        // `seen` is what was read: the files still settling keep their old stamp.
+        for p in &changed {
+            seen.insert(p.clone(), last[p]);
+        }
+        for p in &gone {
+            seen.remove(p);
+        }
         let mut keys = BTreeSet::new();
         w.keys_of(&changed, &mut keys);
         w.keys_of(&gone, &mut keys);
@@ -367,6 +401,65 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn listing(files: &[(&str, u64)]) -> Listing {
+        files
+            .iter()
+            .map(|(p, size)| (PathBuf::from(p), (*size, std::time::UNIX_EPOCH)))
+            .collect()
+    }
+
+    #[test]
+    fn each_file_is_read_once_it_settles_whatever_the_others_do() {
+        let mut unsettled = BTreeMap::new();
+        let seen = listing(&[("a", 1), ("b", 1), ("c", 1)]);
+        // Poll 1: a and b were written since; nothing has held still for an interval yet.
+        let last = seen.clone();
+        let now = listing(&[("a", 2), ("b", 2), ("c", 1)]);
+        assert_eq!(
+            settled(&seen, &last, &now, &mut unsettled),
+            (vec![], vec![])
+        );
+        // Poll 2: a is done; b is written again (a writer that never stops).
+        let (last, now) = (now, listing(&[("a", 2), ("b", 3), ("c", 1)]));
+        let (changed, gone) = settled(&seen, &last, &now, &mut unsettled);
+        assert_eq!(changed, [PathBuf::from("a")], "a is read while b churns");
+        assert!(gone.is_empty());
+        // b keeps changing: it is read anyway after UNSETTLED_POLLS polls.
+        let mut last = now;
+        let mut read_at = None;
+        for poll in 0..UNSETTLED_POLLS + 2 {
+            let now = listing(&[("a", 2), ("b", 10 + u64::from(poll)), ("c", 1)]);
+            let (changed, _) = settled(&seen, &last, &now, &mut unsettled);
+            if changed.contains(&PathBuf::from("b")) {
+                read_at = Some(poll);
+                break;
+            }
+            last = now;
+        }
+        assert!(read_at.is_some_and(|p| p <= UNSETTLED_POLLS), "{read_at:?}");
+    }
+
+    #[test]
+    fn a_removed_file_is_forgotten_once_it_stays_gone() {
+        let mut unsettled = BTreeMap::new();
+        let seen = listing(&[("a", 1), ("b", 1)]);
+        let now = listing(&[("a", 1)]);
+        // Gone since the previous poll: wait an interval (a rename seen half done).
+        assert_eq!(
+            settled(&seen, &seen, &now, &mut unsettled),
+            (vec![], vec![])
+        );
+        assert_eq!(
+            settled(&seen, &now, &now, &mut unsettled),
+            (vec![], vec![PathBuf::from("b")])
+        );
+        // Back before it settled: nothing to do, and nothing left waiting.
+        let mut unsettled = BTreeMap::new();
+        let _ = settled(&seen, &seen, &now, &mut unsettled);
+        let _ = settled(&seen, &now, &seen, &mut unsettled);
+        assert!(unsettled.is_empty());
+    }
 
     #[test]
     fn the_watcher_stops_when_cancelled_without_waiting_for_its_next_poll() {
