@@ -395,13 +395,16 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                             tracing::warn!(reason = %why, "refused a report");
                             break Some((why.clone(), Status::invalid_argument(why)));
                         }
-                        if let Some(FromPayload::DataplaneApplied(a)) = &m.payload {
+                        let mut m = m;
+                        if let Some(FromPayload::DataplaneApplied(a)) = &mut m.payload {
                             // The ServerHello is 1; the stream has taken `taken` more.
                             let last_sent = sent.1.load(Ordering::Relaxed) + 1;
                             if let Some(why) = impossible_applied(a, last_sent) {
                                 tracing::warn!(reason = %why, "refused a report");
                                 break Some((why.clone(), Status::invalid_argument(why)));
                             }
+                            // The agent's text is shown in tables and logs: escaped once, here.
+                            a.error = Untrusted(&a.error).to_string();
                             let _ = engine
                                 .send(Input::Applied {
                                     node: reader_node.clone(),
