@@ -36,6 +36,9 @@ use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
 
+/// A key's version to record in the last-good store (`None`: the key is gone).
+type StoreOp = (ResourceKey, Option<Valid>);
+
 /// Polls a changing file waits to settle before it is read anyway.
 const UNSETTLED_POLLS: u32 = 10;
 
@@ -132,7 +135,11 @@ struct Watcher {
     files: BTreeMap<PathBuf, FileState>,
     /// The version of each key in force (what the engine has).
     current: BTreeMap<ResourceKey, Valid>,
-    store: LastGood,
+    /// The last-good store's writer (its own thread: the disk is not on the way of a change).
+    store: std::sync::mpsc::Sender<Vec<StoreOp>>,
+    /// Versions to record in (`Some`) or drop from (`None`) the last-good store, handed to the
+    /// writer once the updates have gone to the engine.
+    to_store: Vec<StoreOp>,
     /// Problems of the directory walk already logged.
     walk_problems: BTreeSet<String>,
     /// Keys defined in several files, already reported (with the files).
@@ -211,7 +218,16 @@ impl Watcher {
         }
     }
 
-    /// Brings `keys` in line with the files; returns the updates to send.
+    /// Hands what [`Watcher::reconcile`] left for the last-good store to its writer.
+    fn persist(&mut self) {
+        if !self.to_store.is_empty() {
+            // A writer that is gone has logged why; the engine has the versions anyway.
+            let _ = self.store.send(std::mem::take(&mut self.to_store));
+        }
+    }
+
+    /// Brings `keys` in line with the files; returns the updates to send (what the last-good
+    /// store must record waits in `to_store`, see [`Watcher::persist`]).
     fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
         let any_broken = self.files.values().any(|f| f.broken);
         let mut updates = Vec::new();
@@ -225,7 +241,7 @@ impl Watcher {
                     }
                     self.report_duplicate(key, files);
                     if self.current.get(key) != Some(&*r) {
-                        self.store.save(key, &r);
+                        self.to_store.push((key.clone(), Some((*r).clone())));
                         self.current.insert(key.clone(), (*r).clone());
                         updates.push(Update::ApplyValid(*r));
                     }
@@ -241,7 +257,7 @@ impl Watcher {
                     self.duplicates.remove(key);
                     self.origin.remove(key);
                     if self.current.remove(key).is_some() {
-                        self.store.forget(key);
+                        self.to_store.push((key.clone(), None));
                         updates.push(Update::Delete(key.clone()));
                     }
                 }
@@ -320,22 +336,52 @@ pub fn run(
     health: Health,
     stop: &CancellationToken,
 ) {
-    let (store, stored, problems) = LastGood::open(last_good_dir);
+    let (mut store, stored, problems) = LastGood::open(last_good_dir);
     for p in &problems {
         tracing::warn!(problem = %p, "last-good store");
     }
-    let mut w = Watcher {
+    let (store_tx, store_rx) = std::sync::mpsc::channel::<Vec<StoreOp>>();
+    // The writer ends when the watcher drops its sender, after writing everything queued.
+    let span = tracing::Span::current();
+    let writer = std::thread::Builder::new()
+        .name("last-good".into())
+        .spawn(move || {
+            let _span = span.enter();
+            for batch in store_rx {
+                for (key, version) in batch {
+                    match version {
+                        Some(v) => store.save(&key, &v),
+                        None => store.forget(&key),
+                    }
+                }
+            }
+        });
+    let w = Watcher {
         dir,
         files: BTreeMap::new(),
         // What the store holds is what a previous run had in force.
         current: stored,
-        store,
+        store: store_tx,
+        to_store: Vec::new(),
         walk_problems: BTreeSet::new(),
         duplicates: BTreeMap::new(),
         held: BTreeSet::new(),
         origin: BTreeMap::new(),
         health,
     };
+    watch(w, interval, &sink, stop);
+    match writer {
+        Ok(writer) => {
+            let _ = writer.join();
+        }
+        Err(error) => {
+            tracing::error!(%error, "cannot start the last-good store's writer; the store is not updated")
+        }
+    }
+}
+
+/// The watcher's loop: the first listing, then every poll until the sink closes or `stop`.
+fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationToken) {
     let mut seen = w.listing();
     let files: Vec<PathBuf> = seen.keys().cloned().collect();
     w.read(&files, &[]);
@@ -353,6 +399,7 @@ pub fn run(
     if stop.is_cancelled() || sink.blocking_send(first).is_err() {
         return;
     }
+    w.persist();
     // The listing of the previous poll, and for how many polls each file has kept changing.
     let mut last = seen.clone();
     let mut unsettled: BTreeMap<PathBuf, u32> = BTreeMap::new();
@@ -395,6 +442,7 @@ pub fn run(
         if sink.blocking_send(updates).is_err() {
             return;
         }
+        w.persist();
     }
 }
 
