@@ -10,7 +10,9 @@
 //!
 //! - [`hash`]: Calico's `libcalico-go/lib/hash` ids (unique ids, length-limited names).
 //! - [`validate`]: the name rules both binaries enforce (interface and log prefixes) and how a
-//!   rejected value is shown in an error.
+//!   rejected value is shown in an error;
+//! - [`felix_config`]: FelixConfiguration values both read (failsafe ports).
 
+pub mod felix_config;
 pub mod hash;
 pub mod validate;

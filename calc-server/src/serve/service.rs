@@ -375,7 +375,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
         let reader_node = node.clone();
         let sent = sent_endpoints.clone();
         let metrics = self.metrics.clone();
-        let sent = (sent, taken.clone());
+        let stream_taken = taken.clone();
         let (fault_tx, fault_rx) = oneshot::channel();
         self.tasks.spawn(span, async move {
             let mut last = first.sequence_number;
@@ -398,7 +398,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                         let mut m = m;
                         if let Some(FromPayload::DataplaneApplied(a)) = &mut m.payload {
                             // The ServerHello is 1; the stream has taken `taken` more.
-                            let last_sent = sent.1.load(Ordering::Relaxed) + 1;
+                            let last_sent = stream_taken.load(Ordering::Relaxed) + 1;
                             if let Some(why) = impossible_applied(a, last_sent) {
                                 tracing::warn!(reason = %why, "refused a report");
                                 break Some((why.clone(), Status::invalid_argument(why)));
@@ -414,7 +414,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                                 })
                                 .await;
                         }
-                        if let Some(endpoint) = foreign_report(&m, &sent.0) {
+                        if let Some(endpoint) = foreign_report(&m, &sent) {
                             metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node");
                             break Some((

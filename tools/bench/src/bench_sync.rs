@@ -309,9 +309,7 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
     lat_realized.sort();
     lat_all.sort();
     lat_each.sort();
-    let pct = |v: &[Duration], p: f64| {
-        v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
-    };
+    let pct = |v: &[Duration], p: f64| crate::graph_bench::percentile(v, p).as_secs_f64() * 1e3;
     println!("agents: {}", args.nodes);
     println!("time until all in sync: {:.2} s", all_in_sync.as_secs_f64());
     // The contract line scripts read (`make bench-sync`).
@@ -355,18 +353,10 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
 
 /// Polls the admin endpoint until the marker policy is realized on `nodes` nodes.
 async fn wait_realized(admin: &str, nodes: usize) -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let mut s = tokio::net::TcpStream::connect(admin)
-            .await
-            .with_context(|| format!("connecting to the admin endpoint {admin}"))?;
-        s.write_all(b"GET /status/policies/bench-sync-marker HTTP/1.0\r\n\r\n")
-            .await?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).await?;
-        let json = body.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+        let json = admin_get(admin, "/status/policies/bench-sync-marker").await?;
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
         let realized = v["realized"].as_u64().unwrap_or_default() as usize;
         if realized >= nodes {
             return Ok(());
@@ -378,4 +368,19 @@ async fn wait_realized(admin: &str, nodes: usize) -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+/// The body of `GET <path>` from the server's admin endpoint (plain HTTP/1.0).
+pub(crate) async fn admin_get(admin: &str, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(admin)
+        .await
+        .with_context(|| format!("connecting to the admin endpoint {admin}"))?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    s.read_to_string(&mut response).await?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string()))
 }

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tokio::sync::mpsc;
 
-use crate::bench_sync::{Event, agent};
+use crate::bench_sync::{Event, admin_get, agent};
+use crate::graph_bench::percentile;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct ChurnArgs {
@@ -84,26 +85,18 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
 
 /// The sum of the agents' queue lengths, from the server's /metrics.
 async fn lag(admin: &str) -> anyhow::Result<u64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(admin)
-        .await
-        .with_context(|| format!("connecting to {admin}"))?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await?;
-    Ok(body
+    Ok(admin_get(admin, "/metrics")
+        .await?
         .lines()
         .filter(|l| l.starts_with("calc_server_agent_lag_messages{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum())
 }
 
+/// Milliseconds at percentile `p` of `v` (sorted here).
 fn pct(v: &mut [Duration], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
     v.sort();
-    v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
+    percentile(v, p).as_secs_f64() * 1e3
 }
 
 pub fn run(args: &ChurnArgs) -> anyhow::Result<ExitCode> {
@@ -212,7 +205,9 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
         let (p50, p99) = (pct(&mut latencies, 0.5), pct(&mut latencies, 0.99));
         // A step's worth of marker edits may be queued at any moment; more means growth.
         let backlog_grew = lag_end > lag_start + (args.nodes as u64) * 10;
-        let held = achieved >= 0.95 * f64::from(rate)
+        // No marker edit timed at all is not a rate held.
+        let held = !latencies.is_empty()
+            && achieved >= 0.95 * f64::from(rate)
             && p99 <= args.p99_limit_ms as f64
             && !backlog_grew
             && !unfinished;

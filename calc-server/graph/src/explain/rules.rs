@@ -56,7 +56,8 @@ fn proto_of(p: &Option<Protocol>) -> Option<(u8, String)> {
     }
 }
 
-fn cidr_contains(cidr: &str, ip: IpAddr) -> bool {
+/// Whether `ip` is in `cidr` (a bare address counts as a /32 or /128).
+pub(crate) fn cidr_contains(cidr: &str, ip: IpAddr) -> bool {
     match cidr.parse::<ipnetwork::IpNetwork>() {
         Ok(net) => net.contains(ip),
         // A bare address is a /32 or /128.

@@ -57,7 +57,8 @@ pub struct Chain<'a> {
 /// How many passed-over policies a tier lists before summing up the rest.
 const MAX_UNSELECTED_SHOWN: usize = 20;
 
-fn policy_label(id: &pb::PolicyId) -> String {
+/// `namespace/name` of a namespaced policy, else its name.
+pub(crate) fn policy_label(id: &pb::PolicyId) -> String {
     if id.namespace.is_empty() {
         id.name.clone()
     } else {

@@ -23,8 +23,8 @@ use pb::to_dataplane::Payload;
 
 use super::{CalcGraph, Key};
 use crate::convert::EndpointKind;
-use crate::explain::rules::{Sets, protocol_name, protocol_number};
-use crate::explain::walk::{self, Chain, Failsafe, Outcome, State};
+use crate::explain::rules::{Sets, cidr_contains, protocol_name, protocol_number};
+use crate::explain::walk::{self, Chain, Failsafe, Outcome, State, policy_label};
 use crate::explain::{
     DecidedBy, Dir, Explanation, Packet, Peer, Query, QueryError, Side, Stage, Step, Verdict,
     parse_protocol_and_ports,
@@ -77,12 +77,6 @@ fn first_ip(nets: &[String]) -> Vec<IpAddr> {
     nets.iter()
         .filter_map(|n| n.split('/').next()?.parse().ok())
         .collect()
-}
-
-fn cidr_contains(cidr: &str, ip: IpAddr) -> bool {
-    cidr.parse::<ipnetwork::IpNetwork>()
-        .is_ok_and(|n| n.contains(ip))
-        || cidr.parse::<IpAddr>().is_ok_and(|a| a == ip)
 }
 
 /// The graph as the walk reads it, with every policy ordered once for the query.
@@ -184,39 +178,26 @@ fn policy_key(id: &pb::PolicyId) -> Option<ResourceKey> {
     Some(ResourceKey::new(kind, ns, &id.name))
 }
 
-/// Felix's failsafe list: `[{"protocol":"TCP","port":22}, …]`, `tcp:22,udp:68` or `none`.
+/// The failsafes the node's agent programs: FelixConfiguration's value read as the agent reads
+/// it, else Felix's default (an agent keeps its flag's value, by default Felix's, when the
+/// configured one is invalid).
 fn failsafes(config: &pb::ConfigUpdate, name: &str, default: &str) -> Vec<Failsafe> {
-    let raw = config
+    use calico_names::felix_config::parse_failsafes;
+    let list = config
         .config
         .get(name)
-        .map(String::as_str)
-        .unwrap_or(default);
-    if let Ok(list) = serde_json::from_str::<Vec<serde_json::Value>>(raw) {
-        return list
-            .iter()
-            .filter_map(|v| {
-                let protocol = protocol_number(v.get("protocol")?.as_str().unwrap_or("tcp"))?;
-                let port = u16::try_from(v.get("port")?.as_u64()?).ok()?;
-                Some(Failsafe { protocol, port })
-            })
-            .collect();
-    }
-    raw.split(',')
-        .filter_map(|item| {
-            let (p, port) = item.trim().split_once(':')?;
+        .and_then(|v| parse_failsafes(v).ok())
+        .or_else(|| parse_failsafes(default).ok())
+        .unwrap_or_default();
+    list.iter()
+        .filter_map(|f| {
             Some(Failsafe {
-                protocol: protocol_number(p)?,
-                port: port.parse().ok()?,
+                protocol: protocol_number(&f.protocol)?,
+                port: f.port,
             })
         })
         .collect()
 }
-
-/// Felix's defaults (the agent's too).
-const DEFAULT_FAILSAFES_IN: &str =
-    "tcp:22,udp:68,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
-const DEFAULT_FAILSAFES_OUT: &str =
-    "udp:53,udp:67,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
 
 /// Steps of one side, and the first verdict among its chains.
 struct SideBuilder {
@@ -509,8 +490,16 @@ impl CalcGraph {
     fn failsafes_of(&self, node: &str, dir: Dir) -> Vec<Failsafe> {
         let config = self.config_for(node);
         match dir {
-            Dir::Ingress => failsafes(&config, "FailsafeInboundHostPorts", DEFAULT_FAILSAFES_IN),
-            Dir::Egress => failsafes(&config, "FailsafeOutboundHostPorts", DEFAULT_FAILSAFES_OUT),
+            Dir::Ingress => failsafes(
+                &config,
+                "FailsafeInboundHostPorts",
+                calico_names::felix_config::DEFAULT_FAILSAFES_IN,
+            ),
+            Dir::Egress => failsafes(
+                &config,
+                "FailsafeOutboundHostPorts",
+                calico_names::felix_config::DEFAULT_FAILSAFES_OUT,
+            ),
         }
     }
 
@@ -852,14 +841,6 @@ impl CalcGraph {
             endpoints,
             nodes,
         })
-    }
-}
-
-fn policy_label(id: &pb::PolicyId) -> String {
-    if id.namespace.is_empty() {
-        id.name.clone()
-    } else {
-        format!("{}/{}", id.namespace, id.name)
     }
 }
 
@@ -1459,6 +1440,24 @@ spec:
         // Traffic between node-a's workloads never reaches node-b's gateway.
         let e = ask(&g, "prod/client", "prod/web", "tcp", Some(25));
         assert!(e.ingress.steps.iter().all(|s| s.stage != "forward"));
+    }
+
+    #[test]
+    fn failsafes_are_read_as_the_agent_reads_them() {
+        let config = |v: &str| pb::ConfigUpdate {
+            config: [("FailsafeInboundHostPorts".to_string(), v.to_string())].into(),
+            ..Default::default()
+        };
+        let ports = |v: &str| -> Vec<u16> {
+            failsafes(&config(v), "FailsafeInboundHostPorts", "tcp:22")
+                .iter()
+                .map(|f| f.port)
+                .collect()
+        };
+        assert_eq!(ports("udp:68,tcp:443"), [68, 443]);
+        assert!(ports("none").is_empty());
+        // An invalid value is refused whole by the agent, which keeps the default.
+        assert_eq!(ports("tcp:443,icmp:1"), [22]);
     }
 
     #[test]

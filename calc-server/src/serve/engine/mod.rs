@@ -575,18 +575,13 @@ impl Engine {
                 conn.snapshot_end = Some(queued);
             }
             // The ServerHello is sequence number 1; queued message k (from 1) is k + 1.
-            let first_seq = queued - n + 2;
-            for (i, out) in outs.iter().enumerate() {
-                if let Some(m) = out.message() {
-                    self.realization.queued(
-                        &batch.node,
-                        first_seq + i as u64,
-                        m,
-                        snapshot,
-                        self.now,
-                    );
-                }
-            }
+            self.realization.queued(
+                &batch.node,
+                queued - n + 2,
+                outs.iter().filter_map(Out::message),
+                snapshot,
+                self.now,
+            );
             self.board.sent(&batch.node, n);
             for out in outs {
                 let _ = conn.tx.send(out);

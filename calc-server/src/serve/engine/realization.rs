@@ -215,50 +215,52 @@ impl Realization {
         self.dirty = true;
     }
 
-    /// `msg` was queued for `node` with sequence number `seq`; `snapshot` when it is part of
-    /// the node's snapshot; `now` is when the step that produced it started.
-    pub(super) fn queued(
+    /// `msgs` were queued for `node`, numbered from `first_seq`; `snapshot` when they are
+    /// the node's snapshot; `now` is when the step that produced them started.
+    pub(super) fn queued<'m>(
         &mut self,
         node: &str,
-        seq: u64,
-        msg: &pb::ToDataplane,
+        first_seq: u64,
+        msgs: impl IntoIterator<Item = &'m pb::ToDataplane>,
         snapshot: bool,
         now: Instant,
     ) {
         let Some(t) = self.nodes.get_mut(node) else {
             return;
         };
-        t.last_queued = t.last_queued.max(seq);
-        let Some(p) = &msg.payload else { return };
-        // The snapshot's policies are in force once its InSync is applied: only what follows
-        // it needs remembering.
-        let after_snapshot = t.in_sync_seq.is_some();
-        let key = match p {
-            Payload::InSync(_) => {
-                t.in_sync_seq.get_or_insert(seq);
-                return;
-            }
-            Payload::ActivePolicyUpdate(u) => u.id.as_ref().map(policy_id_key),
-            Payload::ActiveProfileUpdate(u) => u.id.as_ref().map(|i| profile_key(&i.name)),
-            other => {
-                if let Some(id) = endpoint_id(other) {
-                    let new = self.seen_endpoints.insert(id);
-                    if new && !snapshot && t.reports {
-                        t.new_endpoints.push_back((seq, now));
-                    }
-                } else if let Some(id) = removed_endpoint_id(other) {
-                    self.seen_endpoints.remove(&id);
+        for (seq, msg) in (first_seq..).zip(msgs) {
+            t.last_queued = t.last_queued.max(seq);
+            let Some(p) = &msg.payload else { continue };
+            // The snapshot's policies are in force once its InSync is applied: only what
+            // follows it needs remembering.
+            let after_snapshot = t.in_sync_seq.is_some();
+            let key = match p {
+                Payload::InSync(_) => {
+                    t.in_sync_seq.get_or_insert(seq);
+                    continue;
                 }
-                return;
+                Payload::ActivePolicyUpdate(u) => u.id.as_ref().map(policy_id_key),
+                Payload::ActiveProfileUpdate(u) => u.id.as_ref().map(|i| profile_key(&i.name)),
+                other => {
+                    if let Some(id) = endpoint_id(other) {
+                        let new = self.seen_endpoints.insert(id);
+                        if new && !snapshot && t.reports {
+                            t.new_endpoints.push_back((seq, now));
+                        }
+                    } else if let Some(id) = removed_endpoint_id(other) {
+                        self.seen_endpoints.remove(&id);
+                    }
+                    continue;
+                }
+            };
+            if let Some(key) = key
+                && t.reports
+                && after_snapshot
+            {
+                *t.inflight_count.entry(key).or_default() += 1;
+                t.inflight.push_back((seq, key));
+                self.dirty = true;
             }
-        };
-        if let Some(key) = key
-            && t.reports
-            && after_snapshot
-        {
-            *t.inflight_count.entry(key).or_default() += 1;
-            t.inflight.push_back((seq, key));
-            self.dirty = true;
         }
     }
 

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::LinuxOptions;
-use super::rules::static_chains::{EndpointToHostAction, Failsafe};
+use super::rules::static_chains::EndpointToHostAction;
 use super::validate;
 
 /// Settings the datastore may set, by their Felix names.
@@ -161,29 +161,7 @@ pub fn parse_feature_overrides(v: &str) -> Result<Option<bool>, String> {
     Ok(masq)
 }
 
-/// `[{"protocol":"TCP","port":22}, …]` (the v3 resource) or `tcp:22,udp:68` (Felix's env form);
-/// `none` or an empty list for none.
-pub fn parse_failsafes(v: &str) -> Result<Vec<Failsafe>, String> {
-    let t = v.trim();
-    if t.is_empty() || t.eq_ignore_ascii_case("none") {
-        return Ok(Vec::new());
-    }
-    if t.starts_with('[') {
-        let items: Vec<serde_json::Value> =
-            serde_json::from_str(t).map_err(|e| format!("not a JSON list: {e}"))?;
-        return items
-            .iter()
-            .map(|i| {
-                let proto = i["protocol"].as_str().unwrap_or("tcp");
-                let port = i["port"]
-                    .as_u64()
-                    .ok_or_else(|| format!("entry {i} has no numeric port"))?;
-                format!("{proto}:{port}").parse()
-            })
-            .collect();
-    }
-    t.split(',').map(|s| s.trim().parse()).collect()
-}
+pub use calico_names::felix_config::parse_failsafes;
 
 #[cfg(test)]
 mod tests {

@@ -31,50 +31,10 @@ pub enum EndpointToHostAction {
     Return,
 }
 
-/// A protocol and port that stays open whatever the host endpoint policy says.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Failsafe {
-    pub protocol: String,
-    pub port: u16,
-}
-
-impl std::str::FromStr for Failsafe {
-    type Err = String;
-    /// `tcp:22` or `udp:68`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (p, port) = s
-            .split_once(':')
-            .ok_or_else(|| format!("{s:?}: expected <tcp|udp|sctp>:<port>"))?;
-        let p = p.to_ascii_lowercase();
-        if !matches!(p.as_str(), "tcp" | "udp" | "sctp") {
-            return Err(format!("{s:?}: protocol must be tcp, udp or sctp"));
-        }
-        let port = port
-            .parse()
-            .map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
-        Ok(Self { protocol: p, port })
-    }
-}
-
-/// Felix's default failsafe ports (`FailsafeInboundHostPorts` / `FailsafeOutboundHostPorts`).
-/// Felix's default FailsafeInboundHostPorts (also the flag's default, shown by `--help`).
-pub const DEFAULT_FAILSAFES_IN: &str =
-    "tcp:22,udp:68,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
-/// Felix's default FailsafeOutboundHostPorts.
-pub const DEFAULT_FAILSAFES_OUT: &str =
-    "udp:53,udp:67,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667";
-
-pub fn default_failsafes_in() -> Vec<Failsafe> {
-    parse_list(DEFAULT_FAILSAFES_IN)
-}
-
-pub fn default_failsafes_out() -> Vec<Failsafe> {
-    parse_list(DEFAULT_FAILSAFES_OUT)
-}
-
-fn parse_list(items: &str) -> Vec<Failsafe> {
-    items.split(',').filter_map(|s| s.parse().ok()).collect()
-}
+pub use calico_names::felix_config::{
+    DEFAULT_FAILSAFES_IN, DEFAULT_FAILSAFES_OUT, Failsafe, default_failsafes_in,
+    default_failsafes_out,
+};
 
 /// Settings for the static chains.
 #[derive(Clone, Debug)]
