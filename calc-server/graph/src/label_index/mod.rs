@@ -11,17 +11,22 @@
 //! top-level conjunction, the most selective one) picks candidate items from a (label, value)
 //! index, and a changed item picks candidate selectors from the reverse index; selectors with
 //! no such condition are checked against every item.
+//!
+//! Label keys, values and parent names are interned ([`compiled::Symbols`]) and selectors are
+//! compiled to compare symbols ([`compiled::Cond`]), so indexing and evaluation compare and hash
+//! integers, not strings.
+
+mod compiled;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::selector::{Labels, Node, Selector};
+use crate::selector::{Node, Selector};
+use compiled::{Cond, Sym, Symbols};
 
 pub type ItemId = u32;
 pub type SelectorId = u32;
-type Sym = Arc<str>;
 
 /// What an item is: policy selectors only match endpoints; IP-set selectors match both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,29 +43,21 @@ pub struct MatchEvent {
     pub matched: bool,
 }
 
-/// Effective labels, sorted by key, for evaluation without allocation.
-struct Effective<'a>(&'a [(Sym, Sym)]);
-
-impl Labels for Effective<'_> {
-    fn get_label(&self, key: &str) -> Option<&str> {
-        self.0
-            .binary_search_by(|(k, _)| (**k).cmp(key))
-            .ok()
-            .map(|i| &*self.0[i].1)
-    }
-}
+/// Labels are `(key, value)` symbol pairs sorted by key.
+type LabelPairs = Vec<(Sym, Sym)>;
 
 struct Item {
     class: ItemClass,
-    own: Vec<(Sym, Sym)>,
+    own: LabelPairs,
     parents: Vec<Sym>,
-    effective: Vec<(Sym, Sym)>,
-    matched: FxHashSet<SelectorId>,
+    effective: LabelPairs,
+    /// Sorted: an endpoint matches a few dozen selectors at most.
+    matched: Vec<SelectorId>,
 }
 
 #[derive(Default)]
 struct Parent {
-    labels: Vec<(Sym, Sym)>,
+    labels: LabelPairs,
     children: FxHashSet<ItemId>,
 }
 
@@ -74,10 +71,66 @@ enum Restriction {
 }
 
 struct SelEntry {
-    sel: Selector,
+    cond: Cond,
     endpoints_only: bool,
     restriction: Restriction,
     matches: FxHashSet<ItemId>,
+}
+
+/// Values keyed by small dense ids (the graph hands out item and selector ids from 1 and
+/// reuses freed ones), stored in a vector instead of a hash map.
+struct Dense<T> {
+    slots: Vec<Option<T>>,
+    len: usize,
+}
+
+impl<T> Default for Dense<T> {
+    fn default() -> Self {
+        Dense {
+            slots: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Dense<T> {
+    fn get(&self, id: u32) -> Option<&T> {
+        self.slots.get(id as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, id: u32) -> Option<&mut T> {
+        self.slots.get_mut(id as usize)?.as_mut()
+    }
+
+    fn insert(&mut self, id: u32, value: T) {
+        let i = id as usize;
+        if i >= self.slots.len() {
+            self.slots.resize_with(i + 1, || None);
+        }
+        if self.slots[i].replace(value).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, id: u32) -> Option<T> {
+        let old = self.slots.get_mut(id as usize)?.take();
+        if old.is_some() {
+            self.len -= 1;
+        }
+        old
+    }
+
+    fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_some())
+            .map(|(i, _)| i as u32)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().flatten()
+    }
 }
 
 /// Sizes of the index, and how many selector evaluations it has done.
@@ -94,17 +147,15 @@ pub struct IndexStats {
 #[derive(Default)]
 pub struct LabelIndex {
     evaluations: u64,
-    items: FxHashMap<ItemId, Item>,
+    syms: Symbols,
+    items: Dense<Item>,
     parents: FxHashMap<Sym, Parent>,
-    selectors: FxHashMap<SelectorId, SelEntry>,
+    selectors: Dense<SelEntry>,
     items_by_kv: FxHashMap<(Sym, Sym), FxHashSet<ItemId>>,
     items_by_key: FxHashMap<Sym, FxHashSet<ItemId>>,
     sels_by_kv: FxHashMap<(Sym, Sym), FxHashSet<SelectorId>>,
     sels_by_key: FxHashMap<Sym, FxHashSet<SelectorId>>,
     unrestricted: FxHashSet<SelectorId>,
-    interned: FxHashSet<Sym>,
-    /// Interned strings after the last clean-up (see `collect_garbage`).
-    interned_after_gc: usize,
     events: Vec<MatchEvent>,
 }
 
@@ -113,24 +164,50 @@ impl LabelIndex {
         LabelIndex::default()
     }
 
-    fn intern(&mut self, s: &str) -> Sym {
-        if let Some(x) = self.interned.get(s) {
-            return x.clone();
-        }
-        let x: Sym = Arc::from(s);
-        self.interned.insert(x.clone());
-        x
+    fn intern_labels(&mut self, labels: &BTreeMap<String, String>) -> LabelPairs {
+        let mut v: LabelPairs = labels
+            .iter()
+            .map(|(k, v)| (self.syms.intern(k), self.syms.intern(v)))
+            .collect();
+        v.sort_unstable_by_key(|(k, _)| *k);
+        v
     }
 
     /// Forgets interned label strings nothing uses any more, once the table has doubled since
     /// the last clean-up: labels with unique values (pod hashes, job ids) must not make the
     /// index grow for ever. Cheap to call often.
     pub fn collect_garbage(&mut self) {
-        if self.interned.len() <= 2 * self.interned_after_gc + 1024 {
+        if !self.syms.wants_sweep() {
             return;
         }
-        self.interned.retain(|s| Arc::strong_count(s) > 1);
-        self.interned_after_gc = self.interned.len();
+        let mut live = vec![false; self.syms.capacity()];
+        let mut mark = |s: Sym| live[s as usize] = true;
+        for item in self.items.values() {
+            for (k, v) in item.own.iter().chain(&item.effective) {
+                mark(*k);
+                mark(*v);
+            }
+            item.parents.iter().for_each(|p| mark(*p));
+        }
+        for (name, parent) in &self.parents {
+            mark(*name);
+            for (k, v) in &parent.labels {
+                mark(*k);
+                mark(*v);
+            }
+        }
+        for sel in self.selectors.values() {
+            sel.cond.for_each_sym(&mut mark);
+            match &sel.restriction {
+                Restriction::AnyOf(kvs) => kvs.iter().for_each(|(k, v)| {
+                    mark(*k);
+                    mark(*v)
+                }),
+                Restriction::HasKey(k) => mark(*k),
+                Restriction::None => {}
+            }
+        }
+        self.syms.sweep(&live);
     }
 
     /// Drains the match events produced since the last call, in the order they happened.
@@ -141,21 +218,21 @@ impl LabelIndex {
     /// The items a selector currently matches.
     pub fn matches(&self, sel: SelectorId) -> impl Iterator<Item = ItemId> + '_ {
         self.selectors
-            .get(&sel)
+            .get(sel)
             .into_iter()
             .flat_map(|e| e.matches.iter().copied())
     }
 
     /// Number of items a selector currently matches.
     pub fn match_count(&self, sel: SelectorId) -> usize {
-        self.selectors.get(&sel).map_or(0, |e| e.matches.len())
+        self.selectors.get(sel).map_or(0, |e| e.matches.len())
     }
 
     /// Sizes, for metrics and benchmarks.
     pub fn stats(&self) -> IndexStats {
         IndexStats {
-            items: self.items.len(),
-            selectors: self.selectors.len(),
+            items: self.items.len,
+            selectors: self.selectors.len,
             unrestricted_selectors: self.unrestricted.len(),
             key_restricted_selectors: self.sels_by_key.values().map(|s| s.len()).sum(),
             evaluations: self.evaluations,
@@ -164,10 +241,10 @@ impl LabelIndex {
 
     /// An item's effective labels (own, then inherited), for display.
     pub fn effective_labels(&self, item: ItemId) -> Option<BTreeMap<String, String>> {
-        self.items.get(&item).map(|i| {
+        self.items.get(item).map(|i| {
             i.effective
                 .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .map(|(k, v)| (self.syms.str(*k).to_string(), self.syms.str(*v).to_string()))
                 .collect()
         })
     }
@@ -185,7 +262,7 @@ impl LabelIndex {
         }
         let mut terms = Vec::new();
         conjuncts(node, &mut terms);
-        let data_driven = self.items.len() >= 100;
+        let data_driven = self.items.len >= 100;
         let mut best: Option<((usize, usize), Restriction)> = None;
         for t in terms {
             let (r, class) = match t {
@@ -198,20 +275,23 @@ impl LabelIndex {
                         1
                     };
                     (
-                        Restriction::AnyOf(vec![(self.intern(label), self.intern(value))]),
+                        Restriction::AnyOf(vec![(
+                            self.syms.intern(label),
+                            self.syms.intern(value),
+                        )]),
                         class,
                     )
                 }
                 Node::In { label, values } => {
-                    let l = self.intern(label);
+                    let l = self.syms.intern(label);
                     let kvs = values
                         .as_slice()
                         .iter()
-                        .map(|v| (l.clone(), self.intern(v)))
+                        .map(|v| (l, self.syms.intern(v)))
                         .collect();
                     (Restriction::AnyOf(kvs), 2)
                 }
-                Node::Has { label } => (Restriction::HasKey(self.intern(label)), 4),
+                Node::Has { label } => (Restriction::HasKey(self.syms.intern(label)), 4),
                 _ => continue,
             };
             let size = match &r {
@@ -237,25 +317,24 @@ impl LabelIndex {
     /// Registers a selector and computes its matches (emitting a match event for each).
     /// Re-registering an id replaces the previous selector.
     pub fn add_selector(&mut self, id: SelectorId, sel: Selector, endpoints_only: bool) {
-        if self.selectors.contains_key(&id) {
+        if self.selectors.get(id).is_some() {
             self.remove_selector(id);
         }
         let restriction = self.restriction_of(sel.root());
-        let candidates: Vec<ItemId> = match &restriction {
+        let cond = Cond::compile(sel.root(), &mut self.syms);
+        let mut candidates: Vec<ItemId> = match &restriction {
             Restriction::AnyOf(kvs) => {
                 for kv in kvs {
-                    self.sels_by_kv.entry(kv.clone()).or_default().insert(id);
+                    self.sels_by_kv.entry(*kv).or_default().insert(id);
                 }
-                let mut c: FxHashSet<ItemId> = FxHashSet::default();
-                for kv in kvs {
-                    if let Some(s) = self.items_by_kv.get(kv) {
-                        c.extend(s.iter().copied());
-                    }
-                }
-                c.into_iter().collect()
+                kvs.iter()
+                    .filter_map(|kv| self.items_by_kv.get(kv))
+                    .flatten()
+                    .copied()
+                    .collect()
             }
             Restriction::HasKey(k) => {
-                self.sels_by_key.entry(k.clone()).or_default().insert(id);
+                self.sels_by_key.entry(*k).or_default().insert(id);
                 self.items_by_key
                     .get(k)
                     .map(|s| s.iter().copied().collect())
@@ -263,17 +342,19 @@ impl LabelIndex {
             }
             Restriction::None => {
                 self.unrestricted.insert(id);
-                self.items.keys().copied().collect()
+                self.items.ids().collect()
             }
         };
+        candidates.sort_unstable();
+        candidates.dedup();
         let mut matches = FxHashSet::default();
         for item_id in candidates {
-            let item = self.items.get_mut(&item_id).expect("indexed item exists");
+            let item = self.items.get_mut(item_id).expect("indexed item exists");
             self.evaluations += 1;
             if (!endpoints_only || item.class == ItemClass::Endpoint)
-                && sel.evaluate(&Effective(&item.effective))
+                && cond.evaluate(&item.effective, &self.syms)
             {
-                item.matched.insert(id);
+                insert_sorted(&mut item.matched, id);
                 matches.insert(item_id);
                 self.events.push(MatchEvent {
                     selector: id,
@@ -285,7 +366,7 @@ impl LabelIndex {
         self.selectors.insert(
             id,
             SelEntry {
-                sel,
+                cond,
                 endpoints_only,
                 restriction,
                 matches,
@@ -295,7 +376,7 @@ impl LabelIndex {
 
     /// Unregisters a selector, emitting an unmatch event for each item it matched.
     pub fn remove_selector(&mut self, id: SelectorId) {
-        let Some(entry) = self.selectors.remove(&id) else {
+        let Some(entry) = self.selectors.remove(id) else {
             return;
         };
         match &entry.restriction {
@@ -312,8 +393,8 @@ impl LabelIndex {
         let mut items: Vec<ItemId> = entry.matches.into_iter().collect();
         items.sort_unstable();
         for item_id in items {
-            if let Some(item) = self.items.get_mut(&item_id) {
-                item.matched.remove(&id);
+            if let Some(item) = self.items.get_mut(item_id) {
+                remove_sorted(&mut item.matched, id);
             }
             self.events.push(MatchEvent {
                 selector: id,
@@ -323,35 +404,53 @@ impl LabelIndex {
         }
     }
 
-    fn effective_of(&self, own: &[(Sym, Sym)], parents: &[Sym]) -> Vec<(Sym, Sym)> {
+    /// Own labels first, then each parent's in order; the first definition of a key wins.
+    fn effective_of(&self, own: &[(Sym, Sym)], parents: &[Sym]) -> LabelPairs {
+        let mut v = own.to_vec();
         if parents.is_empty() {
-            return own.to_vec();
+            return v;
         }
-        let mut m: BTreeMap<Sym, Sym> = own.iter().cloned().collect();
         for p in parents {
             if let Some(parent) = self.parents.get(p) {
-                for (k, v) in &parent.labels {
-                    m.entry(k.clone()).or_insert_with(|| v.clone());
+                v.extend_from_slice(&parent.labels);
+            }
+        }
+        // Stable: of equal keys, the earliest (highest-priority) definition is kept.
+        v.sort_by_key(|(k, _)| *k);
+        v.dedup_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Moves an item's entries in the (label, value) and label indexes from `old` to `new`,
+    /// touching only the pairs that differ.
+    fn reindex_labels(&mut self, id: ItemId, old: &[(Sym, Sym)], new: &[(Sym, Sym)]) {
+        let value_in = |labels: &[(Sym, Sym)], k: Sym| {
+            labels
+                .binary_search_by_key(&k, |(key, _)| *key)
+                .ok()
+                .map(|i| labels[i].1)
+        };
+        for &(k, v) in old {
+            match value_in(new, k) {
+                Some(nv) if nv == v => {}
+                Some(_) => remove_from(&mut self.items_by_kv, &(k, v), id),
+                None => {
+                    remove_from(&mut self.items_by_kv, &(k, v), id);
+                    remove_from(&mut self.items_by_key, &k, id);
                 }
             }
         }
-        m.into_iter().collect()
-    }
-
-    fn unindex_labels(&mut self, id: ItemId, labels: &[(Sym, Sym)]) {
-        for (k, v) in labels {
-            remove_from(&mut self.items_by_kv, &(k.clone(), v.clone()), id);
-            remove_from(&mut self.items_by_key, k, id);
-        }
-    }
-
-    fn index_labels(&mut self, id: ItemId, labels: &[(Sym, Sym)]) {
-        for (k, v) in labels {
-            self.items_by_kv
-                .entry((k.clone(), v.clone()))
-                .or_default()
-                .insert(id);
-            self.items_by_key.entry(k.clone()).or_default().insert(id);
+        for &(k, v) in new {
+            match value_in(old, k) {
+                Some(ov) if ov == v => {}
+                Some(_) => {
+                    self.items_by_kv.entry((k, v)).or_default().insert(id);
+                }
+                None => {
+                    self.items_by_kv.entry((k, v)).or_default().insert(id);
+                    self.items_by_key.entry(k).or_default().insert(id);
+                }
+            }
         }
     }
 
@@ -363,96 +462,82 @@ impl LabelIndex {
         labels: &BTreeMap<String, String>,
         parents: &[String],
     ) {
-        let own: Vec<(Sym, Sym)> = labels
-            .iter()
-            .map(|(k, v)| (self.intern(k), self.intern(v)))
-            .collect();
-        let parents: Vec<Sym> = parents.iter().map(|p| self.intern(p)).collect();
-        if let Some(old) = self.items.get(&id) {
-            let old_parents = old.parents.clone();
-            for p in &old_parents {
-                if let Some(parent) = self.parents.get_mut(p) {
-                    parent.children.remove(&id);
-                    if parent.children.is_empty()
-                        && parent.labels.is_empty()
-                        && !parents.contains(p)
-                    {
-                        self.parents.remove(p);
-                    }
+        let own = self.intern_labels(labels);
+        let parents: Vec<Sym> = parents.iter().map(|p| self.syms.intern(p)).collect();
+        for p in &parents {
+            self.parents.entry(*p).or_default().children.insert(id);
+        }
+        let old_parents = match self.items.get_mut(id) {
+            Some(old) => std::mem::take(&mut old.parents),
+            None => Vec::new(),
+        };
+        for p in old_parents.iter().filter(|p| !parents.contains(p)) {
+            if let Some(parent) = self.parents.get_mut(p) {
+                parent.children.remove(&id);
+                if parent.children.is_empty() && parent.labels.is_empty() {
+                    self.parents.remove(p);
                 }
             }
         }
-        for p in &parents {
-            self.parents
-                .entry(p.clone())
-                .or_default()
-                .children
-                .insert(id);
-        }
-        self.parents
-            .retain(|_, p| !p.children.is_empty() || !p.labels.is_empty());
         let effective = self.effective_of(&own, &parents);
-        match self.items.get_mut(&id) {
+        match self.items.get_mut(id) {
             Some(item) => {
                 item.own = own;
                 item.parents = parents;
                 item.class = class;
-                self.update_effective(id, effective, true);
             }
-            None => {
-                self.items.insert(
-                    id,
-                    Item {
-                        class,
-                        own,
-                        parents,
-                        effective: Vec::new(),
-                        matched: FxHashSet::default(),
-                    },
-                );
-                self.update_effective(id, effective, true);
-            }
+            None => self.items.insert(
+                id,
+                Item {
+                    class,
+                    own,
+                    parents,
+                    effective: Vec::new(),
+                    matched: Vec::new(),
+                },
+            ),
         }
+        self.update_effective(id, effective, true);
     }
 
     /// Installs new effective labels for an item and re-evaluates the selectors that could
     /// change their verdict.
-    fn update_effective(&mut self, id: ItemId, effective: Vec<(Sym, Sym)>, force: bool) {
-        let item = self.items.get_mut(&id).expect("item exists");
+    fn update_effective(&mut self, id: ItemId, effective: LabelPairs, force: bool) {
+        let item = self.items.get_mut(id).expect("item exists");
         if !force && item.effective == effective {
             return;
         }
-        let old = std::mem::replace(&mut item.effective, effective.clone());
-        self.unindex_labels(id, &old);
-        self.index_labels(id, &effective);
-        let item = self.items.get(&id).expect("item exists");
-        let mut candidates: FxHashSet<SelectorId> = item.matched.clone();
+        let old = std::mem::replace(&mut item.effective, effective);
+        let mut candidates: Vec<SelectorId> = item.matched.clone();
+        let effective = std::mem::take(&mut item.effective);
+        self.reindex_labels(id, &old, &effective);
         candidates.extend(self.unrestricted.iter().copied());
         for (k, v) in &effective {
-            if let Some(s) = self.sels_by_kv.get(&(k.clone(), v.clone())) {
+            if let Some(s) = self.sels_by_kv.get(&(*k, *v)) {
                 candidates.extend(s.iter().copied());
             }
             if let Some(s) = self.sels_by_key.get(k) {
                 candidates.extend(s.iter().copied());
             }
         }
-        let mut candidates: Vec<SelectorId> = candidates.into_iter().collect();
         candidates.sort_unstable();
-        let item = self.items.get_mut(&id).expect("item exists");
+        candidates.dedup();
+        let item = self.items.get_mut(id).expect("item exists");
+        item.effective = effective;
         for sid in candidates {
-            let Some(entry) = self.selectors.get_mut(&sid) else {
+            let Some(entry) = self.selectors.get_mut(sid) else {
                 continue;
             };
             self.evaluations += 1;
             let now = (!entry.endpoints_only || item.class == ItemClass::Endpoint)
-                && entry.sel.evaluate(&Effective(&item.effective));
-            let before = item.matched.contains(&sid);
+                && entry.cond.evaluate(&item.effective, &self.syms);
+            let before = item.matched.binary_search(&sid).is_ok();
             if now != before {
                 if now {
-                    item.matched.insert(sid);
+                    insert_sorted(&mut item.matched, sid);
                     entry.matches.insert(id);
                 } else {
-                    item.matched.remove(&sid);
+                    remove_sorted(&mut item.matched, sid);
                     entry.matches.remove(&id);
                 }
                 self.events.push(MatchEvent {
@@ -466,21 +551,20 @@ impl LabelIndex {
 
     /// Removes an item, emitting an unmatch event for each selector that matched it.
     pub fn remove_item(&mut self, id: ItemId) {
-        let Some(item) = self.items.remove(&id) else {
+        let Some(item) = self.items.remove(id) else {
             return;
         };
-        self.unindex_labels(id, &item.effective);
+        self.reindex_labels(id, &item.effective, &[]);
         for p in &item.parents {
             if let Some(parent) = self.parents.get_mut(p) {
                 parent.children.remove(&id);
+                if parent.children.is_empty() && parent.labels.is_empty() {
+                    self.parents.remove(p);
+                }
             }
         }
-        self.parents
-            .retain(|_, p| !p.children.is_empty() || !p.labels.is_empty());
-        let mut matched: Vec<SelectorId> = item.matched.into_iter().collect();
-        matched.sort_unstable();
-        for sid in matched {
-            if let Some(entry) = self.selectors.get_mut(&sid) {
+        for sid in item.matched {
+            if let Some(entry) = self.selectors.get_mut(sid) {
                 entry.matches.remove(&id);
             }
             self.events.push(MatchEvent {
@@ -493,13 +577,13 @@ impl LabelIndex {
 
     /// Sets the labels a parent (profile) gives its children; empty removes them.
     pub fn set_parent_labels(&mut self, name: &str, labels: &BTreeMap<String, String>) {
-        let labels: Vec<(Sym, Sym)> = labels
-            .iter()
-            .map(|(k, v)| (self.intern(k), self.intern(v)))
-            .collect();
-        let name = self.intern(name);
-        let parent = self.parents.entry(name.clone()).or_default();
+        let labels = self.intern_labels(labels);
+        let name = self.syms.intern(name);
+        let parent = self.parents.entry(name).or_default();
         if parent.labels == labels {
+            if parent.labels.is_empty() && parent.children.is_empty() {
+                self.parents.remove(&name);
+            }
             return;
         }
         parent.labels = labels;
@@ -509,10 +593,24 @@ impl LabelIndex {
             self.parents.remove(&name);
         }
         for child in children {
-            let item = &self.items[&child];
+            let Some(item) = self.items.get(child) else {
+                continue;
+            };
             let effective = self.effective_of(&item.own, &item.parents);
             self.update_effective(child, effective, false);
         }
+    }
+}
+
+fn insert_sorted(v: &mut Vec<u32>, x: u32) {
+    if let Err(i) = v.binary_search(&x) {
+        v.insert(i, x);
+    }
+}
+
+fn remove_sorted(v: &mut Vec<u32>, x: u32) {
+    if let Ok(i) = v.binary_search(&x) {
+        v.remove(i);
     }
 }
 
@@ -632,9 +730,9 @@ mod tests {
         }
         ix.collect_garbage();
         assert!(
-            ix.interned.len() < 10,
+            ix.syms.len() < 10,
             "only live strings stay: {}",
-            ix.interned.len()
+            ix.syms.len()
         );
     }
 
@@ -665,10 +763,8 @@ mod tests {
         }
         let sel = parse("ns == 'big' && app == 'rare'").unwrap();
         let r = ix.restriction_of(sel.root());
-        assert_eq!(
-            r,
-            Restriction::AnyOf(vec![(Arc::from("app"), Arc::from("rare"))])
-        );
+        let (app, rare) = (ix.syms.get("app").unwrap(), ix.syms.get("rare").unwrap());
+        assert_eq!(r, Restriction::AnyOf(vec![(app, rare)]));
         ix.add_selector(7, sel, false);
         assert_eq!(matched(&ix, 7), vec![0]);
         // Unrestricted selectors still see every item.
