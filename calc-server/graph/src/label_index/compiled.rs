@@ -145,7 +145,7 @@ impl Cond {
             Cond::StartsWith(k, s) => get(k).is_some_and(|v| syms.str(v).starts_with(&**s)),
             Cond::EndsWith(k, s) => get(k).is_some_and(|v| syms.str(v).ends_with(&**s)),
             Cond::In(k, vs) => get(k).is_some_and(|v| vs.binary_search(&v).is_ok()),
-            Cond::NotIn(k, vs) => !get(k).is_some_and(|v| vs.binary_search(&v).is_ok()),
+            Cond::NotIn(k, vs) => get(k).is_none_or(|v| vs.binary_search(&v).is_err()),
             Cond::Has(k) => get(k).is_some(),
             Cond::True => true,
             Cond::Not(c) => !c.evaluate(labels, syms),
