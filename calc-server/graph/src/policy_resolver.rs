@@ -65,17 +65,20 @@ fn policy_id(m: &PolicyModel) -> pb::PolicyId {
 /// Orders `policies` (all those matching one endpoint) into tier lists. `tier` looks up a tier
 /// resource by name.
 pub fn resolve<'p, 't>(
-    mut policies: Vec<PolicyRef<'p>>,
+    policies: Vec<PolicyRef<'p>>,
     tier: impl Fn(&str) -> Option<&'t TierMeta>,
 ) -> ResolvedTiers {
-    policies.sort_by(|a, b| {
-        cmp_tiers(
-            (&a.model.tier, tier(&a.model.tier)),
-            (&b.model.tier, tier(&b.model.tier)),
-        )
-        .then_with(|| cmp_order(a.model.order, b.model.order))
-        .then_with(|| a.sort_string.cmp(b.sort_string))
+    // Each tier is looked up once per policy, not once per comparison.
+    let mut keyed: Vec<(Option<&'t TierMeta>, PolicyRef<'p>)> = policies
+        .into_iter()
+        .map(|p| (tier(&p.model.tier), p))
+        .collect();
+    keyed.sort_by(|(ta, a), (tb, b)| {
+        cmp_tiers((&a.model.tier, *ta), (&b.model.tier, *tb))
+            .then_with(|| cmp_order(a.model.order, b.model.order))
+            .then_with(|| a.sort_string.cmp(b.sort_string))
     });
+    let policies: Vec<PolicyRef<'p>> = keyed.into_iter().map(|(_, p)| p).collect();
     let mut out = ResolvedTiers::default();
     let mut i = 0;
     while i < policies.len() {

@@ -123,6 +123,8 @@ pub(super) fn record_delta(delta: &mut FxHashMap<Arc<str>, bool>, member: Arc<st
 /// Messages built once per flush and shared by every node that needs them.
 #[derive(Default)]
 struct FlushCache {
+    /// Buffer for endpoint fingerprints.
+    scratch: Vec<u8>,
     ipset_full: FxHashMap<Name, SharedMessage>,
     ipset_delta: FxHashMap<Name, Option<SharedMessage>>,
     missing_profiles: FxHashMap<Name, (Arc<pb::Profile>, SharedMessage)>,
@@ -397,7 +399,7 @@ impl CalcGraph {
                 .flatten();
             match current {
                 Some(m) => {
-                    let print = fingerprint(&m);
+                    let print = fingerprint(&m, &mut cache.scratch);
                     if sub.endpoints.get(&key).map(|(_, f)| *f) != Some(print) {
                         if let Some(r) = removal_for(&m) {
                             sub.endpoints.insert(key.clone(), (r, print));
@@ -526,12 +528,13 @@ impl CalcGraph {
 
 /// A 64-bit fingerprint of a message's encoding: enough to tell "unchanged" without keeping
 /// a copy of every endpoint message per node.
-fn fingerprint(p: &Payload) -> u64 {
-    use prost::Message;
+/// A hash of the payload's encoding, written into `scratch` (reused, so no allocation).
+fn fingerprint(p: &Payload, scratch: &mut Vec<u8>) -> u64 {
     use std::hash::{Hash, Hasher};
-    let bytes = msg(p.clone()).encode_to_vec();
+    scratch.clear();
+    p.encode(scratch);
     let mut h = rustc_hash::FxHasher::default();
-    bytes.hash(&mut h);
+    scratch.hash(&mut h);
     h.finish()
 }
 
