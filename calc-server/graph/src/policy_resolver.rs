@@ -62,6 +62,16 @@ fn policy_id(m: &PolicyModel) -> pb::PolicyId {
     }
 }
 
+/// The total order of policies across tiers: Felix's `TierLess`, then `PolKVLess`.
+pub fn cmp_policies(
+    (a, ta): (&PolicyRef<'_>, Option<&TierMeta>),
+    (b, tb): (&PolicyRef<'_>, Option<&TierMeta>),
+) -> Ordering {
+    cmp_tiers((&a.model.tier, ta), (&b.model.tier, tb))
+        .then_with(|| cmp_order(a.model.order, b.model.order))
+        .then_with(|| a.sort_string.cmp(b.sort_string))
+}
+
 /// Orders `policies` (all those matching one endpoint) into tier lists. `tier` looks up a tier
 /// resource by name.
 pub fn resolve<'p, 't>(
@@ -73,12 +83,15 @@ pub fn resolve<'p, 't>(
         .into_iter()
         .map(|p| (tier(&p.model.tier), p))
         .collect();
-    keyed.sort_by(|(ta, a), (tb, b)| {
-        cmp_tiers((&a.model.tier, *ta), (&b.model.tier, *tb))
-            .then_with(|| cmp_order(a.model.order, b.model.order))
-            .then_with(|| a.sort_string.cmp(b.sort_string))
-    });
-    let policies: Vec<PolicyRef<'p>> = keyed.into_iter().map(|(_, p)| p).collect();
+    keyed.sort_by(|(ta, a), (tb, b)| cmp_policies((a, *ta), (b, *tb)));
+    tier_lists(keyed.into_iter().map(|(_, p)| p).collect(), tier)
+}
+
+/// Groups policies already in [`cmp_policies`] order into tier lists.
+pub fn tier_lists<'p, 't>(
+    policies: Vec<PolicyRef<'p>>,
+    tier: impl Fn(&str) -> Option<&'t TierMeta>,
+) -> ResolvedTiers {
     let mut out = ResolvedTiers::default();
     let mut i = 0;
     while i < policies.len() {

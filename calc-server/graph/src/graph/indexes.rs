@@ -21,6 +21,7 @@ use super::{CalcGraph, Key, Name, SharedMessage};
 use crate::convert::{EndpointModel, LABEL_NAMESPACE, PolicyModel};
 use crate::label_index::{ItemClass, ItemId, SelectorId};
 use crate::model::ObjectMeta;
+use crate::policy_resolver::{PolicyRef, TierMeta, cmp_policies};
 use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
 
 pub(super) struct EndpointState {
@@ -39,6 +40,9 @@ pub(super) struct NetSetState {
 pub(super) struct PolicyState {
     pub(super) model: PolicyModel,
     pub(super) sort_string: String,
+    /// Position in the order of every policy ([`CalcGraph::refresh_ranks`]); valid while
+    /// `ranks_stale` is false.
+    pub(super) rank: u32,
     selector: SelectorId,
     pub(super) ipsets: Vec<Name>,
     pub(super) message: Arc<pb::Policy>,
@@ -110,48 +114,81 @@ impl CalcGraph {
         self.next_item
     }
 
-    /// Routes the label index's match events to their owners.
+    /// Routes the label index's match events to their owners. Events come in runs for one
+    /// item (an endpoint's label change), so the endpoint and its node are looked up once per
+    /// run, not once per policy.
     fn process_events(&mut self) {
         loop {
             let events = self.index.take_events();
             if events.is_empty() {
                 return;
             }
+            let mut policy_run: Vec<(Key, bool)> = Vec::new();
+            let mut run_item = None;
             for ev in events {
                 match self.selector_owner.get(&ev.selector) {
                     Some(SelectorOwner::Policy(pkey)) => {
                         let pkey = pkey.clone();
-                        let Some(ep) = self.endpoints.get_mut(&ev.item) else {
-                            continue;
-                        };
-                        let node = ep.node.clone();
-                        let ekey = ep.key.clone();
-                        if ev.matched {
-                            ep.policies.insert(pkey.clone());
-                            self.node_policy_inc(&node, &pkey);
-                        } else {
-                            ep.policies.remove(&pkey);
-                            self.node_policy_dec(&node, &pkey);
+                        if run_item != Some(ev.item) {
+                            if let Some(item) = run_item {
+                                self.policy_matches_changed(item, &mut policy_run);
+                            }
+                            run_item = Some(ev.item);
                         }
-                        self.node_mut(&node).dirty.endpoints.insert(ekey);
+                        policy_run.push((pkey, ev.matched));
                     }
                     Some(SelectorOwner::IpSet(id)) => {
                         let id = id.clone();
-                        let Some(set) = self.ipsets.get(&id) else {
-                            continue;
-                        };
-                        let members = members_of(
-                            self.endpoints.get(&ev.item),
-                            self.netsets.get(&ev.item),
-                            &set.spec.kind,
-                        );
-                        for m in members {
-                            self.member_change(&id, m, ev.matched);
-                        }
+                        self.ipset_match_changed(&id, ev.item, ev.matched);
                     }
                     None => {}
                 }
             }
+            if let Some(item) = run_item {
+                self.policy_matches_changed(item, &mut policy_run);
+            }
+        }
+    }
+
+    /// Policies started (`true`) or stopped selecting one endpoint; drains `changes`.
+    fn policy_matches_changed(&mut self, item: ItemId, changes: &mut Vec<(Key, bool)>) {
+        let Some(ep) = self.endpoints.get_mut(&item) else {
+            changes.clear();
+            return;
+        };
+        let node = ep.node.clone();
+        let ekey = ep.key.clone();
+        for (pkey, matched) in changes.iter() {
+            if *matched {
+                ep.policies.insert(pkey.clone());
+            } else {
+                ep.policies.remove(pkey);
+            }
+        }
+        for (pkey, matched) in changes.drain(..) {
+            if matched {
+                self.node_policy_inc(&node, &pkey);
+            } else {
+                self.node_policy_dec(&node, &pkey);
+            }
+        }
+        self.node_mut(&node).dirty.endpoints.insert(ekey);
+    }
+
+    /// An IP set's selector started or stopped matching an endpoint or network set.
+    fn ipset_match_changed(&mut self, id: &Name, item: ItemId, matched: bool) {
+        let Some(set) = self.ipsets.get(id) else {
+            return;
+        };
+        let (ep, ns) = (self.endpoints.get(&item), self.netsets.get(&item));
+        let members: Vec<Arc<str>> = match (&set.spec.kind, ep, ns) {
+            // The common case, an address set: the item's CIDRs as they are.
+            (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+            (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
+            (kind, ep, ns) => members_of(ep, ns, kind),
+        };
+        for m in members {
+            self.member_change(id, m, matched);
         }
     }
 
@@ -240,6 +277,7 @@ impl CalcGraph {
             return Ok(());
         }
         self.remove_policy(&key);
+        self.ranks_stale = true;
         let message = Arc::new(policy_message(&model, &scanned));
         let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
@@ -254,6 +292,7 @@ impl CalcGraph {
             key.clone(),
             PolicyState {
                 sort_string: model.id.sort_string(),
+                rank: 0,
                 model,
                 selector: sel,
                 ipsets: ipsets.clone(),
@@ -317,6 +356,34 @@ impl CalcGraph {
         self.touch_policy(key, false);
     }
 
+    /// Numbers every policy in the order endpoints list them (tiers, then order, then name),
+    /// so building an endpoint's tier lists sorts integers. Recomputed only after a policy's
+    /// placement or a tier changed.
+    pub(super) fn refresh_ranks(&mut self) {
+        if !self.ranks_stale {
+            return;
+        }
+        let mut order: Vec<(Option<&TierMeta>, PolicyRef<'_>, &Key)> = self
+            .policies
+            .iter()
+            .map(|(k, p)| {
+                let r = PolicyRef {
+                    model: &p.model,
+                    sort_string: &p.sort_string,
+                };
+                (self.tiers.get(&p.model.tier), r, k)
+            })
+            .collect();
+        order.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
+        let keys: Vec<Key> = order.into_iter().map(|(_, _, k)| k.clone()).collect();
+        for (rank, k) in keys.iter().enumerate() {
+            if let Some(p) = self.policies.get_mut(k) {
+                p.rank = u32::try_from(rank).expect("fewer than 2^32 policies");
+            }
+        }
+        self.ranks_stale = false;
+    }
+
     fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {
         for n in self.nodes.values_mut() {
             n.dirty.policies.insert(key.clone());
@@ -365,6 +432,7 @@ impl CalcGraph {
 
     /// A tier's order or default action changed: every endpoint with a policy in it is dirty.
     pub(super) fn touch_tier(&mut self, tier: &str) {
+        self.ranks_stale = true;
         let keys: Vec<Key> = self
             .policies
             .iter()
@@ -613,6 +681,75 @@ mod tests {
             k.iter().filter(|k| *k == "WorkloadEndpointUpdate").count(),
             2,
             "{k:?}"
+        );
+    }
+
+    /// The tier names and policy names of node-1's last endpoint update.
+    fn tier_lists(g: &mut CalcGraph) -> Vec<(String, Vec<String>)> {
+        let msgs = flush_for(g, "node-1");
+        let ep = msgs
+            .iter()
+            .rev()
+            .find_map(|m| match &m.payload {
+                Some(Payload::WorkloadEndpointUpdate(u)) => u.endpoint.clone(),
+                _ => None,
+            })
+            .expect("an endpoint update");
+        ep.tiers
+            .iter()
+            .map(|t| {
+                let names = t.ingress_policies.iter().map(|p| p.name.clone()).collect();
+                (t.name.clone(), names)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tier_lists_follow_tier_and_policy_order_changes() {
+        let tier = |name: &str, order: f64| {
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Tier",
+                   "metadata": {"name": name}, "spec": {"order": order}})
+        };
+        let pol = |name: &str, tier: &str, order: f64| {
+            let mut v = gnp(name, "all()", "Allow", "all()");
+            v["metadata"]["name"] = json!(format!("{tier}.{name}"));
+            v["spec"]["tier"] = json!(tier);
+            v["spec"]["order"] = json!(order);
+            v
+        };
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        apply(&mut g, tier("a", 10.0));
+        apply(&mut g, tier("b", 20.0));
+        apply(&mut g, pol("p1", "a", 1.0));
+        apply(&mut g, pol("p2", "a", 2.0));
+        apply(&mut g, pol("q", "b", 1.0));
+        apply(&mut g, wep("w", "node-1", "10.0.0.1", json!({}), json!([])));
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            tier_lists(&mut g),
+            [
+                ("a".into(), names(&["a.p1", "a.p2"])),
+                ("b".into(), names(&["b.q"]))
+            ]
+        );
+        apply(&mut g, tier("a", 30.0));
+        assert_eq!(
+            tier_lists(&mut g),
+            [
+                ("b".into(), names(&["b.q"])),
+                ("a".into(), names(&["a.p1", "a.p2"]))
+            ],
+            "tier a now comes after b"
+        );
+        apply(&mut g, pol("p1", "a", 3.0));
+        assert_eq!(
+            tier_lists(&mut g),
+            [
+                ("b".into(), names(&["b.q"])),
+                ("a".into(), names(&["a.p2", "a.p1"]))
+            ],
+            "p1's new order puts it after p2"
         );
     }
 

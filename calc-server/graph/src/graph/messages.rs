@@ -91,16 +91,25 @@ impl CalcGraph {
     pub(super) fn endpoint_message(&self, key: &Key) -> Option<Payload> {
         let item = self.item_of.get(key)?;
         let ep = self.endpoints.get(item)?;
-        let refs: Vec<PolicyRef<'_>> = ep
+        let mut ranked: Vec<(u32, PolicyRef<'_>)> = ep
             .policies
             .iter()
             .filter_map(|k| self.policies.get(k))
-            .map(|p| PolicyRef {
-                model: &p.model,
-                sort_string: &p.sort_string,
+            .map(|p| {
+                let r = PolicyRef {
+                    model: &p.model,
+                    sort_string: &p.sort_string,
+                };
+                (p.rank, r)
             })
             .collect();
-        let tiers = policy_resolver::resolve(refs, |t| self.tiers.get(t));
+        let tier = |t: &str| self.tiers.get(t);
+        let tiers = if self.ranks_stale {
+            policy_resolver::resolve(ranked.into_iter().map(|(_, r)| r).collect(), tier)
+        } else {
+            ranked.sort_unstable_by_key(|(rank, _)| *rank);
+            policy_resolver::tier_lists(ranked.into_iter().map(|(_, r)| r).collect(), tier)
+        };
         let m = &ep.model;
         Some(match &m.kind {
             EndpointKind::Workload {

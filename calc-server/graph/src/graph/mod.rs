@@ -126,6 +126,8 @@ pub struct CalcGraph {
     flushed_host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
     flushed_pools: BTreeMap<String, pb::IpamPoolUpdate>,
     in_sync: bool,
+    /// Policy ranks need recomputing ([`CalcGraph::refresh_ranks`]).
+    ranks_stale: bool,
 }
 
 impl CalcGraph {
