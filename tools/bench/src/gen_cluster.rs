@@ -25,9 +25,11 @@
 //!   endpoint counts leaves the policies as they were. The namespace layout depends only on
 //!   `namespaces` and the seed.
 //! - [`run`] writes the objects that [`generate`] returns, as one JSON array per file
-//!   ([`FILES`]), into `out`. It creates the directory, overwrites those files and leaves other
-//!   files alone. It streams object by object, so 100k endpoints need memory for only one
-//!   object at a time.
+//!   ([`FILES`]), into `out`. A file holds at most [`MAX_PER_FILE`] objects (the file
+//!   datastore reads at most that many documents from one file); the rest go on into
+//!   `<stem>-2.json`, `<stem>-3.json`, … It creates the directory, overwrites those files,
+//!   removes continuation files an earlier, larger run left, and leaves other files alone. It
+//!   streams object by object, so 100k endpoints need memory for only one object at a time.
 //! - Limits: `namespaces >= 1`, `nodes <= 1_000_000` (node IPs come from 172.16.0.0/12), and
 //!   `nodes × endpoints_per_node <= 2^23` (the 10.128.0.0/9 pool). [`run`] reports a breach as an
 //!   error and [`generate`] panics.
@@ -116,25 +118,60 @@ pub const FILES: [&str; 6] = [
     "policies.json",
 ];
 
+/// The most objects one generated file holds: the file datastore's limit per file
+/// (`calc_graph::manifest::MAX_DOCUMENTS`).
+pub const MAX_PER_FILE: usize = calc_graph::manifest::MAX_DOCUMENTS;
+
+/// Every file a generated cluster in `dir` consists of, sorted.
+pub fn cluster_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let path = e?.path();
+        if path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_cluster_file)
+        {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `<stem>.json` or `<stem>-<n>.json` for a stem of [`FILES`].
+fn is_cluster_file(name: &str) -> bool {
+    FILES.iter().any(|f| {
+        let stem = f.trim_end_matches(".json");
+        name == *f
+            || name
+                .strip_prefix(stem)
+                .and_then(|r| r.strip_prefix('-'))
+                .and_then(|r| r.strip_suffix(".json"))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
 /// Generates the cluster and writes it into `args.out`.
 pub fn run(args: &GenClusterArgs) -> anyhow::Result<GenStats> {
     check(args)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
+    for stale in cluster_files(&args.out)? {
+        std::fs::remove_file(&stale)
+            .with_context(|| format!("cannot remove {}", stale.display()))?;
+    }
     let mut writers = FILES
         .iter()
-        .map(|f| ArrayWriter::create(&args.out.join(f)))
+        .map(|f| ArrayWriter::create(&args.out, f))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut stats = GenStats {
-        files: FILES.len(),
-        ..GenStats::default()
-    };
+    let mut stats = GenStats::default();
     emit(args, &mut |section, value| {
         stats.record(&value);
         writers[section as usize].push(&value)
     })?;
     for w in writers {
-        w.finish()?;
+        stats.files += w.finish()?;
     }
     tracing::info!(out = %args.out.display(), %stats, "generated cluster");
     Ok(stats)
@@ -210,28 +247,50 @@ enum Section {
     Policies = 5,
 }
 
-/// Streams a JSON array to a file, one object per line, so that a large file is never held
-/// in memory and a diff or `head` of it stays readable.
+/// Streams JSON arrays to files, one object per line, so that a large file is never held in
+/// memory and a diff or `head` of it stays readable; starts a continuation file every
+/// [`MAX_PER_FILE`] objects.
 struct ArrayWriter {
+    dir: PathBuf,
+    name: &'static str,
     path: PathBuf,
     out: BufWriter<File>,
-    empty: bool,
+    /// Objects in the current file.
+    count: usize,
+    /// Files written so far, the current one included.
+    files: usize,
 }
 
 impl ArrayWriter {
-    fn create(path: &Path) -> anyhow::Result<ArrayWriter> {
-        let file =
-            File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    fn create(dir: &Path, name: &'static str) -> anyhow::Result<ArrayWriter> {
+        let path = dir.join(name);
         Ok(ArrayWriter {
-            path: path.to_path_buf(),
-            out: BufWriter::with_capacity(1 << 20, file),
-            empty: true,
+            dir: dir.to_path_buf(),
+            name,
+            out: Self::open(&path)?,
+            path,
+            count: 0,
+            files: 1,
         })
     }
 
+    fn open(path: &Path) -> anyhow::Result<BufWriter<File>> {
+        let file =
+            File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(BufWriter::with_capacity(1 << 20, file))
+    }
+
     fn push(&mut self, value: &Value) -> anyhow::Result<()> {
-        let sep: &[u8] = if self.empty { b"[\n" } else { b",\n" };
-        self.empty = false;
+        if self.count == MAX_PER_FILE {
+            self.end_file()?;
+            self.files += 1;
+            let stem = self.name.trim_end_matches(".json");
+            self.path = self.dir.join(format!("{stem}-{}.json", self.files));
+            self.out = Self::open(&self.path)?;
+            self.count = 0;
+        }
+        let sep: &[u8] = if self.count == 0 { b"[\n" } else { b",\n" };
+        self.count += 1;
         self.out
             .write_all(sep)
             .map_err(anyhow::Error::from)
@@ -239,12 +298,18 @@ impl ArrayWriter {
             .with_context(|| format!("cannot write {}", self.path.display()))
     }
 
-    fn finish(mut self) -> anyhow::Result<()> {
-        let end: &[u8] = if self.empty { b"[]\n" } else { b"\n]\n" };
+    fn end_file(&mut self) -> anyhow::Result<()> {
+        let end: &[u8] = if self.count == 0 { b"[]\n" } else { b"\n]\n" };
         self.out
             .write_all(end)
             .and_then(|()| self.out.flush())
             .with_context(|| format!("cannot write {}", self.path.display()))
+    }
+
+    /// Ends the last file; returns how many files were written.
+    fn finish(mut self) -> anyhow::Result<usize> {
+        self.end_file()?;
+        Ok(self.files)
     }
 }
 
@@ -1884,17 +1949,47 @@ mod tests {
             s
         });
         let mut loaded = 0;
-        for f in FILES {
-            let text = std::fs::read_to_string(args.out.join(f)).unwrap();
+        for f in cluster_files(&args.out).unwrap() {
+            let text = std::fs::read_to_string(&f).unwrap();
             for entry in parse_manifest(&text).unwrap() {
                 assert!(
                     matches!(entry.outcome, Outcome::Valid(..)),
-                    "{f}: {entry:?}"
+                    "{}: {entry:?}",
+                    f.display()
                 );
                 loaded += 1;
             }
         }
         assert_eq!(loaded, stats.objects);
+    }
+
+    #[test]
+    fn a_section_over_the_per_file_limit_goes_on_in_continuation_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = GenClusterArgs {
+            nodes: 2,
+            endpoints_per_node: MAX_PER_FILE / 2 + 50,
+            out: dir.path().to_path_buf(),
+            ..small(3)
+        };
+        let stats = run(&big).unwrap();
+        assert_eq!(stats.files, FILES.len() + 1);
+        let count = |name: &str| {
+            let text = std::fs::read_to_string(dir.path().join(name)).unwrap();
+            parse_manifest(&text).unwrap().len()
+        };
+        assert_eq!(count("workloads.json"), MAX_PER_FILE);
+        assert_eq!(count("workloads-2.json"), 100);
+
+        // A smaller cluster in the same directory leaves no stale continuation behind.
+        let stats = run(&GenClusterArgs {
+            out: dir.path().to_path_buf(),
+            ..small(3)
+        })
+        .unwrap();
+        assert_eq!(stats.files, FILES.len());
+        assert!(!dir.path().join("workloads-2.json").exists());
+        assert_eq!(cluster_files(dir.path()).unwrap().len(), FILES.len());
     }
 
     /// `cargo test --release -p calc-server gen_cluster_default_size -- --ignored --nocapture`
@@ -1916,9 +2011,10 @@ mod tests {
             };
             let start = std::time::Instant::now();
             let stats = run(&args).unwrap();
-            let bytes: u64 = FILES
+            let bytes: u64 = cluster_files(&args.out)
+                .unwrap()
                 .iter()
-                .map(|f| std::fs::metadata(args.out.join(f)).unwrap().len())
+                .map(|f| std::fs::metadata(f).unwrap().len())
                 .sum();
             eprintln!(
                 "{nodes}x{epn}: {stats} in {:?}, {bytes} bytes",
