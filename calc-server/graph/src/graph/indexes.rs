@@ -26,6 +26,7 @@ use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
 
 pub(super) struct EndpointState {
     pub(super) key: Key,
+    /// The converted endpoint without its labels, which the label index holds.
     pub(super) model: EndpointModel,
     node: Name,
     pub(super) policies: FxHashSet<Key>,
@@ -513,16 +514,18 @@ impl CalcGraph {
         self.process_events();
     }
 
-    pub(super) fn set_endpoint(&mut self, key: Key, model: EndpointModel) {
+    pub(super) fn set_endpoint(&mut self, key: Key, mut model: EndpointModel) {
+        // The labels live in the label index only (interned); the kept model has none.
+        let labels = std::mem::take(&mut model.labels);
         if let Some(item) = self.item_of.get(&key)
             && self.endpoints.get(item).is_some_and(|e| e.model == model)
+            && self.index.has_own_labels(*item, &labels)
         {
             return;
         }
         self.remove_endpoint(&key);
         let item = self.alloc_item();
         let node: Name = Arc::from(model.node.as_str());
-        let labels = model.labels.clone();
         let profiles = model.profile_ids.clone();
         {
             let n = self.node_mut(&node);
@@ -750,6 +753,40 @@ mod tests {
                 ("a".into(), names(&["a.p2", "a.p1"]))
             ],
             "p1's new order puts it after p2"
+        );
+    }
+
+    #[test]
+    fn an_unchanged_endpoint_is_a_no_op_and_a_label_change_is_not() {
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        apply(&mut g, gnp("db", "role == 'db'", "Allow", "role == 'web'"));
+        let pod = |labels| wep("db-1", "node-1", "10.0.0.1", labels, json!([]));
+        apply(&mut g, pod(json!({"role": "db", "team": "a"})));
+        g.flush();
+
+        apply(&mut g, pod(json!({"role": "db", "team": "a"})));
+        assert!(
+            flush_for(&mut g, "node-1").is_empty(),
+            "same labels: nothing to send"
+        );
+
+        // Same number of labels, one value changed: the policy no longer applies.
+        apply(&mut g, pod(json!({"role": "web", "team": "a"})));
+        let k = kinds(&flush_for(&mut g, "node-1"));
+        assert!(k.contains(&"ActivePolicyRemove".to_string()), "{k:?}");
+        // A label dropped is a change too.
+        apply(&mut g, pod(json!({"role": "web"})));
+        let item = g.item_of.values().next().copied().unwrap();
+        let labels = g.index.effective_labels(item).unwrap();
+        assert_eq!(labels.get("role").map(String::as_str), Some("web"));
+        assert!(
+            !labels.contains_key("team"),
+            "the index holds the new labels: {labels:?}"
+        );
+        assert!(
+            g.endpoints[&item].model.labels.is_empty(),
+            "labels are kept once, in the index"
         );
     }
 

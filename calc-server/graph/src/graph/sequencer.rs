@@ -40,8 +40,9 @@ pub(super) struct Subscription {
     ipsets: FxHashSet<Name>,
     pub(super) policies: FxHashMap<Key, Arc<pb::Policy>>,
     pub(super) profiles: FxHashMap<Name, Arc<pb::Profile>>,
-    /// Per endpoint: its removal message and a fingerprint of the update last sent.
-    endpoints: FxHashMap<Key, (Payload, u64)>,
+    /// Per endpoint: the id its removal names and a fingerprint of the update last sent (the
+    /// id alone, not a whole removal message: a payload is sized for the largest update).
+    endpoints: FxHashMap<Key, (EndpointRemoval, u64)>,
 }
 
 /// Keys of one node whose state may differ from what it was sent. A mark only says "look
@@ -411,7 +412,7 @@ impl CalcGraph {
                 }
                 None => {
                     if let Some((r, _)) = sub.endpoints.remove(&key) {
-                        batch.endpoint_removes.push(Arc::new(msg(r)));
+                        batch.endpoint_removes.push(Arc::new(msg(r.into_payload())));
                     }
                 }
             }
@@ -540,16 +541,27 @@ fn fingerprint(p: &Payload, scratch: &mut Vec<u8>) -> u64 {
     h.finish()
 }
 
-fn removal_for(update: &Payload) -> Option<Payload> {
-    match update {
-        Payload::WorkloadEndpointUpdate(u) => Some(Payload::WorkloadEndpointRemove(
-            pb::WorkloadEndpointRemove { id: u.id.clone() },
-        )),
-        Payload::HostEndpointUpdate(u) => {
-            Some(Payload::HostEndpointRemove(pb::HostEndpointRemove {
-                id: u.id.clone(),
-            }))
+/// The id an endpoint's removal message names.
+pub(super) enum EndpointRemoval {
+    Workload(Option<pb::WorkloadEndpointId>),
+    Host(Option<pb::HostEndpointId>),
+}
+
+impl EndpointRemoval {
+    fn into_payload(self) -> Payload {
+        match self {
+            EndpointRemoval::Workload(id) => {
+                Payload::WorkloadEndpointRemove(pb::WorkloadEndpointRemove { id })
+            }
+            EndpointRemoval::Host(id) => Payload::HostEndpointRemove(pb::HostEndpointRemove { id }),
         }
+    }
+}
+
+fn removal_for(update: &Payload) -> Option<EndpointRemoval> {
+    match update {
+        Payload::WorkloadEndpointUpdate(u) => Some(EndpointRemoval::Workload(u.id.clone())),
+        Payload::HostEndpointUpdate(u) => Some(EndpointRemoval::Host(u.id.clone())),
         _ => None,
     }
 }

@@ -43,7 +43,7 @@ impl Symbols {
         id
     }
 
-    #[cfg(test)]
+    /// The symbol of `s`, if interned.
     pub(super) fn get(&self, s: &str) -> Option<Sym> {
         self.ids.get(s).copied()
     }

@@ -249,6 +249,22 @@ impl LabelIndex {
         })
     }
 
+    /// Whether an item's own labels are exactly `labels`.
+    pub fn has_own_labels(&self, item: ItemId, labels: &BTreeMap<String, String>) -> bool {
+        let Some(item) = self.items.get(item) else {
+            return false;
+        };
+        item.own.len() == labels.len()
+            && labels.iter().all(|(k, v)| {
+                let (Some(k), Some(v)) = (self.syms.get(k), self.syms.get(v)) else {
+                    return false;
+                };
+                item.own
+                    .binary_search_by_key(&k, |(key, _)| *key)
+                    .is_ok_and(|i| item.own[i].1 == v)
+            })
+    }
+
     /// Picks the selector's most selective necessary condition. With items indexed, the
     /// smallest candidate set wins; before that (a snapshot usually brings policies before
     /// endpoints), a static ranking: namespace equality, other equality, `in`, namespace- or
