@@ -87,10 +87,11 @@ struct View<'g> {
 
 impl Sets for View<'_> {
     fn has_ip(&self, id: &str, ip: IpAddr) -> bool {
-        self.g
-            .ipsets
-            .get(id)
-            .is_some_and(|s| s.members.keys().any(|m| cidr_contains(m, ip)))
+        self.g.ipsets.get(id).is_some_and(|s| {
+            s.members
+                .keys()
+                .any(|m| cidr_contains(self.g.members.get(*m), ip))
+        })
     }
 
     fn has_ip_port(&self, id: &str, ip: IpAddr, protocol: u8, port: u16) -> bool {
@@ -98,7 +99,7 @@ impl Sets for View<'_> {
             return false;
         };
         set.members.keys().any(|m| {
-            let Some((addr, rest)) = m.split_once(',') else {
+            let Some((addr, rest)) = self.g.members.get(*m).split_once(',') else {
                 return false;
             };
             let Some((proto, p)) = rest.split_once(':') else {

@@ -14,6 +14,7 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::members::MemberId;
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::sequencer::record_delta;
 use super::spans::bump;
@@ -62,7 +63,8 @@ pub(super) struct IpSetState {
     selector: SelectorId,
     /// Policies and profiles whose rules reference this set.
     defined_refs: u32,
-    pub(super) members: FxHashMap<Arc<str>, u32>,
+    /// Member ids ([`super::members`]) with how many items contribute each.
+    pub(super) members: FxHashMap<MemberId, u32>,
 }
 
 pub(super) enum SelectorOwner {
@@ -197,10 +199,26 @@ impl CalcGraph {
         let Some(set) = self.ipsets.get_mut(id) else {
             return;
         };
+        let mid = if add {
+            self.members.id(&member)
+        } else {
+            match self.members.existing(&member) {
+                Some(mid) => mid,
+                None => return,
+            }
+        };
         // Members are reference counted: two endpoints with one address make one member, and
         // only its first arrival and last departure change the set.
-        let changed = bump(&mut set.members, &member, add);
-        if changed && self.ipset_sent_count.contains_key(id) {
+        let changed = bump(&mut set.members, &mid, add);
+        if !changed {
+            return;
+        }
+        if add {
+            self.members.hold(mid);
+        } else {
+            self.members.release(mid);
+        }
+        if self.ipset_sent_count.contains_key(id) {
             record_delta(
                 self.ipset_deltas.entry(id.clone()).or_default(),
                 member,
@@ -253,7 +271,10 @@ impl CalcGraph {
                 self.process_events();
                 self.selector_owner.remove(&sel);
                 self.free_selectors.push(sel);
-                self.ipsets.remove(id);
+                // The unmatch events above emptied it; whatever is left is released too.
+                if let Some(set) = self.ipsets.remove(id) {
+                    set.members.keys().for_each(|m| self.members.release(*m));
+                }
             }
         }
     }
@@ -829,6 +850,7 @@ mod tests {
             "web-2 still has the address: the set does not change"
         );
         let set = g.ipsets.values().next().expect("one IP set");
-        assert_eq!(set.members.get("10.0.0.9/32"), Some(&1));
+        let mid = g.members.existing("10.0.0.9/32").expect("interned");
+        assert_eq!(set.members.get(&mid), Some(&1));
     }
 }

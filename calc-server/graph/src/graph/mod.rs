@@ -24,6 +24,7 @@
 
 mod explain;
 mod indexes;
+mod members;
 mod messages;
 mod sequencer;
 mod spans;
@@ -109,6 +110,8 @@ pub struct CalcGraph {
     profiles: FxHashMap<Name, ProfileState>,
     tiers: FxHashMap<String, TierMeta>,
     ipsets: FxHashMap<Name, IpSetState>,
+    /// Every IP-set member string, once ([`members`]).
+    members: members::Members,
     selector_owner: FxHashMap<SelectorId, SelectorOwner>,
     /// Net member changes since the last flush, per IP set id: `true` added, `false` removed.
     /// Only kept for sets some subscribed node holds (`ipset_sent_count`); others are sent whole.

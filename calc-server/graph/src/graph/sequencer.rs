@@ -445,7 +445,11 @@ impl CalcGraph {
             return Some(m.clone());
         }
         let set = self.ipsets.get(id)?;
-        let mut members: Vec<String> = set.members.keys().map(|m| m.to_string()).collect();
+        let mut members: Vec<String> = set
+            .members
+            .keys()
+            .map(|m| self.members.get(*m).to_string())
+            .collect();
         members.sort_unstable();
         let m = Arc::new(msg(Payload::IpsetUpdate(pb::IpSetUpdate {
             id: id.to_string(),
