@@ -16,6 +16,10 @@ use calc_server::{compute, explain_cmd, offline, serve, status_cmd};
 use clap::{Parser, Subcommand};
 use common::LogFormat;
 
+/// mimalloc, not glibc's malloc: see the workspace Cargo.toml.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "calc-server",

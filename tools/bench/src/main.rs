@@ -6,6 +6,10 @@ use std::process::ExitCode;
 use bench_tools::{bench_sync, churn, gen_cluster, graph_bench};
 use clap::{Parser, Subcommand};
 
+/// The same allocator as calc-server, so the graph benchmarks measure what the server runs.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "calc-bench",
