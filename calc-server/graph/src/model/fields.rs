@@ -200,18 +200,20 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
         return out;
     };
     let kind = top.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let mut path = Vec::new();
     for (name, value) in top {
-        let path = name.clone();
+        path.clear();
+        path.push(Seg::Field(name));
         match name.as_str() {
             "apiVersion" | "kind" | "status" => {}
-            "metadata" => walk(&METADATA, value, &path, &mut out),
+            "metadata" => walk(&METADATA, value, &mut path, &mut out),
             "spec" => {
                 if let Some(shape) = spec_shape(kind) {
-                    walk(shape, value, &path, &mut out);
+                    walk(shape, value, &mut path, &mut out);
                 }
             }
             _ => out.push(unknown(
-                path,
+                name.clone(),
                 name,
                 ["apiVersion", "kind", "metadata", "spec"].into_iter(),
             )),
@@ -220,20 +222,45 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
     out
 }
 
-fn walk(shape: &Shape, value: &Value, path: &str, out: &mut Vec<FieldError>) {
+/// One step of a field's path; the path is only written out for an unknown field.
+enum Seg<'a> {
+    Field(&'a str),
+    Index(usize),
+}
+
+/// `spec.ingress[0].source`.
+fn render(path: &[Seg<'_>]) -> String {
+    let mut out = String::new();
+    for seg in path {
+        match seg {
+            Seg::Field(name) if out.is_empty() => out.push_str(name),
+            Seg::Field(name) => {
+                out.push('.');
+                out.push_str(name);
+            }
+            Seg::Index(i) => out.push_str(&format!("[{i}]")),
+        }
+    }
+    out
+}
+
+fn walk<'a>(shape: &Shape, value: &'a Value, path: &mut Vec<Seg<'a>>, out: &mut Vec<FieldError>) {
     match (shape, value) {
         (Shape::Object(fields), Value::Object(map)) => {
             for (name, v) in map {
-                let path = format!("{path}.{name}");
+                path.push(Seg::Field(name));
                 match fields.iter().find(|(f, _)| f == name) {
-                    Some((_, inner)) => walk(inner, v, &path, out),
-                    None => out.push(unknown(path, name, fields.iter().map(|(f, _)| *f))),
+                    Some((_, inner)) => walk(inner, v, path, out),
+                    None => out.push(unknown(render(path), name, fields.iter().map(|(f, _)| *f))),
                 }
+                path.pop();
             }
         }
         (Shape::List(inner), Value::Array(items)) => {
             for (i, v) in items.iter().enumerate() {
-                walk(inner, v, &format!("{path}[{i}]"), out);
+                path.push(Seg::Index(i));
+                walk(inner, v, path, out);
+                path.pop();
             }
         }
         _ => {}
