@@ -2,6 +2,7 @@
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
 #   scripts/bench.sh [all|calc|sync]   (make bench, make bench-calc, make bench-sync)
 # calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream.
+# all adds the churn, the Linux driver and the label flip to the kernel (the last two as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
@@ -66,6 +67,20 @@ echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh n
 if [ "$(id -u)" = 0 ]; then
   cargo build --release -p bench-tools --bin linux-bench >/dev/null 2>&1
   ./target/release/linux-bench --runs 5
+else
+  echo "skipped: needs root (network namespaces, iptables, ipset)"
+fi
+
+echo; echo "== Label flip to kernel: datastore write until the agent's kernel IP set has it (fresh network namespace)"
+if [ "$(id -u)" = 0 ]; then
+  cargo build --release -p bench-tools -p calc-server -p dataplane-agent >/dev/null 2>&1
+  if command -v etcd >/dev/null; then
+    "$BENCH" flip-kernel --datastore-type etcdv3 --flips 200
+  else
+    echo "etcdv3: skipped: etcd is not installed (make deps installs it)"
+  fi
+  echo
+  "$BENCH" flip-kernel --datastore-type file --file-poll-interval 10ms --flips 200
 else
   echo "skipped: needs root (network namespaces, iptables, ipset)"
 fi

@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use bench_tools::{bench_sync, churn, gen_cluster, graph_bench};
+use bench_tools::{bench_sync, churn, flip_kernel, gen_cluster, graph_bench};
 use clap::{Parser, Subcommand};
 
 /// The same allocator as calc-server, so the graph benchmarks measure what the server runs.
@@ -14,7 +14,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "calc-bench",
     version,
-    about = "Benchmarks for calc-server: synthetic clusters, the calculation graph, simulated agents."
+    about = "Benchmarks for calc-server: synthetic clusters, the calculation graph, simulated agents, label flips to the kernel."
 )]
 struct Cli {
     /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
@@ -41,6 +41,10 @@ enum Command {
     /// Datastore churn at increasing rates against a running server and simulated agents:
     /// the highest rate held with the change latency's p99 within a limit.
     Churn(churn::ChurnArgs),
+    /// Root only: an endpoint's label flipped in etcd (or a manifest directory) until its
+    /// address is in or out of the kernel IP set of an agent (Linux driver) in a fresh network
+    /// namespace; the breakdown from the server's and the agent's logs.
+    FlipKernel(flip_kernel::FlipKernelArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => graph_bench::run(&args),
         Command::BenchSync(args) => bench_sync::run(&args),
         Command::Churn(args) => churn::run(&args),
+        Command::FlipKernel(args) => flip_kernel::run(&args),
     };
     result.unwrap_or_else(|error| {
         eprintln!("error: {error:#}");
