@@ -82,6 +82,39 @@ pub(crate) enum Event {
     Failed(usize, String),
 }
 
+/// Opens a Sync stream as a simulated agent: sends the hello and returns the sender for further
+/// reports (keep it: dropping it ends the stream) and the server's messages.
+pub(crate) async fn open_sync(
+    client: &mut pb::calc_server_client::CalcServerClient<tonic::transport::Channel>,
+    node: String,
+    version: &str,
+    capabilities: Vec<String>,
+) -> Result<
+    (
+        mpsc::Sender<pb::FromDataplane>,
+        tonic::Streaming<pb::ToDataplane>,
+    ),
+    String,
+> {
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(pb::FromDataplane {
+        sequence_number: 1,
+        payload: Some(pb::from_dataplane::Payload::AgentHello(pb::AgentHello {
+            node_name: node,
+            agent_version: version.into(),
+            capabilities,
+        })),
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let stream = client
+        .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .map_err(|e| e.to_string())?
+        .into_inner();
+    Ok((tx, stream))
+}
+
 pub(crate) async fn agent(
     i: usize,
     url: String,
@@ -94,26 +127,12 @@ pub(crate) async fn agent(
             .await
             .map_err(|e| e.to_string())?
             .max_decoding_message_size(usize::MAX);
-        let (tx, rx) = mpsc::channel(4);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(pb::from_dataplane::Payload::AgentHello(pb::AgentHello {
-                node_name: node,
-                agent_version: "bench-sync".into(),
-                capabilities: if report_applied {
-                    vec!["applied".into()]
-                } else {
-                    vec![]
-                },
-            })),
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let mut stream = client
-            .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|e| e.to_string())?
-            .into_inner();
+        let capabilities = if report_applied {
+            vec!["applied".into()]
+        } else {
+            vec![]
+        };
+        let (tx, mut stream) = open_sync(&mut client, node, "bench-sync", capabilities).await?;
         let mut in_sync = false;
         // Reports go only to a server that echoed the capability in its hello.
         let mut server_takes_reports = false;

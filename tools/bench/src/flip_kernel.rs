@@ -414,22 +414,9 @@ async fn probe(url: String, events: mpsc::Sender<ProbeEvent>) {
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         };
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(pb::from_dataplane::Payload::AgentHello(pb::AgentHello {
-                node_name: "node-c".into(),
-                agent_version: "flip-kernel probe".into(),
-                capabilities: vec![],
-            })),
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let mut stream = client
-            .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|e| e.to_string())?
-            .into_inner();
+        let (tx, mut stream) =
+            crate::bench_sync::open_sync(&mut client, "node-c".into(), "flip-kernel probe", vec![])
+                .await?;
         while let Some(m) = stream.next().await {
             let at = Instant::now();
             let event = match m.map_err(|e| e.to_string())?.payload {
