@@ -67,9 +67,13 @@ impl Symbols {
     pub(super) fn sweep(&mut self, live: &[bool]) {
         let empty: Arc<str> = Arc::from("");
         for (id, s) in self.strings.iter_mut().enumerate() {
-            if !live.get(id).copied().unwrap_or(false) && self.ids.remove(&**s).is_some() {
+            let id = id as Sym;
+            // A slot freed earlier holds "" and is not in `ids` under its own number: it is
+            // neither freed twice nor allowed to unmap a live "".
+            if !live.get(id as usize).copied().unwrap_or(false) && self.ids.get(&**s) == Some(&id) {
+                self.ids.remove(&**s);
                 *s = empty.clone();
-                self.free.push(id as Sym);
+                self.free.push(id);
             }
         }
         self.after_sweep = self.ids.len();
@@ -241,6 +245,23 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_second_sweep_neither_frees_a_slot_twice_nor_unmaps_a_live_empty_string() {
+        let mut syms = Symbols::default();
+        let dead = syms.intern("dead");
+        let empty = syms.intern("");
+        let mut live = vec![false; syms.capacity()];
+        live[empty as usize] = true;
+        syms.sweep(&live);
+        // The freed slot now holds "", like the live symbol: sweeping again must leave both.
+        syms.sweep(&live);
+        assert_eq!(syms.get(""), Some(empty), "the live \"\" keeps its symbol");
+        let a = syms.intern("a");
+        let b = syms.intern("b");
+        assert_eq!(a, dead, "the freed number is reused once");
+        assert_ne!(a, b, "and only once");
     }
 
     #[test]
