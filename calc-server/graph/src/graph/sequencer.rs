@@ -534,8 +534,8 @@ impl CalcGraph {
 }
 
 /// A 64-bit fingerprint of a message's encoding: enough to tell "unchanged" without keeping
-/// a copy of every endpoint message per node.
-/// A hash of the payload's encoding, written into `scratch` (reused, so no allocation).
+/// a copy of every endpoint message per node. The encoding goes into `scratch`, reused across
+/// endpoints so that fingerprinting allocates nothing.
 fn fingerprint(p: &Payload, scratch: &mut Vec<u8>) -> u64 {
     use std::hash::{Hash, Hasher};
     scratch.clear();
