@@ -523,9 +523,9 @@ impl LabelIndex {
         if !force && item.effective == effective {
             return;
         }
-        let old = std::mem::replace(&mut item.effective, effective);
+        // The old labels leave the item for the re-indexing; the new ones go in after it.
+        let old = std::mem::take(&mut item.effective);
         let mut candidates: Vec<SelectorId> = item.matched.clone();
-        let effective = std::mem::take(&mut item.effective);
         self.reindex_labels(id, &old, &effective);
         candidates.extend(self.unrestricted.iter().copied());
         for (k, v) in &effective {
