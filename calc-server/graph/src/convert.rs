@@ -16,7 +16,7 @@ use ipnetwork::IpNetwork;
 
 use crate::model::rule::{Action, EntityRule, Port, Protocol, Rule};
 use crate::model::validate::parse_cidr_or_ip;
-use crate::model::{HostEndpointSpec, ObjectMeta, PolicySpec, ResourceKey, WorkloadEndpointSpec};
+use crate::model::{HostEndpointSpec, Kind, ObjectMeta, PolicySpec, ResourceKey, WorkloadEndpointSpec};
 use crate::selector::{self, Selector};
 
 pub use crate::model::{LABEL_NAMESPACE, LABEL_ORCHESTRATOR};
@@ -34,8 +34,14 @@ pub struct PolicyId {
 
 impl PolicyId {
     pub fn from_key(key: &ResourceKey) -> PolicyId {
+        // Calico names a staged Kubernetes policy as it names the enforced one it stages.
+        let name = if key.kind == Kind::StagedKubernetesNetworkPolicy {
+            format!("{}{}", crate::model::kubernetes::K8S_POLICY_PREFIX, key.name)
+        } else {
+            key.name.clone()
+        };
         PolicyId {
-            name: key.name.clone(),
+            name,
             namespace: key.namespace.clone().unwrap_or_default(),
             kind: key.kind.as_str().to_string(),
         }

@@ -64,9 +64,13 @@ pub enum Decision {
 
 impl Decision {
     /// The decision a decoded-and-validated object leads to.
-    pub fn from_outcome(outcome: Outcome, warnings: Vec<String>) -> Decision {
+    pub fn from_outcome(outcome: Outcome, mut warnings: Vec<String>) -> Decision {
         match outcome.into_resource() {
-            Ok(Some(resource)) => Decision::Apply { resource, warnings },
+            Ok(Some(resource)) => {
+                // What the decoder's own conversion (a Kubernetes policy kind) dropped.
+                warnings.extend(resource.conversion_warnings().iter().cloned());
+                Decision::Apply { resource, warnings }
+            }
             Ok(None) => Decision::Skip,
             Err(rejection) => Decision::Reject(rejection),
         }

@@ -95,7 +95,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                             workloads.push(res.clone().into_resource());
                         }
                     }
-                    Resource::NetworkPolicy(..) | Resource::GlobalNetworkPolicy(..) => {
+                    Resource::Policy(..) => {
                         policy_count += 1
                     }
                     _ => {}

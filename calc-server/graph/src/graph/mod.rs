@@ -265,7 +265,11 @@ impl CalcGraph {
             return;
         }
         match key.kind {
-            Kind::NetworkPolicy | Kind::GlobalNetworkPolicy => self.remove_policy(&key),
+            Kind::NetworkPolicy
+            | Kind::GlobalNetworkPolicy
+            | Kind::StagedNetworkPolicy
+            | Kind::StagedGlobalNetworkPolicy
+            | Kind::StagedKubernetesNetworkPolicy => self.remove_policy(&key),
             Kind::WorkloadEndpoint | Kind::HostEndpoint => self.remove_endpoint(&key),
             Kind::NetworkSet | Kind::GlobalNetworkSet => self.remove_netset(&key),
             Kind::Profile => self.set_profile(&key.name, None, &BTreeMap::new()),
@@ -292,12 +296,19 @@ impl CalcGraph {
     /// Converts and installs a validated resource (replacing any previous version).
     fn install(&mut self, key: Key, res: &Resource) -> Result<(), String> {
         match res {
-            Resource::NetworkPolicy(m, s) => {
-                let model = convert::convert_policy(&key, s, m.namespace.as_deref())?;
-                self.set_policy(key, model)
+            // A staged delete stages the removal of the enforced policy: nothing to compute
+            // or send (Calico's syncer drops it too), but a previous version is withdrawn.
+            Resource::Policy(_, _, s) if s.stages_a_delete() => {
+                self.remove_policy(&key);
+                Ok(())
             }
-            Resource::GlobalNetworkPolicy(_, s) => {
-                let model = convert::convert_policy(&key, s, None)?;
+            Resource::Policy(kind, m, s) => {
+                let namespace = if kind.namespaced() {
+                    m.namespace.as_deref()
+                } else {
+                    None
+                };
+                let model = convert::convert_policy(&key, s, namespace)?;
                 self.set_policy(key, model)
             }
             Resource::Tier(_, s) => {

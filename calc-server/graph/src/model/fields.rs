@@ -92,6 +92,44 @@ const GLOBAL_NETWORK_POLICY: Shape = Shape::Object(&[
     ("namespaceSelector", ANY),
 ]);
 
+const STAGED_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("stagedAction", ANY),
+    ("tier", ANY),
+    ("order", ANY),
+    ("selector", ANY),
+    ("types", ANY),
+    ("ingress", RULES),
+    ("egress", RULES),
+    ("serviceAccountSelector", ANY),
+    ("performanceHints", ANY),
+]);
+
+const STAGED_GLOBAL_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("stagedAction", ANY),
+    ("tier", ANY),
+    ("order", ANY),
+    ("selector", ANY),
+    ("types", ANY),
+    ("ingress", RULES),
+    ("egress", RULES),
+    ("serviceAccountSelector", ANY),
+    ("performanceHints", ANY),
+    ("doNotTrack", ANY),
+    ("preDNAT", ANY),
+    ("applyOnForward", ANY),
+    ("namespaceSelector", ANY),
+]);
+
+/// A Kubernetes NetworkPolicy spec plus `stagedAction`; the rules' insides are Kubernetes'
+/// shapes, checked by the typed decoder.
+const STAGED_KUBERNETES_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("stagedAction", ANY),
+    ("podSelector", ANY),
+    ("ingress", ANY),
+    ("egress", ANY),
+    ("policyTypes", ANY),
+]);
+
 const PROFILE: Shape = Shape::Object(&[
     ("ingress", RULES),
     ("egress", RULES),
@@ -182,6 +220,9 @@ fn spec_shape(kind: &str) -> Option<&'static Shape> {
     Some(match kind {
         "NetworkPolicy" => &NETWORK_POLICY,
         "GlobalNetworkPolicy" => &GLOBAL_NETWORK_POLICY,
+        "StagedNetworkPolicy" => &STAGED_NETWORK_POLICY,
+        "StagedGlobalNetworkPolicy" => &STAGED_GLOBAL_NETWORK_POLICY,
+        "StagedKubernetesNetworkPolicy" => &STAGED_KUBERNETES_NETWORK_POLICY,
         "Profile" => &PROFILE,
         "Tier" => &TIER,
         "HostEndpoint" => &HOST_ENDPOINT,

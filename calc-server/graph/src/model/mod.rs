@@ -8,6 +8,7 @@
 //! to [`validate`](crate::model::validate), which reports all of them at once.
 
 pub mod fields;
+pub mod kubernetes;
 pub mod rule;
 pub mod validate;
 
@@ -32,6 +33,9 @@ pub const API_VERSION: &str = "projectcalico.org/v3";
 pub enum Kind {
     NetworkPolicy,
     GlobalNetworkPolicy,
+    StagedNetworkPolicy,
+    StagedGlobalNetworkPolicy,
+    StagedKubernetesNetworkPolicy,
     Tier,
     Profile,
     WorkloadEndpoint,
@@ -45,9 +49,13 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 12] = [
+    /// The `projectcalico.org/v3` kinds (those with an etcd plural).
+    pub const ALL: [Kind; 15] = [
         Kind::NetworkPolicy,
         Kind::GlobalNetworkPolicy,
+        Kind::StagedNetworkPolicy,
+        Kind::StagedGlobalNetworkPolicy,
+        Kind::StagedKubernetesNetworkPolicy,
         Kind::Tier,
         Kind::Profile,
         Kind::WorkloadEndpoint,
@@ -64,6 +72,9 @@ impl Kind {
         match self {
             Kind::NetworkPolicy => "NetworkPolicy",
             Kind::GlobalNetworkPolicy => "GlobalNetworkPolicy",
+            Kind::StagedNetworkPolicy => "StagedNetworkPolicy",
+            Kind::StagedGlobalNetworkPolicy => "StagedGlobalNetworkPolicy",
+            Kind::StagedKubernetesNetworkPolicy => "StagedKubernetesNetworkPolicy",
             Kind::Tier => "Tier",
             Kind::Profile => "Profile",
             Kind::WorkloadEndpoint => "WorkloadEndpoint",
@@ -86,6 +97,9 @@ impl Kind {
         match self {
             Kind::NetworkPolicy => "networkpolicies",
             Kind::GlobalNetworkPolicy => "globalnetworkpolicies",
+            Kind::StagedNetworkPolicy => "stagednetworkpolicies",
+            Kind::StagedGlobalNetworkPolicy => "stagedglobalnetworkpolicies",
+            Kind::StagedKubernetesNetworkPolicy => "stagedkubernetesnetworkpolicies",
             Kind::Tier => "tiers",
             Kind::Profile => "profiles",
             Kind::WorkloadEndpoint => "workloadendpoints",
@@ -102,10 +116,50 @@ impl Kind {
     pub fn namespaced(self) -> bool {
         matches!(
             self,
-            Kind::NetworkPolicy | Kind::WorkloadEndpoint | Kind::NetworkSet
+            Kind::NetworkPolicy
+                | Kind::StagedNetworkPolicy
+                | Kind::StagedKubernetesNetworkPolicy
+                | Kind::WorkloadEndpoint
+                | Kind::NetworkSet
         )
     }
+
+    /// Kinds held as [`Resource::Policy`]: a policy spec selecting endpoints.
+    pub fn is_policy(self) -> bool {
+        matches!(
+            self,
+            Kind::NetworkPolicy
+                | Kind::GlobalNetworkPolicy
+                | Kind::StagedNetworkPolicy
+                | Kind::StagedGlobalNetworkPolicy
+                | Kind::StagedKubernetesNetworkPolicy
+        )
+    }
+
+    /// Staged policies: computed and sent like enforced ones, never programmed.
+    pub fn is_staged(self) -> bool {
+        matches!(
+            self,
+            Kind::StagedNetworkPolicy
+                | Kind::StagedGlobalNetworkPolicy
+                | Kind::StagedKubernetesNetworkPolicy
+        )
+    }
+
+    /// Whether a policy of this kind has the global policy's fields (`doNotTrack`, `preDNAT`,
+    /// `applyOnForward`, `namespaceSelector`).
+    pub fn is_global_policy(self) -> bool {
+        matches!(self, Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy)
+    }
 }
+
+/// `PolicyID.kind` values that name a staged policy (Calico's staged kinds): every driver skips
+/// the policies so marked.
+pub const STAGED_POLICY_KINDS: [&str; 3] = [
+    "StagedNetworkPolicy",
+    "StagedGlobalNetworkPolicy",
+    "StagedKubernetesNetworkPolicy",
+];
 
 impl fmt::Display for Kind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -125,9 +179,6 @@ pub const IGNORED_KINDS: &[&str] = &[
     "IPAMConfig",
     "CalicoNodeStatus",
     "BlockAffinity",
-    "StagedNetworkPolicy",
-    "StagedGlobalNetworkPolicy",
-    "StagedKubernetesNetworkPolicy",
     "LiveMigration",
 ];
 
@@ -227,9 +278,23 @@ pub struct PolicySpec {
     pub apply_on_forward: bool,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub namespace_selector: String,
+    /// Staged kinds only: `Set` (the default), `Delete`, `Learn` or `Ignore`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub staged_action: String,
+    /// What converting a Kubernetes policy kind into this spec dropped or changed, one line
+    /// per rule (empty for Calico's own kinds). Not part of the object: the adapters log it,
+    /// naming the object.
+    #[serde(skip)]
+    pub conversion_warnings: Vec<String>,
 }
 
 impl PolicySpec {
+    /// A staged policy whose `stagedAction` is `Delete` stages the removal of the enforced
+    /// policy of that name: Calico's syncer does not send it, and neither do we.
+    pub fn stages_a_delete(&self) -> bool {
+        self.staged_action == "Delete"
+    }
+
     /// Calico's defaulting of `types` on write: egress rules only → `[Egress]`; both → both;
     /// otherwise `[Ingress]` (even with no rules at all).
     pub fn infer_types(&mut self) {
@@ -407,8 +472,8 @@ pub struct ClusterInformationSpec {
 /// A typed resource: metadata plus the spec of its kind.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Resource {
-    NetworkPolicy(ObjectMeta, PolicySpec),
-    GlobalNetworkPolicy(ObjectMeta, PolicySpec),
+    /// Every policy kind ([`Kind::is_policy`]): enforced, staged or converted.
+    Policy(Kind, ObjectMeta, PolicySpec),
     Tier(ObjectMeta, TierSpec),
     Profile(ObjectMeta, ProfileSpec),
     WorkloadEndpoint(ObjectMeta, WorkloadEndpointSpec),
@@ -515,16 +580,24 @@ impl Resource {
         };
         let res = (|| -> Result<Resource, (String, String)> {
             Ok(match kind {
-                Kind::NetworkPolicy => {
-                    let mut s: PolicySpec = decode_at("spec", spec)?;
-                    s.do_not_track = false;
-                    s.pre_dnat = false;
-                    s.apply_on_forward = false;
-                    s.namespace_selector.clear();
-                    Resource::NetworkPolicy(meta, s)
+                Kind::StagedKubernetesNetworkPolicy => {
+                    Resource::Policy(kind, meta, staged_kubernetes_policy(spec)?)
                 }
-                Kind::GlobalNetworkPolicy => {
-                    Resource::GlobalNetworkPolicy(meta, decode_at("spec", spec)?)
+                Kind::NetworkPolicy
+                | Kind::GlobalNetworkPolicy
+                | Kind::StagedNetworkPolicy
+                | Kind::StagedGlobalNetworkPolicy => {
+                    let mut s: PolicySpec = decode_at("spec", spec)?;
+                    if !kind.is_global_policy() {
+                        s.do_not_track = false;
+                        s.pre_dnat = false;
+                        s.apply_on_forward = false;
+                        s.namespace_selector.clear();
+                    }
+                    if !kind.is_staged() {
+                        s.staged_action.clear();
+                    }
+                    Resource::Policy(kind, meta, s)
                 }
                 Kind::Tier => Resource::Tier(meta, decode_at("spec", spec)?),
                 Kind::Profile => Resource::Profile(meta, decode_at("spec", spec)?),
@@ -555,7 +628,7 @@ impl Resource {
     /// Calico's defaulting, applied once at decode time so every consumer sees the same object.
     fn apply_defaults(&mut self) {
         match self {
-            Resource::NetworkPolicy(_, s) | Resource::GlobalNetworkPolicy(_, s) => {
+            Resource::Policy(_, _, s) => {
                 s.infer_types();
                 if s.tier.is_empty() {
                     s.tier = "default".into();
@@ -583,8 +656,7 @@ impl Resource {
 
     pub fn kind(&self) -> Kind {
         match self {
-            Resource::NetworkPolicy(..) => Kind::NetworkPolicy,
-            Resource::GlobalNetworkPolicy(..) => Kind::GlobalNetworkPolicy,
+            Resource::Policy(kind, ..) => *kind,
             Resource::Tier(..) => Kind::Tier,
             Resource::Profile(..) => Kind::Profile,
             Resource::WorkloadEndpoint(..) => Kind::WorkloadEndpoint,
@@ -598,10 +670,18 @@ impl Resource {
         }
     }
 
+    /// What converting a Kubernetes policy kind dropped or changed (see
+    /// [`PolicySpec::conversion_warnings`]); empty for every other object.
+    pub fn conversion_warnings(&self) -> &[String] {
+        match self {
+            Resource::Policy(_, _, s) => &s.conversion_warnings,
+            _ => &[],
+        }
+    }
+
     pub fn meta(&self) -> &ObjectMeta {
         match self {
-            Resource::NetworkPolicy(m, _)
-            | Resource::GlobalNetworkPolicy(m, _)
+            Resource::Policy(_, m, _)
             | Resource::Tier(m, _)
             | Resource::Profile(m, _)
             | Resource::WorkloadEndpoint(m, _)
@@ -626,7 +706,7 @@ impl Resource {
             serde_json::to_value(t).unwrap_or(serde_json::Value::Null)
         }
         let spec = match self {
-            Resource::NetworkPolicy(_, s) | Resource::GlobalNetworkPolicy(_, s) => spec(s),
+            Resource::Policy(_, _, s) => spec(s),
             Resource::Tier(_, s) => spec(s),
             Resource::Profile(_, s) => spec(s),
             Resource::WorkloadEndpoint(_, s) => spec(s),
@@ -644,6 +724,32 @@ impl Resource {
             "spec": spec,
         })
     }
+}
+
+/// A `StagedKubernetesNetworkPolicy` spec (a Kubernetes NetworkPolicy spec plus
+/// `stagedAction`) as the Calico policy spec Calico's syncer converts it to.
+fn staged_kubernetes_policy(spec: serde_json::Value) -> Result<PolicySpec, (String, String)> {
+    let serde_json::Value::Object(mut spec) = spec else {
+        return Err(("spec".into(), "expected an object".into()));
+    };
+    // The converted form, as `to_value` writes it (the file datastore's last-good store): a
+    // Calico spec has a `selector` where a Kubernetes one has a `podSelector`. A manifest
+    // written that way is refused by the strict decoder (unknown field `selector`).
+    if spec.contains_key("selector") && !spec.contains_key("podSelector") {
+        return decode_at("spec", serde_json::Value::Object(spec));
+    }
+    let staged_action = match spec.remove("stagedAction") {
+        None | Some(serde_json::Value::Null) => String::new(),
+        Some(serde_json::Value::String(a)) => a,
+        Some(_) => return Err(("spec.stagedAction".into(), "expected a string".into())),
+    };
+    let k8s: k8s_openapi::api::networking::v1::NetworkPolicySpec =
+        decode_at("spec", serde_json::Value::Object(spec))?;
+    let (calico, warnings) = kubernetes::network_policy_spec(&k8s);
+    let mut out: PolicySpec = decode_at("spec", serde_json::Value::Object(calico))?;
+    out.staged_action = staged_action;
+    out.conversion_warnings = warnings;
+    Ok(out)
 }
 
 fn spec_of(meta: &ObjectMeta) -> serde_json::Value {
@@ -686,7 +792,7 @@ mod tests {
             "spec": {"selector": "app == 'x'", "egress": [{"action": "Allow"}]}
         }));
         assert_eq!(key.to_string(), "NetworkPolicy default/p");
-        let Resource::NetworkPolicy(meta, spec) = res else {
+        let Resource::Policy(Kind::NetworkPolicy, meta, spec) = res else {
             panic!()
         };
         assert_eq!(meta.namespace.as_deref(), Some("default"));
@@ -726,7 +832,7 @@ mod tests {
             "metadata": {"name": "p", "namespace": "prod"},
             "spec": {"doNotTrack": true, "namespaceSelector": "all()"}
         }));
-        let Resource::NetworkPolicy(_, spec) = res else {
+        let Resource::Policy(Kind::NetworkPolicy, _, spec) = res else {
             panic!()
         };
         assert!(!spec.do_not_track && spec.namespace_selector.is_empty());

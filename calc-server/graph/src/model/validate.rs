@@ -21,6 +21,13 @@ use crate::selector;
 /// Largest total size of an object's (or a rule's) annotations, keys and values together.
 pub const MAX_ANNOTATIONS_BYTES: usize = 256 * 1024;
 
+/// Calico's CRDs (3.33) cap a selector at 1,024 characters.
+pub const MAX_SELECTOR_LEN: usize = 1024;
+/// Calico's CRDs (3.33) cap a policy's `ingress` and `egress` lists at 1,024 rules each.
+pub const MAX_RULES: usize = 1024;
+/// The staged actions Calico defines (empty means `Set`).
+const STAGED_ACTIONS: [&str; 4] = ["Set", "Delete", "Learn", "Ignore"];
+
 /// One problem: where and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldError {
@@ -97,8 +104,21 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
     let meta = res.meta();
     v.meta(res.kind(), meta);
     match res {
-        Resource::NetworkPolicy(_, s) => v.policy(s, false),
-        Resource::GlobalNetworkPolicy(_, s) => v.policy(s, true),
+        Resource::Policy(kind, _, s) => {
+            v.policy(s, kind.is_global_policy());
+            if kind.is_staged()
+                && !s.staged_action.is_empty()
+                && !STAGED_ACTIONS.contains(&s.staged_action.as_str())
+            {
+                v.err(
+                    "spec.stagedAction",
+                    format!(
+                        "invalid staged action {:?} (expected Set, Delete, Learn or Ignore)",
+                        s.staged_action
+                    ),
+                );
+            }
+        }
         Resource::Tier(_, s) => v.tier(s),
         Resource::Profile(_, s) => v.profile(s),
         Resource::WorkloadEndpoint(_, s) => v.workload_endpoint(s),
@@ -161,7 +181,7 @@ impl Validator {
             );
         }
         let (ok, what) = match kind {
-            Kind::NetworkPolicy => (
+            Kind::NetworkPolicy | Kind::StagedNetworkPolicy | Kind::StagedKubernetesNetworkPolicy => (
                 is_label(&m.name)
                     || m.name
                         .split_once('.')
@@ -171,7 +191,7 @@ impl Validator {
                         .any(|p| m.name.strip_prefix(p).is_some_and(is_subdomain)),
                 "lower case alphanumeric characters or '-', with at most one '.'",
             ),
-            Kind::GlobalNetworkPolicy => (
+            Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy => (
                 is_label(&m.name)
                     || m.name
                         .split_once('.')
@@ -231,6 +251,16 @@ impl Validator {
     }
 
     fn selector(&mut self, path: &str, s: &str) -> Option<selector::Selector> {
+        if s.len() > MAX_SELECTOR_LEN {
+            self.err(
+                path,
+                format!(
+                    "selector is {} characters long; at most {MAX_SELECTOR_LEN} are allowed",
+                    s.len()
+                ),
+            );
+            return None;
+        }
         match selector::parse(s) {
             Ok(sel) => Some(sel),
             Err(e) => {
@@ -252,6 +282,17 @@ impl Validator {
     }
 
     fn policy(&mut self, s: &PolicySpec, global: bool) {
+        for (field, rules) in [("ingress", &s.ingress), ("egress", &s.egress)] {
+            if rules.len() > MAX_RULES {
+                self.err(
+                    format!("spec.{field}"),
+                    format!(
+                        "{} rules; a policy may have at most {MAX_RULES} {field} rules",
+                        rules.len()
+                    ),
+                );
+            }
+        }
         if !is_label(&s.tier) {
             self.err("spec.tier", format!("invalid tier name {:?}", s.tier));
         }

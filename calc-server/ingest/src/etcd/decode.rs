@@ -118,7 +118,7 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
             }
         }
     }
-    if matches!(kind, Kind::NetworkPolicy | Kind::GlobalNetworkPolicy) {
+    if kind.is_policy() {
         let restored = policy_name(meta, name, &tier);
         meta.insert("name".into(), restored.into());
     }

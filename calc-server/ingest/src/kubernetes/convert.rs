@@ -27,14 +27,11 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
+use calc_graph::model::kubernetes::{self, masked_cidr};
 use calc_graph::model::validate::parse_cidr_or_ip;
 use calc_graph::model::{API_VERSION, Kind};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
-use k8s_openapi::api::networking::v1::{
-    NetworkPolicy as K8sNetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::api::networking::v1::NetworkPolicy as K8sNetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha1::{Digest, Sha1};
 
@@ -50,10 +47,7 @@ pub const NAMESPACE_LABEL_PREFIX: &str = "pcns.";
 pub const SERVICE_ACCOUNT_LABEL_PREFIX: &str = "pcsa.";
 /// Label (after the prefix) carrying a namespace's or service account's own name.
 pub const NAME_LABEL: &str = "projectcalico.org/name";
-/// Kubernetes NetworkPolicies become Calico NetworkPolicies named with this prefix.
-pub const K8S_POLICY_PREFIX: &str = "knp.default.";
-/// The order every converted Kubernetes NetworkPolicy gets.
-pub const K8S_POLICY_ORDER: f64 = 1000.0;
+pub use calc_graph::model::kubernetes::{K8S_POLICY_ORDER, K8S_POLICY_PREFIX};
 
 const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
 const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
@@ -227,12 +221,6 @@ fn ip_net(s: &str) -> Option<String> {
 }
 
 /// A CIDR masked to its network (`10.1.2.3/16` → `10.1.0.0/16`), as Go's `net.ParseCIDR`.
-fn masked_cidr(s: &str) -> Option<String> {
-    if !s.contains('/') {
-        return None;
-    }
-    parse_cidr_or_ip(s.trim()).map(|n| format!("{}/{}", n.network(), n.prefix()))
-}
 
 /// Calico's `getPodIPs`: the first source that has any, each parsed as CIDR or IP.
 fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
@@ -479,282 +467,21 @@ fn parse_as_number(s: &str) -> Option<u64> {
     }
 }
 
-/// Which selector `k8s_selector` builds.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum SelectorType {
-    Pod,
-    Namespace,
-}
-
-/// Calico's `k8sSelectorToCalico`: pod selectors always start with
-/// `projectcalico.org/orchestrator == 'k8s'`; a nil namespace selector is empty (the policy's
-/// namespace), an empty one `all()` (every namespace). Labels are joined with ` && ` in key
-/// order, then the expressions in their order.
-fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> String {
-    let mut parts = Vec::new();
-    if which == SelectorType::Pod {
-        parts.push(format!("{LABEL_ORCHESTRATOR} == 'k8s'"));
-    }
-    let Some(s) = s else {
-        return parts.join(" && ");
-    };
-    let labels = s.match_labels.as_ref().filter(|m| !m.is_empty());
-    let exprs = s.match_expressions.as_ref().filter(|m| !m.is_empty());
-    if which == SelectorType::Namespace && labels.is_none() && exprs.is_none() {
-        return "all()".into();
-    }
-    for (k, v) in labels.into_iter().flatten() {
-        parts.push(format!("{k} == '{v}'"));
-    }
-    for e in exprs.into_iter().flatten() {
-        let values = e.values.clone().unwrap_or_default().join("', '");
-        match e.operator.as_str() {
-            "In" => parts.push(format!("{} in {{ '{values}' }}", e.key)),
-            "NotIn" => parts.push(format!("{} not in {{ '{values}' }}", e.key)),
-            "Exists" => parts.push(format!("has({})", e.key)),
-            "DoesNotExist" => parts.push(format!("! has({})", e.key)),
-            // Calico skips operators it does not know.
-            _ => {}
-        }
-    }
-    parts.join(" && ")
-}
-
 /// Calico's `K8sNetworkPolicyToCalico`: a NetworkPolicy `knp.default.<name>` in the same
-/// namespace, order 1000, default tier, selector from `podSelector`. Each ingress/egress rule
-/// becomes one Allow rule per (protocol, peer): ports are grouped by protocol (TCP when unset;
-/// `endPort` makes a range; a name is a named port; several numeric ports are merged into
-/// ranges), peers give a selector + namespace selector or an ipBlock (`except` → `notNets`).
-/// Types: those listed in `policyTypes`, or `[Ingress]` when none are (an empty ingress list is
-/// then deny-all ingress). A rule that cannot be converted is dropped with a warning and the
-/// rest kept, as Calico does (the policy only gets stricter).
+/// namespace with the spec [`kubernetes::network_policy_spec`] converts.
 fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     let name = np.metadata.name.as_deref().unwrap_or_default();
     let ns = np.metadata.namespace.as_deref().unwrap_or("default");
-    let spec = np.spec.clone().unwrap_or_default();
-    let mut warnings = Vec::new();
-    let mut ingress = Vec::new();
-    for (i, r) in spec.ingress.iter().flatten().enumerate() {
-        match k8s_rule(r.from.as_deref(), r.ports.as_deref(), true) {
-            Ok(rules) => ingress.extend(rules),
-            Err(e) => warnings.push(format!("ingress rule {i} dropped: {e}")),
-        }
-    }
-    let mut egress = Vec::new();
-    for (i, r) in spec.egress.iter().flatten().enumerate() {
-        match k8s_rule(r.to.as_deref(), r.ports.as_deref(), false) {
-            Ok(rules) => egress.extend(rules),
-            Err(e) => warnings.push(format!("egress rule {i} dropped: {e}")),
-        }
-    }
-    let listed = |t: &str| spec.policy_types.iter().flatten().any(|p| p == t);
-    let mut types = Vec::new();
-    if listed("Ingress") {
-        types.push("Ingress");
-    }
-    if listed("Egress") {
-        types.push("Egress");
-    } else if !egress.is_empty() {
-        warnings.push("egress rules present but policyTypes lacks Egress: they are ignored".into());
-    }
-    // A cluster that predates policyTypes meant ingress only.
-    if types.is_empty() {
-        types.push("Ingress");
-    }
+    let (spec, warnings) = kubernetes::network_policy_spec(&np.spec.clone().unwrap_or_default());
     let value = json!({
         "kind": "NetworkPolicy",
         "apiVersion": API_VERSION,
         "metadata": {"name": format!("{K8S_POLICY_PREFIX}{name}"), "namespace": ns},
-        "spec": {
-            "tier": "default",
-            "order": K8S_POLICY_ORDER,
-            "selector": k8s_selector(Some(&spec.pod_selector.clone().unwrap_or_default()), SelectorType::Pod),
-            "ingress": ingress,
-            "egress": egress,
-            "types": types,
-        },
+        "spec": spec,
     });
     Ok(Converted::Value(value, warnings))
 }
 
-/// A port of a rule: a number, a range or a name.
-#[derive(Clone, Debug, PartialEq)]
-enum RulePort {
-    Range(u16, u16),
-    Named(String),
-}
-
-impl RulePort {
-    fn to_value(&self) -> Value {
-        match self {
-            RulePort::Range(a, b) if a == b => Value::from(*a),
-            RulePort::Range(a, b) => Value::from(format!("{a}:{b}")),
-            RulePort::Named(n) => Value::from(n.clone()),
-        }
-    }
-}
-
-/// `numorstring.PortFromString` of `<port>` or `<port>:<endPort>`.
-fn k8s_port(p: &NetworkPolicyPort) -> Result<Option<RulePort>, String> {
-    let Some(port) = &p.port else {
-        return Ok(None);
-    };
-    let number = |s: &str| -> Result<u16, String> {
-        s.parse::<u16>()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("invalid port {s:?}"))
-    };
-    let port = match port {
-        IntOrString::Int(n) => n.to_string(),
-        IntOrString::String(s) => s.clone(),
-    };
-    let is_number = port.chars().all(|c| c.is_ascii_digit()) && !port.is_empty();
-    match (is_number, p.end_port) {
-        (true, None) => {
-            let n = number(&port)?;
-            Ok(Some(RulePort::Range(n, n)))
-        }
-        (true, Some(end)) => {
-            let (a, b) = (number(&port)?, number(&end.to_string())?);
-            if a > b {
-                return Err(format!("invalid port range {a}:{b}"));
-            }
-            Ok(Some(RulePort::Range(a, b)))
-        }
-        (false, None) => Ok(Some(RulePort::Named(port))),
-        (false, Some(end)) => Err(format!(
-            "invalid port \"{port}:{end}\": a named port cannot have an endPort"
-        )),
-    }
-}
-
-/// Calico's `SimplifyPorts`: with more than one numeric port, named ports first (in order), then
-/// the numeric ones merged into sorted, non-overlapping ranges.
-fn simplify_ports(ports: Vec<RulePort>) -> Vec<RulePort> {
-    if ports.len() <= 1 {
-        return ports;
-    }
-    let mut named = Vec::new();
-    let mut numbers: Vec<u32> = Vec::new();
-    for p in &ports {
-        match p {
-            RulePort::Named(_) => named.push(p.clone()),
-            RulePort::Range(a, b) => numbers.extend(u32::from(*a)..=u32::from(*b)),
-        }
-    }
-    if numbers.len() <= 1 {
-        return ports;
-    }
-    numbers.sort_unstable();
-    let mut out = named;
-    let mut i = 0;
-    while i < numbers.len() {
-        let first = numbers[i];
-        let mut last = first;
-        i += 1;
-        while i < numbers.len() && numbers[i] <= last + 1 {
-            last = numbers[i];
-            i += 1;
-        }
-        // Both came from u16 ports.
-        out.push(RulePort::Range(first as u16, last as u16));
-    }
-    out
-}
-
-/// Calico's `k8sRuleToCalico`: one Allow rule per (protocol, peer).
-fn k8s_rule(
-    peers: Option<&[NetworkPolicyPeer]>,
-    ports: Option<&[NetworkPolicyPort]>,
-    ingress: bool,
-) -> Result<Vec<Value>, String> {
-    // Protocol → ports (None: every port of it). The key "" (no protocol, no ports) exists
-    // only when the rule lists no ports at all.
-    let mut by_protocol: BTreeMap<String, Option<Vec<RulePort>>> = BTreeMap::new();
-    let ports = ports.unwrap_or_default();
-    if ports.is_empty() {
-        by_protocol.insert(String::new(), None);
-    }
-    for p in ports {
-        // TCP is the documented default; Calico makes it explicit because a port match needs
-        // a protocol.
-        let proto = p.protocol.clone().unwrap_or_else(|| "TCP".into());
-        match k8s_port(p)? {
-            None => {
-                by_protocol.insert(proto, None);
-            }
-            Some(port) => match by_protocol.entry(proto).or_insert_with(|| Some(Vec::new())) {
-                // Every port of the protocol is already allowed.
-                None => {}
-                Some(list) => list.push(port),
-            },
-        }
-    }
-    let peers: Vec<Option<&NetworkPolicyPeer>> = match peers {
-        Some(p) if !p.is_empty() => p.iter().map(Some).collect(),
-        _ => vec![None],
-    };
-    let mut rules = Vec::new();
-    for (proto, ports) in by_protocol {
-        let ports: Vec<Value> = simplify_ports(ports.unwrap_or_default())
-            .iter()
-            .map(RulePort::to_value)
-            .collect();
-        for peer in &peers {
-            let mut entity = k8s_peer(*peer)?;
-            let mut rule = Map::new();
-            rule.insert("action".into(), "Allow".into());
-            if !proto.is_empty() {
-                rule.insert("protocol".into(), proto.clone().into());
-            }
-            let mut ports_entity = Map::new();
-            if !ports.is_empty() {
-                ports_entity.insert("ports".into(), Value::Array(ports.clone()));
-            }
-            if ingress {
-                rule.insert("source".into(), Value::Object(entity));
-                rule.insert("destination".into(), Value::Object(ports_entity));
-            } else {
-                entity.extend(ports_entity);
-                rule.insert("destination".into(), Value::Object(entity));
-            }
-            rules.push(Value::Object(rule));
-        }
-    }
-    Ok(rules)
-}
-
-/// Calico's `k8sPeerToCalicoFields`: an ipBlock gives nets (and notNets from `except`);
-/// otherwise a pod selector and a namespace selector (see [`k8s_selector`]).
-fn k8s_peer(peer: Option<&NetworkPolicyPeer>) -> Result<Map<String, Value>, String> {
-    let mut out = Map::new();
-    let Some(peer) = peer else {
-        return Ok(out);
-    };
-    if let Some(block) = &peer.ip_block {
-        let net = masked_cidr(&block.cidr)
-            .ok_or_else(|| format!("ipBlock.cidr {:?} is not a CIDR", block.cidr))?;
-        out.insert("nets".into(), json!([net]));
-        let except = block
-            .except
-            .iter()
-            .flatten()
-            .map(|e| masked_cidr(e).ok_or_else(|| format!("ipBlock.except {e:?} is not a CIDR")))
-            .collect::<Result<Vec<_>, _>>()?;
-        if !except.is_empty() {
-            out.insert("notNets".into(), json!(except));
-        }
-        return Ok(out);
-    }
-    let selector = k8s_selector(peer.pod_selector.as_ref(), SelectorType::Pod);
-    let ns_selector = k8s_selector(peer.namespace_selector.as_ref(), SelectorType::Namespace);
-    out.insert("selector".into(), selector.into());
-    if !ns_selector.is_empty() {
-        out.insert("namespaceSelector".into(), ns_selector.into());
-    }
-    Ok(out)
-}
 
 /// A Calico CRD object → the v3 object it stores (see the module documentation).
 fn crd(kind: Kind, object: Value) -> Result<Converted, String> {

@@ -60,10 +60,13 @@ impl Collection {
 
 impl Source {
     /// Every source the adapter watches.
-    pub const ALL: [Source; 14] = [
+    pub const ALL: [Source; 17] = [
         Source::Crd(Kind::Tier),
         Source::Crd(Kind::GlobalNetworkPolicy),
         Source::Crd(Kind::NetworkPolicy),
+        Source::Crd(Kind::StagedGlobalNetworkPolicy),
+        Source::Crd(Kind::StagedNetworkPolicy),
+        Source::Crd(Kind::StagedKubernetesNetworkPolicy),
         Source::Crd(Kind::GlobalNetworkSet),
         Source::Crd(Kind::NetworkSet),
         Source::Crd(Kind::HostEndpoint),

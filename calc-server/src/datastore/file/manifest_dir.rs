@@ -256,6 +256,12 @@ pub fn load_file(file: &Path, report: &mut Report) {
                         ),
                     ));
                 }
+                for w in res.conversion_warnings() {
+                    report.problems.push(problem(
+                        doc,
+                        format!("{key}: {w}; the rest of the policy is in force"),
+                    ));
+                }
                 report.resources.insert(key, (file.to_path_buf(), res));
             }
             Outcome::Ignored(..) => report.ignored += 1,

@@ -375,9 +375,9 @@ fn nodes_carry_calicos_bgp_annotations_and_labels() {
 
 fn policy(v: Value) -> (ResourceKey, PolicySpec) {
     match applied(Source::KubernetesNetworkPolicy, v) {
-        r @ Resource::NetworkPolicy(..) => {
+        r @ Resource::Policy(Kind::NetworkPolicy, ..) => {
             let k = r.key();
-            let Resource::NetworkPolicy(_, s) = r else {
+            let Resource::Policy(Kind::NetworkPolicy, _, s) = r else {
                 unreachable!()
             };
             (k, s)
@@ -423,7 +423,7 @@ fn default_deny_ingress_from_the_kubernetes_docs() {
         Source::KubernetesNetworkPolicy,
         knp("old", "shop", json!({"podSelector": {}, "egress": [{}]})),
     );
-    let Resource::NetworkPolicy(_, s) = r else {
+    let Resource::Policy(Kind::NetworkPolicy, _, s) = r else {
         panic!()
     };
     assert_eq!(s.types, ["Ingress"]);
@@ -589,7 +589,7 @@ fn a_rule_that_cannot_be_converted_is_dropped_and_reported() {
             ]}),
         ),
     );
-    let Resource::NetworkPolicy(_, s) = r else {
+    let Resource::Policy(Kind::NetworkPolicy, _, s) = r else {
         panic!()
     };
     assert_eq!(s.ingress.len(), 1, "only the good rule stays");
