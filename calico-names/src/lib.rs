@@ -12,7 +12,21 @@
 //! - [`validate`]: the name rules both binaries enforce (interface and log prefixes) and how a
 //!   rejected value is shown in an error;
 //! - [`felix_config`]: FelixConfiguration values both read (failsafe ports).
+//! - [`is_staged_policy_kind`]: which `PolicyID.kind`s are staged (computed, never programmed).
 
 pub mod felix_config;
 pub mod hash;
 pub mod validate;
+
+/// The `PolicyID.kind`s of Calico's staged policies (3.30+).
+pub const STAGED_POLICY_KINDS: [&str; 3] = [
+    "StagedNetworkPolicy",
+    "StagedGlobalNetworkPolicy",
+    "StagedKubernetesNetworkPolicy",
+];
+
+/// Whether a policy of this `PolicyID.kind` is staged: the server computes it and ships it in
+/// endpoints' tier lists (explain's pending verdicts read it), and no driver programs it.
+pub fn is_staged_policy_kind(kind: &str) -> bool {
+    STAGED_POLICY_KINDS.contains(&kind)
+}

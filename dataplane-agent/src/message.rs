@@ -59,6 +59,9 @@ pub enum Received {
     ServerHello(ServerHello),
     /// A message for the driver.
     Message(Message),
+    /// A staged policy's update or removal: the server computes staged policies (explain's
+    /// pending verdicts), and no driver programs them.
+    Staged(PolicyKey),
     /// No payload, or one this agent does not know (a newer server's): ignored.
     Unknown,
 }
@@ -69,6 +72,7 @@ impl Received {
         match self {
             Received::ServerHello(_) => "ServerHello",
             Received::Message(m) => m.kind(),
+            Received::Staged(_) => "staged policy",
             Received::Unknown => "empty payload",
         }
     }
@@ -364,6 +368,18 @@ fn body<T>(
     })
 }
 
+/// An endpoint's tier lists as the dataplane enforces them: staged policies taken out, and a
+/// tier left with no policy in either direction dropped, so a tier of staged policies only has
+/// no end-of-tier drop (as in Felix).
+fn without_staged(tiers: &mut Vec<felix_proto::TierInfo>) {
+    let staged = |id: &PolicyId| calico_names::is_staged_policy_kind(&id.kind);
+    for t in tiers.iter_mut() {
+        t.ingress_policies.retain(|id| !staged(id));
+        t.egress_policies.retain(|id| !staged(id));
+    }
+    tiers.retain(|t| !t.ingress_policies.is_empty() || !t.egress_policies.is_empty());
+}
+
 fn message(payload: Payload) -> Result<Received, InvalidMessage> {
     use Message as M;
     let m = match payload {
@@ -406,11 +422,18 @@ fn message(payload: Payload) -> Result<Received, InvalidMessage> {
             const KIND: &str = "ActivePolicyUpdate";
             let key = PolicyKey::from(present_id(KIND, id)?);
             let policy = body(KIND, &key, "policy", policy)?;
+            if calico_names::is_staged_policy_kind(&key.kind) {
+                return Ok(Received::Staged(key));
+            }
             M::PolicyUpdate { key, policy }
         }
-        Payload::ActivePolicyRemove(ActivePolicyRemove { id }) => M::PolicyRemove {
-            key: present_id("ActivePolicyRemove", id)?.into(),
-        },
+        Payload::ActivePolicyRemove(ActivePolicyRemove { id }) => {
+            let key = PolicyKey::from(present_id("ActivePolicyRemove", id)?);
+            if calico_names::is_staged_policy_kind(&key.kind) {
+                return Ok(Received::Staged(key));
+            }
+            M::PolicyRemove { key }
+        }
         Payload::ActiveProfileUpdate(ActiveProfileUpdate { id, profile }) => {
             const KIND: &str = "ActiveProfileUpdate";
             let key = ProfileKey::from(present_id(KIND, id)?);
@@ -423,7 +446,8 @@ fn message(payload: Payload) -> Result<Received, InvalidMessage> {
         Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate { id, endpoint }) => {
             const KIND: &str = "WorkloadEndpointUpdate";
             let key = WorkloadEndpointKey::from(present_id(KIND, id)?);
-            let endpoint = Box::new(body(KIND, &key, "endpoint", endpoint)?);
+            let mut endpoint = Box::new(body(KIND, &key, "endpoint", endpoint)?);
+            without_staged(&mut endpoint.tiers);
             M::WorkloadEndpointUpdate { key, endpoint }
         }
         Payload::WorkloadEndpointRemove(WorkloadEndpointRemove { id }) => {
@@ -434,7 +458,15 @@ fn message(payload: Payload) -> Result<Received, InvalidMessage> {
         Payload::HostEndpointUpdate(HostEndpointUpdate { id, endpoint }) => {
             const KIND: &str = "HostEndpointUpdate";
             let key = HostEndpointKey::from(present_id(KIND, id)?);
-            let endpoint = Box::new(body(KIND, &key, "endpoint", endpoint)?);
+            let mut endpoint = Box::new(body(KIND, &key, "endpoint", endpoint)?);
+            for tiers in [
+                &mut endpoint.tiers,
+                &mut endpoint.untracked_tiers,
+                &mut endpoint.pre_dnat_tiers,
+                &mut endpoint.forward_tiers,
+            ] {
+                without_staged(tiers);
+            }
             M::HostEndpointUpdate { key, endpoint }
         }
         Payload::HostEndpointRemove(HostEndpointRemove { id }) => M::HostEndpointRemove {
@@ -1095,5 +1127,113 @@ mod tests {
             "GlobalBgpConfigUpdate" => "GlobalBGPConfigUpdate".into(),
             other => other.into(),
         }
+    }
+
+    fn kpid(kind: &str, name: &str) -> PolicyId {
+        PolicyId {
+            name: name.into(),
+            namespace: String::new(),
+            kind: kind.into(),
+        }
+    }
+
+    #[test]
+    fn staged_policies_never_reach_a_driver() {
+        for kind in calico_names::STAGED_POLICY_KINDS {
+            let got = convert(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+                id: Some(kpid(kind, "trial")),
+                policy: Some(Policy::default()),
+            }))
+            .unwrap();
+            assert!(
+                matches!(got, Received::Staged(ref k) if k.kind == kind),
+                "{got:?}"
+            );
+            let got = convert(Payload::ActivePolicyRemove(ActivePolicyRemove {
+                id: Some(kpid(kind, "trial")),
+            }))
+            .unwrap();
+            assert!(matches!(got, Received::Staged(_)), "{got:?}");
+        }
+        let enforced = convert(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(kpid("GlobalNetworkPolicy", "real")),
+            policy: Some(Policy::default()),
+        }))
+        .unwrap();
+        assert!(matches!(
+            enforced,
+            Received::Message(Message::PolicyUpdate { .. })
+        ));
+    }
+
+    #[test]
+    fn endpoint_tiers_lose_staged_policies_and_tiers_left_empty() {
+        let tier =
+            |name: &str, ingress: Vec<PolicyId>, egress: Vec<PolicyId>| felix_proto::TierInfo {
+                name: name.into(),
+                ingress_policies: ingress,
+                egress_policies: egress,
+                default_action: "Deny".into(),
+            };
+        let endpoint = WorkloadEndpoint {
+            tiers: vec![
+                // Only staged: the tier goes (no end-of-tier drop for it).
+                tier(
+                    "trial",
+                    vec![kpid("StagedGlobalNetworkPolicy", "s")],
+                    vec![],
+                ),
+                // Mixed: the enforced policy stays, in its direction.
+                tier(
+                    "default",
+                    vec![
+                        kpid("StagedNetworkPolicy", "s2"),
+                        kpid("NetworkPolicy", "a"),
+                    ],
+                    vec![kpid("StagedKubernetesNetworkPolicy", "knp.default.k")],
+                ),
+            ],
+            ..Default::default()
+        };
+        let got = convert(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
+            id: Some(WorkloadEndpointId {
+                orchestrator_id: "k8s".into(),
+                workload_id: "prod/web".into(),
+                endpoint_id: "eth0".into(),
+            }),
+            endpoint: Some(endpoint),
+        }))
+        .unwrap();
+        let Received::Message(Message::WorkloadEndpointUpdate { endpoint, .. }) = got else {
+            panic!("{got:?}")
+        };
+        assert_eq!(
+            endpoint.tiers,
+            vec![tier("default", vec![kpid("NetworkPolicy", "a")], vec![])]
+        );
+        let hep = HostEndpoint {
+            forward_tiers: vec![tier(
+                "trial",
+                vec![],
+                vec![kpid("StagedGlobalNetworkPolicy", "f")],
+            )],
+            untracked_tiers: vec![tier(
+                "trial",
+                vec![kpid("StagedGlobalNetworkPolicy", "u")],
+                vec![],
+            )],
+            ..Default::default()
+        };
+        let got = convert(Payload::HostEndpointUpdate(HostEndpointUpdate {
+            id: Some(HostEndpointId {
+                endpoint_id: "eth0".into(),
+            }),
+            endpoint: Some(hep),
+        }))
+        .unwrap();
+        let Received::Message(Message::HostEndpointUpdate { endpoint, .. }) = got else {
+            panic!("{got:?}")
+        };
+        assert!(endpoint.forward_tiers.is_empty() && endpoint.untracked_tiers.is_empty());
     }
 }

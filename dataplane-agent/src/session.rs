@@ -1011,6 +1011,9 @@ fn handle<D: Driver>(
         Received::Unknown => {
             debug!(seq, "message with an unknown or empty payload; ignored");
         }
+        Received::Staged(key) => {
+            debug!(seq, policy = %key, "staged policy: computed by the server, never programmed");
+        }
         Received::ServerHello(_) => {
             return Err(StreamEnd::Protocol(
                 "a second ServerHello on one stream".to_owned(),

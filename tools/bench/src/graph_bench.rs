@@ -95,9 +95,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                             workloads.push(res.clone().into_resource());
                         }
                     }
-                    Resource::Policy(..) => {
-                        policy_count += 1
-                    }
+                    Resource::Policy(..) => policy_count += 1,
                     _ => {}
                 }
                 let t = Instant::now();

@@ -169,6 +169,19 @@ pub struct Explanation {
     pub port: Option<u16>,
     pub egress: Side,
     pub ingress: Side,
+    /// The verdict with staged policies enforced, as Calico's flow logs report it; present
+    /// when a staged policy selects an endpoint on the path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<Pending>,
+}
+
+/// The pending verdict: every staged policy evaluated as if it were enforced (staged
+/// `Delete`s are not sent, so the policies they would remove still count).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pending {
+    pub verdict: Verdict,
+    pub egress: Side,
+    pub ingress: Side,
 }
 
 /// One tier's policies that apply to an endpoint in one direction and chain, in order.
@@ -397,6 +410,30 @@ pub fn render_text(e: &Explanation) -> String {
         for s in &side.steps {
             out.push_str(&step_text(s));
             out.push('\n');
+        }
+    }
+    if let Some(p) = &e.pending {
+        out.push_str(&format!(
+            "\npending (staged policies enforced): {}\n",
+            verdict_text(p.verdict)
+        ));
+        for (title, side) in [("egress", &p.egress), ("ingress", &p.ingress)] {
+            out.push_str(&format!(
+                "  {title}: {} — decided by {}\n",
+                verdict_text(side.verdict),
+                decided_text(&side.decided_by)
+            ));
+            let staged = side.steps.iter().filter(|s| {
+                s.selected == Some(true)
+                    && s.kind
+                        .as_deref()
+                        .is_some_and(calico_names::is_staged_policy_kind)
+            });
+            for s in staged {
+                out.push_str("  ");
+                out.push_str(&step_text(s));
+                out.push('\n');
+            }
         }
     }
     out

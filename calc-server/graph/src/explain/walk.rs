@@ -25,6 +25,13 @@ pub trait State: Sets {
     fn tier_policies(&self, tier: &str, stage: Stage, dir: Dir) -> Vec<(pb::PolicyId, String)>;
     /// Every tier holding a policy for `stage` and `dir`, in order.
     fn tiers(&self, stage: Stage, dir: Dir) -> Vec<String>;
+    /// Whether staged policies are evaluated as if enforced (the pending verdict); otherwise
+    /// they are passed over, as every driver leaves them out.
+    fn enforce_staged(&self) -> bool;
+}
+
+fn is_staged(id: &pb::PolicyId) -> bool {
+    calico_names::is_staged_policy_kind(&id.kind)
 }
 
 /// A chain's result.
@@ -135,29 +142,44 @@ pub fn walk(c: &Chain<'_>, p: &Packet, state: &dyn State, steps: &mut Vec<Step>)
     // Every tier with policies for this direction, in order: the ones that select nothing
     // here are not in the endpoint's chain (no end-of-tier drop either).
     let order = state.tiers(stage, c.dir);
-    let mut sequence: Vec<Result<&pb::TierInfo, String>> = Vec::new();
+    let enforce_staged = state.enforce_staged();
+    // The policies of a tier the chain evaluates: staged ones only for the pending verdict.
+    let evaluated = |t: &pb::TierInfo| -> Vec<pb::PolicyId> {
+        policies_of(t, c.dir)
+            .iter()
+            .filter(|id| enforce_staged || !is_staged(id))
+            .cloned()
+            .collect()
+    };
+    let mut sequence: Vec<Result<&pb::TierInfo, (String, &'static str)>> = Vec::new();
+    const NOT_SELECTED: &str = "not applied: no policy in this tier selects the endpoint";
+    const ONLY_STAGED: &str = "not applied: only staged policies select the endpoint here (not enforced; no end-of-tier drop)";
     for name in &order {
         match c.tiers.iter().find(|t| &t.name == name) {
-            Some(t) if !policies_of(t, c.dir).is_empty() => sequence.push(Ok(t)),
-            _ => sequence.push(Err(name.clone())),
+            Some(t) if !evaluated(t).is_empty() => sequence.push(Ok(t)),
+            Some(t) if !policies_of(t, c.dir).is_empty() => {
+                sequence.push(Err((name.clone(), ONLY_STAGED)))
+            }
+            _ => sequence.push(Err((name.clone(), NOT_SELECTED))),
         }
     }
     for t in c.tiers {
         if !policies_of(t, c.dir).is_empty() && !order.contains(&t.name) {
-            sequence.push(Ok(t));
+            if evaluated(t).is_empty() {
+                sequence.push(Err((t.name.clone(), ONLY_STAGED)));
+            } else {
+                sequence.push(Ok(t));
+            }
         }
     }
 
     for tier in sequence {
         let tier = match tier {
             Ok(t) => t,
-            Err(name) => {
+            Err((name, why)) => {
                 steps.push(Step {
                     tier: Some(name),
-                    ..step(
-                        stage,
-                        "not applied: no policy in this tier selects the endpoint",
-                    )
+                    ..step(stage, why)
                 });
                 continue;
             }
@@ -200,6 +222,13 @@ pub fn walk(c: &Chain<'_>, p: &Packet, state: &dyn State, steps: &mut Vec<Step>)
                 } else {
                     unselected_hidden += 1;
                 }
+                continue;
+            }
+            if !enforce_staged && is_staged(id) {
+                steps.push(Step {
+                    outcome: "staged: not enforced (see the pending verdict)".into(),
+                    ..base
+                });
                 continue;
             }
             if passed {

@@ -16,7 +16,10 @@
 //! node's `*` endpoint is taken into account.
 
 use std::net::IpAddr;
+use std::rc::Rc;
 use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
 
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
@@ -82,7 +85,11 @@ fn first_ip(nets: &[String]) -> Vec<IpAddr> {
 /// The graph as the walk reads it, with every policy ordered once for the query.
 struct View<'g> {
     g: &'g CalcGraph,
-    all: ResolvedTiers,
+    all: Rc<ResolvedTiers>,
+    /// Each active policy's key by its `PolicyID` (a converted kind's id is not its key).
+    keys: Rc<FxHashMap<(&'g str, &'g str, &'g str), &'g Key>>,
+    /// The pending verdict: staged policies evaluated as if enforced.
+    pending: bool,
 }
 
 impl Sets for View<'_> {
@@ -114,8 +121,12 @@ impl Sets for View<'_> {
 
 impl State for View<'_> {
     fn policy(&self, id: &pb::PolicyId) -> Option<Arc<pb::Policy>> {
-        let key = policy_key(id)?;
-        self.g.policies.get(&key).map(|p| p.message.clone())
+        let key = self.key(id)?;
+        self.g.policies.get(key).map(|p| p.message.clone())
+    }
+
+    fn enforce_staged(&self) -> bool {
+        self.pending
     }
 
     fn profile(&self, name: &str) -> Arc<pb::Profile> {
@@ -141,8 +152,9 @@ impl State for View<'_> {
         };
         ids.iter()
             .map(|id| {
-                let selector = policy_key(id)
-                    .and_then(|k| self.g.policies.get(&k))
+                let selector = self
+                    .key(id)
+                    .and_then(|k| self.g.policies.get(k))
                     .map(|p| p.model.selector.canonical().to_string())
                     .unwrap_or_default();
                 (id.clone(), selector)
@@ -163,6 +175,22 @@ impl State for View<'_> {
 }
 
 impl View<'_> {
+    fn key(&self, id: &pb::PolicyId) -> Option<&Key> {
+        self.keys
+            .get(&(id.kind.as_str(), id.namespace.as_str(), id.name.as_str()))
+            .copied()
+    }
+
+    /// The same view, for the pending verdict.
+    fn pending(&self) -> Self {
+        View {
+            g: self.g,
+            all: self.all.clone(),
+            keys: self.keys.clone(),
+            pending: true,
+        }
+    }
+
     fn lists(&self, stage: Stage) -> &[pb::TierInfo] {
         match stage {
             Stage::Normal => &self.all.normal,
@@ -171,12 +199,6 @@ impl View<'_> {
             Stage::Forward => &self.all.forward,
         }
     }
-}
-
-fn policy_key(id: &pb::PolicyId) -> Option<ResourceKey> {
-    let kind = Kind::from_name(&id.kind)?;
-    let ns = (!id.namespace.is_empty()).then_some(id.namespace.as_str());
-    Some(ResourceKey::new(kind, ns, &id.name))
 }
 
 /// The failsafes the node's agent programs: FelixConfiguration's value read as the agent reads
@@ -311,14 +333,36 @@ impl CalcGraph {
             icmp,
         };
         let view = self.view();
-        let egress = self.egress_side(src_ep.as_ref(), dst_ep.as_ref(), &packet, &view);
-        let ingress = self.ingress_side(src_ep.as_ref(), dst_ep.as_ref(), &packet, &view);
-        let verdict = if egress.verdict == Verdict::Allow && ingress.verdict == Verdict::Allow {
-            Verdict::Allow
-        } else {
-            Verdict::Deny
+        let sides = |view: &View<'_>| {
+            let egress = self.egress_side(src_ep.as_ref(), dst_ep.as_ref(), &packet, view);
+            let ingress = self.ingress_side(src_ep.as_ref(), dst_ep.as_ref(), &packet, view);
+            let verdict = if egress.verdict == Verdict::Allow && ingress.verdict == Verdict::Allow {
+                Verdict::Allow
+            } else {
+                Verdict::Deny
+            };
+            (verdict, egress, ingress)
         };
+        let (verdict, egress, ingress) = sides(&view);
+        // The pending verdict is shown when a staged policy selects an endpoint on the path.
+        let (pending_verdict, pending_egress, pending_ingress) = sides(&view.pending());
+        let met_staged = |side: &Side| {
+            side.steps.iter().any(|s| {
+                s.selected == Some(true)
+                    && s.kind
+                        .as_deref()
+                        .is_some_and(calico_names::is_staged_policy_kind)
+            })
+        };
+        let pending = (met_staged(&pending_egress) || met_staged(&pending_ingress)).then_some(
+            crate::explain::Pending {
+                verdict: pending_verdict,
+                egress: pending_egress,
+                ingress: pending_ingress,
+            },
+        );
         Ok(Explanation {
+            pending,
             verdict,
             from: self.peer(src_ep.as_ref(), src),
             to: self.peer(dst_ep.as_ref(), dst),
@@ -338,9 +382,22 @@ impl CalcGraph {
                 sort_string: &p.sort_string,
             })
             .collect();
+        let keys = self
+            .policies
+            .iter()
+            .map(|(k, p)| {
+                let id = &p.model.id;
+                (
+                    (id.kind.as_str(), id.namespace.as_str(), id.name.as_str()),
+                    k,
+                )
+            })
+            .collect();
         View {
             g: self,
-            all: policy_resolver::resolve(refs, |t| self.tiers.get(t)),
+            all: Rc::new(policy_resolver::resolve(refs, |t| self.tiers.get(t))),
+            keys: Rc::new(keys),
+            pending: false,
         }
     }
 
@@ -725,6 +782,7 @@ impl CalcGraph {
         let ep = self
             .ep(&subject)
             .ok_or_else(|| QueryError::Unknown(what.to_string()))?;
+        let view = self.view();
         let brief = |t: &pb::TierInfo, dir: Dir| crate::explain::TierPolicies {
             tier: t.name.clone(),
             default_action: t.default_action.clone(),
@@ -736,8 +794,9 @@ impl CalcGraph {
             .map(|id| crate::explain::PolicyBrief {
                 policy: policy_label(id),
                 kind: id.kind.clone(),
-                selector: policy_key(id)
-                    .and_then(|k| self.policies.get(&k))
+                selector: view
+                    .key(id)
+                    .and_then(|k| self.policies.get(k))
                     .map(|p| p.model.selector.canonical().to_string())
                     .unwrap_or_default(),
             })
@@ -777,15 +836,33 @@ impl CalcGraph {
     }
 
     /// The endpoints a policy selects and the nodes where it is active.
+    /// `what` is `NAME` (a global policy), `NAMESPACE/NAME`, either optionally preceded by
+    /// a kind and a colon (`StagedNetworkPolicy:prod/trial`, or Calico's short form `snp:`), to
+    /// pick one of several policies of the same name.
     pub fn explain_policy(&self, what: &str) -> Result<crate::explain::PolicyReach, QueryError> {
-        let (ns, name) = match what.trim().split_once('/') {
-            Some((ns, name)) => (Some(ns), name),
+        let (kind, rest) = match what.trim().split_once(':') {
+            Some((k, rest)) => {
+                let kind = policy_kind_by_name(k).ok_or_else(|| {
+                    QueryError::Bad(format!(
+                        "unknown policy kind {k:?} in {what:?} (a kind such as NetworkPolicy or StagedGlobalNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp)"
+                    ))
+                })?;
+                (Some(kind), rest)
+            }
             None => (None, what.trim()),
+        };
+        let (ns, name) = match rest.split_once('/') {
+            Some((ns, name)) => (Some(ns), name),
+            None => (None, rest),
         };
         let mut found: Vec<&Key> = self
             .policies
             .keys()
-            .filter(|k| k.name == name && (ns.is_none() || k.namespace.as_deref() == ns))
+            .filter(|k| {
+                (k.name == name || self.policies[*k].model.id.name == name)
+                    && (ns.is_none() || k.namespace.as_deref() == ns)
+                    && kind.is_none_or(|kind| k.kind == kind)
+            })
             .collect();
         found.sort();
         let key = match found.as_slice() {
@@ -800,7 +877,7 @@ impl CalcGraph {
                     what: what.to_string(),
                     candidates: many
                         .iter()
-                        .map(|k| format!("{} {}", k.kind.as_str(), full_name(k)))
+                        .map(|k| format!("{}:{}", k.kind.as_str(), full_name(k)))
                         .collect(),
                 });
             }
@@ -843,6 +920,19 @@ impl CalcGraph {
             nodes,
         })
     }
+}
+
+/// A policy kind by its name or Calico's short form (as in chain names).
+fn policy_kind_by_name(s: &str) -> Option<Kind> {
+    let kind = match s {
+        "np" => Kind::NetworkPolicy,
+        "gnp" => Kind::GlobalNetworkPolicy,
+        "snp" => Kind::StagedNetworkPolicy,
+        "sgnp" => Kind::StagedGlobalNetworkPolicy,
+        "sknp" => Kind::StagedKubernetesNetworkPolicy,
+        other => Kind::from_name(other)?,
+    };
+    kind.is_policy().then_some(kind)
 }
 
 /// `namespace/name` of a namespaced key, else its name.
@@ -1505,5 +1595,182 @@ spec:
             Some(80),
         );
         assert_eq!(e.from.name, "dev/client");
+    }
+
+    const STAGED: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: Tier
+metadata: {name: default}
+spec: {order: 1000000, defaultAction: Deny}
+---
+apiVersion: projectcalico.org/v3
+kind: Tier
+metadata: {name: trial}
+spec: {order: 50, defaultAction: Deny}
+---
+# Enforced: web accepts 8080 from prod.
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: web-http, namespace: prod}
+spec:
+  selector: app == 'web'
+  ingress: [{action: Allow, protocol: TCP, source: {selector: all()}, destination: {ports: [8080]}}]
+---
+# Staged in the enforced tier: would deny the client.
+apiVersion: projectcalico.org/v3
+kind: StagedNetworkPolicy
+metadata: {name: lock-client, namespace: prod}
+spec:
+  stagedAction: Set
+  order: 1
+  selector: app == 'web'
+  ingress: [{action: Deny, source: {selector: app == 'client'}}]
+---
+# A tier of staged policies only: no end-of-tier drop while staged.
+apiVersion: projectcalico.org/v3
+kind: StagedGlobalNetworkPolicy
+metadata: {name: trial-db}
+spec:
+  tier: trial
+  selector: app == 'db'
+  ingress: [{action: Allow, source: {selector: app == 'web'}}]
+---
+# A staged Kubernetes policy: a Kubernetes spec plus stagedAction.
+apiVersion: projectcalico.org/v3
+kind: StagedKubernetesNetworkPolicy
+metadata: {name: db-ingress, namespace: prod}
+spec:
+  stagedAction: Set
+  podSelector: {matchLabels: {app: db}}
+  policyTypes: [Ingress]
+---
+# A staged delete: not sent at all.
+apiVersion: projectcalico.org/v3
+kind: StagedNetworkPolicy
+metadata: {name: web-http, namespace: prod}
+spec:
+  stagedAction: Delete
+  selector: app == 'web'
+"#;
+
+    fn staged_ids(g: &mut CalcGraph, node: &str) -> Vec<String> {
+        g.subscribe(node);
+        let mut ids = Vec::new();
+        for m in g.snapshot(node) {
+            match &m.payload {
+                Some(Payload::ActivePolicyUpdate(u)) => {
+                    let id = u.id.as_ref().unwrap();
+                    ids.push(format!("{}:{}/{}", id.kind, id.namespace, id.name));
+                }
+                Some(Payload::WorkloadEndpointUpdate(u)) => {
+                    for t in &u.endpoint.as_ref().unwrap().tiers {
+                        for id in t.ingress_policies.iter() {
+                            ids.push(format!(
+                                "{} tier {}: {}:{}/{}",
+                                u.id.as_ref().unwrap().workload_id,
+                                t.name,
+                                id.kind,
+                                id.namespace,
+                                id.name
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn staged_policies_are_sent_with_their_kind_and_never_change_the_enforced_verdict() {
+        let mut g = graph(STAGED);
+        let a = staged_ids(&mut g, "node-a");
+        for want in [
+            "NetworkPolicy:prod/web-http",
+            "StagedNetworkPolicy:prod/lock-client",
+            "prod/web tier default: StagedNetworkPolicy:prod/lock-client",
+            "prod/web tier default: NetworkPolicy:prod/web-http",
+        ] {
+            assert!(a.iter().any(|i| i == want), "{want} missing from {a:#?}");
+        }
+        let b = staged_ids(&mut g, "node-b");
+        for want in [
+            "StagedGlobalNetworkPolicy:/trial-db",
+            "StagedKubernetesNetworkPolicy:prod/knp.default.db-ingress",
+            "prod/db tier trial: StagedGlobalNetworkPolicy:/trial-db",
+            "prod/db tier default: StagedKubernetesNetworkPolicy:prod/knp.default.db-ingress",
+        ] {
+            assert!(b.iter().any(|i| i == want), "{want} missing from {b:#?}");
+        }
+        // The staged Delete of web-http is not sent: web-http itself still is.
+        assert_eq!(
+            a.iter().filter(|i| i.contains("web-http")).count(),
+            2,
+            "{a:#?}"
+        );
+
+        // Enforced: the staged deny is passed over; pending: it denies.
+        let e = ask(&g, "prod/client", "prod/web", "tcp", Some(8080));
+        assert_eq!(e.verdict, Allow, "{}", render_text(&e));
+        assert_eq!(
+            e.ingress.decided_by,
+            by_policy("default", "prod/web-http", 0, "Allow")
+        );
+        let staged_step = e
+            .ingress
+            .steps
+            .iter()
+            .find(|s| s.policy.as_deref() == Some("prod/lock-client"))
+            .expect("shown");
+        assert!(staged_step.outcome.starts_with("staged: not enforced"));
+        let pending = e.pending.as_ref().expect("a staged policy is on the path");
+        assert_eq!(pending.verdict, Deny);
+        assert_eq!(
+            pending.ingress.decided_by,
+            DecidedBy::Policy {
+                tier: "default".into(),
+                policy: "prod/lock-client".into(),
+                kind: "StagedNetworkPolicy".into(),
+                rule: crate::explain::RuleRef {
+                    index: 0,
+                    action: "Deny".into()
+                },
+            }
+        );
+        let text = render_text(&e);
+        assert!(
+            text.contains("pending (staged policies enforced): DENY"),
+            "{text}"
+        );
+
+        // A tier of staged policies only has no end-of-tier drop while staged; the staged
+        // Kubernetes policy (ingress, no rules) would deny everything else.
+        let e = ask(&g, "prod/client", "prod/db", "tcp", Some(5432));
+        assert_eq!(e.verdict, Allow, "{}", render_text(&e));
+        assert_eq!(e.pending.as_ref().map(|p| p.verdict), Some(Deny));
+        let e = ask(&g, "prod/web", "prod/db", "tcp", Some(5432));
+        assert_eq!(e.verdict, Allow);
+        assert_eq!(
+            e.pending.as_ref().map(|p| p.verdict),
+            Some(Allow),
+            "trial-db allows web before the staged Kubernetes policy is reached"
+        );
+
+        // No staged policy on the path: no pending verdict.
+        let e = ask(&g, "prod/web", "prod/client", "tcp", Some(80));
+        assert!(e.pending.is_none(), "{:?}", e.pending);
+
+        // explain --policy finds staged policies; a kind prefix picks one of a name.
+        let r = g.explain_policy("trial-db").unwrap();
+        assert_eq!(r.kind, "StagedGlobalNetworkPolicy");
+        assert_eq!(r.endpoints, ["prod/db"]);
+        assert_eq!(r.nodes, ["node-b"]);
+        let r = g.explain_policy("sknp:prod/db-ingress").unwrap();
+        assert_eq!(r.endpoints, ["prod/db"]);
+        let r = g.explain_policy("NetworkPolicy:prod/web-http").unwrap();
+        assert_eq!(r.kind, "NetworkPolicy");
+        assert!(g.explain_policy("frob:prod/web-http").is_err());
     }
 }

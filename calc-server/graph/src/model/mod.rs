@@ -149,17 +149,12 @@ impl Kind {
     /// Whether a policy of this kind has the global policy's fields (`doNotTrack`, `preDNAT`,
     /// `applyOnForward`, `namespaceSelector`).
     pub fn is_global_policy(self) -> bool {
-        matches!(self, Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy)
+        matches!(
+            self,
+            Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy
+        )
     }
 }
-
-/// `PolicyID.kind` values that name a staged policy (Calico's staged kinds): every driver skips
-/// the policies so marked.
-pub const STAGED_POLICY_KINDS: [&str; 3] = [
-    "StagedNetworkPolicy",
-    "StagedGlobalNetworkPolicy",
-    "StagedKubernetesNetworkPolicy",
-];
 
 impl fmt::Display for Kind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -933,5 +928,60 @@ mod tests {
             "cannot pretend to be in another namespace"
         );
         assert_eq!(labels[LABEL_ORCHESTRATOR], "k8s");
+    }
+
+    #[test]
+    fn staged_kubernetes_policies_are_converted_and_round_trip() {
+        let (key, res) = decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "StagedKubernetesNetworkPolicy",
+            "metadata": {"name": "db", "namespace": "prod"},
+            "spec": {
+                "stagedAction": "Set",
+                "podSelector": {"matchLabels": {"app": "db"}},
+                "ingress": [
+                    {"from": [{"podSelector": {"matchLabels": {"app": "web"}}}],
+                     "ports": [{"port": 5432}]},
+                    {"ports": [{"port": "http", "endPort": 90}]}
+                ],
+                "policyTypes": ["Ingress"]
+            }
+        }));
+        assert_eq!(key.to_string(), "StagedKubernetesNetworkPolicy prod/db");
+        let Resource::Policy(Kind::StagedKubernetesNetworkPolicy, _, spec) = &res else {
+            panic!("{res:?}")
+        };
+        assert_eq!(spec.staged_action, "Set");
+        assert_eq!(
+            spec.selector,
+            "projectcalico.org/orchestrator == 'k8s' && app == 'db'"
+        );
+        assert_eq!(spec.ingress.len(), 1, "the bad rule is dropped");
+        assert_eq!(spec.conversion_warnings.len(), 1);
+        assert!(
+            spec.conversion_warnings[0].starts_with("ingress rule 1 dropped"),
+            "{:?}",
+            spec.conversion_warnings
+        );
+        // The last-good store writes `to_value` and reads it back.
+        let (_, again) = decode(res.to_value());
+        let (Resource::Policy(_, _, a), Resource::Policy(_, _, b)) = (&res, &again) else {
+            panic!()
+        };
+        assert_eq!(
+            (a.selector.as_str(), &a.ingress, &a.types, &a.staged_action),
+            (b.selector.as_str(), &b.ingress, &b.types, &b.staged_action)
+        );
+    }
+
+    #[test]
+    fn enforced_kinds_do_not_keep_a_staged_action() {
+        let (_, res) = decode(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": "g"}, "spec": {"stagedAction": "Delete"}
+        }));
+        let Resource::Policy(_, _, spec) = res else {
+            panic!()
+        };
+        assert!(!spec.stages_a_delete());
     }
 }

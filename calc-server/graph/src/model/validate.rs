@@ -181,7 +181,9 @@ impl Validator {
             );
         }
         let (ok, what) = match kind {
-            Kind::NetworkPolicy | Kind::StagedNetworkPolicy | Kind::StagedKubernetesNetworkPolicy => (
+            Kind::NetworkPolicy
+            | Kind::StagedNetworkPolicy
+            | Kind::StagedKubernetesNetworkPolicy => (
                 is_label(&m.name)
                     || m.name
                         .split_once('.')
@@ -1133,6 +1135,75 @@ mod tests {
 
     fn paths(r: Result<(), Invalid>) -> Vec<String> {
         r.unwrap_err().errors.into_iter().map(|e| e.path).collect()
+    }
+
+    #[test]
+    fn calicos_limits_on_rules_and_selectors() {
+        let rules = |n: usize| vec![json!({"action": "Allow"}); n];
+        assert!(
+            check(json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+                "metadata": {"name": "p"},
+                "spec": {"ingress": rules(MAX_RULES), "egress": rules(MAX_RULES)}
+            }))
+            .is_ok()
+        );
+        let err = check(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "NetworkPolicy",
+            "metadata": {"name": "p", "namespace": "prod"},
+            "spec": {"ingress": rules(MAX_RULES + 1), "egress": rules(MAX_RULES + 1)}
+        }))
+        .unwrap_err();
+        assert_eq!(
+            err.errors
+                .iter()
+                .map(|e| e.path.as_str())
+                .collect::<Vec<_>>(),
+            ["spec.ingress", "spec.egress"]
+        );
+        assert!(err.errors[0].message.contains("at most 1024"), "{err}");
+        let long = format!("a == '{}'", "x".repeat(MAX_SELECTOR_LEN));
+        let err = check(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+            "metadata": {"name": "p"},
+            "spec": {"selector": long, "ingress": [{"action": "Allow", "source": {"selector": long}}]}
+        }))
+        .unwrap_err();
+        assert_eq!(
+            paths(Err(err.clone())),
+            ["spec.selector", "spec.ingress[0].source.selector"]
+        );
+        assert!(err.errors[0].message.contains("at most 1024"), "{err}");
+        let fits = format!("a == '{}'", "x".repeat(MAX_SELECTOR_LEN - 7));
+        assert_eq!(fits.len(), MAX_SELECTOR_LEN);
+        assert!(
+            check(json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+                "metadata": {"name": "p"}, "spec": {"selector": fits}
+            }))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn staged_actions_are_calicos() {
+        for action in ["", "Set", "Delete", "Learn", "Ignore"] {
+            assert!(
+                check(json!({
+                    "apiVersion": "projectcalico.org/v3", "kind": "StagedGlobalNetworkPolicy",
+                    "metadata": {"name": "p"}, "spec": {"stagedAction": action}
+                }))
+                .is_ok(),
+                "{action}"
+            );
+        }
+        assert_eq!(
+            paths(check(json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "StagedNetworkPolicy",
+                "metadata": {"name": "p", "namespace": "ns"}, "spec": {"stagedAction": "Maybe"}
+            }))),
+            ["spec.stagedAction"]
+        );
     }
 
     #[test]

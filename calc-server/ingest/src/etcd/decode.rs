@@ -7,12 +7,12 @@
 //! - `metadata.name` and `metadata.namespace` are taken from the key: the key is the object's
 //!   identity in etcd (a value that disagrees is logged at debug and the key wins, so a delete of
 //!   the key always removes what its put created);
-//! - policies (NetworkPolicy, GlobalNetworkPolicy) get their v3 name back as
+//! - policies (enforced and staged) get their v3 name back as
 //!   `model.determinePolicyName` does: from the `projectcalico.org/metadata` annotation
 //!   (`{"name":"<v3 name>"}`) when present, else a legacy `default.` prefix is stripped when the
 //!   tier is `default` or empty.
 //!
-//! Plurals of kinds the graph does not use (BGP, IPAM, staged policies, …) are skipped without
+//! Plurals of kinds the graph does not use (BGP, IPAM, …) are skipped without
 //! reading the value.
 
 use calc_graph::manifest::{Rejection, decode_and_validate_strict};
@@ -250,10 +250,29 @@ mod tests {
     }
 
     #[test]
+    fn staged_policies_are_read_under_their_plurals() {
+        let r = applied(
+            &format!("{P}stagednetworkpolicies/ns/x"),
+            r#"{"kind":"StagedNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"x","namespace":"ns"},"spec":{"stagedAction":"Set","selector":"all()"}}"#,
+        );
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::StagedNetworkPolicy, Some("ns"), "x")
+        );
+        let r = applied(
+            &format!("{P}stagedkubernetesnetworkpolicies/ns/k"),
+            r#"{"kind":"StagedKubernetesNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"k","namespace":"ns"},"spec":{"podSelector":{},"policyTypes":["Ingress"]}}"#,
+        );
+        assert_eq!(
+            r.key(),
+            ResourceKey::new(Kind::StagedKubernetesNetworkPolicy, Some("ns"), "k")
+        );
+    }
+
+    #[test]
     fn other_key_families_are_skipped() {
         for key in [
             format!("{P}bgppeers/rr1"),
-            format!("{P}stagednetworkpolicies/ns/x"),
             format!("{P}kubecontrollersconfigurations/default"),
             "/calico/ipam/v2/assignment/ipv4/block/10.65.0.0-26".to_string(),
             format!("{P}tiers"),

@@ -22,7 +22,7 @@ pub type Mirror = crate::mirror::Mirror<Box<str>>;
 /// A key's current value (from a list page or a watch event). A value's bytes are its version:
 /// an unchanged value is not decoded again.
 pub fn put(mirror: &mut Mirror, key: &str, value: &[u8], out: &mut Batch) {
-    // Other key families under the prefix (BGP, IPAM configuration, staged policies) never
+    // Other key families under the prefix (BGP, IPAM configuration, …) never
     // deliver anything: they are not tracked at all.
     if matches!(parse_key(key), Ok(None)) {
         return;
