@@ -692,6 +692,49 @@ fn calico_crds_carry_v3_specs() {
 }
 
 #[test]
+fn staged_policy_crds_are_read_and_a_staged_kubernetes_policy_is_converted() {
+    for (kind, spec) in [
+        (
+            Kind::StagedNetworkPolicy,
+            json!({"stagedAction": "Set", "selector": "app == 'db'"}),
+        ),
+        (
+            Kind::StagedGlobalNetworkPolicy,
+            json!({"stagedAction": "Delete", "selector": "all()", "doNotTrack": true, "applyOnForward": true}),
+        ),
+    ] {
+        let meta = if kind.namespaced() {
+            json!({"name": "trial", "namespace": "shop"})
+        } else {
+            json!({"name": "trial"})
+        };
+        let r = applied(Source::Crd(kind), crd(kind.as_str(), meta, spec));
+        assert_eq!(r.kind(), kind);
+    }
+    // A Kubernetes spec plus stagedAction; a rule that cannot be converted is reported.
+    let (r, warnings) = applied_with_warnings(
+        Source::Crd(Kind::StagedKubernetesNetworkPolicy),
+        crd(
+            "StagedKubernetesNetworkPolicy",
+            json!({"name": "db", "namespace": "shop"}),
+            json!({"stagedAction": "Set", "podSelector": {"matchLabels": {"app": "db"}},
+                   "ingress": [{"ports": [{"port": 5432}]}, {"from": [{"ipBlock": {"cidr": "junk"}}]}],
+                   "policyTypes": ["Ingress"]}),
+        ),
+    );
+    assert_eq!(
+        r.key(),
+        ResourceKey::new(Kind::StagedKubernetesNetworkPolicy, Some("shop"), "db")
+    );
+    let Resource::Policy(_, _, s) = &r else {
+        panic!()
+    };
+    assert_eq!(s.ingress.len(), 1);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("ingress rule 1 dropped"), "{warnings:?}");
+}
+
+#[test]
 fn a_crd_with_a_misspelt_field_is_rejected_by_name() {
     let Decision::Reject(r) = conv().convert(
         Source::Crd(Kind::GlobalNetworkPolicy),
