@@ -198,11 +198,23 @@ fn admin_baseline_service_and_staged_policies_on_real_traffic() {
     // (probe, explain's names for its two ends)
     let expected = [
         // web's NetworkPolicy allows 8080 from the client …
-        (tcp(&client, &web.ipv4, 8080, true), "prod/client", "prod/web"),
+        (
+            tcp(&client, &web.ipv4, 8080, true),
+            "prod/client",
+            "prod/web",
+        ),
         // … but the Admin tier denies 9090 from it first.
-        (tcp(&client, &web.ipv4, 9090, false), "prod/client", "prod/web"),
+        (
+            tcp(&client, &web.ipv4, 9090, false),
+            "prod/client",
+            "prod/web",
+        ),
         // Nothing selects the client in the default tier: the Baseline deny applies.
-        (tcp(&web, &client.ipv4, 7070, false), "prod/web", "prod/client"),
+        (
+            tcp(&web, &client.ipv4, 7070, false),
+            "prod/web",
+            "prod/client",
+        ),
         // db's egress reaches the Service's endpoint and port only.
         (tcp(&db, &web.ipv4, 8080, true), "dev/db", "prod/web"),
         (tcp(&db, &web.ipv4, 9090, false), "dev/db", "prod/web"),
@@ -212,7 +224,10 @@ fn admin_baseline_service_and_staged_policies_on_real_traffic() {
     for (probe, from, to) in &expected {
         let e = explain(dir.path(), from, to, probe.port.expect("tcp"));
         let want = if probe.allowed { "allow" } else { "deny" };
-        assert_eq!(e["verdict"], want, "explain disagrees with the policy: {e:#}");
+        assert_eq!(
+            e["verdict"], want,
+            "explain disagrees with the policy: {e:#}"
+        );
     }
     let probes: Vec<Probe<'_>> = expected.into_iter().map(|(p, ..)| p).collect();
     expect_eventually("initial policy", &probes, &cp);

@@ -106,4 +106,42 @@ mod tests {
         assert_eq!(r.group, "networking.k8s.io");
         assert_eq!(api_resource(Source::Node).api_version, "v1");
     }
+
+    /// The shipped ClusterRole must grant list and watch on every collection the adapter
+    /// watches: a missing one is a 403 that keeps the server out of sync.
+    #[test]
+    fn the_shipped_rbac_covers_every_watched_collection() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docker/k8s/calc-server-rbac.yaml"
+        );
+        let text = std::fs::read_to_string(path).expect("read the RBAC manifest");
+        // Our own manifest's shape: `- apiGroups: ["g"]`, then `resources:` items, then verbs.
+        let mut granted: Vec<(String, String)> = Vec::new();
+        let mut group = None;
+        for line in text.lines().map(str::trim) {
+            if let Some(g) = line.strip_prefix("- apiGroups: [") {
+                group = Some(g.trim_end_matches(']').trim_matches('"').to_string());
+            } else if let (Some(g), Some(list)) = (&group, line.strip_prefix("resources: [")) {
+                for res in list.trim_end_matches(']').split(',') {
+                    granted.push((g.clone(), res.trim().trim_matches('"').to_string()));
+                }
+            } else if let (Some(g), Some(res)) = (&group, line.strip_prefix("- ")) {
+                granted.push((g.clone(), res.to_string()));
+            } else if line.starts_with("verbs:") {
+                assert!(
+                    line.contains("\"list\"") && line.contains("\"watch\""),
+                    "{line}"
+                );
+                group = None;
+            }
+        }
+        for source in Source::ALL {
+            let c = source.collection();
+            assert!(
+                granted.iter().any(|(g, r)| g == c.group && r == c.plural),
+                "{path} does not grant list/watch on {source}"
+            );
+        }
+    }
 }

@@ -731,7 +731,10 @@ fn staged_policy_crds_are_read_and_a_staged_kubernetes_policy_is_converted() {
     };
     assert_eq!(s.ingress.len(), 1);
     assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert!(warnings[0].contains("ingress rule 1 dropped"), "{warnings:?}");
+    assert!(
+        warnings[0].contains("ingress rule 1 dropped"),
+        "{warnings:?}"
+    );
 }
 
 #[test]
