@@ -16,7 +16,9 @@ use ipnetwork::IpNetwork;
 
 use crate::model::rule::{Action, EntityRule, Port, Protocol, Rule};
 use crate::model::validate::parse_cidr_or_ip;
-use crate::model::{HostEndpointSpec, Kind, ObjectMeta, PolicySpec, ResourceKey, WorkloadEndpointSpec};
+use crate::model::{
+    HostEndpointSpec, Kind, ObjectMeta, PolicySpec, ResourceKey, WorkloadEndpointSpec,
+};
 use crate::selector::{self, Selector};
 
 pub use crate::model::{LABEL_NAMESPACE, LABEL_ORCHESTRATOR};
@@ -36,7 +38,11 @@ impl PolicyId {
     pub fn from_key(key: &ResourceKey) -> PolicyId {
         // Calico names a staged Kubernetes policy as it names the enforced one it stages.
         let name = if key.kind == Kind::StagedKubernetesNetworkPolicy {
-            format!("{}{}", crate::model::kubernetes::K8S_POLICY_PREFIX, key.name)
+            format!(
+                "{}{}",
+                crate::model::kubernetes::K8S_POLICY_PREFIX,
+                key.name
+            )
         } else {
             key.name.clone()
         };

@@ -290,6 +290,8 @@ impl CalcGraph {
                 self.host_metadata.remove(&key.name);
             }
             Kind::ClusterInformation => {}
+            // Not read yet: a rule's `services` match stays empty.
+            Kind::EndpointSlice => {}
         }
     }
 
@@ -395,7 +397,7 @@ impl CalcGraph {
                     .insert(key.name.clone(), host_metadata(m, s));
                 Ok(())
             }
-            Resource::ClusterInformation(..) => Ok(()),
+            Resource::ClusterInformation(..) | Resource::EndpointSlice(..) => Ok(()),
         }
     }
 }
