@@ -298,3 +298,79 @@ fn compute_on_kubernetes_names_a_bad_kubeconfig() {
         stderr(&o)
     );
 }
+
+/// A workload on node-1 whose egress policy names a Service, the Service's EndpointSlice (in
+/// Kubernetes' shape) and the Service itself, as `kubectl get -o yaml` writes them.
+const SERVICE_MANIFESTS: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node--1-k8s-client-eth0, namespace: shop, labels: {app: client}}
+spec: {orchestrator: k8s, node: node-1, pod: client, endpoint: eth0, interfaceName: caliclient, ipNetworks: [10.65.0.2/32]}
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: client-to-db, namespace: shop}
+spec:
+  selector: app == 'client'
+  types: [Egress]
+  egress:
+  - action: Allow
+    destination: {services: {name: db}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec: {selector: {app: db}, ports: [{port: 5432, targetPort: 5432}], clusterIP: 10.96.0.20}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: db-x7k2p
+  namespace: shop
+  labels: {kubernetes.io/service-name: db}
+addressType: IPv4
+endpoints:
+- addresses: [10.65.1.5]
+  conditions: {ready: true}
+  nodeName: node-2
+- addresses: [10.65.1.6]
+  conditions: {ready: false}
+ports:
+- {name: pg, protocol: TCP, port: 5432}
+"#;
+
+#[test]
+fn compute_fills_a_service_rule_from_the_manifests_endpoint_slices() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "shop.yaml", SERVICE_MANIFESTS);
+    let v = calc_server(&["validate", dir.path().to_str().unwrap()]);
+    assert_eq!(v.status.code(), Some(0), "{}{}", stdout(&v), stderr(&v));
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        dir.path().to_str().unwrap(),
+        "--node",
+        "node-1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let policy = lines
+        .iter()
+        .find_map(|l| l.get("activePolicyUpdate"))
+        .expect("the client's policy");
+    let rule = &policy["policy"]["outboundRules"][0];
+    let id = rule["dstIpPortSetIds"][0].as_str().expect("a service set");
+    let set = lines
+        .iter()
+        .find_map(|l| l.get("ipsetUpdate").filter(|s| s["id"] == id))
+        .expect("the service's set is sent");
+    assert_eq!(set["type"], "IP_AND_PORT");
+    assert_eq!(
+        set["members"],
+        serde_json::json!(["10.65.1.5,tcp:5432", "10.65.1.6,tcp:5432"]),
+        "every endpoint of the Service on its port"
+    );
+}

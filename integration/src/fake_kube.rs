@@ -36,6 +36,7 @@ pub const NAMESPACES: &str = "/api/v1/namespaces";
 pub const SERVICE_ACCOUNTS: &str = "/api/v1/serviceaccounts";
 pub const NODES: &str = "/api/v1/nodes";
 pub const NETWORK_POLICIES: &str = "/apis/networking.k8s.io/v1/networkpolicies";
+pub const ENDPOINT_SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 
 /// The collection of a Calico CRD (`tiers`, `globalnetworkpolicies`, …).
 pub fn crd(plural: &str) -> String {
@@ -113,6 +114,7 @@ impl FakeKube {
             (SERVICE_ACCOUNTS, "v1", "ServiceAccount"),
             (NODES, "v1", "Node"),
             (NETWORK_POLICIES, "networking.k8s.io/v1", "NetworkPolicy"),
+            (ENDPOINT_SLICES, "discovery.k8s.io/v1", "EndpointSlice"),
         ] {
             collections.insert(
                 path.to_string(),

@@ -15,7 +15,7 @@ use std::time::Duration;
 use felix_proto as pb;
 use felix_proto::calc_server_client::CalcServerClient;
 use integration::fake_kube::{
-    FakeKube, NAMESPACES, NETWORK_POLICIES, NODES, PODS, SERVICE_ACCOUNTS, crd,
+    ENDPOINT_SLICES, FakeKube, NAMESPACES, NETWORK_POLICIES, NODES, PODS, SERVICE_ACCOUNTS, crd,
 };
 use integration::{Server, binary, free_port};
 use pb::from_dataplane::Payload as From;
@@ -431,6 +431,57 @@ fn compute_streams_the_kubernetes_docs_policies_per_node() {
         payloads(&msgs2, "activePolicyUpdate")
             .iter()
             .all(|p| p["id"]["namespace"] != "default")
+    );
+}
+
+/// EndpointSlice `name` of Service `service` in `default`, as the EndpointSlice controller
+/// writes it (native items carry no kind/apiVersion in lists).
+fn endpoint_slice(name: &str, service: &str, addresses: &[&str], port: u16) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": "default", "generateName": format!("{service}-"),
+                     "labels": {"kubernetes.io/service-name": service,
+                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+        "addressType": "IPv4",
+        "endpoints": addresses.iter()
+            .map(|a| json!({"addresses": [a], "conditions": {"ready": true}, "nodeName": "node1"}))
+            .collect::<Vec<_>>(),
+        "ports": [{"name": "redis", "protocol": "TCP", "port": port}],
+    })
+}
+
+#[test]
+fn compute_fills_a_service_rule_from_endpoint_slices() {
+    let fake = FakeKube::start(INSTALLED_CRDS);
+    seed(&fake);
+    fake.apply(
+        ENDPOINT_SLICES,
+        endpoint_slice("db-7xk2p", "db", &["10.65.0.10"], 6379),
+    );
+    fake.apply(
+        ENDPOINT_SLICES,
+        endpoint_slice("cache-a1b2c", "cache", &["10.65.0.99"], 11211),
+    );
+    fake.apply(
+        &crd("networkpolicies"),
+        json!({"metadata": {"name": "frontend-to-db", "namespace": "default"},
+               "spec": {"selector": "role == 'frontend'", "types": ["Egress"],
+                        "egress": [{"action": "Allow", "destination": {"services": {"name": "db"}}}]}}),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let msgs = compute(&fake, dir.path(), "node1");
+    let rule = &policy(&msgs, "frontend-to-db")["policy"]["outboundRules"][0];
+    assert_eq!(rule["originalDstService"], "db");
+    let id = rule["dstIpPortSetIds"][0].as_str().expect("a service set");
+    assert!(id.starts_with("svc:"), "{rule}");
+    let set = payloads(&msgs, "ipsetUpdate")
+        .into_iter()
+        .find(|s| s["id"] == id)
+        .expect("the service's set is sent");
+    assert_eq!(set["type"], "IP_AND_PORT");
+    assert_eq!(
+        set["members"],
+        json!(["10.65.0.10,tcp:6379"]),
+        "db's endpoint on db's port, not cache's"
     );
 }
 

@@ -26,9 +26,11 @@ pub enum IpSetKind {
     Net,
     /// `ip,proto:port` of matching endpoints' named port.
     NamedPort { protocol: String, name: String },
-    /// A Kubernetes Service's addresses (`<namespace>/<name>`), with its ports for a
-    /// destination match. Services are not tracked yet, so such a set stays empty and a rule
-    /// that uses it matches nothing, as Felix's does for an unknown service (never wider).
+    /// A Kubernetes Service's endpoint addresses (`<namespace>/<name>`), with its ports for a
+    /// destination match (`svc`, IP_AND_PORT) and without for a source match (`svcnoport`,
+    /// NET), as Felix's `IPSetData.UniqueID` and `DataplaneProtocolType`. Members come from the
+    /// Service's EndpointSlices (`graph::services`); without any, the set is empty and a rule
+    /// that uses it matches nothing (never wider).
     Service {
         service: String,
         include_ports: bool,
@@ -474,8 +476,7 @@ mod tests {
     }
 
     #[test]
-    fn service_matches_use_empty_service_sets() {
-        // Felix: an unknown service's set is empty, so the rule matches nothing (never wider).
+    fn service_matches_use_service_sets_as_felix_names_them() {
         let (r, sets) = scan_rule(&rule(|r| {
             r.dst_service = Some(("db".into(), "prod".into()));
             r.src_service = Some(("web".into(), "prod".into()));
@@ -490,10 +491,14 @@ mod tests {
             vec![crate::hash::make_unique_id("svcnoport", "prod/web")]
         );
         assert_eq!(sets.len(), 2);
+        // Felix lists the source's sets before the destination's.
+        assert_eq!(sets[0].proto_type(), pb::ip_set_update::IpSetType::Net);
         assert_eq!(
             sets[1].proto_type(),
             pb::ip_set_update::IpSetType::IpAndPort
         );
+        assert_eq!(r.original_dst_service, "db");
+        assert_eq!(r.original_src_service_namespace, "prod");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! nodes, two namespaces (with their `kns.` profiles), six workload endpoints with labels and
 //! named ports, two host endpoints (which can move between nodes), four NetworkPolicies and
 //! GlobalNetworkPolicies in two tiers (rule selectors, namespaceSelectors, notSelectors, named
-//! ports, nets, Allow/Deny/Pass, untracked/preDNAT/AssumeNeededOnEveryNode variants), a
-//! NetworkSet, a GlobalNetworkSet, Nodes, an IPPool and FelixConfigurations. Every object is
+//! ports, nets, Services, Allow/Deny/Pass, untracked/preDNAT/AssumeNeededOnEveryNode
+//! variants), a NetworkSet, a GlobalNetworkSet, two EndpointSlices, Nodes, an IPPool and
+//! FelixConfigurations. Every object is
 //! built from a fixed template (an exhaustive `match` over [`Slot`]) whose knobs the generator
 //! turns, so every generated object is valid and failures shrink to readable cases.
 //!
@@ -63,9 +64,11 @@ enum Slot {
     IpPool,
     /// 0: FelixConfiguration default, 1: FelixConfiguration node.node-1.
     FelixConfig(u8),
+    /// EndpointSlice ns-a/web-<s> (0..2), of Service web (or another).
+    Slice(u8),
 }
 
-const ALL_SLOTS: [Slot; 23] = [
+const ALL_SLOTS: [Slot; 25] = [
     Slot::Wep(0),
     Slot::Wep(1),
     Slot::Wep(2),
@@ -89,6 +92,8 @@ const ALL_SLOTS: [Slot; 23] = [
     Slot::IpPool,
     Slot::FelixConfig(0),
     Slot::FelixConfig(1),
+    Slot::Slice(0),
+    Slot::Slice(1),
 ];
 
 /// Rule templates for policies and profiles.
@@ -106,9 +111,11 @@ enum RuleT {
     DenyAll,
     PassV6Nets,
     AllowNamedPortsInNsB,
+    /// From (ingress) or to (egress) Service ns-a/web.
+    AllowServiceWeb,
 }
 
-const ALL_RULES: [RuleT; 12] = [
+const ALL_RULES: [RuleT; 13] = [
     RuleT::AllowFromAppA,
     RuleT::DenyToNotRoleX,
     RuleT::PassFromTeamT1,
@@ -121,9 +128,10 @@ const ALL_RULES: [RuleT; 12] = [
     RuleT::DenyAll,
     RuleT::PassV6Nets,
     RuleT::AllowNamedPortsInNsB,
+    RuleT::AllowServiceWeb,
 ];
 
-fn rule(t: RuleT) -> Value {
+fn rule(t: RuleT, ingress: bool) -> Value {
     match t {
         RuleT::AllowFromAppA => json!({"action": "Allow", "source": {"selector": "app == 'a'"}}),
         RuleT::DenyToNotRoleX => json!({"action": "Deny",
@@ -149,6 +157,11 @@ fn rule(t: RuleT) -> Value {
         RuleT::AllowNamedPortsInNsB => json!({"action": "Allow", "protocol": "TCP",
             "destination": {"namespaceSelector": "projectcalico.org/name == 'ns-b'",
                             "ports": ["http", "metrics"]}}),
+        // A Service is a source in ingress rules only, a destination in egress rules only.
+        RuleT::AllowServiceWeb => {
+            let peer = if ingress { "source" } else { "destination" };
+            json!({"action": "Allow", peer: {"services": {"name": "web", "namespace": "ns-a"}}})
+        }
     }
 }
 
@@ -175,8 +188,8 @@ fn labels(pairs: &[(&str, Option<&str>)]) -> Value {
     Value::Object(m)
 }
 
-fn rules(ts: &[RuleT]) -> Value {
-    Value::Array(ts.iter().copied().map(rule).collect())
+fn rules(ts: &[RuleT], ingress: bool) -> Value {
+    Value::Array(ts.iter().map(|t| rule(*t, ingress)).collect())
 }
 
 fn wep_name(i: u8) -> (String, &'static str, &'static str) {
@@ -298,8 +311,8 @@ fn build_value(slot: Slot, v: &Ver) -> Value {
             let mut spec = json!({
                 "tier": pick(&["default", "security"], k[0]),
                 "selector": selector,
-                "ingress": rules(&v.ingress),
-                "egress": rules(&v.egress),
+                "ingress": rules(&v.ingress, true),
+                "egress": rules(&v.egress, false),
             });
             if let Some(order) = pick(&[None, Some(10.0), Some(100.0)], k[1]) {
                 spec["order"] = json!(order);
@@ -351,8 +364,8 @@ fn build_value(slot: Slot, v: &Ver) -> Value {
                 "apiVersion": "projectcalico.org/v3", "kind": "Profile",
                 "metadata": {"name": format!("kns.{ns}")},
                 "spec": {
-                    "ingress": rules(&v.ingress),
-                    "egress": rules(&v.egress),
+                    "ingress": rules(&v.ingress, true),
+                    "egress": rules(&v.egress, false),
                     "labelsToApply": labels(&[
                         ("pcns.projectcalico.org/name", Some(ns)),
                         ("pcns.team", pick(&[Some("t1"), Some("t2"), None], k[0])),
@@ -437,6 +450,31 @@ fn build_value(slot: Slot, v: &Ver) -> Value {
                    "metadata": {"name": if f == 0 { "default" } else { "node.node-1" }},
                    "spec": spec})
         }
+        Slot::Slice(i) => {
+            // Both slices may hold 10.65.0.1: members are counted per slice.
+            let addresses = pick(
+                &[
+                    json!([{"addresses": ["10.65.0.1"]}]),
+                    json!([{"addresses": ["10.65.0.1"]}, {"addresses": [format!("10.65.1.{i}")]}]),
+                    json!([{"addresses": ["fd00:65::1"]}]),
+                    json!([]),
+                ],
+                k[1],
+            );
+            json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": format!("web-{i}"), "namespace": "ns-a", "labels": {
+                    "kubernetes.io/service-name": pick(&["web", "web", "other"], k[0]),
+                }},
+                "addressType": "IPv4",
+                "endpoints": addresses,
+                "ports": pick(&[
+                    json!([{"port": 80}]),
+                    json!([{"port": 80}, {"protocol": "UDP", "port": 53}]),
+                    json!([{"name": "unset"}]),
+                ], k[2]),
+            })
+        }
     }
 }
 
@@ -502,6 +540,7 @@ fn slot_strategy() -> impl Strategy<Value = Slot> {
         1 => (0u8..2).prop_map(Slot::Node),
         1 => Just(Slot::IpPool),
         1 => (0u8..2).prop_map(Slot::FelixConfig),
+        2 => (0u8..2).prop_map(Slot::Slice),
     ]
 }
 
@@ -536,16 +575,17 @@ fn ops_strategy(max: usize, extras: Extras) -> impl Strategy<Value = Vec<Op>> {
 }
 
 fn scenario_strategy(extras: Extras) -> impl Strategy<Value = Scenario> {
-    let initial = prop::collection::vec((prop::bool::weighted(0.8), ver_strategy()), 23)
-        .prop_map(|v| {
-            ALL_SLOTS
-                .iter()
-                .zip(v)
-                .filter(|(_, (present, _))| *present)
-                .map(|(s, (_, v))| (*s, v))
-                .collect::<Vec<_>>()
-        })
-        .prop_shuffle();
+    let initial =
+        prop::collection::vec((prop::bool::weighted(0.8), ver_strategy()), ALL_SLOTS.len())
+            .prop_map(|v| {
+                ALL_SLOTS
+                    .iter()
+                    .zip(v)
+                    .filter(|(_, (present, _))| *present)
+                    .map(|(s, (_, v))| (*s, v))
+                    .collect::<Vec<_>>()
+            })
+            .prop_shuffle();
     (
         initial,
         ops_strategy(40, extras),

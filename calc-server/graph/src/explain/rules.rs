@@ -147,6 +147,13 @@ pub fn rule_matches(r: &pb::Rule, p: &Packet, sets: &dyn Sets) -> Result<(), Mis
         return Err(format!("source {} not in nets {:?}", p.src, r.src_net));
     }
     if !r.src_ip_set_ids.iter().all(|id| sets.has_ip(id, p.src)) {
+        // A source Service is the rule's only source set (no selector beside it).
+        if !r.original_src_service.is_empty() {
+            return Err(format!(
+                "source {} is not an endpoint of service {}/{}",
+                p.src, r.original_src_service_namespace, r.original_src_service
+            ));
+        }
         return Err(format!(
             "source {} not selected by {}",
             p.src,

@@ -1034,12 +1034,10 @@ spec: {orchestrator: k8s, node: node-b, pod: db, endpoint: eth0, interfaceName: 
         let mut g = CalcGraph::new();
         for text in [BASE, extra] {
             for entry in parse_manifest(text).expect("manifest parses") {
-                let valid = entry
-                    .outcome
-                    .into_resource()
-                    .expect("valid object")
-                    .expect("a kind the graph uses");
-                g.apply(Update::ApplyValid(valid)).expect("accepted");
+                // A kind the graph does not use (a Service) is skipped.
+                if let Some(valid) = entry.outcome.into_resource().expect("valid object") {
+                    g.apply(Update::ApplyValid(valid)).expect("accepted");
+                }
             }
         }
         g.apply(Update::InSync).expect("in sync");
@@ -1379,6 +1377,98 @@ spec: {orchestrator: k8s, node: node-a, pod: orphan, endpoint: eth0, interfaceNa
                     action: "Deny".into()
                 }
             }
+        );
+    }
+
+    /// Services prod/web (10.0.0.1 on TCP 8080; 10.0.2.1 too, in a second slice, on UDP 53
+    /// only) and prod/client (10.0.0.2), and policies that name them.
+    const SERVICES: &str = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a1, namespace: prod, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.0.0.1], conditions: {ready: true}}]
+ports: [{name: http, protocol: TCP, port: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-b2, namespace: prod, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.0.2.1]}]
+ports: [{name: dns, protocol: UDP, port: 53}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: client-c3, namespace: prod, labels: {kubernetes.io/service-name: client}}
+addressType: IPv4
+endpoints: [{addresses: [10.0.0.2]}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: prod}
+spec: {selector: {app: web}, ports: [{port: 80, targetPort: http}]}
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: client-to-web, namespace: prod}
+spec:
+  selector: app == 'client'
+  types: [Egress]
+  egress:
+  - action: Allow
+    destination: {services: {name: web}}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: web-from-client}
+spec:
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source: {services: {name: client, namespace: prod}}
+"#;
+
+    #[test]
+    fn service_rules_match_the_endpoints_and_ports_of_the_service() {
+        let g = graph(SERVICES);
+        // To web's endpoint on web's port, from client's endpoint: both rules allow.
+        let e = ask(&g, "prod/client", "prod/web", "tcp", Some(8080));
+        assert_eq!(e.verdict, Allow, "{}", render_text(&e));
+        assert_eq!(
+            e.egress.decided_by,
+            by_policy("default", "prod/client-to-web", 0, "Allow")
+        );
+        assert_eq!(
+            e.ingress.decided_by,
+            by_policy("default", "web-from-client", 0, "Allow")
+        );
+        // Another port of the same endpoint is not the service's.
+        let e = ask(&g, "prod/client", "prod/web", "tcp", Some(9090));
+        assert_eq!(e.verdict, Deny);
+        assert_eq!(e.egress.decided_by, default("end-of-tier default"));
+        let why = &e.egress.steps[0].not_matched[0].why;
+        assert_eq!(why, "destination is not an endpoint of service prod/web");
+        // prod/db is web's endpoint on UDP 53 only (its slice's port).
+        assert_eq!(
+            ask(&g, "prod/client", "prod/db", "udp", Some(53))
+                .egress
+                .verdict,
+            Allow
+        );
+        assert_eq!(
+            ask(&g, "prod/client", "prod/db", "tcp", Some(8080))
+                .egress
+                .verdict,
+            Deny
+        );
+        // dev/client is not an endpoint of prod/client.
+        let e = ask(&g, "dev/client", "prod/web", "tcp", Some(8080));
+        assert_eq!(e.ingress.verdict, Deny);
+        assert_eq!(
+            e.ingress.steps[0].not_matched[0].why,
+            "source 10.0.1.2 is not an endpoint of service prod/client"
         );
     }
 

@@ -195,7 +195,7 @@ impl CalcGraph {
         }
     }
 
-    fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
+    pub(super) fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
         let Some(set) = self.ipsets.get_mut(id) else {
             return;
         };
@@ -246,8 +246,10 @@ impl CalcGraph {
                         members: FxHashMap::default(),
                     },
                 );
-                // Service sets have no label selector (and no members until services are tracked).
-                if !matches!(spec.kind, IpSetKind::Service { .. }) {
+                // Service sets have no label selector: their members come from EndpointSlices.
+                if matches!(spec.kind, IpSetKind::Service { .. }) {
+                    self.service_set_defined(&id, true);
+                } else {
                     let endpoints_only = matches!(spec.kind, IpSetKind::NamedPort { .. });
                     self.index
                         .add_selector(sel, spec.selector.clone(), endpoints_only);
@@ -267,6 +269,7 @@ impl CalcGraph {
             set.defined_refs -= 1;
             if set.defined_refs == 0 {
                 let sel = set.selector;
+                self.service_set_defined(id, false);
                 self.index.remove_selector(sel);
                 self.process_events();
                 self.selector_owner.remove(&sel);

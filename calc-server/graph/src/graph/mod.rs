@@ -19,14 +19,16 @@
 //!
 //! Layout, one job per file: this module takes updates in (validation, conversion, the last good
 //! version of every key); `indexes` keeps the cluster-wide state and the label index in step;
-//! `spans` counts, per node, what its endpoints need; `sequencer` turns the resulting dirty
-//! marks into each node's ordered batch; `messages` builds the protobuf payloads.
+//! `services` fills the IP sets of rules' `services` matches from EndpointSlices; `spans`
+//! counts, per node, what its endpoints need; `sequencer` turns the resulting dirty marks into
+//! each node's ordered batch; `messages` builds the protobuf payloads.
 
 mod explain;
 mod indexes;
 mod members;
 mod messages;
 mod sequencer;
+mod services;
 mod spans;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -112,6 +114,11 @@ pub struct CalcGraph {
     ipsets: FxHashMap<Name, IpSetState>,
     /// Every IP-set member string, once ([`members`]).
     members: members::Members,
+    /// EndpointSlices that name a Service, by key ([`services`]).
+    slices: FxHashMap<Key, services::SliceState>,
+    service_slices: services::ServiceSlices,
+    /// Per Service (`<ns>/<name>`), the ids of its defined IP sets (with and without ports).
+    service_sets: FxHashMap<Name, Vec<Name>>,
     selector_owner: FxHashMap<SelectorId, SelectorOwner>,
     /// Net member changes since the last flush, per IP set id: `true` added, `false` removed.
     /// Only kept for sets some subscribed node holds (`ipset_sent_count`); others are sent whole.
@@ -290,6 +297,7 @@ impl CalcGraph {
                 self.host_metadata.remove(&key.name);
             }
             Kind::ClusterInformation => {}
+            Kind::EndpointSlice => self.remove_slice(&key),
         }
     }
 
@@ -396,6 +404,10 @@ impl CalcGraph {
                 Ok(())
             }
             Resource::ClusterInformation(..) => Ok(()),
+            Resource::EndpointSlice(m, s) => {
+                self.set_slice(key, m, s);
+                Ok(())
+            }
         }
     }
 }

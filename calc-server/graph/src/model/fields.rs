@@ -8,7 +8,9 @@
 //! job) and never fails: a value of the wrong type is not descended into. The top level and
 //! `metadata` are checked for every kind; specs for the kinds described here (the policy kinds,
 //! tiers, profiles, endpoints, network sets and IP pools). Kinds the dataplane ignores, and
-//! specs not described here (FelixConfiguration, Node), are not checked.
+//! specs not described here (FelixConfiguration, Node, the Kubernetes kinds Service and
+//! EndpointSlice, whose top-level `addressType`, `endpoints` and `ports` are accepted), are not
+//! checked.
 
 use serde_json::Value;
 
@@ -215,6 +217,15 @@ const METADATA: Shape = Shape::Object(&[
     ("managedFields", ANY),
 ]);
 
+/// Fields a kind has beside `apiVersion`, `kind`, `metadata` and `spec`, whose insides are not
+/// checked: a Kubernetes EndpointSlice keeps its fields at the top level.
+fn top_level_extra(kind: &str) -> &'static [&'static str] {
+    match kind {
+        "EndpointSlice" => &["addressType", "endpoints", "ports"],
+        _ => &[],
+    }
+}
+
 /// The spec's shape for a kind, by its name (`None`: not checked).
 fn spec_shape(kind: &str) -> Option<&'static Shape> {
     Some(match kind {
@@ -241,12 +252,14 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
         return out;
     };
     let kind = top.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let extra = top_level_extra(kind);
     let mut path = Vec::new();
     for (name, value) in top {
         path.clear();
         path.push(Seg::Field(name));
         match name.as_str() {
             "apiVersion" | "kind" | "status" => {}
+            n if extra.contains(&n) => {}
             "metadata" => walk(&METADATA, value, &mut path, &mut out),
             "spec" => {
                 if let Some(shape) = spec_shape(kind) {
@@ -256,7 +269,9 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
             _ => out.push(unknown(
                 name.clone(),
                 name,
-                ["apiVersion", "kind", "metadata", "spec"].into_iter(),
+                ["apiVersion", "kind", "metadata", "spec"]
+                    .into_iter()
+                    .chain(extra.iter().copied()),
             )),
         }
     }
@@ -444,6 +459,19 @@ mod tests {
                    "metadata": {"name": "default"}, "spec": {"anyFieldAtAll": 1}}),
             json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
                    "metadata": {"name": "n"}, "spec": {"bgp": {}}, "status": {"x": 1}}),
+            // Kubernetes objects: their insides are not checked.
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "web-x1", "namespace": "prod", "generateName": "web-",
+                                "ownerReferences": [{"kind": "Service", "name": "web"}]},
+                   "addressType": "IPv4",
+                   "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": true},
+                                  "nodeName": "n", "targetRef": {"kind": "Pod"}}],
+                   "ports": [{"name": "http", "protocol": "TCP", "port": 80, "appProtocol": "http"}]}),
+            json!({"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": "web", "namespace": "prod"},
+                   "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}],
+                            "clusterIP": "10.96.0.10", "type": "ClusterIP"},
+                   "status": {"loadBalancer": {}}}),
         ];
         for o in objects {
             assert_eq!(shown(&unknown_fields(&o)), Vec::<String>::new(), "{o}");

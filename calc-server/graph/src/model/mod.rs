@@ -1,11 +1,15 @@
-//! Calico's v3 resources (`projectcalico.org/v3`) as serde types.
+//! Calico's v3 resources (`projectcalico.org/v3`), and Kubernetes' EndpointSlices
+//! (`discovery.k8s.io/v1`), as serde types.
 //!
 //! Contract: [`Resource::from_value`] turns one decoded JSON/YAML object into a typed resource,
 //! applies Calico's defaulting (policy `types` inference, empty tier → `default`, namespace
 //! `default` for namespaced kinds, Tier `defaultAction` → `Deny`) and returns it together with
 //! its [`ResourceKey`]. Unknown fields are ignored, as Calico's own decoder does. Shape errors
 //! (a string where a list belongs) fail decoding with the field path; content errors are left
-//! to [`validate`](crate::model::validate), which reports all of them at once.
+//! to [`validate`](crate::model::validate), which reports all of them at once. Each kind has
+//! its own `apiVersion` ([`api_version_of`]); a `v1` Service is accepted and skipped like the
+//! Calico kinds the dataplane does not use: Felix reads a Service's members from its
+//! EndpointSlices alone.
 
 pub mod fields;
 pub mod kubernetes;
@@ -25,8 +29,12 @@ pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
 /// Label Calico puts on workload endpoints naming their orchestrator.
 pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
 
-/// The API group and version of every resource we read.
+/// The API group and version of Calico's resources.
 pub const API_VERSION: &str = "projectcalico.org/v3";
+/// The API group and version of Kubernetes' EndpointSlices.
+pub const ENDPOINT_SLICE_API_VERSION: &str = "discovery.k8s.io/v1";
+/// The label naming the Service an EndpointSlice belongs to.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 /// The resource kinds the policy dataplane consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -46,6 +54,8 @@ pub enum Kind {
     FelixConfiguration,
     Node,
     ClusterInformation,
+    /// `discovery.k8s.io/v1` EndpointSlice: the addresses behind a rule's `services` match.
+    EndpointSlice,
 }
 
 impl Kind {
@@ -68,6 +78,17 @@ impl Kind {
         Kind::ClusterInformation,
     ];
 
+    /// Kubernetes kinds the graph reads (not in [`Kind::ALL`]: no etcd plural of Calico's).
+    pub const KUBERNETES: [Kind; 1] = [Kind::EndpointSlice];
+
+    /// The `apiVersion` objects of this kind carry.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::EndpointSlice => ENDPOINT_SLICE_API_VERSION,
+            _ => API_VERSION,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::NetworkPolicy => "NetworkPolicy",
@@ -85,11 +106,15 @@ impl Kind {
             Kind::FelixConfiguration => "FelixConfiguration",
             Kind::Node => "Node",
             Kind::ClusterInformation => "ClusterInformation",
+            Kind::EndpointSlice => "EndpointSlice",
         }
     }
 
     pub fn from_name(s: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+        Kind::ALL
+            .into_iter()
+            .chain(Kind::KUBERNETES)
+            .find(|k| k.as_str() == s)
     }
 
     /// The lower-case plural used in etcd keys and URLs.
@@ -110,6 +135,7 @@ impl Kind {
             Kind::FelixConfiguration => "felixconfigurations",
             Kind::Node => "nodes",
             Kind::ClusterInformation => "clusterinformations",
+            Kind::EndpointSlice => "endpointslices",
         }
     }
 
@@ -121,6 +147,7 @@ impl Kind {
                 | Kind::StagedKubernetesNetworkPolicy
                 | Kind::WorkloadEndpoint
                 | Kind::NetworkSet
+                | Kind::EndpointSlice
         )
     }
 
@@ -176,6 +203,22 @@ pub const IGNORED_KINDS: &[&str] = &[
     "BlockAffinity",
     "LiveMigration",
 ];
+
+/// Kubernetes kinds (with their `apiVersion`) accepted and skipped like [`IGNORED_KINDS`]:
+/// Felix derives a Service's members from its EndpointSlices alone.
+pub const IGNORED_KUBERNETES_KINDS: &[(&str, &str)] = &[("Service", "v1")];
+
+/// The `apiVersion` an object of kind `kind` must carry (Calico's for every Calico kind and
+/// for a kind not known at all).
+pub fn api_version_of(kind: &str) -> &'static str {
+    if let Some(k) = Kind::from_name(kind) {
+        return k.api_version();
+    }
+    IGNORED_KUBERNETES_KINDS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or(API_VERSION, |(_, v)| v)
+}
 
 /// Identifies one resource: kind, namespace (namespaced kinds only) and name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -464,6 +507,52 @@ pub struct ClusterInformationSpec {
     pub datastore_ready: Option<bool>,
 }
 
+/// The parts of a `discovery.k8s.io/v1` EndpointSlice Felix reads (its Service is the
+/// [`LABEL_SERVICE_NAME`] label). Kubernetes puts these fields at the top level of the object,
+/// not under `spec`; readiness conditions are not kept: Felix does not read them.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EndpointSliceSpec {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub address_type: String,
+    #[serde(deserialize_with = "null_as_default")]
+    pub endpoints: Vec<SliceEndpoint>,
+    #[serde(
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub ports: Vec<SlicePort>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct SliceEndpoint {
+    #[serde(deserialize_with = "null_as_default")]
+    pub addresses: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct SlicePort {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `TCP` (the default), `UDP` or `SCTP`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+    /// No port: the slice's addresses are not restricted to a port (Felix adds no member).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<i64>,
+}
+
+/// A JSON `null` (which Kubernetes writes for some empty lists) read as the default.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 /// A typed resource: metadata plus the spec of its kind.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Resource {
@@ -480,6 +569,7 @@ pub enum Resource {
     FelixConfiguration(ObjectMeta, BTreeMap<String, serde_json::Value>),
     Node(ObjectMeta, NodeSpec),
     ClusterInformation(ObjectMeta, ClusterInformationSpec),
+    EndpointSlice(ObjectMeta, EndpointSliceSpec),
 }
 
 /// Why one object could not be decoded.
@@ -491,8 +581,11 @@ pub enum DecodeError {
     NotAnObject,
     #[error("missing kind")]
     MissingKind,
-    #[error("unsupported apiVersion {0:?} (expected {API_VERSION})")]
-    ApiVersion(String),
+    #[error("unsupported apiVersion {found:?} (expected {expected})")]
+    ApiVersion {
+        found: String,
+        expected: &'static str,
+    },
     #[error("unknown kind {0:?}")]
     UnknownKind(String),
     #[error("{kind} has no metadata.name")]
@@ -526,14 +619,23 @@ impl Resource {
             Some(serde_json::Value::String(k)) => k.clone(),
             _ => return Err(DecodeError::MissingKind),
         };
+        let expected = api_version_of(&kind_name);
         match obj.get("apiVersion") {
-            Some(serde_json::Value::String(v)) if v == API_VERSION => {}
-            Some(serde_json::Value::String(v)) => return Err(DecodeError::ApiVersion(v.clone())),
-            _ => return Err(DecodeError::ApiVersion(String::new())),
+            Some(serde_json::Value::String(v)) if v == expected => {}
+            other => {
+                return Err(DecodeError::ApiVersion {
+                    found: other.and_then(|v| v.as_str()).unwrap_or_default().into(),
+                    expected,
+                });
+            }
         }
         let meta_value = obj.remove("metadata").unwrap_or(serde_json::Value::Null);
         let Some(kind) = Kind::from_name(&kind_name) else {
-            if IGNORED_KINDS.contains(&kind_name.as_str()) {
+            if IGNORED_KINDS.contains(&kind_name.as_str())
+                || IGNORED_KUBERNETES_KINDS
+                    .iter()
+                    .any(|(k, _)| *k == kind_name)
+            {
                 let name = meta_value
                     .get("name")
                     .and_then(|n| n.as_str())
@@ -567,7 +669,18 @@ impl Resource {
         let mut meta: ObjectMeta =
             decode_at("metadata", meta_value).map_err(|(p, m)| field_err(p, m))?;
         meta.namespace = key.namespace.clone();
-        let spec = obj.remove("spec").unwrap_or(serde_json::Value::Null);
+        let spec = if kind == Kind::EndpointSlice {
+            // Kubernetes keeps an EndpointSlice's fields at the top level.
+            let fields = ["addressType", "endpoints", "ports"];
+            serde_json::Value::Object(
+                fields
+                    .into_iter()
+                    .filter_map(|f| obj.remove(f).map(|v| (f.to_string(), v)))
+                    .collect(),
+            )
+        } else {
+            obj.remove("spec").unwrap_or(serde_json::Value::Null)
+        };
         let spec = if spec.is_null() {
             serde_json::Value::Object(Default::default())
         } else {
@@ -612,6 +725,7 @@ impl Resource {
                 Kind::ClusterInformation => {
                     Resource::ClusterInformation(meta, decode_at("spec", spec)?)
                 }
+                Kind::EndpointSlice => Resource::EndpointSlice(meta, decode_at("", spec)?),
             })
         })()
         .map_err(|(p, m)| field_err(p, m))?;
@@ -662,6 +776,7 @@ impl Resource {
             Resource::FelixConfiguration(..) => Kind::FelixConfiguration,
             Resource::Node(..) => Kind::Node,
             Resource::ClusterInformation(..) => Kind::ClusterInformation,
+            Resource::EndpointSlice(..) => Kind::EndpointSlice,
         }
     }
 
@@ -686,7 +801,8 @@ impl Resource {
             | Resource::IPPool(m, _)
             | Resource::FelixConfiguration(m, _)
             | Resource::Node(m, _)
-            | Resource::ClusterInformation(m, _) => m,
+            | Resource::ClusterInformation(m, _)
+            | Resource::EndpointSlice(m, _) => m,
         }
     }
 
@@ -711,6 +827,16 @@ impl Resource {
             Resource::FelixConfiguration(_, s) => spec(s),
             Resource::Node(_, s) => spec(s),
             Resource::ClusterInformation(_, s) => spec(s),
+            Resource::EndpointSlice(m, s) => {
+                // Kubernetes' shape: the fields beside the metadata, no `spec`.
+                let mut v = spec(s);
+                if let serde_json::Value::Object(o) = &mut v {
+                    o.insert("kind".into(), self.kind().as_str().into());
+                    o.insert("apiVersion".into(), self.kind().api_version().into());
+                    o.insert("metadata".into(), spec_of(m));
+                }
+                return v;
+            }
         };
         serde_json::json!({
             "kind": self.kind().as_str(),
@@ -760,6 +886,8 @@ fn decode_at<T: for<'de> Deserialize<'de>>(
         let inner = e.path().to_string();
         let path = if inner == "." || inner.is_empty() {
             root.to_string()
+        } else if root.is_empty() {
+            inner
         } else {
             format!("{root}.{inner}")
         };
@@ -882,7 +1010,7 @@ mod tests {
         );
         assert!(matches!(
             Resource::from_value(json!({"apiVersion": "v1", "kind": "Tier", "metadata": {"name": "x"}})),
-            Err(DecodeError::ApiVersion(v)) if v == "v1"
+            Err(DecodeError::ApiVersion { found, expected: API_VERSION }) if found == "v1"
         ));
     }
 
@@ -912,6 +1040,83 @@ mod tests {
         let (_, res) = decode(v);
         let (_, again) = decode(res.to_value());
         assert_eq!(res, again);
+    }
+
+    #[test]
+    fn endpoint_slices_decode_from_kubernetes_shape_and_round_trip() {
+        let v = json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "web-x1", "namespace": "prod",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": false}},
+                          {"addresses": ["10.0.0.2"]}],
+            "ports": [{"name": "http", "port": 80}, {"protocol": "UDP", "port": 53}]
+        });
+        let (key, res) = decode(v);
+        assert_eq!(key.to_string(), "EndpointSlice prod/web-x1");
+        let Resource::EndpointSlice(meta, s) = &res else {
+            panic!("{res:?}")
+        };
+        assert_eq!(meta.labels[LABEL_SERVICE_NAME], "web");
+        assert_eq!(s.endpoints[1].addresses, ["10.0.0.2"]);
+        assert_eq!(s.ports[1].protocol.as_deref(), Some("UDP"));
+        let out = res.to_value();
+        assert_eq!(out["apiVersion"], "discovery.k8s.io/v1");
+        assert!(out.get("spec").is_none(), "Kubernetes' shape: {out}");
+        let (_, again) = decode(out);
+        assert_eq!(res, again);
+        // Kubernetes writes `null` for empty lists.
+        let (_, res) = decode(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "empty", "namespace": "prod"},
+            "addressType": "IPv4", "endpoints": null, "ports": null
+        }));
+        assert_eq!(
+            res,
+            Resource::EndpointSlice(
+                ObjectMeta {
+                    name: "empty".into(),
+                    namespace: Some("prod".into()),
+                    ..Default::default()
+                },
+                EndpointSliceSpec {
+                    address_type: "IPv4".into(),
+                    ..Default::default()
+                }
+            )
+        );
+    }
+
+    #[test]
+    fn each_kind_has_its_api_version() {
+        assert_eq!(
+            Resource::from_value(json!({"apiVersion": "v1", "kind": "Service",
+                                        "metadata": {"name": "web", "namespace": "prod"},
+                                        "spec": {"ports": [{"port": 80}]}})),
+            Ok(Decoded::Ignored("Service".into(), "web".into())),
+            "Felix needs only a Service's slices"
+        );
+        assert_eq!(
+            Resource::from_value(json!({"apiVersion": "projectcalico.org/v3",
+                                        "kind": "EndpointSlice", "metadata": {"name": "x"}})),
+            Err(DecodeError::ApiVersion {
+                found: "projectcalico.org/v3".into(),
+                expected: ENDPOINT_SLICE_API_VERSION
+            })
+        );
+        assert!(
+            Resource::from_value(
+                json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                       "metadata": {"name": "x"}, "ports": [{"port": "http"}]})
+            )
+            .unwrap_err()
+            .to_string()
+            .contains("field ports[0].port"),
+            "shape errors name the top-level field"
+        );
+        assert!(Kind::ALL.iter().all(|k| k.api_version() == API_VERSION));
+        assert_eq!(Kind::from_name("EndpointSlice"), Some(Kind::EndpointSlice));
     }
 
     #[test]

@@ -13,8 +13,8 @@ use ipnetwork::IpNetwork;
 
 use super::rule::{Action, EntityRule, IcmpFields, Port, Protocol, Rule};
 use super::{
-    EndpointPort, HostEndpointSpec, IpPoolSpec, Kind, NetworkSetSpec, ObjectMeta, PolicySpec,
-    ProfileSpec, Resource, ResourceKey, TierSpec, WorkloadEndpointSpec,
+    EndpointPort, EndpointSliceSpec, HostEndpointSpec, IpPoolSpec, Kind, NetworkSetSpec,
+    ObjectMeta, PolicySpec, ProfileSpec, Resource, ResourceKey, TierSpec, WorkloadEndpointSpec,
 };
 use crate::selector;
 
@@ -142,6 +142,7 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
         }
         Resource::FelixConfiguration(_, spec) => v.felix_configuration(spec),
         Resource::ClusterInformation(..) => {}
+        Resource::EndpointSlice(_, s) => v.endpoint_slice(s),
     }
     if v.errors.is_empty() {
         Ok(())
@@ -943,6 +944,21 @@ impl Validator {
         for (i, n) in s.nets.iter().enumerate() {
             if parse_cidr_or_ip(n).is_none() {
                 self.err(format!("spec.nets[{i}]"), format!("invalid CIDR {n:?}"));
+            }
+        }
+    }
+
+    /// What Kubernetes checks of the fields Felix reads: port numbers. Addresses are not
+    /// checked: Felix skips one it cannot parse (an `FQDN` slice's names, say).
+    fn endpoint_slice(&mut self, s: &EndpointSliceSpec) {
+        for (i, p) in s.ports.iter().enumerate() {
+            if let Some(n) = p.port
+                && !(1..=65535).contains(&n)
+            {
+                self.err(
+                    format!("ports[{i}].port"),
+                    format!("invalid port {n}: must be 1-65535"),
+                );
             }
         }
     }

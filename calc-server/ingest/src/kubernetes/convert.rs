@@ -22,6 +22,10 @@
 //! - Kubernetes NetworkPolicy → NetworkPolicy `knp.default.<name>` in the default tier at order
 //!   1000 (see `k8s_network_policy`).
 //! - Node → Node: labels, BGP addresses and AS number from Calico's node annotations, addresses.
+//! - EndpointSlice → the graph's EndpointSlice: name, namespace, labels (the
+//!   `kubernetes.io/service-name` label names its Service), address type, endpoint addresses and
+//!   ports. Conditions, topology and owner are dropped (Felix does not read them), so a slice
+//!   whose readiness alone changes sends nothing.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -29,8 +33,9 @@ use std::fmt::Write as _;
 use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::kubernetes::{self, masked_cidr};
 use calc_graph::model::validate::parse_cidr_or_ip;
-use calc_graph::model::{API_VERSION, Kind};
+use calc_graph::model::{API_VERSION, ENDPOINT_SLICE_API_VERSION, Kind};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy as K8sNetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha1::{Digest, Sha1};
@@ -96,6 +101,7 @@ impl Converter {
             Source::KubernetesNetworkPolicy => {
                 typed::<K8sNetworkPolicy>(object).and_then(|np| k8s_network_policy(&np))
             }
+            Source::EndpointSlice => typed::<EndpointSlice>(object).map(|s| endpoint_slice(&s)),
         };
         match result {
             Ok(Converted::Value(v, warnings)) => {
@@ -480,6 +486,41 @@ fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     Ok(Converted::Value(value, warnings))
 }
 
+<<<<<<< HEAD
+=======
+/// An EndpointSlice as the graph reads it (see the module documentation).
+fn endpoint_slice(s: &EndpointSlice) -> Converted {
+    let meta = &s.metadata;
+    let endpoints: Vec<Value> = s
+        .endpoints
+        .iter()
+        .flatten()
+        .map(|e| json!({"addresses": e.addresses}))
+        .collect();
+    let ports: Vec<Value> = s
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| json!({"name": p.name, "protocol": p.protocol, "port": p.port}))
+        .collect();
+    Converted::Value(
+        json!({
+            "kind": "EndpointSlice",
+            "apiVersion": ENDPOINT_SLICE_API_VERSION,
+            "metadata": {
+                "name": meta.name,
+                "namespace": meta.namespace.as_deref().unwrap_or("default"),
+                "labels": meta.labels.clone().unwrap_or_default(),
+            },
+            "addressType": s.address_type,
+            "endpoints": endpoints,
+            "ports": ports,
+        }),
+        Vec::new(),
+    )
+}
+
+>>>>>>> svc
 /// A Calico CRD object → the v3 object it stores (see the module documentation).
 fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
     let Value::Object(mut obj) = object else {

@@ -6,7 +6,8 @@
 //! - [`convert`]: one object of one source → a [`Decision`](crate::Decision), exactly as
 //!   Calico's Kubernetes backend converts it (pods → workload endpoints, namespaces and service
 //!   accounts → profiles, Kubernetes NetworkPolicy → a `knp.default.` NetworkPolicy, nodes →
-//!   Node, CRDs → the v3 object they carry).
+//!   Node, EndpointSlices → the graph's EndpointSlice, CRDs → the v3 object they carry).
+//!   Services are not watched: Felix reads a Service's members from its EndpointSlices alone.
 //! - [`put`] and [`delete`]: an object into the [`Mirror`], identified by (source, namespace,
 //!   name) and versioned by its `resourceVersion`; each source is listed on its own, so the
 //!   mirror's list group is the source.
@@ -35,6 +36,8 @@ pub enum Source {
     Node,
     /// `networking.k8s.io/v1` NetworkPolicy.
     KubernetesNetworkPolicy,
+    /// `discovery.k8s.io/v1` EndpointSlice: the members of rules' `services` matches.
+    EndpointSlice,
 }
 
 /// Where a collection lives in the Kubernetes API.
@@ -60,7 +63,7 @@ impl Collection {
 
 impl Source {
     /// Every source the adapter watches.
-    pub const ALL: [Source; 17] = [
+    pub const ALL: [Source; 18] = [
         Source::Crd(Kind::Tier),
         Source::Crd(Kind::GlobalNetworkPolicy),
         Source::Crd(Kind::NetworkPolicy),
@@ -77,6 +80,7 @@ impl Source {
         Source::ServiceAccount,
         Source::Node,
         Source::KubernetesNetworkPolicy,
+        Source::EndpointSlice,
         Source::Pod,
     ];
 
@@ -84,7 +88,10 @@ impl Source {
     pub fn namespaced(self) -> bool {
         match self {
             Source::Crd(kind) => kind.namespaced(),
-            Source::Pod | Source::ServiceAccount | Source::KubernetesNetworkPolicy => true,
+            Source::Pod
+            | Source::ServiceAccount
+            | Source::KubernetesNetworkPolicy
+            | Source::EndpointSlice => true,
             Source::Namespace | Source::Node => false,
         }
     }
@@ -103,6 +110,7 @@ impl Source {
                 "NetworkPolicy",
                 "networkpolicies",
             ),
+            Source::EndpointSlice => ("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
         };
         Collection {
             group,

@@ -272,3 +272,64 @@ fn sources_name_their_collections() {
     assert!(Source::Crd(Kind::NetworkSet).namespaced());
     assert!(!Source::Crd(Kind::Tier).namespaced());
 }
+
+fn slice(rv: &str, ready: bool, addresses: Value) -> Value {
+    json!({
+        "metadata": {"name": "web-x1", "namespace": "shop", "resourceVersion": rv,
+                     "labels": {"kubernetes.io/service-name": "web"},
+                     "ownerReferences": [{"kind": "Service", "name": "web"}]},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": addresses, "conditions": {"ready": ready},
+                       "nodeName": "node1"}],
+        "ports": [{"name": "http", "protocol": "TCP", "port": 8080}],
+    })
+}
+
+#[test]
+fn endpoint_slices_are_watched_and_readiness_alone_sends_nothing() {
+    assert_eq!(
+        Source::EndpointSlice.name(),
+        "endpointslices.discovery.k8s.io"
+    );
+    assert!(Source::EndpointSlice.namespaced());
+    assert!(Source::ALL.contains(&Source::EndpointSlice));
+    let (mut m, conv) = (new_mirror(), Converter::default());
+    let mut out = Batch::default();
+    put(
+        &mut m,
+        &conv,
+        Source::EndpointSlice,
+        slice("1", true, json!(["10.0.0.1"])),
+        &mut out,
+    );
+    // Felix does not read conditions: a slice whose endpoint turns unready is unchanged.
+    put(
+        &mut m,
+        &conv,
+        Source::EndpointSlice,
+        slice("2", false, json!(["10.0.0.1"])),
+        &mut out,
+    );
+    assert_eq!(summary(&out), ["apply EndpointSlice shop/web-x1"]);
+    let mut out = Batch::default();
+    put(
+        &mut m,
+        &conv,
+        Source::EndpointSlice,
+        slice("3", false, json!(["10.0.0.1", "10.0.0.2"])),
+        &mut out,
+    );
+    delete(
+        &mut m,
+        Source::EndpointSlice,
+        &slice("4", false, json!([])),
+        &mut out,
+    );
+    assert_eq!(
+        summary(&out),
+        [
+            "apply EndpointSlice shop/web-x1",
+            "delete EndpointSlice shop/web-x1"
+        ]
+    );
+}

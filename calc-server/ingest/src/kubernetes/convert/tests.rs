@@ -788,3 +788,50 @@ fn bad_crds_are_rejected_with_the_reason() {
     );
     assert!(r.contains("cannot decode"), "{r}");
 }
+
+#[test]
+fn endpoint_slices_keep_what_felix_reads() {
+    let r = applied(
+        Source::EndpointSlice,
+        json!({
+            "metadata": {"name": "web-x1", "namespace": "shop", "resourceVersion": "9",
+                         "generateName": "web-",
+                         "labels": {"kubernetes.io/service-name": "web",
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": false},
+                           "nodeName": "node1", "targetRef": {"kind": "Pod", "name": "web-1"}}],
+            "ports": [{"name": "http", "protocol": "TCP", "port": 8080, "appProtocol": "http"},
+                      {"name": "dns", "protocol": "UDP", "port": 53}],
+        }),
+    );
+    assert_eq!(
+        r.key(),
+        ResourceKey::new(Kind::EndpointSlice, Some("shop"), "web-x1")
+    );
+    let Resource::EndpointSlice(meta, s) = &r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(meta.labels["kubernetes.io/service-name"], "web");
+    assert_eq!(s.endpoints[0].addresses, ["10.0.0.1"]);
+    assert_eq!(
+        s.ports
+            .iter()
+            .map(|p| (
+                p.protocol.clone().unwrap_or_default(),
+                p.port.unwrap_or_default()
+            ))
+            .collect::<Vec<_>>(),
+        [("TCP".to_string(), 8080), ("UDP".to_string(), 53)]
+    );
+    // No endpoints and no ports (a Service whose pods are all gone).
+    let r = applied(
+        Source::EndpointSlice,
+        json!({"metadata": {"name": "web-x2", "namespace": "shop"}, "addressType": "IPv4",
+               "endpoints": null}),
+    );
+    let Resource::EndpointSlice(_, s) = &r else {
+        panic!("{r:?}")
+    };
+    assert!(s.endpoints.is_empty() && s.ports.is_empty());
+}
