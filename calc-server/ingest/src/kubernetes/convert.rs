@@ -486,8 +486,6 @@ fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     Ok(Converted::Value(value, warnings))
 }
 
-<<<<<<< HEAD
-=======
 /// An EndpointSlice as the graph reads it (see the module documentation).
 fn endpoint_slice(s: &EndpointSlice) -> Converted {
     let meta = &s.metadata;
@@ -520,7 +518,6 @@ fn endpoint_slice(s: &EndpointSlice) -> Converted {
     )
 }
 
->>>>>>> svc
 /// A Calico CRD object → the v3 object it stores (see the module documentation).
 fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
     let Value::Object(mut obj) = object else {

@@ -386,13 +386,8 @@ mod tests {
         let mut out = Batch::default();
         let ns = json!({"metadata": {"name": "shop", "resourceVersion": "1"}});
         for (i, source) in Source::ALL.into_iter().enumerate() {
-<<<<<<< HEAD
             // Every other CRD is not installed; native kinds always exist.
             if i % 2 == 0 && matches!(source, Source::Crd(_)) {
-=======
-            // Every other CRD is not installed; the native collections are always served.
-            if matches!(source, Source::Crd(_)) && i % 2 == 0 {
->>>>>>> svc
                 assert!(m.handle(source, Report::Absent, &mut out).is_none());
             } else {
                 m.handle(source, Report::Init, &mut out);
