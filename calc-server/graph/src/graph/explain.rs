@@ -22,7 +22,7 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
 use super::{CalcGraph, Key};
-use crate::convert::EndpointKind;
+use crate::convert::{self, EndpointKind};
 use crate::explain::rules::{Sets, cidr_contains, protocol_name, protocol_number};
 use crate::explain::walk::{self, Chain, Failsafe, Outcome, State, policy_label};
 use crate::explain::{
@@ -174,9 +174,12 @@ impl View<'_> {
 }
 
 fn policy_key(id: &pb::PolicyId) -> Option<ResourceKey> {
-    let kind = Kind::from_name(&id.kind)?;
-    let ns = (!id.namespace.is_empty()).then_some(id.namespace.as_str());
-    Some(ResourceKey::new(kind, ns, &id.name))
+    convert::PolicyId {
+        name: id.name.clone(),
+        namespace: id.namespace.clone(),
+        kind: id.kind.clone(),
+    }
+    .to_key()
 }
 
 /// The failsafes the node's agent programs: FelixConfiguration's value read as the agent reads
@@ -340,7 +343,7 @@ impl CalcGraph {
             .collect();
         View {
             g: self,
-            all: policy_resolver::resolve(refs, |t| self.tiers.get(t)),
+            all: policy_resolver::resolve(refs, |t| self.tier(t)),
         }
     }
 

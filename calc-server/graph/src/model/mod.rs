@@ -1,4 +1,7 @@
-//! Calico's v3 resources (`projectcalico.org/v3`) as serde types.
+//! Calico's v3 resources (`projectcalico.org/v3`) as serde types, and the policy kinds of
+//! Kubernetes that Calico converts to them: StagedKubernetesNetworkPolicy ([`kubernetes`]) and
+//! the network-policy-api kinds ([`network_policy_api`], `policy.networking.k8s.io`), each
+//! checked against its own `apiVersion` ([`Kind::api_version`]).
 //!
 //! Contract: [`Resource::from_value`] turns one decoded JSON/YAML object into a typed resource,
 //! applies Calico's defaulting (policy `types` inference, empty tier → `default`, namespace
@@ -9,6 +12,7 @@
 
 pub mod fields;
 pub mod kubernetes;
+pub mod network_policy_api;
 pub mod rule;
 pub mod validate;
 
@@ -25,7 +29,8 @@ pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
 /// Label Calico puts on workload endpoints naming their orchestrator.
 pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
 
-/// The API group and version of every resource we read.
+/// The API group and version of Calico's resources (every kind but the network-policy-api
+/// ones, see [`Kind::api_version`]).
 pub const API_VERSION: &str = "projectcalico.org/v3";
 
 /// The resource kinds the policy dataplane consumes.
@@ -46,6 +51,11 @@ pub enum Kind {
     FelixConfiguration,
     Node,
     ClusterInformation,
+    /// `policy.networking.k8s.io/v1alpha2` (see [`network_policy_api`]).
+    ClusterNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1`, as Calico 3.29–3.31 read it.
+    AdminNetworkPolicy,
+    BaselineAdminNetworkPolicy,
 }
 
 impl Kind {
@@ -68,6 +78,14 @@ impl Kind {
         Kind::ClusterInformation,
     ];
 
+    /// The Kubernetes network-policy-api kinds (`policy.networking.k8s.io`): not Calico
+    /// resources (no etcd plural), read from the Kubernetes API and from manifests.
+    pub const NETWORK_POLICY_API: [Kind; 3] = [
+        Kind::ClusterNetworkPolicy,
+        Kind::AdminNetworkPolicy,
+        Kind::BaselineAdminNetworkPolicy,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::NetworkPolicy => "NetworkPolicy",
@@ -85,14 +103,33 @@ impl Kind {
             Kind::FelixConfiguration => "FelixConfiguration",
             Kind::Node => "Node",
             Kind::ClusterInformation => "ClusterInformation",
+            Kind::ClusterNetworkPolicy => "ClusterNetworkPolicy",
+            Kind::AdminNetworkPolicy => "AdminNetworkPolicy",
+            Kind::BaselineAdminNetworkPolicy => "BaselineAdminNetworkPolicy",
         }
     }
 
+    /// The kind of that name: a Calico kind or a network-policy-api one.
     pub fn from_name(s: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+        Kind::ALL
+            .into_iter()
+            .chain(Kind::NETWORK_POLICY_API)
+            .find(|k| k.as_str() == s)
     }
 
-    /// The lower-case plural used in etcd keys and URLs.
+    /// The `apiVersion` objects of this kind carry.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::ClusterNetworkPolicy => network_policy_api::CNP_API_VERSION,
+            Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy => {
+                network_policy_api::ANP_API_VERSION
+            }
+            _ => API_VERSION,
+        }
+    }
+
+    /// The lower-case plural used in etcd keys and URLs (for the network-policy-api kinds, in
+    /// Kubernetes URLs only).
     pub fn plural(self) -> &'static str {
         match self {
             Kind::NetworkPolicy => "networkpolicies",
@@ -110,6 +147,9 @@ impl Kind {
             Kind::FelixConfiguration => "felixconfigurations",
             Kind::Node => "nodes",
             Kind::ClusterInformation => "clusterinformations",
+            Kind::ClusterNetworkPolicy => "clusternetworkpolicies",
+            Kind::AdminNetworkPolicy => "adminnetworkpolicies",
+            Kind::BaselineAdminNetworkPolicy => "baselineadminnetworkpolicies",
         }
     }
 
@@ -133,6 +173,9 @@ impl Kind {
                 | Kind::StagedNetworkPolicy
                 | Kind::StagedGlobalNetworkPolicy
                 | Kind::StagedKubernetesNetworkPolicy
+                | Kind::ClusterNetworkPolicy
+                | Kind::AdminNetworkPolicy
+                | Kind::BaselineAdminNetworkPolicy
         )
     }
 
@@ -147,9 +190,18 @@ impl Kind {
     }
 
     /// Whether a policy of this kind has the global policy's fields (`doNotTrack`, `preDNAT`,
-    /// `applyOnForward`, `namespaceSelector`).
+    /// `applyOnForward`, `namespaceSelector`); the network-policy-api kinds convert to a global
+    /// policy's spec.
     pub fn is_global_policy(self) -> bool {
-        matches!(self, Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy)
+        matches!(
+            self,
+            Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy
+        ) || self.is_network_policy_api()
+    }
+
+    /// The Kubernetes network-policy-api kinds ([`Kind::NETWORK_POLICY_API`]).
+    pub fn is_network_policy_api(self) -> bool {
+        Kind::NETWORK_POLICY_API.contains(&self)
     }
 }
 
@@ -286,6 +338,11 @@ pub struct PolicySpec {
     /// naming the object.
     #[serde(skip)]
     pub conversion_warnings: Vec<String>,
+    /// What makes a converted network-policy-api object invalid (a missing tier, too many
+    /// rules), with the field paths of the object as written. Not part of the object:
+    /// validation reports them.
+    #[serde(skip)]
+    pub conversion_errors: Vec<validate::FieldError>,
 }
 
 impl PolicySpec {
@@ -496,8 +553,11 @@ pub enum DecodeError {
     NotAnObject,
     #[error("missing kind")]
     MissingKind,
-    #[error("unsupported apiVersion {0:?} (expected {API_VERSION})")]
-    ApiVersion(String),
+    #[error("unsupported apiVersion {found:?} (expected {expected})")]
+    ApiVersion {
+        found: String,
+        expected: &'static str,
+    },
     #[error("unknown kind {0:?}")]
     UnknownKind(String),
     #[error("{kind} has no metadata.name")]
@@ -531,14 +591,30 @@ impl Resource {
             Some(serde_json::Value::String(k)) => k.clone(),
             _ => return Err(DecodeError::MissingKind),
         };
-        match obj.get("apiVersion") {
-            Some(serde_json::Value::String(v)) if v == API_VERSION => {}
-            Some(serde_json::Value::String(v)) => return Err(DecodeError::ApiVersion(v.clone())),
-            _ => return Err(DecodeError::ApiVersion(String::new())),
+        // Each kind has its own apiVersion. An unknown kind is named as such under an
+        // apiVersion we read; Calico's kinds the dataplane does not use are skipped.
+        let api_version = match obj.get("apiVersion") {
+            Some(serde_json::Value::String(v)) => v.clone(),
+            _ => String::new(),
+        };
+        let kind = Kind::from_name(&kind_name);
+        let expected = kind.map_or(API_VERSION, Kind::api_version);
+        let readable = api_version == expected
+            || (kind.is_none()
+                && [
+                    network_policy_api::CNP_API_VERSION,
+                    network_policy_api::ANP_API_VERSION,
+                ]
+                .contains(&api_version.as_str()));
+        if !readable {
+            return Err(DecodeError::ApiVersion {
+                found: api_version,
+                expected,
+            });
         }
         let meta_value = obj.remove("metadata").unwrap_or(serde_json::Value::Null);
-        let Some(kind) = Kind::from_name(&kind_name) else {
-            if IGNORED_KINDS.contains(&kind_name.as_str()) {
+        let Some(kind) = kind else {
+            if api_version == API_VERSION && IGNORED_KINDS.contains(&kind_name.as_str()) {
                 let name = meta_value
                     .get("name")
                     .and_then(|n| n.as_str())
@@ -582,6 +658,11 @@ impl Resource {
             Ok(match kind {
                 Kind::StagedKubernetesNetworkPolicy => {
                     Resource::Policy(kind, meta, staged_kubernetes_policy(spec)?)
+                }
+                Kind::ClusterNetworkPolicy
+                | Kind::AdminNetworkPolicy
+                | Kind::BaselineAdminNetworkPolicy => {
+                    Resource::Policy(kind, meta, network_policy_api::policy_spec(kind, spec)?)
                 }
                 Kind::NetworkPolicy
                 | Kind::GlobalNetworkPolicy
@@ -700,7 +781,9 @@ impl Resource {
         ResourceKey::new(self.kind(), m.namespace.as_deref(), &m.name)
     }
 
-    /// The v3 JSON form (`kind`, `apiVersion`, `metadata`, `spec`), as calicoctl writes it.
+    /// The v3 JSON form (`kind`, `apiVersion`, `metadata`, `spec`), as calicoctl writes it. A
+    /// converted kind (StagedKubernetesNetworkPolicy, the network-policy-api kinds) is written
+    /// with its kind and the converted spec, which [`Resource::from_value`] reads back.
     pub fn to_value(&self) -> serde_json::Value {
         fn spec<T: Serialize>(t: &T) -> serde_json::Value {
             serde_json::to_value(t).unwrap_or(serde_json::Value::Null)
@@ -719,7 +802,7 @@ impl Resource {
         };
         serde_json::json!({
             "kind": self.kind().as_str(),
-            "apiVersion": API_VERSION,
+            "apiVersion": self.kind().api_version(),
             "metadata": spec_of(self.meta()),
             "spec": spec,
         })
@@ -887,7 +970,7 @@ mod tests {
         );
         assert!(matches!(
             Resource::from_value(json!({"apiVersion": "v1", "kind": "Tier", "metadata": {"name": "x"}})),
-            Err(DecodeError::ApiVersion(v)) if v == "v1"
+            Err(DecodeError::ApiVersion { found, .. }) if found == "v1"
         ));
     }
 

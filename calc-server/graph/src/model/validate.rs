@@ -105,6 +105,9 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
     v.meta(res.kind(), meta);
     match res {
         Resource::Policy(kind, _, s) => {
+            for e in &s.conversion_errors {
+                v.err(e.path.clone(), e.message.clone());
+            }
             v.policy(s, kind.is_global_policy());
             if kind.is_staged()
                 && !s.staged_action.is_empty()
@@ -181,7 +184,9 @@ impl Validator {
             );
         }
         let (ok, what) = match kind {
-            Kind::NetworkPolicy | Kind::StagedNetworkPolicy | Kind::StagedKubernetesNetworkPolicy => (
+            Kind::NetworkPolicy
+            | Kind::StagedNetworkPolicy
+            | Kind::StagedKubernetesNetworkPolicy => (
                 is_label(&m.name)
                     || m.name
                         .split_once('.')
