@@ -220,8 +220,6 @@ fn ip_net(s: &str) -> Option<String> {
     parse_cidr_or_ip(s.trim()).map(|n| format!("{}/{}", n.ip(), n.prefix()))
 }
 
-/// A CIDR masked to its network (`10.1.2.3/16` → `10.1.0.0/16`), as Go's `net.ParseCIDR`.
-
 /// Calico's `getPodIPs`: the first source that has any, each parsed as CIDR or IP.
 fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
     let status = pod.status.as_ref();
