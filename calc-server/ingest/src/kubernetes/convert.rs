@@ -22,6 +22,12 @@
 //! - Kubernetes NetworkPolicy → NetworkPolicy `knp.default.<name>` in the default tier at order
 //!   1000 (see `k8s_network_policy`).
 //! - Node → Node: labels, BGP addresses and AS number from Calico's node annotations, addresses.
+//! - ClusterNetworkPolicy, AdminNetworkPolicy, BaselineAdminNetworkPolicy: the object itself
+//!   (its kind and apiVersion added when the list omits them, metadata reduced to the name as
+//!   Calico's conversion keeps it), which the graph's decoder converts
+//!   (`calc_graph::model::network_policy_api`). Read without the strict field check: the API
+//!   server has already pruned what its CRD does not define, and a field of a newer CRD must
+//!   make a rule fail closed, not the whole policy be refused.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -96,6 +102,7 @@ impl Converter {
             Source::KubernetesNetworkPolicy => {
                 typed::<K8sNetworkPolicy>(object).and_then(|np| k8s_network_policy(&np))
             }
+            Source::NetworkPolicyApi(kind) => network_policy_api(kind, object),
         };
         match result {
             Ok(Converted::Value(v, warnings)) => {
@@ -480,6 +487,34 @@ fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     Ok(Converted::Value(value, warnings))
 }
 
+/// A network-policy-api object → the same object as the graph's decoder reads it (see the
+/// module documentation).
+fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
+    let Value::Object(mut obj) = object else {
+        return Err("not a JSON object".into());
+    };
+    match obj.get("kind") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(k)) if k == kind.as_str() => {}
+        Some(other) => {
+            return Err(format!(
+                "kind {other} listed as {}.{}",
+                kind.plural(),
+                super::NETWORK_POLICY_API_GROUP
+            ));
+        }
+    }
+    let name = obj
+        .get("metadata")
+        .and_then(|m| m.get("name"))
+        .cloned()
+        .unwrap_or_default();
+    obj.insert("kind".into(), kind.as_str().into());
+    obj.insert("apiVersion".into(), kind.api_version().into());
+    obj.insert("metadata".into(), json!({"name": name}));
+    obj.remove("status");
+    Ok(Converted::Value(Value::Object(obj), Vec::new()))
+}
 
 /// A Calico CRD object → the v3 object it stores (see the module documentation).
 fn crd(kind: Kind, object: Value) -> Result<Converted, String> {

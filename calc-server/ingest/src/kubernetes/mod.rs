@@ -6,7 +6,8 @@
 //! - [`convert`]: one object of one source → a [`Decision`](crate::Decision), exactly as
 //!   Calico's Kubernetes backend converts it (pods → workload endpoints, namespaces and service
 //!   accounts → profiles, Kubernetes NetworkPolicy → a `knp.default.` NetworkPolicy, nodes →
-//!   Node, CRDs → the v3 object they carry).
+//!   Node, CRDs → the v3 object they carry, the network-policy-api kinds → the policy the graph
+//!   converts them to).
 //! - [`put`] and [`delete`]: an object into the [`Mirror`], identified by (source, namespace,
 //!   name) and versioned by its `resourceVersion`; each source is listed on its own, so the
 //!   mirror's list group is the source.
@@ -23,6 +24,8 @@ use convert::Converter;
 
 /// The API group of Calico's CRDs.
 pub const CRD_GROUP: &str = "crd.projectcalico.org";
+/// The API group of the network-policy-api kinds.
+pub use calc_graph::model::network_policy_api::GROUP as NETWORK_POLICY_API_GROUP;
 
 /// One watched collection: a Calico CRD or a native Kubernetes kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,6 +38,10 @@ pub enum Source {
     Node,
     /// `networking.k8s.io/v1` NetworkPolicy.
     KubernetesNetworkPolicy,
+    /// A network-policy-api kind (`policy.networking.k8s.io`, [`Kind::NETWORK_POLICY_API`]):
+    /// ClusterNetworkPolicy (`v1alpha2`), AdminNetworkPolicy and BaselineAdminNetworkPolicy
+    /// (`v1alpha1`). A cluster without their CRDs answers 404: an empty source.
+    NetworkPolicyApi(Kind),
 }
 
 /// Where a collection lives in the Kubernetes API.
@@ -60,7 +67,7 @@ impl Collection {
 
 impl Source {
     /// Every source the adapter watches.
-    pub const ALL: [Source; 17] = [
+    pub const ALL: [Source; 20] = [
         Source::Crd(Kind::Tier),
         Source::Crd(Kind::GlobalNetworkPolicy),
         Source::Crd(Kind::NetworkPolicy),
@@ -77,6 +84,9 @@ impl Source {
         Source::ServiceAccount,
         Source::Node,
         Source::KubernetesNetworkPolicy,
+        Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy),
+        Source::NetworkPolicyApi(Kind::AdminNetworkPolicy),
+        Source::NetworkPolicyApi(Kind::BaselineAdminNetworkPolicy),
         Source::Pod,
     ];
 
@@ -85,7 +95,7 @@ impl Source {
         match self {
             Source::Crd(kind) => kind.namespaced(),
             Source::Pod | Source::ServiceAccount | Source::KubernetesNetworkPolicy => true,
-            Source::Namespace | Source::Node => false,
+            Source::Namespace | Source::Node | Source::NetworkPolicyApi(_) => false,
         }
     }
 
@@ -103,6 +113,16 @@ impl Source {
                 "NetworkPolicy",
                 "networkpolicies",
             ),
+            Source::NetworkPolicyApi(kind) => {
+                let version = kind.api_version();
+                let version = version.rsplit_once('/').map_or(version, |(_, v)| v);
+                (
+                    NETWORK_POLICY_API_GROUP,
+                    version,
+                    kind.as_str(),
+                    kind.plural(),
+                )
+            }
         };
         Collection {
             group,
