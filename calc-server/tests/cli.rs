@@ -281,6 +281,114 @@ fn compute_reports_bad_manifests_and_computes_the_rest() {
 }
 
 #[test]
+fn compute_reads_network_policy_api_kinds_from_files() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(examples()).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    write(
+        dir.path(),
+        "admin.yaml",
+        r#"apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: isolate-monitoring}
+spec:
+  tier: Admin
+  priority: 10
+  subject:
+    namespaces:
+      matchLabels: {projectcalico.org/name: monitoring}
+  ingress:
+  - name: deny-shop
+    action: Deny
+    from:
+    - namespaces:
+        matchLabels: {projectcalico.org/name: shop}
+    protocols:
+    - tcp: {destinationPort: {range: {start: 9000, end: 9100}}}
+  egress:
+  - name: to-nodes
+    action: Deny
+    to: [{nodes: {}}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress:
+  - action: Deny
+    from: [{namespaces: {}}]
+"#,
+    );
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        dir.path().to_str().unwrap(),
+        "--node",
+        "node-1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let policy_ids: Vec<(String, String)> = lines
+        .iter()
+        .filter_map(|l| l.get("activePolicyUpdate"))
+        .map(|p| {
+            let id = &p["id"];
+            (
+                id["name"].as_str().unwrap().to_string(),
+                id["kind"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for id in [
+        ("isolate-monitoring", "KubernetesClusterNetworkPolicy"),
+        (
+            "kbanp.baselineadminnetworkpolicy.default",
+            "GlobalNetworkPolicy",
+        ),
+    ] {
+        assert!(
+            policy_ids.contains(&(id.0.into(), id.1.into())),
+            "{id:?} in {policy_ids:?}"
+        );
+    }
+    // Prometheus's tiers: the built-in ones around the default tier from the manifests.
+    let prometheus = lines
+        .iter()
+        .filter_map(|l| l.get("workloadEndpointUpdate"))
+        .find(|w| w["id"]["workloadId"] == "monitoring/prometheus-0")
+        .expect("prometheus is on node-1");
+    let tiers: Vec<&str> = prometheus["endpoint"]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    let at = |t: &str| tiers.iter().position(|x| *x == t);
+    assert!(
+        at("kube-admin").is_some()
+            && at("kube-admin") < at("baselineadminnetworkpolicy")
+            && tiers.last() == Some(&"baselineadminnetworkpolicy"),
+        "{tiers:?}"
+    );
+    // The rule with a nodes peer failed closed, and the operator is told which.
+    assert!(
+        stderr(&o).contains(
+            "admin.yaml: document 1: ClusterNetworkPolicy isolate-monitoring: egress rule 0 (\"to-nodes\") cannot be converted"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn compute_on_kubernetes_names_a_bad_kubeconfig() {
     let o = calc_server(&[
         "compute",

@@ -38,6 +38,12 @@ pub const NODES: &str = "/api/v1/nodes";
 pub const NETWORK_POLICIES: &str = "/apis/networking.k8s.io/v1/networkpolicies";
 pub const ENDPOINT_SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 
+/// Collections of the network-policy-api kinds (served only after [`FakeKube::serve`]).
+pub const CLUSTER_NETWORK_POLICIES: &str =
+    "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies";
+pub const ADMIN_NETWORK_POLICIES: &str =
+    "/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies";
+
 /// The collection of a Calico CRD (`tiers`, `globalnetworkpolicies`, …).
 pub fn crd(plural: &str) -> String {
     format!("/apis/crd.projectcalico.org/v1/{plural}")
@@ -174,6 +180,25 @@ impl FakeKube {
             });
         });
         FakeKube { url, shared }
+    }
+
+    /// Starts serving a custom resource collection (as when its CRD is installed): `path` is
+    /// `/apis/<group>/<version>/<plural>`, whose items carry `kind` and `apiVersion`.
+    pub fn serve(&self, path: &str, kind: &str) {
+        let api_version = path
+            .strip_prefix("/apis/")
+            .and_then(|p| p.rsplit_once('/'))
+            .map(|(gv, _)| gv.to_string())
+            .expect("a /apis/<group>/<version>/<plural> path");
+        self.shared.0.lock().collections.insert(
+            path.to_string(),
+            Collection {
+                api_version,
+                kind: kind.into(),
+                typed_items: true,
+                objects: BTreeMap::new(),
+            },
+        );
     }
 
     /// Writes a kubeconfig pointing at this server into `dir`; returns its path.

@@ -15,7 +15,8 @@ use std::time::Duration;
 use felix_proto as pb;
 use felix_proto::calc_server_client::CalcServerClient;
 use integration::fake_kube::{
-    ENDPOINT_SLICES, FakeKube, NAMESPACES, NETWORK_POLICIES, NODES, PODS, SERVICE_ACCOUNTS, crd,
+    ADMIN_NETWORK_POLICIES, CLUSTER_NETWORK_POLICIES, ENDPOINT_SLICES, FakeKube, NAMESPACES,
+    NETWORK_POLICIES, NODES, PODS, SERVICE_ACCOUNTS, crd,
 };
 use integration::{Server, binary, free_port};
 use pb::from_dataplane::Payload as From;
@@ -498,6 +499,67 @@ fn sha1_hex(s: &str) -> String {
         })
         .expect("sha1sum");
     String::from_utf8(out.stdout).unwrap()[..40].to_string()
+}
+
+/// The network-policy-api kinds are read when their CRDs are installed (the test above runs
+/// without them: their 404s count as empty collections, and compute still gets in sync).
+#[test]
+fn compute_reads_the_network_policy_api_kinds() {
+    let fake = FakeKube::start(INSTALLED_CRDS);
+    seed(&fake);
+    fake.serve(CLUSTER_NETWORK_POLICIES, "ClusterNetworkPolicy");
+    fake.serve(ADMIN_NETWORK_POLICIES, "AdminNetworkPolicy");
+    // BaselineAdminNetworkPolicy stays uninstalled (404).
+    fake.apply(
+        CLUSTER_NETWORK_POLICIES,
+        json!({"metadata": {"name": "protect-db"},
+               "spec": {"tier": "Admin", "priority": 5,
+                        "subject": {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"role": "db"}}}},
+                        "ingress": [{"name": "no-myproject", "action": "Deny",
+                                     "from": [{"namespaces": {"matchLabels": {"project": "myproject"}}}]}],
+                        "egress": [{"name": "no-nodes", "action": "Deny", "to": [{"nodes": {}}]}]}}),
+    );
+    fake.apply(
+        ADMIN_NETWORK_POLICIES,
+        json!({"metadata": {"name": "pass-all"},
+               "spec": {"priority": 1, "subject": {"namespaces": {}},
+                        "ingress": [{"action": "Pass", "from": [{"namespaces": {}}]}]}}),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let msgs = compute(&fake, dir.path(), "node1");
+    assert!(msgs.last().unwrap().get("inSync").is_some());
+    let cnp = payloads(&msgs, "activePolicyUpdate")
+        .into_iter()
+        .find(|p| p["id"]["name"] == "protect-db")
+        .expect("the ClusterNetworkPolicy is sent to node1, where db-0 runs");
+    assert_eq!(cnp["id"]["kind"], "KubernetesClusterNetworkPolicy");
+    let outbound = cnp["policy"]["outboundRules"].as_array().unwrap();
+    assert_eq!(
+        outbound.len(),
+        1,
+        "the nodes rule failed closed: {outbound:?}"
+    );
+    assert_eq!(outbound[0]["action"], "deny");
+    assert_eq!(
+        policy(&msgs, "kanp.adminnetworkpolicy.pass-all")["id"]["kind"],
+        "GlobalNetworkPolicy"
+    );
+    let db = payloads(&msgs, "workloadEndpointUpdate")
+        .into_iter()
+        .find(|w| w["id"]["workloadId"] == "default/db-0")
+        .unwrap();
+    let tiers: Vec<&str> = db["endpoint"]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    // The built-in tiers (order 1,000) after security (100); this cluster has no Tier
+    // resource `default`, so that tier sorts last.
+    assert_eq!(
+        tiers,
+        ["security", "adminnetworkpolicy", "kube-admin", "default"]
+    );
 }
 
 #[test]

@@ -35,22 +35,62 @@ pub struct PolicyId {
 }
 
 impl PolicyId {
+    /// The id Calico's syncer gives the policy stored under `key`: a staged Kubernetes policy
+    /// is named as the enforced one it stages (`knp.default.<name>`); a ClusterNetworkPolicy
+    /// keeps its name under the kind `KubernetesClusterNetworkPolicy`; an AdminNetworkPolicy
+    /// or BaselineAdminNetworkPolicy is the GlobalNetworkPolicy `kanp.adminnetworkpolicy.<name>`
+    /// / `kbanp.baselineadminnetworkpolicy.<name>` Calico converted it to.
     pub fn from_key(key: &ResourceKey) -> PolicyId {
-        // Calico names a staged Kubernetes policy as it names the enforced one it stages.
-        let name = if key.kind == Kind::StagedKubernetesNetworkPolicy {
-            format!(
-                "{}{}",
-                crate::model::kubernetes::K8S_POLICY_PREFIX,
-                key.name
-            )
-        } else {
-            key.name.clone()
+        use crate::model::network_policy_api as npa;
+        let (name, kind) = match key.kind {
+            Kind::StagedKubernetesNetworkPolicy => (
+                format!(
+                    "{}{}",
+                    crate::model::kubernetes::K8S_POLICY_PREFIX,
+                    key.name
+                ),
+                key.kind.as_str(),
+            ),
+            Kind::ClusterNetworkPolicy => (key.name.clone(), npa::CNP_POLICY_KIND),
+            Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy => (
+                npa::policy_name(key.kind, &key.name),
+                Kind::GlobalNetworkPolicy.as_str(),
+            ),
+            _ => (key.name.clone(), key.kind.as_str()),
         };
         PolicyId {
             name,
             namespace: key.namespace.clone().unwrap_or_default(),
-            kind: key.kind.as_str().to_string(),
+            kind: kind.to_string(),
         }
+    }
+
+    /// The key of the resource this id was made from ([`PolicyId::from_key`] read backwards);
+    /// `None` for a kind no resource has.
+    pub fn to_key(&self) -> Option<ResourceKey> {
+        use crate::model::network_policy_api as npa;
+        let ns = (!self.namespace.is_empty()).then_some(self.namespace.as_str());
+        let (kind, name) = match self.kind.as_str() {
+            npa::CNP_POLICY_KIND => (Kind::ClusterNetworkPolicy, self.name.as_str()),
+            // A GlobalNetworkPolicy's own name has at most one '.', so these prefixes are
+            // never a GlobalNetworkPolicy's.
+            "GlobalNetworkPolicy" if self.name.starts_with(npa::ANP_NAME_PREFIX) => (
+                Kind::AdminNetworkPolicy,
+                &self.name[npa::ANP_NAME_PREFIX.len()..],
+            ),
+            "GlobalNetworkPolicy" if self.name.starts_with(npa::BANP_NAME_PREFIX) => (
+                Kind::BaselineAdminNetworkPolicy,
+                &self.name[npa::BANP_NAME_PREFIX.len()..],
+            ),
+            "StagedKubernetesNetworkPolicy" => (
+                Kind::StagedKubernetesNetworkPolicy,
+                self.name
+                    .strip_prefix(crate::model::kubernetes::K8S_POLICY_PREFIX)
+                    .unwrap_or(&self.name),
+            ),
+            other => (Kind::from_name(other)?, self.name.as_str()),
+        };
+        Some(ResourceKey::new(kind, ns, name))
     }
 
     /// Calico's tie-break string for policies of equal order: `<name>/<namespace>/<kind>`.

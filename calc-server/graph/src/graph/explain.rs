@@ -395,7 +395,7 @@ impl CalcGraph {
             .collect();
         View {
             g: self,
-            all: Rc::new(policy_resolver::resolve(refs, |t| self.tiers.get(t))),
+            all: Rc::new(policy_resolver::resolve(refs, |t| self.tier(t))),
             keys: Rc::new(keys),
             pending: false,
         }
@@ -844,7 +844,7 @@ impl CalcGraph {
             Some((k, rest)) => {
                 let kind = policy_kind_by_name(k).ok_or_else(|| {
                     QueryError::Bad(format!(
-                        "unknown policy kind {k:?} in {what:?} (a kind such as NetworkPolicy or StagedGlobalNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp)"
+                        "unknown policy kind {k:?} in {what:?} (a kind such as NetworkPolicy or StagedGlobalNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
                     ))
                 })?;
                 (Some(kind), rest)
@@ -930,6 +930,7 @@ fn policy_kind_by_name(s: &str) -> Option<Kind> {
         "snp" => Kind::StagedNetworkPolicy,
         "sgnp" => Kind::StagedGlobalNetworkPolicy,
         "sknp" => Kind::StagedKubernetesNetworkPolicy,
+        "kcnp" | "KubernetesClusterNetworkPolicy" => Kind::ClusterNetworkPolicy,
         other => Kind::from_name(other)?,
     };
     kind.is_policy().then_some(kind)

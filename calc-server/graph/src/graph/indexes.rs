@@ -396,7 +396,7 @@ impl CalcGraph {
                     model: &p.model,
                     sort_string: &p.sort_string,
                 };
-                (self.tiers.get(&p.model.tier), r, k)
+                (self.tier(&p.model.tier), r, k)
             })
             .collect();
         order.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));

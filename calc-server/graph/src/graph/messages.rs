@@ -103,7 +103,7 @@ impl CalcGraph {
                 (p.rank, r)
             })
             .collect();
-        let tier = |t: &str| self.tiers.get(t);
+        let tier = |t: &str| self.tier(t);
         let tiers = if self.ranks_stale {
             policy_resolver::resolve(ranked.into_iter().map(|(_, r)| r).collect(), tier)
         } else {

@@ -78,6 +78,24 @@ pub struct Rejection {
     pub reason: String,
 }
 
+/// [`network_policy_api::BUILTIN_TIERS`](crate::model::network_policy_api::BUILTIN_TIERS) as
+/// the resolver reads tiers.
+static BUILTIN_TIERS: std::sync::LazyLock<Vec<(&'static str, TierMeta)>> =
+    std::sync::LazyLock::new(|| {
+        crate::model::network_policy_api::BUILTIN_TIERS
+            .iter()
+            .map(|t| {
+                (
+                    t.name,
+                    TierMeta {
+                        order: Some(t.order),
+                        default_action: t.default_action.to_string(),
+                    },
+                )
+            })
+            .collect()
+    });
+
 type Key = Arc<ResourceKey>;
 type Name = Arc<str>;
 
@@ -201,6 +219,18 @@ impl CalcGraph {
         }
     }
 
+    /// The tier of that name: its Tier resource, else the built-in tier every Calico
+    /// datastore holds under that name (`model::network_policy_api::BUILTIN_TIERS`), else
+    /// none (sorted last, as Felix sorts a tier it has no data for).
+    fn tier(&self, name: &str) -> Option<&TierMeta> {
+        self.tiers.get(name).or_else(|| {
+            BUILTIN_TIERS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t)
+        })
+    }
+
     fn node_mut(&mut self, node: &str) -> &mut NodeState {
         if !self.nodes.contains_key(node) {
             self.nodes.insert(Arc::from(node), NodeState::default());
@@ -276,7 +306,10 @@ impl CalcGraph {
             | Kind::GlobalNetworkPolicy
             | Kind::StagedNetworkPolicy
             | Kind::StagedGlobalNetworkPolicy
-            | Kind::StagedKubernetesNetworkPolicy => self.remove_policy(&key),
+            | Kind::StagedKubernetesNetworkPolicy
+            | Kind::ClusterNetworkPolicy
+            | Kind::AdminNetworkPolicy
+            | Kind::BaselineAdminNetworkPolicy => self.remove_policy(&key),
             Kind::WorkloadEndpoint | Kind::HostEndpoint => self.remove_endpoint(&key),
             Kind::NetworkSet | Kind::GlobalNetworkSet => self.remove_netset(&key),
             Kind::Profile => self.set_profile(&key.name, None, &BTreeMap::new()),

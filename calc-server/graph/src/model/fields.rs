@@ -7,10 +7,12 @@
 //! the field meant. It checks names only (shapes and values are the decoder's and the validator's
 //! job) and never fails: a value of the wrong type is not descended into. The top level and
 //! `metadata` are checked for every kind; specs for the kinds described here (the policy kinds,
-//! tiers, profiles, endpoints, network sets and IP pools). Kinds the dataplane ignores, and
-//! specs not described here (FelixConfiguration, Node, the Kubernetes kinds Service and
-//! EndpointSlice, whose top-level `addressType`, `endpoints` and `ports` are accepted), are not
-//! checked.
+//! the network-policy-api kinds, tiers, profiles, endpoints, network sets and IP pools). The
+//! network-policy-api kinds' decoder ignores fields it does not know (so that a peer of a newer
+//! API fails closed instead of failing the object), so their whole spec is described here.
+//! Kinds the dataplane ignores, and specs not described here (FelixConfiguration, Node, the
+//! Kubernetes kinds Service and EndpointSlice, whose top-level `addressType`, `endpoints` and
+//! `ports` are accepted), are not checked.
 
 use serde_json::Value;
 
@@ -132,6 +134,112 @@ const STAGED_KUBERNETES_NETWORK_POLICY: Shape = Shape::Object(&[
     ("policyTypes", ANY),
 ]);
 
+// The network-policy-api kinds (`policy.networking.k8s.io`), as their CRDs define them.
+
+const MATCH_EXPRESSION: Shape = Shape::Object(&[("key", ANY), ("operator", ANY), ("values", ANY)]);
+
+/// Kubernetes' LabelSelector.
+const LABEL_SELECTOR: Shape = Shape::Object(&[
+    ("matchLabels", ANY),
+    ("matchExpressions", Shape::List(&MATCH_EXPRESSION)),
+]);
+
+const NAMESPACED_POD: Shape = Shape::Object(&[
+    ("namespaceSelector", LABEL_SELECTOR),
+    ("podSelector", LABEL_SELECTOR),
+]);
+
+const NPA_SUBJECT: Shape =
+    Shape::Object(&[("namespaces", LABEL_SELECTOR), ("pods", NAMESPACED_POD)]);
+
+const NPA_INGRESS_PEER: Shape =
+    Shape::Object(&[("namespaces", LABEL_SELECTOR), ("pods", NAMESPACED_POD)]);
+
+/// `nodes` and `domainNames` are the API's (and make a rule fail closed), not typos.
+const NPA_EGRESS_PEER: Shape = Shape::Object(&[
+    ("namespaces", LABEL_SELECTOR),
+    ("pods", NAMESPACED_POD),
+    ("nodes", LABEL_SELECTOR),
+    ("networks", ANY),
+    ("domainNames", ANY),
+]);
+
+const CNP_PORT_MATCH: Shape = Shape::Object(&[(
+    "destinationPort",
+    Shape::Object(&[
+        ("number", ANY),
+        ("range", Shape::Object(&[("start", ANY), ("end", ANY)])),
+    ]),
+)]);
+
+const CNP_PROTOCOL: Shape = Shape::Object(&[
+    ("tcp", CNP_PORT_MATCH),
+    ("udp", CNP_PORT_MATCH),
+    ("sctp", CNP_PORT_MATCH),
+    ("destinationNamedPort", ANY),
+]);
+
+const CNP_INGRESS_RULE: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("action", ANY),
+    ("from", Shape::List(&NPA_INGRESS_PEER)),
+    ("protocols", Shape::List(&CNP_PROTOCOL)),
+]);
+
+const CNP_EGRESS_RULE: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("action", ANY),
+    ("to", Shape::List(&NPA_EGRESS_PEER)),
+    ("protocols", Shape::List(&CNP_PROTOCOL)),
+]);
+
+const CLUSTER_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("tier", ANY),
+    ("priority", ANY),
+    ("subject", NPA_SUBJECT),
+    ("ingress", Shape::List(&CNP_INGRESS_RULE)),
+    ("egress", Shape::List(&CNP_EGRESS_RULE)),
+]);
+
+const ANP_PORT: Shape = Shape::Object(&[
+    (
+        "portNumber",
+        Shape::Object(&[("protocol", ANY), ("port", ANY)]),
+    ),
+    ("namedPort", ANY),
+    (
+        "portRange",
+        Shape::Object(&[("protocol", ANY), ("start", ANY), ("end", ANY)]),
+    ),
+]);
+
+const ANP_INGRESS_RULE: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("action", ANY),
+    ("from", Shape::List(&NPA_INGRESS_PEER)),
+    ("ports", Shape::List(&ANP_PORT)),
+]);
+
+const ANP_EGRESS_RULE: Shape = Shape::Object(&[
+    ("name", ANY),
+    ("action", ANY),
+    ("to", Shape::List(&NPA_EGRESS_PEER)),
+    ("ports", Shape::List(&ANP_PORT)),
+]);
+
+const ADMIN_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("priority", ANY),
+    ("subject", NPA_SUBJECT),
+    ("ingress", Shape::List(&ANP_INGRESS_RULE)),
+    ("egress", Shape::List(&ANP_EGRESS_RULE)),
+]);
+
+const BASELINE_ADMIN_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("subject", NPA_SUBJECT),
+    ("ingress", Shape::List(&ANP_INGRESS_RULE)),
+    ("egress", Shape::List(&ANP_EGRESS_RULE)),
+]);
+
 const PROFILE: Shape = Shape::Object(&[
     ("ingress", RULES),
     ("egress", RULES),
@@ -234,6 +342,9 @@ fn spec_shape(kind: &str) -> Option<&'static Shape> {
         "StagedNetworkPolicy" => &STAGED_NETWORK_POLICY,
         "StagedGlobalNetworkPolicy" => &STAGED_GLOBAL_NETWORK_POLICY,
         "StagedKubernetesNetworkPolicy" => &STAGED_KUBERNETES_NETWORK_POLICY,
+        "ClusterNetworkPolicy" => &CLUSTER_NETWORK_POLICY,
+        "AdminNetworkPolicy" => &ADMIN_NETWORK_POLICY,
+        "BaselineAdminNetworkPolicy" => &BASELINE_ADMIN_NETWORK_POLICY,
         "Profile" => &PROFILE,
         "Tier" => &TIER,
         "HostEndpoint" => &HOST_ENDPOINT,

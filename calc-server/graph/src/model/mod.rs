@@ -1,5 +1,8 @@
-//! Calico's v3 resources (`projectcalico.org/v3`), and Kubernetes' EndpointSlices
-//! (`discovery.k8s.io/v1`), as serde types.
+//! Calico's v3 resources (`projectcalico.org/v3`) as serde types, Kubernetes' EndpointSlices
+//! (`discovery.k8s.io/v1`), and the policy kinds of Kubernetes that Calico converts to its own:
+//! StagedKubernetesNetworkPolicy ([`kubernetes`]) and the network-policy-api kinds
+//! ([`network_policy_api`], `policy.networking.k8s.io`), each checked against its own
+//! `apiVersion` ([`Kind::api_version`]).
 //!
 //! Contract: [`Resource::from_value`] turns one decoded JSON/YAML object into a typed resource,
 //! applies Calico's defaulting (policy `types` inference, empty tier → `default`, namespace
@@ -13,6 +16,7 @@
 
 pub mod fields;
 pub mod kubernetes;
+pub mod network_policy_api;
 pub mod rule;
 pub mod validate;
 
@@ -29,7 +33,8 @@ pub const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
 /// Label Calico puts on workload endpoints naming their orchestrator.
 pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
 
-/// The API group and version of Calico's resources.
+/// The API group and version of Calico's resources (every kind but the network-policy-api
+/// ones, see [`Kind::api_version`]).
 pub const API_VERSION: &str = "projectcalico.org/v3";
 /// The API group and version of Kubernetes' EndpointSlices.
 pub const ENDPOINT_SLICE_API_VERSION: &str = "discovery.k8s.io/v1";
@@ -56,6 +61,11 @@ pub enum Kind {
     ClusterInformation,
     /// `discovery.k8s.io/v1` EndpointSlice: the addresses behind a rule's `services` match.
     EndpointSlice,
+    /// `policy.networking.k8s.io/v1alpha2` (see [`network_policy_api`]).
+    ClusterNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1`, as Calico 3.29–3.31 read it.
+    AdminNetworkPolicy,
+    BaselineAdminNetworkPolicy,
 }
 
 impl Kind {
@@ -78,16 +88,17 @@ impl Kind {
         Kind::ClusterInformation,
     ];
 
-    /// Kubernetes kinds the graph reads (not in [`Kind::ALL`]: no etcd plural of Calico's).
+    /// Kubernetes kinds the graph reads besides policies (not in [`Kind::ALL`]: no etcd
+    /// plural of Calico's).
     pub const KUBERNETES: [Kind; 1] = [Kind::EndpointSlice];
 
-    /// The `apiVersion` objects of this kind carry.
-    pub fn api_version(self) -> &'static str {
-        match self {
-            Kind::EndpointSlice => ENDPOINT_SLICE_API_VERSION,
-            _ => API_VERSION,
-        }
-    }
+    /// The Kubernetes network-policy-api kinds (`policy.networking.k8s.io`): not Calico
+    /// resources (no etcd plural), read from the Kubernetes API and from manifests.
+    pub const NETWORK_POLICY_API: [Kind; 3] = [
+        Kind::ClusterNetworkPolicy,
+        Kind::AdminNetworkPolicy,
+        Kind::BaselineAdminNetworkPolicy,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -107,17 +118,35 @@ impl Kind {
             Kind::Node => "Node",
             Kind::ClusterInformation => "ClusterInformation",
             Kind::EndpointSlice => "EndpointSlice",
+            Kind::ClusterNetworkPolicy => "ClusterNetworkPolicy",
+            Kind::AdminNetworkPolicy => "AdminNetworkPolicy",
+            Kind::BaselineAdminNetworkPolicy => "BaselineAdminNetworkPolicy",
         }
     }
 
+    /// The kind of that name: a Calico kind or a network-policy-api one.
     pub fn from_name(s: &str) -> Option<Kind> {
         Kind::ALL
             .into_iter()
             .chain(Kind::KUBERNETES)
+            .chain(Kind::NETWORK_POLICY_API)
             .find(|k| k.as_str() == s)
     }
 
-    /// The lower-case plural used in etcd keys and URLs.
+    /// The `apiVersion` objects of this kind carry.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::ClusterNetworkPolicy => network_policy_api::CNP_API_VERSION,
+            Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy => {
+                network_policy_api::ANP_API_VERSION
+            }
+            Kind::EndpointSlice => ENDPOINT_SLICE_API_VERSION,
+            _ => API_VERSION,
+        }
+    }
+
+    /// The lower-case plural used in etcd keys and URLs (for the network-policy-api kinds, in
+    /// Kubernetes URLs only).
     pub fn plural(self) -> &'static str {
         match self {
             Kind::NetworkPolicy => "networkpolicies",
@@ -136,6 +165,9 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::ClusterInformation => "clusterinformations",
             Kind::EndpointSlice => "endpointslices",
+            Kind::ClusterNetworkPolicy => "clusternetworkpolicies",
+            Kind::AdminNetworkPolicy => "adminnetworkpolicies",
+            Kind::BaselineAdminNetworkPolicy => "baselineadminnetworkpolicies",
         }
     }
 
@@ -160,6 +192,9 @@ impl Kind {
                 | Kind::StagedNetworkPolicy
                 | Kind::StagedGlobalNetworkPolicy
                 | Kind::StagedKubernetesNetworkPolicy
+                | Kind::ClusterNetworkPolicy
+                | Kind::AdminNetworkPolicy
+                | Kind::BaselineAdminNetworkPolicy
         )
     }
 
@@ -174,12 +209,18 @@ impl Kind {
     }
 
     /// Whether a policy of this kind has the global policy's fields (`doNotTrack`, `preDNAT`,
-    /// `applyOnForward`, `namespaceSelector`).
+    /// `applyOnForward`, `namespaceSelector`); the network-policy-api kinds convert to a global
+    /// policy's spec.
     pub fn is_global_policy(self) -> bool {
         matches!(
             self,
             Kind::GlobalNetworkPolicy | Kind::StagedGlobalNetworkPolicy
-        )
+        ) || self.is_network_policy_api()
+    }
+
+    /// The Kubernetes network-policy-api kinds ([`Kind::NETWORK_POLICY_API`]).
+    pub fn is_network_policy_api(self) -> bool {
+        Kind::NETWORK_POLICY_API.contains(&self)
     }
 }
 
@@ -324,6 +365,11 @@ pub struct PolicySpec {
     /// naming the object.
     #[serde(skip)]
     pub conversion_warnings: Vec<String>,
+    /// What makes a converted network-policy-api object invalid (a missing tier, too many
+    /// rules), with the field paths of the object as written. Not part of the object:
+    /// validation reports them.
+    #[serde(skip)]
+    pub conversion_errors: Vec<validate::FieldError>,
 }
 
 impl PolicySpec {
@@ -691,6 +737,11 @@ impl Resource {
                 Kind::StagedKubernetesNetworkPolicy => {
                     Resource::Policy(kind, meta, staged_kubernetes_policy(spec)?)
                 }
+                Kind::ClusterNetworkPolicy
+                | Kind::AdminNetworkPolicy
+                | Kind::BaselineAdminNetworkPolicy => {
+                    Resource::Policy(kind, meta, network_policy_api::policy_spec(kind, spec)?)
+                }
                 Kind::NetworkPolicy
                 | Kind::GlobalNetworkPolicy
                 | Kind::StagedNetworkPolicy
@@ -811,7 +862,9 @@ impl Resource {
         ResourceKey::new(self.kind(), m.namespace.as_deref(), &m.name)
     }
 
-    /// The v3 JSON form (`kind`, `apiVersion`, `metadata`, `spec`), as calicoctl writes it.
+    /// The v3 JSON form (`kind`, `apiVersion`, `metadata`, `spec`), as calicoctl writes it. A
+    /// converted kind (StagedKubernetesNetworkPolicy, the network-policy-api kinds) is written
+    /// with its kind and the converted spec, which [`Resource::from_value`] reads back.
     pub fn to_value(&self) -> serde_json::Value {
         fn spec<T: Serialize>(t: &T) -> serde_json::Value {
             serde_json::to_value(t).unwrap_or(serde_json::Value::Null)
@@ -840,7 +893,7 @@ impl Resource {
         };
         serde_json::json!({
             "kind": self.kind().as_str(),
-            "apiVersion": API_VERSION,
+            "apiVersion": self.kind().api_version(),
             "metadata": spec_of(self.meta()),
             "spec": spec,
         })
@@ -1010,7 +1063,7 @@ mod tests {
         );
         assert!(matches!(
             Resource::from_value(json!({"apiVersion": "v1", "kind": "Tier", "metadata": {"name": "x"}})),
-            Err(DecodeError::ApiVersion { found, expected: API_VERSION }) if found == "v1"
+            Err(DecodeError::ApiVersion { found, .. }) if found == "v1"
         ));
     }
 

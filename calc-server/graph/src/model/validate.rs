@@ -105,6 +105,9 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
     v.meta(res.kind(), meta);
     match res {
         Resource::Policy(kind, _, s) => {
+            for e in &s.conversion_errors {
+                v.err(e.path.clone(), e.message.clone());
+            }
             v.policy(s, kind.is_global_policy());
             if kind.is_staged()
                 && !s.staged_action.is_empty()

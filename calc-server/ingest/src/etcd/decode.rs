@@ -273,6 +273,10 @@ mod tests {
     fn other_key_families_are_skipped() {
         for key in [
             format!("{P}bgppeers/rr1"),
+            format!("{P}bgpfilters/f1"),
+            // Not Calico resources: never under Calico's etcd prefix.
+            format!("{P}clusternetworkpolicies/x"),
+            format!("{P}adminnetworkpolicies/x"),
             format!("{P}kubecontrollersconfigurations/default"),
             "/calico/ipam/v2/assignment/ipv4/block/10.65.0.0-26".to_string(),
             format!("{P}tiers"),

@@ -26,6 +26,12 @@
 //!   `kubernetes.io/service-name` label names its Service), address type, endpoint addresses and
 //!   ports. Conditions, topology and owner are dropped (Felix does not read them), so a slice
 //!   whose readiness alone changes sends nothing.
+//! - ClusterNetworkPolicy, AdminNetworkPolicy, BaselineAdminNetworkPolicy: the object itself
+//!   (its kind and apiVersion added when the list omits them, metadata reduced to the name as
+//!   Calico's conversion keeps it), which the graph's decoder converts
+//!   (`calc_graph::model::network_policy_api`). Read without the strict field check: the API
+//!   server has already pruned what its CRD does not define, and a field of a newer CRD must
+//!   make a rule fail closed, not the whole policy be refused.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -102,6 +108,7 @@ impl Converter {
                 typed::<K8sNetworkPolicy>(object).and_then(|np| k8s_network_policy(&np))
             }
             Source::EndpointSlice => typed::<EndpointSlice>(object).map(|s| endpoint_slice(&s)),
+            Source::NetworkPolicyApi(kind) => network_policy_api(kind, object),
         };
         match result {
             Ok(Converted::Value(v, warnings)) => {
@@ -516,6 +523,35 @@ fn endpoint_slice(s: &EndpointSlice) -> Converted {
         }),
         Vec::new(),
     )
+}
+
+/// A network-policy-api object → the same object as the graph's decoder reads it (see the
+/// module documentation).
+fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
+    let Value::Object(mut obj) = object else {
+        return Err("not a JSON object".into());
+    };
+    match obj.get("kind") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(k)) if k == kind.as_str() => {}
+        Some(other) => {
+            return Err(format!(
+                "kind {other} listed as {}.{}",
+                kind.plural(),
+                super::NETWORK_POLICY_API_GROUP
+            ));
+        }
+    }
+    let name = obj
+        .get("metadata")
+        .and_then(|m| m.get("name"))
+        .cloned()
+        .unwrap_or_default();
+    obj.insert("kind".into(), kind.as_str().into());
+    obj.insert("apiVersion".into(), kind.api_version().into());
+    obj.insert("metadata".into(), json!({"name": name}));
+    obj.remove("status");
+    Ok(Converted::Value(Value::Object(obj), Vec::new()))
 }
 
 /// A Calico CRD object → the v3 object it stores (see the module documentation).

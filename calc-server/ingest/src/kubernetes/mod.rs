@@ -6,8 +6,9 @@
 //! - [`convert`]: one object of one source → a [`Decision`](crate::Decision), exactly as
 //!   Calico's Kubernetes backend converts it (pods → workload endpoints, namespaces and service
 //!   accounts → profiles, Kubernetes NetworkPolicy → a `knp.default.` NetworkPolicy, nodes →
-//!   Node, EndpointSlices → the graph's EndpointSlice, CRDs → the v3 object they carry).
-//!   Services are not watched: Felix reads a Service's members from its EndpointSlices alone.
+//!   Node, EndpointSlices → the graph's EndpointSlice, CRDs → the v3 object they carry, the
+//!   network-policy-api kinds → the policy the graph converts them to). Services are not
+//!   watched: Felix reads a Service's members from its EndpointSlices alone.
 //! - [`put`] and [`delete`]: an object into the [`Mirror`], identified by (source, namespace,
 //!   name) and versioned by its `resourceVersion`; each source is listed on its own, so the
 //!   mirror's list group is the source.
@@ -24,6 +25,8 @@ use convert::Converter;
 
 /// The API group of Calico's CRDs.
 pub const CRD_GROUP: &str = "crd.projectcalico.org";
+/// The API group of the network-policy-api kinds.
+pub use calc_graph::model::network_policy_api::GROUP as NETWORK_POLICY_API_GROUP;
 
 /// One watched collection: a Calico CRD or a native Kubernetes kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,6 +41,10 @@ pub enum Source {
     KubernetesNetworkPolicy,
     /// `discovery.k8s.io/v1` EndpointSlice: the members of rules' `services` matches.
     EndpointSlice,
+    /// A network-policy-api kind (`policy.networking.k8s.io`, [`Kind::NETWORK_POLICY_API`]):
+    /// ClusterNetworkPolicy (`v1alpha2`), AdminNetworkPolicy and BaselineAdminNetworkPolicy
+    /// (`v1alpha1`). A cluster without their CRDs answers 404: an empty source.
+    NetworkPolicyApi(Kind),
 }
 
 /// Where a collection lives in the Kubernetes API.
@@ -63,7 +70,7 @@ impl Collection {
 
 impl Source {
     /// Every source the adapter watches.
-    pub const ALL: [Source; 18] = [
+    pub const ALL: [Source; 21] = [
         Source::Crd(Kind::Tier),
         Source::Crd(Kind::GlobalNetworkPolicy),
         Source::Crd(Kind::NetworkPolicy),
@@ -81,6 +88,9 @@ impl Source {
         Source::Node,
         Source::KubernetesNetworkPolicy,
         Source::EndpointSlice,
+        Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy),
+        Source::NetworkPolicyApi(Kind::AdminNetworkPolicy),
+        Source::NetworkPolicyApi(Kind::BaselineAdminNetworkPolicy),
         Source::Pod,
     ];
 
@@ -92,7 +102,7 @@ impl Source {
             | Source::ServiceAccount
             | Source::KubernetesNetworkPolicy
             | Source::EndpointSlice => true,
-            Source::Namespace | Source::Node => false,
+            Source::Namespace | Source::Node | Source::NetworkPolicyApi(_) => false,
         }
     }
 
@@ -111,6 +121,16 @@ impl Source {
                 "networkpolicies",
             ),
             Source::EndpointSlice => ("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
+            Source::NetworkPolicyApi(kind) => {
+                let version = kind.api_version();
+                let version = version.rsplit_once('/').map_or(version, |(_, v)| v);
+                (
+                    NETWORK_POLICY_API_GROUP,
+                    version,
+                    kind.as_str(),
+                    kind.plural(),
+                )
+            }
         };
         Collection {
             group,

@@ -271,6 +271,32 @@ fn sources_name_their_collections() {
     assert_eq!(Source::Node.collection().api_version(), "v1");
     assert!(Source::Crd(Kind::NetworkSet).namespaced());
     assert!(!Source::Crd(Kind::Tier).namespaced());
+    // The network-policy-api kinds, cluster-scoped, each at its own version.
+    let cnp = Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy);
+    assert_eq!(
+        cnp.name(),
+        "clusternetworkpolicies.policy.networking.k8s.io"
+    );
+    assert_eq!(
+        cnp.collection().api_version(),
+        "policy.networking.k8s.io/v1alpha2"
+    );
+    assert!(!cnp.namespaced());
+    let banp = Source::NetworkPolicyApi(Kind::BaselineAdminNetworkPolicy).collection();
+    assert_eq!(
+        (banp.api_version().as_str(), banp.kind, banp.plural),
+        (
+            "policy.networking.k8s.io/v1alpha1",
+            "BaselineAdminNetworkPolicy",
+            "baselineadminnetworkpolicies"
+        )
+    );
+    for kind in Kind::NETWORK_POLICY_API {
+        assert!(
+            Source::ALL.contains(&Source::NetworkPolicyApi(kind)),
+            "{kind} watched"
+        );
+    }
 }
 
 fn slice(rv: &str, ready: bool, addresses: Value) -> Value {

@@ -105,6 +105,17 @@ mod tests {
         let r = api_resource(Source::KubernetesNetworkPolicy);
         assert_eq!(r.group, "networking.k8s.io");
         assert_eq!(api_resource(Source::Node).api_version, "v1");
+        let r = api_resource(Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy));
+        assert_eq!(
+            (r.group.as_str(), r.version.as_str(), r.plural.as_str()),
+            (
+                "policy.networking.k8s.io",
+                "v1alpha2",
+                "clusternetworkpolicies"
+            )
+        );
+        let r = api_resource(Source::NetworkPolicyApi(Kind::AdminNetworkPolicy));
+        assert_eq!(r.api_version, "policy.networking.k8s.io/v1alpha1");
     }
 
     /// The shipped ClusterRole must grant list and watch on every collection the adapter

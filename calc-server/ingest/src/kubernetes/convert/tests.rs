@@ -835,3 +835,78 @@ fn endpoint_slices_keep_what_felix_reads() {
     };
     assert!(s.endpoints.is_empty() && s.ports.is_empty());
 }
+
+#[test]
+fn network_policy_api_objects_are_converted_by_the_graph() {
+    // As a list sends them: no kind or apiVersion on the items, server-side metadata.
+    let cnp = Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy);
+    let (r, warnings) = applied_with_warnings(
+        cnp,
+        json!({"metadata": {"name": "protect", "uid": "u", "resourceVersion": "7",
+                            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"},
+                            "managedFields": []},
+               "spec": {"tier": "Admin", "priority": 10,
+                        "subject": {"namespaces": {"matchLabels": {"env": "prod"}}},
+                        "egress": [{"name": "to-nodes", "action": "Deny", "to": [{"nodes": {}}]},
+                                   {"action": "Accept", "to": [{"newPeerKind": {}}]}]},
+               "status": {"conditions": []}}),
+    );
+    assert_eq!(
+        r.key(),
+        ResourceKey::new(Kind::ClusterNetworkPolicy, None, "protect")
+    );
+    assert_eq!(
+        r.meta(),
+        &ObjectMeta {
+            name: "protect".into(),
+            ..Default::default()
+        },
+        "metadata as Calico's conversion keeps it"
+    );
+    let Resource::Policy(_, _, s) = &r else {
+        panic!()
+    };
+    assert_eq!((s.tier.as_str(), s.order), ("kube-admin", Some(10.0)));
+    assert_eq!(rule_json(&s.egress[0]), json!({"action": "Deny"}));
+    assert_eq!(
+        s.egress.len(),
+        1,
+        "the Accept with an unknown peer is dropped"
+    );
+    // Both failed rules are reported; a field of a newer CRD fails the rule, not the object.
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].contains("\"to-nodes\"") && warnings[0].contains("nodes peers"));
+
+    let anp = applied(
+        Source::NetworkPolicyApi(Kind::AdminNetworkPolicy),
+        json!({"apiVersion": "policy.networking.k8s.io/v1alpha1", "kind": "AdminNetworkPolicy",
+               "metadata": {"name": "a"},
+               "spec": {"priority": 3, "subject": {"namespaces": {}},
+                        "ingress": [{"action": "Allow", "from": [{"namespaces": {}}]}]}}),
+    );
+    assert_eq!(
+        anp.key(),
+        ResourceKey::new(Kind::AdminNetworkPolicy, None, "a")
+    );
+
+    // What the CRD forbids is rejected at validation, naming the field.
+    let Decision::Reject(r) = conv().convert(
+        cnp,
+        json!({"metadata": {"name": "big"},
+               "spec": {"tier": "Admin", "priority": 1, "subject": {"namespaces": {}},
+                        "ingress": vec![json!({"action": "Deny", "from": [{"namespaces": {}}]}); 26]}}),
+    ) else {
+        panic!("too many rules")
+    };
+    assert_eq!(r.stage, calc_graph::manifest::RejectStage::Validation);
+    assert!(r.reason.contains("spec.ingress: 26 rules"), "{}", r.reason);
+    // A kind listed in the wrong collection.
+    let r = rejected(
+        cnp,
+        json!({"kind": "AdminNetworkPolicy", "metadata": {"name": "x"}, "spec": {}}),
+    );
+    assert!(
+        r.contains("clusternetworkpolicies.policy.networking.k8s.io"),
+        "{r}"
+    );
+}
