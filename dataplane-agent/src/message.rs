@@ -368,16 +368,16 @@ fn body<T>(
     })
 }
 
-/// An endpoint's tier lists as the dataplane enforces them: staged policies taken out, and a
-/// tier left with no policy in either direction dropped, so a tier of staged policies only has
-/// no end-of-tier drop (as in Felix).
-fn without_staged(tiers: &mut Vec<felix_proto::TierInfo>) {
+/// An endpoint's tier lists as the dataplane enforces them: staged policies taken out. A tier
+/// is kept even when nothing is left in it, as Felix keeps it: the renderer skips a direction
+/// with no policy (so a tier of staged policies only has no end-of-tier drop), and a host
+/// endpoint with forward tiers, staged ones included, gets no allow-by-default forward chain.
+fn without_staged(tiers: &mut [felix_proto::TierInfo]) {
     let staged = |id: &PolicyId| calico_names::is_staged_policy_kind(&id.kind);
     for t in tiers.iter_mut() {
         t.ingress_policies.retain(|id| !staged(id));
         t.egress_policies.retain(|id| !staged(id));
     }
-    tiers.retain(|t| !t.ingress_policies.is_empty() || !t.egress_policies.is_empty());
 }
 
 fn message(payload: Payload) -> Result<Received, InvalidMessage> {
@@ -1167,7 +1167,7 @@ mod tests {
     }
 
     #[test]
-    fn endpoint_tiers_lose_staged_policies_and_tiers_left_empty() {
+    fn endpoint_tiers_lose_staged_policies_but_keep_their_tiers() {
         let tier =
             |name: &str, ingress: Vec<PolicyId>, egress: Vec<PolicyId>| felix_proto::TierInfo {
                 name: name.into(),
@@ -1209,7 +1209,10 @@ mod tests {
         };
         assert_eq!(
             endpoint.tiers,
-            vec![tier("default", vec![kpid("NetworkPolicy", "a")], vec![])]
+            vec![
+                tier("trial", vec![], vec![]),
+                tier("default", vec![kpid("NetworkPolicy", "a")], vec![])
+            ]
         );
         let hep = HostEndpoint {
             forward_tiers: vec![tier(
@@ -1234,6 +1237,11 @@ mod tests {
         let Received::Message(Message::HostEndpointUpdate { endpoint, .. }) = got else {
             panic!("{got:?}")
         };
-        assert!(endpoint.forward_tiers.is_empty() && endpoint.untracked_tiers.is_empty());
+        // Forward tiers stay: Felix's allow-by-default forward chain is for hosts with none.
+        assert_eq!(endpoint.forward_tiers, vec![tier("trial", vec![], vec![])]);
+        assert_eq!(
+            endpoint.untracked_tiers,
+            vec![tier("trial", vec![], vec![])]
+        );
     }
 }

@@ -50,7 +50,8 @@ fn base() -> Vec<Value> {
 fn knp(ns: &str, name: &str, spec: Value) -> Value {
     let spec: k8s_openapi::api::networking::v1::NetworkPolicySpec =
         serde_json::from_value(spec).expect("a NetworkPolicy spec");
-    let (spec, warnings) = calc_graph::model::kubernetes::network_policy_spec(&spec);
+    let (spec, warnings) =
+        calc_graph::model::kubernetes::network_policy_spec(&spec).expect("converts");
     assert!(warnings.is_empty(), "{warnings:?}");
     json!({"apiVersion": "projectcalico.org/v3", "kind": "NetworkPolicy",
            "metadata": {"name": format!("knp.default.{name}"), "namespace": ns}, "spec": spec})

@@ -39,24 +39,56 @@ pub enum SelectorType {
 /// `projectcalico.org/orchestrator == 'k8s'`; a nil namespace selector is empty (the policy's
 /// namespace), an empty one `all()` (every namespace). Labels are joined with ` && ` in key
 /// order, then the expressions in their order.
-pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> String {
+///
+/// Calico pastes keys and values into the selector as they are. Kubernetes validates them for
+/// its own NetworkPolicies but not inside a CRD's label selector, so here a key or value that
+/// is not Kubernetes label syntax is an error: `x' || all() || a == 'y` as a value would
+/// otherwise widen the selector.
+pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> Result<String, String> {
     let mut parts = Vec::new();
     if which == SelectorType::Pod {
         parts.push(format!("{LABEL_ORCHESTRATOR} == 'k8s'"));
     }
     let Some(s) = s else {
-        return parts.join(" && ");
+        return Ok(parts.join(" && "));
     };
     let labels = s.match_labels.as_ref().filter(|m| !m.is_empty());
     let exprs = s.match_expressions.as_ref().filter(|m| !m.is_empty());
     if which == SelectorType::Namespace && labels.is_none() && exprs.is_none() {
-        return "all()".into();
+        return Ok("all()".into());
     }
+    let key = |k: &str| -> Result<(), String> {
+        if is_label_key(k) {
+            Ok(())
+        } else {
+            Err(format!(
+                "label selector key {:?} is not a Kubernetes label key",
+                crate::untrusted::Untrusted(k)
+            ))
+        }
+    };
+    let value = |v: &str| -> Result<(), String> {
+        if is_label_value(v) {
+            Ok(())
+        } else {
+            Err(format!(
+                "label selector value {:?} is not a Kubernetes label value",
+                crate::untrusted::Untrusted(v)
+            ))
+        }
+    };
     for (k, v) in labels.into_iter().flatten() {
+        key(k)?;
+        value(v)?;
         parts.push(format!("{k} == '{v}'"));
     }
     for e in exprs.into_iter().flatten() {
-        let values = e.values.clone().unwrap_or_default().join("', '");
+        key(&e.key)?;
+        let values = e.values.clone().unwrap_or_default();
+        for v in &values {
+            value(v)?;
+        }
+        let values = values.join("', '");
         match e.operator.as_str() {
             "In" => parts.push(format!("{} in {{ '{values}' }}", e.key)),
             "NotIn" => parts.push(format!("{} not in {{ '{values}' }}", e.key)),
@@ -66,7 +98,39 @@ pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> String {
             _ => {}
         }
     }
-    parts.join(" && ")
+    Ok(parts.join(" && "))
+}
+
+/// A Kubernetes label value: empty, or at most 63 of `[A-Za-z0-9._-]`, starting and ending
+/// alphanumeric.
+fn is_label_value(v: &str) -> bool {
+    v.is_empty()
+        || (v.len() <= 63
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && v.as_bytes()[0].is_ascii_alphanumeric()
+            && v.as_bytes()[v.len() - 1].is_ascii_alphanumeric())
+}
+
+/// A Kubernetes label key: an optional DNS subdomain prefix and `/`, then a name (a non-empty
+/// label value).
+fn is_label_key(k: &str) -> bool {
+    let (prefix, name) = match k.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, k),
+    };
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            })
+    });
+    prefix_ok && !name.is_empty() && is_label_value(name)
 }
 
 /// Calico's `K8sNetworkPolicyToCalico`, the spec part: the Calico policy spec (as JSON, in the
@@ -78,7 +142,9 @@ pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> String {
 /// `policyTypes`, or `[Ingress]` when none are (an empty ingress list is then deny-all ingress).
 /// A rule that cannot be converted is dropped and the rest kept, as Calico does (the policy
 /// only gets stricter).
-pub fn network_policy_spec(spec: &NetworkPolicySpec) -> (Map<String, Value>, Vec<String>) {
+pub fn network_policy_spec(
+    spec: &NetworkPolicySpec,
+) -> Result<(Map<String, Value>, Vec<String>), String> {
     let mut warnings = Vec::new();
     let mut ingress = Vec::new();
     for (i, r) in spec.ingress.iter().flatten().enumerate() {
@@ -117,12 +183,13 @@ pub fn network_policy_spec(spec: &NetworkPolicySpec) -> (Map<String, Value>, Vec
             Some(&spec.pod_selector.clone().unwrap_or_default()),
             SelectorType::Pod,
         )
+        .map_err(|e| format!("podSelector: {e}"))?
         .into(),
     );
     out.insert("ingress".into(), Value::Array(ingress));
     out.insert("egress".into(), Value::Array(egress));
     out.insert("types".into(), json!(types));
-    (out, warnings)
+    Ok((out, warnings))
 }
 
 /// A port of a rule: a number, a range or a name.
@@ -295,8 +362,8 @@ fn k8s_peer(peer: Option<&NetworkPolicyPeer>) -> Result<Map<String, Value>, Stri
         }
         return Ok(out);
     }
-    let selector = k8s_selector(peer.pod_selector.as_ref(), SelectorType::Pod);
-    let ns_selector = k8s_selector(peer.namespace_selector.as_ref(), SelectorType::Namespace);
+    let selector = k8s_selector(peer.pod_selector.as_ref(), SelectorType::Pod)?;
+    let ns_selector = k8s_selector(peer.namespace_selector.as_ref(), SelectorType::Namespace)?;
     out.insert("selector".into(), selector.into());
     if !ns_selector.is_empty() {
         out.insert("namespaceSelector".into(), ns_selector.into());

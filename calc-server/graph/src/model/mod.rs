@@ -919,7 +919,8 @@ fn staged_kubernetes_policy(spec: serde_json::Value) -> Result<PolicySpec, (Stri
     };
     let k8s: k8s_openapi::api::networking::v1::NetworkPolicySpec =
         decode_at("spec", serde_json::Value::Object(spec))?;
-    let (calico, warnings) = kubernetes::network_policy_spec(&k8s);
+    let (calico, warnings) =
+        kubernetes::network_policy_spec(&k8s).map_err(|e| ("spec".to_string(), e))?;
     let mut out: PolicySpec = decode_at("spec", serde_json::Value::Object(calico))?;
     out.staged_action = staged_action;
     out.conversion_warnings = warnings;

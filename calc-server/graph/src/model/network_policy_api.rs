@@ -92,7 +92,14 @@ pub struct BuiltinTier {
 /// The tiers the network-policy-api kinds go in. A Tier resource of the same name replaces
 /// its entry. (Calico's `default` tier is deliberately not here: a cluster without that Tier
 /// resource keeps the ordering it has today.)
-pub const BUILTIN_TIERS: [BuiltinTier; 4] = [
+pub const BUILTIN_TIERS: [BuiltinTier; 5] = [
+    // Every Calico datastore has the default tier too; without it, baseline policies would
+    // sort before NetworkPolicies of the default tier (a tier without a resource sorts last).
+    BuiltinTier {
+        name: "default",
+        order: 1_000_000.0,
+        default_action: "Deny",
+    },
     BuiltinTier {
         name: KUBE_ADMIN_TIER,
         order: 1_000.0,
@@ -285,6 +292,15 @@ impl Conversion {
         });
     }
 
+    /// A subject's selector; a bad one makes the object invalid (named in its errors), so
+    /// the placeholder returned then is never used.
+    fn subject_selector(&mut self, sel: Result<String, String>) -> String {
+        sel.unwrap_or_else(|e| {
+            self.error("spec.subject", e);
+            format!("{LABEL_ORCHESTRATOR} == 'k8s'")
+        })
+    }
+
     fn limits(&self) -> (usize, usize) {
         match self.kind {
             Kind::ClusterNetworkPolicy => (CNP_MAX_RULES, CNP_MAX_ITEMS),
@@ -319,16 +335,19 @@ impl Conversion {
                 namespaces: Some(ns),
                 pods: None,
             }) => (
-                k8s_selector(Some(ns), SelectorType::Namespace),
+                self.subject_selector(k8s_selector(Some(ns), SelectorType::Namespace)),
                 // Pods only: host endpoints are never subjects.
-                k8s_selector(None, SelectorType::Pod),
+                self.subject_selector(k8s_selector(None, SelectorType::Pod)),
             ),
             Some(Subject {
                 namespaces: None,
                 pods: Some(p),
             }) => (
-                k8s_selector(Some(&p.namespace_selector), SelectorType::Namespace),
-                k8s_selector(Some(&p.pod_selector), SelectorType::Pod),
+                self.subject_selector(k8s_selector(
+                    Some(&p.namespace_selector),
+                    SelectorType::Namespace,
+                )),
+                self.subject_selector(k8s_selector(Some(&p.pod_selector), SelectorType::Pod)),
             ),
             _ => {
                 self.error(
@@ -667,18 +686,18 @@ fn peer_fields(peer: &Peer, ingress: bool) -> Result<Map<String, Value>, String>
     if let Some(ns) = &peer.namespaces {
         out.insert(
             "namespaceSelector".into(),
-            k8s_selector(Some(ns), SelectorType::Namespace).into(),
+            k8s_selector(Some(ns), SelectorType::Namespace)?.into(),
         );
         found = true;
     }
     if let Some(p) = &peer.pods {
         out.insert(
             "selector".into(),
-            k8s_selector(Some(&p.pod_selector), SelectorType::Pod).into(),
+            k8s_selector(Some(&p.pod_selector), SelectorType::Pod)?.into(),
         );
         out.insert(
             "namespaceSelector".into(),
-            k8s_selector(Some(&p.namespace_selector), SelectorType::Namespace).into(),
+            k8s_selector(Some(&p.namespace_selector), SelectorType::Namespace)?.into(),
         );
         found = true;
     }

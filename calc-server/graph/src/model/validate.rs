@@ -28,6 +28,11 @@ pub const MAX_RULES: usize = 1024;
 /// The staged actions Calico defines (empty means `Set`).
 const STAGED_ACTIONS: [&str; 4] = ["Set", "Delete", "Learn", "Ignore"];
 
+/// Kubernetes' caps on an EndpointSlice: endpoints, addresses per endpoint, ports.
+pub const MAX_SLICE_ENDPOINTS: usize = 1000;
+pub const MAX_SLICE_ADDRESSES: usize = 100;
+pub const MAX_SLICE_PORTS: usize = 100;
+
 /// One problem: where and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldError {
@@ -102,6 +107,13 @@ impl fmt::Display for Invalid {
 pub fn validate(res: &Resource) -> Result<(), Invalid> {
     let mut v = Validator::default();
     let meta = res.meta();
+    v.crd_limits = match res.kind() {
+        Kind::NetworkPolicy => !meta.name.starts_with(super::kubernetes::K8S_POLICY_PREFIX),
+        Kind::GlobalNetworkPolicy | Kind::StagedNetworkPolicy | Kind::StagedGlobalNetworkPolicy => {
+            true
+        }
+        _ => false,
+    };
     v.meta(res.kind(), meta);
     match res {
         Resource::Policy(kind, _, s) => {
@@ -160,6 +172,10 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
 #[derive(Default)]
 struct Validator {
     errors: Vec<FieldError>,
+    /// Calico's CRD caps (rules per direction, selector length) apply: the object is a policy
+    /// a user wrote in Calico's form. Policies converted from Kubernetes kinds are not held to
+    /// them (Calico's conversion checks no sizes, and refusing one would drop its denies).
+    crd_limits: bool,
 }
 
 const DNS1123_SUBDOMAIN_MAX: usize = 253;
@@ -185,9 +201,7 @@ impl Validator {
             );
         }
         let (ok, what) = match kind {
-            Kind::NetworkPolicy
-            | Kind::StagedNetworkPolicy
-            | Kind::StagedKubernetesNetworkPolicy => (
+            Kind::NetworkPolicy | Kind::StagedNetworkPolicy => (
                 is_label(&m.name)
                     || m.name
                         .split_once('.')
@@ -257,7 +271,7 @@ impl Validator {
     }
 
     fn selector(&mut self, path: &str, s: &str) -> Option<selector::Selector> {
-        if s.len() > MAX_SELECTOR_LEN {
+        if self.crd_limits && s.len() > MAX_SELECTOR_LEN {
             self.err(
                 path,
                 format!(
@@ -289,7 +303,7 @@ impl Validator {
 
     fn policy(&mut self, s: &PolicySpec, global: bool) {
         for (field, rules) in [("ingress", &s.ingress), ("egress", &s.egress)] {
-            if rules.len() > MAX_RULES {
+            if self.crd_limits && rules.len() > MAX_RULES {
                 self.err(
                     format!("spec.{field}"),
                     format!(
@@ -954,6 +968,37 @@ impl Validator {
     /// What Kubernetes checks of the fields Felix reads: port numbers. Addresses are not
     /// checked: Felix skips one it cannot parse (an `FQDN` slice's names, say).
     fn endpoint_slice(&mut self, s: &EndpointSliceSpec) {
+        // Kubernetes' own caps (the API server refuses more): they bound the members one
+        // slice adds to a Service's IP sets (endpoints × addresses × ports).
+        if s.endpoints.len() > MAX_SLICE_ENDPOINTS {
+            self.err(
+                "endpoints",
+                format!(
+                    "{} endpoints; an EndpointSlice holds at most {MAX_SLICE_ENDPOINTS}",
+                    s.endpoints.len()
+                ),
+            );
+        }
+        for (i, e) in s.endpoints.iter().enumerate() {
+            if e.addresses.len() > MAX_SLICE_ADDRESSES {
+                self.err(
+                    format!("endpoints[{i}].addresses"),
+                    format!(
+                        "{} addresses; an endpoint has at most {MAX_SLICE_ADDRESSES}",
+                        e.addresses.len()
+                    ),
+                );
+            }
+        }
+        if s.ports.len() > MAX_SLICE_PORTS {
+            self.err(
+                "ports",
+                format!(
+                    "{} ports; an EndpointSlice has at most {MAX_SLICE_PORTS}",
+                    s.ports.len()
+                ),
+            );
+        }
         for (i, p) in s.ports.iter().enumerate() {
             if let Some(n) = p.port
                 && !(1..=65535).contains(&n)
@@ -1201,6 +1246,65 @@ mod tests {
                 "metadata": {"name": "p"}, "spec": {"selector": fits}
             }))
             .is_ok()
+        );
+    }
+
+    #[test]
+    fn converted_kubernetes_policies_are_not_held_to_the_crd_caps() {
+        // A Kubernetes selector converts to more than 1,024 characters; Calico's conversion
+        // checks no sizes, and refusing the policy would drop what it isolates.
+        let values: Vec<String> = (0..200).map(|i| format!("value-{i:03}")).collect();
+        assert!(
+            check(json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "StagedKubernetesNetworkPolicy",
+                "metadata": {"name": "many.values", "namespace": "ns"},
+                "spec": {"podSelector": {"matchExpressions": [
+                    {"key": "app", "operator": "In", "values": values}]}}
+            }))
+            .is_ok()
+        );
+        let long = format!("a == '{}'", "x".repeat(MAX_SELECTOR_LEN));
+        assert!(
+            check(json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "NetworkPolicy",
+                "metadata": {"name": "knp.default.long", "namespace": "ns"},
+                "spec": {"selector": long}
+            }))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn endpoint_slices_are_held_to_kubernetes_caps() {
+        let slice = |endpoints: usize, addresses: usize, ports: usize| {
+            json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "s", "namespace": "ns",
+                             "labels": {"kubernetes.io/service-name": "svc"}},
+                "addressType": "IPv4",
+                "endpoints": vec![json!({"addresses": vec!["10.0.0.1"; addresses]}); endpoints],
+                "ports": vec![json!({"port": 80, "protocol": "TCP"}); ports],
+            })
+        };
+        assert!(
+            check(slice(
+                MAX_SLICE_ENDPOINTS,
+                MAX_SLICE_ADDRESSES,
+                MAX_SLICE_PORTS
+            ))
+            .is_ok()
+        );
+        assert_eq!(
+            paths(check(slice(
+                MAX_SLICE_ENDPOINTS + 1,
+                1,
+                MAX_SLICE_PORTS + 1
+            ))),
+            ["endpoints", "ports"]
+        );
+        assert_eq!(
+            paths(check(slice(1, MAX_SLICE_ADDRESSES + 1, 1))),
+            ["endpoints[0].addresses"]
         );
     }
 

@@ -483,7 +483,7 @@ fn parse_as_number(s: &str) -> Option<u64> {
 fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     let name = np.metadata.name.as_deref().unwrap_or_default();
     let ns = np.metadata.namespace.as_deref().unwrap_or("default");
-    let (spec, warnings) = kubernetes::network_policy_spec(&np.spec.clone().unwrap_or_default());
+    let (spec, warnings) = kubernetes::network_policy_spec(&np.spec.clone().unwrap_or_default())?;
     let value = json!({
         "kind": "NetworkPolicy",
         "apiVersion": API_VERSION,

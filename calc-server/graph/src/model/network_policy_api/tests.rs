@@ -493,3 +493,51 @@ fn manifests_name_typos_but_accept_every_field_of_the_api() {
     );
     assert!(crate::model::fields::unknown_fields(&full).is_empty());
 }
+
+#[test]
+fn label_selectors_cannot_smuggle_selector_syntax() {
+    // A label value that would widen the selector: the rule fails closed (a Deny stays a
+    // bare Deny), with a warning.
+    let s = spec_of(cnp(
+        "p",
+        json!({"tier": "Admin", "priority": 1, "subject": {"namespaces": {}},
+               "ingress": [{"name": "sneaky", "action": "Deny", "from": [{"namespaces": {
+                   "matchLabels": {"team": "x' || all() || a == 'y"}}}]},
+                          {"name": "sneaky-accept", "action": "Accept", "from": [{"pods": {
+                   "namespaceSelector": {}, "podSelector": {"matchExpressions": [
+                       {"key": "a) || all() || has(b", "operator": "Exists"}]}}}]}]}),
+    ));
+    assert_eq!(calico(&s)["ingress"], json!([{"action": "Deny"}]));
+    assert_eq!(
+        s.conversion_warnings.len(),
+        2,
+        "{:?}",
+        s.conversion_warnings
+    );
+    assert!(
+        s.conversion_warnings[0].contains("not a Kubernetes label value"),
+        "{:?}",
+        s.conversion_warnings
+    );
+    // In the subject, the object is invalid, naming the field.
+    let errs = errors(cnp(
+        "p",
+        json!({"tier": "Admin", "priority": 1,
+               "subject": {"namespaces": {"matchLabels": {"env": "prod' || all() || a == 'b"}}}}),
+    ));
+    assert!(
+        errs.iter()
+            .any(|e| e.starts_with("spec.subject:") && e.contains("label value")),
+        "{errs:?}"
+    );
+    // Ordinary keys and values still convert.
+    let s = spec_of(cnp(
+        "p",
+        json!({"tier": "Admin", "priority": 1,
+               "subject": {"namespaces": {"matchLabels": {"kubernetes.io/metadata.name": "prod-1.a_b"}}}}),
+    ));
+    assert_eq!(
+        s.namespace_selector,
+        "kubernetes.io/metadata.name == 'prod-1.a_b'"
+    );
+}
