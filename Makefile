@@ -1,7 +1,7 @@
 # The two commands a new user runs: `make demo` and `make test`. See README.md.
 CARGO ?= cargo
 
-.PHONY: deps build test demo bench bench-calc bench-sync lint fmt clean fresh-check
+.PHONY: deps build test demo bench bench-calc bench-sync lint fmt clean fresh-check images demo-containers
 
 ## deps: install the missing system packages (idempotent; apt-get update first), then check that
 ## every tool and file the build and the tests read is present (scripts/deps.sh lists them)
@@ -23,6 +23,17 @@ test: build
 ## demo: run the main job on the embedded default datastore (examples/)
 demo: build
 	./scripts/demo.sh
+
+## images: the calc-server and dataplane-agent images (and the compose cluster's etcd and
+## workload images), from the host's release build and locally made Debian bases: nothing is
+## pulled (scripts/images.sh; docker/README.md)
+images: deps
+	CARGO=$(CARGO) ./scripts/images.sh
+
+## demo-containers: etcd, calc-server and three agent "nodes" with workload containers
+## (docker/compose.yaml): shows enforcement and `calc-server status`, then stops
+demo-containers: images
+	./scripts/demo-containers.sh
 
 ## bench: print the benchmark figures recorded in docs/benchmarks.md
 bench: deps
