@@ -1,0 +1,205 @@
+//! Containers for the tests: the Docker engine, the project's images, throwaway networks and
+//! containers that are removed when the test ends (whatever its outcome).
+//!
+//! A test that needs the engine calls [`require_engine`]: without one it is skipped (`None`,
+//! with a line saying why) when `CI` is unset and fails when `CI` is set, as every other
+//! prerequisite of `make test` does. [`Docker::ensure_images`] builds the images with
+//! `scripts/images.sh` once per test process, and only those missing.
+
+use std::process::{Command, Output};
+use std::sync::{Mutex, OnceLock};
+
+use crate::workspace_root;
+
+/// The images `make images` builds.
+pub const IMAGES: [&str; 4] = [
+    "split-felix/calc-server:dev",
+    "split-felix/dataplane-agent:dev",
+    "split-felix/etcd:bookworm",
+    "split-felix/workload:bookworm",
+];
+
+/// The Docker CLI, talking to a running engine.
+#[derive(Clone, Copy, Debug)]
+pub struct Docker;
+
+/// The engine, or `None` (the test is skipped) when there is none and `CI` is unset.
+pub fn require_engine() -> Option<Docker> {
+    let ok = Command::new("docker")
+        .args(["info", "--format", "{{.ServerVersion}}"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(Docker);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("CI is set and no Docker engine answers `docker info`: the container tests cannot run");
+    }
+    eprintln!("skipped: no Docker engine (`docker info` failed) and CI is unset");
+    None
+}
+
+impl Docker {
+    /// Runs `docker ARGS`, returning its output whatever the exit status.
+    pub fn output(&self, args: &[&str]) -> Output {
+        Command::new("docker")
+            .args(args)
+            .output()
+            .expect("run the docker CLI")
+    }
+
+    /// Runs `docker ARGS`, panicking with its output unless it succeeds; its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.output(args);
+        assert!(
+            o.status.success(),
+            "docker {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    /// Builds the missing images with `scripts/images.sh`, once per test process.
+    pub fn ensure_images(&self) {
+        static BUILT: OnceLock<Mutex<bool>> = OnceLock::new();
+        let mut done = BUILT
+            .get_or_init(|| Mutex::new(false))
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if *done {
+            return;
+        }
+        let missing: Vec<&str> = IMAGES
+            .into_iter()
+            .filter(|i| !self.output(&["image", "inspect", i]).status.success())
+            .collect();
+        if !missing.is_empty() {
+            eprintln!("building the images (missing: {})", missing.join(", "));
+            let o = Command::new(workspace_root().join("scripts/images.sh"))
+                .current_dir(workspace_root())
+                .output()
+                .expect("run scripts/images.sh");
+            assert!(
+                o.status.success(),
+                "scripts/images.sh failed:\n{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        *done = true;
+    }
+
+    /// `docker run -d ARGS`: the new container's id.
+    pub fn run_detached(&self, args: &[&str]) -> String {
+        let mut all = vec!["run", "-d"];
+        all.extend_from_slice(args);
+        self.ok(&all)
+    }
+
+    /// `docker exec C ARGS`, panicking unless it succeeds; its stdout.
+    pub fn exec_ok(&self, container: &str, args: &[&str]) -> String {
+        let mut all = vec!["exec", container];
+        all.extend_from_slice(args);
+        self.ok(&all)
+    }
+
+    /// Whether a TCP connection from `container` to `ip:port` is accepted within a second.
+    pub fn connects(&self, container: &str, ip: &str, port: u16) -> bool {
+        self.output(&[
+            "exec",
+            container,
+            "nc",
+            "-z",
+            "-w",
+            "1",
+            ip,
+            &port.to_string(),
+        ])
+        .status
+        .success()
+    }
+
+    pub fn logs(&self, container: &str) -> String {
+        let o = self.output(&["logs", "--tail", "80", container]);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    /// SIGKILL: no chance to clean up, as in a crash.
+    pub fn kill(&self, container: &str) {
+        self.ok(&["kill", container]);
+    }
+}
+
+/// A bridge network of its own (a /24 from 172.28–31.x) and the containers started on it; all
+/// are removed on drop.
+pub struct Network {
+    pub name: String,
+    prefix: String,
+    containers: Mutex<Vec<String>>,
+}
+
+impl Network {
+    /// A network named after the test and the process, on a free /24.
+    pub fn create(d: &Docker, what: &str) -> Network {
+        let name = format!("sf-{what}-{}", std::process::id());
+        for third in 0..64u32 {
+            let prefix = format!("172.{}.{}", 28 + third / 16, 100 + (std::process::id() + third) % 150);
+            let o = d.output(&[
+                "network",
+                "create",
+                "--subnet",
+                &format!("{prefix}.0/24"),
+                &name,
+            ]);
+            if o.status.success() {
+                return Network {
+                    name,
+                    prefix,
+                    containers: Mutex::new(Vec::new()),
+                };
+            }
+        }
+        panic!("no free /24 for a Docker network");
+    }
+
+    /// The address `.n` of the network.
+    pub fn ip(&self, n: u8) -> String {
+        format!("{}.{n}", self.prefix)
+    }
+
+    /// `docker run -d` on this network at `ip`, named `<network>-<role>`: the name.
+    pub fn run(&self, role: &str, ip: &str, extra: &[&str], image: &str, cmd: &[&str]) -> String {
+        let name = format!("{}-{role}", self.name);
+        let mut args = vec!["--name", &name, "--network", &self.name, "--ip", ip];
+        args.extend_from_slice(extra);
+        args.push(image);
+        args.extend_from_slice(cmd);
+        Docker.run_detached(&args);
+        self.adopt(&name);
+        name
+    }
+
+    /// Removes `container` with the network.
+    pub fn adopt(&self, container: &str) {
+        self.containers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(container.to_string());
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        let containers = std::mem::take(&mut *self.containers.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in containers.iter().rev() {
+            let _ = Docker.output(&["rm", "-f", "-v", c]);
+        }
+        let _ = Docker.output(&["network", "rm", &self.name]);
+    }
+}
