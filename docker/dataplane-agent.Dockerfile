@@ -12,6 +12,8 @@ ARG BUILDER=rust:1.90-bookworm
 ARG BASE=debian:bookworm-slim
 
 FROM ${BUILDER} AS build
+# The classic builder keeps this stage as an untagged image: make images removes it by label.
+LABEL split-felix.stage=build
 WORKDIR /src
 COPY . .
 # A prebuilt binary (docker/bin/, from `make images`) is taken as is; otherwise compile.

@@ -12,6 +12,9 @@
 #   etcd, etcdctl                        the etcd datastore tests
 #   iptables(-nft/-legacy)-restore, ipset, ip, nft, nc, ping
 #                                        the Linux driver tests in network namespaces
+#   debootstrap, docker-compose          `make images` and the container tests (the Docker
+#                                        engine itself comes with the machine, not from here:
+#                                        without one, those tests skip unless CI is set)
 set -euo pipefail
 
 PACKAGES=(
@@ -19,6 +22,7 @@ PACKAGES=(
   etcd-server etcd-client
   iptables ipset iproute2 nftables
   netcat-openbsd iputils-ping
+  debootstrap docker-compose
 )
 
 SUDO=""
@@ -42,7 +46,7 @@ fi
 # Check what the build and the tests actually open, whatever installed it.
 problems=()
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
-for tool in cc protoc etcd etcdctl ip ipset nft nc ping \
+for tool in cc protoc etcd etcdctl ip ipset nft nc ping debootstrap docker-compose \
   iptables-nft-restore iptables-nft-save ip6tables-nft-restore ip6tables-nft-save \
   iptables-legacy-restore iptables-legacy-save ip6tables-legacy-restore ip6tables-legacy-save; do
   have "$tool" || problems+=("command '$tool' not found")

@@ -79,6 +79,17 @@ mount --rbind /sys "$ROOT/sys"
 mount --rbind /dev "$ROOT/dev"
 mount -t tmpfs tmpfs "$ROOT/run"
 mount -t tmpfs tmpfs "$ROOT/tmp"
+# The machine's Docker engine (it comes with the machine kind, like the Rust toolchain): its
+# socket, and the CLI when it is not a Debian package the root could install.
+if [ -S /var/run/docker.sock ]; then
+  # The root's /var/run is a link to /run, the tmpfs just mounted.
+  touch "$ROOT/run/docker.sock"
+  mount --bind /var/run/docker.sock "$ROOT/run/docker.sock"
+  if [ -x /usr/local/bin/docker ]; then
+    touch "$ROOT/usr/local/bin/docker"
+    mount --bind /usr/local/bin/docker "$ROOT/usr/local/bin/docker"
+  fi
+fi
 # The toolchain and the registry, read-only underneath a writable layer inside the root.
 for pair in "$RUSTUP_DIR:/root/.rustup" "$CARGO_DIR:/root/.cargo"; do
   lower=${pair%%:*} target=$ROOT${pair#*:}
@@ -87,7 +98,7 @@ for pair in "$RUSTUP_DIR:/root/.rustup" "$CARGO_DIR:/root/.cargo"; do
   mount -t overlay overlay \
     -o "lowerdir=$lower,upperdir=$ROOT/.overlay/$name/upper,workdir=$ROOT/.overlay/$name/work" "$target"
 done
-chroot "$ROOT" /usr/bin/env -i HOME=/root TERM=dumb CI=true \
+chroot "$ROOT" /usr/bin/env -i HOME=/root TERM=dumb CI=true DOCKER_HOST=unix:///run/docker.sock \
   PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   bash -euo pipefail -c "
     cd /src

@@ -127,11 +127,14 @@ if [[ " $ONLY " == *" agent "* ]]; then
   build dataplane-agent "split-felix/runtime-base:$SUITE"
 fi
 if [[ " $ONLY " == *" server "* ]]; then
-  [[ " $ONLY " == *" agent "* ]] || {
+  [[ " $ONLY " == *" agent "* || " $ONLY " == *" cluster "* ]] || {
     root_without "$WORK/runtime" etcd-server etcd-client netcat-openbsd iputils-ping
     import_root "$WORK/runtime" "split-felix/runtime-base:$SUITE" --change 'CMD ["/bin/sh"]'; }
   build calc-server "split-felix/static-base:$SUITE"
 fi
+
+# The classic builder leaves the build stages as untagged images.
+docker image prune -f --filter label=split-felix.stage=build >/dev/null
 
 # 6. The compose cluster's other images: etcd, and a workload with nc and ping.
 if [[ " $ONLY " == *" cluster "* ]]; then
