@@ -7,7 +7,9 @@
 //! `scripts/images.sh` once per test process, and only those missing.
 
 use std::process::{Command, Output};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
 
 use crate::workspace_root;
 
@@ -33,7 +35,9 @@ pub fn require_engine() -> Option<Docker> {
         return Some(Docker);
     }
     if std::env::var_os("CI").is_some() {
-        panic!("CI is set and no Docker engine answers `docker info`: the container tests cannot run");
+        panic!(
+            "CI is set and no Docker engine answers `docker info`: the container tests cannot run"
+        );
     }
     eprintln!("skipped: no Docker engine (`docker info` failed) and CI is unset");
     None
@@ -64,10 +68,7 @@ impl Docker {
     /// Builds the missing images with `scripts/images.sh`, once per test process.
     pub fn ensure_images(&self) {
         static BUILT: OnceLock<Mutex<bool>> = OnceLock::new();
-        let mut done = BUILT
-            .get_or_init(|| Mutex::new(false))
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut done = BUILT.get_or_init(|| Mutex::new(false)).lock();
         if *done {
             return;
         }
@@ -149,7 +150,11 @@ impl Network {
     pub fn create(d: &Docker, what: &str) -> Network {
         let name = format!("sf-{what}-{}", std::process::id());
         for third in 0..64u32 {
-            let prefix = format!("172.{}.{}", 28 + third / 16, 100 + (std::process::id() + third) % 150);
+            let prefix = format!(
+                "172.{}.{}",
+                28 + third / 16,
+                100 + (std::process::id() + third) % 150
+            );
             let o = d.output(&[
                 "network",
                 "create",
@@ -187,16 +192,13 @@ impl Network {
 
     /// Removes `container` with the network.
     pub fn adopt(&self, container: &str) {
-        self.containers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(container.to_string());
+        self.containers.lock().push(container.to_string());
     }
 }
 
 impl Drop for Network {
     fn drop(&mut self) {
-        let containers = std::mem::take(&mut *self.containers.lock().unwrap_or_else(|e| e.into_inner()));
+        let containers = std::mem::take(&mut *self.containers.lock());
         for c in containers.iter().rev() {
             let _ = Docker.output(&["rm", "-f", "-v", c]);
         }
