@@ -66,7 +66,10 @@ fn wait_for(d: &Docker, what: &str, sidecar: &str, mut probe: impl FnMut() -> bo
         }
         std::thread::sleep(Duration::from_millis(300));
     }
-    panic!("{what}: still not {want}; sidecar log:\n{}", d.logs(sidecar));
+    panic!(
+        "{what}: still not {want}; sidecar log:\n{}",
+        d.logs(sidecar)
+    );
 }
 
 #[test]
@@ -81,8 +84,11 @@ fn a_sidecar_enforces_its_applications_inbound_traffic_and_its_death_leaves_the_
         (net.ip(2), net.ip(10), net.ip(20), net.ip(21));
 
     let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("cluster.yaml"), manifests(&app_ip, &allowed_ip))
-        .expect("write manifests");
+    std::fs::write(
+        dir.path().join("cluster.yaml"),
+        manifests(&app_ip, &allowed_ip),
+    )
+    .expect("write manifests");
     // The image's calc-server runs as 65532: it writes status files beside the manifests.
     chown_to_nonroot(dir.path());
 
@@ -103,12 +109,30 @@ fn a_sidecar_enforces_its_applications_inbound_traffic_and_its_death_leaves_the_
         "split-felix/workload:bookworm",
         &["sh", "-c", "nc -lk 8080 >/dev/null"],
     );
-    let allowed = net.run("allowed", &allowed_ip, &[], "split-felix/workload:bookworm", &[]);
-    let denied = net.run("denied", &denied_ip, &[], "split-felix/workload:bookworm", &[]);
+    let allowed = net.run(
+        "allowed",
+        &allowed_ip,
+        &[],
+        "split-felix/workload:bookworm",
+        &[],
+    );
+    let denied = net.run(
+        "denied",
+        &denied_ip,
+        &[],
+        "split-felix/workload:bookworm",
+        &[],
+    );
     let connects = |from: &str| d.connects(from, &app_ip, 8080);
 
     // No sidecar yet: nothing is enforced.
-    wait_for(&d, "before the sidecar, allowed client", &app, || connects(&allowed), true);
+    wait_for(
+        &d,
+        "before the sidecar, allowed client",
+        &app,
+        || connects(&allowed),
+        true,
+    );
     assert!(connects(&denied), "before the sidecar, nothing is enforced");
 
     // The sidecar: the application's network namespace, NET_ADMIN and NET_RAW, nothing else.
@@ -130,7 +154,13 @@ fn a_sidecar_enforces_its_applications_inbound_traffic_and_its_death_leaves_the_
         "linux",
     ]);
     net.adopt(&sidecar);
-    wait_for(&d, "with the sidecar, denied client", &sidecar, || connects(&denied), false);
+    wait_for(
+        &d,
+        "with the sidecar, denied client",
+        &sidecar,
+        || connects(&denied),
+        false,
+    );
     assert!(connects(&allowed), "the policy's source is let in");
     let rules = d.exec_ok(&sidecar, &["iptables-save", "-t", "filter"]);
     assert!(rules.contains("cali-fh-eth0"), "{rules}");
