@@ -180,12 +180,40 @@ impl Network {
 
     /// `docker run -d` on this network at `ip`, named `<network>-<role>`: the name.
     pub fn run(&self, role: &str, ip: &str, extra: &[&str], image: &str, cmd: &[&str]) -> String {
+        self.container("run", role, ip, extra, image, cmd)
+    }
+
+    /// `docker create` (not started), as [`Network::run`]: to `docker cp` files in first.
+    pub fn create_container(
+        &self,
+        role: &str,
+        ip: &str,
+        extra: &[&str],
+        image: &str,
+        cmd: &[&str],
+    ) -> String {
+        self.container("create", role, ip, extra, image, cmd)
+    }
+
+    fn container(
+        &self,
+        verb: &str,
+        role: &str,
+        ip: &str,
+        extra: &[&str],
+        image: &str,
+        cmd: &[&str],
+    ) -> String {
         let name = format!("{}-{role}", self.name);
-        let mut args = vec!["--name", &name, "--network", &self.name, "--ip", ip];
+        let mut args = vec![verb];
+        if verb == "run" {
+            args.push("-d");
+        }
+        args.extend_from_slice(&["--name", &name, "--network", &self.name, "--ip", ip]);
         args.extend_from_slice(extra);
         args.push(image);
         args.extend_from_slice(cmd);
-        Docker.run_detached(&args);
+        Docker.ok(&args);
         self.adopt(&name);
         name
     }
