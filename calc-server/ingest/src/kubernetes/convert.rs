@@ -528,20 +528,7 @@ fn endpoint_slice(s: &EndpointSlice) -> Converted {
 /// A network-policy-api object → the same object as the graph's decoder reads it (see the
 /// module documentation).
 fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
-    let Value::Object(mut obj) = object else {
-        return Err("not a JSON object".into());
-    };
-    match obj.get("kind") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(k)) if k == kind.as_str() => {}
-        Some(other) => {
-            return Err(format!(
-                "kind {other} listed as {}.{}",
-                kind.plural(),
-                super::NETWORK_POLICY_API_GROUP
-            ));
-        }
-    }
+    let mut obj = listed_object(kind, super::NETWORK_POLICY_API_GROUP, object)?;
     let name = obj
         .get("metadata")
         .and_then(|m| m.get("name"))
@@ -554,22 +541,22 @@ fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
     Ok(Converted::Value(Value::Object(obj), Vec::new()))
 }
 
-/// A Calico CRD object → the v3 object it stores (see the module documentation).
-fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
-    let Value::Object(mut obj) = object else {
+/// An object listed as `kind` in `group`: a JSON object whose `kind`, when a list item carries
+/// one, is that kind.
+fn listed_object(kind: Kind, group: &str, object: Value) -> Result<Map<String, Value>, String> {
+    let Value::Object(obj) = object else {
         return Err("not a JSON object".into());
     };
     match obj.get("kind") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(k)) if k == kind.as_str() => {}
-        Some(other) => {
-            return Err(format!(
-                "kind {other} listed as {}.{}",
-                kind.plural(),
-                super::CRD_GROUP
-            ));
-        }
+        None | Some(Value::Null) => Ok(obj),
+        Some(Value::String(k)) if k == kind.as_str() => Ok(obj),
+        Some(other) => Err(format!("kind {other} listed as {}.{group}", kind.plural())),
     }
+}
+
+/// A Calico CRD object → the v3 object it stores (see the module documentation).
+fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
+    let mut obj = listed_object(kind, super::CRD_GROUP, object)?;
     obj.insert("kind".into(), kind.as_str().into());
     obj.insert("apiVersion".into(), API_VERSION.into());
     obj.remove("status");
