@@ -4,6 +4,7 @@
 //! `cargo test --workspace`). A missing or stale binary fails the test with that instruction
 //! rather than silently testing old code or skipping.
 
+pub mod compose;
 pub mod docker;
 pub mod fake_kube;
 
