@@ -170,6 +170,9 @@ pub enum DriverError {
     /// Programming routes failed.
     #[error("routes not programmed")]
     Routes(#[source] linux::routes::RouteError),
+    /// The nftables transaction (or the read-back before it) failed; nothing of it applied.
+    #[error("nftables")]
+    Nftables(#[source] linux::nft::NftError),
     /// The interface monitor or the netlink socket could not start.
     #[error("{what} could not start")]
     Netlink {
@@ -199,6 +202,10 @@ pub enum DriverKind {
     /// Programs iptables, ipsets, routes, interface sysctls and endpoint status in Calico's
     /// layout (root).
     Linux,
+    /// Programs the same policy as `linux` through nftables (`table ip calico` and
+    /// `table ip6 calico`, native sets, verdict maps), and shares its routes, interface
+    /// sysctls and endpoint status (root).
+    Nftables,
 }
 
 impl DriverKind {
@@ -207,6 +214,7 @@ impl DriverKind {
         match self {
             DriverKind::DryRun => "dry-run",
             DriverKind::Linux => "linux",
+            DriverKind::Nftables => "nftables",
         }
     }
 }
@@ -229,12 +237,14 @@ pub fn build(kind: DriverKind, options: &DriverOptions) -> anyhow::Result<Box<dy
             options.node_name.clone(),
             options.state_file.clone(),
         ))),
-        DriverKind::Linux => {
+        DriverKind::Linux | DriverKind::Nftables => {
             if !cfg!(target_os = "linux") {
-                anyhow::bail!("--driver linux needs Linux; use --driver dry-run");
+                anyhow::bail!("--driver {} needs Linux; use --driver dry-run", kind.name());
             }
+            let mut opts = options.linux.clone();
+            opts.nftables = kind == DriverKind::Nftables;
             Ok(Box::new(LinuxDriver::new(
-                options.linux.clone(),
+                opts,
                 Box::new(linux::runner::SystemRunner),
             )))
         }

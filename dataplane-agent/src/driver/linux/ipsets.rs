@@ -236,6 +236,22 @@ impl IpSets {
         refused
     }
 
+    /// Our desired sets by kernel name: type, family and members (normalised as `ipset save`
+    /// prints them), for a writer other than `ipset restore` (the nftables one).
+    pub fn desired_sets(
+        &self,
+    ) -> impl Iterator<Item = (&str, SetKind, IpVersion, &HashSet<String>)> {
+        self.desired
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.kind, d.version, &d.members))
+    }
+
+    /// The sets changed since the last call (by kernel name), for a writer that does not use
+    /// [`IpSets::apply_updates`].
+    pub fn take_dirty(&mut self) -> HashSet<String> {
+        std::mem::take(&mut self.dirty)
+    }
+
     /// Whether the set is known (given by an `IPSetUpdate` and not removed).
     pub fn contains(&self, id: &str) -> bool {
         self.versions

@@ -171,6 +171,11 @@ impl IpSetsManager {
         self.sets.refused()
     }
 
+    /// The sets themselves, for the nftables writer (which programs them as nft sets).
+    pub fn sets_mut(&mut self) -> &mut IpSets {
+        &mut self.sets
+    }
+
     /// (sets, members) of ours.
     pub fn counts(&self) -> (usize, usize) {
         self.sets.counts()

@@ -116,7 +116,7 @@ pub fn supports_masquerade_fully_random(
 
 /// The first `major.minor[.patch]` in text such as `iptables-restore v1.8.9 (nf_tables)` or
 /// `6.1.0-13-amd64`.
-fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+pub(crate) fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
     text.split(|c: char| !(c.is_ascii_digit() || c == '.'))
         .find_map(|word| {
             let mut parts = word.split('.').map(|p| p.parse::<u32>().ok());
@@ -441,6 +441,19 @@ impl Table {
             self.put_chain(chain, owner.as_deref());
         }
         n
+    }
+
+    /// Our desired chains: name, rules and their hashes (what another writer of the same
+    /// chains, the nftables one, takes as its input).
+    pub fn desired_chains(&self) -> impl Iterator<Item = (&str, &[Rule], &[String])> {
+        self.desired
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.rules.as_slice(), d.hashes.as_slice()))
+    }
+
+    /// The rules we keep in the kernel's own chains.
+    pub fn hooks(&self) -> &Hooks {
+        &self.hooks
     }
 
     pub fn remove_chain(&mut self, name: &str) {

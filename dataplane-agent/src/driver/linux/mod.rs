@@ -34,6 +34,7 @@ pub mod ipsets_mgr;
 pub mod iptables;
 pub mod masq_mgr;
 pub mod netlink;
+pub mod nft;
 pub mod policy_mgr;
 pub mod refusals;
 pub mod routes;
@@ -92,6 +93,8 @@ pub struct LinuxOptions {
     pub pinned: std::collections::BTreeSet<String>,
     /// Felix's `FeatureDetectOverride` for `MASQFullyRandom`: `None` detects it.
     pub masq_fully_random: Option<bool>,
+    /// Program nftables (`table ip calico`, native sets) instead of iptables and ipsets.
+    pub nftables: bool,
 }
 
 impl Default for LinuxOptions {
@@ -107,6 +110,7 @@ impl Default for LinuxOptions {
             route_protocol: 80,
             pinned: Default::default(),
             masq_fully_random: None,
+            nftables: false,
         }
     }
 }
@@ -145,6 +149,11 @@ pub struct LinuxDriver {
     routes: RouteManager,
     /// The last apply failed (endpoints changed since then report "error").
     apply_failed: bool,
+    /// The nftables writer, when the driver programs nftables instead of iptables.
+    nft: Option<nft::NftTables>,
+    /// The other dataplane's state of ours (iptables and ipsets under nftables, the `calico`
+    /// tables under iptables) is still to be removed, after our first complete apply.
+    sweep_other: bool,
 }
 
 impl LinuxDriver {
@@ -179,6 +188,7 @@ impl LinuxDriver {
             Backend::Auto => None,
             b => Some(b),
         };
+        let versions_for_nft = versions.clone();
         Self {
             runner,
             backend,
@@ -197,6 +207,10 @@ impl LinuxDriver {
                 versions,
             ),
             ifaces,
+            nft: opts
+                .nftables
+                .then(|| nft::NftTables::new(&versions_for_nft)),
+            sweep_other: true,
             config: ConfigManager::new(opts),
             apply_failed: false,
         }
@@ -239,6 +253,20 @@ impl LinuxDriver {
         if changes.render {
             self.policy.dirty_all();
         }
+        if self.random_fully_supported.is_none() && self.nft.is_some() {
+            // nft's `masquerade fully-random` needs no iptables; the kernel is the limit.
+            let supported = self
+                .routes
+                .kernel_release()
+                .as_deref()
+                .and_then(iptables::parse_version)
+                .is_some_and(|k| k >= (3, 14, 0));
+            info!(
+                masquerade_random_fully = supported,
+                "nftables dataplane; features detected"
+            );
+            self.random_fully_supported = Some(supported);
+        }
         if self.random_fully_supported.is_none() {
             let b = match self.backend {
                 Some(b) => b,
@@ -257,7 +285,6 @@ impl LinuxDriver {
             self.backend = Some(b);
             self.random_fully_supported = Some(supported);
         }
-        let backend = self.backend.expect("resolved above");
         if self.masq.apply(&mut self.ipsets) {
             self.config.mark_statics_dirty();
         }
@@ -271,6 +298,10 @@ impl LinuxDriver {
         self.policy
             .apply(&mut self.tables, &opts.render, &self.ipsets);
         self.endpoints.apply(&mut self.tables, opts);
+        if self.nft.is_some() {
+            return self.program_nftables();
+        }
+        let backend = self.backend.expect("resolved above");
 
         // Sets the kernel refused (or took back): the rules using them fail closed (or open
         // up again) in this same apply.
@@ -346,8 +377,77 @@ impl LinuxDriver {
             .map_err(|source| DriverError::IpSets {
                 stage: "destroyed",
                 source,
-            })
+            })?;
+        if self.sweep_other {
+            // Our nftables tables, from a time this node ran `--driver nftables`: removed only
+            // now that iptables enforces everything, so there is no moment without policy.
+            match nft::remove_tables(self.runner.as_mut()) {
+                Ok(n) => {
+                    if n > 0 {
+                        info!(tables = n, "nftables state of the nftables driver removed");
+                    }
+                    self.sweep_other = false;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "could not remove the nftables driver's tables; will retry")
+                }
+            }
+        }
+        Ok(())
     }
+
+    /// The nftables half of [`LinuxDriver::program`]: one transaction for every chain and set,
+    /// then routes; then, once, the iptables driver's state goes.
+    fn program_nftables(&mut self) -> Result<(), DriverError> {
+        let nft = self.nft.as_mut().expect("nftables mode");
+        let stats = nft
+            .apply(self.runner.as_mut(), &self.tables, self.ipsets.sets_mut())
+            .map_err(DriverError::Nftables)?;
+        if stats != Default::default() {
+            tracing::debug!(?stats, "nftables transaction applied");
+        }
+        self.refusals.kernel = BTreeMap::new();
+        self.routes
+            .apply(self.endpoints.workloads(), self.config.opts())
+            .map_err(DriverError::Routes)?;
+        if self.sweep_other {
+            match sweep_iptables(self.runner.as_mut(), self.tables.versions(), self.backend) {
+                Ok(()) => self.sweep_other = false,
+                Err(error) => tracing::warn!(
+                    error = %error,
+                    "could not remove the iptables driver's rules and IP sets; will retry"
+                ),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Removes the iptables driver's state (our chains, our rules in the kernel's chains, our IP
+/// sets; recognised by name and rule comment as that driver does) by programming empty tables
+/// and sets. Used by the nftables driver once its own rules are in place. A machine without
+/// iptables or ipset has nothing to remove.
+fn sweep_iptables(
+    runner: &mut dyn CommandRunner,
+    versions: &[IpVersion],
+    backend: Option<Backend>,
+) -> anyhow::Result<()> {
+    let installed = |runner: &mut dyn CommandRunner, tool: &str| !matches!(runner.run(tool, &["--version"], None), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+    if installed(runner, "iptables-save") || installed(runner, "iptables-legacy-save") {
+        let backend = backend.unwrap_or_else(|| iptables::detect_backend(runner));
+        let mut tables = Tables::new(versions, 10);
+        tables.read_back(runner, backend)?;
+        tables.apply(runner, backend)?;
+    }
+    if installed(runner, "ipset") {
+        let mut sets = ipsets::IpSets::new(versions.to_vec());
+        sets.apply_updates(runner)?;
+        let n = sets.apply_deletions(runner)?;
+        if n > 0 {
+            info!(sets = n, "IP sets of the iptables driver destroyed");
+        }
+    }
+    Ok(())
 }
 
 impl Driver for LinuxDriver {
@@ -415,6 +515,9 @@ impl Driver for LinuxDriver {
     }
 
     fn request_refresh(&mut self) {
+        if let Some(nft) = &mut self.nft {
+            nft.invalidate();
+        }
         self.tables.invalidate();
         self.ipsets.invalidate();
         // Routes, and interface settings and neighbours too.

@@ -176,9 +176,9 @@ impl Rule {
         for c in &self.comments {
             let _ = write!(out, " -m comment --comment {}", quote::comment_arg(c));
         }
-        if !self.matches.0.is_empty() {
+        if !self.matches.is_empty() {
             out.push(' ');
-            out.push_str(&self.matches.0);
+            self.matches.render_iptables(&mut out);
         }
         out.push(' ');
         self.action.render(&mut out);
@@ -196,20 +196,161 @@ pub fn hash_comment(hash: &str) -> String {
     format!("-m comment --comment \"cali:{hash}\"")
 }
 
-/// Match criteria built fragment by fragment, in iptables syntax.
+/// Which address of a packet a match looks at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    Src,
+    Dst,
+}
+
+/// How a mark match tests its bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MarkTest {
+    /// `(mark & bits) == 0`.
+    Clear,
+    /// `(mark & bits) == bits`.
+    Set,
+    /// `(mark & bits) != 0`.
+    NotClear,
+}
+
+/// One match criterion. Kept structured so that each backend renders it in its own syntax
+/// (`iptables-restore` here, `nft -f` in `nft::render`); strings in it are validated values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frag {
+    /// An interface name; a trailing `+` is iptables' wildcard.
+    InIface(String),
+    OutIface(String),
+    Mark(MarkTest, u32),
+    /// Strict reverse-path check failed (with the packet's mark in the lookup).
+    RpfFailed,
+    /// Conntrack states in iptables' spelling (`RELATED,ESTABLISHED`).
+    CtState {
+        state: String,
+        negated: bool,
+    },
+    Protocol {
+        proto: String,
+        negated: bool,
+    },
+    Net {
+        dir: Dir,
+        cidr: String,
+        negated: bool,
+    },
+    /// An IP set by kernel name; `ip_port` for `hash:ip,port` sets (address, protocol, port).
+    Set {
+        dir: Dir,
+        name: String,
+        ip_port: bool,
+        negated: bool,
+    },
+    /// Ports as `80,443,8000:8080`.
+    Ports {
+        dir: Dir,
+        ports: String,
+        negated: bool,
+    },
+    Icmp {
+        v: IpVersion,
+        ty: i32,
+        code: Option<i32>,
+        negated: bool,
+    },
+}
+
+impl Frag {
+    /// The fragment in `iptables-restore` syntax.
+    fn render_iptables(&self, out: &mut String) {
+        let not = |n: bool| if n { "! " } else { "" };
+        let d = |dir: Dir| match dir {
+            Dir::Src => "src",
+            Dir::Dst => "dst",
+        };
+        let _ = match self {
+            Frag::InIface(i) => write!(out, "--in-interface {}", quote::arg(i)),
+            Frag::OutIface(i) => write!(out, "--out-interface {}", quote::arg(i)),
+            Frag::Mark(MarkTest::Clear, b) => write!(out, "-m mark --mark 0/{b:#x}"),
+            Frag::Mark(MarkTest::Set, b) => write!(out, "-m mark --mark {b:#x}/{b:#x}"),
+            Frag::Mark(MarkTest::NotClear, b) => write!(out, "-m mark ! --mark 0/{b:#x}"),
+            Frag::RpfFailed => write!(out, "-m rpfilter --validmark --invert"),
+            Frag::CtState { state, negated } => write!(
+                out,
+                "-m conntrack {}--ctstate {}",
+                not(*negated),
+                quote::arg(state)
+            ),
+            Frag::Protocol { proto, negated } => {
+                write!(out, "{}--protocol {}", not(*negated), quote::arg(proto))
+            }
+            Frag::Net { dir, cidr, negated } => {
+                let opt = match dir {
+                    Dir::Src => "--source",
+                    Dir::Dst => "--destination",
+                };
+                write!(out, "{}{opt} {}", not(*negated), quote::arg(cidr))
+            }
+            Frag::Set {
+                dir,
+                name,
+                ip_port,
+                negated,
+            } => {
+                let flags = if *ip_port {
+                    format!("{0},{0}", d(*dir))
+                } else {
+                    d(*dir).to_owned()
+                };
+                write!(
+                    out,
+                    "-m set {}--match-set {} {flags}",
+                    not(*negated),
+                    quote::arg(name)
+                )
+            }
+            Frag::Ports {
+                dir,
+                ports,
+                negated,
+            } => {
+                let opt = match dir {
+                    Dir::Src => "--source-ports",
+                    Dir::Dst => "--destination-ports",
+                };
+                write!(
+                    out,
+                    "-m multiport {}{opt} {}",
+                    not(*negated),
+                    quote::arg(ports)
+                )
+            }
+            Frag::Icmp {
+                v,
+                ty,
+                code,
+                negated,
+            } => {
+                let (m, opt) = icmp_names(*v);
+                match code {
+                    Some(c) => write!(out, "-m {m} {}--{opt} {ty}/{c}", not(*negated)),
+                    None => write!(out, "-m {m} {}--{opt} {ty}", not(*negated)),
+                }
+            }
+        };
+    }
+}
+
+/// Match criteria built fragment by fragment; all must hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Match(String);
+pub struct Match(Vec<Frag>);
 
 impl Match {
     pub fn new() -> Self {
-        Self(String::new())
+        Self(Vec::new())
     }
 
-    fn push(mut self, frag: std::fmt::Arguments<'_>) -> Self {
-        if !self.0.is_empty() {
-            self.0.push(' ');
-        }
-        let _ = self.0.write_fmt(frag);
+    fn push(mut self, frag: Frag) -> Self {
+        self.0.push(frag);
         self
     }
 
@@ -217,154 +358,187 @@ impl Match {
         self.0.is_empty()
     }
 
-    pub fn as_str(&self) -> &str {
+    pub fn frags(&self) -> &[Frag] {
         &self.0
     }
 
-    /// This match followed by another's fragments.
-    pub fn and(self, other: &Match) -> Self {
-        if other.0.is_empty() {
-            return self;
+    /// The criteria in `iptables-restore` syntax.
+    pub fn render_iptables(&self, out: &mut String) {
+        for (i, f) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(' ');
+            }
+            f.render_iptables(out);
         }
-        self.push(format_args!("{}", other.0))
+    }
+
+    /// This match followed by another's fragments.
+    pub fn and(mut self, other: &Match) -> Self {
+        self.0.extend(other.0.iter().cloned());
+        self
     }
 
     pub fn in_iface(self, iface: &str) -> Self {
-        self.push(format_args!("--in-interface {}", quote::arg(iface)))
+        self.push(Frag::InIface(iface.to_owned()))
     }
     pub fn out_iface(self, iface: &str) -> Self {
-        self.push(format_args!("--out-interface {}", quote::arg(iface)))
+        self.push(Frag::OutIface(iface.to_owned()))
     }
     /// `(mark & bits) == 0`.
     pub fn mark_clear(self, bits: u32) -> Self {
-        self.push(format_args!("-m mark --mark 0/{bits:#x}"))
+        self.push(Frag::Mark(MarkTest::Clear, bits))
     }
     /// `(mark & bit) == bit`.
     pub fn mark_set(self, bit: u32) -> Self {
-        self.push(format_args!("-m mark --mark {bit:#x}/{bit:#x}"))
+        self.push(Frag::Mark(MarkTest::Set, bit))
     }
     /// `(mark & bits) != 0`.
     pub fn mark_not_clear(self, bits: u32) -> Self {
-        self.push(format_args!("-m mark ! --mark 0/{bits:#x}"))
+        self.push(Frag::Mark(MarkTest::NotClear, bits))
     }
     /// The packet's source fails strict reverse-path filtering (`-m rpfilter --validmark
     /// --invert`): it would not be routed back out of the interface it came in on.
     pub fn rpf_check_failed(self) -> Self {
-        self.push(format_args!("-m rpfilter --validmark --invert"))
+        self.push(Frag::RpfFailed)
     }
     pub fn conntrack_state(self, state: &str) -> Self {
-        self.push(format_args!("-m conntrack --ctstate {}", quote::arg(state)))
-    }
-    pub fn not_conntrack_state(self, state: &str) -> Self {
-        self.push(format_args!(
-            "-m conntrack ! --ctstate {}",
-            quote::arg(state)
-        ))
-    }
-    pub fn protocol(self, p: &str) -> Self {
-        self.push(format_args!("--protocol {}", quote::arg(p)))
-    }
-    pub fn not_protocol(self, p: &str) -> Self {
-        self.push(format_args!("! --protocol {}", quote::arg(p)))
-    }
-    pub fn src_net(self, cidr: &str) -> Self {
-        self.push(format_args!("--source {}", quote::arg(cidr)))
-    }
-    pub fn not_src_net(self, cidr: &str) -> Self {
-        self.push(format_args!("! --source {}", quote::arg(cidr)))
-    }
-    pub fn dst_net(self, cidr: &str) -> Self {
-        self.push(format_args!("--destination {}", quote::arg(cidr)))
-    }
-    pub fn not_dst_net(self, cidr: &str) -> Self {
-        self.push(format_args!("! --destination {}", quote::arg(cidr)))
-    }
-    /// This match with every `--match-set from` naming `to` instead; `None` if it names no
-    /// such set.
-    pub fn with_set_renamed(&self, from: &str, to: &str) -> Option<Self> {
-        let old = format!("--match-set {} ", quote::arg(from));
-        self.0.contains(&old).then(|| {
-            Self(
-                self.0
-                    .replace(&old, &format!("--match-set {} ", quote::arg(to))),
-            )
+        self.push(Frag::CtState {
+            state: state.to_owned(),
+            negated: false,
         })
     }
+    pub fn not_conntrack_state(self, state: &str) -> Self {
+        self.push(Frag::CtState {
+            state: state.to_owned(),
+            negated: true,
+        })
+    }
+    pub fn protocol(self, p: &str) -> Self {
+        self.push(Frag::Protocol {
+            proto: p.to_owned(),
+            negated: false,
+        })
+    }
+    pub fn not_protocol(self, p: &str) -> Self {
+        self.push(Frag::Protocol {
+            proto: p.to_owned(),
+            negated: true,
+        })
+    }
+    fn net(self, dir: Dir, cidr: &str, negated: bool) -> Self {
+        self.push(Frag::Net {
+            dir,
+            cidr: cidr.to_owned(),
+            negated,
+        })
+    }
+    pub fn src_net(self, cidr: &str) -> Self {
+        self.net(Dir::Src, cidr, false)
+    }
+    pub fn not_src_net(self, cidr: &str) -> Self {
+        self.net(Dir::Src, cidr, true)
+    }
+    pub fn dst_net(self, cidr: &str) -> Self {
+        self.net(Dir::Dst, cidr, false)
+    }
+    pub fn not_dst_net(self, cidr: &str) -> Self {
+        self.net(Dir::Dst, cidr, true)
+    }
+    /// This match with every reference to set `from` naming `to` instead; `None` if it names
+    /// no such set.
+    pub fn with_set_renamed(&self, from: &str, to: &str) -> Option<Self> {
+        let mut any = false;
+        let frags = self
+            .0
+            .iter()
+            .map(|f| match f {
+                Frag::Set {
+                    dir,
+                    name,
+                    ip_port,
+                    negated,
+                } if name == from => {
+                    any = true;
+                    Frag::Set {
+                        dir: *dir,
+                        name: to.to_owned(),
+                        ip_port: *ip_port,
+                        negated: *negated,
+                    }
+                }
+                other => other.clone(),
+            })
+            .collect();
+        any.then_some(Self(frags))
+    }
 
+    fn set(self, dir: Dir, name: &str, ip_port: bool, negated: bool) -> Self {
+        self.push(Frag::Set {
+            dir,
+            name: name.to_owned(),
+            ip_port,
+            negated,
+        })
+    }
     pub fn src_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {} src", quote::arg(set)))
+        self.set(Dir::Src, set, false, false)
     }
     pub fn not_src_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {} src", quote::arg(set)))
+        self.set(Dir::Src, set, false, true)
     }
     pub fn dst_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set --match-set {} dst", quote::arg(set)))
+        self.set(Dir::Dst, set, false, false)
     }
     pub fn not_dst_set(self, set: &str) -> Self {
-        self.push(format_args!("-m set ! --match-set {} dst", quote::arg(set)))
+        self.set(Dir::Dst, set, false, true)
     }
     pub fn src_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!(
-            "-m set --match-set {} src,src",
-            quote::arg(set)
-        ))
+        self.set(Dir::Src, set, true, false)
     }
     pub fn not_src_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!(
-            "-m set ! --match-set {} src,src",
-            quote::arg(set)
-        ))
+        self.set(Dir::Src, set, true, true)
     }
     pub fn dst_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!(
-            "-m set --match-set {} dst,dst",
-            quote::arg(set)
-        ))
+        self.set(Dir::Dst, set, true, false)
     }
     pub fn not_dst_ip_port_set(self, set: &str) -> Self {
-        self.push(format_args!(
-            "-m set ! --match-set {} dst,dst",
-            quote::arg(set)
-        ))
+        self.set(Dir::Dst, set, true, true)
+    }
+    fn ports(self, dir: Dir, ports: &str, negated: bool) -> Self {
+        self.push(Frag::Ports {
+            dir,
+            ports: ports.to_owned(),
+            negated,
+        })
     }
     /// `ports` already rendered as `80,443,8000:8080` (at most 15 slots).
     pub fn src_ports(self, ports: &str) -> Self {
-        self.push(format_args!(
-            "-m multiport --source-ports {}",
-            quote::arg(ports)
-        ))
+        self.ports(Dir::Src, ports, false)
     }
     pub fn not_src_ports(self, ports: &str) -> Self {
-        self.push(format_args!(
-            "-m multiport ! --source-ports {}",
-            quote::arg(ports)
-        ))
+        self.ports(Dir::Src, ports, true)
     }
     pub fn dst_ports(self, ports: &str) -> Self {
-        self.push(format_args!(
-            "-m multiport --destination-ports {}",
-            quote::arg(ports)
-        ))
+        self.ports(Dir::Dst, ports, false)
     }
     pub fn not_dst_ports(self, ports: &str) -> Self {
-        self.push(format_args!(
-            "-m multiport ! --destination-ports {}",
-            quote::arg(ports)
-        ))
+        self.ports(Dir::Dst, ports, true)
     }
     pub fn icmp_type(self, v: IpVersion, ty: i32, code: Option<i32>) -> Self {
-        let (m, opt) = icmp_names(v);
-        match code {
-            Some(c) => self.push(format_args!("-m {m} --{opt} {ty}/{c}")),
-            None => self.push(format_args!("-m {m} --{opt} {ty}")),
-        }
+        self.push(Frag::Icmp {
+            v,
+            ty,
+            code,
+            negated: false,
+        })
     }
     pub fn not_icmp_type(self, v: IpVersion, ty: i32, code: Option<i32>) -> Self {
-        let (m, opt) = icmp_names(v);
-        match code {
-            Some(c) => self.push(format_args!("-m {m} ! --{opt} {ty}/{c}")),
-            None => self.push(format_args!("-m {m} ! --{opt} {ty}")),
-        }
+        self.push(Frag::Icmp {
+            v,
+            ty,
+            code,
+            negated: true,
+        })
     }
 }
 

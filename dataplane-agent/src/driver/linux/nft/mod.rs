@@ -1,0 +1,812 @@
+//! The nftables writer: the chains the managers render into [`Tables`] and the sets in
+//! [`IpSets`], programmed as Felix's nftables mode lays them out (one `calico` table per family,
+//! chains prefixed with their iptables table, base chains hooked at the iptables priorities,
+//! IP sets as native sets, workload dispatch through `ifname` verdict maps).
+//!
+//! Contract: every [`NftTables::apply`] is one `nft -f -` transaction holding only what differs
+//! from the kernel view (chains replaced whole, set and map elements added and removed, stale
+//! objects deleted), so the kernel moves from one complete state to the next with nothing in
+//! between; when it fails nothing changed and the view is read back before the retry.
+//! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
+//! repair what changed behind our back. Everything in the `calico` tables is ours.
+
+pub mod render;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use tracing::{debug, warn};
+
+use super::ipsets::{IpSets, SetKind};
+use super::rules::static_chains::{FROM_WL_DISPATCH, TO_WL_DISPATCH};
+use super::rules::{Action, Frag, IpVersion, Rule};
+use super::runner::CommandRunner;
+use super::tables::Tables;
+
+/// The table of ours in each family.
+pub const TABLE: &str = "calico";
+
+/// Statements per element command (keeps single lines of a big transaction reasonable).
+const ELEMENTS_PER_STATEMENT: usize = 1000;
+
+/// Why the nftables state could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("could not run nft")]
+    Spawn(#[source] std::io::Error),
+    #[error("nft {what} failed: {stderr}")]
+    Failed { what: &'static str, stderr: String },
+    #[error("nft -j list table {family} {TABLE} printed what we cannot read: {reason}")]
+    Parse {
+        family: &'static str,
+        reason: String,
+    },
+}
+
+/// A base chain's hook: (type, hook, priority), as Felix's nftables mode declares them.
+fn base_chain(table: &str, chain: &str) -> Option<(&'static str, &'static str, i32)> {
+    Some(match (table, chain) {
+        ("raw", "PREROUTING") => ("filter", "prerouting", -300),
+        ("raw", "OUTPUT") => ("filter", "output", -300),
+        ("mangle", "PREROUTING") => ("filter", "prerouting", -150),
+        ("mangle", "INPUT") => ("filter", "input", -150),
+        ("mangle", "FORWARD") => ("filter", "forward", -150),
+        ("mangle", "OUTPUT") => ("route", "output", -150),
+        ("mangle", "POSTROUTING") => ("filter", "postrouting", -150),
+        ("filter", "INPUT") => ("filter", "input", 0),
+        ("filter", "FORWARD") => ("filter", "forward", 0),
+        ("filter", "OUTPUT") => ("filter", "output", 0),
+        ("nat", "PREROUTING") => ("nat", "prerouting", -100),
+        ("nat", "INPUT") => ("nat", "input", -100),
+        ("nat", "OUTPUT") => ("nat", "output", 110),
+        ("nat", "POSTROUTING") => ("nat", "postrouting", 110),
+        _ => return None,
+    })
+}
+
+/// One chain as it is written: full rule texts (comment included) and their hashes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Rendered {
+    /// What it was rendered from (the iptables hashes), to skip rendering it again.
+    source: Vec<String>,
+    /// `type filter hook forward priority 0; policy accept;` for base chains.
+    hook: Option<String>,
+    rules: Vec<String>,
+    hashes: Vec<String>,
+    /// A verdict map the chain looks interfaces up in: (is the key the input interface,
+    /// elements `"iface" : goto chain`).
+    map: Option<(bool, BTreeSet<String>)>,
+}
+
+/// A set or map in the kernel: its declaration (type and flags) and elements.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct KernelSet {
+    decl: String,
+    elems: HashSet<String>,
+}
+
+/// What one family's `calico` table holds, as last read or written.
+#[derive(Clone, Debug, Default)]
+struct KernelView {
+    exists: bool,
+    chains: HashMap<String, Vec<String>>,
+    sets: HashMap<String, KernelSet>,
+}
+
+struct Family {
+    v: IpVersion,
+    rendered: HashMap<String, Rendered>,
+    kernel: Option<KernelView>,
+    /// `invalidate` dropped a view we trusted: report drift at the next read back.
+    check_drift: bool,
+}
+
+/// Counts of what one apply wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NftStats {
+    pub chains_written: usize,
+    pub chains_deleted: usize,
+    pub elements_added: usize,
+    pub elements_removed: usize,
+    pub sets_created: usize,
+    pub sets_deleted: usize,
+    pub read_back: bool,
+}
+
+/// The nftables writer (see the module documentation).
+pub struct NftTables {
+    families: Vec<Family>,
+}
+
+/// The planned transaction of one family, and the view it leads to.
+struct Plan {
+    script: String,
+    stats: NftStats,
+    view: KernelView,
+}
+
+impl NftTables {
+    pub fn new(versions: &[IpVersion]) -> Self {
+        Self {
+            families: versions
+                .iter()
+                .map(|v| Family {
+                    v: *v,
+                    rendered: HashMap::new(),
+                    kernel: None,
+                    check_drift: false,
+                })
+                .collect(),
+        }
+    }
+
+    /// The next apply reads the kernel back and repairs what differs.
+    pub fn invalidate(&mut self) {
+        for f in &mut self.families {
+            f.check_drift |= f.kernel.take().is_some();
+        }
+    }
+
+    /// Writes what differs between the desired chains and sets and the kernel, in one
+    /// transaction for every family.
+    pub fn apply(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        tables: &Tables,
+        sets: &mut IpSets,
+    ) -> Result<NftStats, NftError> {
+        let dirty = sets.take_dirty();
+        let mut script = String::new();
+        let mut plans = Vec::new();
+        let mut stats = NftStats::default();
+        for f in &mut self.families {
+            let mut full = false;
+            if f.kernel.is_none() {
+                let view = read_back(runner, f.v)?;
+                stats.read_back = true;
+                full = true;
+                f.kernel = Some(view);
+            }
+            let plan = f.plan(tables, sets, &dirty, full);
+            if f.check_drift && !plan.script.is_empty() {
+                warn!(
+                    family = render::family(f.v),
+                    chains = plan.stats.chains_written,
+                    elements = plan.stats.elements_added + plan.stats.elements_removed,
+                    "nftables state of ours was changed outside the agent; repairing it"
+                );
+            }
+            f.check_drift = false;
+            script.push_str(&plan.script);
+            plans.push(plan);
+        }
+        if script.is_empty() {
+            return Ok(stats);
+        }
+        match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
+            Ok(_) => {
+                for (f, plan) in self.families.iter_mut().zip(plans) {
+                    add_stats(&mut stats, &plan.stats);
+                    f.kernel = Some(plan.view);
+                }
+                debug!(?stats, bytes = script.len(), "nftables programmed");
+                Ok(stats)
+            }
+            Err(e) => {
+                // Nothing changed, but our view may have been wrong: read back before retrying.
+                for f in &mut self.families {
+                    f.kernel = None;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Rules of ours in the kernel view, all families.
+    pub fn rule_count(&self) -> usize {
+        self.families
+            .iter()
+            .filter_map(|f| f.kernel.as_ref())
+            .map(|k| k.chains.values().map(Vec::len).sum::<usize>())
+            .sum()
+    }
+}
+
+fn add_stats(total: &mut NftStats, s: &NftStats) {
+    total.chains_written += s.chains_written;
+    total.chains_deleted += s.chains_deleted;
+    total.elements_added += s.elements_added;
+    total.elements_removed += s.elements_removed;
+    total.sets_created += s.sets_created;
+    total.sets_deleted += s.sets_deleted;
+}
+
+impl Family {
+    /// Renders what changed since the last apply and diffs it against the kernel view.
+    fn plan(
+        &mut self,
+        tables: &Tables,
+        sets: &IpSets,
+        dirty: &HashSet<String>,
+        full: bool,
+    ) -> Plan {
+        let v = self.v;
+        let fam = render::family(v);
+        let mut view = self.kernel.clone().unwrap_or_default();
+        let mut stats = NftStats::default();
+
+        // Desired chains, rendered again only where their iptables rules changed.
+        let mut wanted: HashSet<String> = HashSet::new();
+        for t in tables.iter().filter(|t| t.version() == v) {
+            let table = t.name();
+            for (name, rules, hashes) in t.desired_chains() {
+                let nft = render::chain_name(table, name);
+                if self.rendered.get(&nft).is_none_or(|r| r.source != hashes) {
+                    let r = render_chain(table, name, &nft, rules, v, hashes.to_vec());
+                    self.rendered.insert(nft.clone(), r);
+                }
+                wanted.insert(nft);
+            }
+            let hooks = t.hooks();
+            let kernel_chains: BTreeSet<&String> =
+                hooks.inserts.keys().chain(hooks.appends.keys()).collect();
+            for k in kernel_chains {
+                let Some((ty, hook, prio)) = base_chain(table, k) else {
+                    warn!(table, chain = %k, "no nftables hook for this chain; its rules are not programmed");
+                    continue;
+                };
+                let rules: Vec<Rule> = hooks
+                    .inserts
+                    .get(k)
+                    .into_iter()
+                    .chain(hooks.appends.get(k))
+                    .flatten()
+                    .cloned()
+                    .collect();
+                let nft = render::chain_name(table, k);
+                let mut r = render_chain(table, k, &nft, &rules, v, Vec::new());
+                r.hook = Some(format!(
+                    "type {ty} hook {hook} priority {prio}; policy accept;"
+                ));
+                self.rendered.insert(nft.clone(), r);
+                wanted.insert(nft);
+            }
+        }
+        self.rendered.retain(|n, _| wanted.contains(n));
+
+        let mut decls = String::new();
+        let mut flushes = String::new();
+        let mut recreate = String::new();
+        let mut removals = String::new();
+        let mut additions = String::new();
+        let mut rules = String::new();
+        let mut deletions = String::new();
+
+        if !view.exists {
+            let _ = writeln!(decls, "add table {fam} {TABLE}");
+            view.exists = true;
+        }
+
+        // Sets: created, recreated with a new type, elements added and removed.
+        let mut wanted_sets: HashSet<String> = HashSet::new();
+        let mut retyped: Vec<String> = Vec::new();
+        for (ipset, kind, sv, members) in sets.desired_sets() {
+            if sv != v {
+                continue;
+            }
+            let name = render::set_name(ipset);
+            wanted_sets.insert(name.clone());
+            let decl = set_decl(kind, v);
+            let is_new = !view.sets.contains_key(&name);
+            let type_changed = view.sets.get(&name).is_some_and(|k| k.decl != decl);
+            if !(is_new || type_changed || full || dirty.contains(ipset)) {
+                continue;
+            }
+            let elems = set_elements(kind, members);
+            if is_new || type_changed {
+                if type_changed {
+                    let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
+                    retyped.push(name.clone());
+                }
+                let target = if is_new { &mut decls } else { &mut recreate };
+                let _ = writeln!(
+                    target,
+                    "add set {fam} {TABLE} {name} {{ {} }}",
+                    decl_text(kind, v)
+                );
+                stats.sets_created += 1;
+                let all: Vec<&String> = elems.iter().collect();
+                stats.elements_added += element_ops(&mut additions, "add", fam, &name, &all);
+                view.sets.insert(name, KernelSet { decl, elems });
+            } else {
+                let k = view.sets.get_mut(&name).expect("checked above");
+                let gone: Vec<&String> = k.elems.difference(&elems).collect();
+                let new: Vec<&String> = elems.difference(&k.elems).collect();
+                stats.elements_removed += element_ops(&mut removals, "delete", fam, &name, &gone);
+                stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
+                k.elems = elems;
+            }
+        }
+
+        // Verdict maps of the dispatch chains.
+        for (chain, r) in &self.rendered {
+            let Some((_, elems)) = &r.map else { continue };
+            wanted_sets.insert(chain.clone());
+            let decl = "ifname : verdict".to_owned();
+            let elems: HashSet<String> = elems.iter().cloned().collect();
+            match view.sets.get_mut(chain) {
+                Some(k) if k.decl == decl => {
+                    let gone: Vec<&String> = k.elems.difference(&elems).collect();
+                    let new: Vec<&String> = elems.difference(&k.elems).collect();
+                    stats.elements_removed +=
+                        element_ops(&mut removals, "delete", fam, chain, &gone);
+                    stats.elements_added += element_ops(&mut additions, "add", fam, chain, &new);
+                    k.elems = elems;
+                }
+                existing => {
+                    if existing.is_some() {
+                        let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
+                    }
+                    let target = if existing.is_some() {
+                        &mut recreate
+                    } else {
+                        &mut decls
+                    };
+                    let _ = writeln!(
+                        target,
+                        "add map {fam} {TABLE} {chain} {{ type ifname : verdict; }}"
+                    );
+                    let all: Vec<&String> = elems.iter().collect();
+                    stats.elements_added += element_ops(&mut additions, "add", fam, chain, &all);
+                    view.sets.insert(chain.clone(), KernelSet { decl, elems });
+                    stats.sets_created += 1;
+                }
+            }
+        }
+
+        // Chains whose rules differ (or that use a set being recreated) are replaced whole.
+        let mut writes: Vec<&String> = self
+            .rendered
+            .iter()
+            .filter(|(name, r)| {
+                view.chains.get(*name) != Some(&r.hashes)
+                    || retyped
+                        .iter()
+                        .any(|s| r.rules.iter().any(|rule| references_set(rule, s)))
+            })
+            .map(|(n, _)| n)
+            .collect();
+        writes.sort();
+        for name in writes {
+            let r = &self.rendered[name];
+            if let Some(hook) = &r.hook {
+                let _ = writeln!(decls, "add chain {fam} {TABLE} {name} {{ {hook} }}");
+            } else if !view.chains.contains_key(name) {
+                let _ = writeln!(decls, "add chain {fam} {TABLE} {name}");
+            }
+            if view.chains.contains_key(name) {
+                let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
+            }
+            for rule in &r.rules {
+                let _ = writeln!(rules, "add rule {fam} {TABLE} {name} {rule}");
+            }
+            view.chains.insert(name.clone(), r.hashes.clone());
+            stats.chains_written += 1;
+        }
+
+        // Stale objects: flushed first, deleted last (maps and sets before the chains they
+        // name; chains once nothing jumps to them).
+        let mut stale_chains: Vec<String> = view
+            .chains
+            .keys()
+            .filter(|n| !self.rendered.contains_key(*n))
+            .cloned()
+            .collect();
+        stale_chains.sort();
+        let mut stale_sets: Vec<String> = view
+            .sets
+            .keys()
+            .filter(|n| !wanted_sets.contains(*n))
+            .cloned()
+            .collect();
+        stale_sets.sort();
+        for name in &stale_chains {
+            let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
+        }
+        for name in &stale_sets {
+            let k = view.sets.remove(name).expect("listed above");
+            let what = if k.decl.contains(" : ") { "map" } else { "set" };
+            let _ = writeln!(deletions, "delete {what} {fam} {TABLE} {name}");
+            stats.sets_deleted += 1;
+        }
+        for name in &stale_chains {
+            let _ = writeln!(deletions, "delete chain {fam} {TABLE} {name}");
+            view.chains.remove(name);
+            stats.chains_deleted += 1;
+        }
+
+        let mut script = String::new();
+        let changed = !(flushes.is_empty()
+            && recreate.is_empty()
+            && removals.is_empty()
+            && additions.is_empty()
+            && rules.is_empty()
+            && deletions.is_empty());
+        if changed || !decls.is_empty() {
+            script = decls + &flushes + &recreate + &removals + &additions + &rules + &deletions;
+        }
+        Plan {
+            script,
+            stats,
+            view,
+        }
+    }
+}
+
+/// Whether a rendered rule names set `name`.
+fn references_set(rule: &str, name: &str) -> bool {
+    rule.split(' ').any(|w| w.strip_prefix('@') == Some(name))
+}
+
+/// Renders one chain; the workload dispatch chains become a verdict-map lookup.
+fn render_chain(
+    table: &str,
+    iptables_name: &str,
+    nft: &str,
+    rules: &[Rule],
+    v: IpVersion,
+    source: Vec<String>,
+) -> Rendered {
+    let mut bodies: Vec<String> = Vec::with_capacity(rules.len());
+    let mut comments: Vec<&[String]> = Vec::with_capacity(rules.len());
+    let mut map = None;
+    let dispatch =
+        table == "filter" && (iptables_name == FROM_WL_DISPATCH || iptables_name == TO_WL_DISPATCH);
+    let mut rest = rules;
+    if dispatch {
+        let input = iptables_name == FROM_WL_DISPATCH;
+        let mut elems = BTreeSet::new();
+        while let Some((r, tail)) = rest.split_first() {
+            let Some(e) = dispatch_element(r, table, input) else {
+                break;
+            };
+            elems.insert(e);
+            rest = tail;
+        }
+        let kw = if input { "iifname" } else { "oifname" };
+        bodies.push(format!("{kw} vmap @{nft}"));
+        comments.push(&[]);
+        map = Some((input, elems));
+    }
+    for r in rest {
+        bodies.push(render::rule_body(r, table, v));
+        comments.push(&r.comments);
+    }
+    let hashes = render::hashes(nft, bodies.iter().map(String::as_str));
+    let rules = bodies
+        .iter()
+        .zip(&hashes)
+        .zip(comments)
+        .map(|((b, h), c)| format!("{b} comment {}", render::comment(h, c)))
+        .collect();
+    Rendered {
+        source,
+        hook: None,
+        rules,
+        hashes,
+        map,
+    }
+}
+
+/// `"iface" : goto chain` for a dispatch rule that sends one exact interface to a chain.
+fn dispatch_element(r: &Rule, table: &str, input: bool) -> Option<String> {
+    let Action::Goto(target) = &r.action else {
+        return None;
+    };
+    if !r.comments.is_empty() {
+        return None;
+    }
+    let iface = match r.matches.frags() {
+        [Frag::InIface(i)] if input => i,
+        [Frag::OutIface(i)] if !input => i,
+        _ => return None,
+    };
+    if iface.ends_with('+') {
+        return None;
+    }
+    Some(format!(
+        "{} : goto {}",
+        render::string(iface),
+        render::chain_name(table, target)
+    ))
+}
+
+/// The declaration as read back compares it: type, and ` interval` for interval sets.
+fn set_decl(kind: SetKind, v: IpVersion) -> String {
+    let addr = addr_type(v);
+    match kind {
+        SetKind::Ip => addr.to_owned(),
+        SetKind::Net => format!("{addr} interval"),
+        SetKind::IpPort => format!("{addr} . inet_proto . inet_service"),
+    }
+}
+
+fn decl_text(kind: SetKind, v: IpVersion) -> String {
+    let addr = addr_type(v);
+    match kind {
+        SetKind::Ip => format!("type {addr};"),
+        SetKind::Net => format!("type {addr}; flags interval;"),
+        SetKind::IpPort => format!("type {addr} . inet_proto . inet_service;"),
+    }
+}
+
+fn addr_type(v: IpVersion) -> &'static str {
+    match v {
+        IpVersion::V4 => "ipv4_addr",
+        IpVersion::V6 => "ipv6_addr",
+    }
+}
+
+/// Members (as `ipset save` prints them) as nft elements. An interval set refuses elements
+/// that overlap, so a network inside another member is left out: the set matches the same
+/// addresses.
+fn set_elements(kind: SetKind, members: &HashSet<String>) -> HashSet<String> {
+    match kind {
+        SetKind::Ip => members.clone(),
+        SetKind::IpPort => members
+            .iter()
+            .filter_map(|m| {
+                let (addr, rest) = m.split_once(',')?;
+                let (proto, port) = rest.split_once(':')?;
+                Some(format!("{addr} . {proto} . {port}"))
+            })
+            .collect(),
+        SetKind::Net => without_nested(members),
+    }
+}
+
+fn parse_net(m: &str) -> Option<(std::net::IpAddr, u8)> {
+    match m.split_once('/') {
+        Some((a, l)) => Some((a.parse().ok()?, l.parse().ok()?)),
+        None => {
+            let a: std::net::IpAddr = m.parse().ok()?;
+            Some((a, if a.is_ipv4() { 32 } else { 128 }))
+        }
+    }
+}
+
+fn masked(a: std::net::IpAddr, len: u8) -> u128 {
+    let (bits, width) = match a {
+        std::net::IpAddr::V4(a) => (u128::from(u32::from(a)), 32u32),
+        std::net::IpAddr::V6(a) => (u128::from(a), 128u32),
+    };
+    let shift = width - u32::from(len).min(width);
+    if shift >= 128 {
+        0
+    } else {
+        (bits >> shift) << shift
+    }
+}
+
+fn without_nested(members: &HashSet<String>) -> HashSet<String> {
+    let parsed: Vec<(&String, std::net::IpAddr, u8)> = members
+        .iter()
+        .filter_map(|m| parse_net(m).map(|(a, l)| (m, a, l)))
+        .collect();
+    let lengths: BTreeSet<u8> = parsed.iter().map(|p| p.2).collect();
+    if lengths.len() <= 1 {
+        return members.clone();
+    }
+    let nets: HashSet<(u128, u8)> = parsed
+        .iter()
+        .map(|(_, a, l)| (masked(*a, *l), *l))
+        .collect();
+    parsed
+        .iter()
+        .filter(|(_, a, l)| {
+            !lengths
+                .range(..*l)
+                .any(|shorter| nets.contains(&(masked(*a, *shorter), *shorter)))
+        })
+        .map(|(m, _, _)| (*m).clone())
+        .collect()
+}
+
+/// `add|delete element <fam> calico <set> { … }` in batches; returns the element count.
+fn element_ops(out: &mut String, op: &str, fam: &str, set: &str, elems: &[&String]) -> usize {
+    let mut sorted: Vec<&&String> = elems.iter().collect();
+    sorted.sort();
+    for chunk in sorted.chunks(ELEMENTS_PER_STATEMENT) {
+        let _ = write!(out, "{op} element {fam} {TABLE} {set} {{ ");
+        for (i, e) in chunk.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            out.push_str(e);
+        }
+        out.push_str(" }\n");
+    }
+    elems.len()
+}
+
+fn run(
+    runner: &mut dyn CommandRunner,
+    args: &[&str],
+    stdin: Option<&[u8]>,
+    what: &'static str,
+) -> Result<Vec<u8>, NftError> {
+    let out = runner.run("nft", args, stdin).map_err(NftError::Spawn)?;
+    if out.success {
+        Ok(out.stdout)
+    } else {
+        Err(NftError::Failed {
+            what,
+            stderr: out.stderr_summary(),
+        })
+    }
+}
+
+/// Reads one family's `calico` table back (`nft -j list table`); an absent table is empty.
+fn read_back(runner: &mut dyn CommandRunner, v: IpVersion) -> Result<KernelView, NftError> {
+    let fam = render::family(v);
+    let out = runner
+        .run("nft", &["-j", "list", "table", fam, TABLE], None)
+        .map_err(NftError::Spawn)?;
+    if !out.success {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("No such file or directory") {
+            return Ok(KernelView::default());
+        }
+        return Err(NftError::Failed {
+            what: "list table",
+            stderr: out.stderr_summary(),
+        });
+    }
+    parse_listing(&out.stdout).map_err(|reason| NftError::Parse {
+        family: fam,
+        reason,
+    })
+}
+
+/// The kernel view from `nft -j list table` output.
+fn parse_listing(json: &[u8]) -> Result<KernelView, String> {
+    let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    let items = doc
+        .get("nftables")
+        .and_then(|v| v.as_array())
+        .ok_or("no \"nftables\" array")?;
+    let mut view = KernelView {
+        exists: true,
+        ..KernelView::default()
+    };
+    let mut rules: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for item in items {
+        if let Some(c) = item.get("chain") {
+            let name = c["name"].as_str().ok_or("chain without a name")?;
+            view.chains.entry(name.to_owned()).or_default();
+        } else if let Some(r) = item.get("rule") {
+            let chain = r["chain"].as_str().ok_or("rule without a chain")?;
+            let hash = r["comment"]
+                .as_str()
+                .and_then(render::hash_of_comment)
+                .unwrap_or("");
+            rules
+                .entry(chain.to_owned())
+                .or_default()
+                .push(hash.to_owned());
+        } else if let Some(s) = item.get("set") {
+            let name = s["name"].as_str().ok_or("set without a name")?;
+            let mut decl = type_text(&s["type"]);
+            if s["flags"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|x| x == "interval"))
+            {
+                decl.push_str(" interval");
+            }
+            let elems = s["elem"]
+                .as_array()
+                .map(|a| a.iter().map(elem_text).collect())
+                .unwrap_or_default();
+            view.sets.insert(name.to_owned(), KernelSet { decl, elems });
+        } else if let Some(m) = item.get("map") {
+            let name = m["name"].as_str().ok_or("map without a name")?;
+            let decl = format!("{} : {}", type_text(&m["type"]), type_text(&m["map"]));
+            let elems = m["elem"]
+                .as_array()
+                .map(|a| a.iter().map(map_elem_text).collect())
+                .unwrap_or_default();
+            view.sets.insert(name.to_owned(), KernelSet { decl, elems });
+        }
+    }
+    for (chain, hashes) in rules {
+        view.chains.insert(chain, hashes);
+    }
+    Ok(view)
+}
+
+fn type_text(t: &serde_json::Value) -> String {
+    match t {
+        serde_json::Value::Array(parts) => {
+            parts.iter().map(type_text).collect::<Vec<_>>().join(" . ")
+        }
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A set element as we write it.
+fn elem_text(e: &serde_json::Value) -> String {
+    match e {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Number(n) => n.to_string(),
+        serde_json::Value::Object(o) => {
+            if let Some(p) = o.get("prefix") {
+                format!("{}/{}", elem_text(&p["addr"]), p["len"])
+            } else if let Some(c) = o.get("concat").and_then(|c| c.as_array()) {
+                c.iter().map(elem_text).collect::<Vec<_>>().join(" . ")
+            } else if let Some(r) = o.get("range").and_then(|r| r.as_array()) {
+                r.iter().map(elem_text).collect::<Vec<_>>().join("-")
+            } else if let Some(inner) = o.get("elem") {
+                elem_text(&inner["val"])
+            } else {
+                e.to_string()
+            }
+        }
+        other => other.to_string(),
+    }
+}
+
+/// A map element as we write it: `"key" : goto chain`.
+fn map_elem_text(e: &serde_json::Value) -> String {
+    let (Some(key), Some(verdict)) = (e.get(0), e.get(1)) else {
+        return e.to_string();
+    };
+    let verdict = match verdict.as_object().and_then(|o| o.iter().next()) {
+        Some((kind, target)) => match target.get("target").and_then(|t| t.as_str()) {
+            Some(t) => format!("{kind} {t}"),
+            None => kind.clone(),
+        },
+        None => verdict.to_string(),
+    };
+    format!("{} : {verdict}", render::string(&elem_text(key)))
+}
+
+/// Deletes the `calico` tables of every family (the nftables driver's whole state): used by the
+/// iptables driver when a node switches back to it. An absent table or `nft` is not an error.
+pub fn remove_tables(runner: &mut dyn CommandRunner) -> Result<usize, NftError> {
+    let out = match runner.run("nft", &["list", "tables"], None) {
+        Ok(out) if out.success => out,
+        Ok(out) => {
+            return Err(NftError::Failed {
+                what: "list tables",
+                stderr: out.stderr_summary(),
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(NftError::Spawn(e)),
+    };
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let mut script = String::new();
+    let mut n = 0;
+    for fam in ["ip", "ip6"] {
+        if listing
+            .lines()
+            .any(|l| l.trim() == format!("table {fam} {TABLE}"))
+        {
+            let _ = writeln!(script, "delete table {fam} {TABLE}");
+            n += 1;
+        }
+    }
+    if n > 0 {
+        run(
+            runner,
+            &["-f", "-"],
+            Some(script.as_bytes()),
+            "delete table",
+        )?;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests;
