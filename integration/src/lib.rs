@@ -93,6 +93,9 @@ fn newest_source(dir: &Path) -> Option<SystemTime> {
                 continue;
             }
             newest_source(&p)
+        } else if p.file_name().is_some_and(|n| n == "tests.rs") {
+            // A `#[cfg(test)] mod tests;`: not in the binary, so cargo does not rebuild it.
+            continue;
         } else if p
             .extension()
             .is_some_and(|x| x == "rs" || x == "proto" || x == "toml")

@@ -1,6 +1,7 @@
-//! Network-namespace fixtures for the Linux driver tests: a "host" namespace that runs the
-//! calc-server and the agent, and "workload" namespaces wired to it by veth pairs whose host
-//! ends carry the workload prefix, set up the way Calico's CNI plugin does (proxy ARP towards
+//! Network-namespace fixtures for the Linux driver tests (`--driver linux` and `--driver nftables`,
+//! see [`Driver`] and [`driver_tests!`](crate::driver_tests)): a "host" namespace that runs the
+//! calc-server and the agent, and "workload" namespaces wired to it by veth pairs whose host ends
+//! carry the workload prefix, set up the way Calico's CNI plugin does (proxy ARP towards
 //! 169.254.1.1, an `ee:ee:ee:ee:ee:ee` host side, /32 and /128 routes on the host).
 //!
 //! Everything needs root, `ip`, iptables, ipset, `nc`, `ping` and `nft`. The tests that use
@@ -131,6 +132,108 @@ impl Ipt {
     }
 }
 
+/// A dataplane driver of the agent (`--driver`): the same policy through iptables and ipsets
+/// (`linux`) or through nftables (`nftables`: `table ip calico` and `table ip6 calico`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Driver {
+    Linux,
+    Nftables,
+}
+
+impl Driver {
+    pub const ALL: [Driver; 2] = [Driver::Linux, Driver::Nftables];
+
+    /// The agent's `--driver` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Driver::Linux => "linux",
+            Driver::Nftables => "nftables",
+        }
+    }
+}
+
+/// One namespace test per driver: `driver_tests! { #[ignore = "…"] name => scenario }` makes a
+/// module `name` with the tests `name::linux` and `name::nftables`, calling `scenario(driver)`
+/// (a function or closure taking a [`Driver`]). Each driver passes or fails on its own.
+#[macro_export]
+macro_rules! driver_tests {
+    ($($(#[$attr:meta])* $name:ident => $scenario:expr;)+) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+
+                $(#[$attr])*
+                #[test]
+                fn linux() {
+                    ($scenario)($crate::netns::Driver::Linux)
+                }
+
+                $(#[$attr])*
+                #[test]
+                fn nftables() {
+                    ($scenario)($crate::netns::Driver::Nftables)
+                }
+            }
+        )+
+    };
+}
+
+/// `nft list table <family> calico` in `ns` (`family` is `ip` or `ip6`): the nftables driver's
+/// table, empty when there is none.
+pub fn nft_list(ns: &Netns, family: &str) -> String {
+    nft_text(ns, &["list", "table", family, "calico"])
+}
+
+/// `nft -a list chain <family> calico <chain>` (rule handles shown), empty when absent.
+pub fn nft_chain(ns: &Netns, family: &str, chain: &str) -> String {
+    nft_text(ns, &["-a", "list", "chain", family, "calico", chain])
+}
+
+/// `nft <args>` in `ns`: its output, empty when it fails (no such table, chain or set).
+pub fn nft_text(ns: &Netns, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nft"])
+        .args(args)
+        .output()
+        .expect("run nft");
+    if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    } else {
+        String::new()
+    }
+}
+
+/// The packet count of the `counter` in an nft rule line (`counter packets N bytes M`).
+pub fn nft_packets(rule: &str) -> u64 {
+    rule.split_once("counter packets ")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in nft rule: {rule}"))
+}
+
+/// The names of the sets in the nftables driver's table of `family` that hold `member`.
+pub fn nft_sets_holding(ns: &Netns, family: &str, member: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut current: Option<String> = None;
+    for line in nft_list(ns, family).lines() {
+        let l = line.trim();
+        if let Some(rest) = l.strip_prefix("set ") {
+            current = rest.split_whitespace().next().map(str::to_owned);
+        } else if l.starts_with("map ") || l.starts_with("chain ") {
+            current = None;
+        } else if let Some(name) = &current {
+            let holds = l
+                .split(|c: char| c == ',' || c == '{' || c == '}' || c.is_whitespace())
+                .any(|e| e == member);
+            if holds && !found.contains(name) {
+                found.push(name.clone());
+            }
+        }
+    }
+    found
+}
+
 /// A network namespace, deleted (with its processes) on drop.
 pub struct Netns {
     pub name: String,
@@ -229,7 +332,56 @@ impl Drop for Listener {
     }
 }
 
+/// A TCP listener inside a namespace, served by a thread of this process (see
+/// [`Netns::accept`]); stopped on drop.
+pub struct Acceptor {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 impl Netns {
+    /// Accepts (and at once closes) TCP connections on `port`, IPv4 and IPv6, until the
+    /// returned acceptor is dropped; returns once the socket is bound. Unlike `nc -lk` (a
+    /// backlog of one, one connection at a time, [`Netns::listen`]) its backlog is the kernel's
+    /// default, so a tight loop of connects never overflows it: a refused probe is the
+    /// network's doing.
+    pub fn accept(&self, port: u16) -> Acceptor {
+        let path = format!("/var/run/netns/{}", self.name);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let stopping = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("namespace file");
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            // `[::]` takes IPv4 too (as mapped addresses): bindv6only is off in a namespace.
+            let listener = std::net::TcpListener::bind(("::", port)).expect("bind");
+            listener.set_nonblocking(true).expect("non-blocking");
+            ready_tx.send(()).expect("test waits");
+            while !stopping.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, _)) => drop(stream),
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("acceptor listening");
+        Acceptor {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
     /// Accepts TCP connections on `port` for each of `families` (`-4`, `-6`) until the
     /// returned listener is dropped; returns once every socket is bound.
     pub fn listen(&self, port: u16, families: &[&str]) -> Listener {
@@ -440,15 +592,15 @@ impl Workload {
     }
 }
 
-/// The flags of a `dataplane-agent --driver linux` under test: quick reconnects.
-pub fn linux_agent_args(server: &str, node: &str, log_level: &str) -> Vec<String> {
+/// The flags of a `dataplane-agent --driver <driver>` under test: quick reconnects.
+pub fn agent_args(driver: Driver, server: &str, node: &str, log_level: &str) -> Vec<String> {
     [
         "--server",
         server,
         "--node",
         node,
         "--driver",
-        "linux",
+        driver.name(),
         "--reconnect-min-delay",
         "100ms",
         "--reconnect-max-delay",
@@ -461,19 +613,37 @@ pub fn linux_agent_args(server: &str, node: &str, log_level: &str) -> Vec<String
     .collect()
 }
 
-/// A calc-server (file datastore in `dir`) and a `--driver linux` agent, both inside `host`.
+/// The flags of a `dataplane-agent --driver linux` under test: quick reconnects.
+pub fn linux_agent_args(server: &str, node: &str, log_level: &str) -> Vec<String> {
+    agent_args(Driver::Linux, server, node, log_level)
+}
+
+/// A calc-server (file datastore in `dir`) and an agent (`--driver linux` unless told), both
+/// inside `host`.
 pub struct ControlPlane {
     pub server: Child,
     pub agent: Option<Child>,
     pub agent_log: PathBuf,
     pub server_log: PathBuf,
     pub node: String,
-    agent_args: Vec<String>,
+    pub driver: Driver,
+    pub agent_extra: Vec<String>,
     restarts: usize,
 }
 
 impl ControlPlane {
+    /// [`Self::start_with_driver`] with `--driver linux`.
     pub fn start(host: &Netns, dir: &Path, node: &str, agent_extra: &[&str]) -> ControlPlane {
+        Self::start_with_driver(Driver::Linux, host, dir, node, agent_extra)
+    }
+
+    pub fn start_with_driver(
+        driver: Driver,
+        host: &Netns,
+        dir: &Path,
+        node: &str,
+        agent_extra: &[&str],
+    ) -> ControlPlane {
         let server_log = dir.with_extension("server.log");
         let server = host.spawn(
             &binary("calc-server"),
@@ -492,19 +662,14 @@ impl ControlPlane {
             ],
             &server_log,
         );
-        let mut agent_args = linux_agent_args(
-            "127.0.0.1:50051",
-            node,
-            "info,dataplane_agent::driver::linux=debug",
-        );
-        agent_args.extend(agent_extra.iter().map(|s| (*s).to_owned()));
         let mut cp = ControlPlane {
             server,
             agent: None,
             agent_log: dir.with_extension("agent.log"),
             server_log,
             node: node.to_owned(),
-            agent_args,
+            driver,
+            agent_extra: agent_extra.iter().map(|s| (*s).to_owned()).collect(),
             restarts: 0,
         };
         cp.start_agent(host);
@@ -518,8 +683,32 @@ impl ControlPlane {
             self.agent_log = PathBuf::from(format!("{s}.agent{}.log", self.restarts));
         }
         self.restarts += 1;
-        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        let mut args = agent_args(
+            self.driver,
+            "127.0.0.1:50051",
+            &self.node,
+            "info,dataplane_agent::driver::linux=debug",
+        );
+        args.extend(self.agent_extra.iter().cloned());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.agent = Some(host.spawn(&binary("dataplane-agent"), &args, &self.agent_log));
+    }
+
+    /// Stops the agent as an operator would (SIGTERM), waiting up to 10 s for it to exit
+    /// before killing it.
+    pub fn stop_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            crate::send_signal(a.id(), "TERM");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = a.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = a.kill();
+            let _ = a.wait();
+        }
     }
 
     /// Kills the agent (SIGKILL: no chance to clean up, as in a crash).

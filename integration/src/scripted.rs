@@ -26,7 +26,7 @@ use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::netns::Netns;
+use crate::netns::{Driver, Netns};
 
 /// What one stream of a [`ScriptedServer::start_planned`] server sends after its ServerHello.
 pub struct Plan {
@@ -200,14 +200,30 @@ impl ScriptedServer {
 
     /// [`Self::start_agent`] with more flags (`--iptables-backend legacy`).
     pub fn start_agent_with(&self, ns: &Netns, log: &Path, extra: &[&str]) -> Child {
-        let args = self.agent_args(extra);
+        self.start_agent_driver(Driver::Linux, ns, log, extra)
+    }
+
+    /// [`Self::start_agent_with`] on `driver`.
+    pub fn start_agent_driver(
+        &self,
+        driver: Driver,
+        ns: &Netns,
+        log: &Path,
+        extra: &[&str],
+    ) -> Child {
+        let args = self.driver_agent_args(driver, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         ns.spawn(&crate::binary("dataplane-agent"), &args, log)
     }
 
     /// The flags [`Self::start_agent_with`] gives the agent, `extra` last.
     pub fn agent_args(&self, extra: &[&str]) -> Vec<String> {
-        let mut args = crate::netns::linux_agent_args(&self.url, &self.node, "info");
+        self.driver_agent_args(Driver::Linux, extra)
+    }
+
+    /// The flags [`Self::start_agent_driver`] gives the agent, `extra` last.
+    pub fn driver_agent_args(&self, driver: Driver, extra: &[&str]) -> Vec<String> {
+        let mut args = crate::netns::agent_args(driver, &self.url, &self.node, "info");
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         args
     }

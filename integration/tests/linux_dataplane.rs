@@ -1,14 +1,18 @@
-//! The Linux driver on real packets: a host network namespace runs calc-server and
-//! `dataplane-agent --driver linux`; workload namespaces hang off it by veth pairs named with
-//! the workload prefix; TCP connects and pings show which pairs policy lets through.
+//! The Linux drivers on real packets: a host network namespace runs calc-server and
+//! `dataplane-agent --driver linux` (iptables and ipsets) or `--driver nftables` (each test runs
+//! on both: `<test>::linux`, `<test>::nftables`); workload namespaces hang off it by veth pairs
+//! named with the workload prefix; TCP connects and pings show which pairs policy lets through.
 //!
 //! Needs root, iptables (nft and legacy), ipset, nc, ping and nft: the tests are `#[ignore]`d
 //! with that reason and `make test` runs them; a missing tool fails the test
 //! (see `integration::netns::require`).
 
+use std::time::Duration;
+
+use integration::driver_tests;
 use integration::netns::{
-    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, namespace_profile,
-    write_manifest,
+    ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, failing, namespace_profile,
+    nft_chain, nft_list, nft_sets_holding, wait_until, write_manifest,
 };
 
 const NODE: &str = "node-a";
@@ -226,12 +230,17 @@ fn initial_matrix(c: &Cluster) -> Vec<Probe<'_>> {
     ]
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn policy_is_enforced_on_real_traffic_and_follows_changes() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    policy_is_enforced_on_real_traffic_and_follows_changes => policy_is_enforced;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    out_of_band_changes_are_repaired_and_a_restart_changes_nothing => repaired_and_restarted;
+}
+
+fn policy_is_enforced(driver: Driver) {
     integration::netns::require();
     let c = cluster();
-    let cp = ControlPlane::start(&c.host, c.dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &c.host, c.dir.path(), NODE, &[]);
     cp.wait_programmed();
     expect_eventually("initial policy", &initial_matrix(&c), &cp);
 
@@ -253,7 +262,7 @@ fn policy_is_enforced_on_real_traffic_and_follows_changes() {
     let bad = failing(&unknown);
     assert!(
         bad.is_empty(),
-        "an interface without an endpoint must get no traffic through: {:?}",
+        "{driver:?}: an interface without an endpoint must get no traffic through: {:?}",
         bad.iter().map(|p| p.describe()).collect::<Vec<_>>()
     );
     // Once its endpoint exists (prod namespace), it is a normal workload.
@@ -287,19 +296,58 @@ fn policy_is_enforced_on_real_traffic_and_follows_changes() {
         ],
         &cp,
     );
-    let save = c.host.exec(&["iptables-save", "-t", "filter"]);
+    // Chains of policies that no endpoint uses any more are removed.
+    let state = match driver {
+        Driver::Linux => c.host.exec(&["iptables-save", "-t", "filter"]),
+        Driver::Nftables => nft_list(&c.host, "ip"),
+    };
     assert!(
-        !save.contains("cali-pi-np/prod/web-allow"),
-        "chains of policies that no endpoint uses any more are removed:\n{save}"
+        state.contains("cali-FORWARD"),
+        "{driver:?}: the filter chains are where we look:\n{state}"
+    );
+    assert!(
+        !state.contains("cali-pi-np/prod/web-allow"),
+        "{driver:?}: chains of policies that no endpoint uses any more are removed:\n{state}"
     );
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn out_of_band_changes_are_repaired_and_a_restart_changes_nothing() {
+/// An nft listing without what changes by itself: the counters' values.
+fn without_counters(text: &str) -> String {
+    text.lines()
+        .map(|l| match l.split_once("counter packets ") {
+            Some((head, rest)) => {
+                // "counter packets N bytes M <rest>"
+                let rest = rest.splitn(4, ' ').nth(3).unwrap_or("");
+                format!("{head}counter {rest}")
+            }
+            None => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The values of every `key: N` the agent logged (its apply statistics).
+fn logged_counts(log: &str, key: &str) -> Vec<u64> {
+    log.match_indices(key)
+        .filter_map(|(i, _)| {
+            log[i + key.len()..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse().ok())
+        })
+        .collect()
+}
+
+fn repaired_and_restarted(driver: Driver) {
     integration::netns::require();
     let c = cluster();
-    let mut cp = ControlPlane::start(&c.host, c.dir.path(), NODE, &["--refresh-interval", "1s"]);
+    let mut cp = ControlPlane::start_with_driver(
+        driver,
+        &c.host,
+        c.dir.path(),
+        NODE,
+        &["--refresh-interval", "1s"],
+    );
     cp.wait_programmed();
     let probes = [
         tcp(&c.client, &c.web.ipv4, 8080, true),
@@ -309,7 +357,72 @@ fn out_of_band_changes_are_repaired_and_a_restart_changes_nothing() {
     expect_eventually("initial policy", &probes, &cp);
 
     // Tamper: delete the rule of web-allow that sets the accept mark, and remove db from the
-    // trusted set (as a careless operator might).
+    // trusted set (as a careless operator might); the periodic read-back puts both back.
+    match driver {
+        Driver::Linux => tamper_iptables(&c, &cp),
+        Driver::Nftables => tamper_nftables(&c, &cp),
+    }
+    expect_eventually("after the repair", &probes, &cp);
+
+    // Kill the agent: the kernel keeps enforcing.
+    let handles = |ns: &Netns| -> Vec<String> {
+        ns.exec(&["nft", "-a", "list", "ruleset"])
+            .lines()
+            .filter_map(|l| l.rsplit_once("# handle ").map(|(_, h)| h.to_owned()))
+            .collect()
+    };
+    // What must not change: with iptables the sets; with nftables both tables whole (rules
+    // with their handles, sets with their elements, verdict maps), counters aside.
+    let sets = |ns: &Netns| match driver {
+        Driver::Linux => ns.exec(&["ipset", "save"]),
+        Driver::Nftables => ["ip", "ip6"]
+            .map(|f| {
+                without_counters(&integration::netns::nft_text(
+                    ns,
+                    &["-a", "list", "table", f, "calico"],
+                ))
+            })
+            .join("\n"),
+    };
+    let sets_before = sets(&c.host);
+    let rules_before = handles(&c.host);
+    cp.kill_agent();
+    let bad = failing(&probes);
+    assert!(
+        bad.is_empty(),
+        "{driver:?}: policy must hold while the agent is down"
+    );
+
+    // The restarted agent finds everything right and rewrites nothing: same nft rule handles
+    // (a rewritten rule gets a new handle), same sets.
+    cp.start_agent(&c.host);
+    cp.wait_programmed();
+    assert_eq!(
+        handles(&c.host),
+        rules_before,
+        "{driver:?}: a restart must not rewrite correct rules"
+    );
+    assert_eq!(
+        sets(&c.host),
+        sets_before,
+        "{driver:?}: a restart changes nothing"
+    );
+    let log = cp.agent_log_text();
+    let written: Vec<u64> = ["chains_written: ", "elements_added: "]
+        .iter()
+        .flat_map(|k| logged_counts(&log, k))
+        .filter(|n| *n > 0)
+        .collect();
+    assert!(
+        written.is_empty() && log.contains("read_back: true"),
+        "{driver:?}: the restarted agent read the kernel back and wrote no chain or element:\n{log}"
+    );
+    expect_eventually("after the restart", &probes, &cp);
+}
+
+/// Deletes web-allow's accept-mark rule (`iptables -D`) and db's address from the trusted
+/// set (`ipset del`), then waits until the agent has put both back.
+fn tamper_iptables(c: &Cluster, cp: &ControlPlane) {
     let chain = "cali-pi-np/prod/web-allow";
     let before = c.host.exec(&["iptables-save", "-t", "filter"]);
     let rule = before
@@ -331,55 +444,87 @@ fn out_of_band_changes_are_repaired_and_a_restart_changes_nothing() {
         .to_owned();
     c.host.exec(&["ipset", "del", &trusted_set, "10.65.0.3"]);
 
-    // The periodic read-back puts both back.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    loop {
-        let save = c.host.exec(&["iptables-save", "-t", "filter"]);
-        let member = c
-            .host
-            .exec(&["ipset", "list", &trusted_set])
-            .contains("10.65.0.3");
-        if save.lines().any(|l| l == rule) && member {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "refresh did not repair the deleted rule and member; agent log:\n{}",
-            cp.agent_log_text()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
-    expect_eventually("after the repair", &probes, &cp);
+    wait_until(
+        "refresh repairs the deleted rule and member",
+        Duration::from_secs(15),
+        || {
+            let save = c.host.exec(&["iptables-save", "-t", "filter"]);
+            let member = c
+                .host
+                .exec(&["ipset", "list", &trusted_set])
+                .contains("10.65.0.3");
+            save.lines().any(|l| l == rule) && member
+        },
+        || format!("agent log:\n{}", cp.agent_log_text()),
+    );
+}
 
-    // Kill the agent: the kernel keeps enforcing.
-    let handles = |ns: &Netns| -> Vec<String> {
-        ns.exec(&["nft", "-a", "list", "ruleset"])
+/// Deletes web-allow's accept-mark rule (`nft delete rule … handle N`) and db's address from
+/// the trusted set (`nft delete element`), then waits until the agent has put both back.
+fn tamper_nftables(c: &Cluster, cp: &ControlPlane) {
+    let chain = "filter-cali-pi-np/prod/web-allow";
+    // A rule as it reads without its handle and counter values.
+    let rules = || -> Vec<(String, String)> {
+        nft_chain(&c.host, "ip", chain)
             .lines()
-            .filter_map(|l| l.rsplit_once("# handle ").map(|(_, h)| h.to_owned()))
+            .filter_map(|l| l.rsplit_once(" # handle "))
+            .map(|(rule, h)| (without_counters(rule.trim()), h.to_owned()))
             .collect()
     };
-    let sets_before = c.host.exec(&["ipset", "save"]);
-    let rules_before = handles(&c.host);
-    cp.kill_agent();
-    let bad = failing(&probes);
-    assert!(bad.is_empty(), "policy must hold while the agent is down");
-
-    // The restarted agent finds everything right and rewrites nothing: same nft rule handles
-    // (a rewritten rule gets a new handle), same sets.
-    cp.start_agent(&c.host);
-    cp.wait_programmed();
-    assert_eq!(
-        handles(&c.host),
-        rules_before,
-        "a restart must not rewrite correct rules"
-    );
-    assert_eq!(c.host.exec(&["ipset", "save"]), sets_before);
-    let log = cp.agent_log_text();
+    let before = rules();
+    let (rule, handle) = before
+        .iter()
+        .find(|(r, _)| r.contains("mark set") && r.contains("0x00010000"))
+        .unwrap_or_else(|| {
+            panic!(
+                "web-allow's accept rule in:\n{}",
+                nft_chain(&c.host, "ip", chain)
+            )
+        })
+        .clone();
+    c.host.exec(&[
+        "nft", "delete", "rule", "ip", "calico", chain, "handle", &handle,
+    ]);
     assert!(
-        !log.contains("chains_written: 1") && log.contains("read_back: true"),
-        "the restarted agent read the kernel back and wrote no chain:\n{log}"
+        !rules().iter().any(|(r, _)| *r == rule),
+        "the rule is gone:\n{}",
+        nft_chain(&c.host, "ip", chain)
     );
-    expect_eventually("after the restart", &probes, &cp);
+    let trusted_set = nft_sets_holding(&c.host, "ip", "10.65.0.3")
+        .into_iter()
+        .find(|n| n.starts_with("cali40s-"))
+        .unwrap_or_else(|| {
+            panic!(
+                "a v4 selector set holding db's address in:\n{}",
+                nft_list(&c.host, "ip")
+            )
+        });
+    c.host.exec(&[
+        "nft",
+        "delete",
+        "element",
+        "ip",
+        "calico",
+        &trusted_set,
+        "{ 10.65.0.3 }",
+    ]);
+    assert!(!nft_sets_holding(&c.host, "ip", "10.65.0.3").contains(&trusted_set));
+
+    wait_until(
+        "refresh repairs the deleted rule and element",
+        Duration::from_secs(15),
+        || {
+            rules().iter().any(|(r, _)| *r == rule)
+                && nft_sets_holding(&c.host, "ip", "10.65.0.3").contains(&trusted_set)
+        },
+        || {
+            format!(
+                "wanted rule: {rule}\nin set {trusted_set}: 10.65.0.3\n{}\nagent log:\n{}",
+                nft_list(&c.host, "ip"),
+                cp.agent_log_text()
+            )
+        },
+    );
 }
 
 #[test]

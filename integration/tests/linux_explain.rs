@@ -4,13 +4,14 @@
 //! json` answers "is this traffic allowed, and why" from the datastore alone, following Felix's
 //! evaluation (the source's egress, then the destination's ingress). This test checks that
 //! answer against the ground truth: a host network namespace runs calc-server and
-//! `dataplane-agent --driver linux` on the same manifests, workload namespaces hang off it by
-//! veth pairs, and a few hundred (source, destination, protocol, port) probes, every flow of the
-//! cluster in a seeded random order and naming, are sent as real packets (TCP connects and
-//! pings). Every probe's kernel verdict must equal explain's `verdict`; the failure lists every
-//! disagreement with explain's whole JSON. The probes must also be meaningful: both verdicts
-//! many times, and every rule, end of tier and profile the cluster was built to exercise
-//! deciding at least one probe (explain's `decided_by`).
+//! `dataplane-agent --driver linux` (`--driver nftables` in the test's other half) on the same
+//! manifests, workload namespaces hang off it by veth pairs, and a few hundred (source,
+//! destination, protocol, port) probes, every flow of the cluster in a seeded random order and
+//! naming, are sent as real packets (TCP connects and pings). Every probe's kernel verdict must
+//! equal explain's `verdict`; the failure lists every disagreement with explain's whole JSON.
+//! The probes must also be meaningful: both verdicts many times, and every rule, end of tier
+//! and profile the cluster was built to exercise deciding at least one probe (explain's
+//! `decided_by`).
 //!
 //! The cluster exercises what makes policy evaluation subtle: a Deny tier and a Pass tier before
 //! the default tier, Pass rules, end-of-tier drops, policies without an order and policies of
@@ -29,7 +30,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use integration::netns::{ControlPlane, Netns, Workload, namespace_profile, write_manifest};
+use integration::driver_tests;
+use integration::netns::{
+    ControlPlane, Driver, Netns, Workload, namespace_profile, write_manifest,
+};
 use serde_json::Value;
 
 const NODE: &str = "node-a";
@@ -913,13 +917,16 @@ fn explain_all(dir: &Path, probes: &[Probe]) -> Vec<Result<Value, String>> {
     answers.into_iter().map(|(_, a)| a).collect()
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn explain_agrees_with_the_kernel_on_random_probes() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    explain_agrees_with_the_kernel_on_random_probes => explain_agrees;
+}
+
+fn explain_agrees(driver: Driver) {
     integration::netns::require();
     let started = Instant::now();
     let c = cluster();
-    let cp = ControlPlane::start(&c.host, c.dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &c.host, c.dir.path(), NODE, &[]);
     cp.wait_programmed();
 
     let probes = probes();
@@ -963,8 +970,8 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
         }
     }
     eprintln!(
-        "{} probes ({} distinct flows): {allowed} allowed, {denied} denied by the kernel; \
-         kernel probes done after {:.1?}, explain after {:.1?}",
+        "{driver:?}: {} probes ({} distinct flows): {allowed} allowed, {denied} denied by the \
+         kernel; kernel probes done after {:.1?}, explain after {:.1?}",
         probes.len(),
         flows.len(),
         kernel_done,
@@ -972,7 +979,7 @@ fn explain_agrees_with_the_kernel_on_random_probes() {
     );
     assert!(
         problems.is_empty(),
-        "explain disagrees with the kernel on {} of {} probes:\n\n{}\n\nagent log:\n{}",
+        "{driver:?}: explain disagrees with the kernel on {} of {} probes:\n\n{}\n\nagent log:\n{}",
         problems.len(),
         probes.len(),
         problems.join("\n\n"),

@@ -4,7 +4,8 @@
 //! endpoint; DNAT'd host traffic meets host endpoint egress policy; a `*` host endpoint's
 //! applyOnForward deny blocks forwarded traffic and its doNotTrack policy leaves loopback alone;
 //! a forward policy in one direction does not open the other. A scripted calc-server sends
-//! exactly the messages each case needs.
+//! exactly the messages each case needs. Each case also runs on the nftables driver (its own
+//! test), where the test's own iptables rules (fixtures, counters) are made with iptables-nft.
 //!
 //! Needs root and the namespace tools: `#[ignore]`d with that reason, and `make test` runs it.
 
@@ -17,7 +18,8 @@ use felix_proto::{
     ActivePolicyUpdate, HostEndpoint, HostEndpointId, HostEndpointUpdate, InSync, Policy, PolicyId,
     Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointUpdate,
 };
-use integration::netns::{self, Ipt, Netns, Workload, wait_until};
+use integration::driver_tests;
+use integration::netns::{self, Driver, Ipt, Netns, Workload, nft_list, nft_packets, wait_until};
 use integration::scripted::{ScriptedServer, allow_all_profile};
 
 const NODE: &str = "node-p";
@@ -41,6 +43,41 @@ fn wep(name: &str, w: &Workload) -> Payload {
     })
 }
 
+/// What a scenario runs on: a driver and, for the linux driver, its iptables backend. The
+/// test's own iptables rules (fixtures, counting rules) use `ipt`'s tools: iptables-nft with
+/// the nftables driver.
+#[derive(Clone, Copy)]
+struct Case {
+    driver: Driver,
+    ipt: Ipt,
+}
+
+impl std::fmt::Debug for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.driver {
+            Driver::Linux => write!(f, "linux/{}", self.ipt.name()),
+            Driver::Nftables => write!(f, "nftables"),
+        }
+    }
+}
+
+/// Runs `scenario` on `driver`: the linux driver on both iptables backends, the nftables
+/// driver once.
+fn on(driver: Driver, scenario: fn(Case)) {
+    netns::require();
+    match driver {
+        Driver::Linux => {
+            for ipt in Ipt::BOTH {
+                scenario(Case { driver, ipt });
+            }
+        }
+        Driver::Nftables => scenario(Case {
+            driver,
+            ipt: Ipt::Nft,
+        }),
+    }
+}
+
 /// An agent on one backend, killed when dropped.
 struct Running {
     agent: Child,
@@ -55,15 +92,19 @@ impl Drop for Running {
     }
 }
 
-/// `server` sends `snapshot`; the agent starts on backend `ipt` in `host` and is waited for
-/// until its first DataplaneInSync.
-fn run(host: &Netns, server: &ScriptedServer, snapshot: Vec<Payload>, ipt: Ipt) -> Running {
+/// `server` sends `snapshot`; the agent starts on `case`'s driver (and backend) in `host` and
+/// is waited for until its first DataplaneInSync.
+fn run(host: &Netns, server: &ScriptedServer, snapshot: Vec<Payload>, case: Case) -> Running {
     for p in snapshot {
         server.send(p);
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let agent = server.start_agent_with(host, &log, &["--iptables-backend", ipt.name()]);
+    let extra: &[&str] = match case.driver {
+        Driver::Linux => &["--iptables-backend", case.ipt.name()],
+        Driver::Nftables => &[],
+    };
+    let agent = server.start_agent_driver(case.driver, host, &log, extra);
     server.wait_dataplane_in_sync(1);
     Running {
         agent,
@@ -89,11 +130,19 @@ fn log_text(log: &Path) -> String {
     )
 }
 
-/// What the host's tables hold on both families, with counters, for a failure message.
-fn tables(host: &Netns, ipt: Ipt, table: &str) -> String {
-    [4, 6]
-        .map(|f| host.exec(&[&ipt.tool(f, "save"), "-c", "-t", table]))
-        .join("\n")
+/// What the host's tables hold on both families, with counters, for a failure message: the
+/// iptables `table`, and with the nftables driver its tables too.
+fn tables(host: &Netns, case: Case, table: &str) -> String {
+    let mut text = [4, 6]
+        .map(|f| host.exec(&[&case.ipt.tool(f, "save"), "-c", "-t", table]))
+        .join("\n");
+    if case.driver == Driver::Nftables {
+        for family in ["ip", "ip6"] {
+            text.push('\n');
+            text.push_str(&nft_list(host, family));
+        }
+    }
+    text
 }
 
 /// Packets counted by the first rule of `ns`'s INPUT chain whose spec contains `needle`.
@@ -134,16 +183,22 @@ fn rule(action: &str) -> Rule {
     }
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn a_workload_cannot_spoof_its_source() {
-    netns::require();
-    for ipt in Ipt::BOTH {
-        spoofing(ipt);
-    }
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    a_workload_cannot_spoof_its_source => |d| on(d, spoofing);
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    ssh_replies_survive_a_do_not_track_deny_all_host_endpoint => |d| on(d, ssh_under_do_not_track);
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    dnat_host_traffic_meets_host_endpoint_egress_policy => |d| on(d, dnat_host_traffic);
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    wildcard_host_endpoint_polices_forwarded_traffic_and_ignores_untracked_policy =>
+        |d| on(d, wildcard_host_endpoint);
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    a_one_way_forward_policy_does_not_open_the_other_direction => |d| on(d, one_way_forward_policy);
 }
 
-fn spoofing(ipt: Ipt) {
+fn spoofing(case: Case) {
+    let ipt = case.ipt;
     let host = Netns::new("rpf");
     host.make_host();
     let client = Workload::attach(&host, "calicli", "10.65.4.1", "fd00:65:4::1");
@@ -158,7 +213,7 @@ fn spoofing(ipt: Ipt) {
             wep("web", &web),
             Payload::InSync(InSync {}),
         ],
-        ipt,
+        case,
     );
 
     // The web workload counts what reaches it from the client's own and a spoofed address.
@@ -187,7 +242,7 @@ fn spoofing(ipt: Ipt) {
         "nodad",
     ]);
     wait_until(
-        &format!("{ipt:?}: the client's own traffic reaches web"),
+        &format!("{case:?}: the client's own traffic reaches web"),
         Duration::from_secs(20),
         || {
             client
@@ -213,34 +268,32 @@ fn spoofing(ipt: Ipt) {
     assert_eq!(
         input_count(&web.ns, &save4, &format!("-s {spoof4}/32")),
         0,
-        "{ipt:?}: a spoofed IPv4 source reached the other workload"
+        "{case:?}: a spoofed IPv4 source reached the other workload"
     );
     assert_eq!(
         input_count(&web.ns, &save6, &format!("-s {spoof6}/128")),
         0,
-        "{ipt:?}: a spoofed IPv6 source reached the other workload"
+        "{case:?}: a spoofed IPv6 source reached the other workload"
     );
-    let raw = host.exec(&[&save6, "-c", "-t", "raw"]);
+    let (raw, rpf) = match case.driver {
+        Driver::Linux => (host.exec(&[&save6, "-c", "-t", "raw"]), "rpfilter"),
+        Driver::Nftables => (nft_list(&host, "ip6"), "fib saddr"),
+    };
     let dropped = raw
         .lines()
-        .find(|l| l.contains("rpfilter") && l.contains("DROP"))
-        .unwrap_or_else(|| panic!("{ipt:?}: no RPF rule in the IPv6 raw table:\n{raw}"));
+        .find(|l| l.contains(rpf) && l.to_lowercase().contains("drop"))
+        .unwrap_or_else(|| panic!("{case:?}: no RPF rule in the IPv6 raw table:\n{raw}"));
+    let counted = match case.driver {
+        Driver::Linux => !dropped.starts_with("[0:"),
+        Driver::Nftables => nft_packets(dropped) > 0,
+    };
     assert!(
-        !dropped.starts_with("[0:"),
-        "{ipt:?}: the IPv6 RPF rule dropped nothing: {dropped}"
+        counted,
+        "{case:?}: the IPv6 RPF rule dropped nothing: {dropped}"
     );
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn ssh_replies_survive_a_do_not_track_deny_all_host_endpoint() {
-    netns::require();
-    for ipt in Ipt::BOTH {
-        ssh_under_do_not_track(ipt);
-    }
-}
-
-fn ssh_under_do_not_track(ipt: Ipt) {
+fn ssh_under_do_not_track(case: Case) {
     let host = Netns::new("dnt");
     host.make_host();
     let outside = Netns::outside_of(&host);
@@ -305,33 +358,25 @@ fn ssh_under_do_not_track(ipt: Ipt) {
             ),
             Payload::InSync(InSync {}),
         ],
-        ipt,
+        case,
     );
     for addr in ["192.0.2.1", "2001:db8:2::1"] {
         wait_until(
-            &format!("{ipt:?}: the doNotTrack deny-all takes effect on {addr}"),
+            &format!("{case:?}: the doNotTrack deny-all takes effect on {addr}"),
             Duration::from_secs(20),
             || !connects(&outside, addr, 8080),
             || log_text(&agent.log),
         );
         assert!(
             connects(&outside, addr, 22),
-            "{ipt:?}: SSH to {addr} must survive a doNotTrack deny-all (its replies too)\n{}",
-            tables(&host, ipt, "raw")
+            "{case:?}: SSH to {addr} must survive a doNotTrack deny-all (its replies too)\n{}",
+            tables(&host, case, "raw")
         );
     }
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn dnat_host_traffic_meets_host_endpoint_egress_policy() {
-    netns::require();
-    for ipt in Ipt::BOTH {
-        dnat_host_traffic(ipt);
-    }
-}
-
-fn dnat_host_traffic(ipt: Ipt) {
+fn dnat_host_traffic(case: Case) {
+    let ipt = case.ipt;
     let host = Netns::new("dnat");
     host.make_host();
     let outside = Netns::outside_of(&host);
@@ -408,7 +453,7 @@ fn dnat_host_traffic(ipt: Ipt) {
             ),
             Payload::InSync(InSync {}),
         ],
-        ipt,
+        case,
     );
     let want = [
         ("192.0.2.2", 9000, false),
@@ -422,7 +467,7 @@ fn dnat_host_traffic(ipt: Ipt) {
     ];
     let got = std::cell::RefCell::new(Vec::new());
     wait_until(
-        &format!("{ipt:?}: verdicts {want:?}"),
+        &format!("{case:?}: verdicts {want:?}"),
         Duration::from_secs(20),
         || {
             *got.borrow_mut() = want
@@ -435,23 +480,14 @@ fn dnat_host_traffic(ipt: Ipt) {
             format!(
                 "got {:?}\n{}\n{}",
                 got.borrow(),
-                tables(&host, ipt, "mangle"),
+                tables(&host, case, "mangle"),
                 log_text(&agent.log)
             )
         },
     );
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn wildcard_host_endpoint_polices_forwarded_traffic_and_ignores_untracked_policy() {
-    netns::require();
-    for ipt in Ipt::BOTH {
-        wildcard_host_endpoint(ipt);
-    }
-}
-
-fn wildcard_host_endpoint(ipt: Ipt) {
+fn wildcard_host_endpoint(case: Case) {
     let host = Netns::new("star");
     host.make_host();
     let outside = Netns::outside_of(&host);
@@ -468,7 +504,7 @@ fn wildcard_host_endpoint(ipt: Ipt) {
             wep("client", &client),
             Payload::InSync(InSync {}),
         ],
-        ipt,
+        case,
     );
     let forwarded = || {
         [
@@ -484,10 +520,16 @@ fn wildcard_host_endpoint(ipt: Ipt) {
     };
     let wait_for = |what: &str, check: &dyn Fn() -> bool| {
         wait_until(
-            &format!("{ipt:?}: {what}"),
+            &format!("{case:?}: {what}"),
             Duration::from_secs(20),
             check,
-            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&agent.log)),
+            || {
+                format!(
+                    "{}\n{}",
+                    tables(&host, case, "filter"),
+                    log_text(&agent.log)
+                )
+            },
         )
     };
     wait_for("forwarded traffic flows before the host endpoint", &|| {
@@ -528,30 +570,30 @@ fn wildcard_host_endpoint(ipt: Ipt) {
     assert_eq!(
         local(),
         [true, true],
-        "{ipt:?}: doNotTrack policy on '*' must not touch the host's own (loopback) traffic"
+        "{case:?}: doNotTrack policy on '*' must not touch the host's own (loopback) traffic"
     );
     let text = std::fs::read_to_string(&agent.log).unwrap_or_default();
     assert!(
         text.contains("do not apply to the '*' host endpoint"),
-        "{ipt:?}: the ignored doNotTrack policy is reported:\n{text}"
+        "{case:?}: the ignored doNotTrack policy is reported:\n{text}"
     );
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn a_one_way_forward_policy_does_not_open_the_other_direction() {
-    netns::require();
-    for ipt in Ipt::BOTH {
-        one_way_forward_policy(ipt);
-    }
-}
-
-fn one_way_forward_policy(ipt: Ipt) {
+fn one_way_forward_policy(case: Case) {
+    let ipt = case.ipt;
     let host = Netns::new("oneway");
     host.make_host();
-    // The host's own firewall drops what nobody accepted, as on a Kubernetes node.
-    for family in [4, 6] {
-        host.exec(&[&ipt.tool(family, ""), "-P", "FORWARD", "DROP"]);
+    // The host's own firewall drops what nobody accepted, as on a Kubernetes node. Not with
+    // the nftables driver: there our `accept` ends only our own base chain, and every other
+    // base chain at the forward hook (iptables-nft's FORWARD among them) still sees the packet,
+    // so a DROP policy there would drop what our policy accepts too (nftables semantics: a
+    // packet passes a hook only if every base chain accepts it). What the DROP policy shows
+    // with iptables (our chains do not accept the other direction) is read from the counters
+    // of our FORWARD base chain instead (below).
+    if case.driver == Driver::Linux {
+        for family in [4, 6] {
+            host.exec(&[&ipt.tool(family, ""), "-P", "FORWARD", "DROP"]);
+        }
     }
     let outside = Netns::outside_of(&host);
     outside.route_via_host();
@@ -592,24 +634,95 @@ fn one_way_forward_policy(ipt: Ipt) {
             ),
             Payload::InSync(InSync {}),
         ],
-        ipt,
+        case,
     );
     for (pod_addr, out_addr) in [(&pod.ipv4, "192.0.2.2"), (&pod.ipv6, "2001:db8:2::2")] {
         wait_until(
             &format!(
-                "{ipt:?}: forwarded traffic the ingress forward policy allows reaches {pod_addr}"
+                "{case:?}: forwarded traffic the ingress forward policy allows reaches {pod_addr}"
             ),
             Duration::from_secs(20),
             || connects(&outside, pod_addr, 8080),
-            || format!("{}\n{}", tables(&host, ipt, "filter"), log_text(&agent.log)),
+            || {
+                format!(
+                    "{}\n{}",
+                    tables(&host, case, "filter"),
+                    log_text(&agent.log)
+                )
+            },
         );
         // Leaving through ext0 there is no forward policy: Felix lets the packet fall through
         // to the rest of FORWARD, where the host's DROP policy applies; nothing accepts it
         // for us.
-        assert!(
-            !pod.connects(out_addr, 9000),
-            "{ipt:?}: the one-way forward policy opened the other direction to {out_addr}:\n{}",
-            tables(&host, ipt, "filter")
-        );
+        match case.driver {
+            Driver::Linux => assert!(
+                !pod.connects(out_addr, 9000),
+                "{case:?}: the one-way forward policy opened the other direction to \
+                 {out_addr}:\n{}",
+                tables(&host, case, "filter")
+            ),
+            Driver::Nftables => {
+                nft_forward_verdicts(
+                    &host,
+                    case,
+                    pod_addr,
+                    out_addr,
+                    &|| connects(&outside, pod_addr, 8080),
+                    &|| pod.connects(out_addr, 9000),
+                );
+            }
+        }
     }
+}
+
+/// The packets our FORWARD base chain (`filter-FORWARD` of the nftables driver's table of
+/// `family`) accepted ("Policy explicitly accepted packet.") and let fall through to the
+/// other base chains (its last rule, which sets the accept mark for the mangle chains).
+fn nft_forward_counts(host: &Netns, family: &str) -> (u64, u64) {
+    let chain = netns::nft_chain(host, family, "filter-FORWARD");
+    let rules: Vec<&str> = chain
+        .lines()
+        .filter(|l| l.contains("counter packets"))
+        .collect();
+    let accepted = rules
+        .iter()
+        .find(|l| l.contains("Policy explicitly accepted packet.") && l.contains("accept"))
+        .unwrap_or_else(|| panic!("no accept rule in our FORWARD chain:\n{chain}"));
+    let fell_through = rules
+        .last()
+        .filter(|l| l.contains("mark set"))
+        .unwrap_or_else(|| panic!("no final mark rule in our FORWARD chain:\n{chain}"));
+    (nft_packets(accepted), nft_packets(fell_through))
+}
+
+/// With the nftables driver (no host DROP policy to make the difference visible as a failed
+/// connection): a connection the forward policy allows is accepted by our FORWARD chain, one in
+/// the other direction is not: it falls through to the rest of the hook.
+fn nft_forward_verdicts(
+    host: &Netns,
+    case: Case,
+    pod_addr: &str,
+    out_addr: &str,
+    allowed: &dyn Fn() -> bool,
+    other_direction: &dyn Fn() -> bool,
+) {
+    let family = if out_addr.contains(':') { "ip6" } else { "ip" };
+    let (accepted, _) = nft_forward_counts(host, family);
+    assert!(allowed(), "{case:?}: outside -> {pod_addr}:8080 is allowed");
+    let (accepted_after, _) = nft_forward_counts(host, family);
+    assert!(
+        accepted_after > accepted,
+        "{case:?}: our FORWARD chain accepted the allowed connection to {pod_addr}:\n{}",
+        netns::nft_chain(host, family, "filter-FORWARD")
+    );
+    let (accepted, fell_through) = nft_forward_counts(host, family);
+    let passed = other_direction();
+    let (accepted_after, fell_through_after) = nft_forward_counts(host, family);
+    assert!(
+        accepted_after == accepted && fell_through_after > fell_through,
+        "{case:?}: the one-way forward policy accepted the other direction to {out_addr} \
+         (the connection {}):\n{}",
+        if passed { "passed" } else { "failed" },
+        tables(host, case, "filter")
+    );
 }

@@ -1,10 +1,12 @@
 //! Host endpoints on a real kernel: a HostEndpoint on the host's interface towards an
 //! "outside" network turns on Calico's host protection for it — only what policy allows (and
-//! the failsafe ports) reaches the host through that interface; replies flow back.
+//! the failsafe ports) reaches the host through that interface; replies flow back. On both
+//! drivers (`linux`, `nftables`).
 
 use std::time::{Duration, Instant};
 
-use integration::netns::{ControlPlane, Netns, write_manifest};
+use integration::driver_tests;
+use integration::netns::{ControlPlane, Driver, Netns, nft_chain, nft_list, write_manifest};
 
 const NODE: &str = "node-a";
 
@@ -29,9 +31,12 @@ fn expect(what: &str, from: &Netns, cp: &ControlPlane, want: [(u16, bool); 3]) {
     }
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn a_host_endpoint_protects_the_host_except_for_policy_and_failsafes() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    a_host_endpoint_protects_the_host_except_for_policy_and_failsafes => host_protection;
+}
+
+fn host_protection(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -54,7 +59,7 @@ spec:
     ipv4Address: 192.0.2.1/24
 ",
     );
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &[]);
     cp.wait_programmed();
     // No host endpoint: the host is not policed.
     expect(
@@ -99,12 +104,27 @@ spec:
         &cp,
         [(22, true), (8080, true), (9999, false)],
     );
-    let save = host.exec(&["iptables-save", "-t", "filter"]);
-    assert!(
-        save.contains("-A cali-from-host-endpoint -i ext0"),
-        "{save}"
-    );
-    assert!(save.contains(":cali-fh-ext0"), "{save}");
+    match driver {
+        Driver::Linux => {
+            let save = host.exec(&["iptables-save", "-t", "filter"]);
+            assert!(
+                save.contains("-A cali-from-host-endpoint -i ext0"),
+                "{save}"
+            );
+            assert!(save.contains(":cali-fh-ext0"), "{save}");
+        }
+        Driver::Nftables => {
+            let table = nft_list(&host, "ip");
+            assert!(table.contains("chain filter-cali-fh-ext0 {"), "{table}");
+            let dispatch = nft_chain(&host, "ip", "filter-cali-from-host-endpoint");
+            assert!(
+                dispatch
+                    .lines()
+                    .any(|l| l.contains("iifname \"ext0\"") && l.contains("filter-cali-fh-ext0")),
+                "{dispatch}"
+            );
+        }
+    }
 
     // Without the policy only the failsafes remain (a host endpoint with no profile drops).
     std::fs::write(

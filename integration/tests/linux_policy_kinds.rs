@@ -2,8 +2,9 @@
 //! beats a NetworkPolicy's Allow, a Baseline rule that applies only where no NetworkPolicy
 //! speaks, a rule matching a Kubernetes Service's endpoints, and a staged policy that changes
 //! nothing in the kernel. A host network namespace runs calc-server (file datastore) and
-//! `dataplane-agent --driver linux`; workload namespaces hang off it by veth pairs; TCP connects
-//! show which pairs policy lets through, and `calc-server explain` must give the same verdicts.
+//! `dataplane-agent --driver linux` or `--driver nftables` (one test each); workload namespaces
+//! hang off it by veth pairs; TCP connects show which pairs policy lets through, and
+//! `calc-server explain` must give the same verdicts.
 //!
 //! Needs root, iptables, ipset, nc, ping and nft: `#[ignore]`d with that reason and run by
 //! `make test`; a missing tool fails the test (see `integration::netns::require`).
@@ -11,8 +12,10 @@
 use std::path::Path;
 use std::process::Command;
 
+use integration::driver_tests;
 use integration::netns::{
-    ControlPlane, Netns, Probe, Workload, expect_eventually, namespace_profile, write_manifest,
+    ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, namespace_profile, nft_list,
+    write_manifest,
 };
 
 const NODE: &str = "node-a";
@@ -169,9 +172,12 @@ fn explain(dir: &Path, from: &str, to: &str, port: u16) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("explain prints JSON")
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn admin_baseline_service_and_staged_policies_on_real_traffic() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    admin_baseline_service_and_staged_policies_on_real_traffic => policy_kinds;
+}
+
+fn policy_kinds(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -193,7 +199,7 @@ fn admin_baseline_service_and_staged_policies_on_real_traffic() {
     write_manifest(dir.path(), "policies.yaml", POLICIES);
     write_manifest(dir.path(), "service.yaml", &service(Some(&web.ipv4)));
 
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &[]);
     cp.wait_programmed();
     // (probe, explain's names for its two ends)
     let expected = [
@@ -236,7 +242,10 @@ fn admin_baseline_service_and_staged_policies_on_real_traffic() {
     assert_eq!(e["pending"]["verdict"], "deny", "{e:#}");
 
     // Nothing staged reaches the kernel: no chain for the staged policy.
-    let save = host.exec(&["iptables-save", "-t", "filter"]);
+    let save = match driver {
+        Driver::Linux => host.exec(&["iptables-save", "-t", "filter"]),
+        Driver::Nftables => nft_list(&host, "ip"),
+    };
     assert!(save.contains("cali-pi-np/prod/web-open"), "{save}");
     assert!(!save.contains("snp/prod/web-lockdown"), "{save}");
     assert!(save.contains("Start of tier kube-admin"), "{save}");

@@ -2,13 +2,16 @@
 //! harness creates veth pairs but no host routes and no host-side settings; the agent must
 //! add the routes (with its route protocol), configure the interfaces, follow links going down
 //! and up, report status through the calc-server's status writer, repair a route deleted by
-//! hand and never touch a foreign route.
+//! hand and never touch a foreign route. Each test runs on both drivers (`linux`, `nftables`:
+//! they share the route and interface managers; the rule checks read each one's own state).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use integration::driver_tests;
 use integration::netns::{
-    ControlPlane, Netns, Probe, Workload, expect_eventually, failing, write_manifest,
+    ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, failing, nft_chain, nft_list,
+    nft_packets, write_manifest,
 };
 
 const NODE: &str = "node-a";
@@ -87,9 +90,18 @@ fn tcp<'a>(from: &'a Workload, to: &str, port: u16) -> Probe<'a> {
     }
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn routes_interfaces_and_status_follow_endpoints_and_links() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    routes_interfaces_and_status_follow_endpoints_and_links => routes_and_status;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    a_new_interface_drops_everything_until_its_endpoint_arrives => new_interface_drops;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    nat_outgoing_pools_masquerade_traffic_leaving_the_pools => nat_outgoing;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    felix_configuration_in_the_datastore_opens_workload_to_host_traffic => felix_configuration;
+}
+
+fn routes_and_status(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -113,7 +125,13 @@ fn routes_interfaces_and_status_follow_endpoints_and_links() {
     write_manifest(dir.path(), "profile.yaml", PROFILE);
     write_manifest(dir.path(), "a.yaml", &wep("a", &a));
     write_manifest(dir.path(), "b.yaml", &wep("b", &b));
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &["--refresh-interval", "1s"]);
+    let cp = ControlPlane::start_with_driver(
+        driver,
+        &host,
+        dir.path(),
+        NODE,
+        &["--refresh-interval", "1s"],
+    );
     cp.wait_programmed();
 
     // Routes with our protocol, v4 and v6, out of each endpoint's interface.
@@ -186,9 +204,7 @@ fn routes_interfaces_and_status_follow_endpoints_and_links() {
     );
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
+fn new_interface_drops(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -197,7 +213,7 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
     let dir = tempfile::tempdir().expect("temp dir");
     write_manifest(dir.path(), "profile.yaml", PROFILE);
     write_manifest(dir.path(), "a.yaml", &wep("a", &a));
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &[]);
     cp.wait_programmed();
 
     // A pod's interface appears; its endpoint (and policy) have not reached the agent. The
@@ -216,14 +232,25 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
         !burst(&a, &late.ipv4),
         "a -> late got through before its policy"
     );
-    let drops = host.exec(&["iptables-save", "-c", "-t", "filter"]);
+    let drops = match driver {
+        Driver::Linux => host.exec(&["iptables-save", "-c", "-t", "filter"]),
+        Driver::Nftables => {
+            nft_chain(&host, "ip", "filter-cali-from-wl-dispatch")
+                + &nft_chain(&host, "ip", "filter-cali-to-wl-dispatch")
+        }
+    };
     let unknown: Vec<&str> = drops
         .lines()
         .filter(|l| l.contains("Unknown interface"))
         .collect();
+    let counted = |l: &&str| match driver {
+        Driver::Linux => !l.starts_with("[0:"),
+        Driver::Nftables => nft_packets(l) > 0,
+    };
     assert!(
-        unknown.iter().any(|l| !l.starts_with("[0:")),
-        "the dispatch chains' unknown-interface drop counted the packets: {unknown:?}"
+        unknown.iter().any(counted),
+        "{driver:?}: the dispatch chains' unknown-interface drop counted the packets: \
+         {unknown:?}\n{drops}"
     );
 
     // The endpoint arrives: traffic flows.
@@ -243,9 +270,7 @@ fn a_new_interface_drops_everything_until_its_endpoint_arrives() {
     assert!(bad.is_empty(), "ping to the late endpoint once programmed");
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn nat_outgoing_pools_masquerade_traffic_leaving_the_pools() {
+fn nat_outgoing(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -272,7 +297,7 @@ spec:
         )
     };
     write_manifest(dir.path(), "pool.yaml", &pool(false));
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &[]);
     cp.wait_programmed();
     wait("a's route", &cp, || routes(&host).contains("10.65.0.1 "));
     let out = |allowed| Probe {
@@ -288,26 +313,59 @@ spec:
         "no masquerade without natOutgoing"
     );
     // As in Felix, the chain holds no rule while no pool has natOutgoing.
-    let nat = host.exec(&["iptables-save", "-t", "nat"]);
-    assert!(!nat.contains("MASQUERADE"), "{nat}");
+    let nat_rules = || match driver {
+        Driver::Linux => host.exec(&["iptables-save", "-t", "nat"]),
+        Driver::Nftables => nft_chain(&host, "ip", "nat-cali-nat-outgoing"),
+    };
+    let nat = nat_rules();
+    match driver {
+        Driver::Linux => assert!(!nat.contains("MASQUERADE"), "{nat}"),
+        Driver::Nftables => {
+            assert!(nat.contains("chain nat-cali-nat-outgoing {"), "{nat}");
+            assert!(!nat.contains("masquerade"), "{nat}");
+        }
+    }
 
     write_manifest(dir.path(), "pool.yaml", &pool(true));
     expect_eventually("masqueraded traffic to the outside", &[out(true)], &cp);
-    let members = host.exec(&["ipset", "list", "cali40masq-ipam-pools"]);
-    assert!(members.contains("10.65.0.0/16"), "{members}");
-    let nat = host.exec(&["iptables-save", "-t", "nat"]);
-    // This kernel and iptables take --random-fully, so the agent uses it, as Felix does.
-    assert!(nat.contains("-j MASQUERADE --random-fully"), "{nat}");
-    // Traffic between pods (inside the pools) is not masqueraded: the sets exclude it.
-    assert!(
-        nat.contains("! --match-set cali40network-ip-pools dst"),
-        "{nat}"
-    );
+    let nat = nat_rules();
+    match driver {
+        Driver::Linux => {
+            let members = host.exec(&["ipset", "list", "cali40masq-ipam-pools"]);
+            assert!(members.contains("10.65.0.0/16"), "{members}");
+            // This kernel and iptables take --random-fully, so the agent uses it, as Felix does.
+            assert!(nat.contains("-j MASQUERADE --random-fully"), "{nat}");
+            // Traffic between pods (inside the pools) is not masqueraded: the sets exclude it.
+            assert!(
+                nat.contains("! --match-set cali40network-ip-pools dst"),
+                "{nat}"
+            );
+        }
+        Driver::Nftables => {
+            let table = nft_list(&host, "ip");
+            let members = table
+                .split("set cali40masq-ipam-pools {")
+                .nth(1)
+                .and_then(|rest| rest.split('}').next())
+                .unwrap_or_else(|| panic!("no set cali40masq-ipam-pools in:\n{table}"));
+            assert!(members.contains("10.65.0.0/16"), "{members}");
+            let masq = nat
+                .lines()
+                .find(|l| l.contains("masquerade"))
+                .unwrap_or_else(|| panic!("no masquerade rule in:\n{nat}"));
+            // The kernel takes fully-random, so the agent uses it, as Felix does; only traffic
+            // from the pools leaving them (the sets exclude pod-to-pod) is masqueraded.
+            assert!(masq.contains("masquerade fully-random"), "{masq}");
+            assert!(masq.contains("ip saddr @cali40masq-ipam-pools"), "{masq}");
+            assert!(
+                masq.contains("ip daddr != @cali40network-ip-pools"),
+                "{masq}"
+            );
+        }
+    }
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn felix_configuration_in_the_datastore_opens_workload_to_host_traffic() {
+fn felix_configuration(driver: Driver) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
@@ -317,7 +375,7 @@ fn felix_configuration_in_the_datastore_opens_workload_to_host_traffic() {
     let dir = tempfile::tempdir().expect("temp dir");
     write_manifest(dir.path(), "profile.yaml", PROFILE);
     write_manifest(dir.path(), "a.yaml", &wep("a", &a));
-    let cp = ControlPlane::start(&host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &[]);
     cp.wait_programmed();
     wait("a's route", &cp, || routes(&host).contains("10.65.0.1 "));
     // The listener answers from the host itself.

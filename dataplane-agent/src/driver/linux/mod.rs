@@ -220,7 +220,11 @@ impl LinuxDriver {
     pub fn programmed(&self) -> Programmed {
         let (ipsets, ipset_members) = self.ipsets.counts();
         Programmed {
-            rules: self.tables.rule_count(),
+            // nftables splits multi-port rules: count what the kernel holds.
+            rules: self
+                .nft
+                .as_ref()
+                .map_or_else(|| self.tables.rule_count(), nft::NftTables::rule_count),
             ipsets,
             ipset_members,
             routes: self.routes.count(),

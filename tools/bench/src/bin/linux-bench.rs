@@ -31,6 +31,8 @@ struct Params {
     policies: usize,
     members: usize,
     runs: usize,
+    /// The nftables driver (`--driver nftables`) instead of iptables.
+    nft: bool,
 }
 
 /// Benchmark of the Linux driver against the floor: a raw `ipset restore` and
@@ -66,6 +68,12 @@ struct Cli {
     /// Runs per measure (the medians are printed).
     #[arg(long, global = true, env = "LINUX_BENCH_RUNS", default_value_t = 3)]
     runs: usize,
+    /// The driver measured: `linux` (iptables and ipsets, against bare `ipset restore` and
+    /// `iptables-restore`) or `nftables` (against bare `nft -f` of the same ruleset, at 1k, 10k
+    /// and 100k rules, with one IP set member change as well).
+    #[arg(long, global = true, env = "LINUX_BENCH_DRIVER", default_value = "linux",
+          value_parser = ["linux", "nftables"])]
+    driver: String,
     #[command(subcommand)]
     phase: Option<Phase>,
 }
@@ -91,9 +99,11 @@ fn main() {
         policies: cli.policies,
         members: cli.members,
         runs: cli.runs,
+        nft: cli.driver == "nftables",
     };
     match cli.phase {
         Some(Phase::Program { dir }) => program(&p, &dir),
+        Some(Phase::Floor { dir }) if p.nft => nft_floor(&dir),
         Some(Phase::Floor { dir }) => floor(&dir),
         Some(Phase::Routes) => routes_bench(p.endpoints, p.runs),
         None => orchestrate(&p),
@@ -131,6 +141,14 @@ fn state(p: &Params, variant: usize) -> Vec<Message> {
             r#type: 2,
         })));
     }
+    // The workload addresses as a selector's IP set (hash:ip): what endpoint churn changes.
+    out.push(msg(Payload::IpsetUpdate(IpSetUpdate {
+        id: "s:bench-pods".into(),
+        members: (0..per_set.max(1))
+            .map(|m| format!("10.66.{}.{}", (m >> 8) & 255, m & 255))
+            .collect(),
+        r#type: 0,
+    })));
     let tcp = Some(Protocol {
         number_or_name: Some(protocol::NumberOrName::Name("tcp".into())),
     });
@@ -248,9 +266,10 @@ impl CommandRunner for Timing {
     }
 }
 
-fn options() -> LinuxOptions {
+fn options(nft: bool) -> LinuxOptions {
     LinuxOptions {
         backend: Backend::Nft,
+        nftables: nft,
         // Routes are measured on their own (they need the async runtime).
         manage_routes: false,
         ..LinuxOptions::default()
@@ -271,7 +290,7 @@ fn sh(cmd: &str) -> String {
 fn program(p: &Params, dump: &Path) {
     let spent = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut driver = LinuxDriver::new(
-        options(),
+        options(p.nft),
         Box::new(Timing {
             inner: SystemRunner,
             spent: spent.clone(),
@@ -311,6 +330,9 @@ fn program(p: &Params, dump: &Path) {
         change_times.push(t.elapsed().as_secs_f64());
     }
     std::fs::create_dir_all(dump).expect("dump dir");
+    if p.nft {
+        return nft_program_tail(&mut driver, dump, full, change_times, &spent);
+    }
     std::fs::write(dump.join("ipset.save"), sh("ipset save")).expect("write");
     std::fs::write(dump.join("v4.save"), sh("iptables-nft-save")).expect("write");
     std::fs::write(dump.join("v6.save"), sh("ip6tables-nft-save")).expect("write");
@@ -349,6 +371,117 @@ fn program(p: &Params, dump: &Path) {
         programmed.rules,
         programmed.ipsets,
         programmed.ipset_members
+    );
+}
+
+/// The nftables half of `program`: one IP set member added and removed in turn (timed), then
+/// the dump the floor restores: the whole ruleset, the one-chain transaction and the member
+/// transactions, as bare `nft -f` input.
+fn nft_program_tail(
+    driver: &mut LinuxDriver,
+    dump: &Path,
+    full: f64,
+    mut change_times: Vec<f64>,
+    spent: &std::sync::Arc<parking_lot::Mutex<Vec<(String, f64)>>>,
+) {
+    use felix_proto::IpSetDeltaUpdate;
+    let member = "10.250.0.1".to_owned();
+    let delta = |set: &str, add: bool| {
+        msg(Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
+            id: set.into(),
+            added_members: if add { vec![member.clone()] } else { vec![] },
+            removed_members: if add { vec![] } else { vec![member.clone()] },
+        }))
+    };
+    // A workload address (exact set: netlink) and a network set member (interval set: nft -f).
+    let mut member_times = Vec::new();
+    let mut net_member_times = Vec::new();
+    for (set, times) in [
+        ("s:bench-pods", &mut member_times),
+        ("s:bench-set-0000", &mut net_member_times),
+    ] {
+        for i in 0..20 {
+            driver.on_update(&delta(set, i % 2 == 0));
+            let t = Instant::now();
+            driver.apply().expect("member apply");
+            times.push(t.elapsed().as_secs_f64());
+        }
+        for (label, d) in spent.lock().iter().rev().take(1) {
+            eprintln!("  member {set} {:>8.2} ms  {label}", d * 1e3);
+        }
+    }
+    let programmed = driver.programmed();
+    let ruleset = format!(
+        "{}\n{}",
+        sh("nft list table ip calico"),
+        sh("nft list table ip6 calico")
+    );
+    std::fs::write(dump.join("nft.save"), ruleset).expect("write");
+    let chain = "filter-cali-pi-gnp/policy-0000";
+    let mut change = String::new();
+    for fam in ["ip", "ip6"] {
+        change.push_str(&format!("flush chain {fam} calico {chain}\n"));
+        let listing = sh(&format!("nft list chain {fam} calico {chain}"));
+        let mut inside = false;
+        for line in listing.lines() {
+            let l = line.trim();
+            if l.starts_with("chain ") {
+                inside = true;
+            } else if l == "}" {
+                inside = false;
+            } else if inside && !l.is_empty() {
+                change.push_str(&format!("add rule {fam} calico {chain} {l}\n"));
+            }
+        }
+    }
+    std::fs::write(dump.join("change.nft"), change).expect("write");
+    for (file, op, set) in [
+        ("add", "add", "cali40s-bench-pods"),
+        ("del", "delete", "cali40s-bench-pods"),
+        ("netadd", "add", "cali40s-bench-set-0000"),
+        ("netdel", "delete", "cali40s-bench-set-0000"),
+    ] {
+        std::fs::write(
+            dump.join(format!("{file}.nft")),
+            format!("{op} element ip calico {set} {{ 10.250.0.1 }}\n"),
+        )
+        .expect("write");
+    }
+    change_times.sort_by(f64::total_cmp);
+    println!(
+        "{{\"full_s\":{full},\"change_median_s\":{},\"member_median_s\":{},\"net_member_median_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
+        change_times[change_times.len() / 2],
+        median(member_times),
+        median(net_member_times),
+        programmed.rules,
+        programmed.ipsets,
+        programmed.ipset_members
+    );
+}
+
+/// Inside another fresh namespace: `nft -f` of the nftables dump, its one-chain transaction
+/// and its member transactions.
+fn nft_floor(dump: &Path) {
+    let d = dump.display();
+    let full = timed(&format!("nft -f {d}/nft.save"));
+    let mut change = Vec::new();
+    let mut member = Vec::new();
+    let mut net_member = Vec::new();
+    for i in 0..20 {
+        change.push(timed(&format!("nft -f {d}/change.nft")));
+        let (file, net) = if i % 2 == 0 {
+            ("add", "netadd")
+        } else {
+            ("del", "netdel")
+        };
+        member.push(timed(&format!("nft -f {d}/{file}.nft")));
+        net_member.push(timed(&format!("nft -f {d}/{net}.nft")));
+    }
+    println!(
+        "{{\"full_s\":{full},\"change_median_s\":{},\"member_median_s\":{},\"net_member_median_s\":{}}}",
+        median(change),
+        median(member),
+        median(net_member)
     );
 }
 
@@ -502,6 +635,9 @@ fn orchestrate(p: &Params) {
             sizes.2.to_string(),
         ]
     };
+    if p.nft {
+        return nft_orchestrate(p, &dump, &extra);
+    }
     for (label, sizes) in [
         ("small", (10, 20, 10_000)),
         ("full", (p.endpoints, p.policies, p.members)),
@@ -569,4 +705,78 @@ fn orchestrate(p: &Params) {
         f * 1e3,
         d / f
     );
+}
+
+/// `--driver nftables`: the same synthetic node at three sizes, so that the change costs can be
+/// read against the ruleset size.
+fn nft_orchestrate(p: &Params, dump: &Path, extra: &dyn Fn((usize, usize, usize)) -> Vec<String>) {
+    for (label, sizes) in [
+        ("1k rules", (5, 25, 2_500)),
+        ("10k rules", (50, 250, 25_000)),
+        ("100k rules", (p.endpoints, 2_500, p.members)),
+    ] {
+        let mut ours: [Vec<f64>; 4] = Default::default();
+        let mut floor: [Vec<f64>; 4] = Default::default();
+        let mut shape = String::new();
+        for run in 0..p.runs {
+            let mut args = vec!["program".to_owned(), dump.display().to_string()];
+            args.extend(extra(sizes));
+            args.extend(["--driver".to_owned(), "nftables".to_owned()]);
+            let o = in_netns(&format!("p{run}"), &args);
+            let f = in_netns(
+                &format!("f{run}"),
+                &[
+                    "floor".to_owned(),
+                    dump.display().to_string(),
+                    "--driver".to_owned(),
+                    "nftables".to_owned(),
+                ],
+            );
+            for (i, key) in [
+                "full_s",
+                "change_median_s",
+                "member_median_s",
+                "net_member_median_s",
+            ]
+            .iter()
+            .enumerate()
+            {
+                ours[i].push(field(&o, key));
+                floor[i].push(field(&f, key));
+            }
+            let v: serde_json::Value = serde_json::from_str(o.trim()).expect("JSON");
+            shape = format!(
+                "{} endpoints, {} policies: {} rules (v4+v6), {} sets, {} members",
+                sizes.0, sizes.1, v["rules"], v["ipsets"], v["members"]
+            );
+        }
+        let [of, oc, om, on] = ours.map(median);
+        let [ff, fc, fm, fnet] = floor.map(median);
+        println!("== nftables, {label}: {shape}");
+        println!(
+            "full programming: driver {:.1} ms, floor (nft -f of the same ruleset) {:.1} ms, ratio {:.2}",
+            of * 1e3,
+            ff * 1e3,
+            of / ff
+        );
+        println!(
+            "one-chain change: driver {:.2} ms, floor (nft -f flush + rules of that chain, v4 + v6) {:.2} ms, ratio {:.2}",
+            oc * 1e3,
+            fc * 1e3,
+            oc / fc
+        );
+        println!(
+            "one IP set member (workload address, netlink): driver {:.2} ms, floor (nft -f of one element) {:.2} ms, ratio {:.2}",
+            om * 1e3,
+            fm * 1e3,
+            om / fm
+        );
+        println!(
+            "one network set member (interval set, nft -f): driver {:.2} ms, floor (nft -f of one element) {:.2} ms, ratio {:.2}",
+            on * 1e3,
+            fnet * 1e3,
+            on / fnet
+        );
+    }
+    let _ = std::fs::remove_dir_all(dump);
 }

@@ -10,6 +10,7 @@
 //! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
 //! repair what changed behind our back. Everything in the `calico` tables is ours.
 
+pub mod netlink;
 pub mod render;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -111,11 +112,14 @@ pub struct NftStats {
     pub sets_created: usize,
     pub sets_deleted: usize,
     pub read_back: bool,
+    /// Written as one nfnetlink batch of element changes rather than by `nft -f`.
+    pub via_netlink: bool,
 }
 
 /// The nftables writer (see the module documentation).
 pub struct NftTables {
     families: Vec<Family>,
+    elements: Box<dyn netlink::ElementWriter>,
 }
 
 /// The planned transaction of one family, and the view it leads to.
@@ -123,11 +127,24 @@ struct Plan {
     script: String,
     stats: NftStats,
     view: KernelView,
+    /// The element changes of exact-key sets and maps, for the netlink path.
+    ops: Vec<netlink::ElementOp>,
+    /// The plan holds more than those (chains, declarations, interval sets): `nft -f` only.
+    structural: bool,
 }
 
 impl NftTables {
     pub fn new(versions: &[IpVersion]) -> Self {
+        Self::with_elements(versions, Box::new(netlink::NetlinkElements::default()))
+    }
+
+    /// A writer whose element-only changes go to `elements` (tests pass a fake).
+    pub fn with_elements(
+        versions: &[IpVersion],
+        elements: Box<dyn netlink::ElementWriter>,
+    ) -> Self {
         Self {
+            elements,
             families: versions
                 .iter()
                 .map(|v| Family {
@@ -182,6 +199,26 @@ impl NftTables {
         }
         if script.is_empty() {
             return Ok(stats);
+        }
+        // Element changes of exact-key sets alone: one netlink batch, without nft's cost of
+        // loading the ruleset. Anything else, or a batch the kernel refuses, goes by `nft -f`.
+        if plans.iter().all(|p| !p.structural) {
+            let ops: Vec<netlink::ElementOp> =
+                plans.iter().flat_map(|p| p.ops.iter().cloned()).collect();
+            match self.elements.write(&ops) {
+                Ok(()) => {
+                    stats.via_netlink = true;
+                    for (f, plan) in self.families.iter_mut().zip(plans) {
+                        add_stats(&mut stats, &plan.stats);
+                        f.kernel = Some(plan.view);
+                    }
+                    debug!(?stats, "nftables programmed");
+                    return Ok(stats);
+                }
+                Err(error) => {
+                    debug!(%error, "element batch refused over netlink; writing it with nft -f");
+                }
+            }
         }
         match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
             Ok(_) => {
@@ -281,6 +318,20 @@ impl Family {
         let mut additions = String::new();
         let mut rules = String::new();
         let mut deletions = String::new();
+        let mut ops: Vec<netlink::ElementOp> = Vec::new();
+        let mut interval_elements = false;
+        let mut op = |set: &str, add: bool, elems: &[&String]| {
+            if !elems.is_empty() {
+                let mut elems: Vec<String> = elems.iter().map(|e| (*e).clone()).collect();
+                elems.sort();
+                ops.push(netlink::ElementOp {
+                    version: v,
+                    set: set.to_owned(),
+                    add,
+                    elems,
+                });
+            }
+        };
 
         if !view.exists {
             let _ = writeln!(decls, "add table {fam} {TABLE}");
@@ -322,6 +373,11 @@ impl Family {
                 let k = view.sets.get_mut(&name).expect("checked above");
                 let gone: Vec<&String> = k.elems.difference(&elems).collect();
                 let new: Vec<&String> = elems.difference(&k.elems).collect();
+                if kind == SetKind::Net {
+                    interval_elements |= !(gone.is_empty() && new.is_empty());
+                }
+                op(&name, false, &gone);
+                op(&name, true, &new);
                 stats.elements_removed += element_ops(&mut removals, "delete", fam, &name, &gone);
                 stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
                 k.elems = elems;
@@ -338,6 +394,8 @@ impl Family {
                 Some(k) if k.decl == decl => {
                     let gone: Vec<&String> = k.elems.difference(&elems).collect();
                     let new: Vec<&String> = elems.difference(&k.elems).collect();
+                    op(chain, false, &gone);
+                    op(chain, true, &new);
                     stats.elements_removed +=
                         element_ops(&mut removals, "delete", fam, chain, &gone);
                     stats.elements_added += element_ops(&mut additions, "add", fam, chain, &new);
@@ -425,6 +483,12 @@ impl Family {
             stats.chains_deleted += 1;
         }
 
+        let structural = interval_elements
+            || !(decls.is_empty()
+                && flushes.is_empty()
+                && recreate.is_empty()
+                && rules.is_empty()
+                && deletions.is_empty());
         let mut script = String::new();
         let changed = !(flushes.is_empty()
             && recreate.is_empty()
@@ -439,6 +503,8 @@ impl Family {
             script,
             stats,
             view,
+            ops,
+            structural,
         }
     }
 }
@@ -479,8 +545,10 @@ fn render_chain(
         map = Some((input, elems));
     }
     for r in rest {
-        bodies.push(render::rule_body(r, table, v));
-        comments.push(&r.comments);
+        for b in render::rule_bodies(r, table, v) {
+            bodies.push(b);
+            comments.push(&r.comments);
+        }
     }
     let hashes = render::hashes(nft, bodies.iter().map(String::as_str));
     let rules = bodies

@@ -97,9 +97,9 @@ fn ident_or_number(p: &str) -> String {
     }
 }
 
-/// `80,443,8000:8080` as `{ 80, 443, 8000-8080 }`.
-fn port_set(ports: &str) -> String {
-    let items: Vec<String> = ports
+/// `80,443,8000:8080` as nft port items: `80`, `443`, `8000-8080`.
+fn port_items(ports: &str) -> Vec<String> {
+    ports
         .split(',')
         .filter(|p| !p.is_empty())
         .map(|p| {
@@ -112,8 +112,7 @@ fn port_set(ports: &str) -> String {
                 .collect::<Vec<_>>()
                 .join("-")
         })
-        .collect();
-    format!("{{ {} }}", items.join(", "))
+        .collect()
 }
 
 fn not(negated: bool) -> &'static str {
@@ -202,17 +201,21 @@ fn frag(out: &mut String, f: &Frag, v: IpVersion, ports_kw: &str) {
                 write!(out, "{ip} {addr} {}@{}", not(*negated), set_name(name))
             }
         }
+        // No anonymous sets: nft 1.0 names and caches each one, which made a 25k-rule
+        // ruleset take minutes to load and every later `nft -f` seconds. A negated list is
+        // one comparison per item (all must differ); a positive list with several items is
+        // split into one rule per item by `rule_bodies`, so here it has one.
         Frag::Ports {
             dir,
             ports,
             negated,
-        } => write!(
-            out,
-            "{ports_kw} {} {}{}",
-            d(*dir).1,
-            not(*negated),
-            port_set(ports)
-        ),
+        } => {
+            let parts: Vec<String> = port_items(ports)
+                .iter()
+                .map(|i| format!("{ports_kw} {} {}{i}", d(*dir).1, not(*negated)))
+                .collect();
+            write!(out, "{}", parts.join(" "))
+        }
         Frag::Icmp {
             v: _,
             ty,
@@ -265,17 +268,64 @@ fn action(out: &mut String, a: &Action, table: &str) {
     };
 }
 
-/// A rule's statement without its comment (what its hash covers).
+/// A rule's statement without its comment (what its hash covers), for a rule whose positive
+/// port lists have one item each (see [`rule_bodies`]).
 pub fn rule_body(rule: &Rule, table: &str, v: IpVersion) -> String {
+    body_of(rule.matches.frags(), &rule.action, table, v)
+}
+
+fn body_of(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
     let mut out = String::with_capacity(96);
-    let frags = rule.matches.frags();
     let kw = port_keyword(frags);
     for f in frags {
         frag(&mut out, f, v, kw);
         out.push(' ');
     }
-    action(&mut out, &rule.action, table);
+    action(&mut out, a, table);
     out
+}
+
+/// The nft rules one rule becomes: one, or one per combination of items of its positive port
+/// lists (iptables' multiport ORs its items; nft without anonymous sets cannot). The rules
+/// match the same packets; a packet matching two overlapping items runs the action twice,
+/// which changes nothing for marks and verdicts.
+pub fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
+    let frags = rule.matches.frags();
+    let mut variants: Vec<Vec<Frag>> = vec![Vec::with_capacity(frags.len())];
+    for f in frags {
+        match f {
+            Frag::Ports {
+                dir,
+                ports,
+                negated: false,
+            } if ports.contains(',') => {
+                let items: Vec<&str> = ports.split(',').filter(|p| !p.is_empty()).collect();
+                variants = variants
+                    .into_iter()
+                    .flat_map(|base| {
+                        items.iter().map(move |item| {
+                            let mut next = base.clone();
+                            next.push(Frag::Ports {
+                                dir: *dir,
+                                ports: (*item).to_owned(),
+                                negated: false,
+                            });
+                            next
+                        })
+                    })
+                    .collect();
+            }
+            other => {
+                for var in &mut variants {
+                    var.push(other.clone());
+                }
+            }
+        }
+    }
+    variants
+        .iter()
+        .map(|frags| body_of(frags, &rule.action, table, v))
+        .collect()
 }
 
 /// The rule's comment: `cali:<hash>;` and the rule's own comments, cut to
@@ -342,9 +392,19 @@ mod tests {
             Action::SetMark(marks::ACCEPT),
         );
         assert_eq!(
-            body(r, IpVersion::V4),
-            "meta l4proto 6 ip saddr @cali40s-abc tcp dport { 80, 443, 8000-8080 } \
-             counter meta mark set meta mark | 0x00010000"
+            rule_bodies(&r, "filter", IpVersion::V4),
+            ["80", "443", "8000-8080"].map(|p| format!(
+                "meta l4proto 6 ip saddr @cali40s-abc tcp dport {p} \
+                 counter meta mark set meta mark | 0x00010000"
+            ))
+        );
+        let not_ports = Rule::new(
+            Match::new().protocol("udp").not_src_ports("53,1000:2000"),
+            Action::Drop,
+        );
+        assert_eq!(
+            body(not_ports, IpVersion::V4),
+            "meta l4proto 17 udp sport != 53 udp sport != 1000-2000 counter drop"
         );
         let named = Rule::new(
             Match::new()

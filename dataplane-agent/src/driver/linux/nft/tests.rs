@@ -1,1 +1,438 @@
+//! The nftables writer against a recording `nft`: what each apply writes, and only that.
 
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::driver::linux::ipsets::{IpSets, SetKind};
+use crate::driver::linux::rules::static_chains::Hooks;
+use crate::driver::linux::rules::{Action, Chain, Match, Rule};
+use crate::driver::linux::runner::Output;
+
+/// Answers `nft -j list table` with `listing` (absent table when `None`) and records every
+/// `nft -f -` transaction; fails them while `fail` is set.
+#[derive(Clone, Default)]
+struct FakeNft {
+    listing: Arc<Mutex<Option<String>>>,
+    scripts: Arc<Mutex<Vec<String>>>,
+    lists: Arc<Mutex<usize>>,
+    fail: Arc<Mutex<bool>>,
+}
+
+impl CommandRunner for FakeNft {
+    fn run(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+    ) -> std::io::Result<Output> {
+        assert_eq!(program, "nft");
+        if args.first() == Some(&"-j") {
+            *self.lists.lock().unwrap() += 1;
+            let family = args[3];
+            return Ok(match &*self.listing.lock().unwrap() {
+                Some(json) if family == "ip" => Output {
+                    success: true,
+                    stdout: json.clone().into_bytes(),
+                    ..Output::default()
+                },
+                _ => Output {
+                    success: false,
+                    stderr: b"Error: No such file or directory".to_vec(),
+                    ..Output::default()
+                },
+            });
+        }
+        assert_eq!(args, ["-f", "-"]);
+        self.scripts
+            .lock()
+            .unwrap()
+            .push(String::from_utf8(stdin.unwrap().to_vec()).unwrap());
+        let fail = *self.fail.lock().unwrap();
+        Ok(Output {
+            success: !fail,
+            stderr: if fail {
+                b"Error: boom".to_vec()
+            } else {
+                vec![]
+            },
+            ..Output::default()
+        })
+    }
+}
+
+impl FakeNft {
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.scripts.lock().unwrap())
+    }
+}
+
+/// Records element batches; refuses them while `fail` is set.
+#[derive(Clone, Default)]
+struct FakeElements {
+    batches: Arc<Mutex<Vec<Vec<netlink::ElementOp>>>>,
+    fail: Arc<Mutex<bool>>,
+}
+
+impl netlink::ElementWriter for FakeElements {
+    fn write(&mut self, ops: &[netlink::ElementOp]) -> std::io::Result<()> {
+        self.batches.lock().unwrap().push(ops.to_vec());
+        if *self.fail.lock().unwrap() {
+            return Err(std::io::Error::from_raw_os_error(22));
+        }
+        Ok(())
+    }
+}
+
+struct World {
+    nft: FakeNft,
+    elements: FakeElements,
+    writer: NftTables,
+    tables: Tables,
+    sets: IpSets,
+}
+
+impl World {
+    fn new() -> Self {
+        let v = [IpVersion::V4];
+        let mut tables = Tables::new(&v, 10);
+        let mut hooks = Hooks::default();
+        hooks.inserts.insert(
+            "FORWARD".into(),
+            vec![Rule::always(Action::Jump("cali-FORWARD".into()))],
+        );
+        tables.table(IpVersion::V4, "filter").set_hooks(hooks);
+        tables.table(IpVersion::V4, "filter").set_chain(Chain::new(
+            "cali-FORWARD",
+            vec![
+                Rule::new(
+                    Match::new().in_iface("cali+"),
+                    Action::Jump(FROM_WL_DISPATCH.into()),
+                ),
+                Rule::new(
+                    Match::new().out_iface("cali+"),
+                    Action::Jump(TO_WL_DISPATCH.into()),
+                ),
+            ],
+        ));
+        let elements = FakeElements::default();
+        let mut w = World {
+            nft: FakeNft::default(),
+            writer: NftTables::with_elements(&v, Box::new(elements.clone())),
+            elements,
+            tables,
+            sets: IpSets::new(v.to_vec()),
+        };
+        w.dispatch(&["calia", "calib"]);
+        w.policy("web", "10.0.0.0/8");
+        w.sets.replace(
+            "s:db",
+            SetKind::Net,
+            &["10.1.0.0/16".into(), "10.2.0.1".into()],
+        );
+        w
+    }
+
+    fn dispatch(&mut self, ifaces: &[&str]) {
+        let ifaces: Vec<String> = ifaces.iter().map(|s| (*s).to_owned()).collect();
+        let [from, to] = crate::driver::linux::rules::static_chains::workload_dispatch(&ifaces);
+        let t = self.tables.table(IpVersion::V4, "filter");
+        t.set_chain(from);
+        t.set_chain(to);
+        for i in &ifaces {
+            t.set_chain(Chain::new(
+                format!("cali-fw-{i}"),
+                vec![Rule::always(Action::Accept)],
+            ));
+            t.set_chain(Chain::new(
+                format!("cali-tw-{i}"),
+                vec![Rule::always(Action::Accept)],
+            ));
+        }
+    }
+
+    fn policy(&mut self, name: &str, src: &str) {
+        self.tables
+            .table(IpVersion::V4, "filter")
+            .set_chain(Chain::new(
+                format!("cali-pi-{name}"),
+                vec![
+                    Rule::new(
+                        Match::new()
+                            .src_net(src)
+                            .src_set("cali40s:db")
+                            .protocol("tcp")
+                            .dst_ports("80,443"),
+                        Action::SetMark(0x10000),
+                    )
+                    .comment("allow web"),
+                ],
+            ));
+    }
+
+    fn apply(&mut self) -> Result<NftStats, NftError> {
+        let mut runner = self.nft.clone();
+        self.writer.apply(&mut runner, &self.tables, &mut self.sets)
+    }
+}
+
+#[test]
+fn the_first_apply_builds_everything_in_one_transaction_and_the_next_writes_nothing() {
+    let mut w = World::new();
+    let st = w.apply().unwrap();
+    assert!(st.read_back);
+    let scripts = w.nft.take();
+    assert_eq!(scripts.len(), 1, "one transaction for the whole state");
+    let s = &scripts[0];
+    assert!(s.starts_with("add table ip calico\n"), "{s}");
+    assert!(
+        s.contains(
+            "add chain ip calico filter-FORWARD { type filter hook forward priority 0; policy accept; }"
+        ),
+        "{s}"
+    );
+    assert!(
+        s.contains("add set ip calico cali40s-db { type ipv4_addr; flags interval; }"),
+        "{s}"
+    );
+    assert!(
+        s.contains("add element ip calico cali40s-db { 10.1.0.0/16, 10.2.0.1 }"),
+        "{s}"
+    );
+    assert!(
+        s.contains(
+            "add element ip calico filter-cali-from-wl-dispatch { \"calia\" : goto filter-cali-fw-calia, \"calib\" : goto filter-cali-fw-calib }"
+        ),
+        "{s}"
+    );
+    assert!(
+        s.contains("add rule ip calico filter-cali-from-wl-dispatch iifname vmap @filter-cali-from-wl-dispatch comment"),
+        "{s}"
+    );
+    assert!(
+        s.contains("add rule ip calico filter-cali-FORWARD iifname \"cali*\" counter jump filter-cali-from-wl-dispatch comment \"cali:"),
+        "{s}"
+    );
+    // The port list became one rule per port, each with the rule's comment.
+    assert_eq!(
+        s.matches("add rule ip calico filter-cali-pi-web ").count(),
+        2
+    );
+    assert!(s.contains("; allow web\""), "{s}");
+    // Declarations come before the rules that use them.
+    let decl = s.find("add chain ip calico filter-cali-fw-calia").unwrap();
+    let user = s.find(": goto filter-cali-fw-calia").unwrap();
+    assert!(decl < user);
+
+    assert_eq!(w.apply().unwrap(), NftStats::default());
+    assert!(w.nft.take().is_empty(), "nothing changed, nothing written");
+}
+
+#[test]
+fn a_change_writes_only_what_changed() {
+    let mut w = World::new();
+    w.apply().unwrap();
+    w.nft.take();
+
+    // One member: element commands only.
+    w.sets
+        .delta("s:db", &["10.3.0.1".into()], &["10.2.0.1".into()]);
+    let st = w.apply().unwrap();
+    assert_eq!(
+        (st.elements_added, st.elements_removed, st.chains_written),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        w.nft.take(),
+        [
+            "delete element ip calico cali40s-db { 10.2.0.1 }\nadd element ip calico cali40s-db { 10.3.0.1 }\n"
+        ]
+    );
+
+    // One policy: that chain flushed and rewritten.
+    w.policy("web", "10.9.0.0/16");
+    w.apply().unwrap();
+    let s = w.nft.take().join("");
+    assert!(
+        s.starts_with("flush chain ip calico filter-cali-pi-web\n"),
+        "{s}"
+    );
+    assert!(
+        s.lines()
+            .skip(1)
+            .all(|l| l.starts_with("add rule ip calico filter-cali-pi-web ")),
+        "{s}"
+    );
+
+    // An endpoint goes: map elements and its chains, the dispatch chain untouched.
+    let t = w.tables.table(IpVersion::V4, "filter");
+    t.remove_chain("cali-fw-calib");
+    t.remove_chain("cali-tw-calib");
+    w.dispatch(&["calia"]);
+    let st = w.apply().unwrap();
+    assert_eq!(st.chains_written, 0, "{st:?}");
+    assert_eq!(st.chains_deleted, 2);
+    let s = w.nft.take().join("");
+    let del_elem = s
+        .find("delete element ip calico filter-cali-from-wl-dispatch { \"calib\" : goto filter-cali-fw-calib }")
+        .expect(&s);
+    let del_chain = s
+        .find("delete chain ip calico filter-cali-fw-calib")
+        .expect(&s);
+    assert!(
+        del_elem < del_chain,
+        "the map lets go of the chain first: {s}"
+    );
+    assert!(s.contains("flush chain ip calico filter-cali-fw-calib"));
+}
+
+#[test]
+fn nested_networks_are_left_out_of_interval_sets() {
+    let mut w = World::new();
+    w.sets.replace(
+        "s:db",
+        SetKind::Net,
+        &["10.0.0.0/8".into(), "10.1.0.0/16".into(), "11.0.0.1".into()],
+    );
+    w.apply().unwrap();
+    let s = w.nft.take().join("");
+    assert!(
+        s.contains("add element ip calico cali40s-db { 10.0.0.0/8, 11.0.0.1 }"),
+        "{s}"
+    );
+    // The covering network goes: the one it hid is added in the same transaction.
+    w.sets.delta("s:db", &[], &["10.0.0.0/8".into()]);
+    w.apply().unwrap();
+    assert_eq!(
+        w.nft.take(),
+        [
+            "delete element ip calico cali40s-db { 10.0.0.0/8 }\nadd element ip calico cali40s-db { 10.1.0.0/16 }\n"
+        ]
+    );
+}
+
+#[test]
+fn a_failed_transaction_is_read_back_and_written_again() {
+    let mut w = World::new();
+    *w.nft.fail.lock().unwrap() = true;
+    assert!(matches!(w.apply(), Err(NftError::Failed { .. })));
+    *w.nft.fail.lock().unwrap() = false;
+    let lists = *w.nft.lists.lock().unwrap();
+    let st = w.apply().unwrap();
+    assert!(st.read_back);
+    assert_eq!(*w.nft.lists.lock().unwrap(), lists + 1);
+    assert_eq!(w.nft.take().len(), 2, "the failed one and its retry");
+}
+
+#[test]
+fn a_refresh_repairs_drift_and_removes_what_is_not_ours() {
+    let mut w = World::new();
+    w.apply().unwrap();
+    w.nft.take();
+    // The kernel as an operator left it: the policy chain lost its rules, a member is gone,
+    // a chain and a set nobody wants were added; the rest is as we wrote it.
+    let hashes: Vec<String> = w.writer.families[0].rendered["filter-cali-FORWARD"]
+        .hashes
+        .clone();
+    let rule = |chain: &str, h: &str| {
+        format!(
+            r#"{{"rule": {{"family": "ip", "table": "calico", "chain": "{chain}", "comment": "cali:{h};"}}}}"#
+        )
+    };
+    let mut items = vec![
+        r#"{"table": {"family": "ip", "name": "calico"}}"#.to_owned(),
+        r#"{"chain": {"family": "ip", "table": "calico", "name": "filter-cali-FORWARD"}}"#.to_owned(),
+        r#"{"chain": {"family": "ip", "table": "calico", "name": "filter-cali-pi-web"}}"#.to_owned(),
+        r#"{"chain": {"family": "ip", "table": "calico", "name": "stray"}}"#.to_owned(),
+        r#"{"set": {"family": "ip", "name": "cali40s-db", "table": "calico", "type": "ipv4_addr", "flags": ["interval"], "elem": [{"prefix": {"addr": "10.1.0.0", "len": 16}}]}}"#.to_owned(),
+        r#"{"set": {"family": "ip", "name": "stray-set", "table": "calico", "type": ["ipv4_addr", "inet_proto", "inet_service"], "elem": [{"concat": ["10.0.0.1", "tcp", 80]}]}}"#.to_owned(),
+    ];
+    items.extend(hashes.iter().map(|h| rule("filter-cali-FORWARD", h)));
+    *w.nft.listing.lock().unwrap() = Some(format!(r#"{{"nftables": [{}]}}"#, items.join(", ")));
+    w.writer.invalidate();
+    let st = w.apply().unwrap();
+    assert!(st.read_back);
+    let s = w.nft.take().join("");
+    assert!(
+        s.contains("add element ip calico cali40s-db { 10.2.0.1 }"),
+        "{s}"
+    );
+    assert!(
+        s.contains("flush chain ip calico filter-cali-pi-web"),
+        "{s}"
+    );
+    assert!(s.contains("delete chain ip calico stray"), "{s}");
+    assert!(s.contains("delete set ip calico stray-set"), "{s}");
+    assert!(
+        !s.contains("flush chain ip calico filter-cali-FORWARD"),
+        "intact: {s}"
+    );
+    assert!(!s.contains("add table"), "the table exists: {s}");
+}
+
+#[test]
+fn the_listing_parser_reads_what_nft_prints() {
+    let json = br#"{"nftables": [{"metainfo": {"version": "1.0.6"}},
+      {"table": {"family": "ip", "name": "calico", "handle": 1}},
+      {"map": {"family": "ip", "name": "filter-cali-from-wl-dispatch", "table": "calico", "type": "ifname", "handle": 4, "map": "verdict", "elem": [["cali1", {"goto": {"target": "filter-cali-fw-cali1"}}]]}},
+      {"set": {"family": "ip", "name": "s", "table": "calico", "type": "ipv4_addr", "flags": ["interval"], "elem": [{"prefix": {"addr": "10.0.0.0", "len": 24}}, "10.1.0.1", {"range": ["10.2.0.1", "10.2.0.9"]}]}},
+      {"rule": {"family": "ip", "table": "calico", "chain": "c", "handle": 7, "comment": "cali:abcd; x"}},
+      {"rule": {"family": "ip", "table": "calico", "chain": "c", "handle": 8}}]}"#;
+    let v = parse_listing(json).unwrap();
+    assert_eq!(v.chains["c"], ["abcd", ""]);
+    assert_eq!(
+        v.sets["filter-cali-from-wl-dispatch"].decl,
+        "ifname : verdict"
+    );
+    assert!(
+        v.sets["filter-cali-from-wl-dispatch"]
+            .elems
+            .contains("\"cali1\" : goto filter-cali-fw-cali1")
+    );
+    let s = &v.sets["s"];
+    assert_eq!(s.decl, "ipv4_addr interval");
+    for e in ["10.0.0.0/24", "10.1.0.1", "10.2.0.1-10.2.0.9"] {
+        assert!(s.elems.contains(e), "{e}");
+    }
+    assert!(parse_listing(b"{}").is_err());
+}
+
+#[test]
+fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
+    let mut w = World::new();
+    w.sets.replace("s:pods", SetKind::Ip, &["10.0.0.1".into()]);
+    w.apply().unwrap();
+    w.nft.take();
+    assert!(
+        w.elements.batches.lock().unwrap().is_empty(),
+        "creating sets is structural"
+    );
+
+    w.sets
+        .delta("s:pods", &["10.0.0.2".into()], &["10.0.0.1".into()]);
+    let st = w.apply().unwrap();
+    assert!(st.via_netlink);
+    assert!(w.nft.take().is_empty(), "no nft -f for an element change");
+    let batches = w.elements.batches.lock().unwrap().clone();
+    assert_eq!(batches.len(), 1);
+    let ops: Vec<(bool, &str, &[String])> = batches[0]
+        .iter()
+        .map(|o| (o.add, o.set.as_str(), o.elems.as_slice()))
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            (false, "cali40s-pods", &["10.0.0.1".to_owned()][..]),
+            (true, "cali40s-pods", &["10.0.0.2".to_owned()][..])
+        ]
+    );
+
+    // The kernel refuses the batch: the same change goes by nft -f.
+    *w.elements.fail.lock().unwrap() = true;
+    w.sets.delta("s:pods", &["10.0.0.3".into()], &[]);
+    let st = w.apply().unwrap();
+    assert!(!st.via_netlink);
+    assert_eq!(
+        w.nft.take(),
+        ["add element ip calico cali40s-pods { 10.0.0.3 }\n"]
+    );
+}
