@@ -45,7 +45,10 @@ pub struct Cli {
     pub node: String,
 
     /// The dataplane driver. Default: `linux` when running as root on Linux, `dry-run`
-    /// otherwise.
+    /// otherwise. `nftables` programs the same policy as `linux` through nftables (tables
+    /// `ip calico` and `ip6 calico`) and takes the `linux driver:` flags too, except
+    /// `--iptables-backend` and `--xtables-lock-timeout`; switching a node between `linux` and
+    /// `nftables` removes the other driver's state once the new one is in place.
     #[arg(long, env = "DATAPLANE_AGENT_DRIVER", value_enum)]
     pub driver: Option<DriverKind>,
 

@@ -398,3 +398,71 @@ fn switching(ipt: Ipt) {
         &cp,
     );
 }
+
+/// A label change moves a workload into and out of a policy's source set: with the nftables
+/// driver that is an element change only, sent to the kernel as one netlink batch (no
+/// `nft -f`), and the verdict follows both ways.
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
+    integration::netns::require();
+    let host = Netns::new("host");
+    host.make_host();
+    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
+    let web = Workload::attach(&host, "cali0web000002", "10.65.0.2", "fd00:65::2");
+    let _listeners = [web.ns.accept(8080), web.ns.accept(9090)];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let workloads = |client_app: &str| {
+        let mut m = namespace_profile("prod", "prod");
+        m.push_str(&wep("client", &client).replace(
+            "labels: {app: client}",
+            &format!("labels: {{app: {client_app}}}"),
+        ));
+        m.push_str(&wep("web", &web));
+        m
+    };
+    // The client starts outside the policy's source selector.
+    write_manifest(dir.path(), "workloads.yaml", &workloads("other"));
+    write_manifest(dir.path(), "policy.yaml", POLICY);
+    let cp = ControlPlane::start_with_driver(Driver::Nftables, &host, dir.path(), NODE, &[]);
+    cp.wait_programmed();
+    let verdicts = |allowed: bool| -> Vec<Probe<'_>> {
+        [web.ipv4.clone(), web.ipv6.clone()]
+            .into_iter()
+            .map(|to| Probe {
+                from: &client,
+                to,
+                port: Some(8080),
+                allowed,
+            })
+            .collect()
+    };
+    expect_eventually("the client outside the source set", &verdicts(false), &cp);
+    let netlink_batches = || cp.agent_log_text().matches("via_netlink: true").count();
+    let before = netlink_batches();
+
+    write_manifest(dir.path(), "workloads.yaml", &workloads("client"));
+    expect_eventually("the client inside the source set", &verdicts(true), &cp);
+    let table = nft_list(&host, "ip");
+    assert!(
+        table.contains(&client.ipv4),
+        "the client's address is in a set of table ip calico:\n{table}"
+    );
+    assert!(
+        nft_list(&host, "ip6").contains(&client.ipv6),
+        "and its IPv6 address in table ip6 calico"
+    );
+    assert!(
+        netlink_batches() > before,
+        "the member change went as a netlink batch:\n{}",
+        cp.agent_log_text()
+    );
+
+    write_manifest(dir.path(), "workloads.yaml", &workloads("other"));
+    expect_eventually(
+        "the client outside the source set again",
+        &verdicts(false),
+        &cp,
+    );
+    assert!(!nft_list(&host, "ip").contains(&client.ipv4));
+}

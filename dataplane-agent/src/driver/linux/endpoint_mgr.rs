@@ -165,9 +165,13 @@ impl EndpointManager {
     }
 
     fn render_workloads(&mut self, tables: &mut Tables, cfg: &rules::policy::RenderConfig) {
-        for key in std::mem::take(&mut self.dirty_weps) {
-            self.programmed_weps.remove(&key);
-            if let Some(old) = self.wep_ifaces.remove(&key) {
+        let dirty = std::mem::take(&mut self.dirty_weps);
+        // Every old chain goes before any new one is set: an interface that moved from one
+        // endpoint to another in this batch must end with the new endpoint's chains, whatever
+        // order the keys come in.
+        for key in &dirty {
+            self.programmed_weps.remove(key);
+            if let Some(old) = self.wep_ifaces.remove(key) {
                 let names = [
                     rules::endpoint_chain_name(endpoint::WORKLOAD_TO_PFX, &old),
                     rules::endpoint_chain_name(endpoint::WORKLOAD_FROM_PFX, &old),
@@ -177,6 +181,8 @@ impl EndpointManager {
                     tables.table(v, "filter").remove_chain(&names[1]);
                 }
             }
+        }
+        for key in dirty {
             let Some(wep) = self.weps.get(&key) else {
                 continue;
             };
@@ -202,8 +208,10 @@ impl EndpointManager {
     }
 
     fn render_hosts(&mut self, tables: &mut Tables, cfg: &rules::policy::RenderConfig) {
-        for id in std::mem::take(&mut self.dirty_heps) {
-            if let Some(old) = self.hep_ifaces.remove(&id) {
+        let dirty = std::mem::take(&mut self.dirty_heps);
+        // Old chains first, as for workloads.
+        for id in &dirty {
+            if let Some(old) = self.hep_ifaces.remove(id) {
                 let names: Vec<String> = [
                     endpoint::HOST_TO_PFX,
                     endpoint::HOST_FROM_PFX,
@@ -217,6 +225,8 @@ impl EndpointManager {
                     tables.remove_everywhere(v, &names);
                 }
             }
+        }
+        for id in dirty {
             let Some(hep) = self.heps.get(&id) else {
                 continue;
             };

@@ -163,6 +163,9 @@ pub struct IpSets {
     /// Type changes built beside the old sets by the last `apply_updates`, not yet finished.
     migrations: Vec<Migration>,
     pub max_elem: u32,
+    /// Kernel names of sets removed since the last `take_removed`, for a writer that works
+    /// from changes (nftables); `None` until one asks.
+    removed: Option<HashSet<String>>,
 }
 
 impl IpSets {
@@ -176,6 +179,7 @@ impl IpSets {
             versions,
             migrations: Vec::new(),
             max_elem: 1_048_576,
+            removed: None,
         }
     }
 
@@ -246,6 +250,26 @@ impl IpSets {
             .map(|(n, d)| (n.as_str(), d.kind, d.version, &d.members))
     }
 
+    /// One desired set by kernel name: type, family and members.
+    pub fn desired_set(&self, name: &str) -> Option<(SetKind, IpVersion, &HashSet<String>)> {
+        self.desired
+            .get(name)
+            .map(|d| (d.kind, d.version, &d.members))
+    }
+
+    /// Starts recording removed sets (see [`IpSets::take_removed`]).
+    pub fn track_removals(&mut self) {
+        self.removed.get_or_insert_with(HashSet::new);
+    }
+
+    /// Kernel names of the sets removed since the last call.
+    pub fn take_removed(&mut self) -> HashSet<String> {
+        self.removed
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
     /// The sets changed since the last call (by kernel name), for a writer that does not use
     /// [`IpSets::apply_updates`].
     pub fn take_dirty(&mut self) -> HashSet<String> {
@@ -263,6 +287,11 @@ impl IpSets {
     pub fn remove(&mut self, id: &str) {
         for v in IpVersion::BOTH {
             let name = ipset_name(v, id);
+            if let Some(removed) = &mut self.removed
+                && self.desired.contains_key(&name)
+            {
+                removed.insert(name.clone());
+            }
             self.desired.remove(&name);
             self.refused.remove(&name);
             self.dirty.remove(&name);

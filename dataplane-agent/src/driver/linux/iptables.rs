@@ -13,7 +13,7 @@
 //! renders; a stream object's chain is replaced by a DROP (fail closed), one of our own keeps
 //! its kernel version. It is tried again when its content changes or after `invalidate`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
 use super::rules::static_chains::Hooks;
@@ -340,6 +340,9 @@ pub struct Table {
     loaded: bool,
     /// Seconds `iptables-restore` waits for the xtables lock.
     pub lock_wait_secs: u32,
+    /// Chains set or removed since the last `take_changes`, and whether the hooks were set,
+    /// for a writer that works from changes (nftables); `None` until one asks.
+    changes: Option<(HashSet<String>, bool)>,
 }
 
 impl Table {
@@ -355,6 +358,7 @@ impl Table {
             refused: BTreeMap::new(),
             loaded: false,
             lock_wait_secs: 10,
+            changes: None,
         }
     }
 
@@ -384,6 +388,9 @@ impl Table {
                 existing.owner = owner.map(str::to_owned);
             }
             return;
+        }
+        if let Some((changed, _)) = &mut self.changes {
+            changed.insert(chain.name.clone());
         }
         let hashes = chain.rule_hashes();
         if self
@@ -457,6 +464,11 @@ impl Table {
     }
 
     pub fn remove_chain(&mut self, name: &str) {
+        if let Some((changed, _)) = &mut self.changes
+            && self.desired.contains_key(name)
+        {
+            changed.insert(name.to_owned());
+        }
         self.desired.remove(name);
         self.refused.remove(name);
     }
@@ -471,7 +483,30 @@ impl Table {
     }
 
     /// Sets the rules we keep in the kernel's own chains.
+    /// One desired chain: its rules and their hashes.
+    pub fn desired_chain(&self, name: &str) -> Option<(&[Rule], &[String])> {
+        self.desired
+            .get(name)
+            .map(|d| (d.rules.as_slice(), d.hashes.as_slice()))
+    }
+
+    /// Starts recording which chains change (see [`Table::take_changes`]).
+    pub fn track_changes(&mut self) {
+        self.changes.get_or_insert_with(Default::default);
+    }
+
+    /// The chains set or removed, and whether the hooks were set, since the last call.
+    pub fn take_changes(&mut self) -> (HashSet<String>, bool) {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
     pub fn set_hooks(&mut self, hooks: Hooks) {
+        if let Some((_, hooks_changed)) = &mut self.changes {
+            *hooks_changed = true;
+        }
         let mut hashes = BTreeMap::new();
         let kernel_chains: std::collections::BTreeSet<&String> =
             hooks.inserts.keys().chain(hooks.appends.keys()).collect();

@@ -405,7 +405,11 @@ impl LinuxDriver {
     fn program_nftables(&mut self) -> Result<(), DriverError> {
         let nft = self.nft.as_mut().expect("nftables mode");
         let stats = nft
-            .apply(self.runner.as_mut(), &self.tables, self.ipsets.sets_mut())
+            .apply(
+                self.runner.as_mut(),
+                &mut self.tables,
+                self.ipsets.sets_mut(),
+            )
             .map_err(DriverError::Nftables)?;
         if stats != Default::default() {
             tracing::debug!(?stats, "nftables transaction applied");

@@ -21,6 +21,16 @@ pub struct Tables {
     tables: Vec<Table>,
 }
 
+/// The chains of one table set or removed since the last look, and whether its hook rules
+/// were set.
+#[derive(Clone, Debug)]
+pub struct TableChanges {
+    pub table: &'static str,
+    pub version: IpVersion,
+    pub chains: std::collections::HashSet<String>,
+    pub hooks: bool,
+}
+
 /// Why the tables could not be read back or written.
 #[derive(Debug, thiserror::Error)]
 pub enum TableApplyError {
@@ -92,6 +102,29 @@ impl Tables {
     /// Rules of ours, all tables and families.
     pub fn rule_count(&self) -> usize {
         self.tables.iter().map(Table::rule_count).sum()
+    }
+
+    /// Starts recording changes in every table (for [`Tables::take_changes`]).
+    pub fn track_changes(&mut self) {
+        for t in &mut self.tables {
+            t.track_changes();
+        }
+    }
+
+    /// What changed in each table since the last call (tables without changes left out).
+    pub fn take_changes(&mut self) -> Vec<TableChanges> {
+        self.tables
+            .iter_mut()
+            .filter_map(|t| {
+                let (chains, hooks) = t.take_changes();
+                (hooks || !chains.is_empty()).then(|| TableChanges {
+                    table: t.name(),
+                    version: t.version(),
+                    chains,
+                    hooks,
+                })
+            })
+            .collect()
     }
 
     /// Forgets what the kernel holds: the next apply reads every table back.

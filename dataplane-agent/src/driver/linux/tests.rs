@@ -1162,3 +1162,57 @@ fn host_endpoint_egress_policy_is_placed_in_mangle_while_used() {
     assert!(!k.has_chain(IpVersion::V4, "mangle", "cali-po-np/prod/web"));
     assert!(k.has_chain(IpVersion::V4, "filter", "cali-po-np/prod/web"));
 }
+
+/// An interface handed from one endpoint to another in one batch (a pod recreated under a
+/// new name, or an endpoint whose key changed) keeps its chains, whatever order the two keys
+/// are handled in: the old endpoint's chains go before the new one's are set.
+#[test]
+fn an_interface_moving_between_endpoints_in_one_batch_keeps_its_chains() {
+    let (mut d, k) = driver();
+    d.on_update(&policy(false));
+    let mut current = wep_id();
+    d.on_update(&wep("calimove"));
+    d.apply().unwrap();
+    for i in 0..16 {
+        let next = WorkloadEndpointId {
+            workload_id: format!("prod/web-{i}"),
+            ..wep_id()
+        };
+        let Message::WorkloadEndpointUpdate { endpoint, .. } = wep("calimove") else {
+            unreachable!()
+        };
+        d.on_update(&msg(Payload::WorkloadEndpointUpdate(
+            WorkloadEndpointUpdate {
+                id: Some(next.clone()),
+                endpoint: Some((*endpoint).clone()),
+            },
+        )));
+        d.on_update(&msg(Payload::WorkloadEndpointRemove(
+            WorkloadEndpointRemove {
+                id: Some(current.clone()),
+            },
+        )));
+        d.apply().unwrap();
+        let k = k.lock();
+        for v in IpVersion::BOTH {
+            // Desired, not only kept in the kernel (the iptables writer keeps a chain that a
+            // dispatch rule still jumps to; the nftables one cannot delete it either).
+            for chain in ["cali-tw-calimove", "cali-fw-calimove"] {
+                assert!(
+                    d.tables.table(v, "filter").has_chain(chain),
+                    "round {i}, {v:?}"
+                );
+                assert!(k.has_chain(v, "filter", chain), "round {i}, {v:?}");
+            }
+        }
+        drop(k);
+        let dump = d.programmed_objects().unwrap();
+        assert_eq!(dump.endpoints.len(), 1);
+        assert!(
+            dump.endpoints[0]
+                .chains
+                .contains(&"cali-tw-calimove".to_owned())
+        );
+        current = next;
+    }
+}

@@ -22,7 +22,7 @@ use super::ipsets::{IpSets, SetKind};
 use super::rules::static_chains::{FROM_WL_DISPATCH, TO_WL_DISPATCH};
 use super::rules::{Action, Frag, IpVersion, Rule};
 use super::runner::CommandRunner;
-use super::tables::Tables;
+use super::tables::{TableChanges, Tables};
 
 /// The table of ours in each family.
 pub const TABLE: &str = "calico";
@@ -126,7 +126,6 @@ pub struct NftTables {
 struct Plan {
     script: String,
     stats: NftStats,
-    view: KernelView,
     /// The element changes of exact-key sets and maps, for the netlink path.
     ops: Vec<netlink::ElementOp>,
     /// The plan holds more than those (chains, declarations, interval sets): `nft -f` only.
@@ -165,26 +164,37 @@ impl NftTables {
     }
 
     /// Writes what differs between the desired chains and sets and the kernel, in one
-    /// transaction for every family.
+    /// transaction for every family. Takes the changes the tables and sets recorded since the
+    /// last apply, so a small change costs the same whatever the size of the ruleset.
     pub fn apply(
         &mut self,
         runner: &mut dyn CommandRunner,
-        tables: &Tables,
+        tables: &mut Tables,
         sets: &mut IpSets,
     ) -> Result<NftStats, NftError> {
+        tables.track_changes();
+        sets.track_removals();
+        let changes = tables.take_changes();
         let dirty = sets.take_dirty();
+        let removed = sets.take_removed();
         let mut script = String::new();
         let mut plans = Vec::new();
         let mut stats = NftStats::default();
         for f in &mut self.families {
             let mut full = false;
             if f.kernel.is_none() {
-                let view = read_back(runner, f.v)?;
+                let view = match read_back(runner, f.v) {
+                    Ok(view) => view,
+                    Err(e) => {
+                        f.rendered.clear();
+                        return Err(e);
+                    }
+                };
                 stats.read_back = true;
                 full = true;
                 f.kernel = Some(view);
             }
-            let plan = f.plan(tables, sets, &dirty, full);
+            let plan = f.plan(tables, sets, &changes, &dirty, &removed, full);
             if f.check_drift && !plan.script.is_empty() {
                 warn!(
                     family = render::family(f.v),
@@ -195,6 +205,7 @@ impl NftTables {
             }
             f.check_drift = false;
             script.push_str(&plan.script);
+            add_stats(&mut stats, &plan.stats);
             plans.push(plan);
         }
         if script.is_empty() {
@@ -203,15 +214,10 @@ impl NftTables {
         // Element changes of exact-key sets alone: one netlink batch, without nft's cost of
         // loading the ruleset. Anything else, or a batch the kernel refuses, goes by `nft -f`.
         if plans.iter().all(|p| !p.structural) {
-            let ops: Vec<netlink::ElementOp> =
-                plans.iter().flat_map(|p| p.ops.iter().cloned()).collect();
+            let ops: Vec<netlink::ElementOp> = plans.into_iter().flat_map(|p| p.ops).collect();
             match self.elements.write(&ops) {
                 Ok(()) => {
                     stats.via_netlink = true;
-                    for (f, plan) in self.families.iter_mut().zip(plans) {
-                        add_stats(&mut stats, &plan.stats);
-                        f.kernel = Some(plan.view);
-                    }
                     debug!(?stats, "nftables programmed");
                     return Ok(stats);
                 }
@@ -222,17 +228,15 @@ impl NftTables {
         }
         match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
             Ok(_) => {
-                for (f, plan) in self.families.iter_mut().zip(plans) {
-                    add_stats(&mut stats, &plan.stats);
-                    f.kernel = Some(plan.view);
-                }
                 debug!(?stats, bytes = script.len(), "nftables programmed");
                 Ok(stats)
             }
             Err(e) => {
-                // Nothing changed, but our view may have been wrong: read back before retrying.
+                // Nothing changed, but the views already hold the plan: read back before the
+                // retry, and render everything again then.
                 for f in &mut self.families {
                     f.kernel = None;
+                    f.rendered.clear();
                 }
                 Err(e)
             }
@@ -259,57 +263,98 @@ fn add_stats(total: &mut NftStats, s: &NftStats) {
 }
 
 impl Family {
-    /// Renders what changed since the last apply and diffs it against the kernel view.
+    /// Renders what changed since the last apply (everything when `full`: the view was just
+    /// read back), diffs it against the kernel view and updates the view to what the
+    /// transaction leaves (the caller drops the view if the transaction fails).
     fn plan(
         &mut self,
         tables: &Tables,
         sets: &IpSets,
+        changes: &[TableChanges],
         dirty: &HashSet<String>,
+        removed: &HashSet<String>,
         full: bool,
     ) -> Plan {
         let v = self.v;
         let fam = render::family(v);
-        let mut view = self.kernel.clone().unwrap_or_default();
+        let view = self.kernel.as_mut().expect("read back before planning");
         let mut stats = NftStats::default();
 
-        // Desired chains, rendered again only where their iptables rules changed.
-        let mut wanted: HashSet<String> = HashSet::new();
+        // Chains to look at: every one after a read back, else those the managers touched.
+        let mut touched: BTreeSet<String> = BTreeSet::new();
+        let mut desired_names: HashSet<String> = HashSet::new();
+        if full {
+            touched.extend(view.chains.keys().cloned());
+        }
         for t in tables.iter().filter(|t| t.version() == v) {
             let table = t.name();
-            for (name, rules, hashes) in t.desired_chains() {
+            let c = changes.iter().find(|c| c.version == v && c.table == table);
+            let names: Vec<&str> = if full {
+                t.desired_chains().map(|(n, _, _)| n).collect()
+            } else {
+                c.map(|c| c.chains.iter().map(String::as_str).collect())
+                    .unwrap_or_default()
+            };
+            for name in names {
                 let nft = render::chain_name(table, name);
-                if self.rendered.get(&nft).is_none_or(|r| r.source != hashes) {
-                    let r = render_chain(table, name, &nft, rules, v, hashes.to_vec());
-                    self.rendered.insert(nft.clone(), r);
+                match t.desired_chain(name) {
+                    Some((rules, hashes)) => {
+                        if self.rendered.get(&nft).is_none_or(|r| r.source != hashes) {
+                            let r = render_chain(table, name, &nft, rules, v, hashes.to_vec());
+                            self.rendered.insert(nft.clone(), r);
+                        }
+                    }
+                    None => {
+                        self.rendered.remove(&nft);
+                    }
                 }
-                wanted.insert(nft);
+                if full {
+                    desired_names.insert(nft.clone());
+                }
+                touched.insert(nft);
             }
-            let hooks = t.hooks();
-            let kernel_chains: BTreeSet<&String> =
-                hooks.inserts.keys().chain(hooks.appends.keys()).collect();
-            for k in kernel_chains {
-                let Some((ty, hook, prio)) = base_chain(table, k) else {
-                    warn!(table, chain = %k, "no nftables hook for this chain; its rules are not programmed");
-                    continue;
-                };
-                let rules: Vec<Rule> = hooks
-                    .inserts
-                    .get(k)
-                    .into_iter()
-                    .chain(hooks.appends.get(k))
-                    .flatten()
-                    .cloned()
-                    .collect();
-                let nft = render::chain_name(table, k);
-                let mut r = render_chain(table, k, &nft, &rules, v, Vec::new());
-                r.hook = Some(format!(
-                    "type {ty} hook {hook} priority {prio}; policy accept;"
-                ));
-                self.rendered.insert(nft.clone(), r);
-                wanted.insert(nft);
+            if full || c.is_some_and(|c| c.hooks) {
+                let prefix = format!("{table}-");
+                self.rendered.retain(|n, r| {
+                    let ours = r.hook.is_some() && n.starts_with(&prefix);
+                    if ours {
+                        touched.insert(n.clone());
+                    }
+                    !ours
+                });
+                let hooks = t.hooks();
+                let kernel_chains: BTreeSet<&String> =
+                    hooks.inserts.keys().chain(hooks.appends.keys()).collect();
+                for k in kernel_chains {
+                    let Some((ty, hook, prio)) = base_chain(table, k) else {
+                        warn!(table, chain = %k, "no nftables hook for this chain; its rules are not programmed");
+                        continue;
+                    };
+                    let rules: Vec<Rule> = hooks
+                        .inserts
+                        .get(k)
+                        .into_iter()
+                        .chain(hooks.appends.get(k))
+                        .flatten()
+                        .cloned()
+                        .collect();
+                    let nft = render::chain_name(table, k);
+                    let mut r = render_chain(table, k, &nft, &rules, v, Vec::new());
+                    r.hook = Some(format!(
+                        "type {ty} hook {hook} priority {prio}; policy accept;"
+                    ));
+                    self.rendered.insert(nft.clone(), r);
+                    touched.insert(nft);
+                }
             }
         }
-        self.rendered.retain(|n, _| wanted.contains(n));
+
+        if full {
+            // Renderings kept from before the read back stay valid (keyed by their source);
+            // those of chains nobody wants any more go.
+            self.rendered
+                .retain(|n, r| r.hook.is_some() || desired_names.contains(n));
+        }
 
         let mut decls = String::new();
         let mut flushes = String::new();
@@ -319,8 +364,7 @@ impl Family {
         let mut rules = String::new();
         let mut deletions = String::new();
         let mut ops: Vec<netlink::ElementOp> = Vec::new();
-        let mut interval_elements = false;
-        let mut op = |set: &str, add: bool, elems: &[&String]| {
+        let mut op = |set: &str, add: bool, interval: bool, elems: &[&String]| {
             if !elems.is_empty() {
                 let mut elems: Vec<String> = elems.iter().map(|e| (*e).clone()).collect();
                 elems.sort();
@@ -328,6 +372,7 @@ impl Family {
                     version: v,
                     set: set.to_owned(),
                     add,
+                    interval,
                     elems,
                 });
             }
@@ -339,73 +384,84 @@ impl Family {
         }
 
         // Sets: created, recreated with a new type, elements added and removed.
-        let mut wanted_sets: HashSet<String> = HashSet::new();
         let mut retyped: Vec<String> = Vec::new();
-        for (ipset, kind, sv, members) in sets.desired_sets() {
+        let mut set_names: Vec<&str> = if full {
+            sets.desired_sets().map(|(n, _, _, _)| n).collect()
+        } else {
+            dirty.iter().map(String::as_str).collect()
+        };
+        set_names.sort_unstable();
+        let mut stale_sets: BTreeSet<String> = removed
+            .iter()
+            .map(|n| render::set_name(n))
+            .filter(|n| view.sets.contains_key(n))
+            .collect();
+        for ipset in set_names {
+            let Some((kind, sv, members)) = sets.desired_set(ipset) else {
+                continue;
+            };
             if sv != v {
                 continue;
             }
             let name = render::set_name(ipset);
-            wanted_sets.insert(name.clone());
+            stale_sets.remove(&name);
             let decl = set_decl(kind, v);
-            let is_new = !view.sets.contains_key(&name);
-            let type_changed = view.sets.get(&name).is_some_and(|k| k.decl != decl);
-            if !(is_new || type_changed || full || dirty.contains(ipset)) {
-                continue;
-            }
             let elems = set_elements(kind, members);
-            if is_new || type_changed {
-                if type_changed {
-                    let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
-                    retyped.push(name.clone());
+            match view.sets.get_mut(&name) {
+                Some(k) if k.decl == decl => {
+                    let gone: Vec<&String> = k.elems.difference(&elems).collect();
+                    let new: Vec<&String> = elems.difference(&k.elems).collect();
+                    let interval = kind == SetKind::Net;
+                    op(&name, false, interval, &gone);
+                    op(&name, true, interval, &new);
+                    stats.elements_removed +=
+                        element_ops(&mut removals, "delete", fam, &name, &gone);
+                    stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
+                    k.elems = elems;
                 }
-                let target = if is_new { &mut decls } else { &mut recreate };
-                let _ = writeln!(
-                    target,
-                    "add set {fam} {TABLE} {name} {{ {} }}",
-                    decl_text(kind, v)
-                );
-                stats.sets_created += 1;
-                let all: Vec<&String> = elems.iter().collect();
-                stats.elements_added += element_ops(&mut additions, "add", fam, &name, &all);
-                view.sets.insert(name, KernelSet { decl, elems });
-            } else {
-                let k = view.sets.get_mut(&name).expect("checked above");
-                let gone: Vec<&String> = k.elems.difference(&elems).collect();
-                let new: Vec<&String> = elems.difference(&k.elems).collect();
-                if kind == SetKind::Net {
-                    interval_elements |= !(gone.is_empty() && new.is_empty());
+                existing => {
+                    let target = if existing.is_some() {
+                        let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
+                        retyped.push(name.clone());
+                        &mut recreate
+                    } else {
+                        &mut decls
+                    };
+                    let _ = writeln!(
+                        target,
+                        "add set {fam} {TABLE} {name} {{ {} }}",
+                        decl_text(kind, v)
+                    );
+                    stats.sets_created += 1;
+                    let all: Vec<&String> = elems.iter().collect();
+                    stats.elements_added += element_ops(&mut additions, "add", fam, &name, &all);
+                    view.sets.insert(name, KernelSet { decl, elems });
                 }
-                op(&name, false, &gone);
-                op(&name, true, &new);
-                stats.elements_removed += element_ops(&mut removals, "delete", fam, &name, &gone);
-                stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
-                k.elems = elems;
             }
         }
 
-        // Verdict maps of the dispatch chains.
-        for (chain, r) in &self.rendered {
-            let Some((_, elems)) = &r.map else { continue };
-            wanted_sets.insert(chain.clone());
+        // Verdict maps of the dispatch chains that changed.
+        for chain in &touched {
+            let Some((_, elems)) = self.rendered.get(chain).and_then(|r| r.map.as_ref()) else {
+                continue;
+            };
+            stale_sets.remove(chain);
             let decl = "ifname : verdict".to_owned();
             let elems: HashSet<String> = elems.iter().cloned().collect();
             match view.sets.get_mut(chain) {
                 Some(k) if k.decl == decl => {
                     let gone: Vec<&String> = k.elems.difference(&elems).collect();
                     let new: Vec<&String> = elems.difference(&k.elems).collect();
-                    op(chain, false, &gone);
-                    op(chain, true, &new);
+                    op(chain, false, false, &gone);
+                    op(chain, true, false, &new);
                     stats.elements_removed +=
                         element_ops(&mut removals, "delete", fam, chain, &gone);
                     stats.elements_added += element_ops(&mut additions, "add", fam, chain, &new);
                     k.elems = elems;
                 }
                 existing => {
-                    if existing.is_some() {
-                        let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
-                    }
                     let target = if existing.is_some() {
+                        let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
                         &mut recreate
                     } else {
                         &mut decls
@@ -421,20 +477,52 @@ impl Family {
                 }
             }
         }
+        if full {
+            // Sets and maps in our table that nothing wants.
+            let wanted_maps: HashSet<&String> = self
+                .rendered
+                .iter()
+                .filter(|(_, r)| r.map.is_some())
+                .map(|(n, _)| n)
+                .collect();
+            let wanted_sets: HashSet<String> = sets
+                .desired_sets()
+                .filter(|(_, _, sv, _)| *sv == v)
+                .map(|(n, _, _, _)| render::set_name(n))
+                .collect();
+            stale_sets.extend(
+                view.sets
+                    .keys()
+                    .filter(|n| !wanted_sets.contains(*n) && !wanted_maps.contains(n))
+                    .cloned(),
+            );
+        } else {
+            // A dispatch chain that went takes its map along.
+            stale_sets.extend(
+                touched
+                    .iter()
+                    .filter(|n| !self.rendered.contains_key(*n) && view.sets.contains_key(*n))
+                    .cloned(),
+            );
+        }
 
         // Chains whose rules differ (or that use a set being recreated) are replaced whole.
-        let mut writes: Vec<&String> = self
-            .rendered
+        let mut writes: BTreeSet<&String> = touched
             .iter()
-            .filter(|(name, r)| {
-                view.chains.get(*name) != Some(&r.hashes)
-                    || retyped
-                        .iter()
-                        .any(|s| r.rules.iter().any(|rule| references_set(rule, s)))
+            .filter(|n| {
+                self.rendered
+                    .get(*n)
+                    .is_some_and(|r| view.chains.get(*n) != Some(&r.hashes))
             })
-            .map(|(n, _)| n)
             .collect();
-        writes.sort();
+        for s in &retyped {
+            writes.extend(
+                self.rendered
+                    .iter()
+                    .filter(|(_, r)| r.rules.iter().any(|rule| references_set(rule, s)))
+                    .map(|(n, _)| n),
+            );
+        }
         for name in writes {
             let r = &self.rendered[name];
             if let Some(hook) = &r.hook {
@@ -454,55 +542,34 @@ impl Family {
 
         // Stale objects: flushed first, deleted last (maps and sets before the chains they
         // name; chains once nothing jumps to them).
-        let mut stale_chains: Vec<String> = view
-            .chains
-            .keys()
-            .filter(|n| !self.rendered.contains_key(*n))
-            .cloned()
+        let stale_chains: Vec<&String> = touched
+            .iter()
+            .filter(|n| !self.rendered.contains_key(*n) && view.chains.contains_key(*n))
             .collect();
-        stale_chains.sort();
-        let mut stale_sets: Vec<String> = view
-            .sets
-            .keys()
-            .filter(|n| !wanted_sets.contains(*n))
-            .cloned()
-            .collect();
-        stale_sets.sort();
         for name in &stale_chains {
             let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
         }
         for name in &stale_sets {
-            let k = view.sets.remove(name).expect("listed above");
+            let k = view.sets.remove(name).expect("listed from the view");
             let what = if k.decl.contains(" : ") { "map" } else { "set" };
             let _ = writeln!(deletions, "delete {what} {fam} {TABLE} {name}");
             stats.sets_deleted += 1;
         }
         for name in &stale_chains {
             let _ = writeln!(deletions, "delete chain {fam} {TABLE} {name}");
-            view.chains.remove(name);
+            view.chains.remove(*name);
             stats.chains_deleted += 1;
         }
 
-        let structural = interval_elements
-            || !(decls.is_empty()
-                && flushes.is_empty()
-                && recreate.is_empty()
-                && rules.is_empty()
-                && deletions.is_empty());
-        let mut script = String::new();
-        let changed = !(flushes.is_empty()
+        let structural = !(decls.is_empty()
+            && flushes.is_empty()
             && recreate.is_empty()
-            && removals.is_empty()
-            && additions.is_empty()
             && rules.is_empty()
             && deletions.is_empty());
-        if changed || !decls.is_empty() {
-            script = decls + &flushes + &recreate + &removals + &additions + &rules + &deletions;
-        }
+        let script = decls + &flushes + &recreate + &removals + &additions + &rules + &deletions;
         Plan {
             script,
             stats,
-            view,
             ops,
             structural,
         }

@@ -1,6 +1,8 @@
 //! The nftables writer against a recording `nft`: what each apply writes, and only that.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::*;
 use crate::driver::linux::ipsets::{IpSets, SetKind};
@@ -27,9 +29,9 @@ impl CommandRunner for FakeNft {
     ) -> std::io::Result<Output> {
         assert_eq!(program, "nft");
         if args.first() == Some(&"-j") {
-            *self.lists.lock().unwrap() += 1;
+            *self.lists.lock() += 1;
             let family = args[3];
-            return Ok(match &*self.listing.lock().unwrap() {
+            return Ok(match &*self.listing.lock() {
                 Some(json) if family == "ip" => Output {
                     success: true,
                     stdout: json.clone().into_bytes(),
@@ -45,9 +47,8 @@ impl CommandRunner for FakeNft {
         assert_eq!(args, ["-f", "-"]);
         self.scripts
             .lock()
-            .unwrap()
             .push(String::from_utf8(stdin.unwrap().to_vec()).unwrap());
-        let fail = *self.fail.lock().unwrap();
+        let fail = *self.fail.lock();
         Ok(Output {
             success: !fail,
             stderr: if fail {
@@ -62,7 +63,7 @@ impl CommandRunner for FakeNft {
 
 impl FakeNft {
     fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.scripts.lock().unwrap())
+        std::mem::take(&mut *self.scripts.lock())
     }
 }
 
@@ -75,8 +76,8 @@ struct FakeElements {
 
 impl netlink::ElementWriter for FakeElements {
     fn write(&mut self, ops: &[netlink::ElementOp]) -> std::io::Result<()> {
-        self.batches.lock().unwrap().push(ops.to_vec());
-        if *self.fail.lock().unwrap() {
+        self.batches.lock().push(ops.to_vec());
+        if *self.fail.lock() {
             return Err(std::io::Error::from_raw_os_error(22));
         }
         Ok(())
@@ -169,9 +170,23 @@ impl World {
             ));
     }
 
+    /// The last element batch: (add, set, elements) per op; every op of an interval set.
+    fn last_batch(&self) -> Vec<(bool, String, Vec<String>)> {
+        let batches = self.elements.batches.lock();
+        let last = batches.last().expect("a batch");
+        assert!(
+            last.iter()
+                .all(|o| o.interval == o.set.starts_with("cali40s-db"))
+        );
+        last.iter()
+            .map(|o| (o.add, o.set.clone(), o.elems.clone()))
+            .collect()
+    }
+
     fn apply(&mut self) -> Result<NftStats, NftError> {
         let mut runner = self.nft.clone();
-        self.writer.apply(&mut runner, &self.tables, &mut self.sets)
+        self.writer
+            .apply(&mut runner, &mut self.tables, &mut self.sets)
     }
 }
 
@@ -241,10 +256,12 @@ fn a_change_writes_only_what_changed() {
         (st.elements_added, st.elements_removed, st.chains_written),
         (1, 1, 0)
     );
+    assert!(st.via_netlink && w.nft.take().is_empty());
     assert_eq!(
-        w.nft.take(),
+        w.last_batch(),
         [
-            "delete element ip calico cali40s-db { 10.2.0.1 }\nadd element ip calico cali40s-db { 10.3.0.1 }\n"
+            (false, "cali40s-db".to_owned(), vec!["10.2.0.1".to_owned()]),
+            (true, "cali40s-db".to_owned(), vec!["10.3.0.1".to_owned()])
         ]
     );
 
@@ -303,9 +320,18 @@ fn nested_networks_are_left_out_of_interval_sets() {
     w.sets.delta("s:db", &[], &["10.0.0.0/8".into()]);
     w.apply().unwrap();
     assert_eq!(
-        w.nft.take(),
+        w.last_batch(),
         [
-            "delete element ip calico cali40s-db { 10.0.0.0/8 }\nadd element ip calico cali40s-db { 10.1.0.0/16 }\n"
+            (
+                false,
+                "cali40s-db".to_owned(),
+                vec!["10.0.0.0/8".to_owned()]
+            ),
+            (
+                true,
+                "cali40s-db".to_owned(),
+                vec!["10.1.0.0/16".to_owned()]
+            )
         ]
     );
 }
@@ -313,13 +339,13 @@ fn nested_networks_are_left_out_of_interval_sets() {
 #[test]
 fn a_failed_transaction_is_read_back_and_written_again() {
     let mut w = World::new();
-    *w.nft.fail.lock().unwrap() = true;
+    *w.nft.fail.lock() = true;
     assert!(matches!(w.apply(), Err(NftError::Failed { .. })));
-    *w.nft.fail.lock().unwrap() = false;
-    let lists = *w.nft.lists.lock().unwrap();
+    *w.nft.fail.lock() = false;
+    let lists = *w.nft.lists.lock();
     let st = w.apply().unwrap();
     assert!(st.read_back);
-    assert_eq!(*w.nft.lists.lock().unwrap(), lists + 1);
+    assert_eq!(*w.nft.lists.lock(), lists + 1);
     assert_eq!(w.nft.take().len(), 2, "the failed one and its retry");
 }
 
@@ -347,7 +373,7 @@ fn a_refresh_repairs_drift_and_removes_what_is_not_ours() {
         r#"{"set": {"family": "ip", "name": "stray-set", "table": "calico", "type": ["ipv4_addr", "inet_proto", "inet_service"], "elem": [{"concat": ["10.0.0.1", "tcp", 80]}]}}"#.to_owned(),
     ];
     items.extend(hashes.iter().map(|h| rule("filter-cali-FORWARD", h)));
-    *w.nft.listing.lock().unwrap() = Some(format!(r#"{{"nftables": [{}]}}"#, items.join(", ")));
+    *w.nft.listing.lock() = Some(format!(r#"{{"nftables": [{}]}}"#, items.join(", ")));
     w.writer.invalidate();
     let st = w.apply().unwrap();
     assert!(st.read_back);
@@ -403,7 +429,7 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
     w.apply().unwrap();
     w.nft.take();
     assert!(
-        w.elements.batches.lock().unwrap().is_empty(),
+        w.elements.batches.lock().is_empty(),
         "creating sets is structural"
     );
 
@@ -412,7 +438,7 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
     let st = w.apply().unwrap();
     assert!(st.via_netlink);
     assert!(w.nft.take().is_empty(), "no nft -f for an element change");
-    let batches = w.elements.batches.lock().unwrap().clone();
+    let batches = w.elements.batches.lock().clone();
     assert_eq!(batches.len(), 1);
     let ops: Vec<(bool, &str, &[String])> = batches[0]
         .iter()
@@ -427,7 +453,7 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
     );
 
     // The kernel refuses the batch: the same change goes by nft -f.
-    *w.elements.fail.lock().unwrap() = true;
+    *w.elements.fail.lock() = true;
     w.sets.delta("s:pods", &["10.0.0.3".into()], &[]);
     let st = w.apply().unwrap();
     assert!(!st.via_netlink);
