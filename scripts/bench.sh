@@ -67,6 +67,8 @@ echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh n
 if [ "$(id -u)" = 0 ]; then
   cargo build --release -p bench-tools --bin linux-bench >/dev/null 2>&1
   ./target/release/linux-bench --runs 5
+  echo; echo "== nftables driver vs bare nft -f (1k, 10k and 100k rules, fresh network namespaces)"
+  ./target/release/linux-bench --driver nftables --runs 3
 else
   echo "skipped: needs root (network namespaces, iptables, ipset)"
 fi

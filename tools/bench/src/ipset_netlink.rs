@@ -6,6 +6,7 @@
 use std::io;
 use std::net::Ipv4Addr;
 
+use dataplane_agent::driver::linux::nft::netlink::attr;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 /// `NFNL_SUBSYS_IPSET << 8 | IPSET_CMD_TEST`.
@@ -25,17 +26,6 @@ const IPSET_ATTR_IPADDR_IPV4: u16 = 1;
 /// The kernel's answer to a test of an element that is not in the set (`-IPSET_ERR_EXIST`).
 const IPSET_ERR_EXIST: i32 = 4096 + 7;
 const AF_INET: u8 = 2;
-
-/// One netlink attribute (length, type, payload, padding to 4 bytes).
-fn attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
-    let len = u16::try_from(4 + payload.len()).expect("small attribute");
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&kind.to_ne_bytes());
-    out.extend_from_slice(payload);
-    while !out.len().is_multiple_of(4) {
-        out.push(0);
-    }
-}
 
 /// The `IPSET_CMD_TEST` request for `ip` in `set` (sequence number 0; set per send).
 pub fn test_request(set: &str, ip: Ipv4Addr) -> Vec<u8> {

@@ -129,7 +129,9 @@ impl ElementWriter for NetlinkElements {
     }
 }
 
-fn attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+/// One netlink attribute (length, type, payload, padding to 4 bytes); shared with the
+/// benchmarks' ipset netlink client.
+pub fn attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
     let len = u16::try_from(4 + payload.len()).expect("small attribute");
     out.extend_from_slice(&len.to_ne_bytes());
     out.extend_from_slice(&kind.to_ne_bytes());
