@@ -424,8 +424,33 @@ fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
     // The client starts outside the policy's source selector.
     write_manifest(dir.path(), "workloads.yaml", &workloads("other"));
     write_manifest(dir.path(), "policy.yaml", POLICY);
-    let cp = ControlPlane::start_with_driver(Driver::Nftables, &host, dir.path(), NODE, &[]);
+    let cp = ControlPlane::start_with_driver(
+        Driver::Nftables,
+        &host,
+        dir.path(),
+        NODE,
+        &["--admin-listen", "127.0.0.1:9097"],
+    );
     cp.wait_programmed();
+    // `/programmed` names the chains as nft holds them.
+    let programmed = || {
+        host.exec(&[
+            "bash",
+            "-c",
+            "{ exec 3<>/dev/tcp/127.0.0.1/9097; printf 'GET /programmed HTTP/1.0\r\n\r\n' >&3; cat <&3; } 2>/dev/null || true",
+        ])
+    };
+    wait_until(
+        "/programmed lists nft chain names",
+        Duration::from_secs(10),
+        || {
+            let p = programmed();
+            p.contains("\"filter-cali-pi-np/prod/web-allow\"")
+                && p.contains("\"filter-cali-tw-cali0web000002\"")
+                && !p.contains("\"cali-tw-")
+        },
+        programmed,
+    );
     let verdicts = |allowed: bool| -> Vec<Probe<'_>> {
         [web.ipv4.clone(), web.ipv6.clone()]
             .into_iter()

@@ -8,7 +8,8 @@
 //!
 //! Contract: chain names are Calico's and come from the rules renderer's own naming functions
 //! ([`rules::policy_chain_name`] and friends), whichever driver builds the dump, so the dry-run
-//! driver shows the names the linux driver programs. Top-level lists and every list of names
+//! driver shows the names the linux driver programs. The nftables driver lists them as nft holds
+//! them: `<table>-<chain>` (`filter-cali-pi-…`), once per table the chain is placed in. Top-level lists and every list of names
 //! are sorted and free of duplicates, so the JSON is stable and diffs cleanly; tiers, and the
 //! policies within a tier, stay in evaluation order. Names are as the stream sent them: serde
 //! escapes them in the JSON.

@@ -504,7 +504,44 @@ impl Driver for LinuxDriver {
         let mut c = crate::driver::programmed::Collector::default();
         self.policy.collect(&mut c);
         self.endpoints.collect(&mut c);
-        Some(c.finish())
+        let mut objects = c.finish();
+        if self.nft.is_some() {
+            // nftables holds each chain under its table's prefix (`filter-cali-pi-…`), in
+            // every table the chain is placed in.
+            let v = self.tables.versions()[0];
+            let nft_names = |chains: &mut Vec<String>| {
+                let mut named: Vec<String> = chains
+                    .iter()
+                    .flat_map(|c| {
+                        let mut in_tables: Vec<String> = tables::TABLE_NAMES
+                            .iter()
+                            .filter(|t| self.tables.get(v, t).is_some_and(|t| t.has_chain(c)))
+                            .map(|t| nft::render::chain_name(t, c))
+                            .collect();
+                        if in_tables.is_empty() {
+                            in_tables.push(nft::render::chain_name("filter", c));
+                        }
+                        in_tables
+                    })
+                    .collect();
+                named.sort();
+                named.dedup();
+                *chains = named;
+            };
+            objects
+                .policies
+                .iter_mut()
+                .for_each(|p| nft_names(&mut p.chains));
+            objects
+                .profiles
+                .iter_mut()
+                .for_each(|p| nft_names(&mut p.chains));
+            objects
+                .endpoints
+                .iter_mut()
+                .for_each(|e| nft_names(&mut e.chains));
+        }
+        Some(objects)
     }
 
     fn metrics(&self) -> crate::driver::DriverMetrics {

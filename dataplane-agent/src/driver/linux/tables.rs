@@ -79,6 +79,13 @@ impl Tables {
             .expect("tables exist for every programmed family")
     }
 
+    /// The table, if that family is programmed.
+    pub fn get(&self, v: IpVersion, name: &str) -> Option<&Table> {
+        self.tables
+            .iter()
+            .find(|t| t.version() == v && t.name() == name)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Table> {
         self.tables.iter()
     }
