@@ -429,8 +429,11 @@ fn nft_program_tail(
     std::fs::write(dump.join("nft.save"), ruleset).expect("write");
     let chain = "filter-cali-pi-gnp/policy-0000";
     let mut change = String::new();
+    // The fastest form nft reads: the flush, then the rules in block syntax.
     for fam in ["ip", "ip6"] {
-        change.push_str(&format!("flush chain {fam} calico {chain}\n"));
+        change.push_str(&format!(
+            "flush chain {fam} calico {chain}\ntable {fam} calico {{\nchain {chain} {{\n"
+        ));
         let listing = sh(&format!("nft list chain {fam} calico {chain}"));
         let mut inside = false;
         for line in listing.lines() {
@@ -440,9 +443,10 @@ fn nft_program_tail(
             } else if l == "}" {
                 inside = false;
             } else if inside && !l.is_empty() {
-                change.push_str(&format!("add rule {fam} calico {chain} {l}\n"));
+                change.push_str(&format!("{l}\n"));
             }
         }
+        change.push_str("}\n}\n");
     }
     std::fs::write(dump.join("change.nft"), change).expect("write");
     for (file, op, set) in [
@@ -770,7 +774,7 @@ fn nft_orchestrate(p: &Params, dump: &Path, extra: &dyn Fn((usize, usize, usize)
             of / ff
         );
         println!(
-            "one-chain change: driver {:.2} ms, floor (nft -f flush + rules of that chain, v4 + v6) {:.2} ms, ratio {:.2}",
+            "one-chain change: driver {:.2} ms, floor (nft -f flush + rules of that chain, block syntax, v4 + v6) {:.2} ms, ratio {:.2}",
             oc * 1e3,
             fc * 1e3,
             oc / fc

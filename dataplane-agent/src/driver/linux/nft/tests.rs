@@ -84,6 +84,27 @@ impl netlink::ElementWriter for FakeElements {
     }
 }
 
+/// The rules a transaction writes into `chain` (nft's block syntax).
+fn chain_rules<'a>(script: &'a str, family: &str, chain: &str) -> Vec<&'a str> {
+    let table = format!("table {family} calico {{");
+    let start = format!("chain {chain} {{");
+    let mut out = Vec::new();
+    let mut in_table = false;
+    let mut in_chain = false;
+    for line in script.lines() {
+        if line == table {
+            in_table = true;
+        } else if in_table && line == start {
+            in_chain = true;
+        } else if in_chain && line == "}" {
+            in_chain = false;
+        } else if in_chain {
+            out.push(line);
+        }
+    }
+    out
+}
+
 struct World {
     nft: FakeNft,
     elements: FakeElements,
@@ -220,18 +241,18 @@ fn the_first_apply_builds_everything_in_one_transaction_and_the_next_writes_noth
         "{s}"
     );
     assert!(
-        s.contains("add rule ip calico filter-cali-from-wl-dispatch iifname vmap @filter-cali-from-wl-dispatch comment"),
+        chain_rules(s, "ip", "filter-cali-from-wl-dispatch")[0]
+            .starts_with("iifname vmap @filter-cali-from-wl-dispatch comment"),
         "{s}"
     );
     assert!(
-        s.contains("add rule ip calico filter-cali-FORWARD iifname \"cali*\" counter jump filter-cali-from-wl-dispatch comment \"cali:"),
+        chain_rules(s, "ip", "filter-cali-FORWARD")[0].starts_with(
+            "iifname \"cali*\" counter jump filter-cali-from-wl-dispatch comment \"cali:"
+        ),
         "{s}"
     );
     // The port list became one rule per port, each with the rule's comment.
-    assert_eq!(
-        s.matches("add rule ip calico filter-cali-pi-web ").count(),
-        2
-    );
+    assert_eq!(chain_rules(s, "ip", "filter-cali-pi-web").len(), 2);
     assert!(s.contains("; allow web\""), "{s}");
     // Declarations come before the rules that use them.
     let decl = s.find("add chain ip calico filter-cali-fw-calia").unwrap();
@@ -270,15 +291,16 @@ fn a_change_writes_only_what_changed() {
     w.apply().unwrap();
     let s = w.nft.take().join("");
     assert!(
-        s.starts_with("flush chain ip calico filter-cali-pi-web\n"),
+        s.starts_with("flush chain ip calico filter-cali-pi-web\ntable ip calico {\nchain filter-cali-pi-web {\n"),
         "{s}"
     );
+    let rules = chain_rules(&s, "ip", "filter-cali-pi-web");
+    assert_eq!(rules.len(), 2);
     assert!(
-        s.lines()
-            .skip(1)
-            .all(|l| l.starts_with("add rule ip calico filter-cali-pi-web ")),
+        rules.iter().all(|r| r.contains("ip saddr 10.9.0.0/16")),
         "{s}"
     );
+    assert_eq!(s.lines().count(), 1 + 2 + 2 + 2, "nothing else: {s}");
 
     // An endpoint goes: map elements and its chains, the dispatch chain untouched.
     let t = w.tables.table(IpVersion::V4, "filter");
