@@ -363,6 +363,7 @@ impl Family {
         let mut additions = String::new();
         let mut rules = String::new();
         let mut deletions = String::new();
+        let mut new_sets = String::new();
         let mut ops: Vec<netlink::ElementOp> = Vec::new();
         let mut op = |set: &str, add: bool, interval: bool, elems: &[&String]| {
             if !elems.is_empty() {
@@ -419,22 +420,39 @@ impl Family {
                     stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
                     k.elems = elems;
                 }
-                existing => {
-                    let target = if existing.is_some() {
-                        let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
-                        retyped.push(name.clone());
-                        &mut recreate
-                    } else {
-                        &mut decls
-                    };
+                Some(_) => {
+                    // A new type: recreated once the chains using it are flushed.
+                    let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
+                    retyped.push(name.clone());
                     let _ = writeln!(
-                        target,
+                        recreate,
                         "add set {fam} {TABLE} {name} {{ {} }}",
                         decl_text(kind, v)
                     );
                     stats.sets_created += 1;
                     let all: Vec<&String> = elems.iter().collect();
                     stats.elements_added += element_ops(&mut additions, "add", fam, &name, &all);
+                    view.sets.insert(name, KernelSet { decl, elems });
+                }
+                None => {
+                    // A new set with its elements, in nft's block syntax (it parses elements
+                    // in a block about 40% faster than `add element` statements).
+                    let _ = write!(new_sets, "set {name} {{ {}", decl_text(kind, v));
+                    if !elems.is_empty() {
+                        let mut all: Vec<&String> = elems.iter().collect();
+                        all.sort();
+                        new_sets.push_str(" elements = { ");
+                        for (i, e) in all.iter().enumerate() {
+                            if i > 0 {
+                                new_sets.push_str(", ");
+                            }
+                            new_sets.push_str(e);
+                        }
+                        new_sets.push_str(" }");
+                    }
+                    new_sets.push_str(" }\n");
+                    stats.sets_created += 1;
+                    stats.elements_added += elems.len();
                     view.sets.insert(name, KernelSet { decl, elems });
                 }
             }
@@ -570,6 +588,9 @@ impl Family {
             stats.chains_deleted += 1;
         }
 
+        if !new_sets.is_empty() {
+            let _ = write!(decls, "table {fam} {TABLE} {{\n{new_sets}}}\n");
+        }
         let structural = !(decls.is_empty()
             && flushes.is_empty()
             && recreate.is_empty()

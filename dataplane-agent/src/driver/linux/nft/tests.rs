@@ -227,12 +227,12 @@ fn the_first_apply_builds_everything_in_one_transaction_and_the_next_writes_noth
         "{s}"
     );
     assert!(
-        s.contains("add set ip calico cali40s-db { type ipv4_addr; flags interval; }"),
+        s.contains("set cali40s-db { type ipv4_addr; flags interval; elements = { 10.1.0.0/16, 10.2.0.1 } }"),
         "{s}"
     );
     assert!(
-        s.contains("add element ip calico cali40s-db { 10.1.0.0/16, 10.2.0.1 }"),
-        "{s}"
+        s.contains("table ip calico {\nset cali40s-db {"),
+        "new sets are declared in a block: {s}"
     );
     assert!(
         s.contains(
@@ -334,10 +334,7 @@ fn nested_networks_are_left_out_of_interval_sets() {
     );
     w.apply().unwrap();
     let s = w.nft.take().join("");
-    assert!(
-        s.contains("add element ip calico cali40s-db { 10.0.0.0/8, 11.0.0.1 }"),
-        "{s}"
-    );
+    assert!(s.contains("elements = { 10.0.0.0/8, 11.0.0.1 }"), "{s}");
     // The covering network goes: the one it hid is added in the same transaction.
     w.sets.delta("s:db", &[], &["10.0.0.0/8".into()]);
     w.apply().unwrap();
