@@ -1,5 +1,6 @@
 //! The agent under attack, on a real kernel: a scripted calc-server in the node's namespace
-//! sends `dataplane-agent --driver linux` hostile messages (injection attempts in every string
+//! sends `dataplane-agent` (each test once per driver, `--driver linux` and `--driver nftables`,
+//! see [`driver_tests!`]) hostile messages (injection attempts in every string
 //! that reaches restore input, netlink or sysctl paths; the host's own interfaces as endpoints;
 //! prefixes that would take them over; deny-all on `lo`; values out of range), and the test
 //! checks what Calico users rely on: the kernel outside our own chains is unchanged, denied
@@ -21,7 +22,8 @@ use felix_proto::{
     ProfileId, Protocol, Rule, RuleMetadata, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
     WorkloadEndpointUpdate, rule,
 };
-use integration::netns::{self, Netns, Probe, Workload};
+use integration::driver_tests;
+use integration::netns::{self, Driver, Netns, Probe, Workload, nft_text};
 use integration::scripted::{ScriptedServer, allow_all_profile};
 
 const NODE: &str = "node-h";
@@ -298,11 +300,108 @@ fn hostile_messages() -> Vec<(&'static str, Payload)> {
     out
 }
 
+/// Tables of `nft list ruleset` that [`outside_our_state`] leaves out: the nftables driver's
+/// own tables (everything in them is ours), and the tables iptables-nft keeps its rules in.
+/// Those are already compared through `iptables-nft-save` (our `cali` lines dropped); in nft's
+/// own syntax they hold our rules too, and nothing marks them line by line (jumps, comments and
+/// counters of the built-in chains all move with the agent and with traffic), so comparing
+/// them here would only repeat iptables-save with noise.
+fn skipped_nft_table(header: &str) -> bool {
+    let mut words = header.split_whitespace();
+    let (Some("table"), Some(family), Some(name)) = (words.next(), words.next(), words.next())
+    else {
+        return false;
+    };
+    match family {
+        "ip" | "ip6" => {
+            matches!(
+                name,
+                "calico" | "filter" | "nat" | "mangle" | "raw" | "security"
+            )
+        }
+        _ => false,
+    }
+}
+
+/// `nft list ruleset` without the tables [`skipped_nft_table`] names, counters dropped.
+fn foreign_nft_ruleset(host: &Netns) -> String {
+    let mut out = String::new();
+    let mut skipping = false;
+    for line in nft_text(host, &["list", "ruleset"]).lines() {
+        if line.starts_with("table ") {
+            skipping = skipped_nft_table(line);
+        }
+        if !skipping {
+            // Packet counters move with traffic: `counter packets N bytes M …` → `counter …`.
+            let line = match line.split_once("counter packets ") {
+                Some((head, rest)) => {
+                    let tail: Vec<&str> = rest.split(' ').skip(3).collect();
+                    format!("{head}counter {}", tail.join(" "))
+                        .trim_end()
+                        .to_owned()
+                }
+                None => line.to_owned(),
+            };
+            out.push_str(&line);
+            out.push('\n');
+        }
+        if line == "}" {
+            skipping = false;
+        }
+    }
+    out
+}
+
+/// Another tool's nftables table: an agent that flushed the ruleset or touched tables not its
+/// own would change it.
+fn add_foreign_nft_table(host: &Netns) {
+    host.exec(&["nft", "add", "table", "inet", "foreign"]);
+    host.exec(&["nft", "add", "chain", "inet", "foreign", "c"]);
+    host.exec(&[
+        "nft",
+        "add",
+        "rule",
+        "inet",
+        "foreign",
+        "c",
+        "ip",
+        "saddr",
+        "192.0.2.7",
+        "counter",
+        "accept",
+    ]);
+    host.exec(&[
+        "nft",
+        "add",
+        "set",
+        "inet",
+        "foreign",
+        "s",
+        "{ type ipv4_addr; }",
+    ]);
+    host.exec(&[
+        "nft",
+        "add",
+        "element",
+        "inet",
+        "foreign",
+        "s",
+        "{ 192.0.2.8 }",
+    ]);
+}
+
 /// What the node's kernel holds outside the agent's own objects: iptables (nft and legacy,
-/// both families, counters dropped), IP sets, routes, permanent neighbours and the sysctls of
-/// the host's own interfaces.
+/// both families, counters dropped), nftables (see [`foreign_nft_ruleset`]), IP sets, routes,
+/// permanent neighbours and the sysctls of the host's own interfaces.
 fn outside_our_state(host: &Netns) -> String {
     let mut out = String::new();
+    out.push_str("## nft list ruleset (foreign tables)\n");
+    let nft = foreign_nft_ruleset(host);
+    assert!(
+        nft.contains("table inet foreign"),
+        "the foreign nft table is in the snapshot:\n{nft}"
+    );
+    out.push_str(&nft);
     for tool in [
         "iptables-nft-save",
         "ip6tables-nft-save",
@@ -366,14 +465,34 @@ fn tcp_probe<'a>(from: &'a Workload, to: &Workload, port: u16, allowed: bool) ->
     }
 }
 
-fn expect_within(what: &str, probes: &[Probe<'_>], secs: u64, log: &Path, host: &Netns) {
+fn expect_within(
+    what: &str,
+    probes: &[Probe<'_>],
+    secs: u64,
+    log: &Path,
+    host: &Netns,
+    driver: Driver,
+) {
     netns::expect_verdicts(what, probes, Duration::from_secs(secs), || {
+        let rules = match driver {
+            Driver::Linux => host.exec(&["iptables-save", "-c", "-t", "filter"]),
+            Driver::Nftables => nft_text(host, &["list", "ruleset"]),
+        };
         format!(
-            "agent log:\n{}\nfilter table:\n{}",
+            "agent log:\n{}\nrules:\n{rules}",
             std::fs::read_to_string(log).unwrap_or_default(),
-            host.exec(&["iptables-save", "-c", "-t", "filter"])
         )
     });
+}
+
+/// What an nftables run's log must never hold: the driver failing to apply its own input.
+fn assert_no_apply_failure(driver: Driver, log: &str) {
+    if driver == Driver::Nftables {
+        assert!(
+            !log.contains("apply failed") && !log.contains("nft -f failed"),
+            "the nftables driver failed to apply:\n{log}"
+        );
+    }
 }
 
 /// The latest status each workload reported.
@@ -389,15 +508,23 @@ fn workload_statuses(server: &ScriptedServer) -> HashMap<String, String> {
     out
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn a_hostile_stream_changes_nothing_outside_our_chains() {
+driver_tests! {
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    a_hostile_stream_changes_nothing_outside_our_chains => hostile_stream;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    datastore_attacks_are_refused_by_name_and_change_nothing_outside => datastore_attacks;
+    #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+    an_ip_set_changing_type_keeps_enforcing_and_settles => set_changing_type;
+}
+
+fn hostile_stream(driver: Driver) {
     netns::require();
-    let host = Netns::new("hostile");
+    let host = Netns::new(&format!("hostile-{}", &driver.name()[..2]));
     host.make_host();
-    // Another tool's IP set: an injected `flush` or `destroy` would reach it.
+    // Another tool's IP set and nft table: an injected `flush` or `destroy` would reach them.
     host.exec(&["ipset", "create", "other-tool", "hash:ip"]);
     host.exec(&["ipset", "add", "other-tool", "192.0.2.7"]);
+    add_foreign_nft_table(&host);
     let client = Workload::attach(&host, "calicli", "10.65.1.1", "fd00:65::1");
     let mut web = Workload::attach(&host, "caliweb", "10.65.1.2", "fd00:65::2");
     web.listen(80);
@@ -427,13 +554,13 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let mut agent = server.start_agent(&host, &log);
+    let mut agent = server.start_agent_driver(driver, &host, &log, &[]);
     server.wait_dataplane_in_sync(1);
     let guarded = [
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&client, &web, 8080, false),
     ];
-    expect_within("before the attack", &guarded, 20, &log, &host);
+    expect_within("before the attack", &guarded, 20, &log, &host, driver);
     let before = outside_our_state(&host);
 
     for (_, p) in hostile_messages() {
@@ -488,7 +615,7 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
     let _ = agent.kill();
     let _ = agent.wait();
     let log = dir.path().join("agent2.log");
-    let mut agent = server.start_agent(&host, &log);
+    let mut agent = server.start_agent_driver(driver, &host, &log, &[]);
     // Back in sync behind deny-all on lo.
     server.wait_dataplane_in_sync(2);
     // An unrelated change after the attack is enforced within seconds.
@@ -497,10 +624,17 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&client, &web, 8080, true),
     ];
-    expect_within("the change after the attack", &opened, 10, &log, &host);
+    expect_within(
+        "the change after the attack",
+        &opened,
+        10,
+        &log,
+        &host,
+        driver,
+    );
     // Denied stays denied: back to port 80 only.
     server.send(web_guard(&[80]));
-    expect_within("denied again", &guarded, 10, &log, &host);
+    expect_within("denied again", &guarded, 10, &log, &host, driver);
 
     let after = outside_our_state(&host);
     assert_eq!(
@@ -513,6 +647,8 @@ fn a_hostile_stream_changes_nothing_outside_our_chains() {
     let _ = agent.kill();
     let _ = agent.wait();
     let text = std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    assert_no_apply_failure(driver, &text);
+    assert_no_apply_failure(driver, &std::fs::read_to_string(&log).unwrap_or_default());
     for object in [
         "policy np/prod/evil-protocol",
         "policy np/prod/evil-cidr",
@@ -582,13 +718,12 @@ spec:
 /// prefix, an endpoint naming the uplink, a rule annotation ending in `\`, and a network set
 /// holding `0.0.0.0/0` used by a policy. Each is refused by name or rendered safely; the
 /// kernel outside our chains is unchanged; an unrelated change is enforced within seconds.
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn datastore_attacks_are_refused_by_name_and_change_nothing_outside() {
+fn datastore_attacks(driver: Driver) {
     netns::require();
-    let host = Netns::new("dsattack");
+    let host = Netns::new(&format!("dsattack-{}", &driver.name()[..2]));
     host.make_host();
     host.exec(&["ipset", "create", "other-tool", "hash:ip"]);
+    add_foreign_nft_table(&host);
     let client = Workload::attach(&host, "calicli", "10.65.2.1", "fd00:65:2::1");
     let mut web = Workload::attach(&host, "caliweb", "10.65.2.2", "fd00:65:2::2");
     for port in [80, 8080, 7777, 9999] {
@@ -614,7 +749,7 @@ spec:
         ),
     );
     netns::write_manifest(d, "guard.yaml", &manifest_guard("80"));
-    let cp = netns::ControlPlane::start(&host, d, MANIFEST_NODE, &[]);
+    let cp = netns::ControlPlane::start_with_driver(driver, &host, d, MANIFEST_NODE, &[]);
     cp.wait_programmed();
     let before_attack = [
         tcp_probe(&client, &web, 80, true),
@@ -627,6 +762,7 @@ spec:
         20,
         &cp.agent_log,
         &host,
+        driver,
     );
     let before = outside_our_state(&host);
 
@@ -702,12 +838,42 @@ spec:
         tcp_probe(&client, &web, 7777, true),
         tcp_probe(&client, &web, 9999, true),
     ];
-    expect_within("under attack", &under_attack, 20, &cp.agent_log, &host);
-    let sets = host.exec(&["ipset", "list"]);
-    assert!(
-        sets.contains("0.0.0.0/1") && sets.contains("128.0.0.0/1"),
-        "a /0 member is programmed as its two halves:\n{sets}"
+    expect_within(
+        "under attack",
+        &under_attack,
+        20,
+        &cp.agent_log,
+        &host,
+        driver,
     );
+    match driver {
+        Driver::Linux => {
+            let sets = host.exec(&["ipset", "list"]);
+            assert!(
+                sets.contains("0.0.0.0/1") && sets.contains("128.0.0.0/1"),
+                "a /0 member is programmed as its two halves:\n{sets}"
+            );
+        }
+        Driver::Nftables => {
+            // The network set is an interval set of our table holding the two halves (the
+            // kernel keeps them as two intervals, nft prints them as networks).
+            let sets = netns::nft_sets_holding(&host, "ip", "0.0.0.0/1");
+            assert_eq!(
+                sets.len(),
+                1,
+                "one set holds 0.0.0.0/1:\n{}",
+                netns::nft_list(&host, "ip")
+            );
+            let set = nft_text(&host, &["list", "set", "ip", "calico", &sets[0]]);
+            assert!(
+                sets[0].starts_with("cali40s-")
+                    && set.contains("flags interval")
+                    && set.contains("0.0.0.0/1")
+                    && set.contains("128.0.0.0/1"),
+                "a /0 member is programmed as its two halves:\n{set}"
+            );
+        }
+    }
 
     // An unrelated change is enforced within seconds.
     netns::write_manifest(d, "guard.yaml", &manifest_guard("80, 8080"));
@@ -717,6 +883,7 @@ spec:
         20,
         &cp.agent_log,
         &host,
+        driver,
     );
     assert_eq!(
         before,
@@ -735,13 +902,21 @@ spec:
             && agent_log.contains("does not match the workload interface prefixes"),
         "the endpoint on the uplink is refused by name:\n{agent_log}"
     );
+    assert_no_apply_failure(driver, &agent_log);
 }
 
-#[test]
-#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
-fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
+fn set_changing_type(driver: Driver) {
+    match driver {
+        Driver::Linux => ipset_changing_type(),
+        Driver::Nftables => nft_set_changing_type(),
+    }
+}
+
+/// The ipset way: the kernel cannot swap sets of different types, so the agent goes through a
+/// temporary set (`cali4t…`) and moves the rules back.
+fn ipset_changing_type() {
     netns::require();
-    let host = Netns::new("settype");
+    let host = Netns::new("settype-li");
     host.make_host();
     let client = Workload::attach(&host, "calicli", "10.65.7.1", "fd00:65:7::1");
     let other = Workload::attach(&host, "caliother", "10.65.7.3", "fd00:65:7::3");
@@ -775,13 +950,20 @@ fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let mut agent = server.start_agent(&host, &log);
+    let mut agent = server.start_agent_driver(Driver::Linux, &host, &log, &[]);
     server.wait_dataplane_in_sync(1);
     let verdicts = [
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&other, &web, 80, false),
     ];
-    expect_within("with a hash:ip set", &verdicts, 20, &log, &host);
+    expect_within(
+        "with a hash:ip set",
+        &verdicts,
+        20,
+        &log,
+        &host,
+        Driver::Linux,
+    );
     assert!(
         host.exec(&["ipset", "list", "cali40s:clients"])
             .contains("Type: hash:ip")
@@ -807,7 +989,14 @@ fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
             )
         },
     );
-    expect_within("with the hash:net set", &verdicts, 5, &log, &host);
+    expect_within(
+        "with the hash:net set",
+        &verdicts,
+        5,
+        &log,
+        &host,
+        Driver::Linux,
+    );
     let save = host.exec(&["iptables-save", "-t", "filter"]);
     assert!(save.contains("--match-set cali40s:clients src"), "{save}");
     assert!(
@@ -815,6 +1004,108 @@ fn an_ip_set_changing_type_keeps_enforcing_and_settles() {
         "the rules are back on the set's own name:\n{save}"
     );
     let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("type does not match") && !text.contains("refused"),
+        "{text}"
+    );
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+/// The nftables way: `cali40s-clients` goes from `type ipv4_addr` to an interval set (`flags
+/// interval`) while rules refer to it; enforcement holds and the set ends with the new type.
+fn nft_set_changing_type() {
+    netns::require();
+    let host = Netns::new("settype-nf");
+    host.make_host();
+    let client = Workload::attach(&host, "calicli", "10.65.7.1", "fd00:65:7::1");
+    let other = Workload::attach(&host, "caliother", "10.65.7.3", "fd00:65:7::3");
+    let mut web = Workload::attach(&host, "caliweb", "10.65.7.2", "fd00:65:7::2");
+    web.listen(80);
+    let server = ScriptedServer::start(&host, 50078, NODE);
+    let clients = |r#type: i32, member: &str| {
+        Payload::IpsetUpdate(IpSetUpdate {
+            id: "s:clients".into(),
+            members: vec![member.into()],
+            r#type,
+        })
+    };
+    for p in [
+        clients(0, "10.65.7.1"),
+        allow_all_profile(),
+        web_guard(&[80]),
+        wep_with_mac("client", "calicli", "10.65.7.1", &client.mac(), &[], ""),
+        wep_with_mac("other", "caliother", "10.65.7.3", &other.mac(), &[], ""),
+        wep_with_mac(
+            "web",
+            "caliweb",
+            "10.65.7.2",
+            &web.mac(),
+            &[pid("web-guard")],
+            "default",
+        ),
+        Payload::InSync(InSync {}),
+    ] {
+        server.send(p);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("agent.log");
+    let mut agent = server.start_agent_driver(Driver::Nftables, &host, &log, &[]);
+    server.wait_dataplane_in_sync(1);
+    let verdicts = [
+        tcp_probe(&client, &web, 80, true),
+        tcp_probe(&other, &web, 80, false),
+    ];
+    let set = || nft_text(&host, &["list", "set", "ip", "calico", "cali40s-clients"]);
+    expect_within(
+        "with an address set",
+        &verdicts,
+        20,
+        &log,
+        &host,
+        Driver::Nftables,
+    );
+    let before = set();
+    assert!(
+        before.contains("type ipv4_addr")
+            && !before.contains("interval")
+            && before.contains("10.65.7.1"),
+        "{before}"
+    );
+
+    server.send(clients(2, "10.65.7.0/31"));
+    netns::wait_until(
+        "the set is an interval set holding 10.65.7.0/31",
+        Duration::from_secs(20),
+        || {
+            let s = set();
+            s.contains("type ipv4_addr")
+                && s.contains("flags interval")
+                && s.contains("10.65.7.0/31")
+        },
+        || {
+            format!(
+                "{}\n{}",
+                nft_text(&host, &["list", "ruleset"]),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        },
+    );
+    expect_within(
+        "with the interval set",
+        &verdicts,
+        5,
+        &log,
+        &host,
+        Driver::Nftables,
+    );
+    let table = netns::nft_list(&host, "ip");
+    assert!(
+        table.contains("ip saddr @cali40s-clients"),
+        "the rules still use the set by its own name:\n{table}"
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_no_apply_failure(Driver::Nftables, &text);
     assert!(
         !text.contains("type does not match") && !text.contains("refused"),
         "{text}"
