@@ -912,24 +912,36 @@ fn set_changing_type(driver: Driver) {
     }
 }
 
-/// The ipset way: the kernel cannot swap sets of different types, so the agent goes through a
-/// temporary set (`cali4t…`) and moves the rules back.
-fn ipset_changing_type() {
+/// The set-type scenario's start, shared by both drivers: a client in `s:clients` (hash:ip)
+/// allowed to web:80, another workload not; the agent in sync.
+struct SetTypeFixture {
+    host: Netns,
+    client: Workload,
+    other: Workload,
+    web: Workload,
+    server: ScriptedServer,
+    agent: std::process::Child,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn clients(r#type: i32, member: &str) -> Payload {
+    Payload::IpsetUpdate(IpSetUpdate {
+        id: "s:clients".into(),
+        members: vec![member.into()],
+        r#type,
+    })
+}
+
+fn set_type_fixture(driver: Driver, ns: &str, port: u16) -> SetTypeFixture {
     netns::require();
-    let host = Netns::new("settype-li");
+    let host = Netns::new(ns);
     host.make_host();
     let client = Workload::attach(&host, "calicli", "10.65.7.1", "fd00:65:7::1");
     let other = Workload::attach(&host, "caliother", "10.65.7.3", "fd00:65:7::3");
     let mut web = Workload::attach(&host, "caliweb", "10.65.7.2", "fd00:65:7::2");
     web.listen(80);
-    let server = ScriptedServer::start(&host, 50077, NODE);
-    let clients = |r#type: i32, member: &str| {
-        Payload::IpsetUpdate(IpSetUpdate {
-            id: "s:clients".into(),
-            members: vec![member.into()],
-            r#type,
-        })
-    };
+    let server = ScriptedServer::start(&host, port, NODE);
     for p in [
         clients(0, "10.65.7.1"),
         allow_all_profile(),
@@ -950,8 +962,33 @@ fn ipset_changing_type() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let mut agent = server.start_agent_driver(Driver::Linux, &host, &log, &[]);
+    let agent = server.start_agent_driver(driver, &host, &log, &[]);
     server.wait_dataplane_in_sync(1);
+    SetTypeFixture {
+        host,
+        client,
+        other,
+        web,
+        server,
+        agent,
+        log,
+        _dir: dir,
+    }
+}
+
+/// The ipset way: the kernel cannot swap sets of different types, so the agent goes through a
+/// temporary set (`cali4t…`) and moves the rules back.
+fn ipset_changing_type() {
+    let SetTypeFixture {
+        host,
+        client,
+        other,
+        web,
+        server,
+        mut agent,
+        log,
+        _dir,
+    } = set_type_fixture(Driver::Linux, "settype-li", 50077);
     let verdicts = [
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&other, &web, 80, false),
@@ -1015,43 +1052,16 @@ fn ipset_changing_type() {
 /// The nftables way: `cali40s-clients` goes from `type ipv4_addr` to an interval set (`flags
 /// interval`) while rules refer to it; enforcement holds and the set ends with the new type.
 fn nft_set_changing_type() {
-    netns::require();
-    let host = Netns::new("settype-nf");
-    host.make_host();
-    let client = Workload::attach(&host, "calicli", "10.65.7.1", "fd00:65:7::1");
-    let other = Workload::attach(&host, "caliother", "10.65.7.3", "fd00:65:7::3");
-    let mut web = Workload::attach(&host, "caliweb", "10.65.7.2", "fd00:65:7::2");
-    web.listen(80);
-    let server = ScriptedServer::start(&host, 50078, NODE);
-    let clients = |r#type: i32, member: &str| {
-        Payload::IpsetUpdate(IpSetUpdate {
-            id: "s:clients".into(),
-            members: vec![member.into()],
-            r#type,
-        })
-    };
-    for p in [
-        clients(0, "10.65.7.1"),
-        allow_all_profile(),
-        web_guard(&[80]),
-        wep_with_mac("client", "calicli", "10.65.7.1", &client.mac(), &[], ""),
-        wep_with_mac("other", "caliother", "10.65.7.3", &other.mac(), &[], ""),
-        wep_with_mac(
-            "web",
-            "caliweb",
-            "10.65.7.2",
-            &web.mac(),
-            &[pid("web-guard")],
-            "default",
-        ),
-        Payload::InSync(InSync {}),
-    ] {
-        server.send(p);
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = dir.path().join("agent.log");
-    let mut agent = server.start_agent_driver(Driver::Nftables, &host, &log, &[]);
-    server.wait_dataplane_in_sync(1);
+    let SetTypeFixture {
+        host,
+        client,
+        other,
+        web,
+        server,
+        mut agent,
+        log,
+        _dir,
+    } = set_type_fixture(Driver::Nftables, "settype-nf", 50078);
     let verdicts = [
         tcp_probe(&client, &web, 80, true),
         tcp_probe(&other, &web, 80, false),
