@@ -3,10 +3,11 @@
 //! chains prefixed with their iptables table, base chains hooked at the iptables priorities,
 //! IP sets as native sets, workload dispatch through `ifname` verdict maps).
 //!
-//! Contract: every [`NftTables::apply`] is one `nft -f -` transaction holding only what differs
+//! Contract: every [`NftTables::apply`] is one kernel transaction holding only what differs
 //! from the kernel view (chains replaced whole, set and map elements added and removed, stale
 //! objects deleted), so the kernel moves from one complete state to the next with nothing in
-//! between; when it fails nothing changed and the view is read back before the retry.
+//! between: an `nft -f -` script, or one nfnetlink batch when only elements change. When it
+//! fails nothing changed and the view is read back before the retry.
 //! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
 //! repair what changed behind our back. Everything in the `calico` tables is ours.
 
@@ -74,9 +75,9 @@ struct Rendered {
     hook: Option<String>,
     rules: Vec<String>,
     hashes: Vec<String>,
-    /// A verdict map the chain looks interfaces up in: (is the key the input interface,
-    /// elements `"iface" : goto chain`).
-    map: Option<(bool, BTreeSet<String>)>,
+    /// The elements (`"iface" : goto chain`) of the verdict map a dispatch chain looks
+    /// interfaces up in.
+    map: Option<BTreeSet<String>>,
 }
 
 /// A set or map in the kernel: its declaration (type and flags) and elements.
@@ -122,14 +123,63 @@ pub struct NftTables {
     elements: Box<dyn netlink::ElementWriter>,
 }
 
-/// The planned transaction of one family, and the view it leads to.
+/// The planned transaction of one family (its view already updated to what it leaves).
 struct Plan {
     script: String,
     stats: NftStats,
-    /// The element changes of exact-key sets and maps, for the netlink path.
+    /// The element changes of sets and maps, for the netlink path.
     ops: Vec<netlink::ElementOp>,
-    /// The plan holds more than those (chains, declarations, interval sets): `nft -f` only.
+    /// The plan holds more than those (chains, declarations, deletions): `nft -f` only.
     structural: bool,
+}
+
+/// Element changes being planned: `add`/`delete element` statements for `nft -f`, the same
+/// changes as netlink ops, and their counts.
+struct ElementEdits<'a> {
+    fam: &'static str,
+    v: IpVersion,
+    removals: String,
+    additions: String,
+    ops: Vec<netlink::ElementOp>,
+    stats: &'a mut NftStats,
+}
+
+impl ElementEdits<'_> {
+    /// Moves the kernel's elements of `set` to `wanted`, recording what that takes.
+    fn diff(
+        &mut self,
+        set: &str,
+        interval: bool,
+        kernel: &mut HashSet<String>,
+        wanted: HashSet<String>,
+    ) {
+        let mut gone: Vec<String> = kernel.difference(&wanted).cloned().collect();
+        let mut new: Vec<String> = wanted.difference(kernel).cloned().collect();
+        gone.sort();
+        new.sort();
+        self.stats.elements_removed +=
+            element_ops(&mut self.removals, "delete", self.fam, set, &gone);
+        self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &new);
+        for (add, elems) in [(false, gone), (true, new)] {
+            if !elems.is_empty() {
+                self.ops.push(netlink::ElementOp {
+                    version: self.v,
+                    set: set.to_owned(),
+                    add,
+                    interval,
+                    elems,
+                });
+            }
+        }
+        *kernel = wanted;
+    }
+
+    /// Every element of a set or map being (re)created, as `add element` statements.
+    fn add_all(&mut self, set: &str, elems: &HashSet<String>) {
+        let mut all: Vec<String> = elems.iter().cloned().collect();
+        all.sort();
+        self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &all);
+    }
 }
 
 impl NftTables {
@@ -177,23 +227,27 @@ impl NftTables {
         let changes = tables.take_changes();
         let dirty = sets.take_dirty();
         let removed = sets.take_removed();
-        let mut script = String::new();
-        let mut plans = Vec::new();
         let mut stats = NftStats::default();
-        for f in &mut self.families {
-            let mut full = false;
+        // Every family is read back before any is planned: planning updates the views and
+        // consumes the changes, so a failure after it would leave a view ahead of the kernel.
+        let mut full = Vec::with_capacity(self.families.len());
+        for i in 0..self.families.len() {
+            let f = &mut self.families[i];
+            full.push(f.kernel.is_none());
             if f.kernel.is_none() {
-                let view = match read_back(runner, f.v) {
-                    Ok(view) => view,
+                match read_back(runner, f.v) {
+                    Ok(view) => f.kernel = Some(view),
                     Err(e) => {
-                        f.rendered.clear();
+                        self.forget();
                         return Err(e);
                     }
-                };
+                }
                 stats.read_back = true;
-                full = true;
-                f.kernel = Some(view);
             }
+        }
+        let mut script = String::new();
+        let mut plans = Vec::new();
+        for (f, full) in self.families.iter_mut().zip(full) {
             let plan = f.plan(tables, sets, &changes, &dirty, &removed, full);
             if f.check_drift && !plan.script.is_empty() {
                 warn!(
@@ -232,14 +286,18 @@ impl NftTables {
                 Ok(stats)
             }
             Err(e) => {
-                // Nothing changed, but the views already hold the plan: read back before the
-                // retry, and render everything again then.
-                for f in &mut self.families {
-                    f.kernel = None;
-                    f.rendered.clear();
-                }
+                // Nothing changed, but the views already hold the plan.
+                self.forget();
                 Err(e)
             }
+        }
+    }
+
+    /// Drops every view (and rendering): the next apply reads back and plans everything.
+    fn forget(&mut self) {
+        for f in &mut self.families {
+            f.kernel = None;
+            f.rendered.clear();
         }
     }
 
@@ -359,24 +417,16 @@ impl Family {
         let mut decls = String::new();
         let mut flushes = String::new();
         let mut recreate = String::new();
-        let mut removals = String::new();
-        let mut additions = String::new();
         let mut rules = String::new();
         let mut deletions = String::new();
         let mut new_sets = String::new();
-        let mut ops: Vec<netlink::ElementOp> = Vec::new();
-        let mut op = |set: &str, add: bool, interval: bool, elems: &[&String]| {
-            if !elems.is_empty() {
-                let mut elems: Vec<String> = elems.iter().map(|e| (*e).clone()).collect();
-                elems.sort();
-                ops.push(netlink::ElementOp {
-                    version: v,
-                    set: set.to_owned(),
-                    add,
-                    interval,
-                    elems,
-                });
-            }
+        let mut edits = ElementEdits {
+            fam,
+            v,
+            removals: String::new(),
+            additions: String::new(),
+            ops: Vec::new(),
+            stats: &mut stats,
         };
 
         if !view.exists {
@@ -410,15 +460,7 @@ impl Family {
             let elems = set_elements(kind, members);
             match view.sets.get_mut(&name) {
                 Some(k) if k.decl == decl => {
-                    let gone: Vec<&String> = k.elems.difference(&elems).collect();
-                    let new: Vec<&String> = elems.difference(&k.elems).collect();
-                    let interval = kind == SetKind::Net;
-                    op(&name, false, interval, &gone);
-                    op(&name, true, interval, &new);
-                    stats.elements_removed +=
-                        element_ops(&mut removals, "delete", fam, &name, &gone);
-                    stats.elements_added += element_ops(&mut additions, "add", fam, &name, &new);
-                    k.elems = elems;
+                    edits.diff(&name, kind == SetKind::Net, &mut k.elems, elems);
                 }
                 Some(_) => {
                     // A new type: recreated once the chains using it are flushed.
@@ -429,9 +471,8 @@ impl Family {
                         "add set {fam} {TABLE} {name} {{ {} }}",
                         decl_text(kind, v)
                     );
-                    stats.sets_created += 1;
-                    let all: Vec<&String> = elems.iter().collect();
-                    stats.elements_added += element_ops(&mut additions, "add", fam, &name, &all);
+                    edits.stats.sets_created += 1;
+                    edits.add_all(&name, &elems);
                     view.sets.insert(name, KernelSet { decl, elems });
                 }
                 None => {
@@ -441,18 +482,12 @@ impl Family {
                     if !elems.is_empty() {
                         let mut all: Vec<&String> = elems.iter().collect();
                         all.sort();
-                        new_sets.push_str(" elements = { ");
-                        for (i, e) in all.iter().enumerate() {
-                            if i > 0 {
-                                new_sets.push_str(", ");
-                            }
-                            new_sets.push_str(e);
-                        }
-                        new_sets.push_str(" }");
+                        new_sets.push_str(" elements = ");
+                        braced_list(&mut new_sets, &all);
                     }
                     new_sets.push_str(" }\n");
-                    stats.sets_created += 1;
-                    stats.elements_added += elems.len();
+                    edits.stats.sets_created += 1;
+                    edits.stats.elements_added += elems.len();
                     view.sets.insert(name, KernelSet { decl, elems });
                 }
             }
@@ -460,23 +495,14 @@ impl Family {
 
         // Verdict maps of the dispatch chains that changed.
         for chain in &touched {
-            let Some((_, elems)) = self.rendered.get(chain).and_then(|r| r.map.as_ref()) else {
+            let Some(elems) = self.rendered.get(chain).and_then(|r| r.map.as_ref()) else {
                 continue;
             };
             stale_sets.remove(chain);
             let decl = "ifname : verdict".to_owned();
             let elems: HashSet<String> = elems.iter().cloned().collect();
             match view.sets.get_mut(chain) {
-                Some(k) if k.decl == decl => {
-                    let gone: Vec<&String> = k.elems.difference(&elems).collect();
-                    let new: Vec<&String> = elems.difference(&k.elems).collect();
-                    op(chain, false, false, &gone);
-                    op(chain, true, false, &new);
-                    stats.elements_removed +=
-                        element_ops(&mut removals, "delete", fam, chain, &gone);
-                    stats.elements_added += element_ops(&mut additions, "add", fam, chain, &new);
-                    k.elems = elems;
-                }
+                Some(k) if k.decl == decl => edits.diff(chain, false, &mut k.elems, elems),
                 existing => {
                     let target = if existing.is_some() {
                         let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
@@ -488,10 +514,9 @@ impl Family {
                         target,
                         "add map {fam} {TABLE} {chain} {{ type ifname : verdict; }}"
                     );
-                    let all: Vec<&String> = elems.iter().collect();
-                    stats.elements_added += element_ops(&mut additions, "add", fam, chain, &all);
+                    edits.add_all(chain, &elems);
                     view.sets.insert(chain.clone(), KernelSet { decl, elems });
-                    stats.sets_created += 1;
+                    edits.stats.sets_created += 1;
                 }
             }
         }
@@ -523,6 +548,13 @@ impl Family {
                     .cloned(),
             );
         }
+
+        let ElementEdits {
+            removals,
+            additions,
+            ops,
+            ..
+        } = edits;
 
         // Chains whose rules differ (or that use a set being recreated) are replaced whole.
         let mut writes: BTreeSet<&String> = touched
@@ -642,7 +674,7 @@ fn render_chain(
         let kw = if input { "iifname" } else { "oifname" };
         bodies.push(format!("{kw} vmap @{nft}"));
         comments.push(&[]);
-        map = Some((input, elems));
+        map = Some(elems);
     }
     for r in rest {
         for b in render::rule_bodies(r, table, v) {
@@ -781,20 +813,25 @@ fn without_nested(members: &HashSet<String>) -> HashSet<String> {
 }
 
 /// `add|delete element <fam> calico <set> { … }` in batches; returns the element count.
-fn element_ops(out: &mut String, op: &str, fam: &str, set: &str, elems: &[&String]) -> usize {
-    let mut sorted: Vec<&&String> = elems.iter().collect();
-    sorted.sort();
-    for chunk in sorted.chunks(ELEMENTS_PER_STATEMENT) {
-        let _ = write!(out, "{op} element {fam} {TABLE} {set} {{ ");
-        for (i, e) in chunk.iter().enumerate() {
-            if i > 0 {
-                out.push_str(", ");
-            }
-            out.push_str(e);
-        }
-        out.push_str(" }\n");
+fn element_ops(out: &mut String, op: &str, fam: &str, set: &str, elems: &[String]) -> usize {
+    for chunk in elems.chunks(ELEMENTS_PER_STATEMENT) {
+        let _ = write!(out, "{op} element {fam} {TABLE} {set} ");
+        braced_list(out, chunk);
+        out.push('\n');
     }
     elems.len()
+}
+
+/// `{ a, b, c }`.
+fn braced_list(out: &mut String, items: &[impl AsRef<str>]) {
+    out.push_str("{ ");
+    for (i, e) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str(e.as_ref());
+    }
+    out.push_str(" }");
 }
 
 fn run(

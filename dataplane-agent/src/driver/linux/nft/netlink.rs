@@ -297,18 +297,19 @@ fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
             _ => return Err(bad(e)),
         }
     }
+    let Some((code, chain)) = verdict else {
+        return key_elem(out, &key, 0);
+    };
     nested(out, NFTA_LIST_ELEM, |out| {
         let _ = nested(out, NFTA_SET_ELEM_KEY, |out| {
             attr(out, NFTA_DATA_VALUE, &key)
         });
-        if let Some((code, chain)) = &verdict {
-            let _ = nested(out, NFTA_SET_ELEM_DATA, |out| {
-                let _ = nested(out, NFTA_DATA_VERDICT, |out| {
-                    attr(out, NFTA_VERDICT_CODE, &code.to_be_bytes());
-                    attr(out, NFTA_VERDICT_CHAIN, &cstr(chain));
-                });
+        let _ = nested(out, NFTA_SET_ELEM_DATA, |out| {
+            let _ = nested(out, NFTA_DATA_VERDICT, |out| {
+                attr(out, NFTA_VERDICT_CODE, &code.to_be_bytes());
+                attr(out, NFTA_VERDICT_CHAIN, &cstr(&chain));
             });
-        }
+        });
     })
 }
 

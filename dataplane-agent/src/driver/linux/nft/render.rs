@@ -268,12 +268,8 @@ fn action(out: &mut String, a: &Action, table: &str) {
     };
 }
 
-/// A rule's statement without its comment (what its hash covers), for a rule whose positive
-/// port lists have one item each (see [`rule_bodies`]).
-pub fn rule_body(rule: &Rule, table: &str, v: IpVersion) -> String {
-    body_of(rule.matches.frags(), &rule.action, table, v)
-}
-
+/// A rule's statement without its comment (what its hash covers), from fragments whose
+/// positive port lists have one item each (see [`rule_bodies`]).
 fn body_of(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
     let mut out = String::with_capacity(96);
     let kw = port_keyword(frags);
@@ -379,7 +375,10 @@ mod tests {
     use crate::driver::linux::rules::{Match, marks};
 
     fn body(rule: Rule, v: IpVersion) -> String {
-        rule_body(&rule, "filter", v)
+        let [one] = rule_bodies(&rule, "filter", v)
+            .try_into()
+            .expect("one nft rule");
+        one
     }
 
     #[test]

@@ -18,6 +18,8 @@ struct FakeNft {
     scripts: Arc<Mutex<Vec<String>>>,
     lists: Arc<Mutex<usize>>,
     fail: Arc<Mutex<bool>>,
+    /// `nft -j list table <family> calico` fails for this family.
+    fail_list: Arc<Mutex<Option<&'static str>>>,
 }
 
 impl CommandRunner for FakeNft {
@@ -31,6 +33,13 @@ impl CommandRunner for FakeNft {
         if args.first() == Some(&"-j") {
             *self.lists.lock() += 1;
             let family = args[3];
+            if *self.fail_list.lock() == Some(family) {
+                return Ok(Output {
+                    success: false,
+                    stderr: b"Error: Operation not permitted".to_vec(),
+                    ..Output::default()
+                });
+            }
             return Ok(match &*self.listing.lock() {
                 Some(json) if family == "ip" => Output {
                     success: true,
@@ -84,21 +93,20 @@ impl netlink::ElementWriter for FakeElements {
     }
 }
 
-/// The rules a transaction writes into `chain` (nft's block syntax).
+/// The rules a transaction writes into `chain` of `table <family> calico` (nft's block
+/// syntax: one statement per line, blocks closed by a lone `}`).
 fn chain_rules<'a>(script: &'a str, family: &str, chain: &str) -> Vec<&'a str> {
     let table = format!("table {family} calico {{");
     let start = format!("chain {chain} {{");
     let mut out = Vec::new();
-    let mut in_table = false;
-    let mut in_chain = false;
+    // The blocks open at this line: table, then chain.
+    let mut open: Vec<&str> = Vec::new();
     for line in script.lines() {
-        if line == table {
-            in_table = true;
-        } else if in_table && line == start {
-            in_chain = true;
-        } else if in_chain && line == "}" {
-            in_chain = false;
-        } else if in_chain {
+        if line.ends_with('{') {
+            open.push(line);
+        } else if line == "}" {
+            open.pop();
+        } else if open.as_slice() == [table.as_str(), start.as_str()] {
             out.push(line);
         }
     }
@@ -480,4 +488,39 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
         w.nft.take(),
         ["add element ip calico cali40s-pods { 10.0.0.3 }\n"]
     );
+}
+
+#[test]
+fn a_failed_read_back_leaves_no_family_planned_ahead_of_the_kernel() {
+    let both = IpVersion::BOTH;
+    let nft = FakeNft::default();
+    let mut writer = NftTables::with_elements(&both, Box::new(FakeElements::default()));
+    let mut tables = Tables::new(&both, 10);
+    let mut sets = IpSets::new(both.to_vec());
+    for v in both {
+        tables.table(v, "filter").set_chain(Chain::new(
+            "cali-pi-web",
+            vec![Rule::always(Action::Accept)],
+        ));
+    }
+    // IPv6 cannot be read: nothing is written, and IPv4 is not left planned.
+    *nft.fail_list.lock() = Some("ip6");
+    assert!(matches!(
+        writer.apply(&mut nft.clone(), &mut tables, &mut sets),
+        Err(NftError::Failed { .. })
+    ));
+    assert!(nft.take().is_empty());
+    *nft.fail_list.lock() = None;
+    let st = writer
+        .apply(&mut nft.clone(), &mut tables, &mut sets)
+        .unwrap();
+    assert!(st.read_back);
+    let s = nft.take().join("");
+    for fam in ["ip", "ip6"] {
+        assert_eq!(
+            chain_rules(&s, fam, "filter-cali-pi-web").len(),
+            1,
+            "{fam}: {s}"
+        );
+    }
 }
