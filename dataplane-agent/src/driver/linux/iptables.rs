@@ -110,13 +110,20 @@ pub fn supports_masquerade_fully_random(
         Ok(out) if out.success => parse_version(&String::from_utf8_lossy(&out.stdout)),
         _ => None,
     };
-    let kernel = kernel_release.and_then(parse_version);
-    matches!((iptables, kernel), (Some(i), Some(k)) if i >= (1, 6, 2) && k >= (3, 14, 0))
+    iptables.is_some_and(|i| i >= (1, 6, 2)) && kernel_supports_fully_random(kernel_release)
+}
+
+/// Whether the kernel takes fully random source ports for masquerading (Linux 3.14 or later);
+/// all nftables needs besides its own support.
+pub fn kernel_supports_fully_random(kernel_release: Option<&str>) -> bool {
+    kernel_release
+        .and_then(parse_version)
+        .is_some_and(|k| k >= (3, 14, 0))
 }
 
 /// The first `major.minor[.patch]` in text such as `iptables-restore v1.8.9 (nf_tables)` or
 /// `6.1.0-13-amd64`.
-pub(crate) fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
     text.split(|c: char| !(c.is_ascii_digit() || c == '.'))
         .find_map(|word| {
             let mut parts = word.split('.').map(|p| p.parse::<u32>().ok());

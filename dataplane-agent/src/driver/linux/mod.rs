@@ -188,7 +188,7 @@ impl LinuxDriver {
             Backend::Auto => None,
             b => Some(b),
         };
-        let versions_for_nft = versions.clone();
+        let nft = opts.nftables.then(|| nft::NftTables::new(&versions));
         Self {
             runner,
             backend,
@@ -207,9 +207,7 @@ impl LinuxDriver {
                 versions,
             ),
             ifaces,
-            nft: opts
-                .nftables
-                .then(|| nft::NftTables::new(&versions_for_nft)),
+            nft,
             sweep_other: true,
             config: ConfigManager::new(opts),
             apply_failed: false,
@@ -259,12 +257,8 @@ impl LinuxDriver {
         }
         if self.random_fully_supported.is_none() && self.nft.is_some() {
             // nft's `masquerade fully-random` needs no iptables; the kernel is the limit.
-            let supported = self
-                .routes
-                .kernel_release()
-                .as_deref()
-                .and_then(iptables::parse_version)
-                .is_some_and(|k| k >= (3, 14, 0));
+            let supported =
+                iptables::kernel_supports_fully_random(self.routes.kernel_release().as_deref());
             info!(
                 masquerade_random_fully = supported,
                 "nftables dataplane; features detected"
@@ -412,6 +406,7 @@ impl LinuxDriver {
             )
             .map_err(DriverError::Nftables)?;
         if stats != Default::default() {
+            // The one log of what each apply wrote (and whether it read the kernel back).
             tracing::debug!(?stats, "nftables transaction applied");
         }
         self.refusals.kernel = BTreeMap::new();

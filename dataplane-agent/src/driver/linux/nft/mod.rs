@@ -272,7 +272,6 @@ impl NftTables {
             match self.elements.write(&ops) {
                 Ok(()) => {
                     stats.via_netlink = true;
-                    debug!(?stats, "nftables programmed");
                     return Ok(stats);
                 }
                 Err(error) => {
@@ -281,10 +280,7 @@ impl NftTables {
             }
         }
         match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
-            Ok(_) => {
-                debug!(?stats, bytes = script.len(), "nftables programmed");
-                Ok(stats)
-            }
+            Ok(_) => Ok(stats),
             Err(e) => {
                 // Nothing changed, but the views already hold the plan.
                 self.forget();
