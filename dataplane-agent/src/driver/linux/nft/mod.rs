@@ -11,16 +11,20 @@
 //! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
 //! repair what changed behind our back. Everything in the `calico` tables is ours.
 
+pub mod expr;
 pub mod netlink;
 pub mod render;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use tracing::{debug, warn};
 
 use super::ipsets::{IpSets, SetKind};
 use super::rules::static_chains::{FROM_WL_DISPATCH, TO_WL_DISPATCH};
+use netlink::Op;
+
 use super::rules::{Action, Frag, IpVersion, Rule};
 use super::runner::CommandRunner;
 use super::tables::{TableChanges, Tables};
@@ -45,9 +49,9 @@ pub enum NftError {
     },
 }
 
-/// A base chain's hook: (type, hook, priority), as Felix's nftables mode declares them.
-fn base_chain(table: &str, chain: &str) -> Option<(&'static str, &'static str, i32)> {
-    Some(match (table, chain) {
+/// A base chain's hook, as Felix's nftables mode declares them.
+fn base_chain(table: &str, chain: &str) -> Option<netlink::Hook> {
+    let (kind, hook, priority) = match (table, chain) {
         ("raw", "PREROUTING") => ("filter", "prerouting", -300),
         ("raw", "OUTPUT") => ("filter", "output", -300),
         ("mangle", "PREROUTING") => ("filter", "prerouting", -150),
@@ -63,6 +67,11 @@ fn base_chain(table: &str, chain: &str) -> Option<(&'static str, &'static str, i
         ("nat", "OUTPUT") => ("nat", "output", 110),
         ("nat", "POSTROUTING") => ("nat", "postrouting", 110),
         _ => return None,
+    };
+    Some(netlink::Hook {
+        kind,
+        hook,
+        priority,
     })
 }
 
@@ -71,14 +80,20 @@ fn base_chain(table: &str, chain: &str) -> Option<(&'static str, &'static str, i
 struct Rendered {
     /// What it was rendered from (the iptables hashes), to skip rendering it again.
     source: Vec<String>,
-    /// `type filter hook forward priority 0; policy accept;` for base chains.
-    hook: Option<String>,
+    /// The hook of a base chain.
+    hook: Option<netlink::Hook>,
     rules: Vec<String>,
     hashes: Vec<String>,
+    /// The rules as nfnetlink expressions and userdata; `None` when one of them has no
+    /// encoding (the chain is then written by `nft -f`).
+    encoded: Option<Vec<EncodedRule>>,
     /// The elements (`"iface" : goto chain`) of the verdict map a dispatch chain looks
     /// interfaces up in.
     map: Option<BTreeSet<String>>,
 }
+
+/// A rule as nfnetlink carries it: expressions and userdata (shared with the ops that write it).
+type EncodedRule = (Arc<[u8]>, Arc<[u8]>);
 
 /// A set or map in the kernel: its declaration (type and flags) and elements.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -113,24 +128,22 @@ pub struct NftStats {
     pub sets_created: usize,
     pub sets_deleted: usize,
     pub read_back: bool,
-    /// Written as one nfnetlink batch of element changes rather than by `nft -f`.
+    /// Written as one nfnetlink batch rather than by `nft -f`.
     pub via_netlink: bool,
 }
 
 /// The nftables writer (see the module documentation).
 pub struct NftTables {
     families: Vec<Family>,
-    elements: Box<dyn netlink::ElementWriter>,
+    batch: Box<dyn netlink::BatchWriter>,
 }
 
-/// The planned transaction of one family (its view already updated to what it leaves).
+/// The planned transaction of one family (its view already updated to what it leaves): as
+/// `nft -f` input, and as nfnetlink ops unless a rule has no encoding.
 struct Plan {
     script: String,
     stats: NftStats,
-    /// The element changes of sets and maps, for the netlink path.
-    ops: Vec<netlink::ElementOp>,
-    /// The plan holds more than those (chains, declarations, deletions): `nft -f` only.
-    structural: bool,
+    ops: Option<Vec<Op>>,
 }
 
 /// Element changes being planned: `add`/`delete element` statements for `nft -f`, the same
@@ -140,7 +153,8 @@ struct ElementEdits<'a> {
     v: IpVersion,
     removals: String,
     additions: String,
-    ops: Vec<netlink::ElementOp>,
+    removal_ops: Vec<Op>,
+    addition_ops: Vec<Op>,
     stats: &'a mut NftStats,
 }
 
@@ -160,40 +174,47 @@ impl ElementEdits<'_> {
         self.stats.elements_removed +=
             element_ops(&mut self.removals, "delete", self.fam, set, &gone);
         self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &new);
-        for (add, elems) in [(false, gone), (true, new)] {
-            if !elems.is_empty() {
-                self.ops.push(netlink::ElementOp {
-                    version: self.v,
-                    set: set.to_owned(),
-                    add,
-                    interval,
-                    elems,
-                });
-            }
-        }
+        self.push_op(set, false, interval, gone);
+        self.push_op(set, true, interval, new);
         *kernel = wanted;
     }
 
+    fn push_op(&mut self, set: &str, add: bool, interval: bool, elems: Vec<String>) {
+        if elems.is_empty() {
+            return;
+        }
+        let op = Op::Elements(netlink::ElementOp {
+            version: self.v,
+            set: set.to_owned(),
+            add,
+            interval,
+            elems,
+        });
+        if add {
+            self.addition_ops.push(op);
+        } else {
+            self.removal_ops.push(op);
+        }
+    }
+
     /// Every element of a set or map being (re)created, as `add element` statements.
-    fn add_all(&mut self, set: &str, elems: &HashSet<String>) {
+    fn add_all(&mut self, set: &str, interval: bool, elems: &HashSet<String>) {
         let mut all: Vec<String> = elems.iter().cloned().collect();
         all.sort();
         self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &all);
+        self.push_op(set, true, interval, all);
     }
 }
 
 impl NftTables {
     pub fn new(versions: &[IpVersion]) -> Self {
-        Self::with_elements(versions, Box::new(netlink::NetlinkElements::default()))
+        Self::with_batch(versions, Box::new(netlink::NetlinkBatch::default()))
     }
 
-    /// A writer whose element-only changes go to `elements` (tests pass a fake).
-    pub fn with_elements(
-        versions: &[IpVersion],
-        elements: Box<dyn netlink::ElementWriter>,
-    ) -> Self {
+    /// A writer whose nfnetlink batches go to `batch` (tests pass a fake).
+    pub fn with_batch(versions: &[IpVersion], batch: Box<dyn netlink::BatchWriter>) -> Self {
         Self {
-            elements,
+            batch,
             families: versions
                 .iter()
                 .map(|v| Family {
@@ -265,17 +286,21 @@ impl NftTables {
         if script.is_empty() {
             return Ok(stats);
         }
-        // Element changes of exact-key sets alone: one netlink batch, without nft's cost of
-        // loading the ruleset. Anything else, or a batch the kernel refuses, goes by `nft -f`.
-        if plans.iter().all(|p| !p.structural) {
-            let ops: Vec<netlink::ElementOp> = plans.into_iter().flat_map(|p| p.ops).collect();
-            match self.elements.write(&ops) {
+        // One nfnetlink batch, without nft's cost of parsing text and loading the ruleset.
+        // A rule without an encoding, or a batch the kernel refuses, goes by `nft -f` (whose
+        // error message is the one to report).
+        if plans.iter().all(|p| p.ops.is_some()) {
+            let ops: Vec<Op> = plans
+                .into_iter()
+                .flat_map(|p| p.ops.unwrap_or_default())
+                .collect();
+            match self.batch.write(&ops) {
                 Ok(()) => {
                     stats.via_netlink = true;
                     return Ok(stats);
                 }
                 Err(error) => {
-                    debug!(%error, "element batch refused over netlink; writing it with nft -f");
+                    debug!(%error, "batch refused over netlink; writing it with nft -f");
                 }
             }
         }
@@ -380,7 +405,7 @@ impl Family {
                 let kernel_chains: BTreeSet<&String> =
                     hooks.inserts.keys().chain(hooks.appends.keys()).collect();
                 for k in kernel_chains {
-                    let Some((ty, hook, prio)) = base_chain(table, k) else {
+                    let Some(hook) = base_chain(table, k) else {
                         warn!(table, chain = %k, "no nftables hook for this chain; its rules are not programmed");
                         continue;
                     };
@@ -394,9 +419,7 @@ impl Family {
                         .collect();
                     let nft = render::chain_name(table, k);
                     let mut r = render_chain(table, k, &nft, &rules, v, Vec::new());
-                    r.hook = Some(format!(
-                        "type {ty} hook {hook} priority {prio}; policy accept;"
-                    ));
+                    r.hook = Some(hook);
                     self.rendered.insert(nft.clone(), r);
                     touched.insert(nft);
                 }
@@ -410,23 +433,34 @@ impl Family {
                 .retain(|n, r| r.hook.is_some() || desired_names.contains(n));
         }
 
+        // The transaction in the order it must run, as text and as netlink ops: declarations,
+        // flushes, recreated sets, element removals and additions, rules, deletions.
         let mut decls = String::new();
+        let mut decl_ops: Vec<Op> = Vec::new();
         let mut flushes = String::new();
+        let mut flush_ops: Vec<Op> = Vec::new();
         let mut recreate = String::new();
+        let mut recreate_ops: Vec<Op> = Vec::new();
         let mut rules = String::new();
+        let mut rule_ops: Vec<Op> = Vec::new();
         let mut deletions = String::new();
+        let mut deletion_ops: Vec<Op> = Vec::new();
         let mut new_sets = String::new();
+        let mut new_set_ops: Vec<Op> = Vec::new();
+        let mut encodable = true;
         let mut edits = ElementEdits {
             fam,
             v,
             removals: String::new(),
             additions: String::new(),
-            ops: Vec::new(),
+            removal_ops: Vec::new(),
+            addition_ops: Vec::new(),
             stats: &mut stats,
         };
 
         if !view.exists {
             let _ = writeln!(decls, "add table {fam} {TABLE}");
+            decl_ops.push(Op::NewTable(v));
             view.exists = true;
         }
 
@@ -454,9 +488,15 @@ impl Family {
             stale_sets.remove(&name);
             let decl = set_decl(kind, v);
             let elems = set_elements(kind, members);
+            let interval = kind == SetKind::Net;
+            let set_type = match kind {
+                SetKind::Ip => netlink::SetType::Addr,
+                SetKind::Net => netlink::SetType::Net,
+                SetKind::IpPort => netlink::SetType::AddrProtoPort,
+            };
             match view.sets.get_mut(&name) {
                 Some(k) if k.decl == decl => {
-                    edits.diff(&name, kind == SetKind::Net, &mut k.elems, elems);
+                    edits.diff(&name, interval, &mut k.elems, elems);
                 }
                 Some(_) => {
                     // A new type: recreated once the chains using it are flushed.
@@ -467,21 +507,44 @@ impl Family {
                         "add set {fam} {TABLE} {name} {{ {} }}",
                         decl_text(kind, v)
                     );
+                    recreate_ops.push(Op::DelSet {
+                        version: v,
+                        name: name.clone(),
+                    });
+                    recreate_ops.push(Op::NewSet {
+                        version: v,
+                        name: name.clone(),
+                        kind: set_type,
+                    });
                     edits.stats.sets_created += 1;
-                    edits.add_all(&name, &elems);
+                    edits.add_all(&name, interval, &elems);
                     view.sets.insert(name, KernelSet { decl, elems });
                 }
                 None => {
                     // A new set with its elements, in nft's block syntax (it parses elements
                     // in a block about 40% faster than `add element` statements).
                     let _ = write!(new_sets, "set {name} {{ {}", decl_text(kind, v));
-                    if !elems.is_empty() {
-                        let mut all: Vec<&String> = elems.iter().collect();
-                        all.sort();
+                    let mut all: Vec<String> = elems.iter().cloned().collect();
+                    all.sort();
+                    if !all.is_empty() {
                         new_sets.push_str(" elements = ");
                         braced_list(&mut new_sets, &all);
                     }
                     new_sets.push_str(" }\n");
+                    new_set_ops.push(Op::NewSet {
+                        version: v,
+                        name: name.clone(),
+                        kind: set_type,
+                    });
+                    if !all.is_empty() {
+                        new_set_ops.push(Op::Elements(netlink::ElementOp {
+                            version: v,
+                            set: name.clone(),
+                            add: true,
+                            interval,
+                            elems: all,
+                        }));
+                    }
                     edits.stats.sets_created += 1;
                     edits.stats.elements_added += elems.len();
                     view.sets.insert(name, KernelSet { decl, elems });
@@ -500,17 +563,27 @@ impl Family {
             match view.sets.get_mut(chain) {
                 Some(k) if k.decl == decl => edits.diff(chain, false, &mut k.elems, elems),
                 existing => {
-                    let target = if existing.is_some() {
+                    let new_map = Op::NewSet {
+                        version: v,
+                        name: chain.clone(),
+                        kind: netlink::SetType::IfnameVerdict,
+                    };
+                    let (target, target_ops) = if existing.is_some() {
                         let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
-                        &mut recreate
+                        recreate_ops.push(Op::DelSet {
+                            version: v,
+                            name: chain.clone(),
+                        });
+                        (&mut recreate, &mut recreate_ops)
                     } else {
-                        &mut decls
+                        (&mut decls, &mut decl_ops)
                     };
                     let _ = writeln!(
                         target,
                         "add map {fam} {TABLE} {chain} {{ type ifname : verdict; }}"
                     );
-                    edits.add_all(chain, &elems);
+                    target_ops.push(new_map);
+                    edits.add_all(chain, false, &elems);
                     view.sets.insert(chain.clone(), KernelSet { decl, elems });
                     edits.stats.sets_created += 1;
                 }
@@ -548,7 +621,8 @@ impl Family {
         let ElementEdits {
             removals,
             additions,
-            ops,
+            removal_ops,
+            addition_ops,
             ..
         } = edits;
 
@@ -571,13 +645,31 @@ impl Family {
         }
         for name in writes {
             let r = &self.rendered[name];
-            if let Some(hook) = &r.hook {
-                let _ = writeln!(decls, "add chain {fam} {TABLE} {name} {{ {hook} }}");
+            if let Some(h) = &r.hook {
+                let _ = writeln!(
+                    decls,
+                    "add chain {fam} {TABLE} {name} {{ type {} hook {} priority {}; policy accept; }}",
+                    h.kind, h.hook, h.priority
+                );
+                decl_ops.push(Op::NewChain {
+                    version: v,
+                    name: name.clone(),
+                    hook: Some(*h),
+                });
             } else if !view.chains.contains_key(name) {
                 let _ = writeln!(decls, "add chain {fam} {TABLE} {name}");
+                decl_ops.push(Op::NewChain {
+                    version: v,
+                    name: name.clone(),
+                    hook: None,
+                });
             }
             if view.chains.contains_key(name) {
                 let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
+                flush_ops.push(Op::FlushChain {
+                    version: v,
+                    name: name.clone(),
+                });
             }
             // The rules in nft's block syntax (additive, like `add rule`): it parses about a
             // quarter faster than one `add rule <family> <table> <chain>` statement per rule.
@@ -591,6 +683,17 @@ impl Family {
                 }
                 rules.push_str("}\n");
             }
+            match &r.encoded {
+                Some(encoded) => {
+                    rule_ops.extend(encoded.iter().map(|(exprs, userdata)| Op::Rule {
+                        version: v,
+                        chain: name.clone(),
+                        exprs: exprs.clone(),
+                        userdata: userdata.clone(),
+                    }))
+                }
+                None => encodable = false,
+            }
             view.chains.insert(name.clone(), r.hashes.clone());
             stats.chains_written += 1;
         }
@@ -603,37 +706,52 @@ impl Family {
             .collect();
         for name in &stale_chains {
             let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
+            flush_ops.push(Op::FlushChain {
+                version: v,
+                name: (*name).clone(),
+            });
         }
         for name in &stale_sets {
             let k = view.sets.remove(name).expect("listed from the view");
             let what = if k.decl.contains(" : ") { "map" } else { "set" };
             let _ = writeln!(deletions, "delete {what} {fam} {TABLE} {name}");
+            deletion_ops.push(Op::DelSet {
+                version: v,
+                name: name.clone(),
+            });
             stats.sets_deleted += 1;
         }
         for name in &stale_chains {
             let _ = writeln!(deletions, "delete chain {fam} {TABLE} {name}");
+            deletion_ops.push(Op::DelChain {
+                version: v,
+                name: (*name).clone(),
+            });
             view.chains.remove(*name);
             stats.chains_deleted += 1;
         }
 
         if !new_sets.is_empty() {
             let _ = write!(decls, "table {fam} {TABLE} {{\n{new_sets}}}\n");
+            decl_ops.extend(new_set_ops);
         }
-        let structural = !(decls.is_empty()
-            && flushes.is_empty()
-            && recreate.is_empty()
-            && rules.is_empty()
-            && deletions.is_empty());
         if !rules.is_empty() {
             rules.push_str("}\n");
         }
         let script = decls + &flushes + &recreate + &removals + &additions + &rules + &deletions;
-        Plan {
-            script,
-            stats,
-            ops,
-            structural,
-        }
+        let ops = encodable.then(|| {
+            [
+                decl_ops,
+                flush_ops,
+                recreate_ops,
+                removal_ops,
+                addition_ops,
+                rule_ops,
+                deletion_ops,
+            ]
+            .concat()
+        });
+        Plan { script, stats, ops }
     }
 }
 
@@ -642,7 +760,8 @@ fn references_set(rule: &str, name: &str) -> bool {
     rule.split(' ').any(|w| w.strip_prefix('@') == Some(name))
 }
 
-/// Renders one chain; the workload dispatch chains become a verdict-map lookup.
+/// Renders one chain, as text and as nfnetlink expressions; the workload dispatch chains
+/// become a verdict-map lookup.
 fn render_chain(
     table: &str,
     iptables_name: &str,
@@ -652,6 +771,7 @@ fn render_chain(
     source: Vec<String>,
 ) -> Rendered {
     let mut bodies: Vec<String> = Vec::with_capacity(rules.len());
+    let mut exprs: Vec<Result<Vec<u8>, expr::Unsupported>> = Vec::with_capacity(rules.len());
     let mut comments: Vec<&[String]> = Vec::with_capacity(rules.len());
     let mut map = None;
     let dispatch =
@@ -669,27 +789,41 @@ fn render_chain(
         }
         let kw = if input { "iifname" } else { "oifname" };
         bodies.push(format!("{kw} vmap @{nft}"));
+        exprs.push(Ok(expr::vmap(input, nft)));
         comments.push(&[]);
         map = Some(elems);
     }
     for r in rest {
-        for b in render::rule_bodies(r, table, v) {
-            bodies.push(b);
+        for frags in render::variants(r) {
+            bodies.push(render::body(&frags, &r.action, table, v));
+            exprs.push(expr::rule(&frags, &r.action, table, v));
             comments.push(&r.comments);
         }
     }
     let hashes = render::hashes(nft, bodies.iter().map(String::as_str));
+    let texts: Vec<String> = hashes
+        .iter()
+        .zip(&comments)
+        .map(|(h, c)| render::comment_text(h, c))
+        .collect();
     let rules = bodies
         .iter()
-        .zip(&hashes)
-        .zip(comments)
-        .map(|((b, h), c)| format!("{b} comment {}", render::comment(h, c)))
+        .zip(&texts)
+        .map(|(b, c)| format!("{b} comment \"{c}\""))
         .collect();
+    let encoded = exprs
+        .into_iter()
+        .zip(&texts)
+        .map(|(e, c)| e.map(|e| (Arc::<[u8]>::from(e), Arc::<[u8]>::from(expr::userdata(c)))))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| debug!(chain = nft, %error, "chain written by nft -f"))
+        .ok();
     Rendered {
         source,
         hook: None,
         rules,
         hashes,
+        encoded,
         map,
     }
 }
@@ -1009,5 +1143,7 @@ pub fn remove_tables(runner: &mut dyn CommandRunner) -> Result<usize, NftError> 
     Ok(n)
 }
 
+#[cfg(test)]
+mod kernel_tests;
 #[cfg(test)]
 mod tests;

@@ -53,17 +53,42 @@ pub fn ident(s: &str) -> String {
 
 /// `s` as an nft double-quoted string: quotes, backslashes and control characters become `_`.
 pub fn string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        if c == '"' || c == '\\' || c.is_control() {
-            out.push('_');
-        } else {
-            out.push(c);
-        }
-    }
-    out.push('"');
-    out
+    format!("\"{}\"", string_content(s))
+}
+
+/// What [`string`] puts between the quotes (also what netlink carries for the same value, so
+/// both paths write the same bytes).
+pub fn string_content(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c == '"' || c == '\\' || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// A conntrack word of iptables' `--ctstate` as nftables holds it: a `ct state` bit, or a
+/// `ct status` bit for iptables' virtual states SNAT and DNAT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CtWord {
+    State(u32),
+    Status(u32),
+}
+
+pub fn ct_word(word: &str) -> Option<CtWord> {
+    Some(match word.trim().to_ascii_lowercase().as_str() {
+        "invalid" => CtWord::State(1),
+        "established" => CtWord::State(2),
+        "related" => CtWord::State(4),
+        "new" => CtWord::State(8),
+        "untracked" => CtWord::State(64),
+        "snat" => CtWord::Status(0x10),
+        "dnat" => CtWord::Status(0x20),
+        _ => return None,
+    })
 }
 
 /// An interface name, iptables' `+` wildcard as nft's `*`.
@@ -121,7 +146,7 @@ fn not(negated: bool) -> &'static str {
 
 /// The transport keyword ports are matched with: the protocol's own (as Felix writes them)
 /// when the rule names tcp, udp or sctp, else the generic transport header.
-fn port_keyword(frags: &[Frag]) -> &'static str {
+pub fn port_keyword(frags: &[Frag]) -> &'static str {
     for f in frags {
         if let Frag::Protocol {
             proto,
@@ -154,17 +179,21 @@ fn frag(out: &mut String, f: &Frag, v: IpVersion, ports_kw: &str) {
         Frag::Mark(MarkTest::NotClear, b) => write!(out, "meta mark & {b:#010x} != 0x00000000"),
         Frag::RpfFailed => write!(out, "fib saddr . mark . iif oif 0"),
         Frag::CtState { state, negated } => {
-            // iptables' virtual states SNAT and DNAT are conntrack status bits in nft.
+            // iptables' virtual states SNAT and DNAT are conntrack status bits in nft. Both
+            // keys are flag words: a negated list is "none of these bits" (`!=` would compare
+            // the whole word, which is true for nearly every packet).
             let (status, states): (Vec<String>, Vec<String>) = state
                 .split(',')
                 .map(|s| ident(&s.trim().to_ascii_lowercase()))
                 .partition(|s| s == "snat" || s == "dnat");
             let mut parts = Vec::new();
-            if !states.is_empty() {
-                parts.push(format!("ct state {}{}", not(*negated), states.join(",")));
-            }
-            if !status.is_empty() {
-                parts.push(format!("ct status {}{}", not(*negated), status.join(",")));
+            for (key, words) in [("state", states), ("status", status)] {
+                match words.as_slice() {
+                    [] => {}
+                    [one] if *negated => parts.push(format!("ct {key} & {one} == 0")),
+                    many if *negated => parts.push(format!("ct {key} & ({}) == 0", many.join("|"))),
+                    many => parts.push(format!("ct {key} {}", many.join(","))),
+                }
             }
             write!(out, "{}", parts.join(" "))
         }
@@ -227,8 +256,9 @@ fn frag(out: &mut String, f: &Frag, v: IpVersion, ports_kw: &str) {
                 IpVersion::V6 => "icmpv6",
             };
             match code {
-                // Not (type and code): one concatenated comparison keeps iptables' meaning.
-                Some(c) if *negated => write!(out, "{kw} type . {kw} code != {ty} . {c}"),
+                // Not (type and code): a concatenation is only compared with a set in nft; the
+                // one-element set keeps iptables' meaning (a rare rule, so its cost is fine).
+                Some(c) if *negated => write!(out, "{kw} type . {kw} code != {{ {ty} . {c} }}"),
                 Some(c) => write!(out, "{kw} type {ty} {kw} code {c}"),
                 None => write!(out, "{kw} type {}{ty}", not(*negated)),
             }
@@ -269,8 +299,8 @@ fn action(out: &mut String, a: &Action, table: &str) {
 }
 
 /// A rule's statement without its comment (what its hash covers), from fragments whose
-/// positive port lists have one item each (see [`rule_bodies`]).
-fn body_of(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
+/// positive port lists have one item each (see [`variants`]).
+pub fn body(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
     let mut out = String::with_capacity(96);
     let kw = port_keyword(frags);
     for f in frags {
@@ -286,6 +316,14 @@ fn body_of(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
 /// match the same packets; a packet matching two overlapping items runs the action twice,
 /// which changes nothing for marks and verdicts.
 pub fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
+    variants(rule)
+        .iter()
+        .map(|frags| body(frags, &rule.action, table, v))
+        .collect()
+}
+
+/// The fragments of each nft rule one rule becomes (see [`rule_bodies`]).
+pub fn variants(rule: &Rule) -> Vec<Vec<Frag>> {
     let frags = rule.matches.frags();
     let mut variants: Vec<Vec<Frag>> = vec![Vec::with_capacity(frags.len())];
     for f in frags {
@@ -319,14 +357,16 @@ pub fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
         }
     }
     variants
-        .iter()
-        .map(|frags| body_of(frags, &rule.action, table, v))
-        .collect()
 }
 
 /// The rule's comment: `cali:<hash>;` and the rule's own comments, cut to
 /// [`MAX_COMMENT_LEN`] bytes, as a quoted string.
 pub fn comment(hash: &str, comments: &[String]) -> String {
+    format!("\"{}\"", comment_text(hash, comments))
+}
+
+/// The text of [`comment`] (between its quotes; what netlink writes as the rule's userdata).
+pub fn comment_text(hash: &str, comments: &[String]) -> String {
     let mut c = format!("cali:{hash};");
     for extra in comments {
         c.push(' ');
@@ -339,7 +379,7 @@ pub fn comment(hash: &str, comments: &[String]) -> String {
         }
         c.truncate(cut);
     }
-    string(&c)
+    string_content(&c)
 }
 
 /// The hash a rule's comment carries: the comment text before the first `;`, less `cali:`.
@@ -431,7 +471,7 @@ mod tests {
         );
         assert_eq!(
             body(r, IpVersion::V4),
-            "iifname \"cali*\" icmp type . icmp code != 8 . 0 \
+            "iifname \"cali*\" icmp type . icmp code != { 8 . 0 } \
              counter meta mark set meta mark & 0xffff00ff | 0x00000100"
         );
         let ct = Rule::new(
@@ -445,7 +485,7 @@ mod tests {
         let dnat = Rule::new(Match::new().not_conntrack_state("DNAT"), Action::Return);
         assert_eq!(
             body(dnat, IpVersion::V4),
-            "ct status != dnat counter return"
+            "ct status & dnat == 0 counter return"
         );
     }
 

@@ -76,20 +76,32 @@ impl FakeNft {
     }
 }
 
-/// Records element batches; refuses them while `fail` is set.
+/// Records the nfnetlink batches it accepts; refuses them while `fail` is set, and those
+/// holding more than element changes while `elements_only` is set (so that the tests of
+/// planning read the same transaction as `nft -f` text).
 #[derive(Clone, Default)]
-struct FakeElements {
-    batches: Arc<Mutex<Vec<Vec<netlink::ElementOp>>>>,
+struct FakeBatch {
+    batches: Arc<Mutex<Vec<Vec<Op>>>>,
     fail: Arc<Mutex<bool>>,
+    elements_only: Arc<Mutex<bool>>,
 }
 
-impl netlink::ElementWriter for FakeElements {
-    fn write(&mut self, ops: &[netlink::ElementOp]) -> std::io::Result<()> {
-        self.batches.lock().push(ops.to_vec());
-        if *self.fail.lock() {
+impl netlink::BatchWriter for FakeBatch {
+    fn write(&mut self, ops: &[Op]) -> std::io::Result<()> {
+        let structural = ops.iter().any(|o| !matches!(o, Op::Elements(_)));
+        if *self.fail.lock() || (structural && *self.elements_only.lock()) {
             return Err(std::io::Error::from_raw_os_error(22));
         }
+        self.batches.lock().push(ops.to_vec());
         Ok(())
+    }
+}
+
+impl FakeBatch {
+    fn text_for_structure() -> Self {
+        let b = Self::default();
+        *b.elements_only.lock() = true;
+        b
     }
 }
 
@@ -115,7 +127,7 @@ fn chain_rules<'a>(script: &'a str, family: &str, chain: &str) -> Vec<&'a str> {
 
 struct World {
     nft: FakeNft,
-    elements: FakeElements,
+    elements: FakeBatch,
     writer: NftTables,
     tables: Tables,
     sets: IpSets,
@@ -144,10 +156,10 @@ impl World {
                 ),
             ],
         ));
-        let elements = FakeElements::default();
+        let elements = FakeBatch::text_for_structure();
         let mut w = World {
             nft: FakeNft::default(),
-            writer: NftTables::with_elements(&v, Box::new(elements.clone())),
+            writer: NftTables::with_batch(&v, Box::new(elements.clone())),
             elements,
             tables,
             sets: IpSets::new(v.to_vec()),
@@ -202,7 +214,15 @@ impl World {
     /// The last element batch: (add, set, elements) per op; every op of an interval set.
     fn last_batch(&self) -> Vec<(bool, String, Vec<String>)> {
         let batches = self.elements.batches.lock();
-        let last = batches.last().expect("a batch");
+        let last: Vec<&netlink::ElementOp> = batches
+            .last()
+            .expect("a batch")
+            .iter()
+            .map(|o| match o {
+                Op::Elements(e) => e,
+                other => panic!("not an element change: {other:?}"),
+            })
+            .collect();
         assert!(
             last.iter()
                 .all(|o| o.interval == o.set.starts_with("cali40s-db"))
@@ -469,7 +489,10 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
     assert_eq!(batches.len(), 1);
     let ops: Vec<(bool, &str, &[String])> = batches[0]
         .iter()
-        .map(|o| (o.add, o.set.as_str(), o.elems.as_slice()))
+        .map(|o| match o {
+            Op::Elements(o) => (o.add, o.set.as_str(), o.elems.as_slice()),
+            other => panic!("not an element change: {other:?}"),
+        })
         .collect();
     assert_eq!(
         ops,
@@ -494,7 +517,7 @@ fn exact_key_element_changes_go_over_netlink_and_fall_back_to_nft() {
 fn a_failed_read_back_leaves_no_family_planned_ahead_of_the_kernel() {
     let both = IpVersion::BOTH;
     let nft = FakeNft::default();
-    let mut writer = NftTables::with_elements(&both, Box::new(FakeElements::default()));
+    let mut writer = NftTables::with_batch(&both, Box::new(FakeBatch::text_for_structure()));
     let mut tables = Tables::new(&both, 10);
     let mut sets = IpSets::new(both.to_vec());
     for v in both {

@@ -1,0 +1,313 @@
+//! The nfnetlink encoding against the kernel and `nft` itself: a ruleset holding every match
+//! and action we render, written once over netlink and once by `nft -f`, must list the same
+//! (`nft` decompiles expressions into text, so a different expression shows as different text).
+//! Runs in a network namespace of its own; needs root and nft (`make test` runs it).
+
+use std::process::Command;
+
+use super::*;
+use crate::driver::linux::ipsets::{IpSets, SetKind};
+use crate::driver::linux::rules::static_chains::Hooks;
+use crate::driver::linux::rules::{Action, Chain, Match, Rule};
+use crate::driver::linux::runner::SystemRunner;
+
+/// Refuses every batch, so the writer uses `nft -f`.
+struct TextOnly;
+
+impl netlink::BatchWriter for TextOnly {
+    fn write(&mut self, _: &[Op]) -> std::io::Result<()> {
+        Err(std::io::Error::other("text only"))
+    }
+}
+
+/// A namespace entered by the calling thread (and so by the commands it starts); deleted on drop.
+struct Namespace(String);
+
+impl Namespace {
+    fn enter(name: &str) -> Namespace {
+        let _ = Command::new("ip").args(["netns", "del", name]).status();
+        let ok = Command::new("ip")
+            .args(["netns", "add", name])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "ip netns add {name} (needs root)");
+        let file = std::fs::File::open(format!("/run/netns/{name}")).expect("netns file");
+        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        Namespace(name.to_owned())
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn nft(args: &[&str]) -> String {
+    let out = Command::new("nft").args(args).output().expect("run nft");
+    assert!(
+        out.status.success(),
+        "nft {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+fn listing() -> String {
+    nft(&["list", "table", "ip", "calico"]) + &nft(&["list", "table", "ip6", "calico"])
+}
+
+fn set(v: IpVersion, kind: &str) -> String {
+    let n = match v {
+        IpVersion::V4 => "4",
+        IpVersion::V6 => "6",
+    };
+    format!("cali{n}0{kind}:corpus")
+}
+
+/// (an address, a network, another network) of family `v`.
+fn addrs(v: IpVersion) -> (&'static str, &'static str, &'static str) {
+    match v {
+        IpVersion::V4 => ("10.0.0.1", "10.1.0.0/16", "192.168.3.0/20"),
+        IpVersion::V6 => ("fd00::1", "fd00:1::/64", "fd00:2::/61"),
+    }
+}
+
+/// A policy chain with every fragment and action kind the renderers know.
+fn corpus(v: IpVersion, variant: u16) -> Chain {
+    let set = |k: &str| set(v, k);
+    let (addr, net, other_net) = addrs(v);
+    let icmp = match v {
+        IpVersion::V4 => "icmp",
+        IpVersion::V6 => "ipv6-icmp",
+    };
+    let port = (1000 + variant).to_string();
+    let rules = vec![
+        Rule::new(
+            Match::new()
+                .protocol("tcp")
+                .src_set(&set("s"))
+                .dst_ports(&format!("{port},8000:8100")),
+            Action::SetMark(0x10000),
+        )
+        .comment("allow \"web\"; with a quote"),
+        Rule::new(
+            Match::new()
+                .protocol("udp")
+                .not_src_ports("53,1000:2000")
+                .not_dst_set(&set("n")),
+            Action::Drop,
+        ),
+        Rule::new(
+            Match::new()
+                .mark_clear(0x30000)
+                .dst_ip_port_set(&set("p"))
+                .not_src_ip_port_set(&set("p")),
+            Action::Goto("cali-target".into()),
+        ),
+        Rule::new(
+            Match::new()
+                .in_iface("cali+")
+                .out_iface("eth0")
+                .protocol(icmp)
+                .icmp_type(v, 8, Some(0)),
+            Action::SetMaskedMark {
+                mark: 0x100,
+                mask: 0xff00,
+            },
+        ),
+        Rule::new(
+            Match::new().protocol(icmp).not_icmp_type(v, 3, None),
+            Action::ClearMark(0x10000),
+        ),
+        Rule::new(
+            Match::new().protocol(icmp).icmp_type(v, 11, None),
+            Action::Return,
+        ),
+        Rule::new(
+            Match::new().conntrack_state("RELATED,ESTABLISHED"),
+            Action::Accept,
+        ),
+        Rule::new(
+            Match::new().not_conntrack_state("INVALID,NEW"),
+            Action::Jump("cali-target".into()),
+        ),
+        Rule::new(Match::new().not_conntrack_state("DNAT"), Action::Accept),
+        Rule::new(Match::new().conntrack_state("SNAT"), Action::Accept),
+        Rule::new(Match::new().conntrack_state("INVALID"), Action::Drop),
+        Rule::new(
+            Match::new()
+                .src_net(net)
+                .not_dst_net(other_net)
+                .dst_net(addr),
+            Action::Log {
+                prefix: "calico-packet".into(),
+            },
+        ),
+        Rule::new(
+            Match::new().mark_set(0x10000).mark_not_clear(0x20000),
+            Action::Accept,
+        ),
+        Rule::new(
+            Match::new().not_protocol("tcp").dst_ports("53"),
+            Action::Drop,
+        ),
+        Rule::new(Match::new().rpf_check_failed(), Action::Drop),
+    ];
+    Chain::new("cali-pi-corpus", rules)
+}
+
+/// The corpus in both families, hooked in, with sets of every kind and a dispatch map.
+fn state() -> (Tables, IpSets) {
+    let both = IpVersion::BOTH;
+    let mut tables = Tables::new(&both, 10);
+    let mut sets = IpSets::new(both.to_vec());
+    // One id makes a set in each family; members go to the family of their address.
+    let members = |pick: &dyn Fn(IpVersion) -> String| -> Vec<String> {
+        both.iter().map(|v| pick(*v)).collect()
+    };
+    sets.replace(
+        "s:corpus",
+        SetKind::Ip,
+        &members(&|v| addrs(v).0.to_owned()),
+    );
+    sets.replace(
+        "n:corpus",
+        SetKind::Net,
+        &members(&|v| addrs(v).1.to_owned()),
+    );
+    sets.replace(
+        "p:corpus",
+        SetKind::IpPort,
+        &members(&|v| format!("{},tcp:8080", addrs(v).0)),
+    );
+    for v in both {
+        let set = |k: &str| set(v, k);
+        let t = tables.table(v, "filter");
+        t.set_chain(corpus(v, 0));
+        t.set_chain(Chain::new(
+            "cali-target",
+            vec![Rule::always(Action::Accept)],
+        ));
+        t.set_chain(Chain::new(
+            FROM_WL_DISPATCH,
+            vec![
+                Rule::new(
+                    Match::new().in_iface("calia"),
+                    Action::Goto("cali-target".into()),
+                ),
+                Rule::always(Action::Drop),
+            ],
+        ));
+        let mut hooks = Hooks::default();
+        hooks.inserts.insert(
+            "FORWARD".into(),
+            vec![
+                Rule::new(
+                    Match::new().in_iface("cali+"),
+                    Action::Jump(FROM_WL_DISPATCH.into()),
+                ),
+                Rule::always(Action::Jump("cali-pi-corpus".into())),
+            ],
+        );
+        t.set_hooks(hooks);
+        let mut raw = Hooks::default();
+        raw.inserts.insert(
+            "PREROUTING".into(),
+            vec![Rule::new(Match::new().in_iface("cali+"), Action::NoTrack)],
+        );
+        tables.table(v, "raw").set_hooks(raw);
+        let mut nat = Hooks::default();
+        nat.appends.insert(
+            "POSTROUTING".into(),
+            vec![
+                Rule::new(
+                    Match::new().src_set(&set("n")),
+                    Action::Masquerade { fully_random: true },
+                ),
+                Rule::always(Action::Masquerade {
+                    fully_random: false,
+                }),
+            ],
+        );
+        tables.table(v, "nat").set_hooks(nat);
+    }
+    (tables, sets)
+}
+
+fn write(
+    writer: &mut NftTables,
+    (tables, sets): &mut (Tables, IpSets),
+) -> Result<NftStats, NftError> {
+    writer.apply(&mut SystemRunner, tables, sets)
+}
+
+fn delete_tables() {
+    nft(&["delete", "table", "ip", "calico"]);
+    nft(&["delete", "table", "ip6", "calico"]);
+}
+
+#[test]
+#[ignore = "needs root and nft: make test runs it"]
+fn netlink_batches_write_what_nft_f_writes() {
+    let _ns = Namespace::enter("nft-encoding-test");
+
+    // The whole ruleset by nft -f, then over netlink: the same listing.
+    let mut by_text = NftTables::with_batch(&IpVersion::BOTH, Box::new(TextOnly));
+    let st = write(&mut by_text, &mut state()).expect("nft -f apply");
+    assert!(!st.via_netlink);
+    let by_nft = listing();
+    assert!(by_nft.contains("ct status ! dnat"), "{by_nft}");
+    delete_tables();
+    let mut writer = NftTables::new(&IpVersion::BOTH);
+    let mut world = state();
+    let st = write(&mut writer, &mut world).expect("netlink apply");
+    assert!(st.via_netlink, "{st:?}");
+    assert!(st.sets_created >= 8 && st.chains_written >= 10, "{st:?}");
+    assert_eq!(listing(), by_nft);
+
+    // A policy change over netlink: the chain replaced in place, as nft -f writes it.
+    for v in IpVersion::BOTH {
+        world.0.table(v, "filter").set_chain(corpus(v, 1));
+    }
+    let st = write(&mut writer, &mut world).expect("netlink change");
+    assert!(st.via_netlink && st.chains_written == 2, "{st:?}");
+    let after = listing();
+    assert!(after.contains("tcp dport 1001"), "{after}");
+    delete_tables();
+    let (mut tables, mut sets) = state();
+    for v in IpVersion::BOTH {
+        tables.table(v, "filter").set_chain(corpus(v, 1));
+    }
+    let mut fresh = NftTables::with_batch(&IpVersion::BOTH, Box::new(TextOnly));
+    fresh
+        .apply(&mut SystemRunner, &mut tables, &mut sets)
+        .expect("nft -f apply");
+    assert_eq!(listing(), after);
+
+    // What the writer reads back is what it wrote: nothing to repair.
+    writer.invalidate();
+    let st = write(&mut writer, &mut world).expect("read back");
+    assert!(
+        st.read_back && st.chains_written == 0 && st.elements_added == 0,
+        "{st:?}"
+    );
+
+    // A rule without an encoding (not icmp type 3 code 1) sends the transaction to nft -f.
+    world.0.table(IpVersion::V4, "filter").set_chain(Chain::new(
+        "cali-target",
+        vec![Rule::new(
+            Match::new()
+                .protocol("icmp")
+                .not_icmp_type(IpVersion::V4, 3, Some(1)),
+            Action::Accept,
+        )],
+    ));
+    let st = write(&mut writer, &mut world).expect("nft -f fallback");
+    assert!(!st.via_netlink && st.chains_written == 1, "{st:?}");
+    let text = listing();
+    assert!(
+        text.contains("icmp type . icmp code != { destination-unreachable . host-unreachable }"),
+        "{text}"
+    );
+}
