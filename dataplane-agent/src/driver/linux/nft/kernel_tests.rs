@@ -199,18 +199,7 @@ fn state() -> (Tables, IpSets) {
                 Rule::always(Action::Drop),
             ],
         ));
-        let mut hooks = Hooks::default();
-        hooks.inserts.insert(
-            "FORWARD".into(),
-            vec![
-                Rule::new(
-                    Match::new().in_iface("cali+"),
-                    Action::Jump(FROM_WL_DISPATCH.into()),
-                ),
-                Rule::always(Action::Jump("cali-pi-corpus".into())),
-            ],
-        );
-        t.set_hooks(hooks);
+        t.set_hooks(forward_hooks(false));
         let mut raw = Hooks::default();
         raw.inserts.insert(
             "PREROUTING".into(),
@@ -242,6 +231,36 @@ fn write(
     writer.apply(&mut SystemRunner, tables, sets)
 }
 
+/// The filter table's hooks: FORWARD jumps to the dispatch and corpus chains (and, changed,
+/// accepts traffic to workloads first).
+fn forward_hooks(changed: bool) -> Hooks {
+    let mut rules = vec![
+        Rule::new(
+            Match::new().in_iface("cali+"),
+            Action::Jump(FROM_WL_DISPATCH.into()),
+        ),
+        Rule::always(Action::Jump("cali-pi-corpus".into())),
+    ];
+    if changed {
+        rules.insert(
+            0,
+            Rule::new(Match::new().out_iface("cali+"), Action::Accept),
+        );
+    }
+    let mut hooks = Hooks::default();
+    hooks.inserts.insert("FORWARD".into(), rules);
+    hooks
+}
+
+/// A policy change and a base chain change.
+fn change(tables: &mut Tables) {
+    for v in IpVersion::BOTH {
+        let t = tables.table(v, "filter");
+        t.set_chain(corpus(v, 1));
+        t.set_hooks(forward_hooks(true));
+    }
+}
+
 fn delete_tables() {
     nft(&["delete", "table", "ip", "calico"]);
     nft(&["delete", "table", "ip6", "calico"]);
@@ -266,19 +285,20 @@ fn netlink_batches_write_what_nft_f_writes() {
     assert!(st.sets_created >= 8 && st.chains_written >= 10, "{st:?}");
     assert_eq!(listing(), by_nft);
 
-    // A policy change over netlink: the chain replaced in place, as nft -f writes it.
-    for v in IpVersion::BOTH {
-        world.0.table(v, "filter").set_chain(corpus(v, 1));
-    }
+    // A policy change and a base chain change over netlink: the chains replaced in place, as
+    // nft -f writes them.
+    change(&mut world.0);
     let st = write(&mut writer, &mut world).expect("netlink change");
-    assert!(st.via_netlink && st.chains_written == 2, "{st:?}");
+    assert!(st.via_netlink && st.chains_written == 4, "{st:?}");
     let after = listing();
     assert!(after.contains("tcp dport 1001"), "{after}");
+    assert!(
+        after.contains("oifname \"cali*\" counter packets 0 bytes 0 accept"),
+        "{after}"
+    );
     delete_tables();
     let (mut tables, mut sets) = state();
-    for v in IpVersion::BOTH {
-        tables.table(v, "filter").set_chain(corpus(v, 1));
-    }
+    change(&mut tables);
     let mut fresh = NftTables::with_batch(&IpVersion::BOTH, Box::new(TextOnly));
     fresh
         .apply(&mut SystemRunner, &mut tables, &mut sets)

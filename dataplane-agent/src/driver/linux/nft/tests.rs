@@ -547,3 +547,112 @@ fn a_failed_read_back_leaves_no_family_planned_ahead_of_the_kernel() {
         );
     }
 }
+
+/// An op's kind and the object it names, for comparing batches.
+fn op_summary(op: &Op) -> String {
+    match op {
+        Op::NewTable(_) => "new table".into(),
+        Op::NewChain { name, hook, .. } => match hook {
+            Some(h) => format!("new base chain {name} ({} {})", h.hook, h.priority),
+            None => format!("new chain {name}"),
+        },
+        Op::FlushChain { name, .. } => format!("flush {name}"),
+        Op::DelChain { name, .. } => format!("delete chain {name}"),
+        Op::Rule { chain, .. } => format!("rule in {chain}"),
+        Op::NewSet { name, kind, .. } => format!("new set {name} {kind:?}"),
+        Op::DelSet { name, .. } => format!("delete set {name}"),
+        Op::Elements(e) => format!(
+            "{} {} elements of {}",
+            if e.add { "add" } else { "delete" },
+            e.elems.len(),
+            e.set
+        ),
+    }
+}
+
+#[test]
+fn every_change_goes_as_one_netlink_batch_in_dependency_order() {
+    let mut w = World::new();
+    *w.elements.elements_only.lock() = false;
+    let st = w.apply().unwrap();
+    assert!(st.via_netlink && st.read_back, "{st:?}");
+    assert!(w.nft.take().is_empty(), "no nft -f");
+    let first: Vec<String> = w.elements.batches.lock()[0]
+        .iter()
+        .map(op_summary)
+        .collect();
+    let at = |what: &str| {
+        first
+            .iter()
+            .position(|o| o == what)
+            .unwrap_or_else(|| panic!("{what} in {first:#?}"))
+    };
+    assert_eq!(first[0], "new table");
+    // Declarations (chains, the map, the sets with their elements), then the rules.
+    assert!(at("new base chain filter-FORWARD (forward 0)") < at("rule in filter-FORWARD"));
+    assert!(at("new set cali40s-db Net") < at("add 2 elements of cali40s-db"));
+    assert!(
+        at("new chain filter-cali-fw-calia") < at("add 2 elements of filter-cali-from-wl-dispatch")
+    );
+    assert!(at("add 2 elements of cali40s-db") < at("rule in filter-cali-pi-web"));
+    assert_eq!(
+        first
+            .iter()
+            .filter(|o| *o == "rule in filter-cali-pi-web")
+            .count(),
+        2,
+        "one rule per port"
+    );
+
+    // A policy change: that chain flushed and written again, nothing else.
+    w.policy("web", "10.9.0.0/16");
+    let st = w.apply().unwrap();
+    assert!(st.via_netlink && st.chains_written == 1, "{st:?}");
+    let change: Vec<String> = w.elements.batches.lock()[1]
+        .iter()
+        .map(op_summary)
+        .collect();
+    assert_eq!(
+        change,
+        [
+            "flush filter-cali-pi-web",
+            "rule in filter-cali-pi-web",
+            "rule in filter-cali-pi-web"
+        ]
+    );
+    // Its rules carry the comment nft lists (the hash the read back compares).
+    let second = w.elements.batches.lock()[1][1].clone();
+    let Op::Rule { userdata, .. } = &second else {
+        panic!("a rule")
+    };
+    assert_eq!(userdata[0], 0, "a comment TLV");
+    assert!(
+        String::from_utf8_lossy(userdata).contains("; allow web"),
+        "{userdata:?}"
+    );
+
+    // A workload gone: its chains deleted after the map lost its element.
+    w.dispatch(&["calia"]);
+    w.tables
+        .table(IpVersion::V4, "filter")
+        .remove_chain("cali-fw-calib");
+    w.tables
+        .table(IpVersion::V4, "filter")
+        .remove_chain("cali-tw-calib");
+    w.apply().unwrap();
+    let gone: Vec<String> = w.elements.batches.lock()[2]
+        .iter()
+        .map(op_summary)
+        .collect();
+    let at = |what: &str| {
+        gone.iter()
+            .position(|o| o == what)
+            .unwrap_or_else(|| panic!("{what} in {gone:#?}"))
+    };
+    assert!(
+        at("delete 1 elements of filter-cali-from-wl-dispatch")
+            < at("delete chain filter-cali-fw-calib")
+    );
+    assert!(at("flush filter-cali-fw-calib") < at("delete chain filter-cali-fw-calib"));
+    assert!(w.nft.take().is_empty());
+}
