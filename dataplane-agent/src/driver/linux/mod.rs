@@ -151,6 +151,8 @@ pub struct LinuxDriver {
     apply_failed: bool,
     /// The nftables writer, when the driver programs nftables instead of iptables.
     nft: Option<nft::NftTables>,
+    /// What the last nftables apply wrote.
+    nft_stats: nft::NftStats,
     /// The other dataplane's state of ours (iptables and ipsets under nftables, the `calico`
     /// tables under iptables) is still to be removed, after our first complete apply.
     sweep_other: bool,
@@ -208,10 +210,16 @@ impl LinuxDriver {
             ),
             ifaces,
             nft,
+            nft_stats: nft::NftStats::default(),
             sweep_other: true,
             config: ConfigManager::new(opts),
             apply_failed: false,
         }
+    }
+
+    /// What the last apply of the nftables driver wrote (zero for the iptables driver).
+    pub fn nft_stats(&self) -> nft::NftStats {
+        self.nft_stats
     }
 
     /// What is programmed (desired state after the last apply).
@@ -409,6 +417,7 @@ impl LinuxDriver {
             // The one log of what each apply wrote (and whether it read the kernel back).
             tracing::debug!(?stats, "nftables transaction applied");
         }
+        self.nft_stats = stats;
         self.refusals.kernel = BTreeMap::new();
         self.routes
             .apply(self.endpoints.workloads(), self.config.opts())

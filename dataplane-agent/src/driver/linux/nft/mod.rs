@@ -130,6 +130,9 @@ pub struct NftStats {
     pub read_back: bool,
     /// Written as one nfnetlink batch rather than by `nft -f`.
     pub via_netlink: bool,
+    /// Microseconds the kernel took to take the batch (it commits inside the `send`): what no
+    /// writer can save, reported beside the driver's total by the benchmark.
+    pub kernel_us: u64,
 }
 
 /// The nftables writer (see the module documentation).
@@ -294,9 +297,11 @@ impl NftTables {
                 .into_iter()
                 .flat_map(|p| p.ops.unwrap_or_default())
                 .collect();
+            let sent = std::time::Instant::now();
             match self.batch.write(&ops) {
                 Ok(()) => {
                     stats.via_netlink = true;
+                    stats.kernel_us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
                     return Ok(stats);
                 }
                 Err(error) => {
