@@ -480,10 +480,10 @@ fn nft_program_tail(
     println!(
         "{{\"full_s\":{full},\"change_median_s\":{},\"member_median_s\":{},\"net_member_median_s\":{},\"full_kernel_s\":{},\"change_kernel_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
         change_times[change_times.len() / 2],
-        kernel.full,
-        kernel.change,
         median(member_times),
         median(net_member_times),
+        kernel.full,
+        kernel.change,
         programmed.rules,
         programmed.ipsets,
         programmed.ipset_members
