@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use integration::netns::{
     ControlPlane, Driver, Ipt, Netns, Probe, Workload, expect_eventually, namespace_profile,
-    nft_list, nft_text, wait_until, write_manifest,
+    nft_chain, nft_list, nft_text, wait_until, write_manifest,
 };
 
 const NODE: &str = "node-a";
@@ -401,7 +401,8 @@ fn switching(ipt: Ipt) {
 
 /// A label change moves a workload into and out of a policy's source set: with the nftables
 /// driver that is an element change only, sent to the kernel as one netlink batch (no
-/// `nft -f`), and the verdict follows both ways.
+/// `nft -f`), and the verdict follows both ways; then a policy change rewrites its chains,
+/// also as a netlink batch.
 #[test]
 #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
@@ -490,4 +491,40 @@ fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
         &cp,
     );
     assert!(!nft_list(&host, "ip").contains(&client.ipv4));
+
+    // A policy change (its port) rewrites the policy's chains: over netlink too, no `nft -f`.
+    let rules_over_netlink = || {
+        cp.agent_log_text()
+            .lines()
+            .filter(|l| l.contains("via_netlink: true") && !l.contains("chains_written: 0"))
+            .count()
+    };
+    let before = rules_over_netlink();
+    write_manifest(dir.path(), "workloads.yaml", &workloads("client"));
+    write_manifest(
+        dir.path(),
+        "policy.yaml",
+        &POLICY.replace("[8080]", "[9090]"),
+    );
+    let moved: Vec<Probe<'_>> = [web.ipv4.clone(), web.ipv6.clone()]
+        .into_iter()
+        .flat_map(|to| {
+            [(8080, false), (9090, true)].map(|(port, allowed)| Probe {
+                from: &client,
+                to: to.clone(),
+                port: Some(port),
+                allowed,
+            })
+        })
+        .collect();
+    expect_eventually("the policy's new port", &moved, &cp);
+    assert!(
+        nft_chain(&host, "ip", "filter-cali-pi-np/prod/web-allow").contains("tcp dport 9090"),
+        "the chain holds the new port"
+    );
+    assert!(
+        rules_over_netlink() > before,
+        "the chain change went as a netlink batch:\n{}",
+        cp.agent_log_text()
+    );
 }
