@@ -9,7 +9,7 @@
 
 use std::net::IpAddr;
 
-use super::netlink::{attr, cstr, nested};
+use super::netlink::{NFT_GOTO, NFT_JUMP, NFTA_DATA_VALUE, NFTA_LIST_ELEM, attr, cstr, nested};
 use super::render;
 use crate::driver::linux::rules::{Action, Dir, Frag, IpVersion, MarkTest};
 
@@ -18,13 +18,8 @@ use crate::driver::linux::rules::{Action, Dir, Frag, IpVersion, MarkTest};
 #[error("no nfnetlink encoding for {0}")]
 pub struct Unsupported(pub &'static str);
 
-const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
-const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
 
 const REG_VERDICT: u32 = 0;
 const REG_1: u32 = 1;
@@ -57,8 +52,6 @@ const LOG_LEVEL_NOTICE: u32 = 5;
 
 const NF_DROP: i32 = 0;
 const NF_ACCEPT: i32 = 1;
-const NFT_JUMP: i32 = -3;
-const NFT_GOTO: i32 = -4;
 const NFT_RETURN: i32 = -5;
 
 /// `NFTNL_UDATA_RULE_COMMENT`: the rule userdata TLV `nft` keeps a comment in.
@@ -171,14 +164,7 @@ impl Exprs {
     fn verdict(&mut self, code: i32, chain: Option<&str>) {
         self.expr("immediate", |o| {
             attr(o, 1, &REG_VERDICT.to_be_bytes());
-            let _ = nested(o, 2, |o| {
-                let _ = nested(o, NFTA_DATA_VERDICT, |o| {
-                    attr(o, NFTA_VERDICT_CODE, &code.to_be_bytes());
-                    if let Some(c) = chain {
-                        attr(o, NFTA_VERDICT_CHAIN, &cstr(c));
-                    }
-                });
-            });
+            let _ = nested(o, 2, |o| super::netlink::verdict(o, code, chain));
         });
     }
 

@@ -69,17 +69,17 @@ const NLA_F_NESTED: u16 = 0x8000;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
-const NFTA_LIST_ELEM: u16 = 1;
+pub(super) const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_SET_ELEM_DATA: u16 = 2;
 const NFTA_SET_ELEM_FLAGS: u16 = 3;
 const NFT_SET_ELEM_INTERVAL_END: u32 = 1;
-const NFTA_DATA_VALUE: u16 = 1;
+pub(super) const NFTA_DATA_VALUE: u16 = 1;
 const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
-const NFT_GOTO: i32 = -4;
-const NFT_JUMP: i32 = -3;
+pub(super) const NFT_GOTO: i32 = -4;
+pub(super) const NFT_JUMP: i32 = -3;
 const IFNAMSIZ: usize = 16;
 
 /// One set's (or map's) elements to add or delete, as the writer prints them.
@@ -229,6 +229,17 @@ impl NetlinkBatch {
     }
 }
 
+/// A verdict (`NFTA_DATA_VERDICT`: its code, and the chain of a jump or goto), as a map
+/// element's data and an `immediate` expression's.
+pub(super) fn verdict(out: &mut Vec<u8>, code: i32, chain: Option<&str>) {
+    let _ = nested(out, NFTA_DATA_VERDICT, |out| {
+        attr(out, NFTA_VERDICT_CODE, &code.to_be_bytes());
+        if let Some(c) = chain {
+            attr(out, NFTA_VERDICT_CHAIN, &cstr(c));
+        }
+    });
+}
+
 /// One netlink attribute (length, type, payload, padding to 4 bytes); shared with the
 /// benchmarks' ipset netlink client.
 pub fn attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
@@ -361,7 +372,7 @@ fn interval_element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
 /// One element's attributes: the key (and the verdict of a map element).
 fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
     let mut key = Vec::new();
-    let mut verdict = None;
+    let mut target = None;
     if let Some((k, v)) = e.split_once(" : ") {
         // `"iface" : goto chain`: an ifname key is IFNAMSIZ bytes, zero-padded.
         let name = k.trim_matches('"');
@@ -375,7 +386,7 @@ fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
             Some(("jump", c)) => (NFT_JUMP, c),
             _ => return Err(bad(e)),
         };
-        verdict = Some((code, chain.to_owned()));
+        target = Some((code, chain.to_owned()));
     } else {
         let parts: Vec<&str> = e.split(" . ").collect();
         match parts.as_slice() {
@@ -397,7 +408,7 @@ fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
             _ => return Err(bad(e)),
         }
     }
-    let Some((code, chain)) = verdict else {
+    let Some((code, chain)) = target else {
         return key_elem(out, &key, 0);
     };
     nested(out, NFTA_LIST_ELEM, |out| {
@@ -405,10 +416,7 @@ fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
             attr(out, NFTA_DATA_VALUE, &key)
         });
         let _ = nested(out, NFTA_SET_ELEM_DATA, |out| {
-            let _ = nested(out, NFTA_DATA_VERDICT, |out| {
-                attr(out, NFTA_VERDICT_CODE, &code.to_be_bytes());
-                attr(out, NFTA_VERDICT_CHAIN, &cstr(&chain));
-            });
+            verdict(out, code, Some(&chain));
         });
     })
 }
