@@ -79,7 +79,8 @@ pub fn rule(
 /// The rule userdata holding `comment` (unquoted; [`render::comment_text`]).
 pub fn userdata(comment: &str) -> Vec<u8> {
     let bytes = comment.as_bytes();
-    let len = bytes.len().min(usize::from(u8::MAX) - 1);
+    // The kernel keeps at most 256 bytes of userdata: type, length, text, NUL.
+    let len = bytes.len().min(253);
     let mut out = Vec::with_capacity(len + 3);
     out.push(UDATA_RULE_COMMENT);
     out.push(u8::try_from(len + 1).expect("bounded above"));
@@ -359,13 +360,14 @@ impl Exprs {
         };
         let width = u32::try_from(octets.len() * 8).expect("small");
         let len = len.unwrap_or(width);
-        if len == 0 || len > width {
+        if len > width {
             return Err(bad);
         }
         let op = if negated { CMP_NEQ } else { CMP_EQ };
         let off = addr_offset(v, dir);
-        if len % 8 == 0 {
-            // A whole-byte prefix: nft loads just those bytes.
+        if len % 8 == 0 && len > 0 {
+            // A whole-byte prefix: nft loads just those bytes (and masks the whole address
+            // with zeros for `/0`, below).
             let n = (len / 8) as usize;
             self.payload(BASE_NETWORK, off, len / 8, REG_1);
             self.cmp(op, &octets[..n]);

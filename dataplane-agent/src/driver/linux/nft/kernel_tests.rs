@@ -15,7 +15,7 @@ use crate::driver::linux::runner::SystemRunner;
 struct TextOnly;
 
 impl netlink::BatchWriter for TextOnly {
-    fn write(&mut self, _: &[Op]) -> std::io::Result<()> {
+    fn write(&mut self, _: &[Op]) -> std::io::Result<std::time::Duration> {
         Err(std::io::Error::other("text only"))
     }
 }
@@ -65,18 +65,18 @@ fn set(v: IpVersion, kind: &str) -> String {
     format!("cali{n}0{kind}:corpus")
 }
 
-/// (an address, a network, another network) of family `v`.
-fn addrs(v: IpVersion) -> (&'static str, &'static str, &'static str) {
+/// (an address, a network, another network, everything) of family `v`.
+fn addrs(v: IpVersion) -> (&'static str, &'static str, &'static str, &'static str) {
     match v {
-        IpVersion::V4 => ("10.0.0.1", "10.1.0.0/16", "192.168.3.0/20"),
-        IpVersion::V6 => ("fd00::1", "fd00:1::/64", "fd00:2::/61"),
+        IpVersion::V4 => ("10.0.0.1", "10.1.0.0/16", "192.168.3.0/20", "0.0.0.0/0"),
+        IpVersion::V6 => ("fd00::1", "fd00:1::/64", "fd00:2::/61", "::/0"),
     }
 }
 
 /// A policy chain with every fragment and action kind the renderers know.
 fn corpus(v: IpVersion, variant: u16) -> Chain {
     let set = |k: &str| set(v, k);
-    let (addr, net, other_net) = addrs(v);
+    let (addr, net, other_net, all) = addrs(v);
     let icmp = match v {
         IpVersion::V4 => "icmp",
         IpVersion::V6 => "ipv6-icmp",
@@ -153,6 +153,7 @@ fn corpus(v: IpVersion, variant: u16) -> Chain {
             Action::Drop,
         ),
         Rule::new(Match::new().rpf_check_failed(), Action::Drop),
+        Rule::new(Match::new().dst_net(all), Action::Accept),
     ];
     Chain::new("cali-pi-corpus", rules)
 }

@@ -6,8 +6,9 @@
 //! Contract: every [`NftTables::apply`] is one kernel transaction holding only what differs
 //! from the kernel view (chains replaced whole, set and map elements added and removed, stale
 //! objects deleted), so the kernel moves from one complete state to the next with nothing in
-//! between: an `nft -f -` script, or one nfnetlink batch when only elements change. When it
-//! fails nothing changed and the view is read back before the retry.
+//! between: one nfnetlink batch, or the same transaction as an `nft -f -` script when a rule
+//! has no netlink encoding or the kernel refused the batch. When it fails nothing changed and
+//! the view is read back before the retry.
 //! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
 //! repair what changed behind our back. Everything in the `calico` tables is ours.
 
@@ -292,25 +293,33 @@ impl NftTables {
         // One nfnetlink batch, without nft's cost of parsing text and loading the ruleset.
         // A rule without an encoding, or a batch the kernel refuses, goes by `nft -f` (whose
         // error message is the one to report).
+        let mut refused = None;
         if plans.iter().all(|p| p.ops.is_some()) {
             let ops: Vec<Op> = plans
                 .into_iter()
                 .flat_map(|p| p.ops.unwrap_or_default())
                 .collect();
-            let sent = std::time::Instant::now();
             match self.batch.write(&ops) {
-                Ok(()) => {
+                Ok(kernel) => {
                     stats.via_netlink = true;
-                    stats.kernel_us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    stats.kernel_us = u64::try_from(kernel.as_micros()).unwrap_or(u64::MAX);
                     return Ok(stats);
                 }
                 Err(error) => {
                     debug!(%error, "batch refused over netlink; writing it with nft -f");
+                    refused = Some(error);
                 }
             }
         }
         match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
-            Ok(_) => Ok(stats),
+            Ok(_) => {
+                if let Some(error) = refused {
+                    // nft took what the kernel refused from us: our encoding is wrong somewhere,
+                    // and every such change now pays for nft.
+                    warn!(%error, "the kernel refused an nfnetlink batch that nft -f then wrote");
+                }
+                Ok(stats)
+            }
             Err(e) => {
                 // Nothing changed, but the views already hold the plan.
                 self.forget();

@@ -154,8 +154,9 @@ pub enum Op {
 
 /// Where batches go (the seam).
 pub trait BatchWriter: Send {
-    /// Applies every op in one kernel transaction; on error nothing of it applied.
-    fn write(&mut self, ops: &[Op]) -> io::Result<()>;
+    /// Applies every op in one kernel transaction; on error nothing of it applied. Returns
+    /// how long the kernel took (the `send`, in which it commits, and reading its answers).
+    fn write(&mut self, ops: &[Op]) -> io::Result<std::time::Duration>;
 }
 
 /// A netlink socket of the agent's network namespace, opened on first use.
@@ -168,7 +169,7 @@ pub struct NetlinkBatch {
 }
 
 impl BatchWriter for NetlinkBatch {
-    fn write(&mut self, ops: &[Op]) -> io::Result<()> {
+    fn write(&mut self, ops: &[Op]) -> io::Result<std::time::Duration> {
         self.seq = self.seq.wrapping_add(1 << 20);
         let batch = encode(ops, self.seq)?;
         let result = self.send(&batch);
@@ -181,7 +182,7 @@ impl BatchWriter for NetlinkBatch {
 }
 
 impl NetlinkBatch {
-    fn send(&mut self, batch: &[u8]) -> io::Result<()> {
+    fn send(&mut self, batch: &[u8]) -> io::Result<std::time::Duration> {
         if self.socket.is_none() {
             let mut s = Socket::new(NETLINK_NETFILTER)?;
             s.bind_auto()?;
@@ -198,13 +199,14 @@ impl NetlinkBatch {
                 .map_err(io::Error::from)?;
             self.sndbuf = want;
         }
+        let started = std::time::Instant::now();
         socket.send(batch, 0)?;
         // The batch was handled inside `send`: whatever the kernel answered is queued now.
         self.buf.resize(1 << 16, 0);
         loop {
             let n = match socket.recv(&mut &mut self.buf[..], MSG_DONTWAIT) {
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(started.elapsed()),
                 Err(e) => return Err(e),
             };
             let mut off = 0;
@@ -212,16 +214,21 @@ impl NetlinkBatch {
                 let len =
                     u32::from_ne_bytes(self.buf[off..off + 4].try_into().expect("4")) as usize;
                 let kind = u16::from_ne_bytes(self.buf[off + 4..off + 6].try_into().expect("2"));
-                if len < 16 || off + len > n {
-                    break;
-                }
-                if kind == NLMSG_ERROR && len >= 20 {
+                // The error code comes first, so it is read even from an answer cut short by
+                // the buffer (the kernel echoes the refused message after it).
+                if kind == NLMSG_ERROR && off + 20 <= n {
                     let code =
                         i32::from_ne_bytes(self.buf[off + 16..off + 20].try_into().expect("4"));
                     if code != 0 {
                         // The kernel aborted the whole batch.
                         return Err(io::Error::from_raw_os_error(-code));
                     }
+                }
+                if len < 16 || off + len > n {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "an nfnetlink answer cut short",
+                    ));
                 }
                 off += (len + 3) & !3;
             }

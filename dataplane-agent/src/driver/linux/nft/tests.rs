@@ -87,13 +87,13 @@ struct FakeBatch {
 }
 
 impl netlink::BatchWriter for FakeBatch {
-    fn write(&mut self, ops: &[Op]) -> std::io::Result<()> {
+    fn write(&mut self, ops: &[Op]) -> std::io::Result<std::time::Duration> {
         let structural = ops.iter().any(|o| !matches!(o, Op::Elements(_)));
         if *self.fail.lock() || (structural && *self.elements_only.lock()) {
             return Err(std::io::Error::from_raw_os_error(22));
         }
         self.batches.lock().push(ops.to_vec());
-        Ok(())
+        Ok(std::time::Duration::ZERO)
     }
 }
 
