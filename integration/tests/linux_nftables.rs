@@ -452,17 +452,19 @@ fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
         },
         programmed,
     );
-    let verdicts = |allowed: bool| -> Vec<Probe<'_>> {
+    // The client to the web workload on `port`, both families.
+    let on_port = |port: u16, allowed: bool| -> Vec<Probe<'_>> {
         [web.ipv4.clone(), web.ipv6.clone()]
             .into_iter()
             .map(|to| Probe {
                 from: &client,
                 to,
-                port: Some(8080),
+                port: Some(port),
                 allowed,
             })
             .collect()
     };
+    let verdicts = |allowed: bool| on_port(8080, allowed);
     expect_eventually("the client outside the source set", &verdicts(false), &cp);
     let netlink_batches = || cp.agent_log_text().matches("via_netlink: true").count();
     let before = netlink_batches();
@@ -506,17 +508,8 @@ fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
         "policy.yaml",
         &POLICY.replace("[8080]", "[9090]"),
     );
-    let moved: Vec<Probe<'_>> = [web.ipv4.clone(), web.ipv6.clone()]
-        .into_iter()
-        .flat_map(|to| {
-            [(8080, false), (9090, true)].map(|(port, allowed)| Probe {
-                from: &client,
-                to: to.clone(),
-                port: Some(port),
-                allowed,
-            })
-        })
-        .collect();
+    let mut moved = on_port(8080, false);
+    moved.extend(on_port(9090, true));
     expect_eventually("the policy's new port", &moved, &cp);
     assert!(
         nft_chain(&host, "ip", "filter-cali-pi-np/prod/web-allow").contains("tcp dport 9090"),

@@ -489,7 +489,6 @@ impl Table {
         self.desired.values().map(|c| c.rules.len()).sum()
     }
 
-    /// Sets the rules we keep in the kernel's own chains.
     /// One desired chain: its rules and their hashes.
     pub fn desired_chain(&self, name: &str) -> Option<(&[Rule], &[String])> {
         self.desired
@@ -510,6 +509,7 @@ impl Table {
             .unwrap_or_default()
     }
 
+    /// Sets the rules we keep in the kernel's own chains.
     pub fn set_hooks(&mut self, hooks: Hooks) {
         if let Some((_, hooks_changed)) = &mut self.changes {
             *hooks_changed = true;

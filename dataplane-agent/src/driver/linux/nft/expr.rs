@@ -468,3 +468,34 @@ pub fn vmap(input: bool, map: &str) -> Vec<u8> {
     });
     e.0
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::linux::rules::Match;
+
+    #[test]
+    fn hostile_strings_reach_netlink_as_the_text_path_writes_them() {
+        // An interface name and a log prefix with a quote, a NUL and a newline: cleaned as
+        // `render::string` cleans them, and nothing past them survives as a string end.
+        let m = Match::new().in_iface("ab\"\0c");
+        let bytes = rule(
+            m.frags(),
+            &Action::Log {
+                prefix: "p\n\0x".into(),
+            },
+            "filter",
+            IpVersion::V4,
+        )
+        .unwrap();
+        let mut iface = b"ab__c".to_vec();
+        iface.resize(16, 0);
+        assert!(bytes.windows(16).any(|w| w == iface), "{bytes:?}");
+        assert!(bytes.windows(7).any(|w| w == b"p__x: \0"), "{bytes:?}");
+        // Names the kernel could not hold are refused (the text path's nft refuses them too).
+        let long = Match::new().in_iface(&"x".repeat(16));
+        assert!(rule(long.frags(), &Action::Accept, "filter", IpVersion::V4).is_err());
+        // A comment longer than the kernel's userdata limit is cut to fit.
+        assert_eq!(userdata(&"c".repeat(400)).len(), 256);
+    }
+}

@@ -355,7 +355,13 @@ fn interval_keys(e: &str) -> io::Result<(Vec<u8>, Option<Vec<u8>>)> {
     Ok((bytes(start), end))
 }
 
-fn key_elem(out: &mut Vec<u8>, key: &[u8], flags: u32) -> io::Result<()> {
+/// One element: its key, its flags, and the verdict of a map element.
+fn key_elem(
+    out: &mut Vec<u8>,
+    key: &[u8],
+    flags: u32,
+    target: Option<(i32, &str)>,
+) -> io::Result<()> {
     nested(out, NFTA_LIST_ELEM, |out| {
         let _ = nested(out, NFTA_SET_ELEM_KEY, |out| {
             attr(out, NFTA_DATA_VALUE, key)
@@ -363,15 +369,20 @@ fn key_elem(out: &mut Vec<u8>, key: &[u8], flags: u32) -> io::Result<()> {
         if flags != 0 {
             attr(out, NFTA_SET_ELEM_FLAGS, &flags.to_be_bytes());
         }
+        if let Some((code, chain)) = target {
+            let _ = nested(out, NFTA_SET_ELEM_DATA, |out| {
+                verdict(out, code, Some(chain));
+            });
+        }
     })
 }
 
 /// One network of an interval set: its start element, then its end element.
 fn interval_element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
     let (start, end) = interval_keys(e)?;
-    key_elem(out, &start, 0)?;
+    key_elem(out, &start, 0, None)?;
     if let Some(end) = end {
-        key_elem(out, &end, NFT_SET_ELEM_INTERVAL_END)?;
+        key_elem(out, &end, NFT_SET_ELEM_INTERVAL_END, None)?;
     }
     Ok(())
 }
@@ -415,17 +426,12 @@ fn element(out: &mut Vec<u8>, e: &str) -> io::Result<()> {
             _ => return Err(bad(e)),
         }
     }
-    let Some((code, chain)) = target else {
-        return key_elem(out, &key, 0);
-    };
-    nested(out, NFTA_LIST_ELEM, |out| {
-        let _ = nested(out, NFTA_SET_ELEM_KEY, |out| {
-            attr(out, NFTA_DATA_VALUE, &key)
-        });
-        let _ = nested(out, NFTA_SET_ELEM_DATA, |out| {
-            verdict(out, code, Some(&chain));
-        });
-    })
+    key_elem(
+        out,
+        &key,
+        0,
+        target.as_ref().map(|(code, chain)| (*code, chain.as_str())),
+    )
 }
 
 /// Elements per message (keeps each message well under the 64 KiB attribute limit).
