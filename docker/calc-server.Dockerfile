@@ -7,8 +7,10 @@
 # No BuildKit-only syntax: the builder that ships with Debian's docker.io reads this file too.
 #
 # With no arguments the image serves the example cluster from the file datastore
-# (`docker run -p 50051:50051 -p 9096:9096 split-felix/calc-server:dev`); the Kubernetes
-# manifests in docker/k8s/ replace the command with `serve --datastore-type=kubernetes …`.
+# (`docker run -p 50051:50051 split-felix/calc-server:dev`), its admin endpoint on the
+# container's loopback (`docker exec … calc-server status`): an admin endpoint on a routable
+# address needs authentication (docs/tls.md). The Kubernetes manifests in docker/k8s/ replace
+# the command with `serve --datastore-type=kubernetes …`.
 
 ARG BUILDER=rust:1.90-bookworm
 ARG BASE=gcr.io/distroless/cc-debian12:nonroot
@@ -31,9 +33,10 @@ COPY --from=build /calc-server /usr/local/bin/calc-server
 # The default command's --file-dir. Owned by nonroot: the file datastore writes endpoint
 # status (status/<node>.json) and its last-good store (status/last-good/) inside it.
 COPY --from=build --chown=65532:65532 /cluster /var/lib/calc-server/cluster
-# 50051: gRPC CalcServer.Sync; 9096: admin HTTP (/liveness, /readiness, /metrics, /status).
+# 50051: gRPC CalcServer.Sync; 9096: admin (/liveness, /readiness, /metrics, /status,
+# /explain), reachable from outside once --admin-listen and its authentication are set.
 EXPOSE 50051 9096
 # Numeric, so that Kubernetes' runAsNonRoot can verify it.
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/calc-server"]
-CMD ["serve", "--file-dir", "/var/lib/calc-server/cluster", "--listen", "0.0.0.0:50051", "--admin-listen", "0.0.0.0:9096"]
+CMD ["serve", "--file-dir", "/var/lib/calc-server/cluster", "--listen", "0.0.0.0:50051", "--admin-listen", "127.0.0.1:9096"]

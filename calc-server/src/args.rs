@@ -134,15 +134,20 @@ pub struct ServeArgs {
     /// Address the gRPC Sync service listens on.
     #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the admin HTTP endpoint (/status, /liveness, /readiness, /metrics). The
-    /// default port is 9096 because Felix's health port (9099) and Typha's (9098) are taken
-    /// on a Calico node.
+    /// Address of the admin endpoint (/status, /explain, /liveness, /readiness, /metrics).
+    /// The default port is 9096 because Felix's health port (9099) and Typha's (9098) are
+    /// taken on a Calico node. Without admin authentication (--admin-allowed-cn,
+    /// --admin-allowed-uri-san, --admin-ca-file or --admin-token-file) only a loopback address
+    /// is accepted. With --tls-* it serves HTTPS with the server's certificate.
     #[arg(
         long,
         env = "CALC_SERVER_ADMIN_LISTEN",
         default_value = DEFAULT_ADMIN
     )]
     pub admin_listen: SocketAddr,
+    /// Who may read the admin endpoint, and how much one request may cost.
+    #[command(flatten)]
+    pub admin: AdminArgs,
     /// How often the file datastore directory is checked for changes.
     #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub file_poll_interval: Duration,
@@ -272,6 +277,125 @@ pub struct ListenerArgs {
     pub max_concurrent_streams: u32,
 }
 
+/// Authentication and request bounds of serve's admin endpoint. Everything but `/liveness`,
+/// `/readiness` and `/metrics` needs an admin caller once any of the first four is set.
+#[derive(Clone, Debug, clap::Args)]
+pub struct AdminArgs {
+    /// Client certificate CNs that are admins (comma-separated). Needs --tls-*: the certificate
+    /// must chain to --tls-ca-file (or to --admin-ca-file when set). Agents' node certificates
+    /// are never admins, even when the CN is listed.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_ALLOWED_CN",
+        value_delimiter = ',',
+        value_name = "CN"
+    )]
+    pub admin_allowed_cn: Vec<String>,
+    /// Client certificate URI SANs that are admins (comma-separated, exact match; e.g.
+    /// `spiffe://cluster.local/ops/admin`). Needs --tls-*, as --admin-allowed-cn.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_ALLOWED_URI_SAN",
+        value_delimiter = ',',
+        value_name = "URI"
+    )]
+    pub admin_allowed_uri_san: Vec<String>,
+    /// PEM bundle of a CA that signs admin client certificates only: every certificate that
+    /// chains to it is an admin (narrowed by --admin-allowed-cn / --admin-allowed-uri-san when
+    /// given), and agents' certificates (from --tls-ca-file) are not accepted on the admin
+    /// endpoint at all. Needs --tls-*.
+    #[arg(long, env = "CALC_SERVER_ADMIN_CA_FILE", value_name = "PATH")]
+    pub admin_ca_file: Option<PathBuf>,
+    /// File holding a bearer token (surrounding whitespace ignored, at least 16 bytes):
+    /// `Authorization: Bearer <token>` then makes a caller an admin. Re-read when the file
+    /// changes (a rotated Secret). Without --tls-* the token crosses the network in clear text.
+    #[arg(long, env = "CALC_SERVER_ADMIN_TOKEN_FILE", value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Most `/explain` and `/status/policies` questions the engine works on at once; more are
+    /// answered 429 at once, so the admin endpoint cannot starve the engine.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_MAX_CONCURRENT_QUERIES",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    pub admin_max_concurrent_queries: u16,
+    /// Longest wait for the engine's answer to one question (503 after it).
+    #[arg(long, env = "CALC_SERVER_ADMIN_QUERY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub admin_query_timeout: Duration,
+    /// Largest admin answer in bytes; a larger one is refused (413) with its size, so one
+    /// request cannot make the server build and send an unbounded body.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_MAX_RESPONSE_BYTES",
+        default_value_t = 32 * 1024 * 1024
+    )]
+    pub admin_max_response_bytes: usize,
+    /// Most open admin connections at once; further ones are closed at once.
+    #[arg(
+        long,
+        env = "CALC_SERVER_ADMIN_MAX_CONNECTIONS",
+        default_value_t = 64,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    pub admin_max_connections: u16,
+}
+
+impl AdminArgs {
+    /// Whether any way of authenticating an admin is configured.
+    pub fn authenticates(&self) -> bool {
+        !self.admin_allowed_cn.is_empty()
+            || !self.admin_allowed_uri_san.is_empty()
+            || self.admin_ca_file.is_some()
+            || self.admin_token_file.is_some()
+    }
+}
+
+/// How `status` and `explain --server` reach an admin endpoint that wants TLS or a token.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct AdminClientArgs {
+    /// PEM CA bundle that signs the server's certificate; needed for an `https://` --server.
+    #[arg(
+        long = "tls-ca-file",
+        env = "CALC_ADMIN_TLS_CA_FILE",
+        value_name = "PATH"
+    )]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate to present (an admin identity: a CN in serve's
+    /// --admin-allowed-cn, or one from --admin-ca-file), with --tls-key-file.
+    #[arg(
+        long = "tls-cert-file",
+        env = "CALC_ADMIN_TLS_CERT_FILE",
+        value_name = "PATH",
+        requires = "key_file"
+    )]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(
+        long = "tls-key-file",
+        env = "CALC_ADMIN_TLS_KEY_FILE",
+        value_name = "PATH",
+        requires = "cert_file"
+    )]
+    pub key_file: Option<PathBuf>,
+    /// Name the server's certificate must carry (a DNS SAN, e.g.
+    /// `calc-server.calico-system.svc`); default: the host of --server. Set it when connecting
+    /// through an address the certificate does not name (127.0.0.1, a port-forward).
+    #[arg(
+        long = "tls-server-name",
+        env = "CALC_ADMIN_TLS_SERVER_NAME",
+        value_name = "NAME"
+    )]
+    pub server_name: Option<String>,
+    /// File holding the bearer token (serve's --admin-token-file).
+    #[arg(
+        long = "token-file",
+        env = "CALC_ADMIN_TOKEN_FILE",
+        value_name = "PATH"
+    )]
+    pub token_file: Option<PathBuf>,
+}
+
 // `calc-server compute`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ComputeArgs {
@@ -307,6 +431,9 @@ pub struct ExplainArgs {
     /// datastore: the answer then reflects exactly the state it serves.
     #[arg(long, env = "CALC_SERVER_EXPLAIN_SERVER")]
     pub server: Option<String>,
+    /// TLS and token for an admin endpoint that requires them (with --server).
+    #[command(flatten)]
+    pub client: AdminClientArgs,
     /// The source: a workload as namespace/pod (or its WorkloadEndpoint name, optionally
     /// namespace/-prefixed), a host endpoint as hep:NAME, or an IP address (an address no
     /// endpoint owns is outside the cluster).
@@ -351,10 +478,13 @@ pub enum ExplainOutput {
 // `calc-server status`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct StatusArgs {
-    /// The server's admin address (`--admin-listen` of serve), as host:port or http://host:port.
-    /// Not the gRPC address (`--listen`).
+    /// The server's admin address (`--admin-listen` of serve), as host:port, http://host:port
+    /// or https://host:port (a server with --tls-*). Not the gRPC address (`--listen`).
     #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
     pub server: String,
+    /// TLS and token for an admin endpoint that requires them.
+    #[command(flatten)]
+    pub client: AdminClientArgs,
     /// Print the raw JSON instead of a table.
     #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
     pub json: bool,

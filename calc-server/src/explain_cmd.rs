@@ -59,12 +59,16 @@ fn path_of(r: &Request) -> String {
     format!("/explain?{}", query.join("&"))
 }
 
-fn ask_server(addr: &str, r: &Request) -> anyhow::Result<serde_json::Value> {
-    let (status, body) = crate::status_cmd::fetch(addr, &path_of(r))?;
+fn ask_server(
+    addr: &str,
+    client: &crate::args::AdminClientArgs,
+    r: &Request,
+) -> anyhow::Result<serde_json::Value> {
+    let (status, body) = crate::admin_client::fetch(addr, &path_of(r), client)?;
     let value: serde_json::Value = serde_json::from_str(&body)
         .with_context(|| format!("{addr} answered {status} with no JSON: {}", body.trim()))?;
     if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
-        anyhow::bail!("{error}");
+        anyhow::bail!("{error}{}", crate::admin_client::refusal_hint(&status));
     }
     anyhow::ensure!(status.contains(" 200"), "{addr}: {status}");
     Ok(value)
@@ -89,7 +93,7 @@ fn ask_datastore(args: &ExplainArgs, r: &Request) -> anyhow::Result<serde_json::
 pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
     let r = request(args);
     let answer = match &args.server {
-        Some(addr) => ask_server(addr, &r)?,
+        Some(addr) => ask_server(addr, &args.client, &r)?,
         None => ask_datastore(args, &r)?,
     };
     let text = match args.output {

@@ -14,6 +14,7 @@
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
 
+pub mod admin_client;
 pub mod args;
 pub mod compute;
 pub mod datastore;

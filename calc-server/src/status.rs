@@ -198,6 +198,11 @@ impl Board {
         *self.known.lock() = nodes.into_iter().collect();
     }
 
+    /// Whether `name` is a node: one the datastore knows or whose agent connected at some time.
+    pub fn is_node(&self, name: &str) -> bool {
+        self.known.lock().contains(name) || self.nodes.lock().contains_key(name)
+    }
+
     /// Every node that connected at some time or that the datastore knows, by name.
     pub fn snapshot(&self) -> Vec<NodeStatus> {
         let known = self.known.lock().clone();

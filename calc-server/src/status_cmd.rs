@@ -2,65 +2,15 @@
 //! prints them as a table (or the raw JSON); with `--policies` / `--policy NAME`, where policies
 //! are in force.
 //!
-//! The admin endpoint is plain HTTP/1. A user who gives the gRPC address (`--listen`) instead
-//! gets told so, not a "connection reset": the first bytes of the answer tell an HTTP/2 or TLS
-//! listener apart.
+//! The request itself (HTTP or HTTPS, client certificate, token) is `crate::admin_client`.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::args::{DEFAULT_ADMIN, StatusArgs};
-
-/// What the first bytes of an answer say about the listener that sent them.
-fn not_http1(addr: &str, head: &[u8]) -> String {
-    let hint = format!(
-        "`calc-server status` needs the admin address (serve's --admin-listen, default {DEFAULT_ADMIN})"
-    );
-    // An HTTP/2 server answers a request it cannot read with a SETTINGS frame (type 4) and
-    // GOAWAY; a TLS server with an alert record (0x15) or a handshake record (0x16).
-    if head.len() >= 4 && head[3] == 4 || head.starts_with(b"\0\0") {
-        format!("{addr} answers HTTP/2: this is the gRPC port (serve's --listen); {hint}")
-    } else if head.first().is_some_and(|b| *b == 0x15 || *b == 0x16) {
-        format!("{addr} answers TLS: this is a TLS port (the gRPC --listen with --tls-*?); {hint}")
-    } else if head.is_empty() {
-        format!("{addr} closed the connection without answering: is this the gRPC port? {hint}")
-    } else {
-        format!("{addr} does not answer HTTP/1; {hint}")
-    }
-}
-
-/// A minimal HTTP/1.0 GET: the admin endpoint is local plain HTTP and this keeps the binary
-/// free of an HTTP client.
-/// A GET's status line and body, whatever the status.
-pub(crate) fn fetch(addr: &str, path: &str) -> anyhow::Result<(String, String)> {
-    let addr = addr.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).with_context(|| {
-        format!("connecting to {addr} (is `calc-server serve` running with --admin-listen {addr}?)")
-    })?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut resp = Vec::new();
-    if let Err(e) = s.read_to_end(&mut resp) {
-        // A gRPC server resets a connection that spoke HTTP/1 at it.
-        if !resp.starts_with(b"HTTP/1.") {
-            anyhow::bail!("{} ({e})", not_http1(addr, &resp));
-        }
-        return Err(e).with_context(|| format!("reading {addr}{path}"));
-    }
-    if !resp.starts_with(b"HTTP/1.") {
-        anyhow::bail!(not_http1(addr, &resp));
-    }
-    let resp = String::from_utf8_lossy(&resp);
-    let (head, body) = resp
-        .split_once("\r\n\r\n")
-        .context("malformed HTTP response")?;
-    let status = head.lines().next().unwrap_or_default().to_string();
-    Ok((status, body.to_string()))
-}
+use crate::admin_client::fetch;
+use crate::args::StatusArgs;
 
 /// A column-aligned table: each column as wide as its widest cell; numbers right-aligned.
 fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> String {
@@ -254,14 +204,17 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
         (None, true) => "/status/policies".to_string(),
         (None, false) => "/status".to_string(),
     };
-    let (status, body) = fetch(&args.server, &path)?;
+    let (status, body) = fetch(&args.server, &path, &args.client)?;
     if !status.contains(" 200") {
         // The admin endpoint answers errors as {"error": …}.
         let why = serde_json::from_str::<serde_json::Value>(&body)
             .ok()
             .and_then(|v| v["error"].as_str().map(str::to_string))
             .unwrap_or_else(|| body.trim().to_string());
-        anyhow::bail!("{path}: {status}: {why}");
+        anyhow::bail!(
+            "{path}: {status}: {why}{}",
+            crate::admin_client::refusal_hint(&status)
+        );
     }
     let mut out = std::io::stdout().lock();
     let text = if args.json {
@@ -325,17 +278,5 @@ mod tests {
             lines[2].contains("never"),
             "a node that never connected says so:\n{text}"
         );
-    }
-
-    #[test]
-    fn the_grpc_port_is_named_as_such() {
-        // The start of an HTTP/2 SETTINGS frame.
-        let m = not_http1("127.0.0.1:50051", &[0, 0, 6, 4, 0, 0, 0, 0, 0]);
-        assert!(
-            m.contains("gRPC port") && m.contains("--admin-listen"),
-            "{m}"
-        );
-        let m = not_http1("127.0.0.1:50051", &[0x15, 3, 3, 0, 2]);
-        assert!(m.contains("TLS") && m.contains("--admin-listen"), "{m}");
     }
 }

@@ -4,9 +4,11 @@
 //! `cargo test --workspace`). A missing or stale binary fails the test with that instruction
 //! rather than silently testing old code or skipping.
 
+pub mod certs;
 pub mod compose;
 pub mod docker;
 pub mod fake_kube;
+pub mod https;
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -314,15 +316,28 @@ pub fn strip_ansi(text: &str) -> String {
     out
 }
 
-/// A plain HTTP/1.0 GET; `None` if nothing answers.
+/// An HTTP/1.0 GET as a probe makes it (HTTPS, unverified, when the listener wants TLS);
+/// `None` if nothing answers.
 pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\n\r\n").ok()?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).ok()?;
+    // One write: a TLS listener closes after the first bytes, and a second write would fail.
+    let _ = s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes());
+    let mut resp = Vec::new();
+    let _ = s.read_to_end(&mut resp);
+    // A TLS listener (serve with --tls-*) answers clear text with an alert or not at all: ask
+    // again as a probe would, over TLS without verifying the server or presenting credentials.
+    if !resp.starts_with(b"HTTP/") {
+        return https::get(addr, path, &https::Client::default());
+    }
+    parse_response(&resp)
+}
+
+/// An HTTP/1 answer's status code and body.
+pub fn parse_response(resp: &[u8]) -> Option<(u16, String)> {
+    let resp = String::from_utf8_lossy(resp);
     let (head, body) = resp.split_once("\r\n\r\n")?;
     let code = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body.to_string()))

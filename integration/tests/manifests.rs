@@ -221,6 +221,110 @@ fn help(bin: &str, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// A container's value for a flag, from `--flag=value` / `--flag value` in its args or the
+/// flag's environment variable.
+fn setting(c: &Value, flag: &str, env: &str) -> Option<String> {
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .into_iter()
+        .chain(c["command"].as_array())
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    for (i, a) in args.iter().enumerate() {
+        if let Some(v) = a.strip_prefix(&format!("{flag}=")) {
+            return Some(v.to_string());
+        }
+        if *a == flag {
+            return args.get(i + 1).map(|v| v.to_string());
+        }
+    }
+    c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"] == env)
+        .and_then(|e| e["value"].as_str().map(str::to_string))
+}
+
+/// The admin endpoint shows the whole cluster's policy: a calc-server container that listens
+/// for it beyond loopback must authenticate admins, its probes must speak its scheme, and no
+/// Service may expose the admin port.
+#[test]
+fn the_admin_endpoint_is_not_exposed_unauthenticated() {
+    let docs = documents();
+    let mut admin_ports = Vec::new();
+    let mut checked = 0;
+    for (file, d) in &docs {
+        let spec = match s(d, "kind") {
+            "Deployment" | "DaemonSet" => &d["spec"]["template"]["spec"],
+            "Pod" => &d["spec"],
+            _ => continue,
+        };
+        for c in arr(&spec["containers"], "containers") {
+            if !s(c, "image").contains("calc-server") {
+                continue;
+            }
+            checked += 1;
+            let listen = setting(c, "--admin-listen", "CALC_SERVER_ADMIN_LISTEN")
+                .unwrap_or_else(|| "127.0.0.1:9096".into());
+            let ip: std::net::IpAddr = listen
+                .rsplit_once(':')
+                .map(|(h, _)| h.trim_matches(['[', ']']))
+                .unwrap_or_default()
+                .parse()
+                .unwrap_or_else(|e| panic!("{file}: --admin-listen {listen}: {e}"));
+            if ip.is_loopback() {
+                continue;
+            }
+            let auth = [
+                ("--admin-allowed-cn", "CALC_SERVER_ADMIN_ALLOWED_CN"),
+                (
+                    "--admin-allowed-uri-san",
+                    "CALC_SERVER_ADMIN_ALLOWED_URI_SAN",
+                ),
+                ("--admin-ca-file", "CALC_SERVER_ADMIN_CA_FILE"),
+                ("--admin-token-file", "CALC_SERVER_ADMIN_TOKEN_FILE"),
+            ];
+            assert!(
+                auth.iter().any(|(f, e)| setting(c, f, e).is_some()),
+                "{file}: the admin endpoint listens on {listen} without authentication"
+            );
+            let tls = setting(c, "--tls-cert-file", "CALC_SERVER_TLS_CERT_FILE").is_some();
+            for probe in ["livenessProbe", "readinessProbe"] {
+                let scheme = c[probe]["httpGet"]["scheme"].as_str().unwrap_or("HTTP");
+                assert_eq!(
+                    scheme,
+                    if tls { "HTTPS" } else { "HTTP" },
+                    "{file}: {probe} speaks the admin endpoint's scheme"
+                );
+            }
+            let port = listen.rsplit_once(':').map(|(_, p)| p.to_string()).unwrap();
+            admin_ports.push(port.clone());
+            for p in c["ports"].as_array().into_iter().flatten() {
+                if p["containerPort"].as_u64().map(|n| n.to_string()) == Some(port.clone()) {
+                    admin_ports.extend(p["name"].as_str().map(str::to_string));
+                }
+            }
+        }
+    }
+    assert!(checked > 0, "no calc-server container found");
+    for (file, d) in docs.iter().filter(|(_, d)| d["kind"] == "Service") {
+        for p in arr(&d["spec"]["ports"], "ports") {
+            let target = match &p["targetPort"] {
+                Value::String(t) => t.clone(),
+                Value::Number(n) => n.to_string(),
+                _ => p["port"].to_string(),
+            };
+            assert!(
+                !admin_ports.contains(&target),
+                "{file}: Service {} exposes the admin port {target}",
+                s(d, "metadata.name")
+            );
+        }
+    }
+}
+
 #[test]
 fn manifest_flags_and_env_exist_in_the_binaries() {
     let server = help("calc-server", &["serve"]);

@@ -101,7 +101,7 @@ fn a_sidecar_enforces_its_applications_inbound_traffic_and_its_death_leaves_the_
             "--listen",
             "0.0.0.0:50051",
             "--admin-listen",
-            "0.0.0.0:9096",
+            "127.0.0.1:9096",
         ],
     );
     d.ok(&[

@@ -1,22 +1,43 @@
 //! Admin HTTP endpoint: `/status` (JSON of every node's connection and reported status),
 //! `/status/datastore` (JSON: objects held at their last good version, and invalid objects
 //! with none), `/status/policies` and `/status/policies/[NAMESPACE/]NAME` (JSON: where each
-//! policy is in force, from the engine's realization tracking), `/liveness`, `/readiness` (200 once the datastore is loaded, 503 before; the body
-//! names the invalid objects that have no last good version, a degraded condition that does
-//! not take the server out of service), `/metrics` (Prometheus text, see `metrics`) and
-//! `/explain` (JSON: why traffic is allowed or denied, what applies to an endpoint, where a
-//! policy is in force; answered by the engine from its current state, see `calc_graph::explain`).
+//! policy is in force, from the engine's realization tracking), `/liveness`, `/readiness` (200
+//! once the datastore is loaded, 503 before; the body names the invalid objects that have no
+//! last good version, a degraded condition that does not take the server out of service),
+//! `/metrics` (Prometheus text, see `metrics`) and `/explain` (JSON: why traffic is allowed or
+//! denied, what applies to an endpoint, where a policy is in force; answered by the engine from
+//! its current state, see `calc_graph::explain`).
+//!
+//! Access: the probes and `/metrics` are open; every other path passes [`AdminAccess`] first
+//! (401/403 otherwise). Cost: questions to the engine (`/explain`, `/status/policies…`) hold
+//! one of `--admin-max-concurrent-queries` slots until the engine answers (429 when none is
+//! free), wait at most `--admin-query-timeout` (503), and no JSON answer above
+//! `--admin-max-response-bytes` is sent (413): a flood of questions queues at most that many
+//! behind the datastore's updates in the engine.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
-use axum::Json;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use tokio::sync::Semaphore;
 
+use super::admin_access::{AdminAccess, Caller, Refusal};
 use super::metrics::{LastGoodHealth, Metrics};
-use super::status::{Board, NodeStatus};
+use super::status::Board;
+
+/// What one request may cost.
+#[derive(Clone)]
+pub(super) struct Bounds {
+    /// Slots for questions to the engine.
+    pub queries: Arc<Semaphore>,
+    pub query_timeout: Duration,
+    pub max_response_bytes: usize,
+}
 
 #[derive(Clone)]
 pub(super) struct AdminState {
@@ -25,6 +46,8 @@ pub(super) struct AdminState {
     pub metrics: Arc<Metrics>,
     /// The engine, which answers explain queries from its state.
     pub engine: tokio::sync::mpsc::Sender<super::engine::Input>,
+    pub access: Arc<AdminAccess>,
+    pub bounds: Bounds,
 }
 
 /// `/explain`'s parameters: `from` and `to` (with `protocol`, `port`, `source_port`), or
@@ -100,36 +123,99 @@ impl ExplainParams {
     }
 }
 
-fn json_error(status: StatusCode, error: String) -> (StatusCode, Json<serde_json::Value>) {
-    (status, Json(serde_json::json!({ "error": error })))
+fn json_error(status: StatusCode, error: String) -> Response {
+    (
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        serde_json::json!({ "error": error }).to_string(),
+    )
+        .into_response()
 }
 
-type JsonAnswer = (StatusCode, Json<serde_json::Value>);
+/// `value` as a JSON answer, unless it is larger than the cap (413, naming its size).
+fn json_answer(s: &AdminState, status: StatusCode, value: &impl serde::Serialize) -> Response {
+    let body = match serde_json::to_vec(value) {
+        Ok(b) => b,
+        Err(e) => {
+            return json_error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding: {e}"));
+        }
+    };
+    if body.len() > s.bounds.max_response_bytes {
+        s.metrics.admin_refused("too_large");
+        return json_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the answer is {} bytes, above --admin-max-response-bytes {}; ask a narrower question",
+                body.len(),
+                s.bounds.max_response_bytes
+            ),
+        );
+    }
+    (
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
 
 /// Asks the engine a question (`make` builds the input around the reply channel); 503 before
-/// the datastore is loaded (an answer would describe a partial cluster) or while stopping.
-async fn ask<T>(
+/// the datastore is loaded (an answer would describe a partial cluster), while stopping, or
+/// when the engine does not answer in time; 429 when every query slot is taken. The slot is
+/// held until the engine has answered, even when the caller stopped waiting, so the engine
+/// never has more than the cap of questions queued.
+async fn ask<T: Send + 'static>(
     s: &AdminState,
     make: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> super::engine::Input,
-) -> Result<T, JsonAnswer> {
+) -> Result<T, Response> {
     if !s.ready.load(Ordering::Relaxed) {
         return Err(json_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "datastore not loaded yet".into(),
         ));
     }
-    let (reply, answer) = tokio::sync::oneshot::channel();
+    let Ok(slot) = s.bounds.queries.clone().try_acquire_owned() else {
+        s.metrics.admin_refused("busy");
+        return Err(json_error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many questions in flight (--admin-max-concurrent-queries); retry shortly".into(),
+        ));
+    };
     let stopping = || {
         json_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "calc-server is shutting down".into(),
         )
     };
-    s.engine.send(make(reply)).await.map_err(|_| stopping())?;
-    answer.await.map_err(|_| stopping())
+    let timed_out = || {
+        s.metrics.admin_refused("timeout");
+        json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine did not answer within --admin-query-timeout (it is busy with updates); retry".into(),
+        )
+    };
+    let deadline = tokio::time::Instant::now() + s.bounds.query_timeout;
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    match tokio::time::timeout_at(deadline, s.engine.send(make(reply))).await {
+        Err(_) => return Err(timed_out()),
+        Ok(Err(_)) => return Err(stopping()),
+        Ok(Ok(())) => {}
+    }
+    match tokio::time::timeout_at(deadline, &mut answer).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(_)) => Err(stopping()),
+        Err(_) => {
+            // The question is queued: its slot stays taken until the engine gets to it.
+            tokio::spawn(async move {
+                let _ = answer.await;
+                drop(slot);
+            });
+            Err(timed_out())
+        }
+    }
 }
 
-async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> JsonAnswer {
+async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
     let request = match ExplainParams::parse(query.as_deref().unwrap_or_default())
         .and_then(ExplainParams::request)
     {
@@ -137,7 +223,7 @@ async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Json
         Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
     };
     match ask(&s, |reply| super::engine::Input::Explain { request, reply }).await {
-        Ok(Ok(value)) => (StatusCode::OK, Json(value)),
+        Ok(Ok(value)) => json_answer(&s, StatusCode::OK, &value),
         Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
         Err(answer) => answer,
     }
@@ -153,12 +239,13 @@ async fn metrics(State(s): State<AdminState>) -> impl axum::response::IntoRespon
     )
 }
 
-async fn status(State(s): State<AdminState>) -> Json<Vec<NodeStatus>> {
-    Json(s.board.snapshot())
+async fn status(State(s): State<AdminState>) -> Response {
+    json_answer(&s, StatusCode::OK, &s.board.snapshot())
 }
 
-async fn datastore(State(s): State<AdminState>) -> Json<LastGoodHealth> {
-    Json(s.metrics.last_good())
+async fn datastore(State(s): State<AdminState>) -> Response {
+    let health: LastGoodHealth = s.metrics.last_good();
+    json_answer(&s, StatusCode::OK, &health)
 }
 
 async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
@@ -195,39 +282,83 @@ async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
 }
 
 /// Asks the engine where policies are in force (`only`: one policy, with its lagging nodes).
-async fn realization(s: &AdminState, only: Option<String>) -> JsonAnswer {
+async fn realization(s: &AdminState, only: Option<String>) -> Response {
     let single = only.is_some();
     match ask(s, |reply| super::engine::Input::Realization { only, reply }).await {
         Ok(Ok(mut rows)) if single => match rows.pop() {
-            Some(row) => (StatusCode::OK, Json(serde_json::json!(row))),
+            Some(row) => json_answer(s, StatusCode::OK, &row),
             None => json_error(
                 StatusCode::NOT_FOUND,
                 "no such policy, and no profile of that name is in use".into(),
             ),
         },
-        Ok(Ok(rows)) => (StatusCode::OK, Json(serde_json::json!(rows))),
+        Ok(Ok(rows)) => json_answer(s, StatusCode::OK, &rows),
         Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e),
         Err(answer) => answer,
     }
 }
 
-async fn policies(State(s): State<AdminState>) -> JsonAnswer {
+async fn policies(State(s): State<AdminState>) -> Response {
     realization(&s, None).await
 }
 
-async fn policy(State(s): State<AdminState>, Path(name): Path<String>) -> JsonAnswer {
+async fn policy(State(s): State<AdminState>, Path(name): Path<String>) -> Response {
     realization(&s, Some(name)).await
 }
 
+/// The access check in front of every sensitive path.
+async fn guard(State(s): State<AdminState>, req: Request, next: Next) -> Response {
+    let caller = req
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .unwrap_or_default();
+    let authorization = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    match s
+        .access
+        .check(&caller, authorization, |n| s.board.is_node(n))
+    {
+        Ok(()) => next.run(req).await,
+        Err(refusal) => {
+            let (status, reason, why) = match refusal {
+                Refusal::Unauthenticated(why) => (StatusCode::UNAUTHORIZED, "unauthenticated", why),
+                Refusal::Forbidden(why) => (StatusCode::FORBIDDEN, "forbidden", why),
+            };
+            s.metrics.admin_refused(reason);
+            tracing::info!(
+                path = %calc_graph::untrusted::Untrusted(req.uri().path()),
+                caller = AdminAccess::describe(&caller),
+                reason,
+                "admin request refused"
+            );
+            let mut answer = json_error(status, why);
+            if status == StatusCode::UNAUTHORIZED {
+                answer.headers_mut().insert(
+                    axum::http::header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static("Bearer realm=\"calc-server admin\""),
+                );
+            }
+            answer
+        }
+    }
+}
+
+/// The paths and their access: probes and metrics open, the rest behind [`guard`].
 pub(super) fn router(state: AdminState) -> axum::Router {
-    axum::Router::new()
+    let sensitive = axum::Router::new()
         .route("/status", get(status))
         .route("/status/datastore", get(datastore))
         .route("/status/policies", get(policies))
         .route("/status/policies/{*name}", get(policy))
+        .route("/explain", get(explain))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
+    axum::Router::new()
         .route("/liveness", get(|| async { "alive\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(metrics))
-        .route("/explain", get(explain))
+        .merge(sensitive)
         .with_state(state)
 }

@@ -172,6 +172,16 @@ impl Drop for Admission {
     }
 }
 
+impl ListenerArgs {
+    /// How a client certificate names its node (`--tls-client-uri-san-prefix`, else the CN).
+    pub fn identity_source(&self) -> IdentitySource {
+        match &self.tls_client_uri_san_prefix {
+            Some(p) if !p.is_empty() => IdentitySource::UriSanPrefix(p.clone()),
+            _ => IdentitySource::CommonName,
+        }
+    }
+}
+
 /// TLS settings ready to accept with.
 pub struct TlsSettings {
     acceptor: tokio_rustls::TlsAcceptor,
@@ -215,7 +225,7 @@ impl ListenerArgs {
             self.tls_cert_file.as_deref().unwrap_or(Path::new("")),
             self.tls_key_file.as_deref().unwrap_or(Path::new("")),
         );
-        let config = server_config(ca, cert, key)?;
+        let config = server_config(ClientCa::Required(ca, "--tls-ca-file"), cert, key)?;
         let identity = match &self.tls_client_uri_san_prefix {
             Some(p) if p.is_empty() => {
                 anyhow::bail!("--tls-client-uri-san-prefix must not be empty")
@@ -243,20 +253,61 @@ fn read_certs(path: &Path, what: &str) -> anyhow::Result<Vec<CertificateDer<'sta
     Ok(certs)
 }
 
-fn server_config(ca: &Path, cert: &Path, key: &Path) -> anyhow::Result<rustls::ServerConfig> {
+/// Which client certificates a listener asks for: required (the Sync listener) or optional
+/// (the admin listener, where probes and token callers have none), from the CA in the file
+/// that the flag names.
+enum ClientCa<'a> {
+    Required(&'a Path, &'static str),
+    Optional(&'a Path, &'static str),
+}
+
+impl ListenerArgs {
+    /// The admin listener's TLS: the Sync listener's certificate, HTTP/1.1, client
+    /// certificates asked for but optional, verified against `admin_ca` (`--admin-ca-file`) or
+    /// else the agents' CA. `None` without TLS flags (the errors are [`ListenerArgs::tls`]'s).
+    pub fn admin_tls(
+        &self,
+        admin_ca: Option<&Path>,
+    ) -> anyhow::Result<Option<rustls::ServerConfig>> {
+        let (Some(ca), Some(cert), Some(key)) =
+            (&self.tls_ca_file, &self.tls_cert_file, &self.tls_key_file)
+        else {
+            return Ok(None);
+        };
+        let client_ca = match admin_ca {
+            Some(a) => ClientCa::Optional(a, "--admin-ca-file"),
+            None => ClientCa::Optional(ca, "--tls-ca-file"),
+        };
+        let mut config = server_config(client_ca, cert, key)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Some(config))
+    }
+}
+
+fn server_config(
+    client_ca: ClientCa<'_>,
+    cert: &Path,
+    key: &Path,
+) -> anyhow::Result<rustls::ServerConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
-    for c in read_certs(ca, "--tls-ca-file")? {
+    let (ClientCa::Required(ca, flag) | ClientCa::Optional(ca, flag)) = client_ca;
+    for c in read_certs(ca, flag)? {
         roots
             .add(c)
-            .with_context(|| format!("--tls-ca-file {}: unusable CA", ca.display()))?;
+            .with_context(|| format!("{flag} {}: unusable CA", ca.display()))?;
     }
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+    let builder = rustls::server::WebPkiClientVerifier::builder_with_provider(
         Arc::new(roots),
         provider.clone(),
-    )
-    .build()
-    .context("building the client certificate verifier")?;
+    );
+    let builder = match client_ca {
+        ClientCa::Required(..) => builder,
+        ClientCa::Optional(..) => builder.allow_unauthenticated(),
+    };
+    let verifier = builder
+        .build()
+        .context("building the client certificate verifier")?;
     let chain = read_certs(cert, "--tls-cert-file")?;
     let key = PrivateKeyDer::from_pem_file(key)
         .with_context(|| format!("--tls-key-file {}: no PEM private key", key.display()))?;
@@ -299,7 +350,7 @@ pub fn node_identity(der: &[u8], source: &IdentitySource) -> Result<String, Stri
     }
 }
 
-fn uri_sans(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
+pub(super) fn uri_sans(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
     match cert.subject_alternative_name() {
         Ok(Some(ext)) => ext
             .value

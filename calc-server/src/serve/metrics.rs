@@ -39,8 +39,26 @@ pub const REFUSAL_REASONS: [&str; 8] = [
     "hello_timeout",
 ];
 
+/// Why an admin connection or request was refused: `connection_limit`
+/// (--admin-max-connections), `tls_handshake` and `tls_handshake_timeout`, `unauthenticated`
+/// (401: no usable credentials), `forbidden` (403: not an admin identity), `busy` (429: every
+/// query slot taken), `timeout` (503: no answer within --admin-query-timeout), `too_large`
+/// (413: above --admin-max-response-bytes).
+pub const ADMIN_REFUSAL_REASONS: [&str; 8] = [
+    "connection_limit",
+    "tls_handshake",
+    "tls_handshake_timeout",
+    "unauthenticated",
+    "forbidden",
+    "busy",
+    "timeout",
+    "too_large",
+];
+
 #[derive(Default)]
 pub struct Metrics {
+    /// Admin connections and requests refused, by reason (see [`ADMIN_REFUSAL_REASONS`]).
+    admin_refused: [AtomicU64; ADMIN_REFUSAL_REASONS.len()],
     /// Datastore updates applied to the graph (including rejected ones).
     pub updates_processed: AtomicU64,
     /// Complete datastore listings delivered (the first sync and every re-list).
@@ -111,6 +129,13 @@ impl Metrics {
     pub fn refused(&self, reason: &str) {
         if let Some(i) = REFUSAL_REASONS.iter().position(|r| *r == reason) {
             self.refused[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts an admin refusal; `reason` is one of [`ADMIN_REFUSAL_REASONS`].
+    pub fn admin_refused(&self, reason: &str) {
+        if let Some(i) = ADMIN_REFUSAL_REASONS.iter().position(|r| *r == reason) {
+            self.admin_refused[i].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -192,6 +217,17 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "calc_server_connections_refused_total{{reason=\"{reason}\"}} {}",
+                c(n)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP calc_server_admin_refused_total Admin connections and requests refused, by reason.\n# TYPE calc_server_admin_refused_total counter"
+        );
+        for (reason, n) in ADMIN_REFUSAL_REASONS.iter().zip(&self.admin_refused) {
+            let _ = writeln!(
+                out,
+                "calc_server_admin_refused_total{{reason=\"{reason}\"}} {}",
                 c(n)
             );
         }

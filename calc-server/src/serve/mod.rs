@@ -13,6 +13,8 @@
 //! `metrics` holds what `/metrics` shows.
 
 mod admin;
+mod admin_access;
+mod admin_server;
 mod engine;
 pub mod listener;
 pub mod metrics;
@@ -43,11 +45,21 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    // Checked before anything starts: TLS flags are all or nothing, files must load.
+    // Checked before anything starts: TLS flags are all or nothing, files must load, an
+    // unauthenticated admin endpoint only on loopback.
     let tls = args.listener.tls()?;
+    let admin_tls = args
+        .listener
+        .admin_tls(args.admin.admin_ca_file.as_deref())?;
+    let access = admin_access::AdminAccess::new(
+        &args.admin,
+        args.admin_listen,
+        admin_tls.is_some(),
+        args.listener.identity_source(),
+    )?;
     // Every task below is spawned through this: spans, one cancellation, a bounded wait.
     let tasks = Tasks::new();
-    let result = serve_with(args, tls, &tasks).await;
+    let result = serve_with(args, tls, (admin_tls, access), &tasks).await;
     // Whatever ended serving (the signal, once the streams are closed, or an error): stop and
     // wait for the rest.
     tracing::debug!(tasks = tasks.len(), "stopping tasks");
@@ -61,6 +73,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 async fn serve_with(
     args: ServeArgs,
     tls: Option<listener::TlsSettings>,
+    (admin_tls, access): (Option<rustls::ServerConfig>, admin_access::AdminAccess),
     tasks: &Tasks,
 ) -> anyhow::Result<ExitCode> {
     let board = Arc::new(status::Board::default());
@@ -95,19 +108,32 @@ async fn serve_with(
     let admin = tokio::net::TcpListener::bind(args.admin_listen)
         .await
         .with_context(|| format!("binding the admin endpoint {}", args.admin_listen))?;
+    let admin_scheme = if admin_tls.is_some() { "https" } else { "http" };
     let admin_router = admin::router(admin::AdminState {
         board: board.clone(),
         ready,
         metrics: metrics.clone(),
         engine: engine_tx.clone(),
+        access: Arc::new(access),
+        bounds: admin::Bounds {
+            queries: Arc::new(tokio::sync::Semaphore::new(usize::from(
+                args.admin.admin_max_concurrent_queries,
+            ))),
+            query_timeout: args.admin.admin_query_timeout,
+            max_response_bytes: args.admin.admin_max_response_bytes,
+        },
     });
+    let admin_server = admin_server::AdminServer {
+        listener: admin,
+        tls: admin_tls,
+        router: admin_router,
+        max_connections: usize::from(args.admin.admin_max_connections),
+        handshake_timeout: args.listener.tls_handshake_timeout,
+        metrics: metrics.clone(),
+    };
     tasks.spawn(
         tracing::info_span!("admin", listen = %args.admin_listen),
-        async move {
-            if let Err(error) = axum::serve(admin, admin_router).await {
-                tracing::error!(%error, "admin endpoint failed");
-            }
-        },
+        admin_server.run(tasks.clone()),
     );
 
     let service = service::SyncService {
@@ -127,7 +153,7 @@ async fn serve_with(
     let scheme = if tls.is_some() { "mTLS" } else { "plaintext" };
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, datastore = %source, transport = scheme, "calc-server serving");
     eprintln!(
-        "calc-server: serving {source} on {} ({scheme}; admin http://{})",
+        "calc-server: serving {source} on {} ({scheme}; admin {admin_scheme}://{})",
         args.listen, args.admin_listen
     );
     let limits = listener::Limits::new(
