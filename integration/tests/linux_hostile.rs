@@ -2,10 +2,12 @@
 //! sends `dataplane-agent` (each test once per driver, `--driver linux` and `--driver nftables`,
 //! see [`driver_tests!`]) hostile messages (injection attempts in every string
 //! that reaches restore input, netlink or sysctl paths; the host's own interfaces as endpoints;
-//! prefixes that would take them over; deny-all on `lo`; values out of range), and the test
-//! checks what Calico users rely on: the kernel outside our own chains is unchanged, denied
-//! traffic stays denied, the agent keeps its stream, refused endpoints report `error`, and an
-//! unrelated policy change is enforced within seconds.
+//! prefixes that would take them over; deny-all on `lo`; values out of range; rules the kernel
+//! takes but reads as "every protocol", on a workload's path), and the test checks what Calico
+//! users rely on: the kernel outside our own chains is unchanged, denied traffic stays denied
+//! (only the agent's own validation keeps it so: the kernel would program the widening rules),
+//! the agent keeps its stream, refused endpoints report `error`, every log line is one event
+//! whatever the names hold, and an unrelated policy change is enforced within seconds.
 //!
 //! Needs root and the namespace tools: `#[ignore]`d with that reason, and `make test` runs it.
 
@@ -124,6 +126,37 @@ fn config(pairs: &[(&str, &str)]) -> Payload {
             .collect(),
         ..Default::default()
     })
+}
+
+/// The policies on web's path after web-guard that a kernel takes but that do not mean what
+/// they seem: iptables reads protocol 0 and the protocol names `all` and `ip` as "every
+/// protocol", so each rule would accept whatever web-guard left to the tier's end. Only the
+/// agent's validation refuses them (failing each closed); the kernel never would, so without it
+/// web's port 8080 opens.
+const WIDENING: [&str; 3] = ["evil-proto-zero", "evil-proto-all", "evil-proto-ip"];
+
+fn widening_policies() -> Vec<(&'static str, Payload)> {
+    let allow = |p: NumberOrName| Rule {
+        action: "allow".into(),
+        protocol: Some(Protocol {
+            number_or_name: Some(p),
+        }),
+        ..Default::default()
+    };
+    vec![
+        (
+            "protocol 0",
+            policy(WIDENING[0], vec![allow(NumberOrName::Number(0))]),
+        ),
+        (
+            "protocol all",
+            policy(WIDENING[1], vec![allow(NumberOrName::Name("all".into()))]),
+        ),
+        (
+            "protocol ip",
+            policy(WIDENING[2], vec![allow(NumberOrName::Name("ip".into()))]),
+        ),
+    ]
 }
 
 /// Every message the attack sends: each alone would have injected rules, flushed sets, taken
@@ -495,6 +528,23 @@ fn assert_no_apply_failure(driver: Driver, log: &str) {
     }
 }
 
+/// Every line of a plain-format log starts like an event (with its timestamp): a name from the
+/// stream or the datastore that reached the log with its newline raw would start a line with
+/// whatever followed the newline (an injected `-A INPUT …`, or nothing). calc-server's own
+/// start-up line (`calc-server: serving …`, on stdout) is not an event.
+fn assert_one_event_per_line(who: &str, log: &str) {
+    let starts_event = |l: &str| {
+        let b = l.as_bytes();
+        (b.len() > 20 && b[..4].iter().all(u8::is_ascii_digit) && b[4] == b'-' && b[10] == b'T')
+            || l.starts_with("calc-server: serving ")
+    };
+    let forged: Vec<&str> = log.lines().filter(|l| !starts_event(l)).collect();
+    assert!(
+        forged.is_empty(),
+        "{who} log lines that do not start an event: {forged:?}"
+    );
+}
+
 /// The latest status each workload reported.
 fn workload_statuses(server: &ScriptedServer) -> HashMap<String, String> {
     let mut out = HashMap::new();
@@ -515,6 +565,102 @@ driver_tests! {
     datastore_attacks_are_refused_by_name_and_change_nothing_outside => datastore_attacks;
     #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
     an_ip_set_changing_type_keeps_enforcing_and_settles => set_changing_type;
+}
+
+/// What a name from the stream holds to forge log lines: a newline and a whole fake event, a
+/// carriage return, a terminal escape (clear screen) and a bidirectional override.
+const FORGED_NAME: &str =
+    "web\n2026-01-01T00:00:00.000000Z  INFO dataplane_agent: policy allowed everything";
+
+/// Objects from a scripted stream whose names forge log lines reach a dry-run agent (which logs
+/// every object it records, by key), once with plain and once with JSON logs: each event stays
+/// one line, with the name escaped, and no raw control character reaches the log.
+#[test]
+#[ignore = "needs root and the namespace tools (ip): `make test` runs it"]
+fn names_from_the_stream_forge_no_log_lines() {
+    netns::require();
+    let host = Netns::new("logforge");
+    let server = ScriptedServer::start(&host, 50079, NODE);
+    server.send(Payload::IpsetUpdate(IpSetUpdate {
+        id: "s:x\r\u{1b}[2Jforged".into(),
+        members: vec!["10.0.0.1".into()],
+        r#type: 0,
+    }));
+    server.send(policy(FORGED_NAME, vec![]));
+    server.send(Payload::ActiveProfileUpdate(ActiveProfileUpdate {
+        id: Some(ProfileId {
+            name: "kns.\u{202e}txt.exe\n".into(),
+        }),
+        profile: Some(Profile::default()),
+    }));
+    server.send(Payload::InSync(InSync {}));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut agents = Vec::new();
+    for format in ["plain", "json"] {
+        let log = dir.path().join(format!("{format}.log"));
+        let state = dir.path().join(format!("{format}.state.json"));
+        let state = state.to_str().expect("utf-8 path");
+        let args = [
+            "--server",
+            &server.url,
+            "--node",
+            NODE,
+            "--driver",
+            "dry-run",
+            "--state-file",
+            state,
+            "--log-level",
+            "info",
+            "--log-format",
+            format,
+        ];
+        let child = host.spawn(&integration::binary("dataplane-agent"), &args, &log);
+        agents.push((child, log));
+    }
+    server.wait_dataplane_in_sync(2);
+    let read = |log: &Path| {
+        netns::wait_until(
+            "the dry-run agent logged the policy",
+            Duration::from_secs(10),
+            || {
+                std::fs::read_to_string(log)
+                    .unwrap_or_default()
+                    .contains("dry-run: policy")
+            },
+            || std::fs::read_to_string(log).unwrap_or_default(),
+        );
+        std::fs::read_to_string(log).unwrap_or_default()
+    };
+    let plain = read(&agents[0].1);
+    let json = read(&agents[1].1);
+    for (mut child, _) in agents {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let raw_control = |text: &str| {
+        text.lines()
+            .flat_map(str::chars)
+            .any(|c| c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c))
+    };
+    assert_one_event_per_line("plain-format agent", &plain);
+    assert!(!raw_control(&plain), "a raw control character:\n{plain}");
+    assert!(
+        plain.contains("policy=NetworkPolicy/prod/web\\n2026-01-01T00:00:00.000000Z  INFO"),
+        "the name is logged escaped:\n{plain}"
+    );
+    assert!(!raw_control(&json), "a raw control character:\n{json}");
+    let events: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: not one JSON event: {l:?}"))
+        })
+        .collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["fields"]["policy"] == format!("NetworkPolicy/prod/{FORGED_NAME}").as_str()),
+        "the name decodes to what was sent:\n{json}"
+    );
 }
 
 fn hostile_stream(driver: Driver) {
@@ -563,6 +709,21 @@ fn hostile_stream(driver: Driver) {
     expect_within("before the attack", &guarded, 20, &log, &host, driver);
     let before = outside_our_state(&host);
 
+    // The widening policies, then web with them on its path after web-guard, before the rest
+    // of the attack: the refused endpoints' statuses below come from an apply that holds them.
+    for (_, p) in widening_policies() {
+        server.send(p);
+    }
+    let mut web_path = vec![pid("web-guard")];
+    web_path.extend(WIDENING.iter().map(|n| pid(n)));
+    server.send(wep_with_mac(
+        "web",
+        "caliweb",
+        "10.65.1.2",
+        &web.mac(),
+        &web_path,
+        "default",
+    ));
     for (_, p) in hostile_messages() {
         server.send(p);
     }
@@ -610,6 +771,9 @@ fn hostile_stream(driver: Driver) {
         1,
         "the agent lost its stream under attack"
     );
+    // The widening policies are in force and failed closed: still only port 80 (a probe that
+    // sees 8080 open fails here, whatever the logs say).
+    expect_within("under attack", &guarded, 20, &log, &host, driver);
     // A deny-all host endpoint on lo is in place: established connections survive it, a new
     // one to the calc-server must pass the failsafe. Restart the agent (as after a crash).
     let _ = agent.kill();
@@ -654,6 +818,9 @@ fn hostile_stream(driver: Driver) {
         "policy np/prod/evil-cidr",
         "policy np/prod/evil-ranges",
         "policy np/prod/evil-set",
+        "policy np/prod/evil-proto-zero",
+        "policy np/prod/evil-proto-all",
+        "policy np/prod/evil-proto-ip",
         "workload endpoint k8s/prod/evil-uplink/eth0",
         "profile \"kns.evil profile\"",
     ] {
@@ -662,6 +829,12 @@ fn hostile_stream(driver: Driver) {
             "{object} is not named in the log:\n{text}"
         );
     }
+    // The names above held newlines and injected restore lines: each event is still one line.
+    assert_one_event_per_line("agent", &text);
+    assert_one_event_per_line(
+        "restarted agent",
+        &std::fs::read_to_string(&log).unwrap_or_default(),
+    );
     assert!(
         text.contains("LogPrefix"),
         "the log prefix refusal is logged:\n{text}"
@@ -897,6 +1070,8 @@ spec:
         server_log.contains("FelixConfiguration") && server_log.contains("logPrefix"),
         "the log prefix is refused by name:\n{server_log}"
     );
+    assert_one_event_per_line("calc-server", &server_log);
+    assert_one_event_per_line("agent", &agent_log);
     assert!(
         agent_log.contains("workload endpoint k8s/prod/evil/eth0")
             && agent_log.contains("does not match the workload interface prefixes"),
