@@ -175,7 +175,7 @@ fn parse(sel: &str) -> Result<Selector, String> {
 
 /// Parses `s` and prefixes every label with `prefix`, returning the canonical string
 /// (Calico's `parseSelectorAttachPrefix`).
-fn attach_prefix(s: &str, prefix: &str) -> Result<String, String> {
+pub(crate) fn attach_prefix(s: &str, prefix: &str) -> Result<String, String> {
     Ok(parse(s)?.with_label_prefix(prefix).canonical().to_string())
 }
 

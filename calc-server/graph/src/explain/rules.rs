@@ -21,6 +21,12 @@ pub trait Sets {
     fn has_ip(&self, id: &str, ip: IpAddr) -> bool;
     /// Whether `ip,protocol:port` is in the (named-port or service) set `id`.
     fn has_ip_port(&self, id: &str, ip: IpAddr, protocol: u8, port: u16) -> bool;
+    /// Whether `selector` selects an endpoint at `ip` (by its labels, inherited ones
+    /// included); `None` when no endpoint is there. Lets a mismatch name the one part of a
+    /// rule's selector that fails.
+    fn selects_endpoint(&self, _selector: &crate::selector::Selector, _ip: IpAddr) -> Option<bool> {
+        None
+    }
 }
 
 /// Protocol numbers of the names Calico accepts.
@@ -99,6 +105,72 @@ fn selector_text(original: &str, namespace: &str, ids: &[String]) -> String {
     }
 }
 
+/// The parts a rule's source or destination selector is made of, in the order Calico's
+/// combined selector tests them (`getEndpointSelector`: namespace, then service accounts,
+/// then the selector): each as the user wrote it and as evaluated on an endpoint's labels.
+fn selector_parts(
+    selector: &str,
+    namespace: &str,
+    service_accounts: Option<&pb::ServiceAccountMatch>,
+) -> Vec<(String, String)> {
+    use crate::convert::{
+        LABEL_NAMESPACE, LABEL_SERVICE_ACCOUNT, NAMESPACE_LABEL_PREFIX,
+        SERVICE_ACCOUNT_LABEL_PREFIX, attach_prefix,
+    };
+    let mut parts = Vec::new();
+    if !namespace.is_empty()
+        && let Ok(prefixed) = attach_prefix(namespace, NAMESPACE_LABEL_PREFIX)
+    {
+        let prefixed = prefixed
+            .replace("all()", &format!("has({LABEL_NAMESPACE})"))
+            .replace("global()", &format!("!has({LABEL_NAMESPACE})"));
+        parts.push((format!("namespaceSelector `{namespace}`"), prefixed));
+    }
+    if let Some(sa) = service_accounts {
+        if !sa.selector.is_empty()
+            && let Ok(prefixed) = attach_prefix(&sa.selector, SERVICE_ACCOUNT_LABEL_PREFIX)
+        {
+            parts.push((
+                format!("serviceAccounts.selector `{}`", sa.selector),
+                prefixed,
+            ));
+        }
+        if !sa.names.is_empty() {
+            let quoted: Vec<String> = sa.names.iter().map(|n| format!("'{n}'")).collect();
+            parts.push((
+                format!("serviceAccounts.names [{}]", sa.names.join(", ")),
+                format!("{LABEL_SERVICE_ACCOUNT} in {{ {} }}", quoted.join(", ")),
+            ));
+        }
+    }
+    if !selector.is_empty() {
+        parts.push((format!("selector `{selector}`"), selector.to_string()));
+    }
+    parts
+}
+
+/// Why `ip` is not in a rule's selector sets: the first part of the selector that fails on
+/// the endpoint at `ip`, when the sets can say; else the whole selector as written.
+fn not_selected(
+    side: &str,
+    ip: IpAddr,
+    parts: &[(String, String)],
+    whole: String,
+    sets: &dyn Sets,
+) -> Mismatch {
+    for (label, text) in parts {
+        let Ok(sel) = crate::selector::parse(text) else {
+            continue;
+        };
+        match sets.selects_endpoint(&sel, ip) {
+            Some(false) => return format!("{side} {ip} not selected by {label}"),
+            Some(true) => {}
+            None => break,
+        }
+    }
+    format!("{side} {ip} not selected by {whole}")
+}
+
 /// Why a rule does not match the packet.
 pub type Mismatch = String;
 
@@ -154,15 +226,17 @@ pub fn rule_matches(r: &pb::Rule, p: &Packet, sets: &dyn Sets) -> Result<(), Mis
                 p.src, r.original_src_service_namespace, r.original_src_service
             ));
         }
-        return Err(format!(
-            "source {} not selected by {}",
-            p.src,
-            selector_text(
-                &r.original_src_selector,
-                &r.original_src_namespace_selector,
-                &r.src_ip_set_ids
-            )
-        ));
+        let parts = selector_parts(
+            &r.original_src_selector,
+            &r.original_src_namespace_selector,
+            r.src_service_account_match.as_ref(),
+        );
+        let whole = selector_text(
+            &r.original_src_selector,
+            &r.original_src_namespace_selector,
+            &r.src_ip_set_ids,
+        );
+        return Err(not_selected("source", p.src, &parts, whole, sets));
     }
     if !r.src_ports.is_empty() || !r.src_named_port_ip_set_ids.is_empty() {
         let ok = p.src_port.is_some_and(|port| {
@@ -184,15 +258,17 @@ pub fn rule_matches(r: &pb::Rule, p: &Packet, sets: &dyn Sets) -> Result<(), Mis
         return Err(format!("destination {} not in nets {:?}", p.dst, r.dst_net));
     }
     if !r.dst_ip_set_ids.iter().all(|id| sets.has_ip(id, p.dst)) {
-        return Err(format!(
-            "destination {} not selected by {}",
-            p.dst,
-            selector_text(
-                &r.original_dst_selector,
-                &r.original_dst_namespace_selector,
-                &r.dst_ip_set_ids
-            )
-        ));
+        let parts = selector_parts(
+            &r.original_dst_selector,
+            &r.original_dst_namespace_selector,
+            r.dst_service_account_match.as_ref(),
+        );
+        let whole = selector_text(
+            &r.original_dst_selector,
+            &r.original_dst_namespace_selector,
+            &r.dst_ip_set_ids,
+        );
+        return Err(not_selected("destination", p.dst, &parts, whole, sets));
     }
     if !r.dst_ip_port_set_ids.is_empty() {
         let ok = p.dst_port.is_some_and(|port| {
@@ -323,5 +399,94 @@ pub fn action_name(action: &str) -> &'static str {
         "log" => "Log",
         // The agent renders an unknown action as a deny: never wider.
         _ => "Deny",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::selector::Selector;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    /// One endpoint at `ip` with these labels; the rule's one selector set holds it when the
+    /// combined selector (as Calico builds it from the parts) selects those labels.
+    struct OneEndpoint {
+        ip: IpAddr,
+        labels: BTreeMap<String, String>,
+        combined: Selector,
+    }
+
+    impl Sets for OneEndpoint {
+        fn has_ip(&self, _id: &str, ip: IpAddr) -> bool {
+            ip == self.ip && self.combined.evaluate(&self.labels)
+        }
+        fn has_ip_port(&self, _: &str, _: IpAddr, _: u8, _: u16) -> bool {
+            false
+        }
+        fn selects_endpoint(&self, selector: &Selector, ip: IpAddr) -> Option<bool> {
+            (ip == self.ip).then(|| selector.evaluate(&self.labels))
+        }
+    }
+
+    fn value() -> impl Strategy<Value = Option<&'static str>> {
+        prop_oneof![Just(None), Just(Some("a")), Just(Some("b"))]
+    }
+
+    proptest! {
+        /// Whatever labels the source has and whichever parts the rule has, a reported
+        /// selector miss names a part that fails when evaluated alone, and every part before
+        /// it (in Calico's order) passes; a source every part selects is not reported.
+        #[test]
+        fn each_reported_selector_miss_is_a_part_that_fails_alone(
+            ns_label in value(), sa_label in value(), app in value(), sa_name in value(),
+            want_ns in value(), want_sa in value(), want_app in value(), want_name in value(),
+        ) {
+            let ip: IpAddr = "10.0.0.1".parse().unwrap();
+            let mut labels = BTreeMap::new();
+            for (k, v) in [("pcns.team", ns_label), ("pcsa.role", sa_label), ("app", app),
+                           ("projectcalico.org/serviceaccount", sa_name)] {
+                if let Some(v) = v {
+                    labels.insert(k.to_string(), v.to_string());
+                }
+            }
+            let namespace = want_ns.map(|v| format!("team == '{v}'")).unwrap_or_default();
+            let selector = want_app.map(|v| format!("app == '{v}'")).unwrap_or_default();
+            let sa = (want_sa.is_some() || want_name.is_some()).then(|| pb::ServiceAccountMatch {
+                selector: want_sa.map(|v| format!("role == '{v}'")).unwrap_or_default(),
+                names: want_name.map(|n| vec![n.to_string()]).unwrap_or_default(),
+            });
+            let parts = selector_parts(&selector, &namespace, sa.as_ref());
+            let combined = if parts.is_empty() {
+                Selector::all()
+            } else {
+                crate::selector::and(parts.iter().map(|(_, t)| crate::selector::parse(t).unwrap()).collect())
+            };
+            let sets = OneEndpoint { ip, labels: labels.clone(), combined };
+            let rule = pb::Rule {
+                action: "allow".into(),
+                src_ip_set_ids: vec!["s:combined".into()],
+                original_src_selector: selector.clone(),
+                original_src_namespace_selector: namespace.clone(),
+                src_service_account_match: sa.clone(),
+                ..Default::default()
+            };
+            let packet = Packet {
+                src: ip, dst: "10.0.0.2".parse().unwrap(), protocol: 6,
+                src_port: None, dst_port: Some(80), icmp: None,
+            };
+            let alone = |text: &str| crate::selector::parse(text).unwrap().evaluate(&labels);
+            match rule_matches(&rule, &packet, &sets) {
+                Ok(()) => prop_assert!(parts.iter().all(|(_, t)| alone(t))),
+                Err(why) => {
+                    let k = parts.iter().position(|(label, _)| why.ends_with(label.as_str()));
+                    let k = k.unwrap_or_else(|| panic!("{why:?} names no part of {parts:?}"));
+                    prop_assert!(!alone(&parts[k].1), "{why}: that part selects {labels:?}");
+                    for (label, t) in &parts[..k] {
+                        prop_assert!(alone(t), "{why}: the earlier part {label} fails too");
+                    }
+                }
+            }
+        }
     }
 }

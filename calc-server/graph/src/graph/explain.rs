@@ -93,6 +93,22 @@ struct View<'g> {
 }
 
 impl Sets for View<'_> {
+    fn selects_endpoint(&self, selector: &crate::selector::Selector, ip: IpAddr) -> Option<bool> {
+        let mut any = None;
+        for (item, e) in &self.g.endpoints {
+            if !e.nets.iter().any(|n| cidr_contains(n, ip)) {
+                continue;
+            }
+            let labels = self.g.index.effective_labels(*item)?;
+            // An IP set holds the address if any endpoint there is selected.
+            if selector.evaluate(&labels) {
+                return Some(true);
+            }
+            any = Some(false);
+        }
+        any
+    }
+
     fn has_ip(&self, id: &str, ip: IpAddr) -> bool {
         self.g.ipsets.get(id).is_some_and(|s| {
             s.members
@@ -1146,6 +1162,61 @@ spec:
     source: {selector: app == 'client'}
     destination: {ports: [http]}
 "#;
+
+    /// A rule that is missed names the part of its selector that fails, in the order Calico's
+    /// combined selector tests them, never a part that matches.
+    #[test]
+    fn a_missed_rule_names_the_part_of_its_selector_that_fails() {
+        let g = graph(
+            r#"
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: db-guard, namespace: prod}
+spec:
+  selector: app == 'db'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    source:
+      namespaceSelector: env == 'prod'
+      serviceAccounts: {selector: role == 'backend'}
+  - action: Allow
+    source:
+      namespaceSelector: env == 'prod'
+      serviceAccounts: {names: [backup]}
+  - action: Allow
+    source: {namespaceSelector: env == 'prod', selector: app == 'web'}
+"#,
+        );
+        let misses = |from: &str| -> Vec<String> {
+            let e = ask(&g, from, "prod/db", "tcp", Some(9999));
+            let step = e
+                .ingress
+                .steps
+                .iter()
+                .find(|s| s.policy.as_deref() == Some("prod/db-guard"))
+                .expect("the policy is walked")
+                .clone();
+            step.not_matched.iter().map(|m| m.why.clone()).collect()
+        };
+        // prod/client is in a namespace labelled env=prod: the namespace is not the miss.
+        let why = misses("prod/client");
+        assert_eq!(why.len(), 3, "{why:?}");
+        assert!(
+            why[0].contains("serviceAccounts.selector `role == 'backend'`"),
+            "{why:?}"
+        );
+        assert!(why[1].contains("serviceAccounts.names [backup]"), "{why:?}");
+        assert!(why[2].contains("selector `app == 'web'`"), "{why:?}");
+        assert!(
+            !why.iter().any(|w| w.contains("namespaceSelector")),
+            "{why:?}"
+        );
+        // dev/client fails the namespace first, whatever else it would fail.
+        for w in misses("dev/client") {
+            assert!(w.contains("namespaceSelector `env == 'prod'`"), "{w}");
+        }
+    }
 
     #[test]
     fn pass_moves_to_the_next_tier_and_a_deny_tier_drops_at_its_end() {
