@@ -13,9 +13,11 @@ use calc_graph::selector;
 
 use crate::datastore::file::manifest_dir;
 
+/// The selector exactly as given: the CLI must agree with the parser the datastore's
+/// selectors go through (a newline is refused there, so it is here).
 fn parse_selector(input: &str) -> anyhow::Result<selector::Selector> {
-    // Trimmed as Calico's Normalise does, so a stray shell newline is not an error.
-    Ok(selector::parse(input.trim())?)
+    selector::parse(input)
+        .with_context(|| format!("selector {:?}", calc_graph::untrusted::Untrusted(input)))
 }
 
 pub fn selector_eval(labels: &str, sel: &str) -> anyhow::Result<ExitCode> {

@@ -56,6 +56,46 @@ fn selector_eval_rejects_bad_selector_with_exit_2() {
     );
 }
 
+/// The CLI passes the selector as given: it accepts exactly what the datastore's parser
+/// accepts (a trailing newline is refused there, so here too).
+#[test]
+fn selector_eval_takes_the_text_as_given() {
+    for (text, valid) in [
+        ("a == \"b\" \n", false),
+        (
+            "\ta == \"b\"",
+            calc_graph::selector::parse("\ta == \"b\"").is_ok(),
+        ),
+        (
+            " a == \"b\" ",
+            calc_graph::selector::parse(" a == \"b\" ").is_ok(),
+        ),
+        ("a == \"b\"", true),
+    ] {
+        assert_eq!(
+            calc_graph::selector::parse(text).is_ok(),
+            valid,
+            "the parser's verdict on {text:?}"
+        );
+        let o = calc_server(&["selector", "eval", "--labels", r#"{"a": "b"}"#, text]);
+        if valid {
+            assert_eq!(
+                (o.status.code(), stdout(&o).as_str()),
+                (Some(0), "true\n"),
+                "{text:?}"
+            );
+        } else {
+            assert_eq!(
+                o.status.code(),
+                Some(2),
+                "{text:?} is refused: {}",
+                stdout(&o)
+            );
+            assert!(stderr(&o).contains("selector"), "{}", stderr(&o));
+        }
+    }
+}
+
 #[test]
 fn selector_eval_rejects_bad_labels_with_exit_2() {
     let o = calc_server(&["selector", "eval", "--labels", r#"{"a": 1}"#, "has(a)"]);
