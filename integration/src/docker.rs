@@ -1,10 +1,13 @@
 //! Containers for the tests: the Docker engine, the project's images, throwaway networks and
 //! containers that are removed when the test ends (whatever its outcome).
 //!
-//! A test that needs the engine calls [`require_engine`]: without one it is skipped (`None`,
-//! with a line saying why) when `CI` is unset and fails when `CI` is set, as every other
-//! prerequisite of `make test` does. [`Docker::ensure_images`] builds the images with
-//! `scripts/images.sh` once per test process, and only those missing.
+//! A test that needs the engine calls [`require_engine`]: without one it fails when `CI` is set,
+//! as every other prerequisite of `make test` does; when `CI` is unset it returns `None` and the
+//! test returns at once, having run nothing. The harness can only report such a test as
+//! passed, so [`require_engine`] records it as not run (see [`not_run`]): `scripts/test.sh`
+//! counts it under "not run" and names it, never under "passed".
+//! [`Docker::ensure_images`] builds the images with `scripts/images.sh` once per test process,
+//! and only those missing.
 
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -25,7 +28,48 @@ pub const IMAGES: [&str; 4] = [
 #[derive(Clone, Copy, Debug)]
 pub struct Docker;
 
-/// The engine, or `None` (the test is skipped) when there is none and `CI` is unset.
+/// The variable naming the file a test that did not run is recorded in (`scripts/test.sh`
+/// sets it).
+pub const NOT_RUN_FILE_ENV: &str = "SPLIT_FELIX_NOT_RUN_FILE";
+
+/// Records that the calling test did not run, and why: one line `<test binary>::<test>:
+/// <reason>` appended to the file [`NOT_RUN_FILE_ENV`] names (if set), and the same line on
+/// the process's stderr, past the harness's output capture, so a plain `cargo test` shows it
+/// too. The test then returns without asserting anything.
+pub fn not_run(reason: &str) {
+    use std::io::Write;
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .map(|s| match s.rsplit_once('-') {
+            Some((name, hash)) if hash.bytes().all(|b| b.is_ascii_hexdigit()) => name.to_owned(),
+            _ => s,
+        })
+        .unwrap_or_default();
+    // The harness runs each test on a thread named after it.
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("an unnamed test")
+        .to_owned();
+    let line = format!("{binary}::{test}: {reason}\n");
+    if let Some(path) = std::env::var_os(NOT_RUN_FILE_ENV) {
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = written {
+            panic!(
+                "cannot record a test that did not run in {}: {e}",
+                std::path::Path::new(&path).display()
+            );
+        }
+    }
+    let _ = std::io::stderr().write_all(format!("not run: {line}").as_bytes());
+}
+
+/// The engine, or `None` when there is none and `CI` is unset: the test was recorded as not
+/// run ([`not_run`]) and must return at once.
 pub fn require_engine() -> Option<Docker> {
     let ok = Command::new("docker")
         .args(["info", "--format", "{{.ServerVersion}}"])
@@ -39,7 +83,7 @@ pub fn require_engine() -> Option<Docker> {
             "CI is set and no Docker engine answers `docker info`: the container tests cannot run"
         );
     }
-    eprintln!("skipped: no Docker engine (`docker info` failed) and CI is unset");
+    not_run("no Docker engine (`docker info` failed) and CI is unset");
     None
 }
 

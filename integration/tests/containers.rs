@@ -5,8 +5,9 @@
 //! policy edit in etcd to every node, and opens no window while an agent container restarts.
 //!
 //! Needs root and a Docker engine: `#[ignore]`d with that reason and run by `make test`.
-//! Without an engine the tests are skipped when CI is unset and fail when it is set. The images
-//! come from `make images` (built here when missing).
+//! Without an engine the tests fail when CI is set; when it is unset they run nothing and are
+//! counted as not run (`integration::docker::not_run`). The images come from `make images`
+//! (built here when missing).
 
 use std::process::Command;
 use std::thread;

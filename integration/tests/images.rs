@@ -3,8 +3,9 @@
 //! pulled), and each runs its `--help`, as the user the manifests say, without build tools.
 //!
 //! Needs root and a Docker engine: `#[ignore]`d with that reason and run by `make test`.
-//! Without an engine the test is skipped when CI is unset and fails when it is set. The
-//! debootstrap tarball under /var/tmp is a download cache, like cargo's registry: kept.
+//! Without an engine the test fails when CI is set; when it is unset it runs nothing and is
+//! counted as not run (`integration::docker::not_run`). The debootstrap tarball under /var/tmp
+//! is a download cache, like cargo's registry: kept.
 
 use integration::docker::{IMAGES, require_engine};
 

@@ -5,8 +5,9 @@
 //! leaves the rules in place (nothing in the agent tears them down on exit).
 //!
 //! Needs root and a Docker engine: `#[ignore]`d with that reason and run by `make test`. Without
-//! an engine the test is skipped when CI is unset and fails when it is set. The images come
-//! from `make images` (built here when missing).
+//! an engine the test fails when CI is set; when it is unset it runs nothing and is counted as
+//! not run (`integration::docker::not_run`). The images come from `make images` (built here
+//! when missing).
 
 use std::time::{Duration, Instant};
 
