@@ -604,3 +604,105 @@ fn last_good_versions_come_from_etcd_history_after_a_restart() {
         server.log_text()
     );
 }
+
+/// How many times the dry-run agent logged adding, replacing or removing `policy`.
+fn deny_changes(agent_log: &str, policy: &str) -> usize {
+    agent_log
+        .lines()
+        .filter(|l| l.contains("dry-run: policy") && l.contains(policy))
+        .count()
+}
+
+/// A deny policy as calicoctl writes it: every ingress to every endpoint denied.
+fn deny_all(name: &str) -> String {
+    format!(
+        r#"{{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{{"name":"{name}","annotations":{{"projectcalico.org/metadata":"{{\"name\":\"{name}\"}}"}}}},"spec":{{"order":1,"ingress":[{{"action":"Deny","protocol":"TCP","destination":{{"ports":[22]}}}}],"selector":"all()","types":["Ingress"]}}}}"#
+    )
+}
+
+/// Invalid overwrites of an enforced deny, each followed by a valid change to another key (the
+/// watch delivers in order, so once the agent has that change the server has processed the bad
+/// value) and a compaction: the agents keep the deny exactly as it was, never removed even for a
+/// moment, the key is reported as held, and a restarted server finds the same version in etcd's
+/// history. Values without kind and apiVersion (`{}`, metadata and spec alone) were once read as
+/// an empty policy that replaced the deny.
+#[test]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
+fn invalid_overwrites_of_a_deny_leave_it_in_force_on_the_agents() {
+    let etcd = Etcd::start();
+    let work = tempfile::tempdir().unwrap();
+    seed(&etcd);
+    let deny = format!("{P}/globalnetworkpolicies/rel-guard");
+    etcd.put(&deny, &deny_all("rel-guard"));
+    let server = start_server(&etcd, work.path(), free_port(), &[]);
+    let agent = Agent::start(work.path(), &server.grpc, "node-1");
+    let before = agent.wait_for("the deny in force", |s| {
+        s["in_sync"] == true && has(s, "policies", "GlobalNetworkPolicy/rel-guard")
+    })["policies"]["GlobalNetworkPolicy/rel-guard"]
+        .clone();
+    assert!(before.to_string().contains("deny"), "{before}");
+
+    let bad_values = [
+        "{}".to_string(),
+        r#"{"metadata":{"name":"rel-guard"},"spec":{}}"#.to_string(),
+        r#"{"kind":"GlobalNetworkPolicy","metadata":{"name":"rel-guard"},"spec":{}}"#.to_string(),
+        r#"{"apiVersion":"projectcalico.org/v3","metadata":{"name":"rel-guard"},"spec":{}}"#
+            .to_string(),
+        deny_all("rel-guard").replace("projectcalico.org/v3", "projectcalico.org/v2"),
+        deny_all("rel-guard").replace(r#""kind":"GlobalNetworkPolicy""#, r#""kind":"Tier""#),
+        deny_all("rel-guard").replace("all()", "all("),
+    ];
+    for (i, bad) in bad_values.iter().enumerate() {
+        etcd.put(&deny, bad);
+        let marker = format!("marker-{i}");
+        etcd.put(
+            &format!("{P}/globalnetworkpolicies/{marker}"),
+            &gnp(&marker, "all()"),
+        );
+        let s = agent.wait_for("the marker after the bad value", |s| {
+            has(s, "policies", &format!("GlobalNetworkPolicy/{marker}"))
+        });
+        assert_eq!(
+            s["policies"]["GlobalNetworkPolicy/rel-guard"], before,
+            "the deny must stay as it was after {bad}"
+        );
+        let (_, body) = http_get(&server.admin, "/status/datastore").expect("status");
+        let health: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(health["held_last_good"], serde_json::json!([deny]), "{bad}");
+        // The history behind the bad value compacted away: the running server holds the
+        // deny in memory, it does not need etcd's history (which no longer has it).
+        etcd.compact();
+    }
+    let log = server.log_text();
+    assert!(
+        log.contains("no kind") && log.contains("no apiVersion"),
+        "the reasons are logged:\n{log}"
+    );
+    // Never taken out, even for a moment (a deny deleted and then restored from etcd's history
+    // would end in the same state): the agent added it once and never changed it.
+    assert_eq!(
+        deny_changes(&agent.log_text(), "rel-guard"),
+        1,
+        "the deny was added once and never removed or replaced:\n{}",
+        agent.log_text()
+    );
+
+    // Repaired, overwritten with `{}` again, and the server restarted: the last good version
+    // comes from etcd's history.
+    etcd.put(&deny, &deny_all("rel-guard"));
+    etcd.put(&deny, "{}");
+    drop(server);
+    let server = start_server(&etcd, work.path(), free_port(), &[]);
+    let agent = Agent::start_with(work.path(), &server.grpc, "node-1", "restarted", &[]);
+    let s = agent.wait_for("in sync after the restart", |s| s["in_sync"] == true);
+    assert_eq!(
+        s["policies"]["GlobalNetworkPolicy/rel-guard"], before,
+        "the deny is in force from etcd's history"
+    );
+
+    // Deleting the key is how the deny goes.
+    etcd.del(&deny);
+    agent.wait_for("the deny deleted", |s| {
+        !has(s, "policies", "GlobalNetworkPolicy/rel-guard")
+    });
+}

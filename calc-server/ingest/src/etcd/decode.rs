@@ -3,7 +3,10 @@
 //! Key: `/calico/resources/v3/projectcalico.org/<plural>/[<namespace>/]<name>`; value: the JSON
 //! of the v3 object as calicoctl (libcalico-go's `clientv3`) writes it. Before decoding with
 //! [`decode_and_validate_strict`] (the path manifests take):
-//! - `kind` and `apiVersion` are filled in from the key when the value lacks them;
+//! - `kind` must be the kind of the key's plural and `apiVersion` `projectcalico.org/v3`, as
+//!   Calico's client always writes them: a value without them, or with other ones, is rejected
+//!   (so an invalid overwrite such as `{}` keeps the last good version instead of replacing a
+//!   policy with an empty one);
 //! - `metadata.name` and `metadata.namespace` are taken from the key: the key is the object's
 //!   identity in etcd (a value that disagrees is logged at debug and the key wins, so a delete of
 //!   the key always removes what its put created);
@@ -16,7 +19,8 @@
 //! reading the value.
 
 use calc_graph::manifest::{Rejection, decode_and_validate_strict};
-use calc_graph::model::{API_VERSION, Kind};
+use calc_graph::model::Kind;
+use calc_graph::untrusted::Untrusted;
 use serde_json::{Map, Value};
 
 use super::RESOURCE_PREFIX;
@@ -75,20 +79,38 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
     let Value::Object(obj) = &mut v else {
         return Decision::Reject(Rejection::decode("value is not a JSON object"));
     };
+    // The key says what the value must be; the value must say it too. Calico's client writes
+    // both fields on every put, so a value lacking one was written around it.
     match obj.get("kind") {
-        None | Some(Value::Null) => {
-            obj.insert("kind".into(), kind.as_str().into());
-        }
         Some(Value::String(k)) if k == kind.as_str() => {}
+        None | Some(Value::Null) => {
+            return Decision::Reject(Rejection::decode(format!(
+                "value has no kind (expected {kind}, as its key is under {})",
+                kind.plural()
+            )));
+        }
         Some(other) => {
             return Decision::Reject(Rejection::decode(format!(
-                "value has kind {other}, but the key is under {}",
+                "value has kind {}, but the key is under {} (expected {kind})",
+                shown(other),
                 kind.plural()
             )));
         }
     }
-    if matches!(obj.get("apiVersion"), None | Some(Value::Null)) {
-        obj.insert("apiVersion".into(), API_VERSION.into());
+    let expected = kind.api_version();
+    match obj.get("apiVersion") {
+        Some(Value::String(v)) if v == expected => {}
+        None | Some(Value::Null) => {
+            return Decision::Reject(Rejection::decode(format!(
+                "value has no apiVersion (expected {expected})"
+            )));
+        }
+        Some(other) => {
+            return Decision::Reject(Rejection::decode(format!(
+                "value has apiVersion {}, expected {expected}",
+                shown(other)
+            )));
+        }
     }
     let tier = obj
         .get("spec")
@@ -125,6 +147,19 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
     // calicoctl refuses unknown fields on write; one here was written around it (etcdctl), and
     // a misspelt selector or rule list would change what the policy means.
     Decision::from_outcome(decode_and_validate_strict(v), Vec::new())
+}
+
+/// A value from the datastore, for a message: a string quoted and escaped (and cut), another
+/// JSON type by its type alone.
+fn shown(v: &Value) -> String {
+    match v {
+        Value::String(s) => format!("{:?}", Untrusted(s)),
+        Value::Null => "null".into(),
+        Value::Bool(_) => "a boolean".into(),
+        Value::Number(_) => "a number".into(),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
 }
 
 /// `model.determinePolicyName`: the annotation's name, else `default.` stripped in the default
@@ -229,10 +264,10 @@ mod tests {
     }
 
     #[test]
-    fn metadata_kind_and_api_version_come_from_the_key_when_missing() {
+    fn metadata_name_and_namespace_come_from_the_key() {
         let r = applied(
             &format!("{P}networksets/ns2/blocked"),
-            r#"{"spec":{"nets":["10.0.0.0/8"]}}"#,
+            r#"{"kind":"NetworkSet","apiVersion":"projectcalico.org/v3","spec":{"nets":["10.0.0.0/8"]}}"#,
         );
         assert_eq!(
             r.key(),
@@ -246,6 +281,74 @@ mod tests {
         assert_eq!(
             r.key(),
             ResourceKey::new(Kind::NetworkSet, Some("ns2"), "blocked")
+        );
+    }
+
+    /// Calico's client writes kind and apiVersion on every put. A value without them (`{}`, or
+    /// an object with only metadata and spec) would otherwise decode as an empty object of the
+    /// key's kind: an empty policy replacing a deny. It is rejected like a wrong kind, so the
+    /// last good version stays.
+    #[test]
+    fn a_value_without_its_kind_or_api_version_is_rejected() {
+        let key = format!("{P}globalnetworkpolicies/rel-guard");
+        let good = r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"rel-guard"},"spec":{"selector":"all()","ingress":[{"action":"Deny"}]}}"#;
+        assert_eq!(applied(&key, good).meta().name, "rel-guard");
+        for (value, reason) in [
+            ("{}", "no kind"),
+            (r#"{"metadata":{"name":"rel-guard"},"spec":{}}"#, "no kind"),
+            (
+                r#"{"kind":null,"apiVersion":"projectcalico.org/v3"}"#,
+                "no kind",
+            ),
+            (
+                r#"{"kind":"GlobalNetworkPolicy","spec":{}}"#,
+                "no apiVersion",
+            ),
+            (
+                r#"{"apiVersion":"projectcalico.org/v3","metadata":{"name":"rel-guard"},"spec":{}}"#,
+                "no kind",
+            ),
+            (
+                r#"{"kind":"GlobalNetworkPolicy","apiVersion":null,"spec":{}}"#,
+                "no apiVersion",
+            ),
+            (
+                r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v2","spec":{}}"#,
+                "apiVersion \"projectcalico.org/v2\"",
+            ),
+            (
+                r#"{"kind":"GlobalNetworkPolicy","apiVersion":3,"spec":{}}"#,
+                "apiVersion a number",
+            ),
+            (
+                r#"{"kind":"NetworkPolicy","apiVersion":"projectcalico.org/v3","spec":{}}"#,
+                "kind \"NetworkPolicy\"",
+            ),
+            (
+                r#"{"kind":["GlobalNetworkPolicy"],"apiVersion":"projectcalico.org/v3"}"#,
+                "kind an array",
+            ),
+        ] {
+            let Decision::Reject(r) = decode(&key, value.as_bytes()) else {
+                panic!("{value}: must be rejected");
+            };
+            assert_eq!(
+                r.stage,
+                calc_graph::manifest::RejectStage::Decode,
+                "{value}"
+            );
+            assert!(r.reason.contains(reason), "{value}: {}", r.reason);
+        }
+        // The kind is named for the operator; hostile text in it is escaped and cut.
+        let hostile = format!(
+            r#"{{"kind":"GlobalNetworkPolicy\nINFO forged {}","apiVersion":"projectcalico.org/v3"}}"#,
+            "x".repeat(10_000)
+        );
+        let reason = rejected(&key, &hostile);
+        assert!(!reason.contains('\n') && reason.len() < 1024, "{reason}");
+        assert!(
+            reason.contains("GlobalNetworkPolicy\\nINFO forged"),
+            "{reason}"
         );
     }
 
@@ -308,8 +411,7 @@ mod tests {
     #[test]
     fn a_misspelt_field_rejects_the_value_by_name() {
         let key = format!("{P}globalnetworkpolicies/default.typo");
-        let value =
-            r#"{"spec":{"tier":"default","selectr":"app == 'web'","ingres":[{"action":"Allow"}]}}"#;
+        let value = r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","spec":{"tier":"default","selectr":"app == 'web'","ingres":[{"action":"Allow"}]}}"#;
         let Decision::Reject(r) = decode(&key, value.as_bytes()) else {
             panic!("a value with unknown fields must be rejected");
         };
@@ -324,7 +426,7 @@ mod tests {
         // A value that is merely invalid counts as validation.
         let Decision::Reject(r) = decode(
             &format!("{P}tiers/t"),
-            br#"{"spec":{"order":1,"defaultAction":"Maybe"}}"#,
+            br#"{"kind":"Tier","apiVersion":"projectcalico.org/v3","spec":{"order":1,"defaultAction":"Maybe"}}"#,
         ) else {
             panic!("an invalid tier must be rejected");
         };

@@ -217,3 +217,42 @@ fn a_last_good_version_from_history_is_adopted_for_a_rejected_key_only() {
     m.delete(c.as_str(), &mut out);
     assert_eq!(m.take_unusable(), Some((vec![], vec![])));
 }
+
+/// A deny policy overwritten by a value that does not say what it is (`{}`, or metadata and
+/// spec without kind and apiVersion, as an etcdctl put can write): the value is rejected and
+/// the deny stays in force; nothing is sent until a valid value or the key's deletion.
+#[test]
+fn a_value_without_kind_and_api_version_keeps_the_deny_in_force() {
+    let deny = r#"{"kind":"GlobalNetworkPolicy","apiVersion":"projectcalico.org/v3","metadata":{"name":"rel-guard"},"spec":{"selector":"all()","types":["Ingress"],"ingress":[{"action":"Deny"}]}}"#;
+    for bad in [
+        "{}",
+        r#"{"metadata":{"name":"rel-guard"},"spec":{}}"#,
+        r#"{"kind":"GlobalNetworkPolicy","metadata":{"name":"rel-guard"},"spec":{}}"#,
+        r#"{"apiVersion":"projectcalico.org/v3","metadata":{"name":"rel-guard"},"spec":{}}"#,
+    ] {
+        let mut m = Mirror::new();
+        let key = format!("{P}globalnetworkpolicies/rel-guard");
+        let mut out = Batch::default();
+        put(&mut m, &key, deny.as_bytes(), &mut out);
+        assert_eq!(summary(&out), ["apply GlobalNetworkPolicy rel-guard"]);
+        let mut out = Batch::default();
+        put(&mut m, &key, bad.as_bytes(), &mut out);
+        assert!(out.updates.is_empty(), "{bad}: {:?}", summary(&out));
+        assert_eq!(rejected(&out), [RejectStage::Decode], "{bad}");
+        assert!(out.problems[0].held, "{bad}: the deny stays");
+        assert_eq!(m.unusable(), (vec![key.clone()], vec![]));
+        // A re-list sees the same bad value: still nothing sent, nothing swept.
+        let mut out = Batch::default();
+        m.begin_list(());
+        put(&mut m, &key, bad.as_bytes(), &mut out);
+        m.sweep((), &mut out);
+        assert!(out.updates.is_empty(), "{bad}");
+        // After a restart the history's valid version is adopted.
+        let mut m = Mirror::new();
+        let mut out = Batch::default();
+        put(&mut m, &key, bad.as_bytes(), &mut out);
+        assert!(out.updates.is_empty(), "{bad}");
+        assert!(adopt_last_good(&mut m, &key, deny.as_bytes(), &mut out));
+        assert_eq!(summary(&out), ["apply GlobalNetworkPolicy rel-guard"]);
+    }
+}
