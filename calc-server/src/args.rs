@@ -455,8 +455,9 @@ pub struct ExplainArgs {
     /// order, per direction, with their selectors.
     #[arg(long, env = "CALC_SERVER_EXPLAIN_ENDPOINT", conflicts_with_all = ["from", "policy"])]
     pub endpoint: Option<String>,
-    /// List the endpoints this policy ([NAMESPACE/]NAME) selects and the nodes where it is
-    /// active.
+    /// List the endpoints this policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/lockdown`)
+    /// selects and the nodes where it is active; the kind picks one of several policies of one
+    /// name (a kind or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp).
     #[arg(long, env = "CALC_SERVER_EXPLAIN_POLICY", conflicts_with_all = ["from", "endpoint"])]
     pub policy: Option<String>,
     /// Output: the walk as text, one line per step, or one JSON object.
@@ -488,12 +489,12 @@ pub struct StatusArgs {
     /// Print the raw JSON instead of a table.
     #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
     pub json: bool,
-    /// One line per policy and profile: POLICY TIER DESIRED REALIZED FAILED PHASE (where it is
-    /// in force, from what the agents report they applied).
+    /// One line per policy and profile: POLICY TIER DESIRED REALIZED FAILED PHASE KIND (where it
+    /// is in force, from what the agents report they applied; staged policies are `Staged`).
     #[arg(long, env = "CALC_SERVER_STATUS_POLICIES", conflicts_with = "policy")]
     pub policies: bool,
-    /// One policy ([NAMESPACE/]NAME, or a profile's name): its counts and the nodes that lag,
-    /// with their reason.
+    /// One policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/lockdown`, or a profile's name): its
+    /// counts and the nodes that lag, with their reason.
     #[arg(long, env = "CALC_SERVER_STATUS_POLICY")]
     pub policy: Option<String>,
 }

@@ -141,13 +141,16 @@ fn policy_rows(rows: &[serde_json::Value]) -> Vec<Vec<String>> {
                 num("realized"),
                 num("failed"),
                 text("phase"),
+                text("kind"),
             ]
         })
         .collect()
 }
 
-const POLICY_HEADER: [&str; 6] = ["POLICY", "TIER", "DESIRED", "REALIZED", "FAILED", "PHASE"];
-const POLICY_RIGHT: [bool; 6] = [false, false, true, true, true, false];
+const POLICY_HEADER: [&str; 7] = [
+    "POLICY", "TIER", "DESIRED", "REALIZED", "FAILED", "PHASE", "KIND",
+];
+const POLICY_RIGHT: [bool; 7] = [false, false, true, true, true, false, false];
 
 /// One policy: its line, then the nodes that lag.
 fn policy_detail(r: &serde_json::Value) -> String {

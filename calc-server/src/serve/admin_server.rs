@@ -1,15 +1,16 @@
 //! The admin listener's connections: TCP accept under a connection cap, the TLS handshake (when
 //! serve has `--tls-*`) under `--tls-handshake-timeout`, then HTTP/1.1 with a header deadline
-//! and a bounded request head. Each request carries the connection's [`Caller`] (what its
+//! and a bounded request head (HTTP/2 is served too, so a gRPC client pointed here gets a
+//! 404 it can explain). Each request carries the connection's [`Caller`] (what its
 //! client certificate proved) for the router's access check.
 //!
 //! axum's own `serve` gives neither TLS nor the peer certificate, hence this loop (hyper's
-//! HTTP/1 server, which axum and tonic already link).
+//! servers through hyper-util, which axum and tonic already link).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -100,10 +101,18 @@ where
             req
         },
     );
-    let result = hyper::server::conn::http1::Builder::new()
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT)
-        .max_buf_size(MAX_HEAD_BYTES)
+        .max_buf_size(MAX_HEAD_BYTES);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(8)
+        .max_header_list_size(MAX_HEAD_BYTES as u32);
+    let result = builder
         .serve_connection(
             TokioIo::new(io),
             hyper_util::service::TowerToHyperService::new(service),

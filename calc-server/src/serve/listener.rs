@@ -262,7 +262,7 @@ enum ClientCa<'a> {
 }
 
 impl ListenerArgs {
-    /// The admin listener's TLS: the Sync listener's certificate, HTTP/1.1, client
+    /// The admin listener's TLS: the Sync listener's certificate, HTTP/1.1 or HTTP/2, client
     /// certificates asked for but optional, verified against `admin_ca` (`--admin-ca-file`) or
     /// else the agents' CA. `None` without TLS flags (the errors are [`ListenerArgs::tls`]'s).
     pub fn admin_tls(
@@ -279,7 +279,7 @@ impl ListenerArgs {
             None => ClientCa::Optional(ca, "--tls-ca-file"),
         };
         let mut config = server_config(client_ca, cert, key)?;
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Some(config))
     }
 }

@@ -858,7 +858,7 @@ impl CalcGraph {
     pub fn explain_policy(&self, what: &str) -> Result<crate::explain::PolicyReach, QueryError> {
         let (kind, rest) = match what.trim().split_once(':') {
             Some((k, rest)) => {
-                let kind = policy_kind_by_name(k).ok_or_else(|| {
+                let kind = Kind::policy_by_name(k).ok_or_else(|| {
                     QueryError::Bad(format!(
                         "unknown policy kind {k:?} in {what:?} (a kind such as NetworkPolicy or StagedGlobalNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
                     ))
@@ -936,20 +936,6 @@ impl CalcGraph {
             nodes,
         })
     }
-}
-
-/// A policy kind by its name or Calico's short form (as in chain names).
-fn policy_kind_by_name(s: &str) -> Option<Kind> {
-    let kind = match s {
-        "np" => Kind::NetworkPolicy,
-        "gnp" => Kind::GlobalNetworkPolicy,
-        "snp" => Kind::StagedNetworkPolicy,
-        "sgnp" => Kind::StagedGlobalNetworkPolicy,
-        "sknp" => Kind::StagedKubernetesNetworkPolicy,
-        "kcnp" | "KubernetesClusterNetworkPolicy" => Kind::ClusterNetworkPolicy,
-        other => Kind::from_name(other)?,
-    };
-    kind.is_policy().then_some(kind)
 }
 
 /// `namespace/name` of a namespaced key, else its name.

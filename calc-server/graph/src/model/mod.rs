@@ -198,6 +198,21 @@ impl Kind {
         )
     }
 
+    /// A policy kind by its name or Calico's short form (as in chain names): `np`, `gnp`,
+    /// `snp`, `sgnp`, `sknp`, `kcnp`.
+    pub fn policy_by_name(s: &str) -> Option<Kind> {
+        let kind = match s {
+            "np" => Kind::NetworkPolicy,
+            "gnp" => Kind::GlobalNetworkPolicy,
+            "snp" => Kind::StagedNetworkPolicy,
+            "sgnp" => Kind::StagedGlobalNetworkPolicy,
+            "sknp" => Kind::StagedKubernetesNetworkPolicy,
+            "kcnp" | "KubernetesClusterNetworkPolicy" => Kind::ClusterNetworkPolicy,
+            other => Kind::from_name(other)?,
+        };
+        kind.is_policy().then_some(kind)
+    }
+
     /// Staged policies: computed and sent like enforced ones, never programmed.
     pub fn is_staged(self) -> bool {
         matches!(

@@ -49,6 +49,13 @@ fn profile_key(name: &str) -> Tracked {
     hash_of("Profile", "", name)
 }
 
+fn full_name(k: &ResourceKey) -> String {
+    match &k.namespace {
+        Some(ns) => format!("{ns}/{}", k.name),
+        None => k.name.clone(),
+    }
+}
+
 fn key_text(k: &ResourceKey) -> String {
     match &k.namespace {
         Some(ns) => format!("{} {ns}/{}", k.kind.as_str(), k.name),
@@ -138,7 +145,7 @@ pub(crate) struct PolicyRealization {
     pub desired: u32,
     pub realized: u32,
     pub failed: u32,
-    /// `Realized`, `Realizing` or `Failed`.
+    /// `Realized`, `Realizing`, `Failed`, or `Staged` for a staged policy (never programmed).
     pub phase: String,
     /// The nodes that lag, with why (only in a single-policy answer).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -375,7 +382,11 @@ impl Realization {
         rows.sort_by(|a, b| (&a.tier, &a.policy, &a.kind).cmp(&(&b.tier, &b.policy, &b.kind)));
         rows.extend(profiles.into_values());
         for r in &mut rows {
-            r.phase = if r.failed > 0 {
+            let staged = calc_graph::model::Kind::from_name(&r.kind).is_some_and(|k| k.is_staged());
+            // No agent programs a staged policy: it is evaluated, never in force.
+            r.phase = if staged {
+                "Staged"
+            } else if r.failed > 0 {
                 "Failed"
             } else if r.realized == r.desired {
                 "Realized"
@@ -389,25 +400,47 @@ impl Realization {
     }
 
     /// What `[NAMESPACE/]NAME` names: a policy, or else a profile.
+    /// `KIND:` before the name picks one of several policies of the same name, as in
+    /// `explain --policy` (`StagedNetworkPolicy:shop/x` or Calico's short form `snp:shop/x`).
     pub(super) fn find(graph: &CalcGraph, name: &str) -> Result<Target, String> {
-        let (ns, n) = match name.split_once('/') {
-            Some((ns, n)) => (Some(ns), n),
+        let (kind, rest) = match name.split_once(':') {
+            Some((k, rest)) => match calc_graph::model::Kind::policy_by_name(k) {
+                Some(kind) => (Some(kind), rest),
+                None => {
+                    return Err(format!(
+                        "unknown policy kind {k:?} in {name:?} (a kind such as NetworkPolicy or StagedNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
+                    ));
+                }
+            },
             None => (None, name),
+        };
+        let (ns, n) = match rest.split_once('/') {
+            Some((ns, n)) => (Some(ns), n),
+            None => (None, rest),
         };
         let mut found: Vec<ResourceKey> = graph
             .policies_and_tiers()
             .into_iter()
-            .filter(|(k, _)| k.name == n && (ns.is_none() || k.namespace.as_deref() == ns))
+            .filter(|(k, _)| {
+                k.name == n
+                    && (ns.is_none() || k.namespace.as_deref() == ns)
+                    && kind.is_none_or(|kind| k.kind == kind)
+            })
             .map(|(k, _)| k.clone())
             .collect();
         found.sort();
         match found.len() {
             1 => Ok(Target::Policy(found.remove(0))),
-            0 if ns.is_none() => Ok(Target::Profile(n.to_string())),
+            0 if ns.is_none() && kind.is_none() => Ok(Target::Profile(n.to_string())),
             0 => Err(format!("no policy {name:?} in the datastore")),
             _ => Err(format!(
-                "{name:?} is ambiguous: it names {}",
-                found.iter().map(key_text).collect::<Vec<_>>().join(", ")
+                "{name:?} is ambiguous: it names {}; qualify it with its kind, e.g. {}",
+                found.iter().map(key_text).collect::<Vec<_>>().join(", "),
+                found
+                    .iter()
+                    .map(|k| format!("{}:{}", k.kind.as_str(), full_name(k)))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
             )),
         }
     }

@@ -625,3 +625,68 @@ fn a_new_endpoint_is_timed_until_its_node_applies_it() {
     h.ack("node-a", &a, None);
     assert_eq!(count(&h).as_deref(), Some("1"));
 }
+
+/// A NetworkPolicy and a StagedNetworkPolicy of one name: two rows told apart by kind, the
+/// staged one in phase `Staged` (no agent programs it), and a kind prefix picks either.
+#[test]
+fn a_staged_policy_is_its_own_row_and_phase_and_a_kind_picks_it() {
+    let mut h = Harness::new(LIMITS);
+    let mut updates = cluster();
+    updates.insert(
+        3,
+        apply(json!({
+            "apiVersion": "projectcalico.org/v3",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "web", "namespace": "shop"},
+            "spec": {"selector": "app == 'web'", "ingress": [{"action": "Allow"}]},
+        })),
+    );
+    updates.insert(
+        3,
+        apply(json!({
+            "apiVersion": "projectcalico.org/v3",
+            "kind": "StagedNetworkPolicy",
+            "metadata": {"name": "web", "namespace": "shop"},
+            "spec": {"selector": "app == 'web'", "ingress": [{"action": "Deny"}]},
+        })),
+    );
+    h.datastore(updates);
+    let a = h.connect_reporting("node-a");
+    let b = h.connect_reporting("node-b");
+    h.ack("node-a", &a, None);
+    h.ack("node-b", &b, None);
+    let rows: Vec<(String, String, String)> = h
+        .realization(None)
+        .into_iter()
+        .filter(|r| r.policy == "shop/web")
+        .map(|r| (r.kind, r.phase, r.tier))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("NetworkPolicy".into(), "Realized".into(), "default".into()),
+            (
+                "StagedNetworkPolicy".into(),
+                "Staged".into(),
+                "default".into()
+            ),
+        ]
+    );
+    for (name, kind) in [
+        ("snp:shop/web", "StagedNetworkPolicy"),
+        ("StagedNetworkPolicy:shop/web", "StagedNetworkPolicy"),
+        ("np:shop/web", "NetworkPolicy"),
+    ] {
+        let rows = h.realization(Some(name));
+        assert_eq!(rows.len(), 1, "{name}");
+        assert_eq!(rows[0].kind, kind, "{name}");
+    }
+    // Unqualified, the name is ambiguous, and the answer says how to qualify it.
+    let (reply, mut answer) = oneshot::channel();
+    h.engine.step([Input::Realization {
+        only: Some("shop/web".into()),
+        reply,
+    }]);
+    let err = answer.try_recv().unwrap().unwrap_err();
+    assert!(err.contains("StagedNetworkPolicy:shop/web"), "{err}");
+}
