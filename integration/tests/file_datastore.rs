@@ -1,7 +1,8 @@
 //! The file datastore under an unlucky operator: invalid objects keep their last good version
-//! across a server restart, broken files renamed are not deletes, duplicates are reported with
-//! both files, and hostile directories (symlink cycles, alias bombs, a 50 MB label) neither
-//! stall the server nor stop a good change. Real server, real agents (dry-run driver).
+//! across a server restart, so do documents whose kind, apiVersion or name an edit broke,
+//! broken files renamed are not deletes, duplicates are reported with both files, and hostile
+//! directories (symlink cycles, alias bombs, a 50 MB label) neither stall the server nor stop a
+//! good change. Real server, real agents (dry-run driver).
 //!
 //! Every wait is for a condition (the agent's state, the server's status or log), never a fixed
 //! sleep: a test that says an edit was processed has seen it processed.
@@ -201,6 +202,131 @@ fn write_marker(dir: &Path, n: u32) {
 
 fn has_marker(state: &Value, n: u32) -> bool {
     policies(state).contains(&format!("GlobalNetworkPolicy/marker-{n}"))
+}
+
+/// A deny every endpoint meets.
+const DENY: &str = "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: deny-ssh}\nspec: {order: 1, selector: all(), types: [Ingress], ingress: [{action: Deny, protocol: TCP, destination: {ports: [22]}}]}\n";
+const DENY_KEY: &str = "GlobalNetworkPolicy/deny-ssh";
+
+/// The edits that break the deny document's identity, each with a word of the reason logged.
+fn identity_breaking_edits() -> [(&'static str, String, &'static str); 3] {
+    [
+        (
+            "a name with a newline",
+            DENY.replace("name: deny-ssh", "name: \"deny-ssh\\nx\""),
+            "invalid name",
+        ),
+        (
+            "a misspelt kind",
+            DENY.replace("kind: GlobalNetworkPolicy", "kind: GlobalNetworkPolicyy"),
+            "unknown kind",
+        ),
+        (
+            "a wrong apiVersion",
+            DENY.replace("projectcalico.org/v3", "projectcalico.org/v2"),
+            "unsupported apiVersion",
+        ),
+    ]
+}
+
+/// An edit that breaks the identity of the deny's document (its name, kind or apiVersion) is an
+/// invalid edit, not a delete: the agents keep the deny exactly as it was, the server names it
+/// as held and logs the file, document and reason; repaired, it is the file's again. Broken
+/// across a restart, the last-good store keeps it; only removing the file takes it away. Each
+/// edit rewrites the file with a new marker in its first document, so the agent having the
+/// marker means the server has read the broken document.
+#[test]
+fn an_edit_that_breaks_a_deny_documents_identity_keeps_it_on_the_agents() {
+    let ds = example_datastore();
+    let work = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = Server::start_on(ds.path(), port, &[]);
+    let agent = Agent::start(work.path(), &server.grpc, "node-2");
+    let file = ds.path().join("deny.yaml");
+    let write = |n: u32, deny: &str| {
+        std::fs::write(&file, format!("{}---\n{deny}", marker_doc(n))).unwrap();
+    };
+    write(0, DENY);
+    let before = agent.wait_for("the deny in force", |s| {
+        s["in_sync"] == true && has_marker(s, 0) && policies(s).contains(&DENY_KEY.to_string())
+    })["policies"][DENY_KEY]
+        .clone();
+    assert!(before.to_string().contains("deny"), "{before}");
+
+    let mut n = 0;
+    for (what, broken, reason) in identity_breaking_edits() {
+        n += 1;
+        write(n, &broken);
+        let state = agent.wait_for(&format!("the marker after {what}"), |s| has_marker(s, n));
+        assert_eq!(
+            state["policies"][DENY_KEY], before,
+            "{what}: the deny must stay in force as it was"
+        );
+        let health = datastore_health(&server);
+        assert_eq!(
+            health["held_last_good"],
+            serde_json::json!(["GlobalNetworkPolicy deny-ssh"]),
+            "{what}: {health}"
+        );
+        let log = server.log_text();
+        assert!(
+            log.lines().any(
+                |l| l.contains("deny.yaml: document 2: cannot be identified (")
+                    && l.contains(reason)
+                    && l.contains("keeps its last good version: GlobalNetworkPolicy deny-ssh")
+            ),
+            "{what}: the file, document, reason and what stays in force are logged:\n{log}"
+        );
+        // Repaired: the file's version again, held no more.
+        n += 1;
+        write(n, DENY);
+        let state = agent.wait_for(&format!("the marker after repairing {what}"), |s| {
+            has_marker(s, n)
+        });
+        assert_eq!(state["policies"][DENY_KEY], before, "{what}");
+        assert_eq!(
+            datastore_health(&server)["held_last_good"],
+            serde_json::json!([]),
+            "{what}"
+        );
+    }
+
+    // Never taken out, even for a moment: the agent added it once and never changed it.
+    let changes = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("dry-run: policy") && l.contains("deny-ssh"))
+        .count();
+    assert_eq!(changes, 1, "{}", agent.log_text());
+
+    // Broken while the server restarts: it starts from the last-good store's version.
+    n += 1;
+    write(n, &identity_breaking_edits()[1].1);
+    agent.wait_for("the marker before the restart", |s| has_marker(s, n));
+    drop(server);
+    let server = Server::start_on(ds.path(), port, &[]);
+    wait_until(
+        "the agent programmed from the restarted server",
+        Duration::from_secs(20),
+        || programmed(&server, "node-2"),
+        || server.log_text(),
+    );
+    let state = agent.state().expect("agent state");
+    assert_eq!(
+        state["policies"][DENY_KEY], before,
+        "the deny must survive a restart with its document broken"
+    );
+    assert!(
+        datastore_health(&server)["held_last_good"]
+            .to_string()
+            .contains("deny-ssh")
+    );
+
+    // Removing the file is how the deny goes.
+    std::fs::remove_file(&file).unwrap();
+    agent.wait_for("the deny deleted with its file", |s| {
+        !policies(s).contains(&DENY_KEY.to_string()) && !has_marker(s, n)
+    });
 }
 
 /// Nine levels of nine aliases: a few hundred bytes that expand to hundreds of millions of

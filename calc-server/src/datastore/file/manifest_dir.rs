@@ -7,7 +7,9 @@
 //! and a directory already on the walk is never entered twice. A file larger than
 //! [`MAX_FILE_BYTES`] is not read. Every problem is collected with its file and document
 //! number; good objects are kept. When two files define the same object, the later one (in path
-//! order) wins and the duplicate is reported with both files.
+//! order) wins and the duplicate is reported with both files. Each object's [`Identity`] is
+//! kept in file order: one whose kind, apiVersion, name or namespace is missing or invalid
+//! cannot be identified, and the watcher keeps in force what that position held before.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -34,6 +36,32 @@ impl fmt::Display for Problem {
     }
 }
 
+/// What one object of a file says it is: its position's identity, which the watcher compares
+/// across reads of the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// Names this resource (valid or not).
+    Object(ResourceKey),
+    /// A kind the dataplane does not use (BGPPeer, a v1 Service, …): names nothing in force.
+    Ignored,
+    /// Does not say which object it is: not an object, no or an unknown kind, a wrong
+    /// apiVersion, or a missing or invalid name or namespace. `document`: its 1-based number;
+    /// `reason`: why (bounded, control characters escaped).
+    Unidentified { document: usize, reason: String },
+}
+
+/// The validation errors that break an object's identity (its name or namespace is invalid:
+/// whatever it names, it is not an object that can be in force), as one reason; `None` when
+/// its identity is sound.
+fn identity_errors(errors: &[calc_graph::model::validate::FieldError]) -> Option<String> {
+    let shown: Vec<String> = errors
+        .iter()
+        .filter(|e| e.path == "metadata.name" || e.path == "metadata.namespace")
+        .map(ToString::to_string)
+        .collect();
+    (!shown.is_empty()).then(|| shown.join("; "))
+}
+
 /// What loading produced.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -50,6 +78,8 @@ pub struct Report {
     pub problems: Vec<Problem>,
     /// One stage per object refused (a whole unreadable file counts once, as decode).
     pub rejected: Vec<RejectStage>,
+    /// Every object's identity in the order read (for a report of one file: by position).
+    pub identities: Vec<Identity>,
 }
 
 /// Largest manifest file read (a ConfigMap holds at most 1 MiB; a `calicoctl get -o yaml`
@@ -247,6 +277,7 @@ pub fn load_file(file: &Path, report: &mut Report) {
         }
         match entry.outcome {
             Outcome::Valid(key, res) => {
+                report.identities.push(Identity::Object(key.clone()));
                 if let Some((prev, _)) = report.resources.get(&key) {
                     report.problems.push(problem(
                         doc,
@@ -264,12 +295,24 @@ pub fn load_file(file: &Path, report: &mut Report) {
                 }
                 report.resources.insert(key, (file.to_path_buf(), res));
             }
-            Outcome::Ignored(..) => report.ignored += 1,
+            Outcome::Ignored(..) => {
+                report.ignored += 1;
+                report.identities.push(Identity::Ignored);
+            }
             Outcome::Undecodable(e) => {
                 if let DecodeError::Field { key, .. } = &e {
+                    // Named, with a malformed field: an invalid version of that object.
+                    report.problems.push(problem(doc, e.to_string()));
+                    report.identities.push(Identity::Object(key.clone()));
                     report.invalid.insert(key.clone(), file.to_path_buf());
+                } else {
+                    let reason = e.to_string();
+                    report.problems.push(problem(doc, reason.clone()));
+                    report.identities.push(Identity::Unidentified {
+                        document: entry.document,
+                        reason: calc_graph::untrusted::clip(reason, 1024),
+                    });
                 }
-                report.problems.push(problem(doc, e.to_string()));
             }
             Outcome::Invalid(inv) => {
                 for e in &inv.errors {
@@ -277,8 +320,94 @@ pub fn load_file(file: &Path, report: &mut Report) {
                         .problems
                         .push(problem(doc, format!("{}: {e}", inv.key)));
                 }
-                report.invalid.insert(inv.key, file.to_path_buf());
+                match identity_errors(&inv.errors) {
+                    // Not "an invalid version of the object named so": no such object can be.
+                    Some(reason) => report.identities.push(Identity::Unidentified {
+                        document: entry.document,
+                        reason: calc_graph::untrusted::clip(reason, 1024),
+                    }),
+                    None => {
+                        report.identities.push(Identity::Object(inv.key.clone()));
+                        report.invalid.insert(inv.key, file.to_path_buf());
+                    }
+                }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each object's identity by position: only a broken kind, apiVersion, name or namespace
+    /// (or a document that is no object at all) leaves it unidentified; an object with another
+    /// invalid field still names itself, so its last good version is found by name.
+    #[test]
+    fn identities_follow_the_file_order_and_only_identity_errors_unidentify() {
+        let dir = tempfile::tempdir().unwrap();
+        let gnp = |name: &str, rest: &str| {
+            format!(
+                "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: {name}}}\nspec: {{selector: all(){rest}}}\n"
+            )
+        };
+        let docs = [
+            gnp("good", ""),
+            gnp("bad-selector", ", order: x"),
+            gnp("\"bad\\nname\"", ""),
+            gnp("typo", "").replace("GlobalNetworkPolicy", "GlobalNetworkPolicyy"),
+            gnp("old", "").replace("/v3", "/v2"),
+            "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nspec: {}\n".into(),
+            "just text\n".into(),
+            "apiVersion: projectcalico.org/v3\nkind: BGPPeer\nmetadata: {name: rr}\n".into(),
+            "apiVersion: projectcalico.org/v3\nkind: NetworkPolicy\nmetadata: {name: p, namespace: \"Bad_NS\"}\nspec: {}\n".into(),
+            "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkSet\nmetadata: {name: s, labels: {\"bad key!\": x}}\nspec: {}\n".into(),
+        ];
+        let path = dir.path().join("m.yaml");
+        std::fs::write(&path, docs.join("---\n")).unwrap();
+        let mut report = Report::default();
+        load_file(&path, &mut report);
+        let key = |name: &str| {
+            Identity::Object(ResourceKey::new(
+                calc_graph::model::Kind::GlobalNetworkPolicy,
+                None,
+                name,
+            ))
+        };
+        let un = |document, reason: &str| (document, reason.to_string());
+        let unidentified: Vec<(usize, String)> = report
+            .identities
+            .iter()
+            .filter_map(|i| match i {
+                Identity::Unidentified { document, reason } => Some((*document, reason.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(report.identities[..2], [key("good"), key("bad-selector")]);
+        assert_eq!(report.identities[7], Identity::Ignored);
+        assert_eq!(
+            report.identities[9],
+            Identity::Object(ResourceKey::new(
+                calc_graph::model::Kind::GlobalNetworkSet,
+                None,
+                "s"
+            ))
+        );
+        let expected = [
+            un(3, "metadata.name: invalid name \"bad\\nname\""),
+            un(4, "unknown kind \"GlobalNetworkPolicyy\""),
+            un(5, "unsupported apiVersion \"projectcalico.org/v2\""),
+            un(6, "GlobalNetworkPolicy has no metadata.name"),
+            un(7, "not an object"),
+            un(9, "metadata.namespace: invalid namespace \"Bad_NS\""),
+        ];
+        assert_eq!(unidentified.len(), expected.len(), "{unidentified:#?}");
+        for ((doc, reason), (want_doc, want)) in unidentified.iter().zip(&expected) {
+            assert_eq!(doc, want_doc);
+            assert!(reason.starts_with(want.as_str()), "{doc}: {reason}");
+            assert!(!reason.contains('\n'), "{reason}");
+        }
+        // The unidentified are not "invalid objects" under a made-up name.
+        assert_eq!(report.invalid.len(), 2, "{:?}", report.invalid);
     }
 }

@@ -11,12 +11,22 @@
 //! 1. the valid definition in the last file (path order) that has one — a key defined in two
 //!    files is reported once with both files;
 //! 2. else, if some file holds the key but it is invalid: the last good version (kept), or
-//!    nothing, reported loudly as "no last good version";
+//!    nothing, reported loudly as "no last good version". So too when the document that named
+//!    the key can no longer be identified (its kind, apiVersion, name or namespace is broken:
+//!    `GlobalNetworkPolicyy`, `projectcalico.org/v2`, a name with a newline): that is an
+//!    invalid edit, not a delete. A document is followed by its position in the file (its n-th
+//!    object; when the same edit adds or removes objects, every unidentifiable document of the
+//!    file holds all the file no longer names). Only a document that identifies an object
+//!    again (the same one, or validly another one) or the file's removal lets the key go;
 //! 3. else, if the key was in force and some file cannot be read or parsed at all (or a file
-//!    that had objects reads empty: an editor's truncate-then-write): kept until that file is
-//!    fixed, because the broken file may still hold it (a broken file renamed `.yaml` →
-//!    `.yml` is not a delete);
+//!    that had objects reads empty: an editor's truncate-then-write; or a file read for the
+//!    first time, as after a restart, holds a document that cannot be identified): kept until
+//!    that file is fixed, because the broken file may still hold it (a broken file renamed
+//!    `.yaml` → `.yml` is not a delete);
 //! 4. else it is deleted.
+//!
+//! A document that cannot be identified and keeps nothing in force is reported with the
+//! objects that have no last good version (`<file>: document <n> (cannot be identified)`).
 //!
 //! The versions in force are saved to the last-good store ([`LastGood`]), so a restart with an
 //! invalid object starts from its last good version.
@@ -31,7 +41,7 @@ use calc_graph::model::{ResourceKey, Valid};
 use common::tasks::CancellationToken;
 
 use super::last_good::LastGood;
-use super::manifest_dir::{self, Stamp};
+use super::manifest_dir::{self, Identity, Stamp};
 use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
@@ -85,6 +95,31 @@ fn settled(
     (changed, gone)
 }
 
+/// One object position of a file (its n-th object), as last read.
+#[derive(Clone, Debug, PartialEq)]
+enum Slot {
+    /// Names this resource, valid or not (`None`: a kind the dataplane ignores).
+    Named(Option<ResourceKey>),
+    /// Cannot be identified (its kind, apiVersion or name is broken): it holds what the
+    /// position named before, whose last good versions stay in force.
+    Unidentified(Holds),
+}
+
+/// What an unidentifiable document holds in force.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Holds {
+    /// Its 1-based document number and why it cannot be identified, for messages.
+    document: usize,
+    reason: String,
+    /// The resources its position named before (carried over while it stays unidentifiable),
+    /// except those the file still names elsewhere.
+    keys: BTreeSet<ResourceKey>,
+    /// What it named before is unknown (the file's first read, as after a restart, or the file
+    /// never parsed before): like an unreadable file, it keeps the objects whose file is unknown
+    /// or this one.
+    unknown: bool,
+}
+
 /// What one file held when it was last read.
 #[derive(Default)]
 struct FileState {
@@ -92,13 +127,110 @@ struct FileState {
     invalid: BTreeSet<ResourceKey>,
     /// Unreadable, unparseable, or emptied after holding objects: its keys are unknown.
     broken: bool,
+    /// Every object position, in file order (a broken file keeps those of its last parse, so
+    /// that the positions still line up once it parses again).
+    slots: Vec<Slot>,
+    /// The unidentifiable documents among `slots` and, together, what they hold (kept apart
+    /// so that a key's rule is looked up, not searched for, in a file of many documents).
+    unidentified: Vec<Holds>,
+    held: BTreeSet<ResourceKey>,
+    unknown: bool,
     problems: BTreeSet<String>,
     rejected: Vec<calc_graph::manifest::RejectStage>,
+}
+
+impl FileState {
+    /// Sets `slots` and what is derived from them.
+    fn set_slots(&mut self, slots: Vec<Slot>) {
+        self.unidentified = slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Unidentified(h) => Some(h.clone()),
+                Slot::Named(_) => None,
+            })
+            .collect();
+        self.held = self
+            .unidentified
+            .iter()
+            .flat_map(|h| h.keys.iter().cloned())
+            .collect();
+        self.unknown = self.unidentified.iter().any(|h| h.unknown);
+        self.slots = slots;
+    }
+
+    /// Whether an unidentifiable document of this file holds `key`.
+    fn holds(&self, key: &ResourceKey) -> bool {
+        self.held.contains(key)
+    }
+
+    /// Whether which objects the file holds is unknown: rule 3 keeps those it may hold.
+    fn keys_unknown(&self) -> bool {
+        self.broken || self.unknown
+    }
+}
+
+/// The positions of a file just read (`identities`, in file order), given what the previous
+/// read found (`before`). An unidentifiable document holds what its position named before:
+/// matched by position when the file holds as many objects as before; otherwise (documents
+/// added or removed in the same edit, so positions cannot be trusted) every unidentifiable
+/// document holds every object the file named before and names no more.
+fn slots(identities: Vec<Identity>, before: Option<&FileState>) -> Vec<Slot> {
+    // A file never parsed before: what it held is unknown.
+    let previous = before
+        .filter(|b| !(b.broken && b.slots.is_empty()))
+        .map(|b| b.slots.as_slice());
+    let named_now: BTreeSet<ResourceKey> = identities
+        .iter()
+        .filter_map(|i| match i {
+            Identity::Object(k) => Some(k.clone()),
+            _ => None,
+        })
+        .collect();
+    let held_by = |slot: &Slot| -> (BTreeSet<ResourceKey>, bool) {
+        match slot {
+            Slot::Named(k) => (k.iter().cloned().collect(), false),
+            Slot::Unidentified(h) => (h.keys.clone(), h.unknown),
+        }
+    };
+    let same_positions = previous.is_some_and(|p| p.len() == identities.len());
+    // Positions moved: everything the file named or held before, computed once.
+    let all_before = (!same_positions).then(|| {
+        let mut all = (BTreeSet::new(), false);
+        for s in previous.unwrap_or_default() {
+            let (keys, unknown) = held_by(s);
+            all.0.extend(keys);
+            all.1 |= unknown;
+        }
+        all
+    });
+    identities
+        .into_iter()
+        .enumerate()
+        .map(|(i, identity)| match identity {
+            Identity::Object(k) => Slot::Named(Some(k)),
+            Identity::Ignored => Slot::Named(None),
+            Identity::Unidentified { document, reason } => {
+                let (mut keys, unknown) = match previous {
+                    None => (BTreeSet::new(), true),
+                    Some(p) if same_positions => held_by(&p[i]),
+                    Some(_) => all_before.clone().unwrap_or_default(),
+                };
+                keys.retain(|k| !named_now.contains(k));
+                Slot::Unidentified(Holds {
+                    document,
+                    reason,
+                    keys,
+                    unknown,
+                })
+            }
+        })
+        .collect()
 }
 
 fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
     let mut report = manifest_dir::Report::default();
     manifest_dir::load_file(path, &mut report);
+    let broken = !report.broken.is_empty();
     let mut state = FileState {
         objects: report
             .resources
@@ -106,14 +238,21 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
             .map(|(k, (_, r))| (k, r))
             .collect(),
         invalid: report.invalid.into_keys().collect(),
-        broken: !report.broken.is_empty(),
+        broken,
         problems: report.problems.iter().map(ToString::to_string).collect(),
         rejected: report.rejected,
+        ..FileState::default()
     };
+    // Unparseable: the positions of the last parse stay, for when it parses again.
+    state.set_slots(if broken {
+        before.map(|b| b.slots.clone()).unwrap_or_default()
+    } else {
+        slots(report.identities, before)
+    });
     // An editor that truncates and then writes shows an empty file for a moment: emptying a
     // file is not how objects are deleted (remove the file, or the objects from it).
     if let Some(old) = before
-        && (!old.objects.is_empty() || old.broken)
+        && (old.broken || old.slots.iter().any(|s| *s != Slot::Named(None)))
         && state.objects.is_empty()
         && state.invalid.is_empty()
         && !state.broken
@@ -121,10 +260,37 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
         && report.ignored == 0
     {
         state.broken = true;
+        state.set_slots(old.slots.clone());
         state.problems.insert(format!(
             "{}: the file is empty; the objects it held stay until it has content again or is removed",
             path.display()
         ));
+    }
+    if !state.broken {
+        let mut notes = Vec::new();
+        for h in &state.unidentified {
+            let held = if h.unknown {
+                "what it named before is not known (read for the first time): the objects no \
+                 readable file defines keep their last good versions"
+                    .to_string()
+            } else if h.keys.is_empty() {
+                "it named nothing before: nothing of it is in force".to_string()
+            } else {
+                let keys: Vec<String> = h.keys.iter().map(ToString::to_string).collect();
+                format!(
+                    "what it named before keeps its last good version: {}",
+                    keys.join(", ")
+                )
+            };
+            let message = format!(
+                "{}: document {}: cannot be identified ({}); until it can be, or the file is removed, {held}",
+                path.display(),
+                h.document,
+                h.reason
+            );
+            notes.push(calc_graph::untrusted::clip(message, 4096));
+        }
+        state.problems.extend(notes);
     }
     state
 }
@@ -187,12 +353,14 @@ impl Watcher {
         let mut defined_in = Vec::new();
         let mut winner = None;
         let mut invalid = false;
+        let mut held_by_document = false;
         for (path, f) in &self.files {
             if let Some(r) = f.objects.get(key) {
                 defined_in.push(path);
                 winner = Some(r);
             }
             invalid |= f.invalid.contains(key);
+            held_by_document |= f.holds(key);
         }
         if let Some(r) = winner {
             return Desired::Valid(
@@ -201,16 +369,17 @@ impl Watcher {
             );
         }
         match self.current.get(key) {
-            Some(_) if invalid => Desired::Held,
+            Some(_) if invalid || held_by_document => Desired::Held,
             None if invalid => Desired::NoLastGood,
-            // Only a key whose file is gone or broken can still be in a broken file; one that a
-            // readable file dropped was deleted.
+            // Only a key whose file is gone or broken (or holds a document whose previous
+            // content is unknown) can still be in such a file; one that a readable file dropped
+            // was deleted.
             Some(_)
                 if any_broken
                     && self
                         .origin
                         .get(key)
-                        .is_none_or(|o| self.files.get(o).is_none_or(|f| f.broken)) =>
+                        .is_none_or(|o| self.files.get(o).is_none_or(FileState::keys_unknown)) =>
             {
                 Desired::Held
             }
@@ -229,7 +398,7 @@ impl Watcher {
     /// Brings `keys` in line with the files; returns the updates to send (what the last-good
     /// store must record waits in `to_store`, see [`Watcher::persist`]).
     fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
-        let any_broken = self.files.values().any(|f| f.broken);
+        let any_broken = self.files.values().any(FileState::keys_unknown);
         let mut updates = Vec::new();
         for key in keys.iter().chain(self.held.clone().iter()) {
             let desired = self.desired(key, any_broken);
@@ -272,7 +441,20 @@ impl Watcher {
             .filter(|k| !self.current.contains_key(*k))
             .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
-        let without: Vec<String> = without.iter().map(ToString::to_string).collect();
+        let mut without: Vec<String> = without.iter().map(ToString::to_string).collect();
+        // Documents that cannot be identified and keep nothing in force: whatever they hold
+        // is not in force (a deny among them is not enforced).
+        for (path, f) in self.files.iter().filter(|(_, f)| !f.broken) {
+            for h in &f.unidentified {
+                if !h.keys.iter().any(|k| self.current.contains_key(k)) {
+                    without.push(format!(
+                        "{}: document {} (cannot be identified)",
+                        calc_graph::untrusted::Untrusted(&path.display().to_string()),
+                        h.document
+                    ));
+                }
+            }
+        }
         self.health.unusable.publish(held, without);
         updates
     }
@@ -294,6 +476,7 @@ impl Watcher {
             if let Some(f) = self.files.get(p) {
                 out.extend(f.objects.keys().cloned());
                 out.extend(f.invalid.iter().cloned());
+                out.extend(f.held.iter().cloned());
             }
         }
     }
@@ -507,6 +690,367 @@ mod tests {
         let _ = settled(&seen, &seen, &now, &mut unsettled);
         let _ = settled(&seen, &now, &seen, &mut unsettled);
         assert!(unsettled.is_empty());
+    }
+
+    /// A watcher over a temporary directory, stepped by hand as `watch` steps it.
+    struct Harness {
+        w: Watcher,
+        dir: tempfile::TempDir,
+        _store: std::sync::mpsc::Receiver<Vec<StoreOp>>,
+    }
+
+    fn summary(updates: &[Update]) -> Vec<String> {
+        updates
+            .iter()
+            .map(|u| match u {
+                Update::ApplyValid(r) => format!("apply {}", r.key()),
+                Update::Apply(r) => format!("apply (not validated) {}", r.key()),
+                Update::Delete(k) => format!("delete {k}"),
+                Update::InSync => "in-sync".into(),
+            })
+            .collect()
+    }
+
+    impl Harness {
+        /// `files` written, then read as at start, with `stored` from the last-good store.
+        fn start(files: &[(&str, &str)], stored: BTreeMap<ResourceKey, Valid>) -> Harness {
+            let dir = tempfile::tempdir().unwrap();
+            for (name, text) in files {
+                std::fs::write(dir.path().join(name), text).unwrap();
+            }
+            let (store, rx) = std::sync::mpsc::channel();
+            let mut w = Watcher {
+                dir: dir.path().to_path_buf(),
+                files: BTreeMap::new(),
+                current: stored,
+                store,
+                to_store: Vec::new(),
+                walk_problems: BTreeSet::new(),
+                duplicates: BTreeMap::new(),
+                held: BTreeSet::new(),
+                origin: BTreeMap::new(),
+                health: Health::default(),
+            };
+            let paths: Vec<PathBuf> = w.listing().into_keys().collect();
+            w.read(&paths, &[]);
+            let mut keys: BTreeSet<ResourceKey> = w.current.keys().cloned().collect();
+            w.keys_of(&paths, &mut keys);
+            w.reconcile(keys);
+            Harness { w, dir, _store: rx }
+        }
+
+        fn path(&self, name: &str) -> PathBuf {
+            self.dir.path().join(name)
+        }
+
+        /// The names of the objects in force.
+        fn in_force(&self) -> Vec<String> {
+            self.w.current.keys().map(ToString::to_string).collect()
+        }
+
+        fn step(&mut self, changed: &[PathBuf], gone: &[PathBuf]) -> Vec<String> {
+            let mut keys = BTreeSet::new();
+            self.w.keys_of(changed, &mut keys);
+            self.w.keys_of(gone, &mut keys);
+            self.w.read(changed, gone);
+            self.w.keys_of(changed, &mut keys);
+            summary(&self.w.reconcile(keys))
+        }
+
+        /// Writes `name` and reads it as the next poll would; the updates sent.
+        fn write(&mut self, name: &str, text: &str) -> Vec<String> {
+            let path = self.path(name);
+            std::fs::write(&path, text).unwrap();
+            self.step(&[path], &[])
+        }
+
+        fn remove(&mut self, name: &str) -> Vec<String> {
+            let path = self.path(name);
+            std::fs::remove_file(&path).unwrap();
+            self.step(&[], &[path])
+        }
+
+        fn problems(&self, name: &str) -> Vec<String> {
+            self.w.files[&self.path(name)]
+                .problems
+                .iter()
+                .cloned()
+                .collect()
+        }
+    }
+
+    const ALLOW: &str = "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: allow-dns}\nspec: {selector: all(), types: [Egress], egress: [{action: Allow, protocol: UDP, destination: {ports: [53]}}]}\n";
+    const DENY: &str = "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: deny-ssh}\nspec: {selector: all(), types: [Ingress], ingress: [{action: Deny, protocol: TCP, destination: {ports: [22]}}]}\n";
+
+    /// The three edits that break the deny's identity, each with a word of its reason.
+    fn identity_breaking_edits() -> [(&'static str, String, &'static str); 3] {
+        [
+            (
+                "a name with a newline",
+                DENY.replace("name: deny-ssh", "name: \"deny-ssh\\nx\""),
+                "invalid name",
+            ),
+            (
+                "a misspelt kind",
+                DENY.replace("kind: GlobalNetworkPolicy", "kind: GlobalNetworkPolicyy"),
+                "unknown kind",
+            ),
+            (
+                "a wrong apiVersion",
+                DENY.replace("projectcalico.org/v3", "projectcalico.org/v2"),
+                "apiVersion",
+            ),
+        ]
+    }
+
+    fn two_documents(second: &str) -> String {
+        format!("{ALLOW}---\n{second}")
+    }
+
+    /// An edit that breaks the identity of the deny's document (name, kind or apiVersion) is an
+    /// invalid edit of the deny, not its deletion: the deny stays in force, held, named with the
+    /// file, document and reason. It stays while the document stays broken (other edits of the
+    /// file in between); repaired, it is applied; a document that validly names another object
+    /// lets it go, as does removing the file.
+    #[test]
+    fn an_edit_that_breaks_a_documents_identity_keeps_what_it_named() {
+        for (what, broken, reason) in identity_breaking_edits() {
+            let mut h = Harness::start(&[("p.yaml", &two_documents(DENY))], BTreeMap::new());
+            assert_eq!(
+                h.in_force(),
+                [
+                    "GlobalNetworkPolicy allow-dns",
+                    "GlobalNetworkPolicy deny-ssh"
+                ]
+            );
+            assert_eq!(
+                h.write("p.yaml", &two_documents(&broken)),
+                Vec::<String>::new(),
+                "{what}: nothing sent"
+            );
+            assert!(
+                h.in_force()
+                    .contains(&"GlobalNetworkPolicy deny-ssh".to_string())
+            );
+            let health = h.w.health.unusable.get();
+            assert_eq!(
+                health.held_last_good,
+                ["GlobalNetworkPolicy deny-ssh"],
+                "{what}"
+            );
+            assert!(health.without_last_good.is_empty(), "{what}: {health:?}");
+            let problems = h.problems("p.yaml").join("\n");
+            assert!(
+                problems.contains("p.yaml: document 2: cannot be identified (")
+                    && problems.contains(reason)
+                    && problems
+                        .contains("keeps its last good version: GlobalNetworkPolicy deny-ssh"),
+                "{what}: {problems}"
+            );
+            // Another edit of the file while the document stays broken: still held.
+            let allow_changed = two_documents(&broken).replace("ports: [53]", "ports: [5353]");
+            assert_eq!(
+                h.write("p.yaml", &allow_changed),
+                ["apply GlobalNetworkPolicy allow-dns"],
+                "{what}"
+            );
+            assert_eq!(h.w.held.len(), 1, "{what}");
+            // Repaired with a change: applied.
+            let repaired = DENY.replace("ports: [22]", "ports: [2222]");
+            assert_eq!(
+                h.write("p.yaml", &two_documents(&repaired)),
+                [
+                    "apply GlobalNetworkPolicy allow-dns",
+                    "apply GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+            assert!(h.w.held.is_empty(), "{what}");
+            // Broken again, then the document names another object validly: the deny goes.
+            assert!(h.write("p.yaml", &two_documents(&broken)).is_empty());
+            let other = DENY.replace("name: deny-ssh", "name: deny-telnet");
+            assert_eq!(
+                h.write("p.yaml", &two_documents(&other)),
+                [
+                    "delete GlobalNetworkPolicy deny-ssh",
+                    "apply GlobalNetworkPolicy deny-telnet"
+                ],
+                "{what}"
+            );
+            // Broken again, then the file removed: everything it held goes.
+            let broken_telnet = broken.replace("deny-ssh", "deny-telnet");
+            assert!(h.write("p.yaml", &two_documents(&broken_telnet)).is_empty());
+            assert_eq!(
+                h.remove("p.yaml"),
+                [
+                    "delete GlobalNetworkPolicy allow-dns",
+                    "delete GlobalNetworkPolicy deny-telnet"
+                ],
+                "{what}"
+            );
+            assert_eq!(h.w.health.unusable.get(), Default::default(), "{what}");
+        }
+    }
+
+    /// When the edit that breaks a document also adds or removes objects, positions cannot be
+    /// trusted: the file's unidentifiable documents hold everything it no longer names.
+    #[test]
+    fn documents_added_or_removed_in_the_same_edit_keep_every_object_the_file_dropped() {
+        let extra = DENY.replace("deny-ssh", "deny-ftp");
+        for (what, broken, _) in identity_breaking_edits() {
+            let mut h = Harness::start(&[("p.yaml", &two_documents(DENY))], BTreeMap::new());
+            // A new object first: the broken deny moves from document 2 to document 3.
+            let text = format!("{extra}---\n{}", two_documents(&broken));
+            assert_eq!(
+                h.write("p.yaml", &text),
+                ["apply GlobalNetworkPolicy deny-ftp"],
+                "{what}"
+            );
+            assert!(h.w.held.contains(&ResourceKey::new(
+                calc_graph::model::Kind::GlobalNetworkPolicy,
+                None,
+                "deny-ssh"
+            )));
+            // The allow removed while the deny stays broken: which document was removed is
+            // not known, so both stay until the broken one is fixed.
+            let text = format!("{extra}---\n{broken}");
+            assert!(h.write("p.yaml", &text).is_empty(), "{what}");
+            assert_eq!(
+                h.in_force(),
+                [
+                    "GlobalNetworkPolicy allow-dns",
+                    "GlobalNetworkPolicy deny-ftp",
+                    "GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+            assert_eq!(
+                h.w.health.unusable.get().held_last_good,
+                [
+                    "GlobalNetworkPolicy allow-dns",
+                    "GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+            // Fixed: the file says what it holds again; the allow goes.
+            let text = format!("{extra}---\n{DENY}");
+            assert_eq!(
+                h.write("p.yaml", &text),
+                ["delete GlobalNetworkPolicy allow-dns"],
+                "{what}"
+            );
+            assert!(h.w.held.is_empty(), "{what}");
+        }
+    }
+
+    /// An editor's truncate-then-write seen half done: the file reads empty (its objects
+    /// stay), then holds the broken document. The positions of the last parse still count.
+    #[test]
+    fn an_emptied_file_then_a_broken_document_keeps_the_deny() {
+        for (what, broken, _) in identity_breaking_edits() {
+            let mut h = Harness::start(&[("p.yaml", &two_documents(DENY))], BTreeMap::new());
+            assert!(h.write("p.yaml", "").is_empty(), "{what}");
+            assert_eq!(h.w.held.len(), 2, "{what}: the emptied file keeps both");
+            assert!(
+                h.write("p.yaml", &two_documents(&broken)).is_empty(),
+                "{what}"
+            );
+            assert_eq!(
+                h.in_force(),
+                [
+                    "GlobalNetworkPolicy allow-dns",
+                    "GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+            assert_eq!(
+                h.w.health.unusable.get().held_last_good,
+                ["GlobalNetworkPolicy deny-ssh"],
+                "{what}"
+            );
+        }
+    }
+
+    /// After a restart the previous positions are unknown: a broken document keeps what the
+    /// last-good store gave that no readable file defines, until it is fixed or removed.
+    #[test]
+    fn after_a_restart_a_broken_document_keeps_the_stored_version() {
+        for (what, broken, _) in identity_breaking_edits() {
+            // What the previous run had in force, as the last-good store gives it back.
+            let stored: BTreeMap<ResourceKey, Valid> =
+                calc_graph::manifest::parse_manifest(&two_documents(DENY))
+                    .unwrap()
+                    .into_iter()
+                    .map(|e| match e.outcome {
+                        calc_graph::manifest::Outcome::Valid(k, v) => (k, v),
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+            let mut h = Harness::start(&[("p.yaml", &two_documents(&broken))], stored);
+            assert_eq!(
+                h.in_force(),
+                [
+                    "GlobalNetworkPolicy allow-dns",
+                    "GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+            assert_eq!(
+                h.w.health.unusable.get().held_last_good,
+                ["GlobalNetworkPolicy deny-ssh"],
+                "{what}"
+            );
+            // Fixed: the deny is the file's again, held no more.
+            assert!(h.write("p.yaml", &two_documents(DENY)).len() <= 2);
+            assert!(h.w.held.is_empty(), "{what}");
+            // Removed: it goes.
+            assert_eq!(
+                h.remove("p.yaml"),
+                [
+                    "delete GlobalNetworkPolicy allow-dns",
+                    "delete GlobalNetworkPolicy deny-ssh"
+                ],
+                "{what}"
+            );
+        }
+    }
+
+    /// A document that cannot be identified and held nothing is said loudly: named (file and
+    /// document, escaped) among the objects without a last good version.
+    #[test]
+    fn a_new_unidentifiable_document_is_reported_without_a_last_good_version() {
+        let mut h = Harness::start(&[("p.yaml", ALLOW)], BTreeMap::new());
+        let broken = DENY.replace("kind: GlobalNetworkPolicy", "kind: GlobalNetworkPolicyy");
+        assert!(h.write("p.yaml", &two_documents(&broken)).is_empty());
+        let health = h.w.health.unusable.get();
+        assert!(health.held_last_good.is_empty(), "{health:?}");
+        assert_eq!(health.without_last_good.len(), 1, "{health:?}");
+        assert!(
+            health.without_last_good[0].ends_with("p.yaml: document 2 (cannot be identified)"),
+            "{health:?}"
+        );
+        let problems = h.problems("p.yaml").join("\n");
+        assert!(
+            problems.contains("document 2: cannot be identified (unknown kind")
+                && problems.contains("nothing of it is in force"),
+            "{problems}"
+        );
+        // A file name with a newline cannot forge a line in what is shown.
+        let name = "evil\nname.yaml";
+        h.write(name, &broken);
+        let health = h.w.health.unusable.get();
+        assert!(
+            health
+                .without_last_good
+                .iter()
+                .any(|w| w.contains("evil\\nname.yaml: document 1")),
+            "{health:?}"
+        );
+        assert!(health.without_last_good.iter().all(|w| !w.contains('\n')));
+        // Fixed: nothing left to report.
+        h.write(name, ALLOW);
+        h.write("p.yaml", &two_documents(DENY));
+        assert_eq!(h.w.health.unusable.get(), Default::default());
     }
 
     #[test]
