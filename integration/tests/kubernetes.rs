@@ -771,3 +771,137 @@ async fn serve_follows_watch_events_and_relists_after_410() {
         "the missing CRD is reported: {log}"
     );
 }
+
+/// A deny every endpoint meets, as a GlobalNetworkPolicy CRD object.
+fn deny_crd(spec: Value) -> Value {
+    json!({"metadata": {"name": "deny-ssh",
+                        "annotations": {"projectcalico.org/metadata": "{\"name\":\"deny-ssh\"}"}},
+           "spec": spec})
+}
+
+fn deny_spec() -> Value {
+    json!({"order": 1, "selector": "all()", "types": ["Ingress"],
+           "ingress": [{"action": "Deny", "protocol": "TCP", "destination": {"ports": [22]}}]})
+}
+
+/// Invalid new versions of an enforced deny CRD, each followed by a valid change to another
+/// object of the same collection (one watch, events in order: once the agent has that change,
+/// the server has processed the bad version): the agents keep the deny exactly as it was, the
+/// object is reported as held, and a 410 re-list does not drop it either. Deleting the object is
+/// how the deny goes. Real server and dry-run agent against the fake API server.
+#[test]
+fn invalid_crd_versions_of_a_deny_leave_it_in_force_on_the_agents() {
+    use integration::Agent as DryRunAgent;
+    let fake = FakeKube::start(INSTALLED_CRDS);
+    seed(&fake);
+    let gnps = crd("globalnetworkpolicies");
+    fake.apply(&gnps, deny_crd(deny_spec()));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = fake.kubeconfig(dir.path());
+    let server = Server::start_with(
+        &[
+            "--datastore-type",
+            "kubernetes",
+            "--kubeconfig",
+            cfg.to_str().unwrap(),
+        ],
+        dir.path().join("server.log"),
+        free_port(),
+        &[],
+    );
+    let agent = DryRunAgent::start(dir.path(), &server.grpc, "node1");
+    let policies = |s: &Value| -> Vec<String> {
+        s["policies"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    };
+    const DENY: &str = "GlobalNetworkPolicy/deny-ssh";
+    let before = agent.wait_for("the deny in force", |s| {
+        s["in_sync"] == true && policies(s).iter().any(|p| p == DENY)
+    })["policies"][DENY]
+        .clone();
+    assert!(before.to_string().contains("deny"), "{before}");
+
+    let mut selector_typo = deny_spec();
+    selector_typo["selectr"] = selector_typo["selector"].take();
+    let bad_versions = [
+        ("a selector that does not parse", {
+            let mut s = deny_spec();
+            s["selector"] = "all(".into();
+            deny_crd(s)
+        }),
+        ("a misspelt field", deny_crd(selector_typo)),
+        ("an unknown action", {
+            let mut s = deny_spec();
+            s["ingress"][0]["action"] = "Maybe".into();
+            deny_crd(s)
+        }),
+        ("a v3 name with a newline", {
+            let mut o = deny_crd(deny_spec());
+            o["metadata"]["annotations"]["projectcalico.org/metadata"] =
+                "{\"name\":\"deny-ssh\\nx\"}".into();
+            o
+        }),
+        ("a metadata annotation that is not JSON", {
+            let mut o = deny_crd(deny_spec());
+            o["metadata"]["annotations"]["projectcalico.org/metadata"] = "{".into();
+            o
+        }),
+        (
+            "a spec that is not an object",
+            deny_crd(json!("deny everything")),
+        ),
+    ];
+    let marker = |n: usize| {
+        json!({"metadata": {"name": format!("marker-{n}")},
+               "spec": {"selector": "all()", "types": ["Ingress"], "ingress": [{"action": "Allow"}]}})
+    };
+    for (n, (what, bad)) in bad_versions.into_iter().enumerate() {
+        fake.apply(&gnps, bad);
+        fake.apply(&gnps, marker(n));
+        let name = format!("GlobalNetworkPolicy/marker-{n}");
+        let state = agent.wait_for(&format!("the marker after {what}"), |s| {
+            policies(s).contains(&name)
+        });
+        assert_eq!(
+            state["policies"][DENY], before,
+            "{what}: the deny must stay in force as it was"
+        );
+        let (_, body) = integration::http_get(&server.admin, "/status/datastore").unwrap();
+        assert!(
+            body.contains("deny-ssh") && body.contains("held_last_good"),
+            "{what}: {body}"
+        );
+        let health: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            health["held_last_good"].as_array().map(Vec::len),
+            Some(1),
+            "{what}: {health}"
+        );
+    }
+
+    // Never taken out, even for a moment: the agent added it once and never changed it.
+    let changes = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("dry-run: policy") && l.contains("deny-ssh"))
+        .count();
+    assert_eq!(changes, 1, "{}", agent.log_text());
+
+    // The watch expires: the re-list sees the same bad version and keeps the deny.
+    let lists = fake.lists(&gnps);
+    fake.expire();
+    fake.apply(&gnps, marker(100));
+    let state = agent.wait_for("the marker after the re-list", |s| {
+        policies(s).contains(&"GlobalNetworkPolicy/marker-100".to_string())
+    });
+    assert!(fake.lists(&gnps) > lists, "the expiry caused a re-list");
+    assert_eq!(state["policies"][DENY], before, "kept across the re-list");
+
+    // Deleting the object is how the deny goes.
+    fake.delete(&gnps, "deny-ssh");
+    agent.wait_for("the deny deleted", |s| {
+        !policies(s).iter().any(|p| p == DENY)
+    });
+}
