@@ -415,6 +415,11 @@ pub struct ComputeArgs {
     /// Write `<node>.jsonl` per node into this directory instead of printing to stdout.
     #[arg(long, env = "CALC_SERVER_OUT_DIR")]
     pub out_dir: Option<PathBuf>,
+    /// Compute a node the datastore does not know (what its agent would receive from a server
+    /// run with --allow-unknown-nodes: config and InSync); without it such a node is an
+    /// error, as serve refuses its agent.
+    #[arg(long, env = "CALC_SERVER_ALLOW_UNKNOWN_NODES")]
+    pub allow_unknown_nodes: bool,
 }
 
 // `calc-server explain`.

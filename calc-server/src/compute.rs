@@ -12,21 +12,41 @@ use crate::args::ComputeArgs;
 use crate::datastore;
 
 /// Builds the graph from a snapshot and returns each node's stream (sequence numbers from 1).
+/// A requested node the datastore does not know is an error, as `serve` refuses its agent
+/// (NOT_FOUND), unless `allow_unknown` (serve's `--allow-unknown-nodes`).
 pub fn compute(
     updates: Vec<calc_graph::graph::Update>,
     nodes: Option<&[String]>,
+    allow_unknown: bool,
     mut on_rejection: impl FnMut(String),
-) -> Vec<(String, Vec<pb::ToDataplane>)> {
+) -> anyhow::Result<Vec<(String, Vec<pb::ToDataplane>)>> {
     let mut g = CalcGraph::new();
     for u in updates {
         if let Err(rejection) = g.apply(u) {
             on_rejection(rejection.to_string());
         }
     }
+    let known = g.known_nodes();
     let nodes: Vec<String> = match nodes {
         Some(n) => n.to_vec(),
-        None => g.known_nodes(),
+        None => known.clone(),
     };
+    let unknown: Vec<&String> = nodes.iter().filter(|n| !known.contains(n)).collect();
+    if !allow_unknown && !unknown.is_empty() {
+        anyhow::bail!(
+            "{} not in the datastore (no Node resource and no endpoints): `serve` refuses such              an agent with NOT_FOUND unless it runs with --allow-unknown-nodes (give that flag              here to see what the agent would then receive); the datastore's nodes: {}",
+            unknown
+                .iter()
+                .map(|n| format!("node {:?}", calc_graph::untrusted::Untrusted(n.as_str())))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if known.is_empty() {
+                "none".to_string()
+            } else {
+                known.join(", ")
+            }
+        );
+    }
     for n in &nodes {
         g.subscribe(n);
     }
@@ -38,7 +58,7 @@ pub fn compute(
             .or_default()
             .extend(batch.messages.iter().map(|m| (**m).clone()));
     }
-    by_node
+    Ok(by_node
         .into_iter()
         .map(|(n, mut msgs)| {
             for (i, m) in msgs.iter_mut().enumerate() {
@@ -46,7 +66,7 @@ pub fn compute(
             }
             (n, msgs)
         })
-        .collect()
+        .collect())
 }
 
 pub fn run(args: &ComputeArgs) -> anyhow::Result<ExitCode> {
@@ -55,7 +75,9 @@ pub fn run(args: &ComputeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: skipped: {p}");
     }
     let nodes = (!args.all_nodes).then_some(args.nodes.as_slice());
-    let streams = compute(snap.updates, nodes, |r| eprintln!("warning: rejected: {r}"));
+    let streams = compute(snap.updates, nodes, args.allow_unknown_nodes, |r| {
+        eprintln!("warning: rejected: {r}")
+    })?;
     if let Some(dir) = &args.out_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }

@@ -290,6 +290,36 @@ fn compute_all_nodes_writes_a_file_per_node() {
     assert!(node2.contains("\"allow-postgres\"") && node2.contains("hostEndpointUpdate"));
 }
 
+/// `compute` and `serve` agree on a node the datastore does not know: an error naming the
+/// flag and the known nodes, unless --allow-unknown-nodes, which shows what serve would then send.
+#[test]
+fn compute_refuses_an_unknown_node_as_serve_does() {
+    let dir = examples();
+    let dir = dir.to_str().unwrap();
+    let o = calc_server(&["compute", "--file-dir", dir, "--node", "node-9"]);
+    assert_ne!(o.status.code(), Some(0), "{}", stdout(&o));
+    assert!(o.stdout.is_empty());
+    let err = stderr(&o);
+    assert!(
+        err.contains("node-9")
+            && err.contains("--allow-unknown-nodes")
+            && err.contains("node-1, node-2"),
+        "{err}"
+    );
+    let o = calc_server(&[
+        "compute",
+        "--file-dir",
+        dir,
+        "--node",
+        "node-9",
+        "--allow-unknown-nodes",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.lines().last().unwrap().contains("inSync"), "{out}");
+    assert!(!out.contains("workloadEndpointUpdate"), "{out}");
+}
+
 #[test]
 fn compute_reports_bad_manifests_and_computes_the_rest() {
     let dir = tempfile::tempdir().unwrap();
