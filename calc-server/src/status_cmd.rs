@@ -69,9 +69,11 @@ fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
                 (false, true) => "never",
                 (false, false) => "no",
             };
-            let heartbeat = match n["last_heartbeat_age_seconds"].as_u64() {
-                Some(s) => format!("{s}s ago"),
-                None => "-".into(),
+            // What a disconnected node last reported is history, not its state: shown as such.
+            let heartbeat = match (n["last_heartbeat_age_seconds"].as_u64(), connected) {
+                (Some(s), true) => format!("{s}s ago"),
+                (Some(s), false) => format!("{s}s ago (stale)"),
+                (None, _) => "-".into(),
             };
             let dash = |s: &str| {
                 if s.is_empty() {
@@ -89,10 +91,13 @@ fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
                 },
                 state.into(),
                 dash(since),
-                if n["dataplane_in_sync"].as_bool().unwrap_or_default() {
-                    "yes".into()
-                } else {
-                    "no".into()
+                match (
+                    connected,
+                    n["dataplane_in_sync"].as_bool().unwrap_or_default(),
+                ) {
+                    (false, _) => "unknown".into(),
+                    (true, true) => "yes".into(),
+                    (true, false) => "no".into(),
                 },
                 heartbeat,
                 n["messages_sent"].as_u64().unwrap_or_default().to_string(),
@@ -100,7 +105,11 @@ fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
                     .as_u64()
                     .unwrap_or_default()
                     .to_string(),
-                format!("{up}/{eps} up"),
+                match (connected, state) {
+                    (true, _) => format!("{up}/{eps} up"),
+                    (false, "never") => "-".into(),
+                    (false, _) => format!("unknown (last {up}/{eps} up)"),
+                },
                 n["programmed"].as_str().unwrap_or("-").to_string(),
             ]
         })
@@ -281,5 +290,22 @@ mod tests {
             lines[2].contains("never"),
             "a node that never connected says so:\n{text}"
         );
+    }
+
+    /// A node whose agent went away shows what it last reported as history, not as its state.
+    #[test]
+    fn a_disconnected_node_shows_its_last_report_as_stale() {
+        let nodes = [
+            json!({"node": "n1", "in_datastore": true, "connected": false,
+               "connected_since": "2026-11-24T10:00:00Z", "dataplane_in_sync": true,
+               "last_heartbeat_age_seconds": 300, "messages_sent": 9, "last_sequence_received": 7,
+               "workload_endpoints": {"k8s/a/eth0": "up"}, "host_endpoints": {},
+               "programmed": "no: not connected"}),
+        ];
+        let row = &rows(&nodes)[0];
+        assert_eq!(row[2], "no");
+        assert_eq!(row[4], "unknown", "IN-SYNC of a disconnected node");
+        assert_eq!(row[5], "300s ago (stale)");
+        assert_eq!(row[8], "unknown (last 1/1 up)");
     }
 }
