@@ -7,7 +7,6 @@
 
 use std::process::ExitCode;
 
-use anyhow::Context;
 use calc_graph::explain::{
     EndpointPolicies, Explanation, PolicyReach, Query, Request, render_endpoint_text,
     render_policy_text, render_text,
@@ -65,8 +64,11 @@ fn ask_server(
     r: &Request,
 ) -> anyhow::Result<serde_json::Value> {
     let (status, body) = crate::admin_client::fetch(addr, &path_of(r), client)?;
-    let value: serde_json::Value = serde_json::from_str(&body)
-        .with_context(|| format!("{addr} answered {status} with no JSON: {}", body.trim()))?;
+    // An answer that is not JSON is a message for a person (the gRPC port says which port to
+    // use): shown as it is, without the JSON parser's complaint.
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(&body) else {
+        anyhow::bail!("{addr} answered {status}: {}", body.trim());
+    };
     if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
         anyhow::bail!("{error}{}", crate::admin_client::refusal_hint(&status));
     }

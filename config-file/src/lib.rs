@@ -84,6 +84,30 @@ fn parse(text: &str) -> Result<BTreeMap<String, Vec<String>>, String> {
     Ok(out)
 }
 
+/// "unknown setting", with the closest flag name of `cmd` (or its subcommand `sub`) when one
+/// is close enough to be the intended one.
+fn unknown_setting(key: &str, cmd: &Command, sub: Option<&str>) -> String {
+    let names = cmd
+        .get_arguments()
+        .chain(
+            sub.and_then(|s| cmd.find_subcommand(s))
+                .into_iter()
+                .flat_map(Command::get_arguments),
+        )
+        .filter_map(|a| a.get_long())
+        .filter(|n| *n != PRINT_FLAG);
+    let best = names
+        .map(|n| (strsim::jaro_winkler(key, n), n))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    match best {
+        Some((_, name)) => format!("unknown setting {key:?} (did you mean {name:?}?)"),
+        None => format!(
+            "unknown setting {key:?} (settings are long flag names without the dashes; see --help)"
+        ),
+    }
+}
+
 /// Makes each setting the default of the flag with that long name, in `cmd` or (when given)
 /// its subcommand `sub`.
 pub fn apply(
@@ -102,7 +126,7 @@ pub fn apply(
         let (found, on_sub) = match in_sub {
             Some(f) => (f, true),
             None => (
-                find(&cmd).ok_or_else(|| format!("unknown setting {key:?}"))?,
+                find(&cmd).ok_or_else(|| unknown_setting(key, &cmd, sub))?,
                 false,
             ),
         };
@@ -557,6 +581,7 @@ mod tests {
     fn bad_files_are_errors() {
         let err = run("lisen: x\n", &[]).unwrap_err();
         assert!(err.contains("unknown setting \"lisen\""), "{err}");
+        assert!(err.contains("did you mean \"listen\"?"), "{err}");
         let err = run("limit: {a: 1}\n", &[]).unwrap_err();
         assert!(err.contains("limit"), "{err}");
         let err = run("limit: many\n", &["--node", "n"]).unwrap_err();

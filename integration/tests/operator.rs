@@ -131,6 +131,27 @@ fn status_against_the_grpc_port_names_the_admin_address() {
         "{err}"
     );
     assert!(!err.contains("reset by peer"), "{err}");
+    // explain --server at the same port: the port's own message, no JSON parser noise.
+    let out = Command::new(binary("calc-server"))
+        .args([
+            "explain",
+            "--server",
+            server.grpc.trim_start_matches("http://"),
+            "--policy",
+            "block-threat-feed",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("gRPC port") && err.contains("--admin-listen"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("expected ident") && !err.contains("line 1 column"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -182,6 +203,11 @@ fn an_unknown_node_is_refused_with_a_log_line_and_a_metric() {
     let log = agent.wait_for_log("calc-server refused the stream");
     assert!(
         log.contains("node-typo") && log.contains("is not in the datastore"),
+        "{log}"
+    );
+    // The agent's own log says what to do, not only the server's.
+    assert!(
+        log.contains("--node") && log.contains("--allow-unknown-nodes"),
         "{log}"
     );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
