@@ -173,12 +173,11 @@ pub struct ServeArgs {
     pub agent_backlog_limit: usize,
     /// An agent that falls this many bytes (encoded messages) behind is disconnected and resent
     /// a snapshot: a stalled agent costs at most this much memory beyond shared messages.
-    #[arg(
-        long,
-        env = "CALC_SERVER_AGENT_BACKLOG_BYTES",
-        default_value_t = 256 * 1024 * 1024
-    )]
-    pub agent_backlog_bytes: u64,
+    /// Unset: sized per node from the snapshot its stream was sent, 4x it, at most 256 MiB, at
+    /// least the snapshot plus 16 MiB (so a node's snapshot and the changes made while it is
+    /// taken always fit).
+    #[arg(long, env = "CALC_SERVER_AGENT_BACKLOG_BYTES", value_name = "BYTES")]
+    pub agent_backlog_bytes: Option<u64>,
     /// How many nodes' snapshots may be in flight at once (others wait their turn).
     #[arg(
         long,

@@ -173,10 +173,11 @@ pub struct Cli {
     /// Most bytes (encoded messages) a stream may send before its InSync. The agent holds an
     /// unfinished snapshot in memory, so this bounds what a server that never finishes one can
     /// make it keep; over the bound the stream is dropped with an error and the agent
-    /// reconnects with back-off. The largest legitimate node snapshots (100k endpoints) take a
-    /// few hundred MB.
-    #[arg(long, env = "DATAPLANE_AGENT_MAX_SNAPSHOT_BYTES", value_name = "BYTES", default_value_t = crate::session::DEFAULT_MAX_SNAPSHOT_BYTES, value_parser = clap::value_parser!(u64).range(1024 * 1024..))]
-    pub max_snapshot_bytes: u64,
+    /// reconnects with back-off. Unset: sized from this node's state, 4x its last complete
+    /// snapshot, at least 64 MiB (256 MiB before the first), doubled after each cut, at most
+    /// 512 MiB. The largest legitimate node snapshots (100k endpoints) take a few hundred MB.
+    #[arg(long, env = "DATAPLANE_AGENT_MAX_SNAPSHOT_BYTES", value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1024 * 1024..))]
+    pub max_snapshot_bytes: Option<u64>,
 
     /// /liveness (and /readiness) answer 503 when the session loop has made no progress for
     /// this long: it is stuck in a blocking call such as an apply that never returns (Felix's
@@ -572,7 +573,10 @@ mod tests {
         assert_eq!(config.reconnect_min_delay, Duration::from_millis(200));
         assert_eq!(config.reconnect_max_delay, Duration::from_secs(10));
         assert_eq!(config.snapshot_timeout, Duration::from_secs(300));
-        assert_eq!(config.max_snapshot_bytes, 2 * 1024 * 1024 * 1024);
+        assert_eq!(
+            config.max_snapshot_bytes, None,
+            "sized from the node's snapshots"
+        );
         assert_eq!(config.watchdog_timeout, Duration::from_secs(90));
         assert!(config.capabilities.is_empty());
     }
@@ -710,7 +714,7 @@ mod tests {
         .session_config()
         .expect("valid");
         assert_eq!(config.snapshot_timeout, Duration::from_secs(2));
-        assert_eq!(config.max_snapshot_bytes, 1024 * 1024);
+        assert_eq!(config.max_snapshot_bytes, Some(1024 * 1024));
         assert_eq!(config.watchdog_timeout, Duration::from_millis(500));
         assert!(
             parse(&["--max-snapshot-bytes", "1000"]).is_err(),

@@ -31,8 +31,10 @@
 //! only ever hold complete snapshots, so a stream that ends early leaves nothing behind and the
 //! dataplane's upkeep keeps using the last complete state. A stream whose `InSync` has not come
 //! `snapshot_timeout` after its `ServerHello`, or whose messages before `InSync` add up to more
-//! than `max_snapshot_bytes` (encoded size), is dropped with an error and retried with normal
-//! back-off.
+//! than the snapshot bound (encoded size), is dropped with an error and retried with normal
+//! back-off. The bound is `max_snapshot_bytes` when set, else sized from the node's own state
+//! ([`SnapshotSizing`]): a multiple of the last complete snapshot, within a floor and a
+//! ceiling, so what a server that never finishes can make the agent hold follows the node.
 //!
 //! Every message is converted once, on receipt, into a typed [`Message`] (`message.rs`). One
 //! the conversion refuses (no id, an update without its object, an unknown enum value) fails
@@ -76,12 +78,63 @@ use std::sync::Arc;
 /// seconds to a minute; five minutes leaves room for a loaded server.
 pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Default [`SessionConfig::max_snapshot_bytes`]: 2 GiB. An extreme legitimate node snapshot
-/// (100k dual-stack endpoints, 5,000 policies, 4 million IP set members) encodes to about
-/// 230 MiB (the unit test `a_large_node_snapshot_fits_the_default_bound`). A node whose real
-/// snapshot reached the bound could never sync again, so it sits about 9x above that; it is
-/// there to stop a snapshot that never ends, not to size the agent.
-pub const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+const MIB: u64 = 1024 * 1024;
+
+/// The snapshot bound of a process's first stream, before any complete snapshot says how large
+/// this node's state is: 256 MiB encoded (about 1.3 GiB held, decoded). An extreme legitimate
+/// node snapshot (100k dual-stack endpoints, 5,000 policies, 4 million IP set members) encodes
+/// to about 230 MiB (the unit test `a_large_node_snapshot_fits_under_the_ceiling`).
+pub const FIRST_SNAPSHOT_BOUND: u64 = 256 * MIB;
+
+/// After a complete snapshot of S bytes the bound is this many times S (room for the node's
+/// state to grow between resyncs), ...
+pub const SNAPSHOT_BOUND_FACTOR: u64 = 4;
+
+/// ... and at least this: 64 MiB (one large IP set message is up to `max_recv_bytes`).
+pub const MIN_SNAPSHOT_BOUND: u64 = 64 * MIB;
+
+/// The sized bound never exceeds this: 512 MiB encoded (about 2.5 GiB held). More than twice
+/// the extreme node above; a node beyond it sets `--max-snapshot-bytes`.
+pub const MAX_SNAPSHOT_BOUND: u64 = 512 * MIB;
+
+/// How the snapshot bound is sized when `--max-snapshot-bytes` is not set (the defaults are
+/// the constants above; tests use small ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotSizing {
+    /// Before any complete snapshot.
+    pub first: u64,
+    /// Times the last complete snapshot.
+    pub factor: u64,
+    /// The least bound after a complete snapshot.
+    pub min: u64,
+    /// The most, ever.
+    pub max: u64,
+}
+
+impl Default for SnapshotSizing {
+    fn default() -> Self {
+        Self {
+            first: FIRST_SNAPSHOT_BOUND,
+            factor: SNAPSHOT_BOUND_FACTOR,
+            min: MIN_SNAPSHOT_BOUND,
+            max: MAX_SNAPSHOT_BOUND,
+        }
+    }
+}
+
+impl SnapshotSizing {
+    /// The bound from what this process has seen: `first` before any complete snapshot, else
+    /// `factor` times the last complete one, at least `min`; doubled for each stream cut at the
+    /// bound since (a node whose state really grew past it syncs after a few attempts instead
+    /// of never); never above `max`.
+    pub fn bound(&self, last_complete: Option<u64>, cut_since: u32) -> u64 {
+        let base = match last_complete {
+            None => self.first,
+            Some(bytes) => bytes.saturating_mul(self.factor).max(self.min),
+        };
+        base.saturating_mul(1u64 << cut_since.min(16)).min(self.max)
+    }
+}
 
 /// Default [`SessionConfig::watchdog_timeout`], as Felix's `DataplaneWatchdogTimeout`.
 pub const DEFAULT_WATCHDOG_TIMEOUT: Duration = Duration::from_secs(90);
@@ -131,8 +184,11 @@ pub struct SessionConfig {
     pub snapshot_timeout: Duration,
     /// Most bytes (encoded messages, the `ServerHello` included) a stream may send before its
     /// `InSync`. The unfinished snapshot is held in memory, so this bounds what a server that
-    /// never finishes its snapshot can make the agent keep.
-    pub max_snapshot_bytes: u64,
+    /// never finishes its snapshot can make the agent keep. `None`: sized from the node's own
+    /// snapshots ([`SnapshotSizing`]).
+    pub max_snapshot_bytes: Option<u64>,
+    /// How the bound is sized when `max_snapshot_bytes` is `None`.
+    pub snapshot_sizing: SnapshotSizing,
     /// `/liveness` fails when the session loop has made no progress for this long (a blocking
     /// apply that does not return).
     pub watchdog_timeout: Duration,
@@ -147,8 +203,8 @@ pub struct SessionConfig {
 impl SessionConfig {
     /// Defaults: heartbeat 5 s, reconnect 200 ms..10 s, connect and hello timeouts 10 s / 30 s,
     /// keep-alive 20 s / 10 s, messages up to 128 MiB, batches of at most 10 000 messages,
-    /// snapshots within 5 min and 2 GiB, watchdog 90 s, no capabilities beyond the built-in
-    /// ones.
+    /// snapshots within 5 min and a bound sized from the node's snapshots, watchdog 90 s, no
+    /// capabilities beyond the built-in ones.
     pub fn new(servers: Vec<String>, node_name: impl Into<String>) -> Self {
         Self {
             servers,
@@ -165,7 +221,8 @@ impl SessionConfig {
             keepalive_timeout: Duration::from_secs(10),
             max_batch: 10_000,
             snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
-            max_snapshot_bytes: DEFAULT_MAX_SNAPSHOT_BYTES,
+            max_snapshot_bytes: None,
+            snapshot_sizing: SnapshotSizing::default(),
             watchdog_timeout: DEFAULT_WATCHDOG_TIMEOUT,
             process_start: Instant::now(),
             tls: None,
@@ -464,8 +521,10 @@ impl StreamResult {
                 bytes,
                 messages,
                 retry_in,
-                "the snapshot exceeds --max-snapshot-bytes before its InSync; dropping the stream \
-                 and its unfinished snapshot (the dataplane stays as it is)"
+                "the snapshot exceeds --max-snapshot-bytes before its InSync (unless set, sized \
+                 from the last complete snapshot; it doubles for the next attempt, up to its \
+                 ceiling); dropping the stream and its unfinished snapshot (the dataplane stays \
+                 as it is)"
             ),
         }
     }
@@ -483,6 +542,10 @@ struct AgentState {
     apply_backoff: Backoff,
     process_start: Instant,
     metrics: Arc<AgentMetrics>,
+    /// Encoded bytes of the last complete snapshot (from `ServerHello` to `InSync`).
+    last_snapshot_bytes: Option<u64>,
+    /// Streams cut at the snapshot bound since the last complete snapshot.
+    snapshot_cuts: u32,
 }
 
 impl AgentState {
@@ -495,6 +558,8 @@ impl AgentState {
             apply_backoff: Backoff::new(config.reconnect_min_delay, config.reconnect_max_delay),
             process_start: config.process_start,
             metrics: config.metrics.clone(),
+            last_snapshot_bytes: None,
+            snapshot_cuts: 0,
         }
     }
 }
@@ -830,6 +895,12 @@ async fn stream_inner<D: Driver>(
     }
     agent.tracker.begin_stream();
 
+    let snapshot_bound = config.max_snapshot_bytes.unwrap_or_else(|| {
+        config
+            .snapshot_sizing
+            .bound(agent.last_snapshot_bytes, agent.snapshot_cuts)
+    });
+    debug!(server = url, snapshot_bound, "stream open");
     let mut st = StreamState {
         out,
         expected_seq: 2,
@@ -889,9 +960,10 @@ async fn stream_inner<D: Driver>(
                     config.metrics.message();
                     if !st.in_sync {
                         st.snapshot_bytes = st.snapshot_bytes.saturating_add(encoded_len(&msg));
-                        if st.snapshot_bytes > config.max_snapshot_bytes {
+                        if st.snapshot_bytes > snapshot_bound {
+                            agent.snapshot_cuts = agent.snapshot_cuts.saturating_add(1);
                             return StreamEnd::SnapshotTooLarge {
-                                limit: config.max_snapshot_bytes,
+                                limit: snapshot_bound,
                                 bytes: st.snapshot_bytes,
                                 messages: st.messages + 1,
                             };
@@ -1042,12 +1114,20 @@ fn handle<D: Driver>(
             if agent.ever_in_sync {
                 info!(
                     snapshot_messages = st.messages,
+                    snapshot_bytes = st.snapshot_bytes,
                     removed_stale = stale.len(),
                     "resync complete"
                 );
             } else {
-                info!(snapshot_messages = st.messages, "in sync with calc-server");
+                info!(
+                    snapshot_messages = st.messages,
+                    snapshot_bytes = st.snapshot_bytes,
+                    "in sync with calc-server"
+                );
             }
+            // The node's real state: what sizes the next stream's snapshot bound.
+            agent.last_snapshot_bytes = Some(st.snapshot_bytes);
+            agent.snapshot_cuts = 0;
             agent.metrics.in_sync(agent.ever_in_sync);
             st.in_sync = true;
             agent.ever_in_sync = true;
@@ -1222,7 +1302,59 @@ mod tests {
     }
 
     #[test]
-    fn a_large_node_snapshot_fits_the_default_bound() {
+    fn the_snapshot_bound_follows_the_node_within_its_floor_and_ceiling() {
+        // The first snapshot: the floor for a node the agent knows nothing of yet.
+        assert_eq!(
+            SnapshotSizing::default().bound(None, 0),
+            FIRST_SNAPSHOT_BOUND
+        );
+        // A small node: the minimum, far below the first bound and the old 2 GiB.
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(300 * 1024), 0),
+            MIN_SNAPSHOT_BOUND
+        );
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(0), 0),
+            MIN_SNAPSHOT_BOUND
+        );
+        // A larger one: four times its last snapshot.
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(40 * MIB), 0),
+            160 * MIB
+        );
+        // Never above the ceiling, whatever the last snapshot.
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(200 * MIB), 0),
+            MAX_SNAPSHOT_BOUND
+        );
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(u64::MAX), 0),
+            MAX_SNAPSHOT_BOUND
+        );
+        // Each cut doubles it (a node that grew past its bound syncs after a few attempts),
+        // up to the ceiling and no further, however many cuts.
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(MIB), 1),
+            2 * MIN_SNAPSHOT_BOUND
+        );
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(MIB), 2),
+            4 * MIN_SNAPSHOT_BOUND
+        );
+        assert_eq!(SnapshotSizing::default().bound(None, 1), MAX_SNAPSHOT_BOUND);
+        assert_eq!(
+            SnapshotSizing::default().bound(Some(MIB), u32::MAX),
+            MAX_SNAPSHOT_BOUND
+        );
+        // Ordered as documented.
+        const {
+            assert!(MIN_SNAPSHOT_BOUND <= FIRST_SNAPSHOT_BOUND);
+            assert!(FIRST_SNAPSHOT_BOUND <= MAX_SNAPSHOT_BOUND);
+        }
+    }
+
+    #[test]
+    fn a_large_node_snapshot_fits_under_the_ceiling() {
         use felix_proto::to_dataplane::Payload;
         use felix_proto::{
             ActivePolicyUpdate, ActiveProfileUpdate, IpSetUpdate, Policy, PolicyId, PortRange,
@@ -1328,9 +1460,11 @@ mod tests {
             "the estimate is {mib} MiB: revisit the default bound"
         );
         assert!(
-            3 * total < DEFAULT_MAX_SNAPSHOT_BYTES,
-            "{mib} MiB leaves less than 3x headroom under the default bound"
+            2 * total < MAX_SNAPSHOT_BOUND,
+            "{mib} MiB leaves less than 2x headroom under the sized bound's ceiling"
         );
+        // Its first snapshot fits the first bound, or the doubled one after one cut.
+        assert!(total < 2 * FIRST_SNAPSHOT_BOUND, "{mib} MiB");
     }
 
     #[test]

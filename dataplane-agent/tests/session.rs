@@ -1514,7 +1514,7 @@ async fn a_snapshot_over_the_byte_bound_is_dropped() {
     ])
     .await;
     let mut config = test_config(vec![url]);
-    config.max_snapshot_bytes = 64 * 1024;
+    config.max_snapshot_bytes = Some(64 * 1024);
     let started = Instant::now();
     let agent = start_agent(config, 0);
     eventually("the second stream is applied", || agent.applies() >= 1).await;
@@ -1534,6 +1534,67 @@ async fn a_snapshot_over_the_byte_bound_is_dropped() {
     })
     .await;
     assert_eq!(fake.connection_count(), 2);
+    agent.stop().await;
+}
+
+/// Unset, the snapshot bound follows the node: after a small complete snapshot the next
+/// stream's bound is a multiple of it (here well below the first stream's), so a bigger
+/// snapshot is cut; the next attempt's bound doubles and the grown snapshot gets through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_bound_is_sized_from_the_last_complete_snapshot() {
+    let members: Vec<String> = (0..1000)
+        .map(|i| format!("10.1.{}.{}", i / 256, i % 256))
+        .collect();
+    let member_refs: Vec<&str> = members.iter().map(String::as_str).collect();
+    // About 12 KB each, encoded.
+    let sets = |n: usize| -> Vec<Payload> {
+        (0..n)
+            .map(|i| ipset(&format!("s:set-{i}"), &member_refs))
+            .chain([in_sync()])
+            .collect()
+    };
+    // Two sets (about 25 KB), then twelve (about 150 KB), twice.
+    let (url, fake) = start_fake(vec![
+        script(vec![
+            handshake(),
+            sends(sets(2)),
+            vec![programmed(), Step::End(None)],
+        ]),
+        script(vec![handshake(), sends(sets(12)), vec![Step::Hold]]),
+        script(vec![
+            handshake(),
+            sends(sets(12)),
+            vec![programmed(), Step::Hold],
+        ]),
+    ])
+    .await;
+    let mut config = test_config(vec![url]);
+    config.max_snapshot_bytes = None;
+    config.snapshot_sizing = session::SnapshotSizing {
+        first: 256 * 1024,
+        factor: 4,
+        min: 16 * 1024,
+        max: 1024 * 1024,
+    };
+    let agent = start_agent(config, 0);
+    eventually("the third stream's snapshot is applied", || {
+        agent
+            .updates()
+            .iter()
+            .filter(|m| matches!(m, Message::IpSetUpdate { .. }))
+            .count()
+            == 2 + 12
+    })
+    .await;
+    // Twelve sets fit the first bound (256 KiB) but not four times the two-set snapshot: the
+    // second stream was cut, the third (its bound doubled) went through.
+    assert_eq!(fake.connection_count(), 3);
+    let set_updates = ipset_updates(&agent);
+    assert_eq!(
+        set_updates.len(),
+        14,
+        "nothing of the cut snapshot reached the driver"
+    );
     agent.stop().await;
 }
 

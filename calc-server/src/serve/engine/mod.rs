@@ -12,7 +12,9 @@
 //! - Each connection has an unbounded queue whose length is tracked in messages and encoded
 //!   bytes: when an agent falls further behind than either backlog limit, its stream is closed
 //!   ([`CloseReason::TooFarBehind`]) and its node unsubscribed, so a stalled agent costs bounded
-//!   memory; the agent reconnects and receives a fresh snapshot.
+//!   memory; the agent reconnects and receives a fresh snapshot. The bytes limit is
+//!   `--agent-backlog-bytes` when set, else sized per node from the snapshot it was last sent
+//!   ([`BacklogSizing`]): what a stalled agent may cost follows that node's state.
 //! - A second connection for a node replaces the first ([`CloseReason::Replaced`]).
 //! - Snapshots are admitted a few at a time (`max_concurrent_snapshots`): a node's snapshot is
 //!   under way until its queue has drained, so a thousand agents connecting at once do not put a
@@ -140,6 +142,42 @@ pub(super) enum Refusal {
     UnknownNode { node: String },
 }
 
+const MIB: u64 = 1024 * 1024;
+
+/// How a node's backlog bound in bytes is sized when `--agent-backlog-bytes` is not set:
+/// `factor` times the encoded size of the snapshot the node's stream was sent, at most `max`,
+/// and at least that snapshot plus `min` (the snapshot itself is in the backlog until the
+/// stream has taken it, and changes made meanwhile must still fit, or a node whose snapshot is
+/// larger than the bound could never finish one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BacklogSizing {
+    pub factor: u64,
+    pub min: u64,
+    pub max: u64,
+}
+
+impl Default for BacklogSizing {
+    /// Four times the node's snapshot, at most 256 MiB, at least the snapshot plus 16 MiB.
+    fn default() -> Self {
+        Self {
+            factor: 4,
+            min: 16 * MIB,
+            max: 256 * MIB,
+        }
+    }
+}
+
+impl BacklogSizing {
+    /// The bound for a node whose snapshot encoded to `snapshot` bytes (`None`: not sent yet).
+    pub(super) fn bound(&self, snapshot: Option<u64>) -> u64 {
+        let snapshot = snapshot.unwrap_or(0);
+        snapshot
+            .saturating_mul(self.factor)
+            .min(self.max)
+            .max(snapshot.saturating_add(self.min))
+    }
+}
+
 /// One agent connection, as the engine sees it.
 pub(super) struct Conn {
     pub id: u64,
@@ -153,6 +191,8 @@ pub(super) struct Conn {
     pub taken_bytes: Arc<AtomicU64>,
     /// Where the node's snapshot ends in the queue, once it has been queued.
     pub snapshot_end: Option<u64>,
+    /// The encoded size of the snapshot queued on this connection, once it has been queued.
+    pub snapshot_bytes: Option<u64>,
     /// The agent offered the `applied` capability: it reports what its dataplane holds.
     pub reports_applied: bool,
 }
@@ -172,6 +212,7 @@ impl Conn {
             queued_bytes: 0,
             taken_bytes,
             snapshot_end: None,
+            snapshot_bytes: None,
             reports_applied: false,
         }
     }
@@ -241,8 +282,9 @@ pub(super) enum Input {
 pub(super) struct Limits {
     /// Messages an agent may fall behind before it is cut off.
     pub backlog: u64,
-    /// Encoded bytes an agent may fall behind before it is cut off.
-    pub backlog_bytes: u64,
+    /// Encoded bytes an agent may fall behind before it is cut off (`None`: sized per node,
+    /// [`BacklogSizing`]).
+    pub backlog_bytes: Option<u64>,
     /// Snapshots in flight at once.
     pub concurrent_snapshots: usize,
     /// Whether a node not in the datastore may connect (it then gets config and InSync only).
@@ -261,6 +303,8 @@ pub(super) struct Engine {
     conns: HashMap<String, Conn>,
     board: Arc<Board>,
     limits: Limits,
+    /// How each node's backlog bound in bytes is sized when `limits.backlog_bytes` is `None`.
+    backlog_sizing: BacklogSizing,
     /// A datastore batch arrived since the status board last learned the known nodes.
     datastore_changed: bool,
     /// Set once the datastore's snapshot is in the graph (readiness).
@@ -292,6 +336,7 @@ impl Engine {
                 concurrent_snapshots: limits.concurrent_snapshots.max(1),
                 ..limits
             },
+            backlog_sizing: BacklogSizing::default(),
             datastore_changed: false,
             ready,
             waiting: VecDeque::new(),
@@ -301,6 +346,19 @@ impl Engine {
             realization_summed: None,
             now: std::time::Instant::now(),
         }
+    }
+
+    /// Sizes nodes' backlog bounds with `sizing` (tests use small ones).
+    #[cfg(test)]
+    pub(super) fn set_backlog_sizing(&mut self, sizing: BacklogSizing) {
+        self.backlog_sizing = sizing;
+    }
+
+    /// The backlog bound in bytes of a connection.
+    fn bytes_limit(&self, conn: &Conn) -> u64 {
+        self.limits
+            .backlog_bytes
+            .unwrap_or_else(|| self.backlog_sizing.bound(conn.snapshot_bytes))
     }
 
     /// Whether snapshots are waiting or under way.
@@ -535,9 +593,12 @@ impl Engine {
         }
         let mut shared: HashMap<*const felix_proto::ToDataplane, Arc<Outbound>> = HashMap::new();
         let limit = self.limits.backlog;
-        let bytes_limit = self.limits.backlog_bytes;
         let mut overflowed = Vec::new();
         for batch in batches {
+            let Some(conn) = self.conns.get(&batch.node) else {
+                continue;
+            };
+            let bytes_limit = self.bytes_limit(conn);
             let Some(conn) = self.conns.get_mut(&batch.node) else {
                 continue;
             };
@@ -563,7 +624,7 @@ impl Engine {
             // An empty queue always takes the batch: a snapshot larger than the limits must
             // still be deliverable.
             if backlog > 0 && (backlog + n > limit || backlog_bytes + bytes > bytes_limit) {
-                overflowed.push((batch.node.clone(), backlog, backlog_bytes));
+                overflowed.push((batch.node.clone(), backlog, backlog_bytes, bytes_limit));
                 continue;
             }
             let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
@@ -573,6 +634,7 @@ impl Engine {
             let snapshot = conn.snapshot_end.is_none() && self.snapshotting.contains(&batch.node);
             if snapshot {
                 conn.snapshot_end = Some(queued);
+                conn.snapshot_bytes = Some(bytes);
             }
             // The ServerHello is sequence number 1; queued message k (from 1) is k + 1.
             self.realization.queued(
@@ -587,7 +649,7 @@ impl Engine {
                 let _ = conn.tx.send(out);
             }
         }
-        for (node, backlog, backlog_bytes) in overflowed {
+        for (node, backlog, backlog_bytes, bytes_limit) in overflowed {
             if let Some(conn) = self.drop_conn(&node) {
                 tracing::warn!(%node, backlog, backlog_bytes, limit, bytes_limit, "agent fell too far behind; closing its stream so it resyncs");
                 conn.close(CloseReason::TooFarBehind {

@@ -10,13 +10,13 @@ use felix_proto::to_dataplane::Payload;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{CloseReason, Conn, Engine, Input, Limits, Out, Refusal};
+use super::{BacklogSizing, CloseReason, Conn, Engine, Input, Limits, Out, Refusal};
 use crate::serve::metrics::Metrics;
 use crate::serve::status::Board;
 
 const LIMITS: Limits = Limits {
     backlog: 1000,
-    backlog_bytes: 1 << 30,
+    backlog_bytes: Some(1 << 30),
     concurrent_snapshots: 8,
     allow_unknown_nodes: false,
 };
@@ -279,6 +279,83 @@ fn snapshots_are_admitted_a_few_at_a_time() {
     );
     h.engine.step([]);
     assert!(!h.engine.busy(), "both snapshots delivered");
+}
+
+#[test]
+fn the_default_backlog_bound_is_a_multiple_of_the_nodes_snapshot_within_its_limits() {
+    let sizing = BacklogSizing::default();
+    const MIB: u64 = 1024 * 1024;
+    // Before a snapshot: 16 MiB.
+    assert_eq!(sizing.bound(None), 16 * MIB);
+    // A small node: its snapshot plus 16 MiB, far below the old 256 MiB for every node.
+    assert_eq!(sizing.bound(Some(200 * 1024)), 16 * MIB + 200 * 1024);
+    // Four times a mid-sized node's snapshot.
+    assert_eq!(sizing.bound(Some(10 * MIB)), 40 * MIB);
+    // The ceiling for a large one.
+    assert_eq!(sizing.bound(Some(100 * MIB)), 256 * MIB);
+    // A node whose snapshot is larger than the ceiling: the snapshot plus 16 MiB, so its
+    // snapshot and the changes made while it is taken fit (else it could never finish one).
+    assert_eq!(sizing.bound(Some(300 * MIB)), 316 * MIB);
+    assert_eq!(sizing.bound(Some(u64::MAX)), u64::MAX);
+}
+
+#[test]
+fn unset_the_backlog_bytes_bound_follows_each_nodes_snapshot() {
+    let mut h = Harness::new(Limits {
+        backlog_bytes: None,
+        ..LIMITS
+    });
+    let sizing = BacklogSizing {
+        factor: 2,
+        min: 1,
+        max: 1 << 20,
+    };
+    h.engine.set_backlog_sizing(sizing);
+    let mut updates = cluster();
+    // node-b holds more: a larger snapshot, so a larger bound.
+    updates.splice(
+        0..0,
+        (0..20).map(|i| workload("node-b", &format!("extra-{i}"), &format!("10.1.0.{i}"))),
+    );
+    h.datastore(updates);
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    // Each snapshot queued, none taken: the whole snapshot is the backlog.
+    let snapshot = |agent: &mut Agent| -> u64 {
+        std::iter::from_fn(|| agent.rx.try_recv().ok())
+            .map(|o| o.len())
+            .sum()
+    };
+    let (sa, sb) = (snapshot(&mut a), snapshot(&mut b));
+    assert!(sb > sa, "{sb} > {sa}");
+    // Policy changes until each is cut off: the bound each names is two times its snapshot.
+    let mut limits = [None, None];
+    let mut queued = [0u64, 0u64];
+    for port in 81..2000 {
+        h.datastore(vec![web_policy(port)]);
+        for (i, agent) in [&mut a, &mut b].into_iter().enumerate() {
+            while let Ok(o) = agent.rx.try_recv() {
+                match o {
+                    Out::Close(CloseReason::TooFarBehind { bytes_limit, .. }) => {
+                        limits[i].get_or_insert(bytes_limit);
+                    }
+                    o => queued[i] += o.len(),
+                }
+            }
+        }
+        if limits.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    assert_eq!(limits, [Some(2 * sa), Some(2 * sb)]);
+    // Changes were taken behind each snapshot up to (not past) its bound.
+    for (i, s) in [sa, sb].into_iter().enumerate() {
+        assert!(
+            queued[i] > 0 && s + queued[i] <= 2 * s,
+            "{} queued behind {s}",
+            queued[i]
+        );
+    }
 }
 
 #[test]
