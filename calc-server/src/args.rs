@@ -134,7 +134,8 @@ pub struct ServeArgs {
     /// Address the gRPC Sync service listens on.
     #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the admin endpoint (/status, /explain, /liveness, /readiness, /metrics).
+    /// Address of the admin endpoint (/status, /status/policies, /status/datastore, /explain,
+    /// /liveness, /readiness, /metrics).
     /// The default port is 9096 because Felix's health port (9099) and Typha's (9098) are
     /// taken on a Calico node. Without admin authentication (--admin-allowed-cn,
     /// --admin-allowed-uri-san, --admin-ca-file or --admin-token-file) only a loopback address
@@ -220,7 +221,7 @@ pub struct ServeArgs {
     pub config_file: Option<PathBuf>,
     /// Print the effective settings (after flags, environment and config file) and exit: one
     /// `key: value  # source` line each, in the config file's form (source: flag, env NAME,
-    /// file PATH or default). Answered by `config_file::parse_args` before serving starts.
+    /// file PATH or default). Nothing is served.
     #[arg(long)]
     pub print_config: bool,
 }
@@ -459,7 +460,7 @@ pub struct ExplainArgs {
     /// order, per direction, with their selectors.
     #[arg(long, env = "CALC_SERVER_EXPLAIN_ENDPOINT", conflicts_with_all = ["from", "policy"])]
     pub endpoint: Option<String>,
-    /// List the endpoints this policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/lockdown`)
+    /// List the endpoints this policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/web-http-only`)
     /// selects and the nodes where it is active; the kind picks one of several policies of one
     /// name (a kind or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp).
     #[arg(long, env = "CALC_SERVER_EXPLAIN_POLICY", conflicts_with_all = ["from", "endpoint"])]
@@ -497,7 +498,7 @@ pub struct StatusArgs {
     /// is in force, from what the agents report they applied; staged policies are `Staged`).
     #[arg(long, env = "CALC_SERVER_STATUS_POLICIES", conflicts_with = "policy")]
     pub policies: bool,
-    /// One policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/lockdown`, or a profile's name): its
+    /// One policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/web-http-only`, or a profile's name): its
     /// counts and the nodes that lag, with their reason.
     #[arg(long, env = "CALC_SERVER_STATUS_POLICY")]
     pub policy: Option<String>,

@@ -52,10 +52,14 @@ struct Cli {
 enum Command {
     /// Print the complete stream a node would receive (snapshot through InSync), one JSON object
     /// per line: the proto3 JSON mapping of each ToDataplane.
+    #[command(override_usage = "calc-server compute [OPTIONS] <--node <NODE>... | --all-nodes>")]
     Compute(ComputeArgs),
     /// Explain why traffic is allowed or denied (--from/--to), list what applies to an endpoint
     /// (--endpoint) or where a policy is in force (--policy): from the datastore, or from a
     /// running server with --server ADMIN_ADDR.
+    #[command(
+        override_usage = "calc-server explain [OPTIONS] --from <FROM> --to <TO> [--protocol <PROTOCOL>] [--port <PORT>]\n       calc-server explain [OPTIONS] --endpoint <ENDPOINT>\n       calc-server explain [OPTIONS] --policy <[KIND:][NAMESPACE/]NAME>"
+    )]
     Explain(ExplainArgs),
     /// Serve the CalcServer.Sync gRPC stream: each connected agent gets its node's snapshot,
     /// InSync, then deltas; endpoint status flows back and is written to the datastore.
@@ -167,6 +171,8 @@ fn calc_bench(
         tool.display()
     );
     let status = std::process::Command::new(&tool)
+        // Its usage lines then read `calc-server gen-cluster …`, as the user typed.
+        .env("CALC_BENCH_DISPLAY_NAME", "calc-server")
         .arg(command)
         .args(log_level.map(|level| format!("--log-level={level}")))
         .args(args)

@@ -289,7 +289,7 @@ impl AgentMetrics {
         for (name, help, v) in [
             (
                 "dataplane_agent_programmed_rules",
-                "iptables rules of ours, all tables and families, after the last apply.",
+                "Rules of ours after the last apply: iptables rules in all tables and families (linux driver), or nftables rules in our tables (nftables driver).",
                 d.rules,
             ),
             (
