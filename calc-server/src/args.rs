@@ -155,7 +155,8 @@ pub struct ServeArgs {
     /// File datastore: directory of the last-good store (the version of every object in force,
     /// so that after a restart an object that is invalid by then keeps its last good version).
     /// Default: `last-good` inside the status directory (shared by replicas that share it);
-    /// an empty value keeps it in memory only. See docs/operations.md.
+    /// an empty value keeps it in memory only. It may not be inside --file-dir elsewhere than
+    /// under `status`: the manifest loader would read the copies back. See docs/operations.md.
     #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH", value_parser = path_or_empty)]
     pub last_good_dir: Option<PathBuf>,
     /// File datastore: directory the agents' endpoint status is written to (`<node>.json`).

@@ -407,3 +407,94 @@ fn a_hostile_directory_neither_stalls_the_server_nor_stops_a_good_change() {
         "a name forged a log line"
     );
 }
+
+/// `calc-server serve` with these arguments, run from `cwd`: its exit code and output once it
+/// exits, or a panic naming what it printed if it is still serving after 10 s (it accepted).
+fn serve_must_refuse(cwd: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let mut child = std::process::Command::new(integration::binary("calc-server"))
+        .current_dir(cwd)
+        .arg("serve")
+        .args(args)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if child.try_wait().unwrap().is_some() {
+            let out = child.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            return (out.status.code(), text);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    panic!(
+        "serve {args:?} was accepted:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The server's own output is never read back as manifests (issue 39, item 1). A status or
+/// last-good directory inside --file-dir other than `status` is refused at start, naming the
+/// flag and both paths, however it is written (here relative, as an operator in the parent
+/// directory types it). And whatever the paths, the walk never enters them: here the status
+/// directory is outside, but a ConfigMap-style `..data` link inside --file-dir leads to it, so
+/// before the fix the old last-good copy of a policy deleted from the manifests kept it alive.
+#[test]
+fn the_servers_own_output_is_never_read_as_manifests() {
+    let ds = example_datastore();
+    let parent = ds.path().parent().unwrap();
+    let name = ds.path().file_name().unwrap().to_str().unwrap();
+    for (flag, sub) in [("--status-dir", "zz"), ("--last-good-dir", "lg")] {
+        let inside = format!("{name}/{sub}");
+        let (code, out) = serve_must_refuse(parent, &["--file-dir", name, flag, &inside]);
+        assert_ne!(code, Some(0), "{out}");
+        assert!(
+            out.contains(&format!("{flag} {inside} is inside --file-dir {name}")),
+            "{out}"
+        );
+        assert!(!ds.path().join(sub).exists(), "nothing written: {out}");
+    }
+
+    // Accepted paths, but a link the walk follows leads into the status directory.
+    let run = tempfile::tempdir().unwrap();
+    let status = run.path().join("st");
+    std::os::unix::fs::symlink(run.path(), ds.path().join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/st", ds.path().join("st")).unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let server = Server::start(ds.path(), &["--status-dir", status.to_str().unwrap()]);
+    let agent = Agent::start(work.path(), &server.grpc, "node-2");
+    agent.wait_for("in sync", |s| policies(s).contains(&POLICY.to_string()));
+    wait_until(
+        "the status file and the last-good store written",
+        Duration::from_secs(10),
+        || {
+            status.join("node-2.json").exists()
+                && std::fs::read_dir(status.join("last-good")).is_ok_and(|d| d.count() >= 30)
+        },
+        || server.log_text(),
+    );
+    // Two more polls at least, then the policy deleted from the manifests: it goes.
+    write_marker(ds.path(), 1);
+    agent.wait_for("the marker", |s| has_marker(s, 1));
+    let path = ds.path().join("policies.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replace("name: allow-postgres", "name: allow-postgres-renamed"),
+    )
+    .unwrap();
+    agent.wait_for("the policy renamed, the old name gone", |s| {
+        let p = policies(s);
+        p.contains(&"NetworkPolicy/db/allow-postgres-renamed".to_string())
+            && !p.contains(&POLICY.to_string())
+    });
+    let log = server.log_text();
+    assert!(!log.contains("defined in several files"), "{log}");
+    assert!(!log.contains("node-2.json"), "{log}");
+}

@@ -2,7 +2,9 @@
 //!
 //! Directories are walked recursively in name order; `*.yaml`, `*.yml` and `*.json` files are
 //! read; hidden entries and a top-level `status/` directory (where endpoint status is written)
-//! are skipped. Symlinked files are followed; a symlinked directory only when it points into a
+//! are skipped, and so are the directories the server writes to wherever they are
+//! ([`walk_skipping`]: the status and last-good directories, recognised by device and inode, so
+//! whatever path or link leads there). Symlinked files are followed; a symlinked directory only when it points into a
 //! Kubernetes ConfigMap volume's `..data` (so `ln -s . backup` is skipped, not walked forever),
 //! and a directory already on the walk is never entered twice. A file larger than
 //! [`MAX_FILE_BYTES`] is not read. Every problem is collected with its file and document
@@ -119,12 +121,32 @@ pub struct Walk {
 
 /// Lists the manifest files under `root` (or `root` itself if it is a file).
 pub fn walk(root: &Path) -> Walk {
+    walk_skipping(root, &[])
+}
+
+/// [`walk`], never entering the directories `skip` names (the server's own output: status
+/// files, last-good copies). They are recognised by device and inode, not by path, so a
+/// symlink, a bind mount or a relative path leading there is skipped too; one that does not
+/// exist yet is checked again at the next walk.
+pub fn walk_skipping(root: &Path, skip: &[PathBuf]) -> Walk {
     let mut out = Walk::default();
     match std::fs::metadata(root) {
         Ok(m) if m.is_file() => out.files.push((root.to_path_buf(), stamp(&m))),
         Ok(m) => {
             let mut on_path = Vec::new();
-            walk_dir(root, root, &m, &mut on_path, &mut out);
+            let skip: Vec<(u64, u64)> = skip
+                .iter()
+                .filter_map(|d| std::fs::metadata(d).ok())
+                .filter(std::fs::Metadata::is_dir)
+                .map(|m| dir_id(&m))
+                .collect();
+            let mut w = Walker {
+                root,
+                skip: &skip,
+                on_path: &mut on_path,
+                out: &mut out,
+            };
+            w.dir(root, &m);
         }
         Err(e) => out.problems.push(Problem {
             file: root.to_path_buf(),
@@ -158,69 +180,79 @@ fn configmap_link(link: &Path) -> bool {
     })
 }
 
-fn walk_dir(
-    root: &Path,
-    dir: &Path,
-    meta: &std::fs::Metadata,
-    on_path: &mut Vec<(u64, u64)>,
-    out: &mut Walk,
-) {
-    let problem = |file: &Path, message: String| Problem {
-        file: file.to_path_buf(),
-        document: None,
-        message,
-    };
-    if on_path.contains(&dir_id(meta)) {
-        out.problems.push(problem(
-            dir,
-            "a link back to a directory being read (a cycle); skipped".into(),
-        ));
-        return;
+/// One walk's state: where it started, what it never enters, the directories being walked (a
+/// link back to one is a cycle) and what it found.
+struct Walker<'a> {
+    root: &'a Path,
+    skip: &'a [(u64, u64)],
+    on_path: &'a mut Vec<(u64, u64)>,
+    out: &'a mut Walk,
+}
+
+impl Walker<'_> {
+    fn problem(&mut self, file: &Path, message: String) {
+        self.out.problems.push(Problem {
+            file: file.to_path_buf(),
+            document: None,
+            message,
+        });
     }
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) => {
-            out.problems.push(problem(dir, format!("cannot read: {e}")));
+
+    fn dir(&mut self, dir: &Path, meta: &std::fs::Metadata) {
+        if self.on_path.contains(&dir_id(meta)) {
+            self.problem(
+                dir,
+                "a link back to a directory being read (a cycle); skipped".into(),
+            );
             return;
         }
-    };
-    let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    entries.sort();
-    on_path.push(dir_id(meta));
-    for e in entries {
-        let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name.starts_with('.') || (dir == root && name == "status") {
-            continue;
-        }
-        let Ok(link_meta) = std::fs::symlink_metadata(&e) else {
-            continue; // Gone since the listing.
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) => {
+                self.problem(dir, format!("cannot read: {e}"));
+                return;
+            }
         };
-        // Follow links: a ConfigMap volume's files are `name -> ..data/name`, and an update
-        // swaps `..data`, which only shows through the link's target.
-        let meta = match std::fs::metadata(&e) {
-            Ok(m) => m,
-            Err(err) => {
-                if is_manifest(&e) {
-                    out.problems
-                        .push(problem(&e, format!("cannot read: {err}")));
+        let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        entries.sort();
+        self.on_path.push(dir_id(meta));
+        for e in entries {
+            let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if name.starts_with('.') || (dir == self.root && name == "status") {
+                continue;
+            }
+            let Ok(link_meta) = std::fs::symlink_metadata(&e) else {
+                continue; // Gone since the listing.
+            };
+            // Follow links: a ConfigMap volume's files are `name -> ..data/name`, and an update
+            // swaps `..data`, which only shows through the link's target.
+            let meta = match std::fs::metadata(&e) {
+                Ok(m) => m,
+                Err(err) => {
+                    if is_manifest(&e) {
+                        self.problem(&e, format!("cannot read: {err}"));
+                    }
+                    continue;
                 }
-                continue;
+            };
+            if meta.is_dir() {
+                if self.skip.contains(&dir_id(&meta)) {
+                    continue; // The server's own output, never a manifest.
+                }
+                if link_meta.file_type().is_symlink() && !configmap_link(&e) {
+                    self.problem(
+                        &e,
+                        "a symlinked directory; skipped (only a ConfigMap volume's ..data links are followed)".into(),
+                    );
+                    continue;
+                }
+                self.dir(&e, &meta);
+            } else if meta.is_file() && is_manifest(&e) {
+                self.out.files.push((e, stamp(&meta)));
             }
-        };
-        if meta.is_dir() {
-            if link_meta.file_type().is_symlink() && !configmap_link(&e) {
-                out.problems.push(problem(
-                    &e,
-                    "a symlinked directory; skipped (only a ConfigMap volume's ..data links are followed)".into(),
-                ));
-                continue;
-            }
-            walk_dir(root, &e, &meta, on_path, out);
-        } else if meta.is_file() && is_manifest(&e) {
-            out.files.push((e, stamp(&meta)));
         }
+        self.on_path.pop();
     }
-    on_path.pop();
 }
 
 /// Reads one manifest file's text, refusing files over [`MAX_FILE_BYTES`].
@@ -409,5 +441,37 @@ mod tests {
         }
         // The unidentified are not "invalid objects" under a made-up name.
         assert_eq!(report.invalid.len(), 2, "{:?}", report.invalid);
+    }
+
+    /// The server's own directories are never walked, by whatever path they are reached: by
+    /// name, through a link, or as a ConfigMap's `..data` link.
+    #[test]
+    fn the_servers_own_directories_are_never_walked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("manifests");
+        let doc =
+            "apiVersion: projectcalico.org/v3\nkind: Tier\nmetadata: {name: t}\nspec: {order: 1}\n";
+        for d in ["zz", "lg", "..data/lg2", "policies"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+            std::fs::write(root.join(d).join("a.yaml"), doc).unwrap();
+        }
+        std::os::unix::fs::symlink("..data/lg2", root.join("lg2")).unwrap();
+        // The status dir named through a link outside the tree, the last-good dirs by a
+        // relative path and through the ConfigMap-style link.
+        std::os::unix::fs::symlink(root.join("zz"), tmp.path().join("status-link")).unwrap();
+        let skip = [
+            tmp.path().join("status-link"),
+            root.join("policies/../lg"),
+            root.join("lg2"),
+            tmp.path().join("not-there-yet"),
+        ];
+        let files: Vec<PathBuf> = walk_skipping(&root, &skip)
+            .files
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
+        assert_eq!(files, [root.join("policies/a.yaml")]);
+        // Without the list, all four are read.
+        assert_eq!(walk(&root).files.len(), 4);
     }
 }

@@ -14,7 +14,7 @@ pub mod manifest_dir;
 pub mod status;
 pub mod watch;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use calc_graph::graph::Update;
@@ -25,7 +25,7 @@ use crate::args::ServeArgs;
 use crate::status::Board;
 
 /// Starts the polling watcher (into `sink`) and the status-file writer; fails if the directory
-/// is missing or the status directory is inside it.
+/// is missing or the status or last-good directory is inside it (see [`OutputDirs::check`]).
 pub(super) fn start(
     args: &ServeArgs,
     board: Arc<Board>,
@@ -35,28 +35,131 @@ pub(super) fn start(
 ) -> anyhow::Result<String> {
     let dir = args.datastore.file_dir.clone();
     check_file_dir(&dir)?;
-    let status_dir = status::status_dir(&dir, args.status_dir.as_deref())?;
-    let last_good = match &args.last_good_dir {
-        Some(d) if d.as_os_str().is_empty() => None,
-        Some(d) => Some(d.clone()),
-        None => status_dir.as_ref().map(|s| s.join("last-good")),
-    };
+    let dirs = OutputDirs::check(
+        &dir,
+        args.status_dir.as_deref(),
+        args.last_good_dir.as_deref(),
+    )?;
     let interval = args.file_poll_interval;
     let watched = dir.clone();
+    let skip = dirs.skipped();
+    let last_good = dirs.last_good.clone();
     let span = tracing::info_span!("datastore", "type" = "file");
     // Reading and parsing files is blocking work: its own thread, off the runtime. It checks
     // the token between polls (and while waiting for the next one) and stops once cancelled.
     tasks.spawn_blocking(
         tracing::info_span!(parent: &span, "file_watch"),
-        move |stop| watch::run(watched, last_good, interval, sink, health, &stop),
+        move |stop| watch::run(watched, skip, last_good, interval, sink, health, &stop),
     );
-    if let Some(status_dir) = status_dir {
+    if let Some(status_dir) = dirs.status {
         tasks.spawn(
             tracing::info_span!(parent: &span, "status_writer"),
             status::file_writer(board, status_dir, args.status_interval),
         );
     }
     Ok(dir.display().to_string())
+}
+
+/// Where the server writes beside the file datastore: the status directory (`None`: no status
+/// files) and the last-good store (`None`: kept in memory only). Never read as manifests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OutputDirs {
+    pub status: Option<PathBuf>,
+    pub last_good: Option<PathBuf>,
+}
+
+impl OutputDirs {
+    /// `--status-dir` and `--last-good-dir` for the datastore directory `file_dir`, with their
+    /// defaults (`<file-dir>/status`, `<status-dir>/last-good`; an empty value: none).
+    ///
+    /// Refused: a status directory inside `file_dir` other than its `status`, and a last-good
+    /// directory inside `file_dir` but not inside its `status`. The manifest walk skips only
+    /// `status` by name; anything else there would be read back as manifests, and an old
+    /// last-good copy could win over the operator's edit. Paths are compared resolved
+    /// (absolute, symlinks followed as far as the path exists), so `D/zz`, `./D/zz` and a link
+    /// into `D` are all seen inside `D`.
+    pub fn check(
+        file_dir: &Path,
+        status_flag: Option<&Path>,
+        last_good_flag: Option<&Path>,
+    ) -> anyhow::Result<OutputDirs> {
+        let root = resolve(file_dir);
+        let skipped = root.join("status");
+        let status = match status_flag {
+            Some(d) if d.as_os_str().is_empty() => None,
+            Some(d) => {
+                let abs = resolve(d);
+                anyhow::ensure!(
+                    !abs.starts_with(&root) || abs == skipped,
+                    "--status-dir {} is inside --file-dir {} (as {}): the server would read its \
+                     own status files back as manifests. Only `{}` (the default) is skipped; \
+                     choose a directory outside --file-dir",
+                    d.display(),
+                    file_dir.display(),
+                    abs.display(),
+                    file_dir.join("status").display()
+                );
+                Some(d.to_path_buf())
+            }
+            None => Some(file_dir.join("status")),
+        };
+        let last_good = match last_good_flag {
+            Some(d) if d.as_os_str().is_empty() => None,
+            Some(d) => {
+                let abs = resolve(d);
+                anyhow::ensure!(
+                    !abs.starts_with(&root) || abs.starts_with(&skipped),
+                    "--last-good-dir {} is inside --file-dir {} (as {}): the server would read \
+                     its own last-good copies back as manifests, and an old copy would win over \
+                     an edit. Only `{}` (the default status directory) is skipped; choose a \
+                     directory outside --file-dir",
+                    d.display(),
+                    file_dir.display(),
+                    abs.display(),
+                    file_dir.join("status").display()
+                );
+                Some(d.to_path_buf())
+            }
+            None => status.as_ref().map(|s| s.join("last-good")),
+        };
+        Ok(OutputDirs { status, last_good })
+    }
+
+    /// The directories the manifest walk must never enter, whatever their paths.
+    pub fn skipped(&self) -> Vec<PathBuf> {
+        self.status.iter().chain(&self.last_good).cloned().collect()
+    }
+}
+
+/// `p` as an absolute path with symlinks resolved as far as it exists; the part that does not
+/// exist yet is appended as written (`.` dropped, `..` taken lexically: nothing there can be a
+/// link).
+pub fn resolve(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map(|d| d.join(p))
+            .unwrap_or_else(|_| p.to_path_buf())
+    };
+    let parts: Vec<Component<'_>> = abs.components().collect();
+    for n in (1..=parts.len()).rev() {
+        let prefix: PathBuf = parts[..n].iter().collect();
+        if let Ok(mut out) = std::fs::canonicalize(&prefix) {
+            for c in &parts[n..] {
+                match c {
+                    Component::ParentDir => {
+                        out.pop();
+                    }
+                    Component::CurDir => {}
+                    other => out.push(other),
+                }
+            }
+            return out;
+        }
+    }
+    abs
 }
 
 /// The file datastore's directory must exist: a typo would otherwise read as an empty cluster
@@ -82,4 +185,86 @@ pub fn snapshot(dir: &Path) -> anyhow::Result<Snapshot> {
         .collect();
     updates.push(Update::InSync);
     Ok(Snapshot { updates, problems })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server's own directories stay out of the manifests: inside --file-dir only its
+    /// `status` is accepted, however the path is written (relative, `..`, through a link).
+    #[test]
+    fn the_status_and_last_good_dirs_stay_out_of_the_manifests() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("manifests");
+        std::fs::create_dir_all(root.join("policies")).unwrap();
+        let outside = tmp.path().join("run");
+        let check = |status: Option<&Path>, last_good: Option<&Path>| {
+            OutputDirs::check(&root, status, last_good)
+        };
+        assert_eq!(
+            check(None, None).unwrap(),
+            OutputDirs {
+                status: Some(root.join("status")),
+                last_good: Some(root.join("status/last-good")),
+            }
+        );
+        assert_eq!(
+            check(Some(Path::new("")), None).unwrap(),
+            OutputDirs::default()
+        );
+        assert_eq!(
+            check(Some(&outside), Some(Path::new(""))).unwrap(),
+            OutputDirs {
+                status: Some(outside.clone()),
+                last_good: None,
+            }
+        );
+        assert_eq!(
+            check(Some(&root.join("status")), None).unwrap().status,
+            Some(root.join("status"))
+        );
+        assert!(check(None, Some(&root.join("status/lg"))).is_ok());
+        assert!(check(None, Some(&outside.join("lg"))).is_ok());
+        // A link outside that points inside is inside.
+        std::os::unix::fs::symlink(&root, tmp.path().join("link")).unwrap();
+        let sneaky = [
+            root.join("policies"),
+            root.join("zz"),
+            root.join("zz/../yy"),
+            root.clone(),
+            tmp.path().join("link/zz"),
+            root.join("status/../zz"),
+        ];
+        for dir in &sneaky {
+            let err = check(Some(dir), None).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!(
+                    "--status-dir {} is inside --file-dir",
+                    dir.display()
+                )),
+                "{err}"
+            );
+            let err = check(None, Some(dir)).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!(
+                    "--last-good-dir {} is inside --file-dir",
+                    dir.display()
+                )),
+                "{err}"
+            );
+        }
+        // Refused too when the default last-good dir would be inside: it follows --status-dir.
+        assert!(check(Some(&root.join("zz")), None).is_err());
+    }
+
+    #[test]
+    fn resolve_follows_what_exists_and_appends_the_rest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = std::fs::canonicalize(tmp.path()).unwrap();
+        std::fs::create_dir(real.join("a")).unwrap();
+        std::os::unix::fs::symlink(real.join("a"), real.join("l")).unwrap();
+        assert_eq!(resolve(&real.join("l/x/./y/../z")), real.join("a/x/z"));
+        assert_eq!(resolve(&real.join("l/..")), real.clone());
+    }
 }

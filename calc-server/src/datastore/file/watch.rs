@@ -298,6 +298,8 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
 /// The watcher's state: every file's contents and what is in force.
 struct Watcher {
     dir: PathBuf,
+    /// Directories never read as manifests: the server's status and last-good directories.
+    skip: Vec<PathBuf>,
     files: BTreeMap<PathBuf, FileState>,
     /// The version of each key in force (what the engine has).
     current: BTreeMap<ResourceKey, Valid>,
@@ -319,7 +321,7 @@ struct Watcher {
 
 impl Watcher {
     fn listing(&mut self) -> Listing {
-        let walk = manifest_dir::walk(&self.dir);
+        let walk = manifest_dir::walk_skipping(&self.dir, &self.skip);
         let now: BTreeSet<String> = walk.problems.iter().map(ToString::to_string).collect();
         for p in now.difference(&self.walk_problems) {
             tracing::warn!(problem = %p, "manifest directory");
@@ -513,6 +515,7 @@ enum Desired {
 /// (and the held ones) are reconciled.
 pub fn run(
     dir: PathBuf,
+    skip: Vec<PathBuf>,
     last_good_dir: Option<PathBuf>,
     interval: Duration,
     sink: Sink,
@@ -541,6 +544,7 @@ pub fn run(
         });
     let w = Watcher {
         dir,
+        skip,
         files: BTreeMap::new(),
         // What the store holds is what a previous run had in force.
         current: stored,
@@ -721,6 +725,7 @@ mod tests {
             let (store, rx) = std::sync::mpsc::channel();
             let mut w = Watcher {
                 dir: dir.path().to_path_buf(),
+                skip: Vec::new(),
                 files: BTreeMap::new(),
                 current: stored,
                 store,
@@ -1062,7 +1067,9 @@ mod tests {
             let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
             // An hour between polls: only the cancel can end the wait.
             let hour = Duration::from_secs(3600);
-            std::thread::spawn(move || run(dir, None, hour, sink, Health::default(), &stop))
+            std::thread::spawn(move || {
+                run(dir, Vec::new(), None, hour, sink, Health::default(), &stop)
+            })
         };
         let first = rx.blocking_recv().expect("the initial snapshot");
         assert!(matches!(first.last(), Some(Update::InSync)));
