@@ -243,6 +243,19 @@ fn policy_is_enforced(driver: Driver) {
     let cp = ControlPlane::start_with_driver(driver, &c.host, c.dir.path(), NODE, &[]);
     cp.wait_programmed();
     expect_eventually("initial policy", &initial_matrix(&c), &cp);
+    // On an nft host neither driver leaves legacy tables behind (looking at the legacy backend
+    // must not create its tables: `iptables-save` would then warn "iptables-legacy tables
+    // present"). The kernel lists the node's legacy tables per namespace.
+    let legacy = c.host.exec(&[
+        "sh",
+        "-c",
+        "cat /proc/net/ip_tables_names /proc/net/ip6_tables_names 2>/dev/null; true",
+    ]);
+    assert_eq!(
+        legacy.trim(),
+        "",
+        "{driver:?}: legacy tables were created on an nft host"
+    );
 
     // Widen web-allow: the client may now reach 9090 too; nothing else changes.
     write_manifest(c.dir.path(), "policies.yaml", &policies(true));

@@ -59,19 +59,22 @@ impl Backend {
 
 /// Picks legacy or nft. Kubernetes' hint chain wins when present, then whichever backend holds
 /// more rules, then the mode `iptables --version` reports.
+///
+/// Each backend is read with a bare `*-save`, which dumps only the tables that exist: asking
+/// for a table by name (`-t filter`) makes the legacy kernel create it, and an empty legacy
+/// table on an nft host makes every later `iptables-save` warn "iptables-legacy tables
+/// present". Detection must look without touching.
 pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
     let mut count = |b: Backend| -> (usize, bool) {
         let mut rules = 0;
         let mut hint = false;
         for v in IpVersion::BOTH {
-            for table in ["mangle", "nat", "filter"] {
-                let prog = b.program(v, "save");
-                if let Ok(out) = runner.run(&prog, &["-t", table], None) {
-                    let text = String::from_utf8_lossy(&out.stdout);
-                    rules += text.lines().filter(|l| l.starts_with("-A ")).count();
-                    hint |= text.contains(":KUBE-IPTABLES-HINT")
-                        || text.contains(":KUBE-KUBELET-CANARY");
-                }
+            let prog = b.program(v, "save");
+            if let Ok(out) = runner.run(&prog, &[], None) {
+                let text = String::from_utf8_lossy(&out.stdout);
+                rules += text.lines().filter(|l| l.starts_with("-A ")).count();
+                hint |=
+                    text.contains(":KUBE-IPTABLES-HINT") || text.contains(":KUBE-KUBELET-CANARY");
             }
         }
         (rules, hint)
@@ -1015,6 +1018,50 @@ mod tests {
             vec![Rule::always(Action::Jump("cali-INPUT".into()))],
         );
         h
+    }
+
+    /// Backend detection reads each backend whole: never a table by name, which would make
+    /// the legacy kernel create it.
+    #[test]
+    fn detecting_the_backend_never_names_a_table() {
+        struct Recorder(Vec<(String, Vec<String>)>);
+        impl CommandRunner for Recorder {
+            fn run(
+                &mut self,
+                program: &str,
+                args: &[&str],
+                _stdin: Option<&[u8]>,
+            ) -> std::io::Result<crate::driver::linux::runner::Output> {
+                self.0.push((
+                    program.to_string(),
+                    args.iter().map(|a| a.to_string()).collect(),
+                ));
+                let stdout = if program == "iptables-nft-save" {
+                    b"*filter\n:KUBE-IPTABLES-HINT - [0:0]\n-A INPUT -j ACCEPT\nCOMMIT\n".to_vec()
+                } else {
+                    Vec::new()
+                };
+                Ok(crate::driver::linux::runner::Output {
+                    success: true,
+                    code: Some(0),
+                    stdout,
+                    stderr: Vec::new(),
+                })
+            }
+        }
+        let mut r = Recorder(Vec::new());
+        assert_eq!(detect_backend(&mut r), Backend::Nft);
+        assert!(
+            r.0.iter().any(|(p, _)| p == "iptables-legacy-save"),
+            "legacy is looked at: {:?}",
+            r.0
+        );
+        for (program, args) in &r.0 {
+            assert!(
+                !args.iter().any(|a| a == "-t"),
+                "{program} {args:?} names a table"
+            );
+        }
     }
 
     #[test]
