@@ -279,6 +279,32 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Whether the peer closes `sock` (end of stream or a reset) before `deadline` passes: reads
+/// until then, discarding what arrives. For a test that a server drops a connection, without a
+/// claim on how fast (the deadline only keeps a test from hanging).
+pub fn closed_by_peer(mut sock: std::net::TcpStream, deadline: std::time::Duration) -> bool {
+    use std::io::{ErrorKind, Read};
+    let _ = sock.set_nonblocking(false);
+    let until = std::time::Instant::now() + deadline;
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        sock.set_read_timeout(Some(left)).expect("read timeout");
+        match sock.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return false;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+    }
+}
+
 /// How long after `started` the peer closes `sock` (read until EOF or an error, at most 30 s).
 pub fn time_to_close(
     mut sock: std::net::TcpStream,

@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
@@ -231,7 +231,6 @@ fn a_snapshot_flood_is_dropped_at_the_byte_bound() {
     });
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("agent.log");
-    let started = Instant::now();
     let _agent = Running(server.start_agent_with(
         &host,
         &log,
@@ -260,8 +259,7 @@ fn a_snapshot_flood_is_dropped_at_the_byte_bound() {
         },
         &log,
     );
-    // Long before the default five-minute deadline.
-    assert!(started.elapsed() < Duration::from_secs(30));
+    // Dropped for its size (the log lines above), not at the five-minute deadline.
     assert!(server.streams() >= 3);
     let text = log_text(&log);
     let line = text

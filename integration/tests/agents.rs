@@ -13,6 +13,34 @@ fn keys(v: &Value, field: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A barrier through the server to `agent`: writes a policy every endpoint gets (a file of its
+/// own) and waits until the agent has it. The server handles its datastore in order and the
+/// stream is ordered, so whatever the server did with earlier changes (a deletion, say) has
+/// reached the agent by then: a test can then check that something did *not* happen.
+fn barrier(ds: &std::path::Path, agent: &Agent, name: &str) {
+    std::fs::write(
+        ds.join(format!("{name}.yaml")),
+        format!(
+            "apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata:
+  name: {name}
+spec:
+  order: 5000
+  selector: all()
+  types: [Ingress]
+  ingress: [{{action: Pass}}]
+"
+        ),
+    )
+    .unwrap();
+    agent.wait_for(&format!("the barrier {name} at the agent"), |s| {
+        keys(s, "policies")
+            .iter()
+            .any(|p| p.ends_with(&format!("/{name}")))
+    });
+}
+
 /// The dataplane part of a state file (everything the stream determines).
 fn dataplane(v: &Value) -> Value {
     let mut v = v.clone();
@@ -108,9 +136,10 @@ fn a_restarted_server_converges_the_agent_to_a_fresh_agents_state() {
     let before = agent.wait_for("in sync", |s| s["in_sync"] == true);
     assert!(keys(&before, "workload_endpoints").contains(&"k8s/shop/api-1/eth0".to_string()));
 
-    // Kill the server mid-stream. The agent keeps its dataplane as it is.
+    // Kill the server mid-stream. The agent keeps its dataplane as it is: once it has lost the
+    // stream and failed to reconnect, its state is still what it was.
     drop(server);
-    std::thread::sleep(std::time::Duration::from_millis(800));
+    agent.wait_for_log("cannot connect to calc-server");
     assert_eq!(
         agent.state().unwrap(),
         before,
@@ -177,7 +206,8 @@ fn a_broken_edit_keeps_the_last_good_version() {
         "the bad object is reported by name: {}",
         server.log_text()
     );
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Had the broken edit removed the policy, the removal would reach the agent before this.
+    barrier(ds.path(), &b, "after-the-broken-edit");
     let s = b.state().unwrap();
     assert!(
         keys(&s, "policies").contains(&"NetworkPolicy/db/allow-postgres".to_string()),
@@ -212,14 +242,20 @@ fn an_emptied_manifest_keeps_its_objects_until_it_has_content_again() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(warned, "the empty file is reported: {}", server.log_text());
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // Had the empty file removed its policies, the removal would reach the agent before this.
+    barrier(ds.path(), &b, "after-the-emptied-file");
     assert!(
         keys(&b.state().unwrap(), "policies").contains(&policy),
         "an emptied file must not delete its policies"
     );
-    // Written back, then removed: removing the file is how its objects go.
-    std::fs::write(&path, &good).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1200));
+    // Written back (with one port changed, so the agent shows that the server read the
+    // content), then removed: removing the file is how its objects go.
+    let edited = good.replace("ports: [\"5432:5433\"]", "ports: [\"5432:5434\"]");
+    assert_ne!(edited, good);
+    std::fs::write(&path, &edited).unwrap();
+    b.wait_for("the written-back file's content at the agent", |s| {
+        s["policies"][&policy].to_string().contains("5434")
+    });
     std::fs::remove_file(&path).unwrap();
     b.wait_for("the removed file's policy deleted", |s| {
         !keys(s, "policies").contains(&policy)

@@ -295,7 +295,17 @@ fn status_files_go_to_the_status_dir() {
     let server2 = Server::start(ds2.path(), &["--status-dir", ""]);
     let agent2 = Agent::start(dir.path(), &server2.grpc, "node-1");
     agent2.wait_for("in sync", |s| s["in_sync"] == true);
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // The agent's reports have reached the server's status board: what a status writer would
+    // write (the first server's file above appeared once they had).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !server2.status().as_array().is_some_and(|nodes| {
+        nodes
+            .iter()
+            .any(|n| n["node"] == "node-1" && n["dataplane_in_sync"] == true)
+    }) {
+        assert!(std::time::Instant::now() < deadline, "{}", server2.status());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     assert!(
         !ds2.path().join("status").exists(),
         "{}",

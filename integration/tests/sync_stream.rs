@@ -306,7 +306,25 @@ async fn a_stalled_agent_is_cut_off_not_buffered_forever() {
     let server = Server::start(dir.path(), &["--agent-backlog-limit", "100"]);
     // Connects, says hello, then never reads.
     let stalled = connect(&server.grpc, hello("node-0")).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The server has accepted it (and queued its snapshot) before the changes start.
+    let connected = || {
+        server.status().as_array().is_some_and(|nodes| {
+            nodes
+                .iter()
+                .any(|n| n["node"] == "node-0" && n["connected"] == true)
+        })
+    };
+    for _ in 0..400 {
+        if connected() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        connected(),
+        "node-0 never shown connected: {}",
+        server.status()
+    );
     // Move every workload to new addresses, round after round, until the server cuts the
     // agent off: far more messages than the backlog limit and the transport's buffers together.
     // Rounds continue until then (bounded), so a slow machine on which the file watcher merges
