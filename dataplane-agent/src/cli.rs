@@ -286,6 +286,20 @@ impl Cli {
         if self.node.trim().is_empty() {
             return Err("--node must not be empty".to_owned());
         }
+        // Checked now: a state file that cannot be written would fail every apply, forever.
+        if let Some(path) = &self.state_file {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            if !dir.is_dir() {
+                return Err(format!(
+                    "--state-file {}: the directory {} does not exist (create it, or give a path in an existing directory)",
+                    path.display(),
+                    dir.display()
+                ));
+            }
+        }
         if self.heartbeat_interval.is_zero() {
             return Err("--heartbeat-interval must be greater than zero".to_owned());
         }
@@ -342,9 +356,26 @@ impl Cli {
             &self.tls_key_file,
             missing.is_empty(),
         ) else {
+            // One item per line of what is missing, so "A or B" reads as one choice.
+            let given: Vec<&str> = [
+                ("--tls-ca-file", self.tls_ca_file.is_some()),
+                ("--tls-cert-file", self.tls_cert_file.is_some()),
+                ("--tls-key-file", self.tls_key_file.is_some()),
+                ("--tls-server-cn", self.tls_server_cn.is_some()),
+                ("--tls-server-uri-san", self.tls_server_uri_san.is_some()),
+            ]
+            .iter()
+            .filter(|(_, g)| *g)
+            .map(|(n, _)| *n)
+            .collect();
             return Err(format!(
-                "TLS is all or nothing: missing {}",
-                missing.join(", ")
+                "TLS needs all of --tls-ca-file, --tls-cert-file, --tls-key-file and one of                  --tls-server-cn / --tls-server-uri-san; given: {}; missing: {}",
+                given.join(", "),
+                missing
+                    .iter()
+                    .map(|m| format!("[{m}]"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
             ));
         };
         let identity = ServerIdentity {
@@ -683,6 +714,12 @@ mod tests {
         .session_config()
         .unwrap_err();
         assert!(err.contains("--tls-server-cn"), "{err}");
+        // What is missing is listed item by item: "A or B" is one choice, not two flags.
+        assert!(
+            err.contains("missing: [--tls-server-cn or --tls-server-uri-san]")
+                && err.contains("given: --tls-ca-file, --tls-cert-file, --tls-key-file"),
+            "{err}"
+        );
         // https:// without TLS settings is refused rather than tried in plaintext.
         let cli = Cli::try_parse_from([
             "dataplane-agent",
@@ -693,6 +730,50 @@ mod tests {
         ])
         .unwrap();
         assert!(cli.session_config().unwrap_err().contains("https://"));
+    }
+
+    #[test]
+    fn a_state_file_in_a_missing_directory_is_refused_at_start() {
+        let cli = Cli::try_parse_from([
+            "dataplane-agent",
+            "--server",
+            "calc:50051",
+            "--node",
+            "n",
+            "--state-file",
+            "/nonexistent-dir-xyz/node.json",
+        ])
+        .unwrap();
+        let err = cli.session_config().unwrap_err();
+        assert!(
+            err.contains("/nonexistent-dir-xyz") && err.contains("does not exist"),
+            "{err}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.json");
+        let cli = Cli::try_parse_from([
+            "dataplane-agent",
+            "--server",
+            "calc:50051",
+            "--node",
+            "n",
+            "--state-file",
+            path.to_str().unwrap(),
+        ])
+        .unwrap();
+        assert!(cli.session_config().is_ok());
+    }
+
+    #[test]
+    fn a_server_without_a_port_is_refused() {
+        for url in ["127.0.0.1", "http://calc-server", "https://calc.example"] {
+            let err = crate::session::normalize_server_url(url).unwrap_err();
+            assert!(err.contains("port"), "{url}: {err}");
+        }
+        assert_eq!(
+            crate::session::normalize_server_url("127.0.0.1:50051").unwrap(),
+            "http://127.0.0.1:50051"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     let config = match cli.session_config() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("dataplane-agent: {e}");
+            eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
             o
         }
         Err(e) => {
-            eprintln!("dataplane-agent: {e}");
+            eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -48,7 +48,7 @@ fn main() -> ExitCode {
     ) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("dataplane-agent: {e:#}");
+            eprintln!("error: {e:#}");
             return ExitCode::from(2);
         }
     };
@@ -58,7 +58,7 @@ fn main() -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("dataplane-agent: cannot start the async runtime: {e}");
+            eprintln!("error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -74,7 +74,7 @@ fn main() -> ExitCode {
         let metrics = config.metrics.clone();
         if let Some(addr) = admin_listen {
             if let Err(e) = admin::serve(addr, metrics.clone()).await {
-                eprintln!("dataplane-agent: --admin-listen {addr}: {e}");
+                eprintln!("error: --admin-listen {addr}: {e}");
                 return Ok(None);
             }
             info!(%addr, "admin endpoint: /liveness /readiness /metrics /programmed");
@@ -94,7 +94,7 @@ fn main() -> ExitCode {
         }
         Ok(None) => ExitCode::from(2),
         Err(e) => {
-            eprintln!("dataplane-agent: session task failed: {e}");
+            eprintln!("error: session task failed: {e}");
             ExitCode::FAILURE
         }
     }

@@ -242,7 +242,14 @@ pub fn normalize_server_url(url: &str) -> Result<String, String> {
     } else {
         format!("http://{url}")
     };
-    Endpoint::from_shared(url.clone()).map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+    let endpoint =
+        Endpoint::from_shared(url.clone()).map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+    // Without a port the URL means 80 or 443, never a calc-server's: say so instead.
+    if endpoint.uri().port_u16().is_none() {
+        return Err(format!(
+            "{url}: no port; give the calc-server's --listen port (the default is 50051), e.g. {url}:50051"
+        ));
+    }
     Ok(url)
 }
 
