@@ -498,3 +498,77 @@ fn the_servers_own_output_is_never_read_as_manifests() {
     assert!(!log.contains("defined in several files"), "{log}");
     assert!(!log.contains("node-2.json"), "{log}");
 }
+
+/// A manifest that does not parse is a datastore problem like an invalid object (issue 39,
+/// item 2): a new file with a YAML syntax error is named in `/status/datastore`, degrades
+/// `/readiness` and counts in the metrics; fixed, it is all clear again. A file that held
+/// objects keeps them at their last good versions while it does not parse.
+#[test]
+fn a_manifest_that_does_not_parse_is_reported_like_an_invalid_object() {
+    let ds = example_datastore();
+    let server = Server::start(ds.path(), &[]);
+    let (_, metrics) = http_get(&server.admin, "/metrics").unwrap();
+    let decode = r#"calc_server_rejected_objects_total{stage="decode"}"#;
+    let decode_before = integration::metric(&metrics, decode).unwrap_or(0.0);
+    std::fs::write(
+        ds.path().join("zz-new.yaml"),
+        "apiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {name: deny-new}\nspec: {selector: all(), ingress: [{action: Deny}\n",
+    )
+    .unwrap();
+    wait_until(
+        "the readiness body names the file",
+        Duration::from_secs(10),
+        || {
+            http_get(&server.admin, "/readiness").is_some_and(|(code, body)| {
+                code == 200
+                    && body.starts_with("ready, degraded:")
+                    && body.contains("zz-new.yaml (cannot be read or parsed)")
+            })
+        },
+        || server.log_text(),
+    );
+    let health = datastore_health(&server);
+    assert_eq!(
+        health["without_last_good"].as_array().unwrap().len(),
+        1,
+        "{health}"
+    );
+    let (_, metrics) = http_get(&server.admin, "/metrics").unwrap();
+    assert!(
+        metrics.contains("calc_server_objects_without_last_good 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        integration::metric(&metrics, decode).unwrap_or(0.0) > decode_before,
+        "{metrics}"
+    );
+    // A file that held objects, broken: they are held, the file is named too.
+    let path = ds.path().join("policies.yaml");
+    let good = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, format!("{good}\n  - : [unclosed\n")).unwrap();
+    wait_until(
+        "the broken policies.yaml named, its objects held",
+        Duration::from_secs(10),
+        || {
+            let h = datastore_health(&server);
+            h["without_last_good"]
+                .to_string()
+                .contains("policies.yaml (cannot be read or parsed)")
+                && h["held_last_good"].to_string().contains("allow-postgres")
+        },
+        || server.log_text(),
+    );
+    // Both fixed: ready, nothing to report.
+    std::fs::write(&path, good).unwrap();
+    std::fs::remove_file(ds.path().join("zz-new.yaml")).unwrap();
+    wait_until(
+        "plain ready again",
+        Duration::from_secs(10),
+        || http_get(&server.admin, "/readiness").is_some_and(|(_, body)| body == "ready\n"),
+        || server.log_text(),
+    );
+    assert_eq!(
+        datastore_health(&server),
+        serde_json::json!({"held_last_good": [], "without_last_good": []})
+    );
+}

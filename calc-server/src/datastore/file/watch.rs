@@ -26,7 +26,9 @@
 //! 4. else it is deleted.
 //!
 //! A document that cannot be identified and keeps nothing in force is reported with the
-//! objects that have no last good version (`<file>: document <n> (cannot be identified)`).
+//! objects that have no last good version (`<file>: document <n> (cannot be identified)`), and
+//! so is a file that cannot be read or parsed (`<file> (cannot be read or parsed)`: what it says
+//! now is not in force, whatever it held before keeps its last good version).
 //!
 //! The versions in force are saved to the last-good store ([`LastGood`]), so a restart with an
 //! invalid object starts from its last good version.
@@ -127,6 +129,9 @@ struct FileState {
     invalid: BTreeSet<ResourceKey>,
     /// Unreadable, unparseable, or emptied after holding objects: its keys are unknown.
     broken: bool,
+    /// Could not be read or parsed at all (not merely emptied): reported as a problem of the
+    /// datastore, like an invalid object.
+    unreadable: bool,
     /// Every object position, in file order (a broken file keeps those of its last parse, so
     /// that the positions still line up once it parses again).
     slots: Vec<Slot>,
@@ -239,6 +244,7 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
             .collect(),
         invalid: report.invalid.into_keys().collect(),
         broken,
+        unreadable: broken,
         problems: report.problems.iter().map(ToString::to_string).collect(),
         rejected: report.rejected,
         ..FileState::default()
@@ -444,6 +450,14 @@ impl Watcher {
             .collect();
         let held: Vec<String> = self.held.iter().map(ToString::to_string).collect();
         let mut without: Vec<String> = without.iter().map(ToString::to_string).collect();
+        // Files that cannot be read or parsed: what they say now is not in force (what they
+        // held before keeps its last good version, listed above when there was any).
+        for (path, _) in self.files.iter().filter(|(_, f)| f.unreadable) {
+            without.push(format!(
+                "{} (cannot be read or parsed)",
+                calc_graph::untrusted::Untrusted(&path.display().to_string())
+            ));
+        }
         // Documents that cannot be identified and keep nothing in force: whatever they hold
         // is not in force (a deny among them is not enforced).
         for (path, f) in self.files.iter().filter(|(_, f)| !f.broken) {
@@ -1079,5 +1093,49 @@ mod tests {
         assert!(cancelled.elapsed() < Duration::from_secs(2));
         // The receiver is still there: the cancel, not a closed sink, stopped it.
         drop(rx);
+    }
+
+    /// A file that cannot be parsed is a datastore problem like an invalid object: named among
+    /// what is not in force (readiness degrades on it), counted once per read as a decode
+    /// rejection, and the objects it held before keep their last good versions.
+    #[test]
+    fn a_file_that_cannot_be_parsed_is_reported_and_keeps_what_it_held() {
+        let mut h = Harness::start(&[("p.yaml", ALLOW)], BTreeMap::new());
+        // A new file, broken from the start.
+        assert!(h.write("new.yaml", "a: [unclosed\n").is_empty());
+        let health = h.w.health.unusable.get();
+        assert!(health.held_last_good.is_empty(), "{health:?}");
+        assert_eq!(health.without_last_good.len(), 1, "{health:?}");
+        assert!(
+            health.without_last_good[0].ends_with("new.yaml (cannot be read or parsed)"),
+            "{health:?}"
+        );
+        assert_eq!(
+            h.w.health
+                .rejections
+                .get(calc_graph::manifest::RejectStage::Decode),
+            1
+        );
+        // A file that held a policy, broken: the policy is held, the file named.
+        assert!(
+            h.write("p.yaml", &format!("{ALLOW}  - : [unclosed\n"))
+                .is_empty()
+        );
+        assert_eq!(h.in_force(), ["GlobalNetworkPolicy allow-dns"]);
+        let health = h.w.health.unusable.get();
+        assert_eq!(health.held_last_good, ["GlobalNetworkPolicy allow-dns"]);
+        assert_eq!(health.without_last_good.len(), 2, "{health:?}");
+        assert!(
+            health.without_last_good[0].ends_with("new.yaml (cannot be read or parsed)")
+                && health.without_last_good[1].ends_with("p.yaml (cannot be read or parsed)"),
+            "{health:?}"
+        );
+        // Fixed, both: nothing left to report.
+        h.write("p.yaml", ALLOW);
+        h.write("new.yaml", DENY);
+        assert_eq!(h.w.health.unusable.get(), Default::default());
+        // An emptied file (an editor's truncate) is not a parse failure.
+        assert!(h.write("new.yaml", "").is_empty());
+        assert_eq!(h.w.health.unusable.get().without_last_good.len(), 0);
     }
 }
