@@ -190,6 +190,20 @@ pub(crate) fn fetch(
     Ok((status, body.to_string()))
 }
 
+/// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate
+/// namespace and name, or an IPv6 address's groups, and mean nothing else there).
+pub(crate) fn url_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// What to try when the admin endpoint refused the caller (appended to its reason).
 pub(crate) fn refusal_hint(status: &str) -> &'static str {
     if status.contains(" 401") {

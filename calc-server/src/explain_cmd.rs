@@ -53,7 +53,7 @@ fn path_of(r: &Request) -> String {
     }
     let query: Vec<String> = params
         .iter()
-        .map(|(k, v)| format!("{k}={}", crate::status_cmd::url_escape(v)))
+        .map(|(k, v)| format!("{k}={}", crate::admin_client::url_escape(v)))
         .collect();
     format!("/explain?{}", query.join("&"))
 }

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::admin_client::fetch;
+use crate::admin_client::{fetch, url_escape};
 use crate::args::StatusArgs;
 
 /// A column-aligned table: each column as wide as its widest cell; numbers right-aligned.
@@ -188,20 +188,6 @@ fn policy_detail(r: &serde_json::Value) -> String {
         &rows,
         &[false, false, false],
     ));
-    out
-}
-
-/// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate
-/// namespace and name, or an IPv6 address's groups, and mean nothing else there).
-pub(crate) fn url_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
     out
 }
 

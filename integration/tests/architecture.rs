@@ -90,3 +90,187 @@ fn the_binaries_link_neither_each_other_nor_the_benchmarks() {
         "the server knows nothing of the dataplane and ships no benchmarks",
     );
 }
+
+/// Every Rust source file of the workspace, relative to the root.
+fn sources() -> Vec<std::path::PathBuf> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            if p.is_dir() {
+                if !["target", ".git", "node_modules"].contains(&name.as_str()) {
+                    walk(&p, out);
+                }
+            } else if name.ends_with(".rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = workspace_root();
+    let mut out = Vec::new();
+    walk(&root, &mut out);
+    out.into_iter()
+        .map(|p| p.strip_prefix(&root).unwrap().to_path_buf())
+        .collect()
+}
+
+/// Every source file says what it holds in a `//!` comment at its top.
+#[test]
+fn every_source_file_starts_with_its_module_doc() {
+    let root = workspace_root();
+    let files = sources();
+    assert!(
+        files.len() > 100,
+        "the walk found only {} files",
+        files.len()
+    );
+    let missing: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(root.join(f)).unwrap();
+            !text.trim_start().starts_with("//!")
+        })
+        .map(|f| f.display().to_string())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "files without a `//!` module doc at the top:\n{}",
+        missing.join("\n")
+    );
+}
+
+/// The `crate::…` modules a source text names (`use crate::a::…`, `crate::b::f()`,
+/// `use crate::{c, d::e}`), first path segment only.
+fn crate_refs(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    for (i, _) in text.match_indices("crate::") {
+        // Not the tail of another path (`calc_graph::crate::` does not exist, `$crate::` is a
+        // macro's).
+        if text[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == '$') {
+            continue;
+        }
+        let rest = &text[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let end = group.find('}').unwrap_or(group.len());
+            for item in group[..end].split(',') {
+                let name = ident(item.trim());
+                if !name.is_empty() {
+                    out.insert(name);
+                }
+            }
+        } else {
+            let name = ident(rest);
+            if !name.is_empty() {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+/// calc-server's modules are layered (docs/architecture.md): `args` imports none of ours;
+/// `status` and `admin_client` only `args`; `datastore` those; the commands (`serve`,
+/// `compute`, `explain_cmd`, `status_cmd`, `offline`) any lower layer and never each other;
+/// and no datastore adapter imports another adapter or the serving layer. A module cycle or a
+/// sideways import fails here, naming the file.
+#[test]
+fn calc_servers_modules_import_only_lower_layers() {
+    let layer = |m: &str| -> Option<u8> {
+        Some(match m {
+            "args" => 0,
+            "status" | "admin_client" => 1,
+            "datastore" => 2,
+            "serve" | "compute" | "explain_cmd" | "status_cmd" | "offline" => 3,
+            _ => return None,
+        })
+    };
+    let root = workspace_root().join("calc-server/src");
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for f in sources() {
+        let Ok(rel) = f.strip_prefix("calc-server/src") else {
+            continue;
+        };
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_string();
+        if first == "main" || first == "lib" {
+            continue; // the command line and the module list see everything
+        }
+        let Some(own) = layer(&first) else {
+            problems.push(format!("{}: module {first} has no layer here", f.display()));
+            continue;
+        };
+        checked += 1;
+        let text = std::fs::read_to_string(root.join(rel)).unwrap();
+        for r in crate_refs(&text) {
+            if r == first {
+                continue;
+            }
+            match layer(&r) {
+                Some(l) if l < own => {}
+                Some(_) => problems.push(format!(
+                    "{}: module {first} imports crate::{r}, which is not below it",
+                    f.display()
+                )),
+                None => problems.push(format!("{}: imports unknown crate::{r}", f.display())),
+            }
+        }
+        // Adapters: no adapter reaches another, nor the serving layer.
+        let adapters = ["file", "etcd", "kubernetes"];
+        if first == "datastore"
+            && let Some(adapter) = rel
+                .components()
+                .nth(1)
+                .map(|c| {
+                    c.as_os_str()
+                        .to_string_lossy()
+                        .trim_end_matches(".rs")
+                        .to_string()
+                })
+                .filter(|a| adapters.contains(&a.as_str()))
+        {
+            for other in adapters.iter().filter(|a| **a != adapter) {
+                for pattern in [
+                    format!("datastore::{other}"),
+                    format!("super::{other}"),
+                    format!("super::super::{other}"),
+                ] {
+                    if text.contains(&pattern) {
+                        problems.push(format!(
+                            "{}: the {adapter} adapter imports the {other} adapter ({pattern})",
+                            f.display()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 20, "only {checked} files checked");
+    assert!(
+        problems.is_empty(),
+        "layering broken:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_import_reader_sees_every_form() {
+    let refs = crate_refs(
+        "use crate::args::X;\nuse crate::{status, datastore::file};\nlet a = crate::serve::f();\nmacro $crate::x\n",
+    );
+    assert_eq!(
+        refs.into_iter().collect::<Vec<_>>(),
+        ["args", "datastore", "serve", "status"]
+    );
+}

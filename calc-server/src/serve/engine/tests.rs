@@ -10,9 +10,9 @@ use felix_proto::to_dataplane::Payload;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
+use super::super::metrics::Metrics;
 use super::{BacklogSizing, CloseReason, Conn, Engine, Input, Limits, Out, Refusal};
-use crate::serve::metrics::Metrics;
-use crate::serve::status::Board;
+use crate::status::Board;
 
 const LIMITS: Limits = Limits {
     backlog: 1000,

@@ -1,3 +1,5 @@
+//! Tests of the network-policy-api conversion: each kind, its rules and its refusals.
+
 use serde_json::{Value, json};
 
 use super::*;
