@@ -3,11 +3,10 @@
 //!
 //! Subcommands: `serve` (the Sync stream), `status`, `compute` (the stream a node would
 //! receive), `explain` (why traffic is allowed or denied), the offline tools (selector
-//! evaluation and normalisation, manifest validation), and `gen-cluster`, `bench`, `bench-sync`, which run the separate `calc-bench` tool installed
-//! beside this binary (benchmarks do not ship inside the server).
+//! evaluation and normalisation, manifest validation). The benchmarks are the separate
+//! `calc-bench` tool (`tools/bench`), not commands of the server.
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
 
-use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -66,16 +65,6 @@ enum Command {
     Serve(ServeArgs),
     /// Show connected nodes and their reported status (from a server's admin endpoint).
     Status(StatusArgs),
-    /// Write a synthetic Calico cluster (JSON manifests) for benchmarks: runs
-    /// `calc-bench gen-cluster` (installed beside calc-server) with the same arguments.
-    #[command(disable_help_flag = true)]
-    GenCluster(Forwarded),
-    /// Measure the calculation graph on a datastore directory: runs `calc-bench bench`.
-    #[command(disable_help_flag = true)]
-    Bench(Forwarded),
-    /// Simulated agents against a running server: runs `calc-bench bench-sync`.
-    #[command(disable_help_flag = true)]
-    BenchSync(Forwarded),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -86,13 +75,6 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
-}
-
-/// The arguments of a benchmark command, passed to `calc-bench` untouched (`--help` too).
-#[derive(clap::Args)]
-struct Forwarded {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    args: Vec<OsString>,
 }
 
 #[derive(Subcommand)]
@@ -133,9 +115,6 @@ fn main() -> ExitCode {
         Command::Explain(args) => explain_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
-        Command::GenCluster(f) => calc_bench("gen-cluster", cli.log_level, f.args),
-        Command::Bench(f) => calc_bench("bench", cli.log_level, f.args),
-        Command::BenchSync(f) => calc_bench("bench-sync", cli.log_level, f.args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }
@@ -151,35 +130,4 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
-}
-
-/// Runs `calc-bench <command> <args>` from this binary's directory, where `cargo build` and
-/// the release archive put it. A `--log-level` given to calc-server goes along (calc-bench logs
-/// plain text only).
-fn calc_bench(
-    command: &str,
-    log_level: Option<String>,
-    args: Vec<OsString>,
-) -> anyhow::Result<ExitCode> {
-    use anyhow::Context as _;
-    let exe = std::env::current_exe().context("locating calc-server")?;
-    let tool = exe.with_file_name("calc-bench");
-    anyhow::ensure!(
-        tool.is_file(),
-        "`calc-server {command}` runs the benchmark tool calc-bench, which is not installed at {} \
-         (build it with `cargo build --release -p bench-tools`)",
-        tool.display()
-    );
-    let status = std::process::Command::new(&tool)
-        // Its usage lines then read `calc-server gen-cluster …`, as the user typed.
-        .env("CALC_BENCH_DISPLAY_NAME", "calc-server")
-        .arg(command)
-        .args(log_level.map(|level| format!("--log-level={level}")))
-        .args(args)
-        .status()
-        .with_context(|| format!("running {}", tool.display()))?;
-    Ok(match status.code() {
-        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-        None => ExitCode::FAILURE,
-    })
 }

@@ -1,4 +1,4 @@
-//! `calc-server bench-sync`: simulated agents against a running `calc-server serve`.
+//! `calc-bench bench-sync`: simulated agents against a running `calc-server serve`.
 //!
 //! Opens one Sync stream per node (all at once), measures the time until every stream has
 //! received InSync, then edits the datastore (a global policy every node runs) and measures how

@@ -1,4 +1,4 @@
-//! `calc-server bench`: measures the calculation graph on a datastore directory.
+//! `calc-bench bench`: measures the calculation graph on a datastore directory.
 //!
 //! Reports the floor (reading and decoding the manifests), the full compute (every resource
 //! applied, every known node subscribed and flushed: the complete per-node streams), memory

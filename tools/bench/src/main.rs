@@ -1,5 +1,5 @@
-//! calc-bench: the calc-server benchmarks (docs/benchmarks.md). `calc-server gen-cluster`,
-//! `calc-server bench` and `calc-server bench-sync` forward here.
+//! calc-bench: the calc-server benchmarks (docs/benchmarks.md): synthetic clusters, the
+//! calculation graph, simulated agents, label flips to the kernel. Not part of calc-server.
 
 use std::process::ExitCode;
 
@@ -47,20 +47,8 @@ enum Command {
     FlipKernel(flip_kernel::FlipKernelArgs),
 }
 
-/// Set by `calc-server gen-cluster|bench|bench-sync`, which run this tool: usage lines and
-/// errors then name the command the user typed.
-const DISPLAY_NAME_ENV: &str = "CALC_BENCH_DISPLAY_NAME";
-
 fn main() -> ExitCode {
-    use clap::{CommandFactory, FromArgMatches};
-    let mut cmd = Cli::command();
-    if let Ok(name) = std::env::var(DISPLAY_NAME_ENV) {
-        cmd = cmd.bin_name(name);
-    }
-    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
-        Ok(cli) => cli,
-        Err(e) => e.exit(),
-    };
+    let cli = Cli::parse();
     common::init_logging(&cli.log_level, common::LogFormat::Plain, "warn");
     let result = match cli.command {
         Command::GenCluster(args) => gen_cluster::run(&args).map(|stats| {

@@ -1,6 +1,6 @@
 //! etcd-bench: helpers for the etcd cold-start benchmark (docs/benchmarks.md).
 //!
-//! - `load`: writes a `calc-server gen-cluster` directory into etcd in Calico's v3 layout
+//! - `load`: writes a `calc-bench gen-cluster` directory into etcd in Calico's v3 layout
 //!   (`/calico/resources/v3/projectcalico.org/<plural>/[<ns>/]<name>`, compact JSON values),
 //!   in transactions of `--batch` puts, several in flight.
 //! - `list`: the floor: a bare paginated range read of the same prefix at one revision (values
@@ -38,7 +38,7 @@ struct Cli {
 enum Command {
     /// Write every object of a gen-cluster directory (JSON arrays) into etcd.
     Load {
-        /// A directory written by `calc-server gen-cluster --out DIR`.
+        /// A directory written by `calc-bench gen-cluster --out DIR`.
         #[arg(long, env = "ETCD_BENCH_DIR")]
         dir: PathBuf,
         /// Puts per transaction (etcd allows 128 by default).
@@ -95,7 +95,7 @@ fn json_files(dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
     files.sort();
     anyhow::ensure!(
         !files.is_empty(),
-        "{} holds no .json files: `load` reads a directory written by `calc-server gen-cluster \
+        "{} holds no .json files: `load` reads a directory written by `calc-bench gen-cluster \
          --out DIR` (JSON arrays of v3 objects)",
         dir.display()
     );
