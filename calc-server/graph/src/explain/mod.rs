@@ -7,9 +7,51 @@
 //! agrees with the kernel. It covers the first packet of a connection (conntrack lets replies
 //! through). Pure: the graph is queried, not re-computed; the query, the answer and its text
 //! form are plain values ([`Query`], [`Explanation`], [`render_text`]) that travel as JSON.
+//!
+//! Layout: this module holds the questions, answers and their text form, and the entry points
+//! ([`CalcGraph::explain`], [`CalcGraph::explain_endpoint`], [`CalcGraph::explain_policy`],
+//! [`CalcGraph::answer`]); `path` resolves names and addresses to endpoints and composes the
+//! chains a packet meets; [`walk`] walks one chain; [`rules`] matches one rule. The graph is
+//! read only through its query API ([`crate::graph::GraphView`]).
 
+mod path;
 pub mod rules;
+#[cfg(test)]
+mod tests;
 pub mod walk;
+
+use crate::graph::CalcGraph;
+
+impl CalcGraph {
+    /// Why traffic from `q.from` to `q.to` is allowed or denied.
+    pub fn explain(&self, q: &Query) -> Result<Explanation, QueryError> {
+        path::Ask::new(self.view()).explain(q)
+    }
+
+    /// The tiers, policies and profiles that apply to an endpoint, per chain and direction.
+    pub fn explain_endpoint(&self, what: &str) -> Result<EndpointPolicies, QueryError> {
+        path::Ask::new(self.view()).explain_endpoint(what)
+    }
+
+    /// The endpoints a policy selects and the nodes where it is active.
+    /// `what` is `NAME` (a global policy), `NAMESPACE/NAME`, either optionally preceded by
+    /// a kind and a colon (`StagedNetworkPolicy:prod/trial`, or Calico's short form `snp:`), to
+    /// pick one of several policies of the same name.
+    pub fn explain_policy(&self, what: &str) -> Result<PolicyReach, QueryError> {
+        path::Ask::new(self.view()).explain_policy(what)
+    }
+
+    /// Answers any explain request, as JSON (an [`Explanation`], an [`EndpointPolicies`] or a
+    /// [`PolicyReach`]).
+    pub fn answer(&self, r: &Request) -> Result<serde_json::Value, QueryError> {
+        let value = match r {
+            Request::Path(q) => serde_json::to_value(self.explain(q)?),
+            Request::Endpoint(e) => serde_json::to_value(self.explain_endpoint(e)?),
+            Request::Policy(p) => serde_json::to_value(self.explain_policy(p)?),
+        };
+        Ok(value.expect("explain answers are plain data"))
+    }
+}
 
 use std::net::IpAddr;
 

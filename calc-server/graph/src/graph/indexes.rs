@@ -29,7 +29,7 @@ pub(super) struct EndpointState {
     pub(super) key: Key,
     /// The converted endpoint without its labels, which the label index holds.
     pub(super) model: EndpointModel,
-    node: Name,
+    pub(super) node: Name,
     pub(super) policies: FxHashSet<Key>,
     /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
     pub(super) nets: Vec<Arc<str>>,

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
-use super::{CalcGraph, Key, SharedMessage};
+use super::{CalcGraph, SharedMessage};
 use crate::convert::{EndpointKind, PolicyId, PolicyModel};
-use crate::model::{NodeSpec, ObjectMeta};
+use crate::model::{NodeSpec, ObjectMeta, ResourceKey};
 use crate::policy_resolver::{self, PolicyRef};
 use crate::rule_scanner::ScannedRules;
 
@@ -88,7 +88,7 @@ pub(super) fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {
 }
 
 impl CalcGraph {
-    pub(super) fn endpoint_message(&self, key: &Key) -> Option<Payload> {
+    pub(super) fn endpoint_message(&self, key: &ResourceKey) -> Option<Payload> {
         let item = self.item_of.get(key)?;
         let ep = self.endpoints.get(item)?;
         let mut ranked: Vec<(u32, PolicyRef<'_>)> = ep

@@ -23,13 +23,13 @@
 //! counts, per node, what its endpoints need; `sequencer` turns the resulting dirty marks into
 //! each node's ordered batch; `messages` builds the protobuf payloads.
 
-mod explain;
 mod indexes;
 mod members;
 mod messages;
 mod sequencer;
 mod services;
 mod spans;
+mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -48,6 +48,7 @@ use messages::{config_value, felix_param_name, host_metadata};
 use sequencer::{Dirty, Subscription};
 pub use sequencer::{NodeBatch, SharedMessage};
 use spans::Span;
+pub use view::{EndpointView, GraphView, PolicyView};
 
 /// One input to the graph.
 // Updates are consumed at once; boxing the resource would only add an allocation per update.

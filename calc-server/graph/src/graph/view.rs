@@ -1,0 +1,209 @@
+//! The read-only query API over the graph's state ([`GraphView`], from [`CalcGraph::view`]).
+//!
+//! Contract: nothing here changes the graph or what any node was sent or has dirty; every
+//! answer is the state the next flush would project (an endpoint's update is the one its node
+//! would be sent, a policy's rules the ones in its ActivePolicyUpdate). This is the only way
+//! readers outside the graph's own parts (explain, and later hit counters, flow logs, a
+//! console) see the graph: they never reach into its tables.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use felix_proto as pb;
+use pb::to_dataplane::Payload;
+
+use super::CalcGraph;
+use super::indexes::{EndpointState, PolicyState};
+use crate::convert::{EndpointModel, PolicyModel};
+use crate::label_index::ItemId;
+use crate::model::{Kind, ResourceKey};
+use crate::policy_resolver::TierMeta;
+
+/// A read-only view of a [`CalcGraph`].
+#[derive(Clone, Copy)]
+pub struct GraphView<'g> {
+    g: &'g CalcGraph,
+}
+
+/// One endpoint (workload or host) as the graph holds it.
+#[derive(Clone, Copy)]
+pub struct EndpointView<'g> {
+    g: &'g CalcGraph,
+    item: ItemId,
+    state: &'g EndpointState,
+}
+
+/// One policy as the graph holds it.
+#[derive(Clone, Copy)]
+pub struct PolicyView<'g> {
+    key: &'g ResourceKey,
+    state: &'g PolicyState,
+}
+
+impl CalcGraph {
+    /// The graph's read-only query API.
+    pub fn view(&self) -> GraphView<'_> {
+        GraphView { g: self }
+    }
+}
+
+impl<'g> GraphView<'g> {
+    /// Every endpoint, in no particular order.
+    pub fn endpoints(self) -> impl Iterator<Item = EndpointView<'g>> + 'g {
+        let g = self.g;
+        g.endpoints.iter().map(move |(item, state)| EndpointView {
+            g,
+            item: *item,
+            state,
+        })
+    }
+
+    /// The endpoint of that key (a WorkloadEndpoint or HostEndpoint key).
+    pub fn endpoint(self, key: &ResourceKey) -> Option<EndpointView<'g>> {
+        let item = *self.g.item_of.get(key)?;
+        let state = self.g.endpoints.get(&item)?;
+        Some(EndpointView {
+            g: self.g,
+            item,
+            state,
+        })
+    }
+
+    /// Every endpoint one of whose addresses contains `ip`.
+    pub fn endpoints_with_ip(
+        self,
+        ip: std::net::IpAddr,
+    ) -> impl Iterator<Item = EndpointView<'g>> + 'g {
+        self.endpoints()
+            .filter(move |e| e.nets().iter().any(|n| cidr_contains(n, ip)))
+    }
+
+    /// Every network set (global or namespaced) with its CIDRs, masked and sorted.
+    pub fn network_sets(self) -> impl Iterator<Item = (&'g ResourceKey, &'g [Arc<str>])> + 'g {
+        let g = self.g;
+        g.item_of
+            .iter()
+            .filter(|(k, _)| matches!(k.kind, Kind::NetworkSet | Kind::GlobalNetworkSet))
+            .filter_map(move |(k, item)| g.netsets.get(item).map(|ns| (&**k, &ns.nets[..])))
+    }
+
+    /// Every policy (staged ones included), in no particular order.
+    pub fn policies(self) -> impl Iterator<Item = PolicyView<'g>> + 'g {
+        self.g
+            .policies
+            .iter()
+            .map(|(k, state)| PolicyView { key: k, state })
+    }
+
+    pub fn policy(self, key: &ResourceKey) -> Option<PolicyView<'g>> {
+        let (k, state) = self.g.policies.get_key_value(key)?;
+        Some(PolicyView { key: k, state })
+    }
+
+    /// The nodes where a policy is active, sorted: those with an endpoint it selects, or every
+    /// known node for a policy hinted `AssumeNeededOnEveryNode`.
+    pub fn policy_nodes(self, key: &ResourceKey) -> Vec<String> {
+        let mut nodes: Vec<String> = if self.g.everywhere.contains(key) {
+            self.g.known_nodes()
+        } else {
+            self.g
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.span.policy_refs.contains_key(key))
+                .map(|(name, _)| name.to_string())
+                .collect()
+        };
+        nodes.sort();
+        nodes
+    }
+
+    /// A profile's rules as the nodes are sent them; `None` when no Profile of that name
+    /// exists (nodes are then sent [`crate::rule_scanner::missing_profile_rules`]).
+    pub fn profile(self, name: &str) -> Option<&'g Arc<pb::Profile>> {
+        self.g.profiles.get(name).map(|p| &p.message)
+    }
+
+    /// The tier of that name as the resolver orders it (see [`CalcGraph::tier`]).
+    pub fn tier(self, name: &str) -> Option<&'g TierMeta> {
+        self.g.tier(name)
+    }
+
+    /// The members of an IP set (addresses, CIDRs or `addr,proto:port`), or `None` when no
+    /// policy or profile defines it.
+    pub fn ipset_members(self, id: &str) -> Option<impl Iterator<Item = &'g str> + 'g> {
+        let g = self.g;
+        let set = g.ipsets.get(id)?;
+        Some(set.members.keys().map(move |m| &**g.members.get(*m)))
+    }
+
+    /// The configuration `node` is sent.
+    pub fn config(self, node: &str) -> pb::ConfigUpdate {
+        self.g.config_for(node)
+    }
+
+    /// Every node the graph knows of, sorted (see [`CalcGraph::known_nodes`]).
+    pub fn known_nodes(self) -> Vec<String> {
+        self.g.known_nodes()
+    }
+}
+
+impl<'g> EndpointView<'g> {
+    pub fn key(self) -> &'g ResourceKey {
+        &self.state.key
+    }
+
+    /// The converted endpoint; its `labels` are empty (see [`Self::labels`]).
+    pub fn model(self) -> &'g EndpointModel {
+        &self.state.model
+    }
+
+    pub fn node(self) -> &'g str {
+        &self.state.node
+    }
+
+    /// The endpoint's CIDRs, as its members of every selector IP set.
+    pub fn nets(self) -> &'g [Arc<str>] {
+        &self.state.nets
+    }
+
+    /// Its effective labels: its own and those its profiles apply.
+    pub fn labels(self) -> Option<BTreeMap<String, String>> {
+        self.g.index.effective_labels(self.item)
+    }
+
+    /// Whether the policy of that key selects it.
+    pub fn selected_by(self, policy: &ResourceKey) -> bool {
+        self.state.policies.contains(policy)
+    }
+
+    /// The WorkloadEndpointUpdate or HostEndpointUpdate its node is sent (tier lists
+    /// included).
+    pub fn update(self) -> Option<Payload> {
+        self.g.endpoint_message(&self.state.key)
+    }
+}
+
+impl<'g> PolicyView<'g> {
+    pub fn key(self) -> &'g ResourceKey {
+        self.key
+    }
+
+    pub fn model(self) -> &'g PolicyModel {
+        &self.state.model
+    }
+
+    /// The policy's key for the resolver's name order.
+    pub fn sort_string(self) -> &'g str {
+        &self.state.sort_string
+    }
+
+    /// The policy as the nodes are sent it.
+    pub fn message(self) -> &'g Arc<pb::Policy> {
+        &self.state.message
+    }
+}
+
+/// Whether `cidr` (an address or `addr/len`) contains `ip`.
+fn cidr_contains(cidr: &str, ip: std::net::IpAddr) -> bool {
+    crate::explain::rules::cidr_contains(cidr, ip)
+}
