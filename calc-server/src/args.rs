@@ -13,6 +13,10 @@ use std::time::Duration;
 /// and Typha's, 9098, are taken on a Calico node).
 pub const DEFAULT_ADMIN: &str = "127.0.0.1:9096";
 
+/// The file datastore's directory unless told otherwise: the example cluster, relative to the
+/// current directory (the repository's root for `make demo`).
+pub const DEFAULT_FILE_DIR: &str = "examples/cluster";
+
 /// Which datastore to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DatastoreType {
@@ -32,7 +36,7 @@ pub struct DatastoreArgs {
     #[arg(long, env = "DATASTORE_TYPE", value_enum, default_value = "file")]
     pub datastore_type: DatastoreType,
     /// Directory of manifests for the file datastore (searched recursively; `status/` ignored).
-    #[arg(long, env = "CALC_SERVER_FILE_DIR", default_value = "examples/cluster")]
+    #[arg(long, env = "CALC_SERVER_FILE_DIR", default_value = DEFAULT_FILE_DIR)]
     pub file_dir: PathBuf,
     /// etcd connection (for `--datastore-type etcdv3`).
     #[command(flatten)]

@@ -34,7 +34,9 @@ pub fn compute(
     let unknown: Vec<&String> = nodes.iter().filter(|n| !known.contains(n)).collect();
     if !allow_unknown && !unknown.is_empty() {
         anyhow::bail!(
-            "{} not in the datastore (no Node resource and no endpoints): `serve` refuses such              an agent with NOT_FOUND unless it runs with --allow-unknown-nodes (give that flag              here to see what the agent would then receive); the datastore's nodes: {}",
+            "{} not in the datastore (no Node resource and no endpoints): `serve` refuses such \
+             an agent with NOT_FOUND unless it runs with --allow-unknown-nodes (give that flag \
+             here to see what the agent would then receive); the datastore's nodes: {}",
             unknown
                 .iter()
                 .map(|n| format!("node {:?}", calc_graph::untrusted::Untrusted(n.as_str())))

@@ -290,6 +290,35 @@ fn compute_all_nodes_writes_a_file_per_node() {
     assert!(node2.contains("\"allow-postgres\"") && node2.contains("hostEndpointUpdate"));
 }
 
+/// Run from a directory without the example cluster and without --file-dir, the error says
+/// the default was used and how to give a datastore, not "--file-dir X" the user never typed.
+#[test]
+fn the_default_file_dir_is_named_as_the_default() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_calc-server"))
+        .args(["compute", "--node", "node-1"])
+        .current_dir(elsewhere.path())
+        .env_remove("CALC_SERVER_FILE_DIR")
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(0));
+    let err = stderr(&o);
+    assert!(
+        err.contains("default file datastore") && err.contains("give --file-dir"),
+        "{err}"
+    );
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_calc-server"))
+        .args(["compute", "--node", "node-1", "--file-dir", "no-such-dir"])
+        .current_dir(elsewhere.path())
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&o).contains("--file-dir no-such-dir is not a directory"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// `compute` and `serve` agree on a node the datastore does not know: an error naming the
 /// flag and the known nodes, unless --allow-unknown-nodes, which shows what serve would then send.
 #[test]

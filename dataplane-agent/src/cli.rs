@@ -369,7 +369,8 @@ impl Cli {
             .map(|(n, _)| *n)
             .collect();
             return Err(format!(
-                "TLS needs all of --tls-ca-file, --tls-cert-file, --tls-key-file and one of                  --tls-server-cn / --tls-server-uri-san; given: {}; missing: {}",
+                "TLS needs all of --tls-ca-file, --tls-cert-file, --tls-key-file and one of \
+                 --tls-server-cn / --tls-server-uri-san; given: {}; missing: {}",
                 given.join(", "),
                 missing
                     .iter()

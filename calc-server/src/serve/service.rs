@@ -148,7 +148,9 @@ fn refusal_status(refusal: Refusal) -> Status {
     match refusal {
         // The agent's operator reads this, not the server's log: say what to do.
         Refusal::UnknownNode { node } => Status::not_found(format!(
-            "node {node:?} is not in the datastore (no Node resource and no endpoints): check              the agent's --node against the cluster's Node names, or run calc-server serve              with --allow-unknown-nodes"
+            "node {node:?} is not in the datastore (no Node resource and no endpoints): check \
+             the agent's --node against the cluster's Node names, or run calc-server serve \
+             with --allow-unknown-nodes"
         )),
     }
 }

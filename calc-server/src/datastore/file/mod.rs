@@ -165,12 +165,26 @@ pub fn resolve(p: &Path) -> PathBuf {
 /// The file datastore's directory must exist: a typo would otherwise read as an empty cluster
 /// (no policy anywhere) rather than as an error.
 pub fn check_file_dir(dir: &Path) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        dir.is_dir(),
+    if dir.is_dir() {
+        return Ok(());
+    }
+    // The built-in default is relative: from another directory it names nothing, and the user
+    // never typed the flag the message would otherwise name.
+    if dir == Path::new(crate::args::DEFAULT_FILE_DIR) {
+        let cwd = std::env::current_dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|_| "the current directory".into());
+        anyhow::bail!(
+            "no datastore given, and the default file datastore {} (relative to {cwd}) does not \
+             exist: give --file-dir DIR (or CALC_SERVER_FILE_DIR) with the directory of \
+             manifests, or --datastore-type etcdv3|kubernetes",
+            dir.display()
+        );
+    }
+    anyhow::bail!(
         "--file-dir {} is not a directory: give the directory holding the manifests",
         dir.display()
-    );
-    Ok(())
+    )
 }
 
 /// Every valid object under `dir` as an `Apply`, then `InSync`; problems by file.
