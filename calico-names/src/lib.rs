@@ -8,12 +8,14 @@
 //! Contract: everything here is pure (no IO, no clock, no allocation beyond the returned value)
 //! and never panics on any input: hostile strings come back as values or `Err` texts.
 //!
+//! - [`cert`]: the CN and URI SANs of a certificate (node, server and admin identities);
 //! - [`hash`]: Calico's `libcalico-go/lib/hash` ids (unique ids, length-limited names).
 //! - [`validate`]: the name rules both binaries enforce (interface and log prefixes) and how a
 //!   rejected value is shown in an error;
 //! - [`felix_config`]: FelixConfiguration values both read (failsafe ports).
 //! - [`is_staged_policy_kind`]: which `PolicyID.kind`s are staged (computed, never programmed).
 
+pub mod cert;
 pub mod felix_config;
 pub mod hash;
 pub mod validate;

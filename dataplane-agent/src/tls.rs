@@ -392,31 +392,6 @@ impl fmt::Display for IdentityMismatch {
 
 impl std::error::Error for IdentityMismatch {}
 
-/// The subject CN and URI SANs of a certificate.
-pub fn cert_names(der: &[u8]) -> Result<(Option<String>, Vec<String>), String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der)
-        .map_err(|e| format!("cannot parse the certificate: {e}"))?;
-    let cn = cert
-        .subject()
-        .iter_common_name()
-        .next()
-        .and_then(|c| c.as_str().ok())
-        .map(str::to_owned);
-    let uris = match cert.subject_alternative_name() {
-        Ok(Some(ext)) => ext
-            .value
-            .general_names
-            .iter()
-            .filter_map(|g| match g {
-                x509_parser::extensions::GeneralName::URI(u) => Some((*u).to_owned()),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
-    Ok((cn, uris))
-}
-
 /// Whether names match the expected identity; `Err` says what was found instead.
 fn check_identity(
     expected: &ServerIdentity,
@@ -467,12 +442,12 @@ impl ServerCertVerifier for IdentityVerifier {
             now,
             self.provider.signature_verification_algorithms.all,
         )?;
-        let (cn, uris) = cert_names(end_entity.as_ref()).map_err(|e| {
+        let names = calico_names::cert::CertNames::of(end_entity.as_ref()).map_err(|e| {
             rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
                 Arc::new(IdentityMismatch(e)),
             )))
         })?;
-        check_identity(&self.expected, cn.as_deref(), &uris).map_err(|e| {
+        check_identity(&self.expected, names.cn.as_deref(), &names.uri_sans).map_err(|e| {
             rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
                 Arc::new(IdentityMismatch(e)),
             )))
@@ -554,9 +529,9 @@ mod tests {
             .push(rcgen::SanType::URI("spiffe://c/calc".try_into().unwrap()));
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = p.self_signed(&key).unwrap();
-        let (cn, uris) = cert_names(cert.der()).unwrap();
-        assert_eq!(cn.as_deref(), Some("calc-server"));
-        assert_eq!(uris, ["spiffe://c/calc"]);
+        let names = calico_names::cert::CertNames::of(cert.der()).unwrap();
+        assert_eq!(names.cn.as_deref(), Some("calc-server"));
+        assert_eq!(names.uri_sans, ["spiffe://c/calc"]);
     }
 
     /// A socket whose peer sent an alert and hung up: reads fail with the alert, writes with

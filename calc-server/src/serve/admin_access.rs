@@ -26,38 +26,13 @@ pub(super) struct Caller {
     pub cert: Option<CertNames>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(super) struct CertNames {
-    pub cn: Option<String>,
-    pub uri_sans: Vec<String>,
-}
+pub(super) use calico_names::cert::CertNames;
 
-impl CertNames {
-    /// The names of a (verified) DER certificate; `None` if it cannot be parsed.
-    pub(super) fn of(der: &[u8]) -> Option<CertNames> {
-        let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
-        let cn = cert
-            .subject()
-            .iter_common_name()
-            .next()
-            .and_then(|cn| cn.as_str().ok())
-            .map(str::to_string);
-        Some(CertNames {
-            cn,
-            uri_sans: super::listener::uri_sans(&cert),
-        })
-    }
-
-    /// The node this certificate would be on the Sync listener.
-    fn node(&self, source: &IdentitySource) -> Option<&str> {
-        match source {
-            IdentitySource::CommonName => self.cn.as_deref(),
-            IdentitySource::UriSanPrefix(prefix) => self
-                .uri_sans
-                .iter()
-                .find_map(|u| u.strip_prefix(prefix.as_str()))
-                .filter(|n| !n.is_empty()),
-        }
+/// The node a certificate would be on the Sync listener.
+fn node_of<'a>(names: &'a CertNames, source: &IdentitySource) -> Option<&'a str> {
+    match source {
+        IdentitySource::CommonName => names.cn.as_deref(),
+        IdentitySource::UriSanPrefix(prefix) => names.uri_suffix(prefix),
     }
 }
 
@@ -222,7 +197,7 @@ impl AdminAccess {
             return Ok(());
         }
         if let Some(cert) = &caller.cert {
-            if let Some(node) = cert.node(&self.node_identity).filter(|n| is_node(n)) {
+            if let Some(node) = node_of(cert, &self.node_identity).filter(|n| is_node(n)) {
                 return Err(Refusal::Forbidden(format!(
                     "the client certificate is node {:?}'s: node certificates are not admin identities",
                     calc_graph::untrusted::Untrusted(node)

@@ -79,7 +79,7 @@ impl AdminServer {
                                 .1
                                 .peer_certificates()
                                 .and_then(|c| c.first())
-                                .and_then(|leaf| CertNames::of(leaf.as_ref())),
+                                .and_then(|leaf| CertNames::of(leaf.as_ref()).ok()),
                         };
                         serve(stream, caller, router).await;
                     }

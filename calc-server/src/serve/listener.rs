@@ -323,45 +323,20 @@ fn server_config(
 
 /// The node name a (verified) client certificate names.
 pub fn node_identity(der: &[u8], source: &IdentitySource) -> Result<String, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der)
-        .map_err(|e| format!("cannot parse the client certificate: {e}"))?;
+    let names = calico_names::cert::CertNames::of(der)
+        .map_err(|e| format!("the client certificate: {e}"))?;
     match source {
-        IdentitySource::CommonName => {
-            let cn = cert
-                .subject()
-                .iter_common_name()
-                .next()
-                .ok_or("the client certificate has no CN")?;
-            let cn = cn
-                .as_str()
-                .map_err(|e| format!("the client certificate's CN is not text: {e}"))?;
-            Ok(cn.to_string())
-        }
+        IdentitySource::CommonName => names
+            .cn
+            .ok_or_else(|| "the client certificate has no CN (as text)".to_string()),
         IdentitySource::UriSanPrefix(prefix) => {
-            let uris = uri_sans(&cert);
-            uris.iter()
-                .find_map(|u| u.strip_prefix(prefix.as_str()))
-                .filter(|n| !n.is_empty())
-                .map(str::to_string)
-                .ok_or_else(|| {
-                    format!("no URI SAN of the client certificate starts with {prefix:?} (it has {uris:?})")
-                })
-        }
-    }
-}
-
-pub(super) fn uri_sans(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
-    match cert.subject_alternative_name() {
-        Ok(Some(ext)) => ext
-            .value
-            .general_names
-            .iter()
-            .filter_map(|g| match g {
-                x509_parser::extensions::GeneralName::URI(u) => Some(u.to_string()),
-                _ => None,
+            names.uri_suffix(prefix).map(str::to_string).ok_or_else(|| {
+                format!(
+                    "no URI SAN of the client certificate starts with {prefix:?} (it has {:?})",
+                    names.uri_sans
+                )
             })
-            .collect(),
-        _ => Vec::new(),
+        }
     }
 }
 
