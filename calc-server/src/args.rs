@@ -401,11 +401,31 @@ pub struct AdminClientArgs {
     pub token_file: Option<PathBuf>,
 }
 
+/// Where `compute` and `explain` find the last-good store a server keeps for the file
+/// datastore (serve's flags and environment variables, with the same defaults), so that they
+/// answer with the version of an invalid object that a server keeps in force.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct StoreArgs {
+    /// File datastore: the last-good store a server keeps (serve's --last-good-dir). Each object
+    /// whose manifest is invalid is computed at the last good version found there, as a server
+    /// with that store keeps it in force (said on stderr). Default: `last-good` inside the status
+    /// directory; an empty value reads none. Without a store, the answer names the invalid
+    /// objects a running server may hold older versions of.
+    #[arg(long, env = "CALC_SERVER_LAST_GOOD_DIR", value_name = "PATH", value_parser = path_or_empty)]
+    pub last_good_dir: Option<PathBuf>,
+    /// File datastore: serve's --status-dir (default: `status` inside --file-dir), for the
+    /// default of --last-good-dir; never read as manifests.
+    #[arg(long, env = "CALC_SERVER_STATUS_DIR", value_name = "PATH", value_parser = path_or_empty)]
+    pub status_dir: Option<PathBuf>,
+}
+
 // `calc-server compute`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ComputeArgs {
     #[command(flatten)]
     pub datastore: DatastoreArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Node to compute (repeat for several).
     #[arg(
         long = "node",
@@ -437,6 +457,8 @@ pub struct ComputeArgs {
 pub struct ExplainArgs {
     #[command(flatten)]
     pub datastore: DatastoreArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Ask a running server (its admin address, serve's --admin-listen) instead of reading the
     /// datastore: the answer then reflects exactly the state it serves.
     #[arg(long, env = "CALC_SERVER_EXPLAIN_SERVER")]

@@ -72,9 +72,15 @@ pub fn compute(
 }
 
 pub fn run(args: &ComputeArgs) -> anyhow::Result<ExitCode> {
-    let snap = datastore::snapshot(&args.datastore)?;
+    let snap = datastore::snapshot(&args.datastore, &args.store)?;
     for p in &snap.problems {
         eprintln!("warning: skipped: {p}");
+    }
+    for h in &snap.held {
+        eprintln!("note: {h}");
+    }
+    for c in &snap.caveats {
+        eprintln!("warning: {c}");
     }
     let nodes = (!args.all_nodes).then_some(args.nodes.as_slice());
     let streams = compute(snap.updates, nodes, args.allow_unknown_nodes, |r| {

@@ -76,10 +76,18 @@ fn ask_server(
     Ok(value)
 }
 
-fn ask_datastore(args: &ExplainArgs, r: &Request) -> anyhow::Result<serde_json::Value> {
-    let snap = datastore::snapshot(&args.datastore)?;
+/// The answer from a datastore snapshot, and the notes that go with it: where a running
+/// server may answer otherwise (invalid objects left out whose last good versions it may hold).
+fn ask_datastore(
+    args: &ExplainArgs,
+    r: &Request,
+) -> anyhow::Result<(serde_json::Value, Vec<String>)> {
+    let snap = datastore::snapshot(&args.datastore, &args.store)?;
     for p in &snap.problems {
         eprintln!("warning: skipped: {p}");
+    }
+    for h in &snap.held {
+        eprintln!("note: {h}");
     }
     let mut g = CalcGraph::new();
     for u in snap.updates {
@@ -89,17 +97,24 @@ fn ask_datastore(args: &ExplainArgs, r: &Request) -> anyhow::Result<serde_json::
     }
     g.apply(Update::InSync)
         .map_err(|r| anyhow::anyhow!("{r}"))?;
-    Ok(g.answer(r)?)
+    Ok((g.answer(r)?, snap.caveats))
 }
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
     let r = request(args);
-    let answer = match &args.server {
-        Some(addr) => ask_server(addr, &args.client, &r)?,
+    let (mut answer, notes) = match &args.server {
+        Some(addr) => (ask_server(addr, &args.client, &r)?, Vec::new()),
         None => ask_datastore(args, &r)?,
     };
-    let text = match args.output {
-        ExplainOutput::Json => serde_json::to_string_pretty(&answer)? + "\n",
+    let mut text = match args.output {
+        ExplainOutput::Json => {
+            if !notes.is_empty()
+                && let Some(obj) = answer.as_object_mut()
+            {
+                obj.insert("notes".into(), notes.clone().into());
+            }
+            serde_json::to_string_pretty(&answer)? + "\n"
+        }
         ExplainOutput::Text => match r {
             Request::Path(_) => render_text(&serde_json::from_value::<Explanation>(answer)?),
             Request::Endpoint(_) => {
@@ -110,6 +125,11 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
             }
         },
     };
+    if args.output == ExplainOutput::Text {
+        for n in &notes {
+            text.push_str(&format!("note: {n}\n"));
+        }
+    }
     print!("{text}");
     Ok(ExitCode::SUCCESS)
 }

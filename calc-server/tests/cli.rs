@@ -581,3 +581,143 @@ fn compute_fills_a_service_rule_from_the_manifests_endpoint_slices() {
         "every endpoint of the Service on its port"
     );
 }
+
+/// Two workloads in namespace `app` on node-1, a deny-by-default for the db and the policy that
+/// lets the client in (`ALLOW_DB`).
+const CLIENT_AND_DB: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: Profile
+metadata: {name: kns.app}
+spec: {ingress: [{action: Allow}], egress: [{action: Allow}]}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node--1-k8s-client-eth0, namespace: app, labels: {app: client}}
+spec: {orchestrator: k8s, node: node-1, pod: client, endpoint: eth0, interfaceName: cali0client1, ipNetworks: [10.65.0.1/32], profiles: [kns.app]}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node--1-k8s-db-eth0, namespace: app, labels: {app: db}}
+spec: {orchestrator: k8s, node: node-1, pod: db, endpoint: eth0, interfaceName: cali0db00001, ipNetworks: [10.65.0.2/32], profiles: [kns.app]}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: db-default-deny}
+spec: {order: 1000, selector: app == 'db', types: [Ingress]}
+"#;
+
+const ALLOW_DB: &str = "apiVersion: projectcalico.org/v3\nkind: NetworkPolicy\nmetadata: {name: allow-client, namespace: app}\nspec: {order: 100, selector: app == 'db', types: [Ingress], ingress: [{action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [5432]}}]}\n";
+
+/// What the server would have saved for `ALLOW_DB` in the last-good store at `store`.
+fn save_last_good(store: &Path) {
+    let entry = calc_graph::manifest::parse_manifest(ALLOW_DB)
+        .unwrap()
+        .remove(0);
+    let calc_graph::manifest::Outcome::Valid(key, valid) = entry.outcome else {
+        panic!("{:?}", entry.outcome);
+    };
+    let (mut lg, _, problems) =
+        calc_server::datastore::file::last_good::LastGood::open(Some(store.to_path_buf()));
+    assert!(problems.is_empty(), "{problems:?}");
+    lg.save(&key, &valid);
+}
+
+fn explain_db(dir: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "explain",
+        "--file-dir",
+        dir.to_str().unwrap(),
+        "--from",
+        "app/client",
+        "--to",
+        "app/db",
+        "--port",
+        "5432",
+    ];
+    args.extend_from_slice(extra);
+    calc_server(&args)
+}
+
+/// `compute` and `explain` answer as the server enforces when an object is held at its last
+/// good version (issue 39, item 3): they read the server's last-good store (serve's default
+/// place, or --last-good-dir) and use the last good version of the invalid policy, saying so on
+/// stderr. Without a store they leave it out, and say which invalid objects a running server
+/// may hold older versions of: a warning from compute, a note in explain's text and JSON.
+#[test]
+fn compute_and_explain_use_the_last_good_version_a_server_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "cluster.yaml", CLIENT_AND_DB);
+    write(
+        d,
+        "allow.yaml",
+        &ALLOW_DB.replace("selector: app == 'db'", "selector: app =="),
+    );
+    save_last_good(&d.join("status/last-good"));
+    let dir_arg = d.to_str().unwrap();
+    let compute = |extra: &[&str]| {
+        let mut args = vec!["compute", "--file-dir", dir_arg, "--node", "node-1"];
+        args.extend_from_slice(extra);
+        calc_server(&args)
+    };
+
+    // The store at serve's default place: what the server keeps in force.
+    let o = compute(&[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("\"allow-client\""), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("note: NetworkPolicy app/allow-client: what the manifests hold of it is not usable; its last good version from the last-good store"),
+        "{}",
+        stderr(&o)
+    );
+    let o = explain_db(d, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("ALLOW"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("note:"), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("note: NetworkPolicy app/allow-client"),
+        "{}",
+        stderr(&o)
+    );
+
+    // The store elsewhere, named by --last-good-dir (as serve's flag).
+    let elsewhere = tempfile::tempdir().unwrap();
+    save_last_good(elsewhere.path());
+    std::fs::remove_dir_all(d.join("status")).unwrap();
+    let o = compute(&["--last-good-dir", elsewhere.path().to_str().unwrap()]);
+    assert!(stdout(&o).contains("\"allow-client\""), "{}", stderr(&o));
+
+    // No store: left out, and said so.
+    let o = compute(&[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("\"allow-client\""), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!(
+            "warning: no last-good store at {}",
+            d.join("status/last-good").display()
+        )) && err.contains("a running server may keep older (last good) versions of them in force: NetworkPolicy app/allow-client"),
+        "{err}"
+    );
+    let o = explain_db(d, &["--last-good-dir", ""]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("DENY"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("note: no last-good store is read")
+                && l.ends_with("in force: NetworkPolicy app/allow-client")),
+        "{out}"
+    );
+    let o = explain_db(d, &["--output", "json"]);
+    let answer: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let notes = answer["notes"].as_array().expect("notes");
+    assert_eq!(notes.len(), 1, "{answer}");
+    assert!(
+        notes[0]
+            .as_str()
+            .unwrap()
+            .ends_with("in force: NetworkPolicy app/allow-client"),
+        "{answer}"
+    );
+}

@@ -27,7 +27,7 @@ use calc_graph::graph::Update;
 use calc_graph::manifest::RejectStage;
 use common::Tasks;
 
-use crate::args::{DatastoreArgs, EtcdArgs, KubeArgs, ServeArgs};
+use crate::args::{DatastoreArgs, EtcdArgs, KubeArgs, ServeArgs, StoreArgs};
 use crate::status::Board;
 
 pub use crate::args::DatastoreType;
@@ -59,18 +59,79 @@ pub async fn start_adapter(
     }
 }
 
-/// A complete snapshot: every valid object as an `Apply`, then `InSync`; problems by name.
+/// A complete snapshot: every object in force as an `Apply`, then `InSync`; problems by name.
+/// An object whose datastore version is unusable is at the last good version a server would
+/// keep in force when the reader can find it (the file datastore's last-good store, etcd's
+/// history), said in `held`; `caveats` say where a running server may differ.
+#[derive(Debug, Default)]
 pub struct Snapshot {
     pub updates: Vec<Update>,
     pub problems: Vec<String>,
+    /// Objects taken at their last good version (or left out for want of one), one line each.
+    pub held: Vec<String>,
+    /// Where the answer may differ from what a running server enforces: invalid objects left
+    /// out whose last good versions a running server may still hold.
+    pub caveats: Vec<String>,
 }
 
-/// Reads the whole datastore once.
-pub fn snapshot(args: &DatastoreArgs) -> anyhow::Result<Snapshot> {
+/// Reads the whole datastore once (`store`: where the file datastore's last-good store is).
+pub fn snapshot(args: &DatastoreArgs, store: &StoreArgs) -> anyhow::Result<Snapshot> {
     match args.datastore_type {
-        DatastoreType::File => file::snapshot(&args.file_dir),
+        DatastoreType::File => {
+            let dirs = file::OutputDirs::check(
+                &args.file_dir,
+                store.status_dir.as_deref(),
+                store.last_good_dir.as_deref(),
+            )?;
+            file::snapshot(&args.file_dir, &dirs)
+        }
         DatastoreType::Etcdv3 => etcd_snapshot(&args.etcd),
         DatastoreType::Kubernetes => kube_snapshot(&args.kube),
+    }
+}
+
+/// At most this many names in one caveat line (then how many more).
+const LISTED: usize = 20;
+
+/// `names`, comma-separated, at most [`LISTED`] of them.
+pub(crate) fn listed(names: &[String]) -> String {
+    let mut out = names
+        .iter()
+        .take(LISTED)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > LISTED {
+        out.push_str(&format!(" and {} more", names.len() - LISTED));
+    }
+    out
+}
+
+/// The problems of an etcd or Kubernetes snapshot, and the caveat for the rejected objects it
+/// found no last good version of (`why`: why a running server may still hold one).
+fn ingest_problems(problems: Vec<calc_ingest::Problem>, why: &str) -> Snapshot {
+    let without: Vec<String> = problems
+        .iter()
+        .filter(|p| p.stage.is_some() && !p.held)
+        .map(|p| calc_graph::untrusted::Untrusted(&p.key).to_string())
+        .collect();
+    let problems = problems
+        .into_iter()
+        .map(|p| format!("{}: {}", p.key, p.reason))
+        .collect();
+    let caveats = if without.is_empty() {
+        Vec::new()
+    } else {
+        vec![format!(
+            "{why}: these invalid objects are left out here, but a running server may still hold \
+             their last good versions in force: {}",
+            listed(&without)
+        )]
+    };
+    Snapshot {
+        problems,
+        caveats,
+        ..Snapshot::default()
     }
 }
 
@@ -81,11 +142,13 @@ fn etcd_snapshot(args: &EtcdArgs) -> anyhow::Result<Snapshot> {
         .enable_all()
         .build()?;
     let (updates, problems) = rt.block_on(etcd::watcher::snapshot(args))?;
-    let problems = problems
-        .into_iter()
-        .map(|p| format!("{}: {}", p.key, p.reason))
-        .collect();
-    Ok(Snapshot { updates, problems })
+    Ok(Snapshot {
+        updates,
+        ..ingest_problems(
+            problems,
+            "etcd's history holds no valid earlier version of them (compacted, or never valid)",
+        )
+    })
 }
 
 fn kube_snapshot(args: &KubeArgs) -> anyhow::Result<Snapshot> {
@@ -94,11 +157,13 @@ fn kube_snapshot(args: &KubeArgs) -> anyhow::Result<Snapshot> {
         .enable_all()
         .build()?;
     let (updates, problems) = rt.block_on(kubernetes::watcher::snapshot(args))?;
-    let problems = problems
-        .into_iter()
-        .map(|p| format!("{}: {}", p.key, p.reason))
-        .collect();
-    Ok(Snapshot { updates, problems })
+    Ok(Snapshot {
+        updates,
+        ..ingest_problems(
+            problems,
+            "the Kubernetes API keeps no earlier versions to read (a server keeps them in memory)",
+        )
+    })
 }
 
 /// Runs CPU-bound adapter work (decoding, converting, validating) without holding up the

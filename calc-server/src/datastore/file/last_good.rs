@@ -43,7 +43,7 @@ impl LastGood {
     /// Opens (creating it) the store in `dir` and reads what it holds; `None` keeps nothing on
     /// disk. Problems (unreadable directory, damaged entries) are returned, not fatal.
     pub fn open(dir: Option<PathBuf>) -> (LastGood, BTreeMap<ResourceKey, Valid>, Vec<String>) {
-        let mut objects = BTreeMap::new();
+        let objects = BTreeMap::new();
         let mut problems = Vec::new();
         let Some(dir) = dir else {
             return (
@@ -69,7 +69,24 @@ impl LastGood {
                 problems,
             );
         }
-        match std::fs::read_dir(&dir) {
+        let (objects, read_problems) = Self::read(&dir);
+        problems.extend(read_problems);
+        (
+            LastGood {
+                dir: Some(dir),
+                warned: false,
+            },
+            objects,
+            problems,
+        )
+    }
+
+    /// What the store in `dir` holds, without creating or changing anything (`compute` and
+    /// `explain` read a server's store this way). Damaged entries are reported and skipped.
+    pub fn read(dir: &Path) -> (BTreeMap<ResourceKey, Valid>, Vec<String>) {
+        let mut objects = BTreeMap::new();
+        let mut problems = Vec::new();
+        match std::fs::read_dir(dir) {
             Ok(entries) => {
                 for entry in entries.flatten() {
                     let path = entry.path();
@@ -96,14 +113,7 @@ impl LastGood {
                 dir.display()
             )),
         }
-        (
-            LastGood {
-                dir: Some(dir),
-                warned: false,
-            },
-            objects,
-            problems,
-        )
+        (objects, problems)
     }
 
     /// Records `res` as the version in force.

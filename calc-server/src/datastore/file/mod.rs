@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use calc_graph::graph::Update;
+use calc_graph::untrusted::Untrusted;
 use common::Tasks;
 
 use super::{Health, Sink, Snapshot};
@@ -187,18 +188,66 @@ pub fn check_file_dir(dir: &Path) -> anyhow::Result<()> {
     )
 }
 
-/// Every valid object under `dir` as an `Apply`, then `InSync`; problems by file.
-pub fn snapshot(dir: &Path) -> anyhow::Result<Snapshot> {
+/// What a server starting now would put in force from `dir`, as `Apply`s then `InSync`;
+/// problems by file. The server's last-good store (`dirs.last_good`) is read, never written:
+/// an object whose manifest is not usable is at the last good version found there (said in
+/// `held`). Without a store, `caveats` names what is left out that a running server may hold.
+pub fn snapshot(dir: &Path, dirs: &OutputDirs) -> anyhow::Result<Snapshot> {
     check_file_dir(dir)?;
-    let report = manifest_dir::load(&[dir.to_path_buf()]);
-    let problems = report.problems.iter().map(ToString::to_string).collect();
-    let mut updates: Vec<Update> = report
-        .resources
+    let store = dirs.last_good.as_ref().filter(|d| d.is_dir());
+    let (stored, store_problems) = match store {
+        Some(d) => last_good::LastGood::read(d),
+        None => Default::default(),
+    };
+    let loaded = watch::load_once(dir.to_path_buf(), dirs.skipped(), stored);
+    let mut snap = Snapshot {
+        problems: loaded.problems,
+        ..Snapshot::default()
+    };
+    snap.problems.extend(store_problems);
+    let health = loaded.health;
+    match store {
+        Some(d) => {
+            let d = Untrusted(&d.display().to_string()).to_string();
+            for held in &health.held_last_good {
+                snap.held.push(format!(
+                    "{held}: what the manifests hold of it is not usable; its last good version \
+                     from the last-good store {d} is used, as a server with that store keeps it \
+                     in force"
+                ));
+            }
+            for without in &health.without_last_good {
+                snap.held.push(format!(
+                    "{without}: not in force: not usable, and no last good version in the \
+                     last-good store {d}"
+                ));
+            }
+        }
+        None if !health.without_last_good.is_empty() => {
+            let where_ = match &dirs.last_good {
+                Some(d) => format!(
+                    "no last-good store at {} (serve's --last-good-dir, by default \
+                     <status-dir>/last-good)",
+                    Untrusted(&d.display().to_string())
+                ),
+                None => "no last-good store is read (--last-good-dir or --status-dir is empty)"
+                    .to_string(),
+            };
+            snap.caveats.push(format!(
+                "{where_}: these invalid objects are left out here, but a running server may \
+                 keep older (last good) versions of them in force: {}",
+                crate::datastore::listed(&health.without_last_good)
+            ));
+        }
+        None => {}
+    }
+    snap.updates = loaded
+        .objects
         .into_values()
-        .map(|(_, res)| Update::ApplyValid(res))
+        .map(Update::ApplyValid)
         .collect();
-    updates.push(Update::InSync);
-    Ok(Snapshot { updates, problems })
+    snap.updates.push(Update::InSync);
+    Ok(snap)
 }
 
 #[cfg(test)]

@@ -140,7 +140,8 @@ struct FileState {
     unidentified: Vec<Holds>,
     held: BTreeSet<ResourceKey>,
     unknown: bool,
-    problems: BTreeSet<String>,
+    /// Its problems, in file order.
+    problems: Vec<String>,
     rejected: Vec<calc_graph::manifest::RejectStage>,
 }
 
@@ -267,7 +268,7 @@ fn read_file(path: &std::path::Path, before: Option<&FileState>) -> FileState {
     {
         state.broken = true;
         state.set_slots(old.slots.clone());
-        state.problems.insert(format!(
+        state.problems.push(format!(
             "{}: the file is empty; the objects it held stay until it has content again or is removed",
             path.display()
         ));
@@ -323,14 +324,64 @@ struct Watcher {
     /// The file whose definition of a key is in force (unknown for what the store gave).
     origin: BTreeMap<ResourceKey, PathBuf>,
     health: Health,
+    /// `None` for `serve`: new problems are logged. `Some` for a one-shot read (`compute`,
+    /// `explain`): they are collected here, in order, and nothing is logged.
+    collected: Option<Vec<String>>,
 }
 
 impl Watcher {
+    /// A watcher over `dir` (never entering `skip`) starting from `current`, what the
+    /// last-good store holds (what a previous run had in force).
+    fn new(
+        dir: PathBuf,
+        skip: Vec<PathBuf>,
+        current: BTreeMap<ResourceKey, Valid>,
+        store: std::sync::mpsc::Sender<Vec<StoreOp>>,
+        health: Health,
+    ) -> Watcher {
+        Watcher {
+            dir,
+            skip,
+            files: BTreeMap::new(),
+            current,
+            store,
+            to_store: Vec::new(),
+            walk_problems: BTreeSet::new(),
+            duplicates: BTreeMap::new(),
+            held: BTreeSet::new(),
+            origin: BTreeMap::new(),
+            health,
+            collected: None,
+        }
+    }
+
+    /// Logs a new problem (`what`: where it was found), or collects it.
+    fn warn(&mut self, what: &'static str, problem: String) {
+        match &mut self.collected {
+            Some(all) => all.push(problem),
+            None => tracing::warn!(problem = %problem, "{what}"),
+        }
+    }
+
+    /// Reads the whole directory and puts in force what the rules say, as at start: the
+    /// listing read.
+    fn load(&mut self) -> Listing {
+        let seen = self.listing();
+        let files: Vec<PathBuf> = seen.keys().cloned().collect();
+        self.read(&files, &[]);
+        let mut keys: BTreeSet<ResourceKey> = self.current.keys().cloned().collect();
+        self.keys_of(&files, &mut keys);
+        self.reconcile(keys);
+        seen
+    }
+
     fn listing(&mut self) -> Listing {
         let walk = manifest_dir::walk_skipping(&self.dir, &self.skip);
         let now: BTreeSet<String> = walk.problems.iter().map(ToString::to_string).collect();
-        for p in now.difference(&self.walk_problems) {
-            tracing::warn!(problem = %p, "manifest directory");
+        for p in walk.problems.iter().map(ToString::to_string) {
+            if !self.walk_problems.contains(&p) {
+                self.warn("manifest directory", p);
+            }
         }
         self.walk_problems = now;
         walk.files.into_iter().collect()
@@ -346,11 +397,19 @@ impl Watcher {
             for stage in &state.rejected {
                 self.health.rejections.count(*stage);
             }
-            let before = self.files.get(f).map(|s| &s.problems);
-            for p in &state.problems {
-                if before.is_none_or(|b| !b.contains(p)) {
-                    tracing::warn!(problem = %p, "manifest skipped");
-                }
+            let before: BTreeSet<&String> = self
+                .files
+                .get(f)
+                .map(|s| s.problems.iter().collect())
+                .unwrap_or_default();
+            let new: Vec<String> = state
+                .problems
+                .iter()
+                .filter(|p| !before.contains(p))
+                .cloned()
+                .collect();
+            for p in new {
+                self.warn("manifest skipped", p);
             }
             self.files.insert(f.clone(), state);
         }
@@ -471,7 +530,11 @@ impl Watcher {
                 }
             }
         }
-        self.health.unusable.publish(held, without);
+        if self.collected.is_some() {
+            self.health.unusable.set(held, without);
+        } else {
+            self.health.unusable.publish(held, without);
+        }
         updates
     }
 
@@ -482,7 +545,15 @@ impl Watcher {
         }
         if self.duplicates.get(key) != Some(&files) {
             let shown: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-            tracing::warn!(object = %key, files = ?shown, "object defined in several files; the last one (in path order) is used");
+            match &mut self.collected {
+                Some(all) => all.push(format!(
+                    "{key} is defined in several files ({}); the last one (in path order) is used",
+                    calc_graph::untrusted::Untrusted(&shown.join(", "))
+                )),
+                None => {
+                    tracing::warn!(object = %key, files = ?shown, "object defined in several files; the last one (in path order) is used")
+                }
+            }
             self.duplicates.insert(key.clone(), files);
         }
     }
@@ -556,20 +627,8 @@ pub fn run(
                 }
             }
         });
-    let w = Watcher {
-        dir,
-        skip,
-        files: BTreeMap::new(),
-        // What the store holds is what a previous run had in force.
-        current: stored,
-        store: store_tx,
-        to_store: Vec::new(),
-        walk_problems: BTreeSet::new(),
-        duplicates: BTreeMap::new(),
-        held: BTreeSet::new(),
-        origin: BTreeMap::new(),
-        health,
-    };
+    // What the store holds is what a previous run had in force.
+    let w = Watcher::new(dir, skip, stored, store_tx, health);
     watch(w, interval, &sink, stop);
     match writer {
         Ok(writer) => {
@@ -581,14 +640,39 @@ pub fn run(
     }
 }
 
+/// What a server starting now would put in force: see [`load_once`].
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The objects in force, by key.
+    pub objects: BTreeMap<ResourceKey, Valid>,
+    /// Every problem, in the order found (the walk's, then each file's in path order).
+    pub problems: Vec<String>,
+    /// What is held at its last good version and what is not in force, as a server's
+    /// `/status/datastore` shows it.
+    pub health: crate::datastore::LastGoodHealth,
+}
+
+/// Reads `dir` once (never entering `skip`) as a server starting now with the last-good store
+/// `stored` would: the same rules, so an invalid object (or one in a file that does not parse,
+/// or in a document that cannot be identified) is at the version `stored` holds, or not in
+/// force. Logs nothing and writes nothing (`compute`, `explain`).
+pub fn load_once(dir: PathBuf, skip: Vec<PathBuf>, stored: BTreeMap<ResourceKey, Valid>) -> Loaded {
+    // Nothing is persisted: the receiver is dropped at once.
+    let (store, _) = std::sync::mpsc::channel();
+    let health = Health::default();
+    let mut w = Watcher::new(dir, skip, stored, store, health.clone());
+    w.collected = Some(Vec::new());
+    w.load();
+    Loaded {
+        objects: std::mem::take(&mut w.current),
+        problems: w.collected.take().unwrap_or_default(),
+        health: health.unusable.get(),
+    }
+}
+
 /// The watcher's loop: the first listing, then every poll until the sink closes or `stop`.
 fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationToken) {
-    let mut seen = w.listing();
-    let files: Vec<PathBuf> = seen.keys().cloned().collect();
-    w.read(&files, &[]);
-    let mut keys: BTreeSet<ResourceKey> = w.current.keys().cloned().collect();
-    w.keys_of(&files, &mut keys);
-    w.reconcile(keys);
+    let mut seen = w.load();
     let mut first: Vec<Update> = w
         .current
         .values()
@@ -737,24 +821,14 @@ mod tests {
                 std::fs::write(dir.path().join(name), text).unwrap();
             }
             let (store, rx) = std::sync::mpsc::channel();
-            let mut w = Watcher {
-                dir: dir.path().to_path_buf(),
-                skip: Vec::new(),
-                files: BTreeMap::new(),
-                current: stored,
+            let mut w = Watcher::new(
+                dir.path().to_path_buf(),
+                Vec::new(),
+                stored,
                 store,
-                to_store: Vec::new(),
-                walk_problems: BTreeSet::new(),
-                duplicates: BTreeMap::new(),
-                held: BTreeSet::new(),
-                origin: BTreeMap::new(),
-                health: Health::default(),
-            };
-            let paths: Vec<PathBuf> = w.listing().into_keys().collect();
-            w.read(&paths, &[]);
-            let mut keys: BTreeSet<ResourceKey> = w.current.keys().cloned().collect();
-            w.keys_of(&paths, &mut keys);
-            w.reconcile(keys);
+                Health::default(),
+            );
+            w.load();
             Harness { w, dir, _store: rx }
         }
 
@@ -790,11 +864,7 @@ mod tests {
         }
 
         fn problems(&self, name: &str) -> Vec<String> {
-            self.w.files[&self.path(name)]
-                .problems
-                .iter()
-                .cloned()
-                .collect()
+            self.w.files[&self.path(name)].problems.clone()
         }
     }
 
