@@ -1,8 +1,9 @@
 //! Explain queries over the graph's state: resolving names and addresses to endpoints, and
 //! composing the chains a packet meets on its way (see [`crate::explain`]).
 //!
-//! Contract: read-only. The tier lists, rules and IP-set members walked are exactly the ones
-//! the graph sends the nodes involved. The path is the Linux dataplane's:
+//! Contract: read-only, and only through the graph's query API ([`Ask`] holds a [`GraphView`]).
+//! The tier lists, rules and IP-set members walked are exactly the ones the graph sends the
+//! nodes involved. The path is the Linux dataplane's:
 //! - a workload's egress (`cali-fw-`) and ingress (`cali-tw-`) chains;
 //! - forwarded traffic (to, from or between workloads, on each node it crosses) also meets the
 //!   node's `*` host endpoint's forward policy (`cali-fhfw-` before, `cali-thfw-` after);
@@ -25,7 +26,7 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
 use super::rules::{Sets, cidr_contains, protocol_name, protocol_number};
-use super::walk::{self, Chain, Failsafe, Outcome, State, policy_label};
+use super::walk::{self, Chain, Failsafe, Outcome, State};
 use super::{
     DecidedBy, Dir, Explanation, Packet, Peer, Query, QueryError, Side, Stage, Step, Verdict,
     parse_protocol_and_ports,
@@ -38,7 +39,7 @@ use crate::policy_resolver::{self, PolicyRef, ResolvedTiers};
 /// The graph's state as explain reads it: only through its query API.
 #[derive(Clone, Copy)]
 pub(super) struct Ask<'g> {
-    g: GraphView<'g>,
+    pub(super) g: GraphView<'g>,
 }
 
 impl<'g> Ask<'g> {
@@ -50,25 +51,25 @@ impl<'g> Ask<'g> {
 type Key = ResourceKey;
 
 /// A query's source or destination.
-enum Subject {
+pub(super) enum Subject {
     /// An endpoint, and the address the query named it by, if it did.
     Endpoint(Key, Option<IpAddr>),
     Outside(IpAddr),
 }
 
 /// An endpoint as the path needs it.
-struct Ep {
-    name: String,
+pub(super) struct Ep {
+    pub(super) name: String,
     node: String,
-    host: bool,
+    pub(super) host: bool,
     wildcard: bool,
-    v4: Vec<IpAddr>,
-    v6: Vec<IpAddr>,
+    pub(super) v4: Vec<IpAddr>,
+    pub(super) v6: Vec<IpAddr>,
     endpoint: Payload,
 }
 
 impl Ep {
-    fn tiers(&self) -> (&[pb::TierInfo], &[String]) {
+    pub(super) fn tiers(&self) -> (&[pb::TierInfo], &[String]) {
         match &self.endpoint {
             Payload::WorkloadEndpointUpdate(u) => {
                 let e = u.endpoint.as_ref().expect("built with an endpoint");
@@ -82,7 +83,7 @@ impl Ep {
         }
     }
 
-    fn host(&self) -> Option<&pb::HostEndpoint> {
+    pub(super) fn host(&self) -> Option<&pb::HostEndpoint> {
         match &self.endpoint {
             Payload::HostEndpointUpdate(u) => u.endpoint.as_ref(),
             _ => None,
@@ -97,7 +98,7 @@ fn first_ip(nets: &[String]) -> Vec<IpAddr> {
 }
 
 /// The graph as the walk reads it, with every policy ordered once for the query.
-struct View<'g> {
+pub(super) struct View<'g> {
     g: GraphView<'g>,
     all: Rc<ResolvedTiers>,
     /// Each active policy's key by its `PolicyID` (a converted kind's id is not its key).
@@ -200,7 +201,7 @@ impl State for View<'_> {
 }
 
 impl View<'_> {
-    fn key(&self, id: &pb::PolicyId) -> Option<&Key> {
+    pub(super) fn key(&self, id: &pb::PolicyId) -> Option<&Key> {
         self.keys
             .get(&(id.kind.as_str(), id.namespace.as_str(), id.name.as_str()))
             .copied()
@@ -398,7 +399,7 @@ impl<'g> Ask<'g> {
         })
     }
 
-    fn view(&self) -> View<'g> {
+    pub(super) fn view(&self) -> View<'g> {
         let g = self.g;
         let refs: Vec<PolicyRef<'g>> = g
             .policies()
@@ -425,7 +426,7 @@ impl<'g> Ask<'g> {
         }
     }
 
-    fn peer(&self, ep: Option<&Ep>, ip: IpAddr) -> Peer {
+    pub(super) fn peer(&self, ep: Option<&Ep>, ip: IpAddr) -> Peer {
         match ep {
             Some(e) => Peer {
                 kind: if e.host { "host endpoint" } else { "workload" }.into(),
@@ -460,7 +461,7 @@ impl<'g> Ask<'g> {
 
     /// Resolves `namespace/pod`, a WorkloadEndpoint name (optionally `namespace/`-prefixed),
     /// `hep:NAME` or an IP address.
-    fn resolve(&self, what: &str) -> Result<Subject, QueryError> {
+    pub(super) fn resolve(&self, what: &str) -> Result<Subject, QueryError> {
         let what = what.trim();
         if what.is_empty() {
             return Err(QueryError::Bad("an empty endpoint name".into()));
@@ -506,7 +507,7 @@ impl<'g> Ask<'g> {
         }
     }
 
-    fn ep(&self, s: &Subject) -> Option<Ep> {
+    pub(super) fn ep(&self, s: &Subject) -> Option<Ep> {
         let Subject::Endpoint(key, _) = s else {
             return None;
         };
@@ -772,156 +773,8 @@ impl<'g> Ask<'g> {
     }
 }
 
-impl<'g> Ask<'g> {
-    /// The tiers, policies and profiles that apply to an endpoint, per chain and direction.
-    pub(super) fn explain_endpoint(
-        &self,
-        what: &str,
-    ) -> Result<super::EndpointPolicies, QueryError> {
-        let subject = self.resolve(what)?;
-        if let Subject::Outside(ip) = &subject {
-            return Err(QueryError::Bad(format!(
-                "{ip} is not an endpoint's address: no policy of ours applies to it"
-            )));
-        }
-        let ep = self
-            .ep(&subject)
-            .ok_or_else(|| QueryError::Unknown(what.to_string()))?;
-        let view = self.view();
-        let brief = |t: &pb::TierInfo, dir: Dir| super::TierPolicies {
-            tier: t.name.clone(),
-            default_action: t.default_action.clone(),
-            policies: match dir {
-                Dir::Ingress => &t.ingress_policies,
-                Dir::Egress => &t.egress_policies,
-            }
-            .iter()
-            .map(|id| super::PolicyBrief {
-                policy: policy_label(id),
-                kind: id.kind.clone(),
-                selector: view
-                    .key(id)
-                    .and_then(|k| self.g.policy(k))
-                    .map(|p| p.model().selector.canonical().to_string())
-                    .unwrap_or_default(),
-            })
-            .collect(),
-        };
-        let chain = |stage: Stage, tiers: &[pb::TierInfo]| super::ChainPolicies {
-            stage: stage.label(),
-            ingress: tiers
-                .iter()
-                .filter(|t| !t.ingress_policies.is_empty())
-                .map(|t| brief(t, Dir::Ingress))
-                .collect(),
-            egress: tiers
-                .iter()
-                .filter(|t| !t.egress_policies.is_empty())
-                .map(|t| brief(t, Dir::Egress))
-                .collect(),
-        };
-        let (tiers, profiles) = ep.tiers();
-        let mut chains = vec![chain(Stage::Normal, tiers)];
-        if let Some(h) = ep.host() {
-            chains.push(chain(Stage::Untracked, &h.untracked_tiers));
-            chains.push(chain(Stage::PreDnat, &h.pre_dnat_tiers));
-            chains.push(chain(Stage::Forward, &h.forward_tiers));
-        }
-        let first = ep.v4.first().or(ep.v6.first()).copied();
-        let mut endpoint = self.peer(Some(&ep), first.unwrap_or(IpAddr::from([0, 0, 0, 0])));
-        if first.is_none() {
-            endpoint.ip = String::new();
-        }
-        Ok(super::EndpointPolicies {
-            endpoint,
-            addresses: ep.v4.iter().chain(&ep.v6).map(|a| a.to_string()).collect(),
-            chains,
-            profiles: profiles.to_vec(),
-        })
-    }
-
-    /// The endpoints a policy selects and the nodes where it is active.
-    /// `what` is `NAME` (a global policy), `NAMESPACE/NAME`, either optionally preceded by
-    /// a kind and a colon (`StagedNetworkPolicy:prod/trial`, or Calico's short form `snp:`), to
-    /// pick one of several policies of the same name.
-    pub(super) fn explain_policy(&self, what: &str) -> Result<super::PolicyReach, QueryError> {
-        let (kind, rest) = match what.trim().split_once(':') {
-            Some((k, rest)) => {
-                let kind = Kind::policy_by_name(k).ok_or_else(|| {
-                    QueryError::Bad(format!(
-                        "unknown policy kind {k:?} in {what:?} (a kind such as NetworkPolicy or StagedGlobalNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
-                    ))
-                })?;
-                (Some(kind), rest)
-            }
-            None => (None, what.trim()),
-        };
-        let (ns, name) = match rest.split_once('/') {
-            Some((ns, name)) => (Some(ns), name),
-            None => (None, rest),
-        };
-        let mut found: Vec<&Key> = self
-            .g
-            .policies()
-            .filter(|p| {
-                let k = p.key();
-                (k.name == name || p.model().id.name == name)
-                    && (ns.is_none() || k.namespace.as_deref() == ns)
-                    && kind.is_none_or(|kind| k.kind == kind)
-            })
-            .map(|p| p.key())
-            .collect();
-        found.sort();
-        let key = match found.as_slice() {
-            [] => {
-                return Err(QueryError::Bad(format!(
-                    "no policy {what:?} in the datastore (give NAME for a global policy, NAMESPACE/NAME for a namespaced one)"
-                )));
-            }
-            [k] => (*k).clone(),
-            many => {
-                return Err(QueryError::Ambiguous {
-                    what: what.to_string(),
-                    candidates: many
-                        .iter()
-                        .map(|k| format!("{}:{}", k.kind.as_str(), full_name(k)))
-                        .collect(),
-                });
-            }
-        };
-        let p = self.g.policy(&key).expect("found above").model();
-        let mut endpoints: Vec<String> = self
-            .g
-            .endpoints()
-            .filter(|e| e.selected_by(&key))
-            .filter_map(|e| {
-                self.ep(&Subject::Endpoint(e.key().clone(), None))
-                    .map(|e| e.name)
-            })
-            .collect();
-        endpoints.sort();
-        let nodes = self.g.policy_nodes(&key);
-        let mut types = Vec::new();
-        if p.ingress {
-            types.push(Dir::Ingress);
-        }
-        if p.egress {
-            types.push(Dir::Egress);
-        }
-        Ok(super::PolicyReach {
-            policy: full_name(&key),
-            kind: key.kind.as_str().to_string(),
-            tier: p.tier.clone(),
-            selector: p.selector.canonical().to_string(),
-            types,
-            endpoints,
-            nodes,
-        })
-    }
-}
-
 /// `namespace/name` of a namespaced key, else its name.
-fn full_name(k: &ResourceKey) -> String {
+pub(super) fn full_name(k: &ResourceKey) -> String {
     match &k.namespace {
         Some(ns) => format!("{ns}/{}", k.name),
         None => k.name.clone(),
