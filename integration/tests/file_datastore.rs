@@ -572,3 +572,140 @@ fn a_manifest_that_does_not_parse_is_reported_like_an_invalid_object() {
         serde_json::json!({"held_last_good": [], "without_last_good": []})
     );
 }
+
+/// `calc-server compute` for `node`: the messages, one JSON value per line.
+fn compute_messages(args: &[&str], node: &str) -> Vec<Value> {
+    let out = std::process::Command::new(integration::binary("calc-server"))
+        .arg("compute")
+        .args(args)
+        .args(["--node", node])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "compute {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The `kind` payloads (`activePolicyUpdate`, …) whose id's name starts with `prefix`, by name.
+fn named(msgs: &[Value], kind: &str, prefix: &str) -> std::collections::BTreeMap<String, Value> {
+    msgs.iter()
+        .filter_map(|m| m.get(kind))
+        .filter_map(|p| {
+            let name = p["id"]["name"].as_str()?;
+            name.starts_with(prefix)
+                .then(|| (name.to_string(), p.clone()))
+        })
+        .collect()
+}
+
+/// Kubernetes manifests in a file datastore (issue 39, item 12): `examples/kubernetes` (the
+/// Kubernetes documentation's NetworkPolicies, `v1` Namespaces, and the pods as
+/// WorkloadEndpoints) validates and computes, and each NetworkPolicy and Namespace read from a
+/// file becomes exactly what the Kubernetes datastore makes of the same object: the policies
+/// `knp.default.<name>` with the same rules, the profiles `kns.<namespace>` with the same
+/// labels (checked through the namespaceSelector's IP set), against the fake API server
+/// serving those objects and the pods the WorkloadEndpoints stand for.
+#[test]
+fn kubernetes_manifests_in_files_become_what_the_kubernetes_datastore_makes_of_them() {
+    use integration::fake_kube::{FakeKube, NAMESPACES, NETWORK_POLICIES, PODS};
+    let examples = integration::workspace_root().join("examples/kubernetes");
+    let examples_arg = examples.to_str().unwrap();
+    let out = std::process::Command::new(integration::binary("calc-server"))
+        .args(["validate", examples_arg])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("0 problem(s)"), "{err}");
+    let from_files = compute_messages(&["--file-dir", examples_arg], "node1");
+
+    let fake = FakeKube::start(&[]);
+    for f in std::fs::read_dir(&examples).unwrap() {
+        let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).unwrap();
+        for doc in docs {
+            match doc["kind"].as_str().unwrap() {
+                "Namespace" => fake.apply(NAMESPACES, doc),
+                "NetworkPolicy" => fake.apply(NETWORK_POLICIES, doc),
+                // The pod a WorkloadEndpoint stands for.
+                "WorkloadEndpoint" => {
+                    let (meta, spec) = (&doc["metadata"], &doc["spec"]);
+                    let ports: Vec<Value> = spec["ports"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|p| serde_json::json!({"name": p["name"], "containerPort": p["port"]}))
+                        .collect();
+                    let ip = spec["ipNetworks"][0]
+                        .as_str()
+                        .unwrap()
+                        .trim_end_matches("/32");
+                    fake.apply(
+                        PODS,
+                        serde_json::json!({
+                            "metadata": {"name": spec["pod"], "namespace": meta["namespace"],
+                                         "labels": meta["labels"]},
+                            "spec": {"nodeName": spec["node"],
+                                     "containers": [{"name": "main", "ports": ports}]},
+                            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+                        }),
+                    );
+                }
+                other => panic!("{other} in examples/kubernetes: add it to this test"),
+            }
+        }
+    }
+    let kube = tempfile::tempdir().unwrap();
+    let kubeconfig = fake.kubeconfig(kube.path());
+    let from_kube = compute_messages(
+        &[
+            "--datastore-type",
+            "kubernetes",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+        "node1",
+    );
+
+    let policies = named(&from_files, "activePolicyUpdate", "knp.default.");
+    assert_eq!(
+        policies.keys().collect::<Vec<_>>(),
+        [
+            "knp.default.allow-from-any-namespace",
+            "knp.default.default-deny-ingress",
+            "knp.default.multi-port-egress",
+            "knp.default.named-port",
+            "knp.default.test-network-policy",
+        ]
+    );
+    assert_eq!(
+        policies,
+        named(&from_kube, "activePolicyUpdate", "knp.default.")
+    );
+    assert_eq!(
+        named(&from_files, "activeProfileUpdate", "kns."),
+        named(&from_kube, "activeProfileUpdate", "kns.")
+    );
+    // The namespaceSelector `project == 'myproject'` selects the client through its
+    // namespace's profile labels: the same set, with the same member, both ways.
+    let sets = |msgs: &[Value]| -> Vec<Value> {
+        msgs.iter()
+            .filter_map(|m| m.get("ipsetUpdate").cloned())
+            .collect()
+    };
+    let file_sets = sets(&from_files);
+    assert!(
+        file_sets
+            .iter()
+            .any(|s| s["members"] == serde_json::json!(["10.65.1.5/32"])),
+        "{file_sets:?}"
+    );
+    assert_eq!(file_sets, sets(&from_kube));
+}

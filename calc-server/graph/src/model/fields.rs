@@ -7,7 +7,8 @@
 //! the field meant. It checks names only (shapes and values are the decoder's and the validator's
 //! job) and never fails: a value of the wrong type is not descended into. The top level and
 //! `metadata` are checked for every kind; specs for the kinds described here (the policy kinds,
-//! the network-policy-api kinds, tiers, profiles, endpoints, network sets and IP pools). The
+//! the network-policy-api kinds and Kubernetes' NetworkPolicy, whose rules are checked to the
+//! last field, tiers, profiles, endpoints, network sets, IP pools and Kubernetes' Namespace). The
 //! network-policy-api kinds' decoder ignores fields it does not know (so that a peer of a newer
 //! API fails closed instead of failing the object), so their whole spec is described here.
 //! Kinds the dataplane ignores, and specs not described here (FelixConfiguration, Node, the
@@ -124,15 +125,47 @@ const STAGED_GLOBAL_NETWORK_POLICY: Shape = Shape::Object(&[
     ("namespaceSelector", ANY),
 ]);
 
-/// A Kubernetes NetworkPolicy spec plus `stagedAction`; the rules' insides are Kubernetes'
-/// shapes, checked by the typed decoder.
-const STAGED_KUBERNETES_NETWORK_POLICY: Shape = Shape::Object(&[
-    ("stagedAction", ANY),
-    ("podSelector", ANY),
-    ("ingress", ANY),
-    ("egress", ANY),
+// Kubernetes' NetworkPolicy (`networking.k8s.io/v1`), whose typed decoder ignores fields it
+// does not know: a misspelt `from` would otherwise be a rule that allows every source.
+
+const K8S_IP_BLOCK: Shape = Shape::Object(&[("cidr", ANY), ("except", ANY)]);
+
+const K8S_PEER: Shape = Shape::Object(&[
+    ("podSelector", LABEL_SELECTOR),
+    ("namespaceSelector", LABEL_SELECTOR),
+    ("ipBlock", K8S_IP_BLOCK),
+]);
+
+const K8S_PORT: Shape = Shape::Object(&[("protocol", ANY), ("port", ANY), ("endPort", ANY)]);
+
+const K8S_INGRESS_RULE: Shape = Shape::Object(&[
+    ("from", Shape::List(&K8S_PEER)),
+    ("ports", Shape::List(&K8S_PORT)),
+]);
+
+const K8S_EGRESS_RULE: Shape = Shape::Object(&[
+    ("to", Shape::List(&K8S_PEER)),
+    ("ports", Shape::List(&K8S_PORT)),
+]);
+
+const KUBERNETES_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("podSelector", LABEL_SELECTOR),
+    ("ingress", Shape::List(&K8S_INGRESS_RULE)),
+    ("egress", Shape::List(&K8S_EGRESS_RULE)),
     ("policyTypes", ANY),
 ]);
+
+/// A Kubernetes NetworkPolicy spec plus `stagedAction`.
+const STAGED_KUBERNETES_NETWORK_POLICY: Shape = Shape::Object(&[
+    ("stagedAction", ANY),
+    ("podSelector", LABEL_SELECTOR),
+    ("ingress", Shape::List(&K8S_INGRESS_RULE)),
+    ("egress", Shape::List(&K8S_EGRESS_RULE)),
+    ("policyTypes", ANY),
+]);
+
+/// Kubernetes' Namespace (`v1`): only its metadata matters here.
+const NAMESPACE: Shape = Shape::Object(&[("finalizers", ANY)]);
 
 // The network-policy-api kinds (`policy.networking.k8s.io`), as their CRDs define them.
 
@@ -334,9 +367,14 @@ fn top_level_extra(kind: &str) -> &'static [&'static str] {
     }
 }
 
-/// The spec's shape for a kind, by its name (`None`: not checked).
-fn spec_shape(kind: &str) -> Option<&'static Shape> {
+/// The spec's shape for a kind, by its name and `apiVersion` (`None`: not checked).
+fn spec_shape(kind: &str, api_version: &str) -> Option<&'static Shape> {
+    use super::kubernetes::Native;
     Some(match kind {
+        _ if Native::of(kind, api_version) == Some(Native::NetworkPolicy) => {
+            &KUBERNETES_NETWORK_POLICY
+        }
+        _ if Native::of(kind, api_version) == Some(Native::Namespace) => &NAMESPACE,
         "NetworkPolicy" => &NETWORK_POLICY,
         "GlobalNetworkPolicy" => &GLOBAL_NETWORK_POLICY,
         "StagedNetworkPolicy" => &STAGED_NETWORK_POLICY,
@@ -363,6 +401,10 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
         return out;
     };
     let kind = top.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let api_version = top
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     let extra = top_level_extra(kind);
     let mut path = Vec::new();
     for (name, value) in top {
@@ -373,7 +415,7 @@ pub fn unknown_fields(object: &Value) -> Vec<FieldError> {
             n if extra.contains(&n) => {}
             "metadata" => walk(&METADATA, value, &mut path, &mut out),
             "spec" => {
-                if let Some(shape) = spec_shape(kind) {
+                if let Some(shape) = spec_shape(kind, api_version) {
                     walk(shape, value, &mut path, &mut out);
                 }
             }
@@ -587,6 +629,55 @@ mod tests {
         for o in objects {
             assert_eq!(shown(&unknown_fields(&o)), Vec::<String>::new(), "{o}");
         }
+    }
+
+    /// Kubernetes' NetworkPolicy is checked by its own fields (a misspelt `from` would allow
+    /// every source), as is the staged kind that carries its spec; a Namespace's spec too.
+    #[test]
+    fn kubernetes_network_policy_fields_are_its_own() {
+        let spec = json!({
+            "podSelector": {"matchLabels": {"role": "db"}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": []}},
+                                  {"namespaceSelector": {"matchExpressions": [
+                                      {"key": "a", "operator": "In", "values": ["b"]}]},
+                                   "podSelector": {}}],
+                         "ports": [{"protocol": "TCP", "port": 80, "endPort": 90}]}],
+            "egress": [{"to": [{"podSelector": {}}], "ports": [{"port": "dns"}]}],
+        });
+        let knp = |spec: &Value| {
+            json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                   "metadata": {"name": "p", "namespace": "prod"}, "spec": spec})
+        };
+        assert_eq!(shown(&unknown_fields(&knp(&spec))), Vec::<String>::new());
+        let mut staged = spec.clone();
+        staged["stagedAction"] = "Set".into();
+        let staged = json!({"apiVersion": "projectcalico.org/v3",
+                            "kind": "StagedKubernetesNetworkPolicy",
+                            "metadata": {"name": "p"}, "spec": staged});
+        assert_eq!(shown(&unknown_fields(&staged)), Vec::<String>::new());
+        let typos = json!({
+            "podSelector": {"matchLabel": {"role": "db"}},
+            "ingress": [{"frm": [{"podSelector": {}}], "ports": [{"portt": 80}]}],
+            "egress": [{"to": [{"ipblock": {"cidr": "10.0.0.0/8"}}]}],
+            "policyType": ["Ingress"],
+        });
+        let mut got = shown(&unknown_fields(&knp(&typos)));
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "spec.egress[0].to[0].ipblock: unknown field (did you mean \"ipBlock\"?)",
+                "spec.ingress[0].frm: unknown field (did you mean \"from\"?)",
+                "spec.ingress[0].ports[0].portt: unknown field (did you mean \"port\"?)",
+                "spec.podSelector.matchLabel: unknown field (did you mean \"matchLabels\"?)",
+                "spec.policyType: unknown field (did you mean \"policyTypes\"?)",
+            ]
+        );
+        let ns = json!({"apiVersion": "v1", "kind": "Namespace",
+                        "metadata": {"name": "prod", "labels": {"a": "b"}},
+                        "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}});
+        assert_eq!(shown(&unknown_fields(&ns)), Vec::<String>::new());
     }
 
     #[test]

@@ -4,6 +4,12 @@
 //! Calico policy spec (JSON) that the ordinary decoder and validator then read, plus a warning
 //! for each rule that could not be converted (the rule is dropped; the policy only gets
 //! stricter).
+//!
+//! The whole objects too, once for every datastore ([`Native`]): a NetworkPolicy becomes the
+//! Calico NetworkPolicy `knp.default.<name>` ([`network_policy_object`]) and a Namespace the
+//! Profile `kns.<name>` carrying its labels ([`namespace_profile`]). The Kubernetes datastore
+//! converts what it watches with them; `Resource::from_value` converts the same objects written
+//! as manifests (the file datastore, `validate`, `compute`), so both give the same policy.
 
 use std::collections::BTreeMap;
 
@@ -19,6 +25,92 @@ use super::validate::parse_cidr_or_ip;
 pub const K8S_POLICY_PREFIX: &str = "knp.default.";
 /// The order every converted Kubernetes NetworkPolicy gets.
 pub const K8S_POLICY_ORDER: f64 = 1000.0;
+/// The `apiVersion` of Kubernetes' NetworkPolicy.
+pub const NETWORK_POLICY_API_VERSION: &str = "networking.k8s.io/v1";
+/// The `apiVersion` of Kubernetes' core kinds (Namespace).
+pub const CORE_API_VERSION: &str = "v1";
+/// A namespace's profile is named with this prefix (`kns.<namespace>`).
+pub const NAMESPACE_PROFILE_PREFIX: &str = "kns.";
+/// A namespace's labels reach its endpoints with this prefix (`pcns.<key>`).
+pub const NAMESPACE_LABEL_PREFIX: &str = "pcns.";
+/// The label (after the prefix) carrying a namespace's or service account's own name.
+pub const NAME_LABEL: &str = "projectcalico.org/name";
+
+/// The Kubernetes kinds converted to Calico objects wherever they are read (their own
+/// `apiVersion`, not Calico's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Native {
+    /// `networking.k8s.io/v1` NetworkPolicy → NetworkPolicy `knp.default.<name>`.
+    NetworkPolicy,
+    /// `v1` Namespace → Profile `kns.<name>`.
+    Namespace,
+}
+
+impl Native {
+    /// The native kind an object of `kind` and `api_version` is, if any.
+    pub fn of(kind: &str, api_version: &str) -> Option<Native> {
+        match (kind, api_version) {
+            ("NetworkPolicy", NETWORK_POLICY_API_VERSION) => Some(Native::NetworkPolicy),
+            ("Namespace", CORE_API_VERSION) => Some(Native::Namespace),
+            _ => None,
+        }
+    }
+
+    /// The Calico kind it becomes.
+    pub fn calico_kind(self) -> super::Kind {
+        match self {
+            Native::NetworkPolicy => super::Kind::NetworkPolicy,
+            Native::Namespace => super::Kind::Profile,
+        }
+    }
+
+    /// The Calico name of the object Kubernetes names `name`.
+    pub fn calico_name(self, name: &str) -> String {
+        match self {
+            Native::NetworkPolicy => format!("{K8S_POLICY_PREFIX}{name}"),
+            Native::Namespace => format!("{NAMESPACE_PROFILE_PREFIX}{name}"),
+        }
+    }
+}
+
+/// Calico's `K8sNetworkPolicyToCalico`: the v3 NetworkPolicy `knp.default.<name>` in
+/// `namespace` with the spec [`network_policy_spec`] converts (nothing else of the object's
+/// metadata is kept, as in Calico), and the conversion's warnings.
+pub fn network_policy_object(
+    name: &str,
+    namespace: &str,
+    spec: &NetworkPolicySpec,
+) -> Result<(Value, Vec<String>), String> {
+    let (spec, warnings) = network_policy_spec(spec)?;
+    let value = json!({
+        "kind": "NetworkPolicy",
+        "apiVersion": super::API_VERSION,
+        "metadata": {"name": Native::NetworkPolicy.calico_name(name), "namespace": namespace},
+        "spec": spec,
+    });
+    Ok((value, warnings))
+}
+
+/// Calico's `NamespaceToProfile`: the Profile `kns.<name>` allowing both ways, whose
+/// `labelsToApply` are the namespace's labels prefixed `pcns.`, plus
+/// `pcns.projectcalico.org/name: <name>`.
+pub fn namespace_profile(name: &str, labels: &BTreeMap<String, String>) -> Value {
+    let mut applied: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (format!("{NAMESPACE_LABEL_PREFIX}{k}"), v.clone()))
+        .collect();
+    applied.insert(format!("{NAMESPACE_LABEL_PREFIX}{NAME_LABEL}"), name.into());
+    json!({
+        "kind": "Profile",
+        "apiVersion": super::API_VERSION,
+        "metadata": {"name": Native::Namespace.calico_name(name)},
+        "spec": {
+            "ingress": [{"action": "Allow"}],
+            "egress": [{"action": "Allow"}],
+            "labelsToApply": applied,
+        },
+    })
+}
 
 /// `<cidr>` masked to its network (`10.1.2.3/8` → `10.0.0.0/8`); `None` for a bare IP or junk.
 pub fn masked_cidr(s: &str) -> Option<String> {

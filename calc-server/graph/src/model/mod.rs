@@ -12,7 +12,10 @@
 //! to [`validate`](crate::model::validate), which reports all of them at once. Each kind has
 //! its own `apiVersion` ([`api_version_of`]); a `v1` Service is accepted and skipped like the
 //! Calico kinds the dataplane does not use: Felix reads a Service's members from its
-//! EndpointSlices alone.
+//! EndpointSlices alone. Kubernetes' own NetworkPolicy (`networking.k8s.io/v1`) and Namespace
+//! (`v1`) are converted as Calico's Kubernetes datastore converts them
+//! ([`kubernetes::Native`]): to the NetworkPolicy `knp.default.<name>` and the Profile
+//! `kns.<name>`.
 
 pub mod fields;
 pub mod kubernetes;
@@ -680,6 +683,13 @@ impl Resource {
             Some(serde_json::Value::String(k)) => k.clone(),
             _ => return Err(DecodeError::MissingKind),
         };
+        let api_version = obj
+            .get("apiVersion")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default();
+        if let Some(native) = kubernetes::Native::of(&kind_name, api_version) {
+            return kubernetes_native(native, obj);
+        }
         let expected = api_version_of(&kind_name);
         match obj.get("apiVersion") {
             Some(serde_json::Value::String(v)) if v == expected => {}
@@ -940,6 +950,60 @@ fn staged_kubernetes_policy(spec: serde_json::Value) -> Result<PolicySpec, (Stri
     out.staged_action = staged_action;
     out.conversion_warnings = warnings;
     Ok(out)
+}
+
+/// A Kubernetes NetworkPolicy or Namespace ([`kubernetes::Native`]), converted as Calico's
+/// Kubernetes datastore converts it and decoded as that Calico object: the same key, spec and
+/// defaulting whatever datastore it comes from. A shape error names the converted object.
+fn kubernetes_native(
+    native: kubernetes::Native,
+    mut obj: serde_json::Map<String, serde_json::Value>,
+) -> Result<Decoded, DecodeError> {
+    let kind = native.calico_kind();
+    let meta_value = obj.remove("metadata").unwrap_or(serde_json::Value::Null);
+    let text = |field: &str| {
+        meta_value
+            .get(field)
+            .and_then(serde_json::Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+    };
+    let name = text("name").ok_or(DecodeError::MissingName { kind })?;
+    let namespace = text("namespace").unwrap_or_else(|| "default".into());
+    let key = ResourceKey::new(
+        kind,
+        kind.namespaced().then_some(namespace.as_str()),
+        &native.calico_name(&name),
+    );
+    let field_err = |(path, message): (String, String)| DecodeError::Field {
+        key: key.clone(),
+        path,
+        message,
+    };
+    let meta: ObjectMeta = decode_at("metadata", meta_value).map_err(field_err)?;
+    let spec = match obj.remove("spec") {
+        None | Some(serde_json::Value::Null) => serde_json::Value::Object(Default::default()),
+        Some(spec) => spec,
+    };
+    let (value, warnings) = match native {
+        kubernetes::Native::NetworkPolicy => {
+            let spec: k8s_openapi::api::networking::v1::NetworkPolicySpec =
+                decode_at("spec", spec).map_err(field_err)?;
+            kubernetes::network_policy_object(&name, &namespace, &spec)
+                .map_err(|m| field_err(("spec".into(), m)))?
+        }
+        kubernetes::Native::Namespace => (
+            kubernetes::namespace_profile(&name, &meta.labels),
+            Vec::new(),
+        ),
+    };
+    Ok(match Resource::from_value(value)? {
+        Decoded::Resource(key, Resource::Policy(kind, meta, mut spec)) => {
+            spec.conversion_warnings = warnings;
+            Decoded::Resource(key, Resource::Policy(kind, meta, spec))
+        }
+        other => other,
+    })
 }
 
 fn spec_of(meta: &ObjectMeta) -> serde_json::Value {
@@ -1245,6 +1309,89 @@ mod tests {
             (a.selector.as_str(), &a.ingress, &a.types, &a.staged_action),
             (b.selector.as_str(), &b.ingress, &b.types, &b.staged_action)
         );
+    }
+
+    /// Kubernetes' own NetworkPolicy and Namespace, written as manifests, become what the
+    /// Kubernetes datastore makes of them: the NetworkPolicy `knp.default.<name>` (conversion
+    /// warnings kept) and the Profile `kns.<name>` with the namespace's labels. A malformed
+    /// spec names the converted object, so its last good version is found; the last-good
+    /// store's form (`to_value`) reads back as the same object.
+    #[test]
+    fn kubernetes_network_policies_and_namespaces_are_converted() {
+        let (key, res) = decode(json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "db", "namespace": "prod", "labels": {"a": "b"}},
+            "spec": {
+                "podSelector": {"matchLabels": {"app": "db"}},
+                "ingress": [
+                    {"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}}}],
+                     "ports": [{"port": 5432}]},
+                    {"ports": [{"port": "http", "endPort": 90}]}
+                ]
+            }
+        }));
+        assert_eq!(key.to_string(), "NetworkPolicy prod/knp.default.db");
+        let Resource::Policy(Kind::NetworkPolicy, meta, spec) = &res else {
+            panic!("{res:?}")
+        };
+        assert!(meta.labels.is_empty(), "Calico keeps no labels: {meta:?}");
+        assert_eq!(
+            (spec.tier.as_str(), spec.order, spec.types.clone()),
+            ("default", Some(1000.0), vec!["Ingress".to_string()])
+        );
+        assert_eq!(
+            spec.selector,
+            "projectcalico.org/orchestrator == 'k8s' && app == 'db'"
+        );
+        assert_eq!(spec.ingress.len(), 1, "the bad rule is dropped");
+        assert_eq!(spec.ingress[0].source.namespace_selector, "team == 'web'");
+        assert!(
+            spec.conversion_warnings[0].starts_with("ingress rule 1 dropped"),
+            "{:?}",
+            spec.conversion_warnings
+        );
+        assert!(Valid::check(res.clone()).is_ok());
+        let (again_key, again) = decode(res.to_value());
+        assert_eq!(again_key, key);
+        let (Resource::Policy(_, _, a), Resource::Policy(_, _, b)) = (&res, &again) else {
+            panic!()
+        };
+        assert_eq!(
+            (&a.selector, &a.ingress, &a.types, a.order),
+            (&b.selector, &b.ingress, &b.types, b.order)
+        );
+
+        let (key, res) = decode(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "prod", "labels": {"team": "db"}}
+        }));
+        assert_eq!(key.to_string(), "Profile kns.prod");
+        let Resource::Profile(_, profile) = &res else {
+            panic!("{res:?}")
+        };
+        assert_eq!(
+            serde_json::to_value(&profile.labels_to_apply).unwrap(),
+            json!({"pcns.team": "db", "pcns.projectcalico.org/name": "prod"})
+        );
+
+        // A spec of the wrong shape: the converted object, invalid.
+        let err = Resource::from_value(json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "db"}, "spec": {"ingress": "all"}
+        }))
+        .unwrap_err();
+        assert!(
+            matches!(&err, DecodeError::Field { key, path, .. }
+                if key.to_string() == "NetworkPolicy default/knp.default.db" && path == "spec.ingress"),
+            "{err:?}"
+        );
+        // Another apiVersion is not Kubernetes': Calico's NetworkPolicy is still
+        // projectcalico.org/v3.
+        assert!(matches!(
+            Resource::from_value(json!({"apiVersion": "networking.k8s.io/v1beta1",
+                "kind": "NetworkPolicy", "metadata": {"name": "db"}})),
+            Err(DecodeError::ApiVersion { .. })
+        ));
     }
 
     #[test]

@@ -51,14 +51,15 @@ use crate::Decision;
 
 /// The annotation Calico's client stores a CRD-backed object's v3 metadata in.
 pub const METADATA_ANNOTATION: &str = "projectcalico.org/metadata";
-/// Profile name prefixes and label prefixes of Calico's Kubernetes conversion.
-pub const NAMESPACE_PROFILE_PREFIX: &str = "kns.";
+/// Profile name prefixes and label prefixes of Calico's Kubernetes conversion (the namespace's,
+/// and the label carrying a namespace's or service account's own name, are the graph's: it
+/// converts namespaces and NetworkPolicies written as manifests the same way).
 pub const SERVICE_ACCOUNT_PROFILE_PREFIX: &str = "ksa.";
-pub const NAMESPACE_LABEL_PREFIX: &str = "pcns.";
 pub const SERVICE_ACCOUNT_LABEL_PREFIX: &str = "pcsa.";
-/// Label (after the prefix) carrying a namespace's or service account's own name.
-pub const NAME_LABEL: &str = "projectcalico.org/name";
-pub use calc_graph::model::kubernetes::{K8S_POLICY_ORDER, K8S_POLICY_PREFIX};
+pub use calc_graph::model::kubernetes::{
+    K8S_POLICY_ORDER, K8S_POLICY_PREFIX, NAME_LABEL, NAMESPACE_LABEL_PREFIX,
+    NAMESPACE_PROFILE_PREFIX,
+};
 
 const LABEL_NAMESPACE: &str = "projectcalico.org/namespace";
 const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
@@ -351,28 +352,12 @@ fn source_prefixes(annotations: &BTreeMap<String, String>) -> Result<Vec<String>
         .collect()
 }
 
-/// Calico's `NamespaceToProfile`.
+/// Calico's `NamespaceToProfile` ([`kubernetes::namespace_profile`]).
 fn namespace(ns: &Namespace) -> Result<Converted, String> {
     let name = ns.metadata.name.as_deref().unwrap_or_default();
-    let mut labels: BTreeMap<String, String> = ns
-        .metadata
-        .labels
-        .iter()
-        .flatten()
-        .map(|(k, v)| (format!("{NAMESPACE_LABEL_PREFIX}{k}"), v.clone()))
-        .collect();
-    labels.insert(format!("{NAMESPACE_LABEL_PREFIX}{NAME_LABEL}"), name.into());
+    let labels = ns.metadata.labels.clone().unwrap_or_default();
     Ok(Converted::Value(
-        json!({
-            "kind": "Profile",
-            "apiVersion": API_VERSION,
-            "metadata": {"name": format!("{NAMESPACE_PROFILE_PREFIX}{name}")},
-            "spec": {
-                "ingress": [{"action": "Allow"}],
-                "egress": [{"action": "Allow"}],
-                "labelsToApply": labels,
-            },
-        }),
+        kubernetes::namespace_profile(name, &labels),
         Vec::new(),
     ))
 }
@@ -479,17 +464,12 @@ fn parse_as_number(s: &str) -> Option<u64> {
 }
 
 /// Calico's `K8sNetworkPolicyToCalico`: a NetworkPolicy `knp.default.<name>` in the same
-/// namespace with the spec [`kubernetes::network_policy_spec`] converts.
+/// namespace ([`kubernetes::network_policy_object`], which manifests go through too).
 fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
     let name = np.metadata.name.as_deref().unwrap_or_default();
     let ns = np.metadata.namespace.as_deref().unwrap_or("default");
-    let (spec, warnings) = kubernetes::network_policy_spec(&np.spec.clone().unwrap_or_default())?;
-    let value = json!({
-        "kind": "NetworkPolicy",
-        "apiVersion": API_VERSION,
-        "metadata": {"name": format!("{K8S_POLICY_PREFIX}{name}"), "namespace": ns},
-        "spec": spec,
-    });
+    let (value, warnings) =
+        kubernetes::network_policy_object(name, ns, &np.spec.clone().unwrap_or_default())?;
     Ok(Converted::Value(value, warnings))
 }
 
