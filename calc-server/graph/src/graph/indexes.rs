@@ -1,5 +1,6 @@
-//! The cluster-wide indexes: every accepted endpoint, network set, policy, profile and IP set,
-//! kept in step with the label index.
+//! Keeping the parts in step: installing and removing endpoints, network sets, policies,
+//! profiles and IP sets across the label index ([`super::ids`], [`super::items`],
+//! [`super::policies`], [`super::ipsets`]) and the per-node spans.
 //!
 //! Contract: each `set_*` / `remove_*` leaves the indexes as if the resource had always had its
 //! new version (or never existed), whatever came before. Match events from the label index are
@@ -14,63 +15,19 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::members::MemberId;
+use super::ids::SelectorOwner;
+use super::ipsets::IpSetState;
+use super::items::{EndpointState, NetSetState};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
+use super::policies::{PolicyState, ProfileState};
 use super::sequencer::record_delta;
 use super::spans::bump;
-use super::{CalcGraph, Key, Name, SharedMessage};
+use super::{CalcGraph, Key, Name};
 use crate::convert::{EndpointModel, LABEL_NAMESPACE, PolicyModel};
-use crate::label_index::{ItemClass, ItemId, SelectorId};
+use crate::label_index::{ItemClass, ItemId};
 use crate::model::ObjectMeta;
 use crate::policy_resolver::{PolicyRef, TierMeta, cmp_policies};
 use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
-
-pub(super) struct EndpointState {
-    pub(super) key: Key,
-    /// The converted endpoint without its labels, which the label index holds.
-    pub(super) model: EndpointModel,
-    pub(super) node: Name,
-    pub(super) policies: FxHashSet<Key>,
-    /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
-    pub(super) nets: Vec<Arc<str>>,
-}
-
-pub(super) struct NetSetState {
-    pub(super) nets: Vec<Arc<str>>,
-}
-
-pub(super) struct PolicyState {
-    pub(super) model: PolicyModel,
-    pub(super) sort_string: String,
-    /// Position in the order of every policy ([`CalcGraph::refresh_ranks`]); valid while
-    /// `ranks_stale` is false.
-    pub(super) rank: u32,
-    selector: SelectorId,
-    pub(super) ipsets: Vec<Name>,
-    pub(super) message: Arc<pb::Policy>,
-    /// The ActivePolicyUpdate, built once and shared by every node.
-    pub(super) update: SharedMessage,
-}
-
-pub(super) struct ProfileState {
-    pub(super) message: Arc<pb::Profile>,
-    pub(super) update: SharedMessage,
-    pub(super) ipsets: Vec<Name>,
-}
-
-pub(super) struct IpSetState {
-    pub(super) spec: IpSetSpec,
-    selector: SelectorId,
-    /// Policies and profiles whose rules reference this set.
-    defined_refs: u32,
-    /// Member ids ([`super::members`]) with how many items contribute each.
-    pub(super) members: FxHashMap<MemberId, u32>,
-}
-
-pub(super) enum SelectorOwner {
-    Policy(Key),
-    IpSet(Name),
-}
 
 /// IP-set members an item contributes to a set of the given kind.
 fn members_of(
@@ -101,22 +58,6 @@ fn members_of(
 }
 
 impl CalcGraph {
-    fn alloc_selector(&mut self) -> SelectorId {
-        if let Some(id) = self.free_selectors.pop() {
-            return id;
-        }
-        self.next_selector += 1;
-        self.next_selector
-    }
-
-    fn alloc_item(&mut self) -> ItemId {
-        if let Some(id) = self.free_items.pop() {
-            return id;
-        }
-        self.next_item += 1;
-        self.next_item
-    }
-
     /// Routes the label index's match events to their owners. Events come in runs for one
     /// item (an endpoint's label change), so the endpoint and its node are looked up once per
     /// run, not once per policy.
@@ -129,7 +70,7 @@ impl CalcGraph {
             let mut policy_run: Vec<(Key, bool)> = Vec::new();
             let mut run_item = None;
             for ev in events {
-                match self.selector_owner.get(&ev.selector) {
+                match self.ids.owner(ev.selector) {
                     Some(SelectorOwner::Policy(pkey)) => {
                         let pkey = pkey.clone();
                         if run_item != Some(ev.item) {
@@ -155,7 +96,7 @@ impl CalcGraph {
 
     /// Policies started (`true`) or stopped selecting one endpoint; drains `changes`.
     fn policy_matches_changed(&mut self, item: ItemId, changes: &mut Vec<(Key, bool)>) {
-        let Some(ep) = self.endpoints.get_mut(&item) else {
+        let Some(ep) = self.items.endpoints.get_mut(&item) else {
             changes.clear();
             return;
         };
@@ -180,10 +121,13 @@ impl CalcGraph {
 
     /// An IP set's selector started or stopped matching an endpoint or network set.
     fn ipset_match_changed(&mut self, id: &Name, item: ItemId, matched: bool) {
-        let Some(set) = self.ipsets.get(id) else {
+        let Some(set) = self.ipsets.sets.get(id) else {
             return;
         };
-        let (ep, ns) = (self.endpoints.get(&item), self.netsets.get(&item));
+        let (ep, ns) = (
+            self.items.endpoints.get(&item),
+            self.items.netsets.get(&item),
+        );
         let members: Vec<Arc<str>> = match (&set.spec.kind, ep, ns) {
             // The common case, an address set: the item's CIDRs as they are.
             (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
@@ -196,13 +140,13 @@ impl CalcGraph {
     }
 
     pub(super) fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
-        let Some(set) = self.ipsets.get_mut(id) else {
+        let Some(set) = self.ipsets.sets.get_mut(id) else {
             return;
         };
         let mid = if add {
-            self.members.id(&member)
+            self.ipsets.members.id(&member)
         } else {
-            match self.members.existing(&member) {
+            match self.ipsets.members.existing(&member) {
                 Some(mid) => mid,
                 None => return,
             }
@@ -214,13 +158,13 @@ impl CalcGraph {
             return;
         }
         if add {
-            self.members.hold(mid);
+            self.ipsets.members.hold(mid);
         } else {
-            self.members.release(mid);
+            self.ipsets.members.release(mid);
         }
-        if self.ipset_sent_count.contains_key(id) {
+        if self.ipsets.sent_count.contains_key(id) {
             record_delta(
-                self.ipset_deltas.entry(id.clone()).or_default(),
+                self.ipsets.deltas.entry(id.clone()).or_default(),
                 member,
                 add,
             );
@@ -231,13 +175,11 @@ impl CalcGraph {
         let mut ids = Vec::with_capacity(specs.len());
         for spec in specs {
             let id: Name = Arc::from(spec.id.as_str());
-            if let Some(set) = self.ipsets.get_mut(&id) {
+            if let Some(set) = self.ipsets.sets.get_mut(&id) {
                 set.defined_refs += 1;
             } else {
-                let sel = self.alloc_selector();
-                self.selector_owner
-                    .insert(sel, SelectorOwner::IpSet(id.clone()));
-                self.ipsets.insert(
+                let sel = self.ids.selector(SelectorOwner::IpSet(id.clone()));
+                self.ipsets.sets.insert(
                     id.clone(),
                     IpSetState {
                         spec: spec.clone(),
@@ -263,7 +205,7 @@ impl CalcGraph {
 
     fn undefine_ipsets(&mut self, ids: &[Name]) {
         for id in ids {
-            let Some(set) = self.ipsets.get_mut(id) else {
+            let Some(set) = self.ipsets.sets.get_mut(id) else {
                 continue;
             };
             set.defined_refs -= 1;
@@ -272,11 +214,12 @@ impl CalcGraph {
                 self.service_set_defined(id, false);
                 self.index.remove_selector(sel);
                 self.process_events();
-                self.selector_owner.remove(&sel);
-                self.free_selectors.push(sel);
+                self.ids.free_selector(sel);
                 // The unmatch events above emptied it; whatever is left is released too.
-                if let Some(set) = self.ipsets.remove(id) {
-                    set.members.keys().for_each(|m| self.members.release(*m));
+                if let Some(set) = self.ipsets.sets.remove(id) {
+                    set.members
+                        .keys()
+                        .for_each(|m| self.ipsets.members.release(*m));
                 }
             }
         }
@@ -295,6 +238,7 @@ impl CalcGraph {
         let ipsets = self.define_ipsets(&scanned.ipsets);
         if self
             .policies
+            .by_key
             .get(&key)
             .is_some_and(|old| same_placement(&old.model, &model))
         {
@@ -302,18 +246,16 @@ impl CalcGraph {
             return Ok(());
         }
         self.remove_policy(&key);
-        self.ranks_stale = true;
+        self.policies.ranks_stale = true;
         let message = Arc::new(policy_message(&model, &scanned));
         let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
             policy: Some((*message).clone()),
         })));
-        let sel = self.alloc_selector();
-        self.selector_owner
-            .insert(sel, SelectorOwner::Policy(key.clone()));
+        let sel = self.ids.selector(SelectorOwner::Policy(key.clone()));
         let everywhere = model.assume_needed_on_every_node();
         let selector = model.selector.clone();
-        self.policies.insert(
+        self.policies.by_key.insert(
             key.clone(),
             PolicyState {
                 sort_string: model.id.sort_string(),
@@ -328,7 +270,7 @@ impl CalcGraph {
         if everywhere {
             // Needed on every node, including nodes that appear later: not reference counted
             // per node; flush treats the policy and its IP sets as needed everywhere.
-            self.everywhere.insert(key.clone());
+            self.policies.everywhere.insert(key.clone());
             self.mark_everywhere_dirty(&key, &ipsets);
         }
         self.index.add_selector(sel, selector, true);
@@ -353,12 +295,16 @@ impl CalcGraph {
             id: Some(policy_id_proto(&model.id)),
             policy: Some((*message).clone()),
         })));
-        let state = self.policies.get_mut(key).expect("checked by the caller");
+        let state = self
+            .policies
+            .by_key
+            .get_mut(key)
+            .expect("checked by the caller");
         let old_ipsets = std::mem::replace(&mut state.ipsets, ipsets.clone());
         state.model = model;
         state.message = message;
         state.update = update;
-        if self.everywhere.contains(key) {
+        if self.policies.everywhere.contains(key) {
             let both: Vec<Name> = ipsets.iter().chain(&old_ipsets).cloned().collect();
             self.mark_everywhere_dirty(key, &both);
         } else {
@@ -385,28 +331,29 @@ impl CalcGraph {
     /// so building an endpoint's tier lists sorts integers. Recomputed only after a policy's
     /// placement or a tier changed.
     pub(super) fn refresh_ranks(&mut self) {
-        if !self.ranks_stale {
+        if !self.policies.ranks_stale {
             return;
         }
         let mut order: Vec<(Option<&TierMeta>, PolicyRef<'_>, &Key)> = self
             .policies
+            .by_key
             .iter()
             .map(|(k, p)| {
                 let r = PolicyRef {
                     model: &p.model,
                     sort_string: &p.sort_string,
                 };
-                (self.tier(&p.model.tier), r, k)
+                (self.policies.tier(&p.model.tier), r, k)
             })
             .collect();
         order.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
         let keys: Vec<Key> = order.into_iter().map(|(_, _, k)| k.clone()).collect();
         for (rank, k) in keys.iter().enumerate() {
-            if let Some(p) = self.policies.get_mut(k) {
+            if let Some(p) = self.policies.by_key.get_mut(k) {
                 p.rank = u32::try_from(rank).expect("fewer than 2^32 policies");
             }
         }
-        self.ranks_stale = false;
+        self.policies.ranks_stale = false;
     }
 
     fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {
@@ -417,15 +364,14 @@ impl CalcGraph {
     }
 
     pub(super) fn remove_policy(&mut self, key: &Key) {
-        let Some(sel) = self.policies.get(key).map(|p| p.selector) else {
+        let Some(sel) = self.policies.by_key.get(key).map(|p| p.selector) else {
             return;
         };
         self.index.remove_selector(sel);
         self.process_events();
-        self.selector_owner.remove(&sel);
-        self.free_selectors.push(sel);
-        let state = self.policies.remove(key).expect("checked above");
-        if self.everywhere.remove(key) {
+        self.ids.free_selector(sel);
+        let state = self.policies.by_key.remove(key).expect("checked above");
+        if self.policies.everywhere.remove(key) {
             self.mark_everywhere_dirty(key, &state.ipsets);
         }
         self.undefine_ipsets(&state.ipsets);
@@ -435,11 +381,11 @@ impl CalcGraph {
     /// Marks a policy dirty on every node that runs it or was sent it and, with `endpoints`,
     /// the endpoints it applies to (their tier lists change when its tier is reordered).
     fn touch_policy(&mut self, key: &Key, endpoints: bool) {
-        let sel = self.policies.get(key).map(|p| p.selector);
+        let sel = self.policies.by_key.get(key).map(|p| p.selector);
         for n in self.nodes.values_mut() {
             if n.span.policy_refs.contains_key(key)
                 || n.sub.as_ref().is_some_and(|s| s.policies.contains_key(key))
-                || self.everywhere.contains(key)
+                || self.policies.everywhere.contains(key)
             {
                 n.dirty.policies.insert(key.clone());
             }
@@ -447,7 +393,7 @@ impl CalcGraph {
         if let Some(sel) = sel.filter(|_| endpoints) {
             let items: Vec<ItemId> = self.index.matches(sel).collect();
             for item in items {
-                if let Some(ep) = self.endpoints.get(&item) {
+                if let Some(ep) = self.items.endpoints.get(&item) {
                     let (node, ekey) = (ep.node.clone(), ep.key.clone());
                     self.node_mut(&node).dirty.endpoints.insert(ekey);
                 }
@@ -457,9 +403,10 @@ impl CalcGraph {
 
     /// A tier's order or default action changed: every endpoint with a policy in it is dirty.
     pub(super) fn touch_tier(&mut self, tier: &str) {
-        self.ranks_stale = true;
+        self.policies.ranks_stale = true;
         let keys: Vec<Key> = self
             .policies
+            .by_key
             .iter()
             .filter(|(_, p)| p.model.tier == tier)
             .map(|(k, _)| k.clone())
@@ -490,6 +437,7 @@ impl CalcGraph {
             None => (profile_messages(&name, pb::Profile::default()), Vec::new()),
         };
         let old_ipsets = self
+            .policies
             .profiles
             .get(&name)
             .map(|p| p.ipsets.clone())
@@ -511,7 +459,7 @@ impl CalcGraph {
         match scanned {
             Some(_) => {
                 let (message, update) = messages;
-                self.profiles.insert(
+                self.policies.profiles.insert(
                     name.clone(),
                     ProfileState {
                         message,
@@ -521,7 +469,7 @@ impl CalcGraph {
                 );
             }
             None => {
-                self.profiles.remove(&name);
+                self.policies.profiles.remove(&name);
             }
         }
         self.undefine_ipsets(&old_ipsets);
@@ -541,14 +489,18 @@ impl CalcGraph {
     pub(super) fn set_endpoint(&mut self, key: Key, mut model: EndpointModel) {
         // The labels live in the label index only (interned); the kept model has none.
         let labels = std::mem::take(&mut model.labels);
-        if let Some(item) = self.item_of.get(&key)
-            && self.endpoints.get(item).is_some_and(|e| e.model == model)
+        if let Some(item) = self.items.item_of.get(&key)
+            && self
+                .items
+                .endpoints
+                .get(item)
+                .is_some_and(|e| e.model == model)
             && self.index.has_own_labels(*item, &labels)
         {
             return;
         }
         self.remove_endpoint(&key);
-        let item = self.alloc_item();
+        let item = self.ids.item();
         let node: Name = Arc::from(model.node.as_str());
         let profiles = model.profile_ids.clone();
         {
@@ -559,14 +511,14 @@ impl CalcGraph {
         for p in &profiles {
             self.node_profile_inc(&node, &Arc::from(p.as_str()));
         }
-        self.item_of.insert(key.clone(), item);
+        self.items.item_of.insert(key.clone(), item);
         let nets = model
             .ipv4_nets
             .iter()
             .chain(&model.ipv6_nets)
             .map(|n| Arc::from(n.as_str()))
             .collect();
-        self.endpoints.insert(
+        self.items.endpoints.insert(
             item,
             EndpointState {
                 key,
@@ -582,17 +534,17 @@ impl CalcGraph {
     }
 
     pub(super) fn remove_endpoint(&mut self, key: &Key) {
-        let Some(item) = self.item_of.get(key).copied() else {
+        let Some(item) = self.items.item_of.get(key).copied() else {
             return;
         };
-        if !self.endpoints.contains_key(&item) {
+        if !self.items.endpoints.contains_key(&item) {
             return;
         }
         self.index.remove_item(item);
         self.process_events();
-        self.item_of.remove(key);
-        let ep = self.endpoints.remove(&item).expect("checked above");
-        self.free_items.push(item);
+        self.items.item_of.remove(key);
+        let ep = self.items.endpoints.remove(&item).expect("checked above");
+        self.ids.free_item(item);
         {
             let n = self.node_mut(&ep.node);
             n.span.endpoints.remove(key);
@@ -606,7 +558,7 @@ impl CalcGraph {
 
     pub(super) fn set_netset(&mut self, key: Key, meta: &ObjectMeta, nets: &[String]) {
         self.remove_netset(&key);
-        let item = self.alloc_item();
+        let item = self.ids.item();
         let mut labels = meta.labels.clone();
         let mut parents = Vec::new();
         if let Some(ns) = &key.namespace {
@@ -621,26 +573,26 @@ impl CalcGraph {
             .collect();
         masked.sort();
         masked.dedup();
-        self.item_of.insert(key, item);
+        self.items.item_of.insert(key, item);
         let nets = masked.iter().map(|n| Arc::from(n.as_str())).collect();
-        self.netsets.insert(item, NetSetState { nets });
+        self.items.netsets.insert(item, NetSetState { nets });
         self.index
             .set_item(item, ItemClass::NetworkSet, &labels, &parents);
         self.process_events();
     }
 
     pub(super) fn remove_netset(&mut self, key: &Key) {
-        let Some(item) = self.item_of.get(key).copied() else {
+        let Some(item) = self.items.item_of.get(key).copied() else {
             return;
         };
-        if !self.netsets.contains_key(&item) {
+        if !self.items.netsets.contains_key(&item) {
             return;
         }
         self.index.remove_item(item);
         self.process_events();
-        self.item_of.remove(key);
-        self.netsets.remove(&item);
-        self.free_items.push(item);
+        self.items.item_of.remove(key);
+        self.items.netsets.remove(&item);
+        self.ids.free_item(item);
     }
 }
 
@@ -801,7 +753,7 @@ mod tests {
         assert!(k.contains(&"ActivePolicyRemove".to_string()), "{k:?}");
         // A label dropped is a change too.
         apply(&mut g, pod(json!({"role": "web"})));
-        let item = g.item_of.values().next().copied().unwrap();
+        let item = g.items.item_of.values().next().copied().unwrap();
         let labels = g.index.effective_labels(item).unwrap();
         assert_eq!(labels.get("role").map(String::as_str), Some("web"));
         assert!(
@@ -809,7 +761,7 @@ mod tests {
             "the index holds the new labels: {labels:?}"
         );
         assert!(
-            g.endpoints[&item].model.labels.is_empty(),
+            g.items.endpoints[&item].model.labels.is_empty(),
             "labels are kept once, in the index"
         );
     }
@@ -826,9 +778,12 @@ mod tests {
             g.apply(Update::Delete((*ep).clone())).unwrap();
             g.apply(Update::Delete((*pol).clone())).unwrap();
         }
-        assert_eq!(g.next_item, 1, "one endpoint at a time needs one item id");
         assert_eq!(
-            g.next_selector, 2,
+            g.ids.next_item, 1,
+            "one endpoint at a time needs one item id"
+        );
+        assert_eq!(
+            g.ids.next_selector, 2,
             "a policy and its IP set need two selector ids"
         );
     }
@@ -852,8 +807,8 @@ mod tests {
             flush_for(&mut g, "node-1").is_empty(),
             "web-2 still has the address: the set does not change"
         );
-        let set = g.ipsets.values().next().expect("one IP set");
-        let mid = g.members.existing("10.0.0.9/32").expect("interned");
+        let set = g.ipsets.sets.values().next().expect("one IP set");
+        let mid = g.ipsets.members.existing("10.0.0.9/32").expect("interned");
         assert_eq!(set.members.get(&mid), Some(&1));
     }
 }

@@ -5,7 +5,6 @@
 //! are what Felix's calculation graph would send for the same state (names, ids, config sources),
 //! because the agent and Felix's dataplane code read them the same way.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use felix_proto as pb;
@@ -89,12 +88,12 @@ pub(super) fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {
 
 impl CalcGraph {
     pub(super) fn endpoint_message(&self, key: &ResourceKey) -> Option<Payload> {
-        let item = self.item_of.get(key)?;
-        let ep = self.endpoints.get(item)?;
+        let item = self.items.item_of.get(key)?;
+        let ep = self.items.endpoints.get(item)?;
         let mut ranked: Vec<(u32, PolicyRef<'_>)> = ep
             .policies
             .iter()
-            .filter_map(|k| self.policies.get(k))
+            .filter_map(|k| self.policies.by_key.get(k))
             .map(|p| {
                 let r = PolicyRef {
                     model: &p.model,
@@ -103,8 +102,8 @@ impl CalcGraph {
                 (p.rank, r)
             })
             .collect();
-        let tier = |t: &str| self.tier(t);
-        let tiers = if self.ranks_stale {
+        let tier = |t: &str| self.policies.tier(t);
+        let tiers = if self.policies.ranks_stale {
             policy_resolver::resolve(ranked.into_iter().map(|(_, r)| r).collect(), tier)
         } else {
             ranked.sort_unstable_by_key(|(rank, _)| *rank);
@@ -174,49 +173,12 @@ impl CalcGraph {
             }),
         })
     }
-
-    pub(super) fn config_for(&self, node: &str) -> pb::ConfigUpdate {
-        let global = self
-            .felix_config
-            .get("default")
-            .cloned()
-            .unwrap_or_default();
-        let local = self
-            .felix_config
-            .get(&format!("node.{node}"))
-            .cloned()
-            .unwrap_or_default();
-        let mut config = global.clone();
-        config.extend(local.clone());
-        let mut raw = BTreeMap::new();
-        if !global.is_empty() {
-            raw.insert(
-                1,
-                pb::RawConfig {
-                    source: "DatastoreGlobal".into(),
-                    config: global,
-                },
-            );
-        }
-        if !local.is_empty() {
-            raw.insert(
-                3,
-                pb::RawConfig {
-                    source: "DatastorePerHost".into(),
-                    config: local,
-                },
-            );
-        }
-        pb::ConfigUpdate {
-            config,
-            source_to_raw_config: raw,
-            message: String::new(),
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use serde_json::json;
 
     use super::super::test_util::apply;
@@ -243,7 +205,7 @@ mod tests {
             felix_config("node.node-1", json!({"logSeverityScreen": "Debug"})),
         );
 
-        let c = g.config_for("node-1");
+        let c = g.broadcast.config_for("node-1");
         let want: BTreeMap<String, String> = [
             ("LogSeverityScreen", "Debug"),
             ("RouteRefreshInterval", "90"),
@@ -260,7 +222,7 @@ mod tests {
             .collect();
         assert_eq!(sources, [(1, "DatastoreGlobal"), (3, "DatastorePerHost")]);
 
-        let other = g.config_for("node-2");
+        let other = g.broadcast.config_for("node-2");
         assert_eq!(other.config["LogSeverityScreen"], "Info");
         assert_eq!(
             other.source_to_raw_config.len(),
@@ -279,7 +241,7 @@ mod tests {
                    "spec": {"bgp": {"ipv4Address": "10.0.0.1/24",
                                     "ipv6Address": "fd00::1/64", "asNumber": 64512}}}),
         );
-        let h = &g.host_metadata["node-1"];
+        let h = &g.broadcast.host_metadata["node-1"];
         assert_eq!(h.hostname, "node-1");
         assert_eq!(h.ipv4_addr, "10.0.0.1");
         assert_eq!(h.ipv6_addr, "fd00::1");

@@ -17,37 +17,51 @@
 //! - Membership of every IP set referenced by any policy or profile is tracked cluster-wide; a
 //!   node gets an IP set, policy or profile only while it is needed by one of its endpoints.
 //!
-//! Layout, one job per file: this module takes updates in (validation, conversion, the last good
-//! version of every key); `indexes` keeps the cluster-wide state and the label index in step;
-//! `services` fills the IP sets of rules' `services` matches from EndpointSlices; `spans`
-//! counts, per node, what its endpoints need; `sequencer` turns the resulting dirty marks into
-//! each node's ordered batch; `messages` builds the protobuf payloads.
+//! - Readers outside the graph (explain, and later hit counters, flow logs, a console) use the
+//!   read-only query API, [`GraphView`] ([`CalcGraph::view`]), never the parts themselves.
+//!
+//! Layout: [`CalcGraph`] is a handful of owned parts, each a module with its own contract:
+//! `store` (last good version of every key, in-sync), `ids` (item and selector ids and owners),
+//! `items` (endpoints and network sets), `policies` (policies, profiles, tiers), `ipsets` (IP
+//! sets, interned `members`, pending deltas), `services` (EndpointSlices → service sets),
+//! `broadcast` (config, host metadata, IPAM pools), `spans` (per node: what its endpoints need,
+//! dirty marks, what it was sent). The work that crosses parts is one file per job: this module
+//! takes updates in (validation, conversion); `indexes` keeps the parts and the label index in
+//! step; `spans` counts per node; `sequencer` turns dirty marks into each node's ordered batch;
+//! `messages` builds the protobuf payloads; `view` answers read-only queries.
 
+mod broadcast;
+mod ids;
 mod indexes;
+mod ipsets;
+mod items;
 mod members;
 mod messages;
+mod policies;
 mod sequencer;
 mod services;
 mod spans;
+mod store;
 mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use felix_proto as pb;
-use rustc_hash::FxHashMap;
-
 use crate::convert;
-use crate::label_index::{ItemId, LabelIndex, SelectorId};
+use crate::label_index::LabelIndex;
 use crate::model::{Kind, Resource, ResourceKey, Valid};
 use crate::policy_resolver::TierMeta;
 use crate::rule_scanner;
 
-use indexes::{EndpointState, IpSetState, NetSetState, PolicyState, ProfileState, SelectorOwner};
-use messages::{config_value, felix_param_name, host_metadata};
-use sequencer::{Dirty, Subscription};
+use broadcast::Broadcast;
+use ids::Ids;
+use ipsets::IpSets;
+use items::Items;
+use policies::Policies;
 pub use sequencer::{NodeBatch, SharedMessage};
-use spans::Span;
+use services::Services;
+use spans::Nodes;
+use store::Store;
 pub use view::{EndpointView, GraphView, PolicyView};
 
 /// One input to the graph.
@@ -79,84 +93,30 @@ pub struct Rejection {
     pub reason: String,
 }
 
-/// [`network_policy_api::BUILTIN_TIERS`](crate::model::network_policy_api::BUILTIN_TIERS) as
-/// the resolver reads tiers.
-static BUILTIN_TIERS: std::sync::LazyLock<Vec<(&'static str, TierMeta)>> =
-    std::sync::LazyLock::new(|| {
-        crate::model::network_policy_api::BUILTIN_TIERS
-            .iter()
-            .map(|t| {
-                (
-                    t.name,
-                    TierMeta {
-                        order: Some(t.order),
-                        default_action: t.default_action.to_string(),
-                    },
-                )
-            })
-            .collect()
-    });
-
 type Key = Arc<ResourceKey>;
 type Name = Arc<str>;
 
-/// Everything the graph keeps about one node, kept for every node that has endpoints or
-/// subscribers: what it needs ([`Span`]), what changed since its last flush ([`Dirty`]) and, if
-/// subscribed, what it was sent.
-#[derive(Default)]
-struct NodeState {
-    span: Span,
-    dirty: Dirty,
-    sub: Option<Subscription>,
-}
-
-/// See the module documentation.
+/// See the module documentation. Each field is one part, with its own module and contract.
 #[derive(Default)]
 pub struct CalcGraph {
+    /// Which items each selector matches ([`crate::label_index`]).
     index: LabelIndex,
-    next_item: ItemId,
-    next_selector: SelectorId,
-    /// Ids given back by deleted items and selectors, reused first so ids stay small and never
-    /// run out however many updates a long-running server sees.
-    free_items: Vec<ItemId>,
-    free_selectors: Vec<SelectorId>,
-    /// Last good version of every accepted resource except endpoints (kept converted).
-    resources: FxHashMap<Key, Resource>,
-    item_of: FxHashMap<Key, ItemId>,
-    endpoints: FxHashMap<ItemId, EndpointState>,
-    netsets: FxHashMap<ItemId, NetSetState>,
-    policies: FxHashMap<Key, PolicyState>,
-    /// Policies with the AssumeNeededOnEveryNode hint: active on every node.
-    everywhere: BTreeSet<Key>,
-    profiles: FxHashMap<Name, ProfileState>,
-    tiers: FxHashMap<String, TierMeta>,
-    ipsets: FxHashMap<Name, IpSetState>,
-    /// Every IP-set member string, once ([`members`]).
-    members: members::Members,
-    /// EndpointSlices that name a Service, by key ([`services`]).
-    slices: FxHashMap<Key, services::SliceState>,
-    service_slices: services::ServiceSlices,
-    /// Per Service (`<ns>/<name>`), the ids of its defined IP sets (with and without ports).
-    service_sets: FxHashMap<Name, Vec<Name>>,
-    selector_owner: FxHashMap<SelectorId, SelectorOwner>,
-    /// Net member changes since the last flush, per IP set id: `true` added, `false` removed.
-    /// Only kept for sets some subscribed node holds (`ipset_sent_count`); others are sent whole.
-    ipset_deltas: FxHashMap<Name, FxHashMap<Arc<str>, bool>>,
-    /// How many subscribed nodes hold each IP set.
-    ipset_sent_count: FxHashMap<Name, u32>,
-    nodes: FxHashMap<Name, NodeState>,
-    felix_config: BTreeMap<String, BTreeMap<String, String>>,
-    config_dirty: bool,
-    host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
-    pools: BTreeMap<String, pb::IpamPoolUpdate>,
-    /// IPPool resource name → pool id (CIDR with '-').
-    pool_ids: FxHashMap<String, String>,
-    /// Broadcast state as of the last flush, and the keys changed since.
-    flushed_host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
-    flushed_pools: BTreeMap<String, pb::IpamPoolUpdate>,
-    in_sync: bool,
-    /// Policy ranks need recomputing ([`CalcGraph::refresh_ranks`]).
-    ranks_stale: bool,
+    /// Item and selector ids, and each selector's owner ([`ids`]).
+    ids: Ids,
+    /// Last good version of every key, and whether the datastore is in sync ([`store`]).
+    store: Store,
+    /// Endpoints and network sets by item id ([`items`]).
+    items: Items,
+    /// Policies, profiles and tiers ([`policies`]).
+    policies: Policies,
+    /// IP sets, their members and pending deltas ([`ipsets`]).
+    ipsets: IpSets,
+    /// EndpointSlices feeding the Services' IP sets ([`services`]).
+    services: Services,
+    /// Config, host metadata and IPAM pools, sent to every node ([`broadcast`]).
+    broadcast: Broadcast,
+    /// Per node: its span, dirty marks and what it was sent ([`spans`], [`sequencer`]).
+    nodes: Nodes,
 }
 
 impl CalcGraph {
@@ -171,7 +131,7 @@ impl CalcGraph {
 
     /// Whether the datastore has reported in-sync.
     pub fn in_sync(&self) -> bool {
-        self.in_sync
+        self.store.in_sync
     }
 
     /// Nodes that have at least one endpoint, sorted.
@@ -189,7 +149,7 @@ impl CalcGraph {
     /// Every node the graph knows of: with endpoints, Node resources or subscribers; sorted.
     pub fn known_nodes(&self) -> Vec<String> {
         let mut v: BTreeSet<String> = self.nodes.keys().map(|k| k.to_string()).collect();
-        v.extend(self.host_metadata.keys().cloned());
+        v.extend(self.broadcast.host_metadata.keys().cloned());
         v.into_iter().collect()
     }
 
@@ -197,6 +157,7 @@ impl CalcGraph {
     /// tables: a policy that selects nothing is listed too).
     pub fn policies_and_tiers(&self) -> Vec<(&ResourceKey, &str)> {
         self.policies
+            .by_key
             .iter()
             .map(|(k, p)| (&**k, p.model.tier.as_str()))
             .collect()
@@ -207,11 +168,11 @@ impl CalcGraph {
     pub fn for_each_in_span<'g>(&'g self, mut f: impl FnMut(&'g str, SpanItem<'g>)) {
         for (name, n) in &self.nodes {
             for k in n.span.policy_refs.keys() {
-                if !self.everywhere.contains(k) {
+                if !self.policies.everywhere.contains(k) {
                     f(name, SpanItem::Policy(k));
                 }
             }
-            for k in &self.everywhere {
+            for k in &self.policies.everywhere {
                 f(name, SpanItem::Policy(k));
             }
             for p in n.span.profile_refs.keys() {
@@ -220,21 +181,10 @@ impl CalcGraph {
         }
     }
 
-    /// The tier of that name: its Tier resource, else the built-in tier every Calico
-    /// datastore holds under that name (`model::network_policy_api::BUILTIN_TIERS`), else
-    /// none (sorted last, as Felix sorts a tier it has no data for).
-    fn tier(&self, name: &str) -> Option<&TierMeta> {
-        self.tiers.get(name).or_else(|| {
-            BUILTIN_TIERS
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, t)| t)
-        })
-    }
-
-    fn node_mut(&mut self, node: &str) -> &mut NodeState {
+    fn node_mut(&mut self, node: &str) -> &mut spans::NodeState {
         if !self.nodes.contains_key(node) {
-            self.nodes.insert(Arc::from(node), NodeState::default());
+            self.nodes
+                .insert(Arc::from(node), spans::NodeState::default());
         }
         self.nodes.get_mut(node).expect("just inserted")
     }
@@ -253,7 +203,7 @@ impl CalcGraph {
     pub fn apply(&mut self, update: Update) -> Result<(), Rejection> {
         match update {
             Update::InSync => {
-                self.in_sync = true;
+                self.store.in_sync = true;
                 Ok(())
             }
             Update::Delete(key) => {
@@ -281,7 +231,7 @@ impl CalcGraph {
                 // Endpoints are the bulk of a cluster: their converted form is kept (and compared
                 // for no-op updates) instead of the whole resource.
                 let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
-                if !endpoint && self.resources.get(&key) == Some(&res) {
+                if !endpoint && self.store.resources.get(&key) == Some(&res) {
                     return Ok(());
                 }
                 self.install(key.clone(), &res)
@@ -290,7 +240,7 @@ impl CalcGraph {
                         reason,
                     })?;
                 if !endpoint {
-                    self.resources.insert(key, res);
+                    self.store.resources.insert(key, res);
                 }
                 Ok(())
             }
@@ -299,7 +249,7 @@ impl CalcGraph {
 
     fn delete(&mut self, key: Key) {
         let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
-        if !endpoint && self.resources.remove(&key).is_none() {
+        if !endpoint && self.store.resources.remove(&key).is_none() {
             return;
         }
         match key.kind {
@@ -315,21 +265,12 @@ impl CalcGraph {
             Kind::NetworkSet | Kind::GlobalNetworkSet => self.remove_netset(&key),
             Kind::Profile => self.set_profile(&key.name, None, &BTreeMap::new()),
             Kind::Tier => {
-                self.tiers.remove(&key.name);
+                self.policies.tiers.remove(&key.name);
                 self.touch_tier(&key.name);
             }
-            Kind::IPPool => {
-                if let Some(id) = self.pool_ids.remove(&key.name) {
-                    self.pools.remove(&id);
-                }
-            }
-            Kind::FelixConfiguration => {
-                self.felix_config.remove(&key.name);
-                self.config_dirty = true;
-            }
-            Kind::Node => {
-                self.host_metadata.remove(&key.name);
-            }
+            Kind::IPPool => self.broadcast.remove_pool(&key.name),
+            Kind::FelixConfiguration => self.broadcast.remove_config(&key.name),
+            Kind::Node => self.broadcast.remove_node(&key.name),
             Kind::ClusterInformation => {}
             Kind::EndpointSlice => self.remove_slice(&key),
         }
@@ -354,7 +295,7 @@ impl CalcGraph {
                 self.set_policy(key, model)
             }
             Resource::Tier(_, s) => {
-                self.tiers.insert(
+                self.policies.tiers.insert(
                     key.name.clone(),
                     TierMeta {
                         order: s.order,
@@ -399,42 +340,15 @@ impl CalcGraph {
                 Ok(())
             }
             Resource::IPPool(_, s) => {
-                if let Some(id) = self.pool_ids.remove(&key.name) {
-                    self.pools.remove(&id);
-                }
-                if let Some(net) = crate::model::validate::parse_cidr_or_ip(&s.cidr) {
-                    let cidr = net.to_string();
-                    let id = cidr.replace('/', "-");
-                    self.pools.insert(
-                        id.clone(),
-                        pb::IpamPoolUpdate {
-                            id,
-                            pool: Some(pb::IpamPool {
-                                cidr,
-                                masquerade: s.nat_outgoing,
-                                ipip_mode: s.ipip_mode.clone(),
-                                vxlan_mode: s.vxlan_mode.clone(),
-                                allowed_uses: s.allowed_uses.clone(),
-                            }),
-                        },
-                    );
-                    self.pool_ids
-                        .insert(key.name.clone(), net.to_string().replace('/', "-"));
-                }
+                self.broadcast.set_pool(&key.name, s);
                 Ok(())
             }
             Resource::FelixConfiguration(_, spec) => {
-                let cfg = spec
-                    .iter()
-                    .map(|(k, v)| (felix_param_name(k), config_value(v)))
-                    .collect();
-                self.felix_config.insert(key.name.clone(), cfg);
-                self.config_dirty = true;
+                self.broadcast.set_config(&key.name, spec);
                 Ok(())
             }
             Resource::Node(m, s) => {
-                self.host_metadata
-                    .insert(key.name.clone(), host_metadata(m, s));
+                self.broadcast.set_node(&key.name, m, s);
                 Ok(())
             }
             Resource::ClusterInformation(..) => Ok(()),

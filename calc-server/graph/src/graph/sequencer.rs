@@ -187,14 +187,8 @@ impl CalcGraph {
                 n.dirty.clear();
             }
         }
-        self.ipset_deltas.clear();
-        self.config_dirty = false;
-        if self.flushed_host_metadata != self.host_metadata {
-            self.flushed_host_metadata = self.host_metadata.clone();
-        }
-        if self.flushed_pools != self.pools {
-            self.flushed_pools = self.pools.clone();
-        }
+        self.ipsets.deltas.clear();
+        self.broadcast.flushed();
         let stale: Vec<Name> = self.nodes.keys().cloned().collect();
         for n in stale {
             self.prune_node(&n);
@@ -224,10 +218,10 @@ impl CalcGraph {
 
     fn forget_sent_ipsets(&mut self, sub: &Subscription) {
         for id in &sub.ipsets {
-            if let Some(c) = self.ipset_sent_count.get_mut(id) {
+            if let Some(c) = self.ipsets.sent_count.get_mut(id) {
                 *c -= 1;
                 if *c == 0 {
-                    self.ipset_sent_count.remove(id);
+                    self.ipsets.sent_count.remove(id);
                 }
             }
         }
@@ -243,9 +237,10 @@ impl CalcGraph {
         let mut sent_count_changes: Vec<(Name, bool)> = Vec::new();
         if cache.everywhere_ipsets.is_none() {
             cache.everywhere_ipsets = Some(
-                self.everywhere
+                self.policies
+                    .everywhere
                     .iter()
-                    .filter_map(|k| self.policies.get(k))
+                    .filter_map(|k| self.policies.by_key.get(k))
                     .flat_map(|p| p.ipsets.iter().cloned())
                     .collect(),
             );
@@ -255,8 +250,8 @@ impl CalcGraph {
 
         let mut batch = Batch::default();
         // Config.
-        if fresh || self.config_dirty {
-            let cfg = self.config_for(name);
+        if fresh || self.broadcast.config_dirty {
+            let cfg = self.broadcast.config_for(name);
             if sub.config.as_ref() != Some(&cfg) {
                 sub.config = Some(cfg.clone());
                 batch.config = Some(Arc::new(msg(Payload::ConfigUpdate(cfg))));
@@ -265,7 +260,7 @@ impl CalcGraph {
 
         // IP sets.
         let needed = |id: &Name| {
-            self.ipsets.contains_key(id)
+            self.ipsets.sets.contains_key(id)
                 && (node.span.ipset_refs.contains_key(id) || everywhere_ipsets.contains(id))
         };
         let mut ipset_candidates: BTreeSet<Name> = BTreeSet::new();
@@ -273,7 +268,7 @@ impl CalcGraph {
             ipset_candidates.extend(node.span.ipset_refs.keys().cloned());
         } else {
             ipset_candidates.extend(dirty.ipsets.iter().cloned());
-            for id in self.ipset_deltas.keys() {
+            for id in self.ipsets.deltas.keys() {
                 if sub.ipsets.contains(id) {
                     ipset_candidates.insert(id.clone());
                 }
@@ -310,10 +305,10 @@ impl CalcGraph {
         } else {
             policy_candidates.extend(dirty.policies.iter().cloned());
         }
-        policy_candidates.extend(self.everywhere.iter().cloned());
+        policy_candidates.extend(self.policies.everywhere.iter().cloned());
         for key in policy_candidates {
-            let current = self.policies.get(&key).filter(|_| {
-                node.span.policy_refs.contains_key(&key) || self.everywhere.contains(&key)
+            let current = self.policies.by_key.get(&key).filter(|_| {
+                node.span.policy_refs.contains_key(&key) || self.policies.everywhere.contains(&key)
             });
             match current {
                 Some(p) => {
@@ -348,7 +343,7 @@ impl CalcGraph {
         };
         for name in profile_candidates {
             if node.span.profile_refs.contains_key(&name) {
-                let (message, update) = match self.profiles.get(&name) {
+                let (message, update) = match self.policies.profiles.get(&name) {
                     Some(p) => (p.message.clone(), p.update.clone()),
                     None => cache
                         .missing_profiles
@@ -419,20 +414,20 @@ impl CalcGraph {
         }
 
         batch.broadcast = self.broadcast(cache, fresh);
-        if self.in_sync && !sub.in_sync_sent {
+        if self.store.in_sync && !sub.in_sync_sent {
             sub.in_sync_sent = true;
             batch.in_sync = Some(Arc::new(msg(Payload::InSync(pb::InSync {}))));
         }
         sub.initialized = true;
         cache.everywhere_ipsets = Some(everywhere_ipsets);
         for (id, add) in sent_count_changes {
-            let c = self.ipset_sent_count.entry(id.clone()).or_insert(0);
+            let c = self.ipsets.sent_count.entry(id.clone()).or_insert(0);
             if add {
                 *c += 1;
             } else {
                 *c -= 1;
                 if *c == 0 {
-                    self.ipset_sent_count.remove(&id);
+                    self.ipsets.sent_count.remove(&id);
                 }
             }
         }
@@ -444,11 +439,11 @@ impl CalcGraph {
         if let Some(m) = cache.ipset_full.get(id) {
             return Some(m.clone());
         }
-        let set = self.ipsets.get(id)?;
+        let set = self.ipsets.sets.get(id)?;
         let mut members: Vec<String> = set
             .members
             .keys()
-            .map(|m| self.members.get(*m).to_string())
+            .map(|m| self.ipsets.members.get(*m).to_string())
             .collect();
         members.sort_unstable();
         let m = Arc::new(msg(Payload::IpsetUpdate(pb::IpSetUpdate {
@@ -464,7 +459,7 @@ impl CalcGraph {
         if let Some(m) = cache.ipset_delta.get(id) {
             return m.clone();
         }
-        let m = self.ipset_deltas.get(id).and_then(|d| {
+        let m = self.ipsets.deltas.get(id).and_then(|d| {
             let mut added: Vec<String> = d
                 .iter()
                 .filter(|(_, a)| **a)
@@ -504,8 +499,8 @@ impl CalcGraph {
         let mut out = Vec::new();
         diff_broadcast(
             fresh,
-            &self.flushed_host_metadata,
-            &self.host_metadata,
+            &self.broadcast.flushed_host_metadata,
+            &self.broadcast.host_metadata,
             |u| Payload::HostMetadataUpdate(u.clone()),
             |k, old| {
                 Payload::HostMetadataRemove(pb::HostMetadataRemove {
@@ -517,8 +512,8 @@ impl CalcGraph {
         );
         diff_broadcast(
             fresh,
-            &self.flushed_pools,
-            &self.pools,
+            &self.broadcast.flushed_pools,
+            &self.broadcast.pools,
             |u| Payload::IpamPoolUpdate(u.clone()),
             |k, _| Payload::IpamPoolRemove(pb::IpamPoolRemove { id: k.to_string() }),
             &mut out,

@@ -16,11 +16,22 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{CalcGraph, Key, Name};
 use crate::model::{EndpointSliceSpec, LABEL_SERVICE_NAME, ObjectMeta};
 use crate::rule_scanner::IpSetKind;
+
+/// The EndpointSlices that name a Service, and the Services' defined sets.
+#[derive(Default)]
+pub(super) struct Services {
+    /// EndpointSlices that name a Service, by key.
+    pub(super) slices: FxHashMap<Key, SliceState>,
+    /// Per Service (`<ns>/<name>`), the keys of its EndpointSlices.
+    pub(super) service_slices: FxHashMap<Name, FxHashSet<Key>>,
+    /// Per Service, the ids of its defined IP sets (with and without ports).
+    pub(super) service_sets: FxHashMap<Name, Vec<Name>>,
+}
 
 /// What one EndpointSlice contributes to its Service's sets.
 pub(super) struct SliceState {
@@ -91,35 +102,36 @@ impl CalcGraph {
         }
         self.remove_slice(&key);
         if let Some(new) = new {
-            self.service_slices
+            self.services
+                .service_slices
                 .entry(new.service.clone())
                 .or_default()
                 .insert(key.clone());
-            self.slices.insert(key, new);
+            self.services.slices.insert(key, new);
         }
     }
 
     pub(super) fn remove_slice(&mut self, key: &Key) {
-        let Some(old) = self.slices.remove(key) else {
+        let Some(old) = self.services.slices.remove(key) else {
             return;
         };
         self.slice_contributes(&old, false);
-        if let Some(keys) = self.service_slices.get_mut(&old.service) {
+        if let Some(keys) = self.services.service_slices.get_mut(&old.service) {
             keys.remove(key);
             if keys.is_empty() {
-                self.service_slices.remove(&old.service);
+                self.services.service_slices.remove(&old.service);
             }
         }
     }
 
     /// Adds (`true`) or withdraws a slice's members in every defined set of its Service.
     fn slice_contributes(&mut self, slice: &SliceState, add: bool) {
-        let Some(ids) = self.service_sets.get(&slice.service).cloned() else {
+        let Some(ids) = self.services.service_sets.get(&slice.service).cloned() else {
             return;
         };
         for id in ids {
             let Some(IpSetKind::Service { include_ports, .. }) =
-                self.ipsets.get(&id).map(|s| &s.spec.kind)
+                self.ipsets.sets.get(&id).map(|s| &s.spec.kind)
             else {
                 continue;
             };
@@ -135,38 +147,37 @@ impl CalcGraph {
         let Some(IpSetKind::Service {
             service,
             include_ports,
-        }) = self.ipsets.get(id).map(|s| s.spec.kind.clone())
+        }) = self.ipsets.sets.get(id).map(|s| s.spec.kind.clone())
         else {
             return;
         };
         let service: Name = Arc::from(service.as_str());
         if defined {
-            self.service_sets
+            self.services
+                .service_sets
                 .entry(service.clone())
                 .or_default()
                 .push(id.clone());
-        } else if let Some(ids) = self.service_sets.get_mut(&service) {
+        } else if let Some(ids) = self.services.service_sets.get_mut(&service) {
             ids.retain(|i| i != id);
             if ids.is_empty() {
-                self.service_sets.remove(&service);
+                self.services.service_sets.remove(&service);
             }
         }
         let keys: Vec<Key> = self
+            .services
             .service_slices
             .get(&service)
             .map(|k| k.iter().cloned().collect())
             .unwrap_or_default();
         for k in keys {
-            let members = self.slices[&k].members(include_ports).to_vec();
+            let members = self.services.slices[&k].members(include_ports).to_vec();
             for m in members {
                 self.member_change(id, m, defined);
             }
         }
     }
 }
-
-/// Per Service, the keys of its EndpointSlices.
-pub(super) type ServiceSlices = rustc_hash::FxHashMap<Name, FxHashSet<Key>>;
 
 #[cfg(test)]
 mod tests {
@@ -555,7 +566,10 @@ mod tests {
             kinds(&flush_for(&mut g, "node-1")).contains(&"IpsetRemove".to_string()),
             "the set goes with its last user"
         );
-        assert!(g.members.existing("10.0.0.5,tcp:80").is_none(), "released");
+        assert!(
+            g.ipsets.members.existing("10.0.0.5,tcp:80").is_none(),
+            "released"
+        );
         apply(
             &mut g,
             service_policy("to-web", "egress", json!({"name": "web"})),

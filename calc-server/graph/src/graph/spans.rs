@@ -10,7 +10,20 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::sequencer::{Dirty, Subscription};
 use super::{CalcGraph, Key, Name};
+
+/// Every node the graph keeps: those with endpoints, a subscriber or a policy reference.
+pub(super) type Nodes = FxHashMap<Name, NodeState>;
+
+/// Everything the graph keeps about one node: what it needs ([`Span`]), what changed since its
+/// last flush ([`Dirty`]) and, if subscribed, what it was sent ([`Subscription`]).
+#[derive(Default)]
+pub(super) struct NodeState {
+    pub(super) span: Span,
+    pub(super) dirty: Dirty,
+    pub(super) sub: Option<Subscription>,
+}
 
 /// What one node needs: its endpoints and, per policy, profile and IP set, how many of the
 /// things above it on this node need it.
@@ -72,11 +85,12 @@ impl CalcGraph {
             return;
         }
         n.dirty.policies.insert(pkey.clone());
-        if self.everywhere.contains(pkey) {
+        if self.policies.everywhere.contains(pkey) {
             return;
         }
         let ipsets = self
             .policies
+            .by_key
             .get(pkey)
             .map(|p| p.ipsets.clone())
             .unwrap_or_default();
@@ -101,6 +115,7 @@ impl CalcGraph {
         }
         n.dirty.profiles.insert(name.clone());
         let ipsets = self
+            .policies
             .profiles
             .get(name)
             .map(|p| p.ipsets.clone())

@@ -13,7 +13,8 @@ use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
 use super::CalcGraph;
-use super::indexes::{EndpointState, PolicyState};
+use super::items::EndpointState;
+use super::policies::PolicyState;
 use crate::convert::{EndpointModel, PolicyModel};
 use crate::label_index::ItemId;
 use crate::model::{Kind, ResourceKey};
@@ -51,17 +52,20 @@ impl<'g> GraphView<'g> {
     /// Every endpoint, in no particular order.
     pub fn endpoints(self) -> impl Iterator<Item = EndpointView<'g>> + 'g {
         let g = self.g;
-        g.endpoints.iter().map(move |(item, state)| EndpointView {
-            g,
-            item: *item,
-            state,
-        })
+        g.items
+            .endpoints
+            .iter()
+            .map(move |(item, state)| EndpointView {
+                g,
+                item: *item,
+                state,
+            })
     }
 
     /// The endpoint of that key (a WorkloadEndpoint or HostEndpoint key).
     pub fn endpoint(self, key: &ResourceKey) -> Option<EndpointView<'g>> {
-        let item = *self.g.item_of.get(key)?;
-        let state = self.g.endpoints.get(&item)?;
+        let item = *self.g.items.item_of.get(key)?;
+        let state = self.g.items.endpoints.get(&item)?;
         Some(EndpointView {
             g: self.g,
             item,
@@ -81,29 +85,31 @@ impl<'g> GraphView<'g> {
     /// Every network set (global or namespaced) with its CIDRs, masked and sorted.
     pub fn network_sets(self) -> impl Iterator<Item = (&'g ResourceKey, &'g [Arc<str>])> + 'g {
         let g = self.g;
-        g.item_of
+        g.items
+            .item_of
             .iter()
             .filter(|(k, _)| matches!(k.kind, Kind::NetworkSet | Kind::GlobalNetworkSet))
-            .filter_map(move |(k, item)| g.netsets.get(item).map(|ns| (&**k, &ns.nets[..])))
+            .filter_map(move |(k, item)| g.items.netsets.get(item).map(|ns| (&**k, &ns.nets[..])))
     }
 
     /// Every policy (staged ones included), in no particular order.
     pub fn policies(self) -> impl Iterator<Item = PolicyView<'g>> + 'g {
         self.g
             .policies
+            .by_key
             .iter()
             .map(|(k, state)| PolicyView { key: k, state })
     }
 
     pub fn policy(self, key: &ResourceKey) -> Option<PolicyView<'g>> {
-        let (k, state) = self.g.policies.get_key_value(key)?;
+        let (k, state) = self.g.policies.by_key.get_key_value(key)?;
         Some(PolicyView { key: k, state })
     }
 
     /// The nodes where a policy is active, sorted: those with an endpoint it selects, or every
     /// known node for a policy hinted `AssumeNeededOnEveryNode`.
     pub fn policy_nodes(self, key: &ResourceKey) -> Vec<String> {
-        let mut nodes: Vec<String> = if self.g.everywhere.contains(key) {
+        let mut nodes: Vec<String> = if self.g.policies.everywhere.contains(key) {
             self.g.known_nodes()
         } else {
             self.g
@@ -120,25 +126,26 @@ impl<'g> GraphView<'g> {
     /// A profile's rules as the nodes are sent them; `None` when no Profile of that name
     /// exists (nodes are then sent [`crate::rule_scanner::missing_profile_rules`]).
     pub fn profile(self, name: &str) -> Option<&'g Arc<pb::Profile>> {
-        self.g.profiles.get(name).map(|p| &p.message)
+        self.g.policies.profiles.get(name).map(|p| &p.message)
     }
 
-    /// The tier of that name as the resolver orders it (see [`CalcGraph::tier`]).
+    /// The tier of that name as the resolver orders it: its Tier resource, else the built-in
+    /// tier of that name, else none.
     pub fn tier(self, name: &str) -> Option<&'g TierMeta> {
-        self.g.tier(name)
+        self.g.policies.tier(name)
     }
 
     /// The members of an IP set (addresses, CIDRs or `addr,proto:port`), or `None` when no
     /// policy or profile defines it.
     pub fn ipset_members(self, id: &str) -> Option<impl Iterator<Item = &'g str> + 'g> {
         let g = self.g;
-        let set = g.ipsets.get(id)?;
-        Some(set.members.keys().map(move |m| &**g.members.get(*m)))
+        let set = g.ipsets.sets.get(id)?;
+        Some(set.members.keys().map(move |m| &**g.ipsets.members.get(*m)))
     }
 
     /// The configuration `node` is sent.
     pub fn config(self, node: &str) -> pb::ConfigUpdate {
-        self.g.config_for(node)
+        self.g.broadcast.config_for(node)
     }
 
     /// Every node the graph knows of, sorted (see [`CalcGraph::known_nodes`]).

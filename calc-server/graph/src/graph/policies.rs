@@ -1,0 +1,83 @@
+//! The policy tables: every policy (with its place in the cluster-wide order), profile and
+//! tier, as converted and scanned once for all nodes.
+//!
+//! Contract: `by_key` holds the last good version of every policy (staged ones included) with
+//! its proto message and ActivePolicyUpdate built once and shared by every node that needs
+//! it; `everywhere` the policies hinted `AssumeNeededOnEveryNode`; `profiles` every Profile
+//! that exists (a profile an endpoint lists and nobody defines is sent deny-both-ways by the
+//! sequencer). Each policy's `rank` is its position in the order endpoints list policies, valid
+//! while `ranks_stale` is false (see [`super::CalcGraph::refresh_ranks`]). Tiers are looked up
+//! in one place, [`Policies::tier`].
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use felix_proto as pb;
+use rustc_hash::FxHashMap;
+
+use super::{Key, Name, SharedMessage};
+use crate::convert::PolicyModel;
+use crate::label_index::SelectorId;
+use crate::policy_resolver::TierMeta;
+
+/// [`network_policy_api::BUILTIN_TIERS`](crate::model::network_policy_api::BUILTIN_TIERS) as
+/// the resolver reads tiers.
+static BUILTIN_TIERS: std::sync::LazyLock<Vec<(&'static str, TierMeta)>> =
+    std::sync::LazyLock::new(|| {
+        crate::model::network_policy_api::BUILTIN_TIERS
+            .iter()
+            .map(|t| {
+                (
+                    t.name,
+                    TierMeta {
+                        order: Some(t.order),
+                        default_action: t.default_action.to_string(),
+                    },
+                )
+            })
+            .collect()
+    });
+
+#[derive(Default)]
+pub(super) struct Policies {
+    pub(super) by_key: FxHashMap<Key, PolicyState>,
+    /// Policies with the AssumeNeededOnEveryNode hint: active on every node.
+    pub(super) everywhere: BTreeSet<Key>,
+    pub(super) profiles: FxHashMap<Name, ProfileState>,
+    pub(super) tiers: FxHashMap<String, TierMeta>,
+    /// Policy ranks need recomputing ([`super::CalcGraph::refresh_ranks`]).
+    pub(super) ranks_stale: bool,
+}
+
+pub(super) struct PolicyState {
+    pub(super) model: PolicyModel,
+    pub(super) sort_string: String,
+    /// Position in the order of every policy ([`super::CalcGraph::refresh_ranks`]); valid
+    /// while `ranks_stale` is false.
+    pub(super) rank: u32,
+    pub(super) selector: SelectorId,
+    pub(super) ipsets: Vec<Name>,
+    pub(super) message: Arc<pb::Policy>,
+    /// The ActivePolicyUpdate, built once and shared by every node.
+    pub(super) update: SharedMessage,
+}
+
+pub(super) struct ProfileState {
+    pub(super) message: Arc<pb::Profile>,
+    pub(super) update: SharedMessage,
+    pub(super) ipsets: Vec<Name>,
+}
+
+impl Policies {
+    /// The tier of that name: its Tier resource, else the built-in tier every Calico
+    /// datastore holds under that name (`model::network_policy_api::BUILTIN_TIERS`), else
+    /// none (sorted last, as Felix sorts a tier it has no data for).
+    pub(super) fn tier(&self, name: &str) -> Option<&TierMeta> {
+        self.tiers.get(name).or_else(|| {
+            BUILTIN_TIERS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t)
+        })
+    }
+}
