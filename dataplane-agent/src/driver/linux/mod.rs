@@ -13,10 +13,12 @@
 //! 4. [`endpoint_mgr`]: changed endpoints into their chains, then the dispatch chains;
 //! 5. [`ipsets_mgr`]: IP sets created and updated (rules using a set the kernel refused are
 //!    rendered again, failing closed);
-//! 6. the [`tables`]: read back where needed, one `iptables-restore` per changed table (IP sets
-//!    changing type move their rules to a copy first);
+//! 6. the kernel writer chosen at start (`writer::KernelWriter`: iptables and ipsets, or
+//!    nftables) writes the desired chains and sets (iptables: one `iptables-restore` per
+//!    changed table, IP sets changing type move their rules to a copy first; nftables: one
+//!    transaction);
 //! 7. [`routes_mgr`]: routes, neighbours and interface sysctls;
-//! 8. [`ipsets_mgr`]: unused IP sets destroyed.
+//! 8. the writer finishes: unused IP sets destroyed, and once the other writer's state removed.
 //!
 //! Every table and the sets keep a view of the kernel and write only differences;
 //! `request_refresh` drops those views so the next apply reads the kernel back and repairs
@@ -44,13 +46,13 @@ pub mod runner;
 pub mod sysctl;
 pub mod tables;
 pub mod validate;
+mod writer;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use felix_proto::WorkloadEndpoint;
-use tracing::info;
 
 use self::config_mgr::ConfigManager;
 use self::endpoint_mgr::EndpointManager;
@@ -69,6 +71,7 @@ use self::rules::{IpVersion, ipset_name};
 use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
 use self::tables::Tables;
+use self::writer::{IptablesWriter, KernelWriter, NftWriter};
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
 use crate::message::Message;
 
@@ -133,7 +136,8 @@ pub struct Programmed {
 /// Programs iptables, ipsets and routes through its managers.
 pub struct LinuxDriver {
     runner: Box<dyn CommandRunner>,
-    backend: Option<Backend>,
+    /// Writes the desired state to the kernel: iptables and ipsets, or nftables; chosen once.
+    writer: Box<dyn KernelWriter>,
     /// Whether iptables and the kernel take `MASQUERADE --random-fully`; `None` until it is
     /// detected, with the backend, at the first apply.
     random_fully_supported: Option<bool>,
@@ -149,13 +153,6 @@ pub struct LinuxDriver {
     routes: RouteManager,
     /// The last apply failed (endpoints changed since then report "error").
     apply_failed: bool,
-    /// The nftables writer, when the driver programs nftables instead of iptables.
-    nft: Option<nft::NftTables>,
-    /// What the last nftables apply wrote.
-    nft_stats: nft::NftStats,
-    /// The other dataplane's state of ours (iptables and ipsets under nftables, the `calico`
-    /// tables under iptables) is still to be removed, after our first complete apply.
-    sweep_other: bool,
 }
 
 impl LinuxDriver {
@@ -186,14 +183,15 @@ impl LinuxDriver {
         } else {
             vec![IpVersion::V4]
         };
-        let backend = match opts.backend {
-            Backend::Auto => None,
-            b => Some(b),
+        // The one place the writer is chosen.
+        let writer: Box<dyn KernelWriter> = if opts.nftables {
+            Box::new(NftWriter::new(&versions, opts.backend))
+        } else {
+            Box::new(IptablesWriter::new(opts.backend))
         };
-        let nft = opts.nftables.then(|| nft::NftTables::new(&versions));
         Self {
             runner,
-            backend,
+            writer,
             random_fully_supported: None,
             tables: Tables::new(&versions, opts.lock_wait_secs),
             refusals: Refusals::default(),
@@ -209,9 +207,6 @@ impl LinuxDriver {
                 versions,
             ),
             ifaces,
-            nft,
-            nft_stats: nft::NftStats::default(),
-            sweep_other: true,
             config: ConfigManager::new(opts),
             apply_failed: false,
         }
@@ -219,18 +214,14 @@ impl LinuxDriver {
 
     /// What the last apply of the nftables driver wrote (zero for the iptables driver).
     pub fn nft_stats(&self) -> nft::NftStats {
-        self.nft_stats
+        self.writer.nft_stats()
     }
 
     /// What is programmed (desired state after the last apply).
     pub fn programmed(&self) -> Programmed {
         let (ipsets, ipset_members) = self.ipsets.counts();
         Programmed {
-            // nftables splits multi-port rules: count what the kernel holds.
-            rules: self
-                .nft
-                .as_ref()
-                .map_or_else(|| self.tables.rule_count(), nft::NftTables::rule_count),
+            rules: self.writer.rule_count(&self.tables),
             ipsets,
             ipset_members,
             routes: self.routes.count(),
@@ -263,33 +254,12 @@ impl LinuxDriver {
         if changes.render {
             self.policy.dirty_all();
         }
-        if self.random_fully_supported.is_none() && self.nft.is_some() {
-            // nft's `masquerade fully-random` needs no iptables; the kernel is the limit.
-            let supported =
-                iptables::kernel_supports_fully_random(self.routes.kernel_release().as_deref());
-            info!(
-                masquerade_random_fully = supported,
-                "nftables dataplane; features detected"
-            );
-            self.random_fully_supported = Some(supported);
-        }
         if self.random_fully_supported.is_none() {
-            let b = match self.backend {
-                Some(b) => b,
-                None => iptables::detect_backend(self.runner.as_mut()),
-            };
-            let supported = iptables::supports_masquerade_fully_random(
-                self.runner.as_mut(),
-                b,
-                self.routes.kernel_release().as_deref(),
+            let release = self.routes.kernel_release();
+            self.random_fully_supported = Some(
+                self.writer
+                    .detect_fully_random(self.runner.as_mut(), release.as_deref()),
             );
-            info!(
-                backend = b.name(),
-                masquerade_random_fully = supported,
-                "iptables backend and features detected"
-            );
-            self.backend = Some(b);
-            self.random_fully_supported = Some(supported);
         }
         if self.masq.apply(&mut self.ipsets) {
             self.config.mark_statics_dirty();
@@ -304,162 +274,29 @@ impl LinuxDriver {
         self.policy
             .apply(&mut self.tables, &opts.render, &self.ipsets);
         self.endpoints.apply(&mut self.tables, opts);
-        if self.nft.is_some() {
-            return self.program_nftables();
-        }
-        let backend = self.backend.expect("resolved above");
-
-        // Sets the kernel refused (or took back): the rules using them fail closed (or open
-        // up again) in this same apply.
-        let changed = self
-            .ipsets
-            .apply_updates(self.runner.as_mut())
-            .map_err(|source| DriverError::IpSets {
-                stage: "programmed",
-                source,
-            })?;
-        if !changed.is_empty() {
-            self.policy.dirty_users_of_sets(|id| {
-                IpVersion::BOTH
-                    .iter()
-                    .any(|v| changed.contains(&ipset_name(*v, id)))
-            });
-            self.policy
-                .apply(&mut self.tables, &self.config.opts().render, &self.ipsets);
-        }
-        self.tables
-            .read_back(self.runner.as_mut(), backend)
-            .map_err(DriverError::Tables)?;
-        // IP sets that changed type: the rules move to the copy built beside the old set, the
-        // set is recreated under its name, and the rules move back.
-        let migrations = self.ipsets.migrations().to_vec();
-        for m in &migrations {
-            self.tables.rename_set(m.version, &m.name, &m.temp);
-        }
-        let mut result = self.tables.apply(self.runner.as_mut(), backend);
-        if !migrations.is_empty() {
-            if result.is_ok() {
-                match self.ipsets.finish_migrations(self.runner.as_mut()) {
-                    Ok(()) => info!(
-                        sets = migrations.len(),
-                        "IP sets recreated with their new type"
-                    ),
-                    Err(error) => {
-                        tracing::warn!(%error, "IP sets could not be recreated with their new type; will retry")
-                    }
-                }
-            } else {
-                self.ipsets.abandon_migrations();
-            }
-            for m in &migrations {
-                self.tables.rename_set(m.version, &m.temp, &m.name);
-            }
-            if result.is_ok() {
-                result = self.tables.apply(self.runner.as_mut(), backend);
-            }
-        }
-        self.refusals.kernel = BTreeMap::new();
-        for t in self.tables.iter() {
-            for (chain, owner, error) in t.refused() {
-                let what = owner.map_or_else(|| format!("chain {chain}"), str::to_owned);
-                self.refusals
-                    .kernel
-                    .entry(what)
-                    .or_insert_with(|| format!("the kernel refused chain {chain}: {error}"));
-            }
-        }
-        for (name, id, error) in self.ipsets.kernel_refused() {
-            self.refusals.kernel.insert(
-                format!("ipset {id:?}"),
-                format!("the kernel refused IP set {name}: {error}"),
-            );
-        }
-        result.map_err(DriverError::Tables)?;
+        let (policy, config) = (&mut self.policy, &self.config);
+        let mut rerender =
+            |changed: &BTreeSet<String>, tables: &mut Tables, ipsets: &IpSetsManager| {
+                policy.dirty_users_of_sets(|id| {
+                    IpVersion::BOTH
+                        .iter()
+                        .any(|v| changed.contains(&ipset_name(*v, id)))
+                });
+                policy.apply(tables, &config.opts().render, ipsets);
+            };
+        self.writer.write(
+            self.runner.as_mut(),
+            &mut self.tables,
+            &mut self.ipsets,
+            &mut rerender,
+            &mut self.refusals.kernel,
+        )?;
         self.routes
             .apply(self.endpoints.workloads(), self.config.opts())
             .map_err(DriverError::Routes)?;
-        self.ipsets
-            .apply_deletions(self.runner.as_mut())
-            .map_err(|source| DriverError::IpSets {
-                stage: "destroyed",
-                source,
-            })?;
-        if self.sweep_other {
-            // Our nftables tables, from a time this node ran `--driver nftables`: removed only
-            // now that iptables enforces everything, so there is no moment without policy.
-            match nft::remove_tables(self.runner.as_mut()) {
-                Ok(n) => {
-                    if n > 0 {
-                        info!(tables = n, "nftables state of the nftables driver removed");
-                    }
-                    self.sweep_other = false;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "could not remove the nftables driver's tables; will retry")
-                }
-            }
-        }
-        Ok(())
+        self.writer
+            .finish(self.runner.as_mut(), &self.tables, &mut self.ipsets)
     }
-
-    /// The nftables half of [`LinuxDriver::program`]: one transaction for every chain and set,
-    /// then routes; then, once, the iptables driver's state goes.
-    fn program_nftables(&mut self) -> Result<(), DriverError> {
-        let nft = self.nft.as_mut().expect("nftables mode");
-        let stats = nft
-            .apply(
-                self.runner.as_mut(),
-                &mut self.tables,
-                self.ipsets.sets_mut(),
-            )
-            .map_err(DriverError::Nftables)?;
-        if stats != Default::default() {
-            // The one log of what each apply wrote (and whether it read the kernel back).
-            tracing::debug!(?stats, "nftables transaction applied");
-        }
-        self.nft_stats = stats;
-        self.refusals.kernel = BTreeMap::new();
-        self.routes
-            .apply(self.endpoints.workloads(), self.config.opts())
-            .map_err(DriverError::Routes)?;
-        if self.sweep_other {
-            match sweep_iptables(self.runner.as_mut(), self.tables.versions(), self.backend) {
-                Ok(()) => self.sweep_other = false,
-                Err(error) => tracing::warn!(
-                    error = %error,
-                    "could not remove the iptables driver's rules and IP sets; will retry"
-                ),
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Removes the iptables driver's state (our chains, our rules in the kernel's chains, our IP
-/// sets; recognised by name and rule comment as that driver does) by programming empty tables
-/// and sets. Used by the nftables driver once its own rules are in place. A machine without
-/// iptables or ipset has nothing to remove.
-fn sweep_iptables(
-    runner: &mut dyn CommandRunner,
-    versions: &[IpVersion],
-    backend: Option<Backend>,
-) -> anyhow::Result<()> {
-    let installed = |runner: &mut dyn CommandRunner, tool: &str| !matches!(runner.run(tool, &["--version"], None), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
-    if installed(runner, "iptables-save") || installed(runner, "iptables-legacy-save") {
-        let backend = backend.unwrap_or_else(|| iptables::detect_backend(runner));
-        let mut tables = Tables::new(versions, 10);
-        tables.read_back(runner, backend)?;
-        tables.apply(runner, backend)?;
-    }
-    if installed(runner, "ipset") {
-        let mut sets = ipsets::IpSets::new(versions.to_vec());
-        sets.apply_updates(runner)?;
-        let n = sets.apply_deletions(runner)?;
-        if n > 0 {
-            info!(sets = n, "IP sets of the iptables driver destroyed");
-        }
-    }
-    Ok(())
 }
 
 impl Driver for LinuxDriver {
@@ -509,41 +346,14 @@ impl Driver for LinuxDriver {
         self.policy.collect(&mut c);
         self.endpoints.collect(&mut c);
         let mut objects = c.finish();
-        if self.nft.is_some() {
-            // nftables holds each chain under its table's prefix (`filter-cali-pi-…`), in
-            // every table the chain is placed in.
-            let v = self.tables.versions()[0];
-            let nft_names = |chains: &mut Vec<String>| {
-                let mut named: Vec<String> = chains
-                    .iter()
-                    .flat_map(|c| {
-                        let mut in_tables: Vec<String> = tables::TABLE_NAMES
-                            .iter()
-                            .filter(|t| self.tables.get(v, t).is_some_and(|t| t.has_chain(c)))
-                            .map(|t| nft::render::chain_name(t, c))
-                            .collect();
-                        if in_tables.is_empty() {
-                            in_tables.push(nft::render::chain_name("filter", c));
-                        }
-                        in_tables
-                    })
-                    .collect();
-                named.sort();
-                named.dedup();
-                *chains = named;
-            };
-            objects
-                .policies
-                .iter_mut()
-                .for_each(|p| nft_names(&mut p.chains));
-            objects
-                .profiles
-                .iter_mut()
-                .for_each(|p| nft_names(&mut p.chains));
-            objects
-                .endpoints
-                .iter_mut()
-                .for_each(|e| nft_names(&mut e.chains));
+        for chains in objects
+            .policies
+            .iter_mut()
+            .map(|p| &mut p.chains)
+            .chain(objects.profiles.iter_mut().map(|p| &mut p.chains))
+            .chain(objects.endpoints.iter_mut().map(|e| &mut e.chains))
+        {
+            self.writer.kernel_chain_names(&self.tables, chains);
         }
         Some(objects)
     }
@@ -564,9 +374,7 @@ impl Driver for LinuxDriver {
     }
 
     fn request_refresh(&mut self) {
-        if let Some(nft) = &mut self.nft {
-            nft.invalidate();
-        }
+        self.writer.invalidate();
         self.tables.invalidate();
         self.ipsets.invalidate();
         // Routes, and interface settings and neighbours too.
