@@ -20,13 +20,10 @@ use super::ipsets::IpSetState;
 use super::items::{EndpointState, NetSetState};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::policies::{PolicyState, ProfileState};
-use super::sequencer::record_delta;
-use super::spans::bump;
 use super::{CalcGraph, Key, Name};
 use crate::convert::{EndpointModel, LABEL_NAMESPACE, PolicyModel};
 use crate::label_index::{ItemClass, ItemId};
 use crate::model::ObjectMeta;
-use crate::policy_resolver::{PolicyRef, TierMeta, cmp_policies};
 use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
 
 /// IP-set members an item contributes to a set of the given kind.
@@ -135,39 +132,7 @@ impl CalcGraph {
             (kind, ep, ns) => members_of(ep, ns, kind),
         };
         for m in members {
-            self.member_change(id, m, matched);
-        }
-    }
-
-    pub(super) fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
-        let Some(set) = self.ipsets.sets.get_mut(id) else {
-            return;
-        };
-        let mid = if add {
-            self.ipsets.members.id(&member)
-        } else {
-            match self.ipsets.members.existing(&member) {
-                Some(mid) => mid,
-                None => return,
-            }
-        };
-        // Members are reference counted: two endpoints with one address make one member, and
-        // only its first arrival and last departure change the set.
-        let changed = bump(&mut set.members, &mid, add);
-        if !changed {
-            return;
-        }
-        if add {
-            self.ipsets.members.hold(mid);
-        } else {
-            self.ipsets.members.release(mid);
-        }
-        if self.ipsets.sent_count.contains_key(id) {
-            record_delta(
-                self.ipsets.deltas.entry(id.clone()).or_default(),
-                member,
-                add,
-            );
+            self.ipsets.member_change(id, m, matched);
         }
     }
 
@@ -325,35 +290,6 @@ impl CalcGraph {
         }
         self.undefine_ipsets(&old_ipsets);
         self.touch_policy(key, false);
-    }
-
-    /// Numbers every policy in the order endpoints list them (tiers, then order, then name),
-    /// so building an endpoint's tier lists sorts integers. Recomputed only after a policy's
-    /// placement or a tier changed.
-    pub(super) fn refresh_ranks(&mut self) {
-        if !self.policies.ranks_stale {
-            return;
-        }
-        let mut order: Vec<(Option<&TierMeta>, PolicyRef<'_>, &Key)> = self
-            .policies
-            .by_key
-            .iter()
-            .map(|(k, p)| {
-                let r = PolicyRef {
-                    model: &p.model,
-                    sort_string: &p.sort_string,
-                };
-                (self.policies.tier(&p.model.tier), r, k)
-            })
-            .collect();
-        order.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
-        let keys: Vec<Key> = order.into_iter().map(|(_, _, k)| k.clone()).collect();
-        for (rank, k) in keys.iter().enumerate() {
-            if let Some(p) = self.policies.by_key.get_mut(k) {
-                p.rank = u32::try_from(rank).expect("fewer than 2^32 policies");
-            }
-        }
-        self.policies.ranks_stale = false;
     }
 
     fn mark_everywhere_dirty(&mut self, key: &Key, ipsets: &[Name]) {

@@ -14,6 +14,8 @@ use rustc_hash::FxHashMap;
 
 use super::Name;
 use super::members::{MemberId, Members};
+use super::sequencer::record_delta;
+use super::spans::bump;
 use crate::label_index::SelectorId;
 use crate::rule_scanner::IpSetSpec;
 
@@ -35,4 +37,36 @@ pub(super) struct IpSetState {
     pub(super) defined_refs: u32,
     /// Member ids ([`super::members`]) with how many items contribute each.
     pub(super) members: FxHashMap<MemberId, u32>,
+}
+
+impl IpSets {
+    /// One contributor more (`add`) or fewer of `member` in set `id`; only the member's first
+    /// arrival and last departure change the set, and then the pending delta.
+    pub(super) fn member_change(&mut self, id: &Name, member: Arc<str>, add: bool) {
+        let Some(set) = self.sets.get_mut(id) else {
+            return;
+        };
+        let mid = if add {
+            self.members.id(&member)
+        } else {
+            match self.members.existing(&member) {
+                Some(mid) => mid,
+                None => return,
+            }
+        };
+        // Members are reference counted: two endpoints with one address make one member, and
+        // only its first arrival and last departure change the set.
+        let changed = bump(&mut set.members, &mid, add);
+        if !changed {
+            return;
+        }
+        if add {
+            self.members.hold(mid);
+        } else {
+            self.members.release(mid);
+        }
+        if self.sent_count.contains_key(id) {
+            record_delta(self.deltas.entry(id.clone()).or_default(), member, add);
+        }
+    }
 }

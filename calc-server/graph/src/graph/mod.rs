@@ -44,7 +44,7 @@ mod spans;
 mod store;
 mod view;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::convert;
@@ -62,7 +62,7 @@ pub use sequencer::{NodeBatch, SharedMessage};
 use services::Services;
 use spans::Nodes;
 use store::Store;
-pub use view::{EndpointView, GraphView, PolicyView};
+pub use view::{EndpointView, GraphView, PolicyView, SpanItem};
 
 /// One input to the graph.
 // Updates are consumed at once; boxing the resource would only add an allocation per update.
@@ -76,13 +76,6 @@ pub enum Update {
     Delete(ResourceKey),
     /// The datastore has delivered its complete snapshot.
     InSync,
-}
-
-/// A policy or profile a node needs ([`CalcGraph::for_each_in_span`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpanItem<'a> {
-    Policy(&'a ResourceKey),
-    Profile(&'a str),
 }
 
 /// An update the graph refused, with the reason. The previous good version (if any) stays.
@@ -122,63 +115,6 @@ pub struct CalcGraph {
 impl CalcGraph {
     pub fn new() -> CalcGraph {
         CalcGraph::default()
-    }
-
-    /// Label-index sizes and work done, for metrics and benchmarks.
-    pub fn index_stats(&self) -> crate::label_index::IndexStats {
-        self.index.stats()
-    }
-
-    /// Whether the datastore has reported in-sync.
-    pub fn in_sync(&self) -> bool {
-        self.store.in_sync
-    }
-
-    /// Nodes that have at least one endpoint, sorted.
-    pub fn nodes_with_endpoints(&self) -> Vec<String> {
-        let mut v: Vec<String> = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| !n.span.endpoints.is_empty())
-            .map(|(k, _)| k.to_string())
-            .collect();
-        v.sort();
-        v
-    }
-
-    /// Every node the graph knows of: with endpoints, Node resources or subscribers; sorted.
-    pub fn known_nodes(&self) -> Vec<String> {
-        let mut v: BTreeSet<String> = self.nodes.keys().map(|k| k.to_string()).collect();
-        v.extend(self.broadcast.host_metadata.keys().cloned());
-        v.into_iter().collect()
-    }
-
-    /// Every policy with its tier, and every profile in some node's span (for realization
-    /// tables: a policy that selects nothing is listed too).
-    pub fn policies_and_tiers(&self) -> Vec<(&ResourceKey, &str)> {
-        self.policies
-            .by_key
-            .iter()
-            .map(|(k, p)| (&**k, p.model.tier.as_str()))
-            .collect()
-    }
-
-    /// Calls `f(node, item)` for every policy and profile each node needs (its span; a policy
-    /// hinted `AssumeNeededOnEveryNode` on every node the graph holds).
-    pub fn for_each_in_span<'g>(&'g self, mut f: impl FnMut(&'g str, SpanItem<'g>)) {
-        for (name, n) in &self.nodes {
-            for k in n.span.policy_refs.keys() {
-                if !self.policies.everywhere.contains(k) {
-                    f(name, SpanItem::Policy(k));
-                }
-            }
-            for k in &self.policies.everywhere {
-                f(name, SpanItem::Policy(k));
-            }
-            for p in n.span.profile_refs.keys() {
-                f(name, SpanItem::Profile(p));
-            }
-        }
     }
 
     fn node_mut(&mut self, node: &str) -> &mut spans::NodeState {

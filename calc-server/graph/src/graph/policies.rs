@@ -6,7 +6,7 @@
 //! it; `everywhere` the policies hinted `AssumeNeededOnEveryNode`; `profiles` every Profile
 //! that exists (a profile an endpoint lists and nobody defines is sent deny-both-ways by the
 //! sequencer). Each policy's `rank` is its position in the order endpoints list policies, valid
-//! while `ranks_stale` is false (see [`super::CalcGraph::refresh_ranks`]). Tiers are looked up
+//! while `ranks_stale` is false (see [`Policies::refresh_ranks`]). Tiers are looked up
 //! in one place, [`Policies::tier`].
 
 use std::collections::BTreeSet;
@@ -18,7 +18,7 @@ use rustc_hash::FxHashMap;
 use super::{Key, Name, SharedMessage};
 use crate::convert::PolicyModel;
 use crate::label_index::SelectorId;
-use crate::policy_resolver::TierMeta;
+use crate::policy_resolver::{PolicyRef, TierMeta, cmp_policies};
 
 /// [`network_policy_api::BUILTIN_TIERS`](crate::model::network_policy_api::BUILTIN_TIERS) as
 /// the resolver reads tiers.
@@ -45,14 +45,14 @@ pub(super) struct Policies {
     pub(super) everywhere: BTreeSet<Key>,
     pub(super) profiles: FxHashMap<Name, ProfileState>,
     pub(super) tiers: FxHashMap<String, TierMeta>,
-    /// Policy ranks need recomputing ([`super::CalcGraph::refresh_ranks`]).
+    /// Policy ranks need recomputing ([`Policies::refresh_ranks`]).
     pub(super) ranks_stale: bool,
 }
 
 pub(super) struct PolicyState {
     pub(super) model: PolicyModel,
     pub(super) sort_string: String,
-    /// Position in the order of every policy ([`super::CalcGraph::refresh_ranks`]); valid
+    /// Position in the order of every policy ([`Policies::refresh_ranks`]); valid
     /// while `ranks_stale` is false.
     pub(super) rank: u32,
     pub(super) selector: SelectorId,
@@ -79,5 +79,33 @@ impl Policies {
                 .find(|(n, _)| *n == name)
                 .map(|(_, t)| t)
         })
+    }
+
+    /// Numbers every policy in the order endpoints list them (tiers, then order, then name),
+    /// so building an endpoint's tier lists sorts integers. Recomputed only after a policy's
+    /// placement or a tier changed.
+    pub(super) fn refresh_ranks(&mut self) {
+        if !self.ranks_stale {
+            return;
+        }
+        let mut order: Vec<(Option<&TierMeta>, PolicyRef<'_>, &Key)> = self
+            .by_key
+            .iter()
+            .map(|(k, p)| {
+                let r = PolicyRef {
+                    model: &p.model,
+                    sort_string: &p.sort_string,
+                };
+                (self.tier(&p.model.tier), r, k)
+            })
+            .collect();
+        order.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
+        let keys: Vec<Key> = order.into_iter().map(|(_, _, k)| k.clone()).collect();
+        for (rank, k) in keys.iter().enumerate() {
+            if let Some(p) = self.by_key.get_mut(k) {
+                p.rank = u32::try_from(rank).expect("fewer than 2^32 policies");
+            }
+        }
+        self.ranks_stale = false;
     }
 }

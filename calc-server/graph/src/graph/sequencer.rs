@@ -163,7 +163,7 @@ impl CalcGraph {
     /// Like [`flush`](Self::flush), handing each node's batch to `sink` as soon as it is built,
     /// so a caller that encodes and sends holds one node's batch at a time.
     pub fn flush_with(&mut self, mut sink: impl FnMut(NodeBatch)) {
-        self.refresh_ranks();
+        self.policies.refresh_ranks();
         let mut names: Vec<Name> = self
             .nodes
             .iter()
@@ -199,7 +199,7 @@ impl CalcGraph {
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot
     /// then `InSync` if the datastore is in sync). Does not disturb subscriptions.
     pub fn snapshot(&mut self, node: &str) -> Vec<SharedMessage> {
-        self.refresh_ranks();
+        self.policies.refresh_ranks();
         let n = self.node_mut(node);
         let existing = n.sub.take();
         // flush_node consumes the dirty marks; the real subscription still needs them.

@@ -10,7 +10,7 @@
 //! The Service object itself is never needed: a Service without slices, or no Service at all,
 //! is a set without members, so a rule naming it matches nothing. Members are counted per
 //! contributing slice, so two slices holding one address make one member until both drop it;
-//! every change goes through `member_change`, so it reaches exactly the nodes that hold the set,
+//! every change goes through `IpSets::member_change`, so it reaches exactly the nodes that hold the set,
 //! as a delta, like a selector set's.
 
 use std::net::IpAddr;
@@ -136,7 +136,7 @@ impl CalcGraph {
                 continue;
             };
             for m in slice.members(*include_ports).to_vec() {
-                self.member_change(&id, m, add);
+                self.ipsets.member_change(&id, m, add);
             }
         }
     }
@@ -173,7 +173,7 @@ impl CalcGraph {
         for k in keys {
             let members = self.services.slices[&k].members(include_ports).to_vec();
             for m in members {
-                self.member_change(id, m, defined);
+                self.ipsets.member_change(id, m, defined);
             }
         }
     }

@@ -3,10 +3,11 @@
 //! Contract: nothing here changes the graph or what any node was sent or has dirty; every
 //! answer is the state the next flush would project (an endpoint's update is the one its node
 //! would be sent, a policy's rules the ones in its ActivePolicyUpdate). This is the only way
-//! readers outside the graph's own parts (explain, and later hit counters, flow logs, a
-//! console) see the graph: they never reach into its tables.
+//! readers outside the graph's own parts (explain, the server's realization tables and node
+//! lists, and later hit counters, flow logs, a console) see the graph: they never reach into
+//! its tables. `CalcGraph`'s own read-only methods here delegate to the view.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use felix_proto as pb;
@@ -41,10 +42,47 @@ pub struct PolicyView<'g> {
     state: &'g PolicyState,
 }
 
+/// A policy or profile a node needs ([`GraphView::for_each_in_span`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanItem<'a> {
+    Policy(&'a ResourceKey),
+    Profile(&'a str),
+}
+
 impl CalcGraph {
     /// The graph's read-only query API.
     pub fn view(&self) -> GraphView<'_> {
         GraphView { g: self }
+    }
+
+    /// Label-index sizes and work done, for metrics and benchmarks.
+    pub fn index_stats(&self) -> crate::label_index::IndexStats {
+        self.index.stats()
+    }
+
+    /// See [`GraphView::in_sync`].
+    pub fn in_sync(&self) -> bool {
+        self.view().in_sync()
+    }
+
+    /// See [`GraphView::nodes_with_endpoints`].
+    pub fn nodes_with_endpoints(&self) -> Vec<String> {
+        self.view().nodes_with_endpoints()
+    }
+
+    /// See [`GraphView::known_nodes`].
+    pub fn known_nodes(&self) -> Vec<String> {
+        self.view().known_nodes()
+    }
+
+    /// See [`GraphView::policies_and_tiers`].
+    pub fn policies_and_tiers(&self) -> Vec<(&ResourceKey, &str)> {
+        self.view().policies_and_tiers()
+    }
+
+    /// See [`GraphView::for_each_in_span`].
+    pub fn for_each_in_span<'g>(&'g self, f: impl FnMut(&'g str, SpanItem<'g>)) {
+        self.view().for_each_in_span(f)
     }
 }
 
@@ -110,7 +148,7 @@ impl<'g> GraphView<'g> {
     /// known node for a policy hinted `AssumeNeededOnEveryNode`.
     pub fn policy_nodes(self, key: &ResourceKey) -> Vec<String> {
         let mut nodes: Vec<String> = if self.g.policies.everywhere.contains(key) {
-            self.g.known_nodes()
+            self.known_nodes()
         } else {
             self.g
                 .nodes
@@ -148,9 +186,60 @@ impl<'g> GraphView<'g> {
         self.g.broadcast.config_for(node)
     }
 
-    /// Every node the graph knows of, sorted (see [`CalcGraph::known_nodes`]).
+    /// Whether the datastore has reported in-sync.
+    pub fn in_sync(self) -> bool {
+        self.g.store.in_sync
+    }
+
+    /// Nodes that have at least one endpoint, sorted.
+    pub fn nodes_with_endpoints(self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .g
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.span.endpoints.is_empty())
+            .map(|(k, _)| k.to_string())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Every node the graph knows of: with endpoints, Node resources or subscribers; sorted.
     pub fn known_nodes(self) -> Vec<String> {
-        self.g.known_nodes()
+        let mut v: BTreeSet<String> = self.g.nodes.keys().map(|k| k.to_string()).collect();
+        v.extend(self.g.broadcast.host_metadata.keys().cloned());
+        v.into_iter().collect()
+    }
+
+    /// Every policy with its tier (for realization tables: a policy that selects nothing is
+    /// listed too).
+    pub fn policies_and_tiers(self) -> Vec<(&'g ResourceKey, &'g str)> {
+        self.g
+            .policies
+            .by_key
+            .iter()
+            .map(|(k, p)| (&**k, p.model.tier.as_str()))
+            .collect()
+    }
+
+    /// Calls `f(node, item)` for every policy and profile each node needs (its span; a policy
+    /// hinted `AssumeNeededOnEveryNode` on every node the graph holds): the realization
+    /// tables' input.
+    pub fn for_each_in_span(self, mut f: impl FnMut(&'g str, SpanItem<'g>)) {
+        let g = self.g;
+        for (name, n) in &g.nodes {
+            for k in n.span.policy_refs.keys() {
+                if !g.policies.everywhere.contains(k) {
+                    f(name, SpanItem::Policy(k));
+                }
+            }
+            for k in &g.policies.everywhere {
+                f(name, SpanItem::Policy(k));
+            }
+            for p in n.span.profile_refs.keys() {
+                f(name, SpanItem::Profile(p));
+            }
+        }
     }
 }
 
