@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
 use super::rules::static_chains::Hooks;
-use super::rules::{Chain, IpVersion, Rule, quote, rule_hashes};
+use super::rules::{Chain, IpVersion, Rule, RuleId, quote, rule_hashes};
 use super::runner::CommandRunner;
 
 /// Chains we own start with this.
@@ -497,6 +497,25 @@ impl Table {
         self.desired
             .get(name)
             .map(|d| (d.rules.as_slice(), d.hashes.as_slice()))
+    }
+
+    /// The rule id of the rule at `position` (1-based, as `iptables -L --line-numbers` and
+    /// `iptables-save` order them) of our chain `chain`, as this writer puts it in the kernel
+    /// (a chain the kernel refused and that fails closed holds a DROP without an id).
+    pub fn rule_id_at(&self, chain: &str, position: usize) -> Option<&RuleId> {
+        let (rules, _) = self.wanted(chain)?;
+        rules.get(position.checked_sub(1)?)?.id.as_ref()
+    }
+
+    /// The rule id of the rule of our chain `chain` that carries `comment`: its `cali:<hash>`
+    /// comment, or a whole rule line from `iptables-save` holding it.
+    pub fn rule_id_by_comment(&self, chain: &str, comment: &str) -> Option<&RuleId> {
+        let hash = hash_of(comment)
+            .or_else(|| comment.strip_prefix("cali:"))
+            .unwrap_or(comment);
+        let (rules, hashes) = self.wanted(chain)?;
+        let i = hashes.iter().position(|h| h == hash)?;
+        rules.get(i)?.id.as_ref()
     }
 
     /// Starts recording which chains change (see [`Table::take_changes`]).

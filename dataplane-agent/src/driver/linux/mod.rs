@@ -71,6 +71,7 @@ use self::rules::{IpVersion, ipset_name};
 use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
 use self::tables::Tables;
+pub use self::writer::RuleAt;
 use self::writer::{IptablesWriter, KernelWriter, NftWriter};
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
 use crate::message::Message;
@@ -215,6 +216,20 @@ impl LinuxDriver {
     /// What the last apply of the nftables driver wrote (zero for the iptables driver).
     pub fn nft_stats(&self) -> nft::NftStats {
         self.writer.nft_stats()
+    }
+
+    /// The stream rule or verdict (see [`rules::RuleId`]) a rule of ours in the kernel enforces:
+    /// family `v`, `table` as the kernel names it (`filter`, … for iptables; `calico` for
+    /// nftables), the chain as the kernel names it, and the rule's position or comment. What
+    /// hit counters and flow logs report against. `None` for a rule that only steers.
+    pub fn rule_id(
+        &self,
+        v: IpVersion,
+        table: &str,
+        chain: &str,
+        at: RuleAt<'_>,
+    ) -> Option<rules::RuleId> {
+        self.writer.rule_id(&self.tables, v, table, chain, at)
     }
 
     /// What is programmed (desired state after the last apply).

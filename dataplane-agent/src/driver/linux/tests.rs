@@ -1459,3 +1459,108 @@ fn an_interface_moving_between_endpoints_in_one_batch_keeps_its_chains() {
         current = next;
     }
 }
+
+/// Every rule that decides carries its rule id, and the iptables writer maps a kernel rule
+/// (by position or by its `cali:` comment) back to it.
+#[test]
+fn kernel_rules_map_back_to_their_rule_ids() {
+    use super::RuleAt;
+    use super::rules::endpoint::Direction;
+    use super::rules::{RuleId, policy_chain_name, policy_id_string};
+
+    let (mut d, k) = driver();
+    d.on_update(&clients_set());
+    d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+        id: Some(pol_id()),
+        policy: Some(Policy {
+            inbound_rules: vec![
+                Rule {
+                    action: "deny".into(),
+                    src_ip_set_ids: vec!["s:clients".into()],
+                    ..Default::default()
+                },
+                Rule {
+                    action: "allow".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }),
+    })));
+    d.on_update(&wep("caliweb"));
+    d.apply().unwrap();
+
+    let v4 = IpVersion::V4;
+    let chain = policy_chain_name(rules::POLICY_INBOUND_PFX, &pol_id());
+    let kernel = k.lock().chain_rules(v4, "filter", &chain);
+    let key = policy_id_string(&pol_id());
+    let rule = |index| {
+        Some(RuleId::Policy {
+            policy: key.clone(),
+            direction: Direction::Ingress,
+            index,
+        })
+    };
+    assert!(kernel.len() >= 2, "{kernel:?}");
+    assert_eq!(
+        d.rule_id(v4, "filter", &chain, RuleAt::Position(1)),
+        rule(0)
+    );
+    assert_eq!(
+        d.rule_id(v4, "filter", &chain, RuleAt::Position(kernel.len())),
+        rule(1)
+    );
+    assert_eq!(
+        d.rule_id(v4, "filter", &chain, RuleAt::Position(kernel.len() + 1)),
+        None
+    );
+    // By comment: the whole saved line, or the `cali:` comment alone.
+    for (i, line) in kernel.iter().enumerate() {
+        let at = d.rule_id(v4, "filter", &chain, RuleAt::Position(i + 1));
+        assert_eq!(d.rule_id(v4, "filter", &chain, RuleAt::Comment(line)), at);
+        let hash = line
+            .split("cali:")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert_eq!(
+            d.rule_id(
+                v4,
+                "filter",
+                &chain,
+                RuleAt::Comment(&format!("cali:{hash}"))
+            ),
+            at
+        );
+    }
+    // The endpoint chain: end of tier and no profile matched; jumps have none.
+    let tw = k.lock().chain_rules(v4, "filter", "cali-tw-caliweb");
+    let ids: Vec<Option<RuleId>> = (1..=tw.len())
+        .map(|p| d.rule_id(v4, "filter", "cali-tw-caliweb", RuleAt::Position(p)))
+        .collect();
+    assert!(ids.contains(&Some(RuleId::EndOfTier {
+        tier: "default".into(),
+        direction: Direction::Ingress,
+    })));
+    assert_eq!(
+        ids.last().cloned().flatten(),
+        Some(RuleId::NoProfileMatched {
+            direction: Direction::Ingress
+        })
+    );
+    let jump = tw.iter().position(|l| l.contains(&chain)).unwrap();
+    assert_eq!(ids[jump], None);
+    // Failsafes, in every table that holds them.
+    for table in ["filter", "raw", "mangle"] {
+        assert_eq!(
+            d.rule_id(v4, table, "cali-failsafe-in", RuleAt::Position(1)),
+            Some(RuleId::Failsafe {
+                direction: Direction::Ingress
+            })
+        );
+    }
+    // Not a table this writer programs.
+    assert_eq!(d.rule_id(v4, "calico", &chain, RuleAt::Position(1)), None);
+}

@@ -91,6 +91,9 @@ struct Rendered {
     /// The elements (`"iface" : goto chain`) of the verdict map a dispatch chain looks
     /// interfaces up in.
     map: Option<BTreeSet<String>>,
+    /// For each rule, the index of the desired rule it renders (a rule with several port
+    /// items becomes several); `None` for the verdict-map lookup of a dispatch chain.
+    origin: Vec<Option<usize>>,
 }
 
 /// A rule as nfnetlink carries it: expressions and userdata (shared with the ops that write it).
@@ -334,6 +337,46 @@ impl NftTables {
             f.kernel = None;
             f.rendered.clear();
         }
+    }
+
+    /// The desired rule that the rule at `position` (1-based, in the order `nft list chain`
+    /// shows them) of our chain `chain` (`filter-cali-pi-…`) in family `v` renders: its
+    /// iptables table, chain and index there. `None` before the chain was rendered, or for a
+    /// rule of ours that renders none (a dispatch chain's map lookup, a hook chain's rules).
+    pub fn source_rule(
+        &self,
+        v: IpVersion,
+        chain: &str,
+        position: usize,
+    ) -> Option<(&str, &str, usize)> {
+        let (key, r) = self
+            .families
+            .iter()
+            .find(|f| f.v == v)?
+            .rendered
+            .get_key_value(chain)?;
+        let i = (*r.origin.get(position.checked_sub(1)?)?)?;
+        let (table, name) = key.split_once('-')?;
+        Some((table, name, i))
+    }
+
+    /// [`NftTables::source_rule`] of the rule whose comment (`cali:<hash>; …`, as
+    /// `nft list chain` prints it or as the rule's userdata holds it) is `comment`.
+    pub fn source_rule_by_comment(
+        &self,
+        v: IpVersion,
+        chain: &str,
+        comment: &str,
+    ) -> Option<(&str, &str, usize)> {
+        let hash = render::hash_of_comment(comment.trim_matches('"'))?;
+        let r = self
+            .families
+            .iter()
+            .find(|f| f.v == v)?
+            .rendered
+            .get(chain)?;
+        let position = r.hashes.iter().position(|h| h == hash)? + 1;
+        self.source_rule(v, chain, position)
     }
 
     /// Rules of ours in the kernel view, all families.
@@ -787,6 +830,7 @@ fn render_chain(
     let mut bodies: Vec<String> = Vec::with_capacity(rules.len());
     let mut exprs: Vec<Result<Vec<u8>, expr::Unsupported>> = Vec::with_capacity(rules.len());
     let mut comments: Vec<&[String]> = Vec::with_capacity(rules.len());
+    let mut origin: Vec<Option<usize>> = Vec::with_capacity(rules.len());
     let mut map = None;
     let dispatch =
         table == "filter" && (iptables_name == FROM_WL_DISPATCH || iptables_name == TO_WL_DISPATCH);
@@ -805,13 +849,16 @@ fn render_chain(
         bodies.push(format!("{kw} vmap @{nft}"));
         exprs.push(Ok(expr::vmap(input, nft)));
         comments.push(&[]);
+        origin.push(None);
         map = Some(elems);
     }
-    for r in rest {
+    let first = rules.len() - rest.len();
+    for (i, r) in rest.iter().enumerate() {
         for frags in render::variants(r) {
             bodies.push(render::body(&frags, &r.action, table, v));
             exprs.push(expr::rule(&frags, &r.action, table, v));
             comments.push(&r.comments);
+            origin.push(Some(first + i));
         }
     }
     let hashes = render::hashes(nft, bodies.iter().map(String::as_str));
@@ -839,6 +886,7 @@ fn render_chain(
         hashes,
         encoded,
         map,
+        origin,
     }
 }
 

@@ -656,3 +656,93 @@ fn every_change_goes_as_one_netlink_batch_in_dependency_order() {
     assert!(at("flush filter-cali-fw-calib") < at("delete chain filter-cali-fw-calib"));
     assert!(w.nft.take().is_empty());
 }
+
+/// The nftables writer maps a rule back to its rule id by position (a rule split per port
+/// counts once per kernel rule) and by comment, and nothing in its dispatch map lookups.
+#[test]
+fn kernel_rules_map_back_to_their_rule_ids() {
+    use crate::driver::linux::RuleAt;
+    use crate::driver::linux::rules::RuleId;
+    use crate::driver::linux::rules::endpoint::Direction;
+    use crate::driver::linux::writer::{KernelWriter, NftWriter};
+
+    let mut w = World::new();
+    let id = |index| RuleId::Policy {
+        policy: "gnp/ids".into(),
+        direction: Direction::Ingress,
+        index,
+    };
+    w.tables
+        .table(IpVersion::V4, "filter")
+        .set_chain(Chain::new(
+            "cali-pi-ids",
+            vec![
+                Rule::new(
+                    Match::new().protocol("tcp").dst_ports("80,443"),
+                    Action::SetMark(0x10000),
+                )
+                .with_id(id(0)),
+                Rule::new(Match::new().mark_set(0x10000), Action::Return),
+                Rule::always(Action::Drop).with_id(id(1)),
+            ],
+        ));
+    w.apply().unwrap();
+    let script = w.nft.take().concat();
+    let kernel = chain_rules(&script, "ip", "filter-cali-pi-ids");
+    assert_eq!(kernel.len(), 4, "{kernel:?}");
+
+    let nft = std::mem::replace(
+        &mut w.writer,
+        NftTables::with_batch(&[IpVersion::V4], Box::new(FakeBatch::text_for_structure())),
+    );
+    let writer = NftWriter::with_tables(nft);
+    let v4 = IpVersion::V4;
+    let at = |p| {
+        writer.rule_id(
+            &w.tables,
+            v4,
+            "calico",
+            "filter-cali-pi-ids",
+            RuleAt::Position(p),
+        )
+    };
+    assert_eq!(
+        (1..=5).map(at).collect::<Vec<_>>(),
+        vec![Some(id(0)), Some(id(0)), None, Some(id(1)), None]
+    );
+    for (i, rule) in kernel.iter().enumerate() {
+        let comment = rule.split("comment ").nth(1).unwrap();
+        assert_eq!(
+            writer.rule_id(
+                &w.tables,
+                v4,
+                "calico",
+                "filter-cali-pi-ids",
+                RuleAt::Comment(comment)
+            ),
+            at(i + 1),
+            "{rule}"
+        );
+    }
+    // The dispatch map lookup renders no rule of ours; other tables are not ours.
+    assert_eq!(
+        writer.rule_id(
+            &w.tables,
+            v4,
+            "calico",
+            "filter-cali-from-wl-dispatch",
+            RuleAt::Position(1)
+        ),
+        None
+    );
+    assert_eq!(
+        writer.rule_id(
+            &w.tables,
+            v4,
+            "filter",
+            "filter-cali-pi-ids",
+            RuleAt::Position(1)
+        ),
+        None
+    );
+}

@@ -12,7 +12,8 @@ use felix_proto::TierInfo;
 use super::policy::RenderConfig;
 use super::{
     Action, Chain, Match, POLICY_INBOUND_PFX, POLICY_OUTBOUND_PFX, PROFILE_INBOUND_PFX,
-    PROFILE_OUTBOUND_PFX, Rule, endpoint_chain_name, marks, policy_chain_name, profile_chain_name,
+    PROFILE_OUTBOUND_PFX, Rule, RuleId, endpoint_chain_name, marks, policy_chain_name,
+    profile_chain_name,
 };
 
 pub const WORKLOAD_TO_PFX: &str = "cali-tw-";
@@ -26,7 +27,7 @@ pub const FAILSAFE_OUT: &str = "cali-failsafe-out";
 /// The interface name standing for a host endpoint with `interfaceName: "*"`.
 pub const ALL_INTERFACES: &str = "any-interface-at-all";
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash, PartialOrd, Ord)]
 pub enum Direction {
     /// Policies' inbound rules, profiles' inbound rules.
     Ingress,
@@ -286,7 +287,11 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
         if end_of_tier_drop {
             rules.push(
                 Rule::new(Match::new().mark_clear(marks::PASS), cfg.deny.clone())
-                    .comment("Drop if no policies passed packet"),
+                    .comment("Drop if no policies passed packet")
+                    .with_id(RuleId::EndOfTier {
+                        tier: tier.name.clone(),
+                        direction: s.dir,
+                    }),
             );
         }
     }
@@ -296,7 +301,8 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
     if s.tiers.is_empty() && s.kind == Kind::Forward {
         rules.push(
             Rule::always(Action::SetMark(marks::ACCEPT))
-                .comment("Allow forwarded traffic by default"),
+                .comment("Allow forwarded traffic by default")
+                .with_id(RuleId::Default { direction: s.dir }),
         );
         rules.push(Rule::always(Action::Return).comment("Return for accepted forward traffic"));
     }
@@ -308,7 +314,11 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
                     .comment("Return if profile accepted"),
             );
         }
-        rules.push(Rule::always(cfg.deny.clone()).comment("Drop if no profiles matched"));
+        rules.push(
+            Rule::always(cfg.deny.clone())
+                .comment("Drop if no profiles matched")
+                .with_id(RuleId::NoProfileMatched { direction: s.dir }),
+        );
     }
     Chain::new(s.name, rules)
 }

@@ -1,8 +1,11 @@
-//! The pure rule renderer: proto policies, profiles and endpoints in, iptables chains out, in
-//! Calico's layout (`reference/calico.md` §6) so `iptables-save` reads as an operator expects.
+//! The pure rule renderer: proto policies, profiles and endpoints in, chains of structured
+//! rules out, in Calico's layout (`reference/calico.md` §6). A [`Rule`] is match fragments
+//! ([`Frag`]), an action, comments and its [`RuleId`]: the one form every kernel writer reads
+//! and renders in its own syntax (iptables-restore input here, [`Match::render_iptables`];
+//! nftables in `nft::render` and `nft::expr`).
 //!
 //! Nothing here does IO. A [`Chain`] is a name and its rules; [`Chain::rule_hashes`] gives each
-//! rule the position-dependent `cali:` hash that lets the table manager recognise, after a
+//! rule the position-dependent `cali:` hash that lets the iptables writer recognise, after a
 //! read-back, which kernel rules are already right.
 
 pub mod endpoint;
@@ -138,12 +141,49 @@ impl Action {
     }
 }
 
-/// One iptables rule: match fragments (already in iptables syntax), an action and comments.
+/// Which rule of the stream, or which verdict of ours, a kernel rule enforces: what hit
+/// counters and flow logs report a packet against. Kept beside the rule in the desired state;
+/// each writer maps a kernel rule back to it (`LinuxDriver::rule_id`). Rules that only steer
+/// (jumps, mark clears, returns) have none.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RuleId {
+    /// Rule `index` (counted from 0 in the message) of a policy's inbound (`Ingress`) or
+    /// outbound (`Egress`) rules; `policy` as [`policy_id_string`] spells it. The tier is the
+    /// one whose [`RuleId::EndOfTier`] follows the jump in the endpoint chain.
+    Policy {
+        policy: String,
+        direction: endpoint::Direction,
+        index: u32,
+    },
+    /// Rule `index` of a profile's inbound or outbound rules.
+    Profile {
+        profile: String,
+        direction: endpoint::Direction,
+        index: u32,
+    },
+    /// No policy of the tier decided: the tier's default drop.
+    EndOfTier {
+        tier: String,
+        direction: endpoint::Direction,
+    },
+    /// No profile of the endpoint accepted: the endpoint's final drop.
+    NoProfileMatched { direction: endpoint::Direction },
+    /// Forwarded traffic accepted by default (a host endpoint without forward tiers).
+    Default { direction: endpoint::Direction },
+    /// A failsafe port or the agent's calc-server, accepted before any policy (`Ingress`:
+    /// `cali-failsafe-in`).
+    Failsafe { direction: endpoint::Direction },
+}
+
+/// One rule: match fragments, an action, comments and what it enforces, rendered by each
+/// writer in its own syntax.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
     pub matches: Match,
     pub action: Action,
     pub comments: Vec<String>,
+    /// The stream rule or verdict this rule enforces (not part of its hash).
+    pub id: Option<RuleId>,
 }
 
 impl Rule {
@@ -152,7 +192,14 @@ impl Rule {
             matches,
             action,
             comments: Vec::new(),
+            id: None,
         }
+    }
+
+    /// The rule, recorded as enforcing `id`.
+    pub fn with_id(mut self, id: RuleId) -> Self {
+        self.id = Some(id);
+        self
     }
 
     /// Matches everything.

@@ -8,9 +8,11 @@
 
 use felix_proto::{PortRange, Protocol, Rule as ProtoRule, protocol, rule};
 
+use super::endpoint::Direction;
 use super::{
     Action, Chain, IpVersion, Match, POLICY_INBOUND_PFX, POLICY_OUTBOUND_PFX, PROFILE_INBOUND_PFX,
-    PROFILE_OUTBOUND_PFX, Rule, ipset_name, marks, policy_chain_name, profile_chain_name,
+    PROFILE_OUTBOUND_PFX, Rule, RuleId, ipset_name, marks, policy_chain_name, policy_id_string,
+    profile_chain_name,
 };
 
 /// Settings that shape every rendered policy.
@@ -43,14 +45,35 @@ pub fn policy_chains(
     } else {
         format!("{} {}/{}", id.kind, id.namespace, id.name)
     };
+    let key = policy_id_string(id);
+    let rule_id = |direction| {
+        let policy = key.clone();
+        move |index| RuleId::Policy {
+            policy: policy.clone(),
+            direction,
+            index,
+        }
+    };
     [
         Chain::new(
             policy_chain_name(POLICY_INBOUND_PFX, id),
-            rules_to_iptables(cfg, &policy.inbound_rules, v, &format!("{who} ingress")),
+            render_rules(
+                cfg,
+                &policy.inbound_rules,
+                v,
+                &format!("{who} ingress"),
+                rule_id(Direction::Ingress),
+            ),
         ),
         Chain::new(
             policy_chain_name(POLICY_OUTBOUND_PFX, id),
-            rules_to_iptables(cfg, &policy.outbound_rules, v, &format!("{who} egress")),
+            render_rules(
+                cfg,
+                &policy.outbound_rules,
+                v,
+                &format!("{who} egress"),
+                rule_id(Direction::Egress),
+            ),
         ),
     ]
 }
@@ -62,39 +85,55 @@ pub fn profile_chains(
     profile: &felix_proto::Profile,
     v: IpVersion,
 ) -> [Chain; 2] {
+    let rule_id = |direction| {
+        move |index| RuleId::Profile {
+            profile: name.to_owned(),
+            direction,
+            index,
+        }
+    };
     [
         Chain::new(
             profile_chain_name(PROFILE_INBOUND_PFX, name),
-            rules_to_iptables(
+            render_rules(
                 cfg,
                 &profile.inbound_rules,
                 v,
                 &format!("Profile {name} ingress"),
+                rule_id(Direction::Ingress),
             ),
         ),
         Chain::new(
             profile_chain_name(PROFILE_OUTBOUND_PFX, name),
-            rules_to_iptables(
+            render_rules(
                 cfg,
                 &profile.outbound_rules,
                 v,
                 &format!("Profile {name} egress"),
+                rule_id(Direction::Egress),
             ),
         ),
     ]
 }
 
-/// Renders a rule list; trailing `RETURN`s are dropped (they decide nothing) and the first rule
-/// carries `chain_comment` (an empty chain gets a no-op rule to carry it).
-pub fn rules_to_iptables(
+/// Renders a rule list into the rule model every writer reads; each rule carries the id
+/// `rule_id` gives its index in `rules`. Trailing `RETURN`s are dropped (they decide nothing)
+/// and the first rule carries `chain_comment` (an empty chain gets a no-op rule to carry it).
+pub fn render_rules(
     cfg: &RenderConfig,
     rules: &[ProtoRule],
     v: IpVersion,
     chain_comment: &str,
+    rule_id: impl Fn(u32) -> RuleId,
 ) -> Vec<Rule> {
     let mut out: Vec<Rule> = Vec::new();
-    for r in rules {
-        out.extend(rule_to_iptables(cfg, r, v));
+    for (i, r) in rules.iter().enumerate() {
+        let id = rule_id(u32::try_from(i).unwrap_or(u32::MAX));
+        out.extend(
+            render_rule(cfg, r, v)
+                .into_iter()
+                .map(|rule| rule.with_id(id.clone())),
+        );
     }
     while out.last().is_some_and(|r| r.action == Action::Return) {
         out.pop();
@@ -256,8 +295,8 @@ impl Blocks {
     }
 }
 
-/// Renders one proto rule for one family (possibly as several iptables rules).
-pub fn rule_to_iptables(cfg: &RenderConfig, pr: &ProtoRule, v: IpVersion) -> Vec<Rule> {
+/// Renders one proto rule for one family (possibly as several rules), without its id.
+pub fn render_rule(cfg: &RenderConfig, pr: &ProtoRule, v: IpVersion) -> Vec<Rule> {
     let Some(mut r) = filter_to_version(pr, v) else {
         return Vec::new();
     };
@@ -504,7 +543,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let out = rule_to_iptables(&RenderConfig::default(), &r, IpVersion::V4);
+        let out = render_rule(&RenderConfig::default(), &r, IpVersion::V4);
         assert_eq!(
             lines(&out),
             vec![
@@ -524,7 +563,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            lines(&rule_to_iptables(&cfg, &deny, IpVersion::V4)),
+            lines(&render_rule(&cfg, &deny, IpVersion::V4)),
             vec![
                 "-A c --jump MARK --set-mark 0x40000/0x40000",
                 "-A c -m mark --mark 0x40000/0x40000 --jump DROP",
@@ -535,7 +574,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            lines(&rule_to_iptables(&cfg, &pass, IpVersion::V6))[1],
+            lines(&render_rule(&cfg, &pass, IpVersion::V6))[1],
             "-A c -m mark --mark 0x20000/0x20000 --jump RETURN"
         );
         let log = ProtoRule {
@@ -543,7 +582,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            lines(&rule_to_iptables(&cfg, &log, IpVersion::V4)),
+            lines(&render_rule(&cfg, &log, IpVersion::V4)),
             vec!["-A c --jump LOG --log-prefix \"calico-packet: \" --log-level 5"]
         );
     }
@@ -555,18 +594,18 @@ mod tests {
             ip_version: 6,
             ..Default::default()
         };
-        assert!(rule_to_iptables(&cfg, &v6_only, IpVersion::V4).is_empty());
+        assert!(render_rule(&cfg, &v6_only, IpVersion::V4).is_empty());
         let v4_net = ProtoRule {
             src_net: vec!["10.0.0.0/8".into()],
             ..Default::default()
         };
-        assert!(rule_to_iptables(&cfg, &v4_net, IpVersion::V6).is_empty());
+        assert!(render_rule(&cfg, &v4_net, IpVersion::V6).is_empty());
         let mixed = ProtoRule {
             src_net: vec!["10.0.0.0/8".into(), "fd00::/64".into()],
             ..Default::default()
         };
         assert_eq!(
-            lines(&rule_to_iptables(&cfg, &mixed, IpVersion::V6))[0],
+            lines(&render_rule(&cfg, &mixed, IpVersion::V6))[0],
             "-A c --source fd00::/64 --jump MARK --set-mark 0x10000/0x10000"
         );
         // "not from anywhere" matches nothing: the rule is dropped.
@@ -574,7 +613,7 @@ mod tests {
             not_src_net: vec!["0.0.0.0/0".into()],
             ..Default::default()
         };
-        assert!(rule_to_iptables(&cfg, &not_all, IpVersion::V4).is_empty());
+        assert!(render_rule(&cfg, &not_all, IpVersion::V4).is_empty());
     }
 
     #[test]
@@ -591,11 +630,7 @@ mod tests {
             dst_ports: ports,
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(
-            &RenderConfig::default(),
-            &r,
-            IpVersion::V4,
-        ));
+        let out = lines(&render_rule(&RenderConfig::default(), &r, IpVersion::V4));
         assert_eq!(out.len(), 5);
         assert_eq!(out[0], "-A c --jump MARK --set-mark 0x0/0x180000");
         assert!(
@@ -616,11 +651,7 @@ mod tests {
             not_src_net: vec!["10.9.0.0/16".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(
-            &RenderConfig::default(),
-            &r,
-            IpVersion::V4,
-        ));
+        let out = lines(&render_rule(&RenderConfig::default(), &r, IpVersion::V4));
         assert_eq!(
             out,
             vec![
@@ -646,11 +677,7 @@ mod tests {
             dst_named_port_ip_set_ids: vec!["n:web".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(
-            &RenderConfig::default(),
-            &r,
-            IpVersion::V4,
-        ));
+        let out = lines(&render_rule(&RenderConfig::default(), &r, IpVersion::V4));
         assert_eq!(
             out[1],
             "-A c --protocol tcp -m multiport --destination-ports 80 --jump MARK --set-mark 0x80000/0x80000"
@@ -665,7 +692,7 @@ mod tests {
             dst_named_port_ip_set_ids: vec!["n:web".into()],
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(
+        let out = lines(&render_rule(
             &RenderConfig::default(),
             &single,
             IpVersion::V6,
@@ -693,11 +720,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        let out = lines(&rule_to_iptables(
-            &RenderConfig::default(),
-            &r,
-            IpVersion::V4,
-        ));
+        let out = lines(&render_rule(&RenderConfig::default(), &r, IpVersion::V4));
         assert_eq!(
             out[0],
             "-A c -m comment --comment \"team=net\" --protocol icmp -m icmp --icmp-type 8/0 \

@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 
 use super::endpoint::{
-    ALL_INTERFACES, FAILSAFE_IN, FAILSAFE_OUT, HOST_FROM_FWD_PFX, HOST_FROM_PFX, HOST_TO_FWD_PFX,
-    HOST_TO_PFX, WORKLOAD_FROM_PFX, WORKLOAD_TO_PFX,
+    ALL_INTERFACES, Direction, FAILSAFE_IN, FAILSAFE_OUT, HOST_FROM_FWD_PFX, HOST_FROM_PFX,
+    HOST_TO_FWD_PFX, HOST_TO_PFX, WORKLOAD_FROM_PFX, WORKLOAD_TO_PFX,
 };
-use super::{Action, Chain, IpVersion, Match, Rule, endpoint_chain_name, marks};
+use super::{Action, Chain, IpVersion, Match, Rule, RuleId, endpoint_chain_name, marks};
 
 pub const FROM_WL_DISPATCH: &str = "cali-from-wl-dispatch";
 pub const TO_WL_DISPATCH: &str = "cali-to-wl-dispatch";
@@ -345,13 +345,20 @@ fn reply_rules(ports: &[Failsafe]) -> impl Iterator<Item = Rule> + '_ {
 }
 
 fn failsafe_chain(name: &str, ports: &[Failsafe], cfg: &StaticConfig, v: IpVersion) -> Chain {
+    let id = RuleId::Failsafe {
+        direction: if name == FAILSAFE_IN {
+            Direction::Ingress
+        } else {
+            Direction::Egress
+        },
+    };
     let mut rules: Vec<Rule> = ports
         .iter()
         .map(|f| {
             let m = Match::new()
                 .protocol(&f.protocol)
                 .dst_ports(&f.port.to_string());
-            Rule::new(m, Action::Accept)
+            Rule::new(m, Action::Accept).with_id(id.clone())
         })
         .collect();
     for addr in &cfg.control_plane {
@@ -366,7 +373,11 @@ fn failsafe_chain(name: &str, ports: &[Failsafe], cfg: &StaticConfig, v: IpVersi
             tcp().dst_net(&net).dst_ports(&port),
             tcp().src_net(&net).src_ports(&port),
         ] {
-            rules.push(Rule::new(m, Action::Accept).comment("The calc-server of this agent."));
+            rules.push(
+                Rule::new(m, Action::Accept)
+                    .comment("The calc-server of this agent.")
+                    .with_id(id.clone()),
+            );
         }
     }
     Chain::new(name, rules)

@@ -5,11 +5,12 @@ use std::collections::BTreeMap;
 
 use tracing::info;
 
-use super::{KernelWriter, Rerender};
+use super::{KernelWriter, Rerender, RuleAt};
 use crate::driver::DriverError;
 use crate::driver::linux::ipsets_mgr::IpSetsManager;
 use crate::driver::linux::iptables::{self, Backend};
 use crate::driver::linux::nft;
+use crate::driver::linux::rules::{IpVersion, RuleId};
 use crate::driver::linux::runner::CommandRunner;
 use crate::driver::linux::tables::Tables;
 
@@ -143,6 +144,22 @@ impl KernelWriter for IptablesWriter {
 
     fn rule_count(&self, tables: &Tables) -> usize {
         tables.rule_count()
+    }
+
+    fn rule_id(
+        &self,
+        tables: &Tables,
+        v: IpVersion,
+        table: &str,
+        chain: &str,
+        at: RuleAt<'_>,
+    ) -> Option<RuleId> {
+        let t = tables.get(v, table)?;
+        match at {
+            RuleAt::Position(p) => t.rule_id_at(chain, p),
+            RuleAt::Comment(c) => t.rule_id_by_comment(chain, c),
+        }
+        .cloned()
     }
 }
 

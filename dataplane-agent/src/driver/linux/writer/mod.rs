@@ -26,9 +26,21 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::ipsets_mgr::IpSetsManager;
 use super::nft::NftStats;
+use super::rules::{IpVersion, RuleId};
 use super::runner::CommandRunner;
 use super::tables::Tables;
 use crate::driver::DriverError;
+
+/// Where a rule sits in a kernel chain, as counters and logs find it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuleAt<'a> {
+    /// 1-based, in the order the kernel lists the chain (`iptables -L --line-numbers`,
+    /// `iptables-save`, `nft -a list chain`).
+    Position(usize),
+    /// The rule's comment (`cali:<hash>` for iptables, `cali:<hash>; …` for nftables), or an
+    /// `iptables-save` rule line holding it.
+    Comment(&'a str),
+}
 
 /// Renders the rules that use the given kernel set names again (their sets were refused by
 /// the kernel, or taken back), into the tables, in the same apply.
@@ -74,6 +86,17 @@ pub(crate) trait KernelWriter: Send {
 
     /// Renames the chains of one object to the names this writer gives them in the kernel.
     fn kernel_chain_names(&self, _tables: &Tables, _chains: &mut Vec<String>) {}
+
+    /// The id of a rule of ours in the kernel, found in `table` (the iptables table, or
+    /// `calico` for nftables), chain `chain` as the kernel names it, family `v`.
+    fn rule_id(
+        &self,
+        tables: &Tables,
+        v: IpVersion,
+        table: &str,
+        chain: &str,
+        at: RuleAt<'_>,
+    ) -> Option<RuleId>;
 
     /// What the last nftables write did (zero for any other writer).
     fn nft_stats(&self) -> NftStats {

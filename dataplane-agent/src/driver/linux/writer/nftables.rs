@@ -6,13 +6,13 @@ use std::collections::BTreeMap;
 
 use tracing::info;
 
-use super::{KernelWriter, Rerender};
+use super::{KernelWriter, Rerender, RuleAt};
 use crate::driver::DriverError;
 use crate::driver::linux::ipsets::IpSets;
 use crate::driver::linux::ipsets_mgr::IpSetsManager;
 use crate::driver::linux::iptables::{self, Backend};
 use crate::driver::linux::nft::{self, NftStats, NftTables};
-use crate::driver::linux::rules::IpVersion;
+use crate::driver::linux::rules::{IpVersion, RuleId};
 use crate::driver::linux::runner::CommandRunner;
 use crate::driver::linux::tables::{self, Tables};
 
@@ -34,6 +34,19 @@ impl NftWriter {
             stats: NftStats::default(),
             backend,
             sweep_other: true,
+        }
+    }
+}
+
+#[cfg(test)]
+impl NftWriter {
+    /// A writer over `nft` (tests: its batches go to a fake).
+    pub(crate) fn with_tables(nft: NftTables) -> Self {
+        Self {
+            nft,
+            stats: NftStats::default(),
+            backend: Backend::Auto,
+            sweep_other: false,
         }
     }
 }
@@ -123,6 +136,25 @@ impl KernelWriter for NftWriter {
         named.sort();
         named.dedup();
         *chains = named;
+    }
+
+    fn rule_id(
+        &self,
+        tables: &Tables,
+        v: IpVersion,
+        table: &str,
+        chain: &str,
+        at: RuleAt<'_>,
+    ) -> Option<RuleId> {
+        if table != nft::TABLE {
+            return None;
+        }
+        let (t, c, i) = match at {
+            RuleAt::Position(p) => self.nft.source_rule(v, chain, p),
+            RuleAt::Comment(comment) => self.nft.source_rule_by_comment(v, chain, comment),
+        }?;
+        let (rules, _) = tables.get(v, t)?.desired_chain(c)?;
+        rules.get(i)?.id.clone()
     }
 
     fn nft_stats(&self) -> NftStats {
