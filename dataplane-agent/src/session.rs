@@ -13,7 +13,7 @@
 //! driver, the error of a failed apply (the same short line `/readiness` shows) and what is
 //! still pending. A report identical to the previous one on the stream is not sent again.
 //!
-//! The session never opens a window (DESIGN.md invariant 6): `apply` is not called before the
+//! The session never opens a window (architecture invariant 6): `apply` is not called before the
 //! process's first `InSync`, nor while a reconnect's snapshot is arriving; on a lost server the
 //! dataplane stays as it is until the next stream's `InSync`.
 //!

@@ -73,7 +73,7 @@ fn the_pure_crates_link_nothing_that_does_io() {
     // The check itself sees IO where there is some.
     assert!(linked("calc-server").iter().any(|l| l == "tokio"));
     for pure in ["calc-graph", "calc-ingest", "calico-names"] {
-        assert_links_none(pure, IO, "it must stay pure (DESIGN.md invariant 1)");
+        assert_links_none(pure, IO, "it must stay pure (architecture invariant 1)");
     }
 }
 

@@ -1,7 +1,7 @@
 //! The pure core of calc-server.
 //!
 //! Everything in this crate is synchronous and side-effect free: no async runtime, no network,
-//! no filesystem, no clock (DESIGN.md invariant 1). Callers hand it bytes or values and get
+//! no filesystem, no clock (architecture invariant 1). Callers hand it bytes or values and get
 //! values back; invalid input comes back as an error value, never a panic.
 //!
 //! - [`selector`]: Calico's label-selector language (parse, evaluate, canonical form, ids).

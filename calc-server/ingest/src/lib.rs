@@ -14,7 +14,7 @@
 //!   a lost connection or an anti-entropy timer sends only what changed.
 //!
 //! Decoding goes through `calc_graph::manifest`'s decoders (the path manifests take), so a
-//! resource looks the same whichever datastore it came from (DESIGN.md invariant 2).
+//! resource looks the same whichever datastore it came from (architecture invariant 2).
 
 pub mod etcd;
 pub mod kubernetes;

@@ -1,5 +1,5 @@
 //! Datastore adapters: each turns its source into graph [`Update`]s. Thin by design
-//! (DESIGN.md invariant 2): reading and decoding only; validation and meaning live in the graph,
+//! (architecture invariant 2): reading and decoding only; validation and meaning live in the graph,
 //! and what keys and objects mean in `calc_ingest`.
 //!
 //! - [`file`](mod@file): a directory of Calico v3 manifests (the embedded default);

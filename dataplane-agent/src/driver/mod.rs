@@ -1,6 +1,6 @@
 //! The seam between the session (which follows the calc-server's stream) and a dataplane.
 //!
-//! A driver is two-phase (DESIGN.md invariant 7): [`Driver::on_update`] records the desired
+//! A driver is two-phase (architecture invariant 7): [`Driver::on_update`] records the desired
 //! change and does no IO; [`Driver::apply`] does the work for everything recorded since the last
 //! successful apply. The session guarantees the ordering described on [`Driver`]; the contract is
 //! written out for driver authors in `docs/drivers.md`.

@@ -6,7 +6,7 @@
 //! - [`watcher`]: the IO: connect, list, watch, back off, re-list.
 //! - [`status`]: the status writer (endpoint status and node liveness keys).
 //!
-//! The adapter is thin (DESIGN.md invariant 2): meaning and validation stay in `calc-graph`.
+//! The adapter is thin (architecture invariant 2): meaning and validation stay in `calc-graph`.
 
 pub mod status;
 pub mod watcher;

@@ -6,7 +6,7 @@
 //! - [`last_good`]: the on-disk last-good store, so that a restart keeps that version too.
 //! - [`status`]: the status writer (`<node>.json` per node).
 //!
-//! Thin (DESIGN.md invariant 2): files are read here, meaning and validation stay in
+//! Thin (architecture invariant 2): files are read here, meaning and validation stay in
 //! `calc-graph`.
 
 pub mod last_good;

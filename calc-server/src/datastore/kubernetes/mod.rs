@@ -10,7 +10,7 @@
 //!   with bookmarks, re-list on 410 Gone, back-off on errors), merged into one update stream;
 //!   also the one-shot snapshot `compute` uses.
 //!
-//! The adapter is thin (DESIGN.md invariant 2): it produces the same v3 resources the etcd and
+//! The adapter is thin (architecture invariant 2): it produces the same v3 resources the etcd and
 //! file adapters do, so the graph cannot tell which datastore it runs on.
 
 pub mod watcher;

@@ -1,4 +1,4 @@
-//! The engine: the one owner of the calculation graph (DESIGN.md invariant 2), as a synchronous
+//! The engine: the one owner of the calculation graph (architecture invariant 2), as a synchronous
 //! state machine.
 //!
 //! [`Engine::step`] takes a burst of [`Input`]s (datastore updates, agent connections and
