@@ -116,42 +116,26 @@ fn the_readme_lists_the_packages_make_installs() {
 fn status_against_the_grpc_port_names_the_admin_address() {
     let ds = example_datastore();
     let server = Server::start(ds.path(), &[]);
-    let out = Command::new(binary("calc-server"))
-        .args([
-            "status",
-            "--server",
-            server.grpc.trim_start_matches("http://"),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("gRPC port") && err.contains("--admin-listen"),
-        "{err}"
-    );
-    assert!(!err.contains("reset by peer"), "{err}");
-    // explain --server at the same port: the port's own message, no JSON parser noise.
-    let out = Command::new(binary("calc-server"))
-        .args([
-            "explain",
-            "--server",
-            server.grpc.trim_start_matches("http://"),
-            "--policy",
-            "block-threat-feed",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("gRPC port") && err.contains("--admin-listen"),
-        "{err}"
-    );
-    assert!(
-        !err.contains("expected ident") && !err.contains("line 1 column"),
-        "{err}"
-    );
+    let grpc = server.grpc.trim_start_matches("http://");
+    // status, and explain --server: the port's own message, no reset, no JSON parser noise.
+    for args in [
+        vec!["status", "--server", grpc],
+        vec!["explain", "--server", grpc, "--policy", "block-threat-feed"],
+    ] {
+        let out = Command::new(binary("calc-server"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("gRPC port") && err.contains("--admin-listen"),
+            "{args:?}: {err}"
+        );
+        for noise in ["reset by peer", "expected ident", "line 1 column"] {
+            assert!(!err.contains(noise), "{args:?}: {err}");
+        }
+    }
 }
 
 #[test]
