@@ -330,4 +330,30 @@ mod tests {
             assert!(value.parse::<f64>().is_ok(), "{line}");
         }
     }
+
+    /// The time to render `/metrics` with 5,000 agents connected (one lag series each). Run
+    /// with `cargo test --release -p calc-server --lib -- --ignored render_time`.
+    #[test]
+    #[ignore = "a timing, not a check"]
+    fn render_time_with_5000_agents() {
+        let m = Metrics::default();
+        for i in 0..5000u64 {
+            let q = Arc::new(AtomicU64::new(i));
+            m.agent_connected(&format!("node-{i}"), i, q, Arc::new(AtomicU64::new(0)));
+        }
+        let mut tiers = BTreeMap::new();
+        tiers.insert("default".to_owned(), (5000, 4990, 10));
+        m.set_realization(tiers);
+        let rounds = 200;
+        let mut bytes = 0;
+        let started = std::time::Instant::now();
+        for _ in 0..rounds {
+            bytes += m.render(true).len();
+        }
+        let each = started.elapsed() / rounds;
+        println!(
+            "render with 5000 agents: {each:?} per scrape, {} bytes",
+            bytes / rounds as usize
+        );
+    }
 }
