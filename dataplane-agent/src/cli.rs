@@ -687,7 +687,7 @@ mod tests {
         ]);
         let opts = cli.linux_options().unwrap();
         assert_eq!(opts.statics.workload_prefixes, vec!["cali", "tap"]);
-        assert_eq!(opts.backend, Backend::Legacy);
+        assert_eq!(opts.backend, Backend::IptablesLegacy);
     }
 
     #[test]

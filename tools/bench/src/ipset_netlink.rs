@@ -6,7 +6,7 @@
 use std::io;
 use std::net::Ipv4Addr;
 
-use dataplane_agent::driver::linux::nft::netlink::attr;
+use dataplane_agent::driver::linux::bench::attr;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 /// `NFNL_SUBSYS_IPSET << 8 | IPSET_CMD_TEST`.

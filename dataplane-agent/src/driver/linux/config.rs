@@ -13,15 +13,15 @@ use super::rules::static_chains::EndpointToHostAction;
 use super::validate;
 
 /// Settings the datastore may set, by their Felix names.
-pub const DEFAULT_ENDPOINT_TO_HOST_ACTION: &str = "DefaultEndpointToHostAction";
-pub const INTERFACE_PREFIX: &str = "InterfacePrefix";
-pub const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
-pub const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
-pub const LOG_PREFIX: &str = "LogPrefix";
-pub const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
+pub(crate) const DEFAULT_ENDPOINT_TO_HOST_ACTION: &str = "DefaultEndpointToHostAction";
+pub(crate) const INTERFACE_PREFIX: &str = "InterfacePrefix";
+pub(crate) const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
+pub(crate) const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
+pub(crate) const LOG_PREFIX: &str = "LogPrefix";
+pub(crate) const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
 
 /// The settings [`effective`] applies.
-pub const APPLIED: &[&str] = &[
+pub(crate) const APPLIED: &[&str] = &[
     DEFAULT_ENDPOINT_TO_HOST_ACTION,
     INTERFACE_PREFIX,
     FAILSAFE_INBOUND,
@@ -33,7 +33,7 @@ pub const APPLIED: &[&str] = &[
 /// The datastore's settings this agent does not act on, each group sorted: those it has no use
 /// for (Felix's BPF, logging, reporting settings …), those a flag pins, and those read at start
 /// only. An operator who sets one expecting an effect should see it named.
-pub fn not_applied<'a>(
+pub(crate) fn not_applied<'a>(
     pinned: &BTreeSet<String>,
     datastore: &'a BTreeMap<String, String>,
 ) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
@@ -51,10 +51,10 @@ pub fn not_applied<'a>(
 }
 
 /// Settings read at start only: a datastore value that differs is reported, not applied.
-pub const RESTART_ONLY: &[&str] = &["IptablesBackend", "Ipv6Support", "DeviceRouteProtocol"];
+pub(crate) const RESTART_ONLY: &[&str] = &["IptablesBackend", "Ipv6Support", "DeviceRouteProtocol"];
 
 /// The options to use, and the datastore values that were refused (named, with the reason).
-pub fn effective(
+pub(crate) fn effective(
     base: &LinuxOptions,
     pinned: &BTreeSet<String>,
     datastore: &BTreeMap<String, String>,
@@ -133,7 +133,7 @@ const FELIX_FEATURES: &[&str] = &[
 
 /// `MASQFullyRandom=true,SNATFullyRandom=false,RestoreSupportsLock=` (Felix's form): the
 /// `MASQFullyRandom` override, `None` when it is empty or absent (detected).
-pub fn parse_feature_overrides(v: &str) -> Result<Option<bool>, String> {
+pub(crate) fn parse_feature_overrides(v: &str) -> Result<Option<bool>, String> {
     let mut masq = None;
     for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (name, value) = item
@@ -161,7 +161,7 @@ pub fn parse_feature_overrides(v: &str) -> Result<Option<bool>, String> {
     Ok(masq)
 }
 
-pub use calico_names::felix_config::parse_failsafes;
+pub(crate) use calico_names::felix_config::parse_failsafes;
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@ use super::tables::Tables;
 use super::{LinuxOptions, MASQ_POOLS_SET, NETWORK_POOLS_SET, config};
 use crate::message::Message;
 
-pub struct ConfigManager {
+pub(crate) struct ConfigManager {
     /// The options from flags and defaults alone.
     base: LinuxOptions,
     /// The options in force (flags and defaults, with datastore settings applied).
@@ -34,7 +34,7 @@ pub struct ConfigManager {
 
 /// What applying a FelixConfiguration changed, for the other managers to follow.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ConfigChanges {
+pub(crate) struct ConfigChanges {
     /// The workload interface prefixes in force changed: every endpoint must be checked again.
     pub prefixes: bool,
     /// The log prefix changed: every policy and profile renders differently.
@@ -42,7 +42,7 @@ pub struct ConfigChanges {
 }
 
 impl ConfigManager {
-    pub fn new(opts: LinuxOptions) -> Self {
+    pub(crate) fn new(opts: LinuxOptions) -> Self {
         Self {
             base: opts.clone(),
             opts,
@@ -53,29 +53,29 @@ impl ConfigManager {
     }
 
     /// The options in force.
-    pub fn opts(&self) -> &LinuxOptions {
+    pub(crate) fn opts(&self) -> &LinuxOptions {
         &self.opts
     }
 
-    pub fn on_update(&mut self, msg: &Message) {
+    pub(crate) fn on_update(&mut self, msg: &Message) {
         if let Message::Config(u) = msg {
             self.pending = Some(u.config.clone().into_iter().collect());
         }
     }
 
     /// The static chains depend on something that changed outside the settings (the pools).
-    pub fn mark_statics_dirty(&mut self) {
+    pub(crate) fn mark_statics_dirty(&mut self) {
         self.statics_dirty = true;
     }
 
     /// MASQUERADE gets `--random-fully` where supported, unless the operator says otherwise.
-    pub fn masq_fully_random(&self, supported: Option<bool>) -> bool {
+    pub(crate) fn masq_fully_random(&self, supported: Option<bool>) -> bool {
         self.opts.masq_fully_random.or(supported).unwrap_or(false)
     }
 
     /// Applies a FelixConfiguration map from the server, if one came: a change to the static
     /// chains' settings marks them for rendering; the rest is for the driver to pass on.
-    pub fn apply(&mut self, ifaces: &Interfaces) -> ConfigChanges {
+    pub(crate) fn apply(&mut self, ifaces: &Interfaces) -> ConfigChanges {
         let Some(ds) = self.pending.take() else {
             return ConfigChanges::default();
         };
@@ -145,7 +145,7 @@ impl ConfigManager {
     /// Renders the static chains into every table if anything they depend on changed.
     /// `masquerading(v)`: family `v` has a natOutgoing pool (its MASQUERADE rule exists only
     /// then, as Felix renders it).
-    pub fn apply_statics(
+    pub(crate) fn apply_statics(
         &mut self,
         tables: &mut Tables,
         masquerading: impl Fn(IpVersion) -> bool,

@@ -28,7 +28,7 @@ use crate::driver::EndpointStatuses;
 use crate::driver::programmed::Collector;
 use crate::message::{HostEndpointKey, Message, WorkloadEndpointKey};
 
-pub struct EndpointManager {
+pub(crate) struct EndpointManager {
     weps: BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
     dirty_weps: HashSet<WorkloadEndpointKey>,
     /// Interface each workload's chains were rendered for.
@@ -48,7 +48,7 @@ pub struct EndpointManager {
 }
 
 impl EndpointManager {
-    pub fn new(ifaces: Arc<Interfaces>) -> Self {
+    pub(crate) fn new(ifaces: Arc<Interfaces>) -> Self {
         Self {
             weps: BTreeMap::new(),
             dirty_weps: HashSet::new(),
@@ -65,7 +65,12 @@ impl EndpointManager {
     }
 
     /// `prefixes`: the workload interface prefixes in force.
-    pub fn on_update(&mut self, msg: &Message, prefixes: &[String], refusals: &mut Refusals) {
+    pub(crate) fn on_update(
+        &mut self,
+        msg: &Message,
+        prefixes: &[String],
+        refusals: &mut Refusals,
+    ) {
         match msg {
             Message::WorkloadEndpointUpdate { key, endpoint } => {
                 self.take_workload(key.clone(), (**endpoint).clone(), prefixes, refusals);
@@ -140,7 +145,7 @@ impl EndpointManager {
 
     /// The workload prefixes in force changed: every endpoint was checked against the old
     /// ones, so each is checked again, and the dispatch chains follow.
-    pub fn recheck_workloads(&mut self, prefixes: &[String], refusals: &mut Refusals) {
+    pub(crate) fn recheck_workloads(&mut self, prefixes: &[String], refusals: &mut Refusals) {
         let all: Vec<(WorkloadEndpointKey, WorkloadEndpoint)> = self
             .weps
             .iter()
@@ -155,7 +160,7 @@ impl EndpointManager {
 
     /// Renders the endpoints that changed, then the dispatch chains if the interfaces may
     /// have.
-    pub fn apply(&mut self, tables: &mut Tables, opts: &LinuxOptions) {
+    pub(crate) fn apply(&mut self, tables: &mut Tables, opts: &LinuxOptions) {
         let endpoints_changed = !self.dirty_weps.is_empty() || !self.dirty_heps.is_empty();
         self.render_workloads(tables, &opts.render);
         self.render_hosts(tables, &opts.render);
@@ -342,12 +347,12 @@ impl EndpointManager {
     }
 
     /// The last apply succeeded: every workload's chains are in the kernel as rendered.
-    pub fn mark_programmed(&mut self) {
+    pub(crate) fn mark_programmed(&mut self) {
         self.programmed_weps = self.weps.keys().cloned().collect();
     }
 
     /// Host endpoints found by address may have found (or lost) their interface.
-    pub fn on_wakeup(&mut self) {
+    pub(crate) fn on_wakeup(&mut self) {
         let by_address: Vec<HostEndpointKey> = self
             .heps
             .iter()
@@ -358,22 +363,22 @@ impl EndpointManager {
     }
 
     /// The workload endpoints programmed (or to be), for routes.
-    pub fn workloads(&self) -> &BTreeMap<WorkloadEndpointKey, WorkloadEndpoint> {
+    pub(crate) fn workloads(&self) -> &BTreeMap<WorkloadEndpointKey, WorkloadEndpoint> {
         &self.weps
     }
 
     /// The host endpoints held, for policy placement.
-    pub fn hosts(&self) -> impl Iterator<Item = &HostEndpoint> + Clone {
+    pub(crate) fn hosts(&self) -> impl Iterator<Item = &HostEndpoint> + Clone {
         self.heps.values()
     }
 
-    pub fn workload(&self, id: &WorkloadEndpointKey) -> Option<&WorkloadEndpoint> {
+    pub(crate) fn workload(&self, id: &WorkloadEndpointKey) -> Option<&WorkloadEndpoint> {
         self.weps.get(id)
     }
 
     /// Every endpoint's status. `refused`: every object held failing closed; `apply_failed`:
     /// the last apply failed; `link_up`: whether an interface counts as up.
-    pub fn statuses(
+    pub(crate) fn statuses(
         &self,
         refused: &BTreeMap<String, String>,
         apply_failed: bool,
@@ -446,7 +451,7 @@ impl EndpointManager {
     }
 
     /// Adds every endpoint held; an endpoint has chains once rendered for an interface.
-    pub fn collect(&self, c: &mut Collector) {
+    pub(crate) fn collect(&self, c: &mut Collector) {
         for (key, ep) in &self.weps {
             c.workload(key, ep, self.wep_ifaces.get(key).map(String::as_str));
         }

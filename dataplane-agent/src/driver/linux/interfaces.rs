@@ -214,7 +214,7 @@ impl Interfaces {
 
 /// Subscribes to link and address events, dumps the current links and addresses, then keeps
 /// `ifaces` up to date until the process ends. Must be called inside a tokio runtime.
-pub fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
+pub(crate) fn spawn_monitor(ifaces: Arc<Interfaces>) -> std::io::Result<()> {
     let runtime = tokio::runtime::Handle::try_current()
         .map_err(|e| std::io::Error::other(format!("no async runtime: {e}")))?;
     let (conn, handle, mut messages) = rtnetlink::new_multicast_connection(&[

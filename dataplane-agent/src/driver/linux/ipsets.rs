@@ -24,7 +24,7 @@ const OUR_SET_PREFIXES: [&str; 4] = ["cali40", "cali60", "cali4t", "cali6t"];
 
 /// The kernel set type of a proto set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SetKind {
+pub(crate) enum SetKind {
     Ip,
     IpPort,
     Net,
@@ -32,7 +32,7 @@ pub enum SetKind {
 
 impl SetKind {
     /// From `IPSetUpdate.type`.
-    pub fn from_proto(t: crate::message::IpSetType) -> Self {
+    pub(crate) fn from_proto(t: crate::message::IpSetType) -> Self {
         use crate::message::IpSetType;
         match t {
             IpSetType::Ip => SetKind::Ip,
@@ -59,7 +59,10 @@ fn family(v: IpVersion) -> &'static str {
 
 /// A member in the form `ipset save` prints it, with its family, checked and normalised by
 /// [`validate::ipset_members`] (a `/0` gives two members); the reason when it is refused.
-pub fn normalize_member(kind: SetKind, member: &str) -> Result<Vec<(IpVersion, String)>, String> {
+pub(crate) fn normalize_member(
+    kind: SetKind,
+    member: &str,
+) -> Result<Vec<(IpVersion, String)>, String> {
     let vkind = match kind {
         SetKind::Ip => MemberKind::Ip,
         SetKind::IpPort => MemberKind::IpPort,
@@ -127,7 +130,7 @@ pub enum IpSetError {
 
 /// What one `apply_updates` did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IpSetStats {
+pub(crate) struct IpSetStats {
     pub created: usize,
     pub rewritten: usize,
     pub added: usize,
@@ -141,14 +144,14 @@ pub struct IpSetStats {
 /// recreates `name` with the new type and the rules move back. The old set keeps enforcing
 /// until the rules leave it: there is no moment without the set.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Migration {
+pub(crate) struct Migration {
     pub version: IpVersion,
     pub name: String,
     pub temp: String,
 }
 
 /// Our kernel IP sets.
-pub struct IpSets {
+pub(crate) struct IpSets {
     desired: HashMap<String, DesiredSet>,
     kernel: Option<HashMap<String, KernelSet>>,
     /// `invalidate` dropped a kernel view we trusted: the next read back reports the sets that
@@ -169,7 +172,7 @@ pub struct IpSets {
 }
 
 impl IpSets {
-    pub fn new(versions: Vec<IpVersion>) -> Self {
+    pub(crate) fn new(versions: Vec<IpVersion>) -> Self {
         Self {
             desired: HashMap::new(),
             kernel: None,
@@ -185,7 +188,7 @@ impl IpSets {
 
     /// Replaces a set's type and members (`IPSetUpdate`). Returns the reasons members were
     /// refused (they are left out).
-    pub fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) -> Vec<String> {
+    pub(crate) fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) -> Vec<String> {
         let mut refused = Vec::new();
         let members = normalized(kind, members, &mut refused);
         for v in self.versions.clone() {
@@ -208,7 +211,7 @@ impl IpSets {
     }
 
     /// Adds and removes members (`IPSetDeltaUpdate`). Returns the reasons members were refused.
-    pub fn delta(&mut self, id: &str, added: &[String], removed: &[String]) -> Vec<String> {
+    pub(crate) fn delta(&mut self, id: &str, added: &[String], removed: &[String]) -> Vec<String> {
         let mut refused = Vec::new();
         let Some(kind) = self
             .versions
@@ -242,7 +245,7 @@ impl IpSets {
 
     /// Our desired sets by kernel name: type, family and members (normalised as `ipset save`
     /// prints them), for a writer other than `ipset restore` (the nftables one).
-    pub fn desired_sets(
+    pub(crate) fn desired_sets(
         &self,
     ) -> impl Iterator<Item = (&str, SetKind, IpVersion, &HashSet<String>)> {
         self.desired
@@ -251,19 +254,19 @@ impl IpSets {
     }
 
     /// One desired set by kernel name: type, family and members.
-    pub fn desired_set(&self, name: &str) -> Option<(SetKind, IpVersion, &HashSet<String>)> {
+    pub(crate) fn desired_set(&self, name: &str) -> Option<(SetKind, IpVersion, &HashSet<String>)> {
         self.desired
             .get(name)
             .map(|d| (d.kind, d.version, &d.members))
     }
 
     /// Starts recording removed sets (see [`IpSets::take_removed`]).
-    pub fn track_removals(&mut self) {
+    pub(crate) fn track_removals(&mut self) {
         self.removed.get_or_insert_with(HashSet::new);
     }
 
     /// Kernel names of the sets removed since the last call.
-    pub fn take_removed(&mut self) -> HashSet<String> {
+    pub(crate) fn take_removed(&mut self) -> HashSet<String> {
         self.removed
             .as_mut()
             .map(std::mem::take)
@@ -272,19 +275,19 @@ impl IpSets {
 
     /// The sets changed since the last call (by kernel name), for a writer that does not use
     /// [`IpSets::apply_updates`].
-    pub fn take_dirty(&mut self) -> HashSet<String> {
+    pub(crate) fn take_dirty(&mut self) -> HashSet<String> {
         std::mem::take(&mut self.dirty)
     }
 
     /// Whether the set is known (given by an `IPSetUpdate` and not removed).
-    pub fn contains(&self, id: &str) -> bool {
+    pub(crate) fn contains(&self, id: &str) -> bool {
         self.versions
             .iter()
             .any(|v| self.desired.contains_key(&ipset_name(*v, id)))
     }
 
     /// Forgets a set (`IPSetRemove`); it is destroyed by the next `apply_deletions`.
-    pub fn remove(&mut self, id: &str) {
+    pub(crate) fn remove(&mut self, id: &str) {
         for v in IpVersion::BOTH {
             let name = ipset_name(v, id);
             if let Some(removed) = &mut self.removed
@@ -299,7 +302,7 @@ impl IpSets {
     }
 
     /// The next apply reads the kernel back, repairs what differs and tries refused sets again.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         self.check_drift |= self.kernel.take().is_some();
         self.refused.clear();
     }
@@ -326,7 +329,7 @@ impl IpSets {
     }
 
     /// Number of sets and members we want in the kernel.
-    pub fn counts(&self) -> (usize, usize) {
+    pub(crate) fn counts(&self) -> (usize, usize) {
         (
             self.desired.len(),
             self.desired.values().map(|s| s.members.len()).sum(),
@@ -383,7 +386,7 @@ impl IpSets {
     /// written on its own; the ones the kernel refuses are reported by [`IpSets::refused`]
     /// and left out until they change or the sets are invalidated. An error is returned only
     /// when `ipset` fails as such.
-    pub fn apply_updates(
+    pub(crate) fn apply_updates(
         &mut self,
         runner: &mut dyn CommandRunner,
     ) -> Result<IpSetStats, IpSetError> {
@@ -565,14 +568,17 @@ impl IpSets {
 
     /// Type changes built by the last [`IpSets::apply_updates`]: the driver points the rules
     /// using `name` at `temp` and applies the tables before [`IpSets::finish_migrations`].
-    pub fn migrations(&self) -> &[Migration] {
+    pub(crate) fn migrations(&self) -> &[Migration] {
         &self.migrations
     }
 
     /// Once no rule uses the old sets: recreates each migrated set under its own name with the
     /// new type (the rules then move back, and the temporary sets go with the deletions). On
     /// failure the sets are read back and tried again at the next apply.
-    pub fn finish_migrations(&mut self, runner: &mut dyn CommandRunner) -> Result<(), IpSetError> {
+    pub(crate) fn finish_migrations(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<(), IpSetError> {
         let migrations = std::mem::take(&mut self.migrations);
         let mut script = String::new();
         for m in &migrations {
@@ -598,14 +604,14 @@ impl IpSets {
 
     /// The tables could not move to the temporary sets: the migrations start again next time
     /// (the temporary sets go with the deletions).
-    pub fn abandon_migrations(&mut self) {
+    pub(crate) fn abandon_migrations(&mut self) {
         for m in std::mem::take(&mut self.migrations) {
             self.dirty.insert(m.name);
         }
     }
 
     /// Sets the kernel refused: (kernel name, the calc-server's id, the kernel's error).
-    pub fn refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
+    pub(crate) fn refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
         self.refused.iter().map(|(name, error)| {
             let id = self.desired.get(name).map_or("", |d| d.id.as_str());
             (name.as_str(), id, error.as_str())
@@ -613,7 +619,7 @@ impl IpSets {
     }
 
     /// Whether the kernel refused the v4 or v6 set of `id`.
-    pub fn is_refused(&self, id: &str) -> bool {
+    pub(crate) fn is_refused(&self, id: &str) -> bool {
         IpVersion::BOTH
             .iter()
             .any(|v| self.refused.contains_key(&ipset_name(*v, id)))
@@ -621,7 +627,10 @@ impl IpSets {
 
     /// Destroys sets of ours nothing wants any more. A set still in use by a rule that is not
     /// ours is kept and retried next time (logged), rather than failing the whole apply.
-    pub fn apply_deletions(&mut self, runner: &mut dyn CommandRunner) -> Result<usize, IpSetError> {
+    pub(crate) fn apply_deletions(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<usize, IpSetError> {
         let Some(kernel) = self.kernel.as_ref() else {
             return Ok(0);
         };

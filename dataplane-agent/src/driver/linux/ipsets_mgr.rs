@@ -20,7 +20,7 @@ use super::runner::CommandRunner;
 use super::validate;
 use crate::message::Message;
 
-pub struct IpSetsManager {
+pub(crate) struct IpSetsManager {
     sets: IpSets,
     /// IP sets some of whose members were refused: policies that use one fail closed.
     poisoned: HashSet<String>,
@@ -29,7 +29,7 @@ pub struct IpSetsManager {
 }
 
 impl IpSetsManager {
-    pub fn new(versions: Vec<IpVersion>) -> Self {
+    pub(crate) fn new(versions: Vec<IpVersion>) -> Self {
         Self {
             sets: IpSets::new(versions),
             poisoned: HashSet::new(),
@@ -39,7 +39,7 @@ impl IpSetsManager {
 
     /// Records an IP set message. Returns the id of a set whose poisoned state changed: the
     /// policies and profiles that use it must be rendered again.
-    pub fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) -> Option<String> {
+    pub(crate) fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) -> Option<String> {
         match msg {
             Message::IpSetUpdate {
                 id,
@@ -109,18 +109,18 @@ impl IpSetsManager {
     }
 
     /// Replaces one of the agent's own sets (not from the stream; its members are trusted).
-    pub fn replace_local(&mut self, id: &str, kind: SetKind, members: &[String]) {
+    pub(crate) fn replace_local(&mut self, id: &str, kind: SetKind, members: &[String]) {
         self.sets.replace(id, kind, members);
     }
 
     /// Whether rules may use the set as sent: known, not poisoned, not refused by the kernel.
-    pub fn usable(&self, id: &str) -> bool {
+    pub(crate) fn usable(&self, id: &str) -> bool {
         !(self.poisoned.contains(id) || !self.sets.contains(id) || self.sets.is_refused(id))
     }
 
     /// Creates and updates sets. Returns the kernel names whose refusal by the kernel changed
     /// (the rules using them must fail closed, or open up again, in this same apply).
-    pub fn apply_updates(
+    pub(crate) fn apply_updates(
         &mut self,
         runner: &mut dyn CommandRunner,
     ) -> Result<BTreeSet<String>, IpSetError> {
@@ -145,20 +145,26 @@ impl IpSetsManager {
     }
 
     /// Type changes built beside the old sets by the last `apply_updates`.
-    pub fn migrations(&self) -> &[Migration] {
+    pub(crate) fn migrations(&self) -> &[Migration] {
         self.sets.migrations()
     }
 
-    pub fn finish_migrations(&mut self, runner: &mut dyn CommandRunner) -> Result<(), IpSetError> {
+    pub(crate) fn finish_migrations(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<(), IpSetError> {
         self.sets.finish_migrations(runner)
     }
 
-    pub fn abandon_migrations(&mut self) {
+    pub(crate) fn abandon_migrations(&mut self) {
         self.sets.abandon_migrations();
     }
 
     /// Destroys the sets nothing wants any more (after the tables stopped using them).
-    pub fn apply_deletions(&mut self, runner: &mut dyn CommandRunner) -> Result<(), IpSetError> {
+    pub(crate) fn apply_deletions(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+    ) -> Result<(), IpSetError> {
         let destroyed = self.sets.apply_deletions(runner)?;
         if destroyed > 0 {
             debug!(destroyed, "unused ipsets destroyed");
@@ -167,22 +173,22 @@ impl IpSetsManager {
     }
 
     /// Sets the kernel refused: (kernel name, the calc-server's id, the kernel's error).
-    pub fn kernel_refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
+    pub(crate) fn kernel_refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
         self.sets.refused()
     }
 
     /// The sets themselves, for the nftables writer (which programs them as nft sets).
-    pub fn sets_mut(&mut self) -> &mut IpSets {
+    pub(crate) fn sets_mut(&mut self) -> &mut IpSets {
         &mut self.sets
     }
 
     /// (sets, members) of ours.
-    pub fn counts(&self) -> (usize, usize) {
+    pub(crate) fn counts(&self) -> (usize, usize) {
         self.sets.counts()
     }
 
     /// The next apply reads the kernel back and repairs what differs.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         self.sets.invalidate();
     }
 }

@@ -21,26 +21,30 @@ use super::rules::{Chain, IpVersion, Rule, RuleId, quote, rule_hashes};
 use super::runner::CommandRunner;
 
 /// Chains we own start with this.
-pub const OUR_CHAIN_PREFIX: &str = "cali-";
+pub(crate) const OUR_CHAIN_PREFIX: &str = "cali-";
 
-/// Which iptables implementation programs the kernel.
+/// Which iptables implementation the iptables writer runs (`--driver linux`); not to be
+/// confused with the nftables writer (`--driver nftables`). The flag values `auto`, `legacy`
+/// and `nft` are a contract.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
     /// Detect as Felix does: follow whichever backend already holds rules, else what
     /// `iptables --version` reports.
     Auto,
     /// `iptables-legacy-*` (x_tables).
-    Legacy,
+    #[value(name = "legacy")]
+    IptablesLegacy,
     /// `iptables-nft-*` (nf_tables, iptables-compatible rules).
-    Nft,
+    #[value(name = "nft")]
+    IptablesNft,
 }
 
 impl Backend {
     pub fn name(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
-            Backend::Legacy => "legacy",
-            Backend::Nft => "nft",
+            Backend::IptablesLegacy => "legacy",
+            Backend::IptablesNft => "nft",
         }
     }
 
@@ -52,7 +56,9 @@ impl Backend {
         };
         match self {
             Backend::Auto => format!("{family}-{tool}"),
-            Backend::Legacy | Backend::Nft => format!("{family}-{}-{tool}", self.name()),
+            Backend::IptablesLegacy | Backend::IptablesNft => {
+                format!("{family}-{}-{tool}", self.name())
+            }
         }
     }
 }
@@ -64,7 +70,7 @@ impl Backend {
 /// for a table by name (`-t filter`) makes the legacy kernel create it, and an empty legacy
 /// table on an nft host makes every later `iptables-save` warn "iptables-legacy tables
 /// present". Detection must look without touching.
-pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
+pub(crate) fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
     let mut count = |b: Backend| -> (usize, bool) {
         let mut rules = 0;
         let mut hint = false;
@@ -79,31 +85,33 @@ pub fn detect_backend(runner: &mut dyn CommandRunner) -> Backend {
         }
         (rules, hint)
     };
-    let (legacy_rules, legacy_hint) = count(Backend::Legacy);
-    let (nft_rules, nft_hint) = count(Backend::Nft);
+    let (legacy_rules, legacy_hint) = count(Backend::IptablesLegacy);
+    let (nft_rules, nft_hint) = count(Backend::IptablesNft);
     if nft_hint && !legacy_hint {
-        return Backend::Nft;
+        return Backend::IptablesNft;
     }
     if legacy_hint && !nft_hint {
-        return Backend::Legacy;
+        return Backend::IptablesLegacy;
     }
     if legacy_rules > nft_rules {
-        return Backend::Legacy;
+        return Backend::IptablesLegacy;
     }
     if nft_rules > legacy_rules {
-        return Backend::Nft;
+        return Backend::IptablesNft;
     }
     match runner.run("iptables", &["--version"], None) {
-        Ok(out) if String::from_utf8_lossy(&out.stdout).contains("nf_tables") => Backend::Nft,
-        Ok(out) if out.success => Backend::Legacy,
-        _ => Backend::Nft,
+        Ok(out) if String::from_utf8_lossy(&out.stdout).contains("nf_tables") => {
+            Backend::IptablesNft
+        }
+        Ok(out) if out.success => Backend::IptablesLegacy,
+        _ => Backend::IptablesNft,
     }
 }
 
 /// Whether `MASQUERADE --random-fully` can be programmed: as Felix detects it, iptables 1.6.2 or
 /// later (the restore tool this backend uses) and Linux 3.14 or later. Anything unreadable
 /// counts as unsupported: plain MASQUERADE works everywhere.
-pub fn supports_masquerade_fully_random(
+pub(crate) fn supports_masquerade_fully_random(
     runner: &mut dyn CommandRunner,
     backend: Backend,
     kernel_release: Option<&str>,
@@ -118,7 +126,7 @@ pub fn supports_masquerade_fully_random(
 
 /// Whether the kernel takes fully random source ports for masquerading (Linux 3.14 or later);
 /// all nftables needs besides its own support.
-pub fn kernel_supports_fully_random(kernel_release: Option<&str>) -> bool {
+pub(crate) fn kernel_supports_fully_random(kernel_release: Option<&str>) -> bool {
     kernel_release
         .and_then(parse_version)
         .is_some_and(|k| k >= (3, 14, 0))
@@ -229,7 +237,7 @@ fn table_section(text: &str, table: &str) -> String {
 }
 
 /// Reads every table of a family with one `iptables-save`.
-pub fn save_all(
+pub(crate) fn save_all(
     runner: &mut dyn CommandRunner,
     backend: Backend,
     v: IpVersion,
@@ -324,7 +332,7 @@ struct Tail {
 
 /// Counts of what one apply wrote.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ApplyStats {
+pub(crate) struct ApplyStats {
     pub chains_written: usize,
     pub chains_deleted: usize,
     pub hooks_fixed: usize,
@@ -334,7 +342,7 @@ pub struct ApplyStats {
 }
 
 /// One table (`filter`, `raw`, `mangle`, `nat`) of one family.
-pub struct Table {
+pub(crate) struct Table {
     name: &'static str,
     version: IpVersion,
     desired: HashMap<String, DesiredChain>,
@@ -356,7 +364,7 @@ pub struct Table {
 }
 
 impl Table {
-    pub fn new(name: &'static str, version: IpVersion) -> Self {
+    pub(crate) fn new(name: &'static str, version: IpVersion) -> Self {
         Self {
             name,
             version,
@@ -372,21 +380,21 @@ impl Table {
         }
     }
 
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         self.name
     }
 
-    pub fn version(&self) -> IpVersion {
+    pub(crate) fn version(&self) -> IpVersion {
         self.version
     }
 
     /// Sets (or replaces) one of our own chains (static or dispatch).
-    pub fn set_chain(&mut self, chain: Chain) {
+    pub(crate) fn set_chain(&mut self, chain: Chain) {
         self.put_chain(chain, None);
     }
 
     /// Sets (or replaces) a chain that renders the stream object `owner` ("policy …").
-    pub fn set_owned_chain(&mut self, chain: Chain, owner: &str) {
+    pub(crate) fn set_owned_chain(&mut self, chain: Chain, owner: &str) {
         self.put_chain(chain, Some(owner));
     }
 
@@ -424,7 +432,7 @@ impl Table {
     /// Points every rule that matches IP set `from` at set `to` instead (an IP set changing
     /// type is rebuilt beside the old one, then the rules move to it). Returns how many chains
     /// changed; they are rewritten at the next apply.
-    pub fn rename_set(&mut self, from: &str, to: &str) -> usize {
+    pub(crate) fn rename_set(&mut self, from: &str, to: &str) -> usize {
         let changed: Vec<(String, Chain, Option<String>)> = self
             .desired
             .iter()
@@ -462,18 +470,18 @@ impl Table {
 
     /// Our desired chains: name, rules and their hashes (what another writer of the same
     /// chains, the nftables one, takes as its input).
-    pub fn desired_chains(&self) -> impl Iterator<Item = (&str, &[Rule], &[String])> {
+    pub(crate) fn desired_chains(&self) -> impl Iterator<Item = (&str, &[Rule], &[String])> {
         self.desired
             .iter()
             .map(|(n, d)| (n.as_str(), d.rules.as_slice(), d.hashes.as_slice()))
     }
 
     /// The rules we keep in the kernel's own chains.
-    pub fn hooks(&self) -> &Hooks {
+    pub(crate) fn hooks(&self) -> &Hooks {
         &self.hooks
     }
 
-    pub fn remove_chain(&mut self, name: &str) {
+    pub(crate) fn remove_chain(&mut self, name: &str) {
         if let Some((changed, _)) = &mut self.changes
             && self.desired.contains_key(name)
         {
@@ -483,17 +491,17 @@ impl Table {
         self.refused.remove(name);
     }
 
-    pub fn has_chain(&self, name: &str) -> bool {
+    pub(crate) fn has_chain(&self, name: &str) -> bool {
         self.desired.contains_key(name)
     }
 
     /// Number of rules in our desired chains.
-    pub fn rule_count(&self) -> usize {
+    pub(crate) fn rule_count(&self) -> usize {
         self.desired.values().map(|c| c.rules.len()).sum()
     }
 
     /// One desired chain: its rules and their hashes.
-    pub fn desired_chain(&self, name: &str) -> Option<(&[Rule], &[String])> {
+    pub(crate) fn desired_chain(&self, name: &str) -> Option<(&[Rule], &[String])> {
         self.desired
             .get(name)
             .map(|d| (d.rules.as_slice(), d.hashes.as_slice()))
@@ -502,14 +510,14 @@ impl Table {
     /// The rule id of the rule at `position` (1-based, as `iptables -L --line-numbers` and
     /// `iptables-save` order them) of our chain `chain`, as this writer puts it in the kernel
     /// (a chain the kernel refused and that fails closed holds a DROP without an id).
-    pub fn rule_id_at(&self, chain: &str, position: usize) -> Option<&RuleId> {
+    pub(crate) fn rule_id_at(&self, chain: &str, position: usize) -> Option<&RuleId> {
         let (rules, _) = self.wanted(chain)?;
         rules.get(position.checked_sub(1)?)?.id.as_ref()
     }
 
     /// The rule id of the rule of our chain `chain` that carries `comment`: its `cali:<hash>`
     /// comment, or a whole rule line from `iptables-save` holding it.
-    pub fn rule_id_by_comment(&self, chain: &str, comment: &str) -> Option<&RuleId> {
+    pub(crate) fn rule_id_by_comment(&self, chain: &str, comment: &str) -> Option<&RuleId> {
         let hash = hash_of(comment)
             .or_else(|| comment.strip_prefix("cali:"))
             .unwrap_or(comment);
@@ -519,12 +527,12 @@ impl Table {
     }
 
     /// Starts recording which chains change (see [`Table::take_changes`]).
-    pub fn track_changes(&mut self) {
+    pub(crate) fn track_changes(&mut self) {
         self.changes.get_or_insert_with(Default::default);
     }
 
     /// The chains set or removed, and whether the hooks were set, since the last call.
-    pub fn take_changes(&mut self) -> (HashSet<String>, bool) {
+    pub(crate) fn take_changes(&mut self) -> (HashSet<String>, bool) {
         self.changes
             .as_mut()
             .map(std::mem::take)
@@ -532,7 +540,7 @@ impl Table {
     }
 
     /// Sets the rules we keep in the kernel's own chains.
-    pub fn set_hooks(&mut self, hooks: Hooks) {
+    pub(crate) fn set_hooks(&mut self, hooks: Hooks) {
         if let Some((_, hooks_changed)) = &mut self.changes {
             *hooks_changed = true;
         }
@@ -558,7 +566,7 @@ impl Table {
 
     /// Forgets the kernel view: the next apply reads the kernel back, repairs differences and
     /// tries refused chains again.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         if let Some(k) = self.kernel.take() {
             self.last_known = Some(k);
         }
@@ -586,14 +594,14 @@ impl Table {
     }
 
     /// Whether the next apply must read the kernel back first.
-    pub fn needs_read_back(&self) -> bool {
+    pub(crate) fn needs_read_back(&self) -> bool {
         self.kernel.is_none()
     }
 
     /// Takes the kernel view from `iptables-save` output covering this table (other tables'
     /// sections in the same text are ignored). Lets the caller read every table of a family
     /// with one save: with nft, each save costs as much as the whole ruleset.
-    pub fn load_kernel_view(&mut self, save_output: &str) {
+    pub(crate) fn load_kernel_view(&mut self, save_output: &str) {
         self.set_kernel_view(parse_save(&table_section(save_output, self.name)));
         self.loaded = true;
     }
@@ -602,7 +610,7 @@ impl Table {
     /// transaction fails, the chains responsible are found and refused (see
     /// [`Table::refused`]) and everything else is applied; an error is returned only when the
     /// tool fails as such or our own hooks cannot be written.
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         runner: &mut dyn CommandRunner,
         backend: Backend,
@@ -814,7 +822,7 @@ impl Table {
     }
 
     /// Chains the kernel refused: (chain, object it renders, the kernel's error).
-    pub fn refused(&self) -> impl Iterator<Item = (&str, Option<&str>, &str)> {
+    pub(crate) fn refused(&self) -> impl Iterator<Item = (&str, Option<&str>, &str)> {
         self.refused.iter().map(|(name, r)| {
             let owner = self.desired.get(name).and_then(|d| d.owner.as_deref());
             (name.as_str(), owner, r.error.as_str())
@@ -1069,7 +1077,7 @@ mod tests {
             }
         }
         let mut r = Recorder(Vec::new());
-        assert_eq!(detect_backend(&mut r), Backend::Nft);
+        assert_eq!(detect_backend(&mut r), Backend::IptablesNft);
         assert!(
             r.0.iter().any(|(p, _)| p == "iptables-legacy-save"),
             "legacy is looked at: {:?}",
@@ -1089,17 +1097,17 @@ mod tests {
         // The fake's restore tool says v1.8.9.
         assert!(supports_masquerade_fully_random(
             &mut k,
-            Backend::Nft,
+            Backend::IptablesNft,
             Some("6.1.0-13-amd64")
         ));
         assert!(!supports_masquerade_fully_random(
             &mut k,
-            Backend::Nft,
+            Backend::IptablesNft,
             Some("3.13.11")
         ));
         assert!(!supports_masquerade_fully_random(
             &mut k,
-            Backend::Nft,
+            Backend::IptablesNft,
             None
         ));
         assert_eq!(parse_version("iptables-restore v1.6.1"), Some((1, 6, 1)));
@@ -1126,7 +1134,7 @@ mod tests {
         t.set_chain(chain("cali-a", 3));
         t.set_chain(chain("cali-b", 3));
         t.set_hooks(hooks());
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!((s.chains_written, s.hooks_fixed, s.read_back), (3, 1, true));
         assert_eq!(k.chain_rules(IpVersion::V4, "filter", "cali-a").len(), 3);
         assert!(k.chain_rules(IpVersion::V4, "filter", "INPUT")[0].contains("cali-INPUT"));
@@ -1134,14 +1142,14 @@ mod tests {
         // Nothing changed: no restore at all.
         let calls = k.restore_calls();
         assert_eq!(
-            t.apply(&mut k, Backend::Nft).unwrap(),
+            t.apply(&mut k, Backend::IptablesNft).unwrap(),
             ApplyStats::default()
         );
         assert_eq!(k.restore_calls(), calls);
 
         // One chain changes: only it is in the transaction.
         t.set_chain(chain("cali-b", 4));
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(s.chains_written, 1);
         let input = k.last_restore_input();
         assert!(input.contains(":cali-b - [0:0]"));
@@ -1156,7 +1164,7 @@ mod tests {
         let mut t = Table::new("filter", IpVersion::V4);
         t.set_chain(chain("cali-INPUT", 1));
         t.set_hooks(hooks());
-        let s = t.apply(&mut k, Backend::Legacy).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesLegacy).unwrap();
         assert_eq!(s.chains_deleted, 1);
         assert!(!k.has_chain(IpVersion::V4, "filter", "cali-old"));
         let input = k.chain_rules(IpVersion::V4, "filter", "INPUT");
@@ -1177,7 +1185,7 @@ mod tests {
         t.set_chain(chain("cali-INPUT", 1));
         t.set_chain(chain("cali-a", 3));
         t.set_hooks(hooks());
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         // Someone deletes a rule of ours and moves our hook below theirs.
         k.exec_restore(IpVersion::V4, "*filter\n-D cali-a 2\nCOMMIT\n")
             .unwrap();
@@ -1189,11 +1197,11 @@ mod tests {
         .unwrap();
         // Without a read-back we trust our view.
         assert_eq!(
-            t.apply(&mut k, Backend::Nft).unwrap(),
+            t.apply(&mut k, Backend::IptablesNft).unwrap(),
             ApplyStats::default()
         );
         t.invalidate();
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!((s.chains_written, s.hooks_fixed), (1, 1));
         assert!(
             !k.last_restore_input().contains("cali-INPUT - [0:0]"),
@@ -1237,17 +1245,17 @@ mod tests {
             "cali-user",
             vec![Rule::always(Action::Jump("cali-target".into()))],
         ));
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         // Inconsistent input: the target goes while a chain still jumps to it.
         t.remove_chain("cali-target");
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(s.chains_deleted, 0);
         assert_eq!(
             k.chain_rules(IpVersion::V4, "filter", "cali-target").len(),
             1
         );
         t.remove_chain("cali-user");
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(s.chains_deleted, 2);
         assert!(!k.has_chain(IpVersion::V4, "filter", "cali-target"));
     }
@@ -1258,18 +1266,21 @@ mod tests {
         let mut t = Table::new("filter", IpVersion::V4);
         t.set_chain(chain("cali-a", 1));
         t.set_chain(chain("cali-b", 1));
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         t.set_chain(chain("cali-a", 2));
         t.set_chain(chain("cali-b", 2));
         k.fail_restores = Some("Another app is currently holding the xtables lock".into());
         let calls = k.restore_calls();
-        let err = t.apply(&mut k, Backend::Nft).unwrap_err().to_string();
+        let err = t
+            .apply(&mut k, Backend::IptablesNft)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("xtables lock"), "{err}");
         // The whole batch, then an empty one showing the tool itself fails: no bisecting.
         assert_eq!(k.restore_calls() - calls, 2);
         assert_eq!(t.refused().count(), 0, "no chain is blamed");
         k.fail_restores = None;
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert!(s.read_back);
         assert_eq!(s.chains_written, 2);
     }
@@ -1305,7 +1316,7 @@ mod tests {
         for n in 0..6 {
             t.set_owned_chain(chain(&format!("cali-pi-other{n}"), 1), "policy other");
         }
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!((s.chains_written, s.chains_refused), (9, 1));
         assert_eq!(
             k.chain_rules(IpVersion::V4, "filter", "cali-pi-bad"),
@@ -1333,20 +1344,20 @@ mod tests {
         // Kept out: the next apply does not try it (or anything) again.
         let calls = k.restore_calls();
         assert_eq!(
-            t.apply(&mut k, Backend::Nft).unwrap(),
+            t.apply(&mut k, Backend::IptablesNft).unwrap(),
             ApplyStats::default()
         );
         assert_eq!(k.restore_calls(), calls);
 
         // An unrelated change goes in with one transaction.
         t.set_owned_chain(chain("cali-pi-good", 3), "policy good");
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!((s.chains_written, s.chains_refused), (1, 0));
         assert_eq!(k.restore_calls(), calls + 1);
 
         // New content for the refused chain is tried again, and the refusal clears.
         t.set_owned_chain(chain_from("cali-pi-bad", &["10.1.1.1"]), "policy bad");
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(t.refused().count(), 0);
         assert!(k.chain_rules(IpVersion::V4, "filter", "cali-pi-bad")[0].contains("10.1.1.1"));
     }
@@ -1356,10 +1367,10 @@ mod tests {
         let mut k = FakeKernel::new();
         let mut t = Table::new("filter", IpVersion::V4);
         t.set_chain(chain("cali-static", 2));
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         k.refuse.push("10.9.9.9".into());
         t.set_chain(chain_from("cali-static", &["10.9.9.9"]));
-        let s = t.apply(&mut k, Backend::Nft).unwrap();
+        let s = t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(s.chains_refused, 1);
         assert_eq!(
             k.chain_rules(IpVersion::V4, "filter", "cali-static").len(),
@@ -1369,7 +1380,7 @@ mod tests {
         // A refresh tries it again.
         k.refuse.clear();
         t.invalidate();
-        t.apply(&mut k, Backend::Nft).unwrap();
+        t.apply(&mut k, Backend::IptablesNft).unwrap();
         assert_eq!(t.refused().count(), 0);
         assert!(k.chain_rules(IpVersion::V4, "filter", "cali-static")[0].contains("10.9.9.9"));
     }

@@ -17,7 +17,7 @@ use super::validate;
 use super::{MASQ_POOLS_SET, NETWORK_POOLS_SET};
 use crate::message::{IpamPoolId, Message};
 
-pub struct MasqManager {
+pub(crate) struct MasqManager {
     pools: BTreeMap<IpamPoolId, IpamPool>,
     dirty: bool,
 }
@@ -33,7 +33,7 @@ impl Default for MasqManager {
 }
 
 impl MasqManager {
-    pub fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) {
+    pub(crate) fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) {
         match msg {
             Message::IpamPoolUpdate { id, pool } => {
                 let what = format!("IPAM pool {id:?}");
@@ -54,7 +54,7 @@ impl MasqManager {
 
     /// Fills the pool sets if the pools changed; returns whether they did (the NAT chains
     /// follow).
-    pub fn apply(&mut self, ipsets: &mut IpSetsManager) -> bool {
+    pub(crate) fn apply(&mut self, ipsets: &mut IpSetsManager) -> bool {
         if !self.dirty {
             return false;
         }
@@ -81,7 +81,7 @@ impl MasqManager {
     }
 
     /// Whether family `v` has a natOutgoing pool.
-    pub fn masquerading(&self, v: IpVersion) -> bool {
+    pub(crate) fn masquerading(&self, v: IpVersion) -> bool {
         self.pools
             .values()
             .any(|p| p.masquerade && v.matches(&p.cidr))

@@ -25,28 +25,44 @@
 //! out-of-band changes. All IO goes through the seams: [`runner::CommandRunner`],
 //! [`netlink::Netlink`], [`sysctl::Sysctl`].
 
-pub mod config;
-pub mod config_mgr;
-pub mod endpoint_mgr;
+pub(crate) mod config;
+pub(crate) mod config_mgr;
+pub(crate) mod endpoint_mgr;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fake;
-pub mod interfaces;
-pub mod ipsets;
-pub mod ipsets_mgr;
-pub mod iptables;
-pub mod masq_mgr;
-pub mod netlink;
-pub mod nft;
-pub mod policy_mgr;
-pub mod refusals;
-pub mod routes;
-pub mod routes_mgr;
-pub mod rules;
-pub mod runner;
-pub mod sysctl;
-pub mod tables;
-pub mod validate;
+pub(crate) mod interfaces;
+pub(crate) mod ipsets;
+pub(crate) mod ipsets_mgr;
+pub(crate) mod iptables;
+pub(crate) mod masq_mgr;
+pub(crate) mod netlink;
+pub(crate) mod nft;
+pub(crate) mod policy_mgr;
+pub(crate) mod refusals;
+pub(crate) mod routes;
+pub(crate) mod routes_mgr;
+pub(crate) mod rules;
+pub(crate) mod runner;
+pub(crate) mod sysctl;
+pub(crate) mod tables;
+pub(crate) mod validate;
 mod writer;
+
+pub use self::iptables::Backend;
+pub use self::nft::NftStats;
+pub use self::rules::RuleId;
+pub use self::rules::endpoint::Direction;
+pub use self::writer::RuleAt;
+
+/// What the benchmarks (`tools/bench`) reach below the driver, to measure its parts against
+/// the bare tools. Not an API: it follows the driver's internals.
+pub mod bench {
+    pub use super::netlink::{Netlink, RouteEntry, RtNetlink};
+    pub use super::nft::netlink::attr;
+    pub use super::routes::Routes;
+    pub use super::rules::IpVersion;
+    pub use super::runner::{CommandRunner, Output, SystemRunner};
+}
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -58,7 +74,6 @@ use self::config_mgr::ConfigManager;
 use self::endpoint_mgr::EndpointManager;
 use self::interfaces::Interfaces;
 use self::ipsets_mgr::IpSetsManager;
-use self::iptables::Backend;
 use self::masq_mgr::MasqManager;
 use self::netlink::Netlink;
 use self::policy::RenderConfig;
@@ -71,7 +86,6 @@ use self::rules::{IpVersion, ipset_name};
 use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
 use self::tables::Tables;
-pub use self::writer::RuleAt;
 use self::writer::{IptablesWriter, KernelWriter, NftWriter};
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
 use crate::message::Message;

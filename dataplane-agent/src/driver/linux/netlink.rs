@@ -58,7 +58,7 @@ fn nl_err(e: rtnetlink::Error) -> io::Error {
 }
 
 /// Whether a link message says the link is operationally up.
-pub fn link_info(msg: &LinkMessage) -> Option<LinkInfo> {
+pub(crate) fn link_info(msg: &LinkMessage) -> Option<LinkInfo> {
     let mut name = None;
     let mut oper = None;
     for a in &msg.attributes {
@@ -251,7 +251,7 @@ impl Netlink for RtNetlink {
 /// An in-memory kernel routing table for tests.
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Debug, Default)]
-pub struct FakeNetlink {
+pub(crate) struct FakeNetlink {
     pub links: Vec<LinkInfo>,
     /// (route, protocol)
     pub routes: BTreeSet<(RouteEntry, u8)>,

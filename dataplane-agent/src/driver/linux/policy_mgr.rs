@@ -52,7 +52,7 @@ fn fail_closed_profile() -> Profile {
 }
 
 #[derive(Default)]
-pub struct PolicyManager {
+pub(crate) struct PolicyManager {
     policies: HashMap<PolicyKey, Policy>,
     dirty_policies: HashSet<PolicyKey>,
     profiles: HashMap<ProfileKey, Profile>,
@@ -69,7 +69,7 @@ pub struct PolicyManager {
 }
 
 impl PolicyManager {
-    pub fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) {
+    pub(crate) fn on_update(&mut self, msg: &Message, refusals: &mut Refusals) {
         match msg {
             Message::PolicyUpdate { key: k, policy: p } => {
                 let id = k.to_proto();
@@ -123,12 +123,12 @@ impl PolicyManager {
     }
 
     /// Marks for re-rendering every policy and profile whose rules name the set.
-    pub fn dirty_users_of_set(&mut self, id: &str) {
+    pub(crate) fn dirty_users_of_set(&mut self, id: &str) {
         self.dirty_users_of_sets(|i| i == id);
     }
 
     /// Marks the policies and profiles that use a set `affected` says yes to for re-rendering.
-    pub fn dirty_users_of_sets(&mut self, affected: impl Fn(&str) -> bool) {
+    pub(crate) fn dirty_users_of_sets(&mut self, affected: impl Fn(&str) -> bool) {
         let uses = |rules: &[Rule]| {
             rules.iter().any(|r| {
                 validate::rule_set_ids(r)
@@ -149,14 +149,14 @@ impl PolicyManager {
     }
 
     /// Every policy and profile renders differently (the log prefix changed).
-    pub fn dirty_all(&mut self) {
+    pub(crate) fn dirty_all(&mut self) {
         self.dirty_policies.extend(self.policies.keys().cloned());
         self.dirty_profiles.extend(self.profiles.keys().cloned());
     }
 
     /// Recomputes which policies and profiles host endpoint egress uses, and marks the ones
     /// that joined or left that set for re-rendering.
-    pub fn refresh_mangle_refs<'a>(
+    pub(crate) fn refresh_mangle_refs<'a>(
         &mut self,
         heps: impl Iterator<Item = &'a HostEndpoint> + Clone,
     ) {
@@ -183,7 +183,12 @@ impl PolicyManager {
     }
 
     /// Renders the policies and profiles that changed into `tables`.
-    pub fn apply(&mut self, tables: &mut Tables, render: &RenderConfig, ipsets: &IpSetsManager) {
+    pub(crate) fn apply(
+        &mut self,
+        tables: &mut Tables,
+        render: &RenderConfig,
+        ipsets: &IpSetsManager,
+    ) {
         self.render_policies(tables, render, ipsets);
         self.render_profiles(tables, render, ipsets);
     }
@@ -315,12 +320,12 @@ impl PolicyManager {
     }
 
     /// Policies and profiles held failing closed for the IP sets they use.
-    pub fn set_refused(&self) -> &BTreeMap<String, String> {
+    pub(crate) fn set_refused(&self) -> &BTreeMap<String, String> {
         &self.set_refused
     }
 
     /// Adds every policy and profile held (failing closed or not: their chains exist).
-    pub fn collect(&self, c: &mut Collector) {
+    pub(crate) fn collect(&self, c: &mut Collector) {
         for (key, policy) in &self.policies {
             c.policy(key, policy);
         }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use tracing::{info, warn};
 
 #[derive(Debug, Default)]
-pub struct Refusals {
+pub(crate) struct Refusals {
     /// Objects from the stream refused by `validate`, "<kind> <key>" → reason. Each is held
     /// failing closed until a valid version arrives or it is removed.
     rejected: BTreeMap<String, String>,
@@ -23,20 +23,20 @@ pub struct Refusals {
 
 impl Refusals {
     /// Records that the stream sent something this agent will not program as sent.
-    pub fn reject(&mut self, what: String, reason: String) {
+    pub(crate) fn reject(&mut self, what: String, reason: String) {
         warn!(object = %what, %reason, "refused an object from the calc-server; failing closed for it");
         self.rejected.insert(what, reason);
     }
 
     /// A valid version of `what` arrived (or it went away): no longer refused.
-    pub fn accept(&mut self, what: &str) {
+    pub(crate) fn accept(&mut self, what: &str) {
         if self.rejected.remove(what).is_some() {
             info!(object = %what, "object from the calc-server is valid again");
         }
     }
 
     /// Refusals on receipt.
-    pub fn rejected(&self) -> &BTreeMap<String, String> {
+    pub(crate) fn rejected(&self) -> &BTreeMap<String, String> {
         &self.rejected
     }
 }

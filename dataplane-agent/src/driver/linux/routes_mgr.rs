@@ -26,7 +26,7 @@ use super::validate;
 use crate::driver::DriverError;
 use crate::message::WorkloadEndpointKey;
 
-pub struct RouteManager {
+pub(crate) struct RouteManager {
     /// Interfaces as the monitor sees them.
     ifaces: Arc<Interfaces>,
     /// Spawn the rtnetlink monitor and connect netlink at the first apply (false when seams
@@ -44,7 +44,7 @@ pub struct RouteManager {
 }
 
 impl RouteManager {
-    pub fn new(
+    pub(crate) fn new(
         ifaces: Arc<Interfaces>,
         netlink: Option<Box<dyn Netlink>>,
         sysctl: Box<dyn Sysctl>,
@@ -65,12 +65,12 @@ impl RouteManager {
     }
 
     /// The running kernel's release, for feature detection.
-    pub fn kernel_release(&self) -> Option<String> {
+    pub(crate) fn kernel_release(&self) -> Option<String> {
         self.sysctl.read("kernel/osrelease").ok()
     }
 
     /// Starts the interface monitor and opens netlink (once, inside the runtime).
-    pub fn ensure_netlink(&mut self) -> Result<(), DriverError> {
+    pub(crate) fn ensure_netlink(&mut self) -> Result<(), DriverError> {
         if !self.start_netlink {
             return Ok(());
         }
@@ -89,7 +89,7 @@ impl RouteManager {
     }
 
     /// Routes, neighbours and interface sysctls for the workloads whose interfaces are up.
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         weps: &BTreeMap<WorkloadEndpointKey, WorkloadEndpoint>,
         opts: &LinuxOptions,
@@ -183,12 +183,12 @@ impl RouteManager {
     }
 
     /// Routes of ours.
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.routes.count()
     }
 
     /// The next apply reads the routes back and re-asserts interface settings and neighbours.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         self.routes.invalidate();
         self.configured_ifaces.clear();
         self.neighbours.clear();

@@ -12,7 +12,7 @@ pub trait Sysctl: Send {
 
 /// The real `/proc/sys`.
 #[derive(Debug, Default)]
-pub struct ProcSysctl;
+pub(crate) struct ProcSysctl;
 
 impl Sysctl for ProcSysctl {
     fn write(&mut self, key: &str, value: &str) -> io::Result<()> {
@@ -34,7 +34,7 @@ impl Sysctl for ProcSysctl {
 /// Records writes (tests and the `test-util` feature).
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Debug, Default, Clone)]
-pub struct FakeSysctl {
+pub(crate) struct FakeSysctl {
     pub values: BTreeMap<String, String>,
 }
 
@@ -54,7 +54,7 @@ impl Sysctl for FakeSysctl {
 }
 
 /// The settings Calico makes on a workload interface, as (key, value) pairs.
-pub fn workload_interface_settings(iface: &str, ipv6: bool) -> Vec<(String, &'static str)> {
+pub(crate) fn workload_interface_settings(iface: &str, ipv6: bool) -> Vec<(String, &'static str)> {
     let mut s = vec![
         (format!("net/ipv4/conf/{iface}/forwarding"), "1"),
         (format!("net/ipv4/conf/{iface}/rp_filter"), "1"),

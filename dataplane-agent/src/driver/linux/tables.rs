@@ -13,10 +13,10 @@ use super::rules::IpVersion;
 use super::runner::CommandRunner;
 
 /// Every table we program, in the order they are written.
-pub const TABLE_NAMES: [&str; 4] = ["filter", "raw", "mangle", "nat"];
+pub(crate) const TABLE_NAMES: [&str; 4] = ["filter", "raw", "mangle", "nat"];
 
 /// The desired tables and what the kernel holds, for every family in force.
-pub struct Tables {
+pub(crate) struct Tables {
     versions: Vec<IpVersion>,
     tables: Vec<Table>,
 }
@@ -24,7 +24,7 @@ pub struct Tables {
 /// The chains of one table set or removed since the last look, and whether its hook rules
 /// were set.
 #[derive(Clone, Debug)]
-pub struct TableChanges {
+pub(crate) struct TableChanges {
     pub table: &'static str,
     pub version: IpVersion,
     pub chains: std::collections::HashSet<String>,
@@ -52,7 +52,7 @@ pub enum TableApplyError {
 }
 
 impl Tables {
-    pub fn new(versions: &[IpVersion], lock_wait_secs: u32) -> Self {
+    pub(crate) fn new(versions: &[IpVersion], lock_wait_secs: u32) -> Self {
         let mut tables = Vec::new();
         for v in versions {
             for name in TABLE_NAMES {
@@ -68,11 +68,11 @@ impl Tables {
     }
 
     /// The families programmed (IPv4, and IPv6 unless it is off).
-    pub fn versions(&self) -> &[IpVersion] {
+    pub(crate) fn versions(&self) -> &[IpVersion] {
         &self.versions
     }
 
-    pub fn table(&mut self, v: IpVersion, name: &str) -> &mut Table {
+    pub(crate) fn table(&mut self, v: IpVersion, name: &str) -> &mut Table {
         self.tables
             .iter_mut()
             .find(|t| t.version() == v && t.name() == name)
@@ -80,18 +80,18 @@ impl Tables {
     }
 
     /// The table, if that family is programmed.
-    pub fn get(&self, v: IpVersion, name: &str) -> Option<&Table> {
+    pub(crate) fn get(&self, v: IpVersion, name: &str) -> Option<&Table> {
         self.tables
             .iter()
             .find(|t| t.version() == v && t.name() == name)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Table> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Table> {
         self.tables.iter()
     }
 
     /// Removes the named chains from every table of family `v`.
-    pub fn remove_everywhere(&mut self, v: IpVersion, names: &[String]) {
+    pub(crate) fn remove_everywhere(&mut self, v: IpVersion, names: &[String]) {
         for t in self.tables.iter_mut().filter(|t| t.version() == v) {
             for n in names {
                 t.remove_chain(n);
@@ -100,26 +100,26 @@ impl Tables {
     }
 
     /// Points every rule of family `v` that matches set `from` at set `to`.
-    pub fn rename_set(&mut self, v: IpVersion, from: &str, to: &str) {
+    pub(crate) fn rename_set(&mut self, v: IpVersion, from: &str, to: &str) {
         for t in self.tables.iter_mut().filter(|t| t.version() == v) {
             t.rename_set(from, to);
         }
     }
 
     /// Rules of ours, all tables and families.
-    pub fn rule_count(&self) -> usize {
+    pub(crate) fn rule_count(&self) -> usize {
         self.tables.iter().map(Table::rule_count).sum()
     }
 
     /// Starts recording changes in every table (for [`Tables::take_changes`]).
-    pub fn track_changes(&mut self) {
+    pub(crate) fn track_changes(&mut self) {
         for t in &mut self.tables {
             t.track_changes();
         }
     }
 
     /// What changed in each table since the last call (tables without changes left out).
-    pub fn take_changes(&mut self) -> Vec<TableChanges> {
+    pub(crate) fn take_changes(&mut self) -> Vec<TableChanges> {
         self.tables
             .iter_mut()
             .filter_map(|t| {
@@ -135,7 +135,7 @@ impl Tables {
     }
 
     /// Forgets what the kernel holds: the next apply reads every table back.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         for t in &mut self.tables {
             t.invalidate();
         }
@@ -143,7 +143,7 @@ impl Tables {
 
     /// Reads back every table that needs it, one save per family, before any is written: an
     /// nft save costs as much as the whole ruleset, so it is done while the kernel is small.
-    pub fn read_back(
+    pub(crate) fn read_back(
         &mut self,
         runner: &mut dyn CommandRunner,
         backend: Backend,
@@ -173,7 +173,7 @@ impl Tables {
     }
 
     /// Writes every table; the first error, after trying them all.
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         runner: &mut dyn CommandRunner,
         backend: Backend,

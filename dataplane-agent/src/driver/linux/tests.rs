@@ -121,7 +121,7 @@ struct Rig {
 
 fn rig() -> (LinuxDriver, Arc<Mutex<FakeKernel>>, Rig) {
     rig_with(LinuxOptions {
-        backend: Backend::Nft,
+        backend: Backend::IptablesNft,
         ..LinuxOptions::default()
     })
 }
@@ -1204,7 +1204,7 @@ fn nat_outgoing_rule(k: &Arc<Mutex<FakeKernel>>) -> String {
 #[test]
 fn masquerade_random_fully_follows_the_override_and_the_kernel() {
     let (mut d, k, _) = rig_with(LinuxOptions {
-        backend: Backend::Nft,
+        backend: Backend::IptablesNft,
         masq_fully_random: Some(false),
         ..LinuxOptions::default()
     });

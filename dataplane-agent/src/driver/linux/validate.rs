@@ -10,7 +10,6 @@
 //! Pure functions, no IO.
 
 use calico_names::validate::shown;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
@@ -18,7 +17,7 @@ use felix_proto::{HostEndpoint, IpamPool, Policy, Profile, Rule, TierInfo, Workl
 
 /// Why an object from the stream was refused: the field and what is wrong with it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Invalid {
+pub(crate) struct Invalid {
     pub field: String,
     pub reason: String,
 }
@@ -39,11 +38,11 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Invalid {
 }
 
 /// Longest Linux interface name (IFNAMSIZ less the NUL).
-pub const MAX_IFACE_LEN: usize = 15;
+pub(crate) const MAX_IFACE_LEN: usize = 15;
 
 /// A Linux interface name as Calico accepts one: 1 to 15 of `[A-Za-z0-9_.-]` (Calico's
 /// `interfaceRegex`), so no wildcard, no path separator, nothing to quote.
-pub fn interface_name(field: &str, name: &str) -> Result<(), Invalid> {
+pub(crate) fn interface_name(field: &str, name: &str) -> Result<(), Invalid> {
     if name.is_empty() || name.len() > MAX_IFACE_LEN {
         return Err(invalid(
             field,
@@ -70,7 +69,11 @@ pub fn interface_name(field: &str, name: &str) -> Result<(), Invalid> {
 
 /// A workload interface: a valid name that one of the workload prefixes claims, and never the
 /// loopback. Felix manages no other interface; neither do we.
-pub fn workload_interface(field: &str, name: &str, prefixes: &[String]) -> Result<(), Invalid> {
+pub(crate) fn workload_interface(
+    field: &str,
+    name: &str,
+    prefixes: &[String],
+) -> Result<(), Invalid> {
     interface_name(field, name)?;
     if name == "lo" {
         return Err(invalid(
@@ -96,7 +99,7 @@ pub fn workload_interface(field: &str, name: &str, prefixes: &[String]) -> Resul
 
 /// Names of policies, profiles, namespaces and tiers as they reach chain names and comments:
 /// 1 to 253 of `[A-Za-z0-9._:-]` (every Calico and Kubernetes name fits; `/` is our separator).
-pub fn object_name(field: &str, name: &str) -> Result<(), Invalid> {
+pub(crate) fn object_name(field: &str, name: &str) -> Result<(), Invalid> {
     if name.is_empty() || name.len() > 253 {
         return Err(invalid(
             field,
@@ -120,7 +123,7 @@ pub fn object_name(field: &str, name: &str) -> Result<(), Invalid> {
 
 /// An IP set id: 1 to 64 of `[A-Za-z0-9:_-]` (the calc-server's ids are `s:`/`n:` hashes and a
 /// few fixed names). The kernel name is `cali40`/`cali60` + the id, cut to 31.
-pub fn ipset_id(field: &str, id: &str) -> Result<(), Invalid> {
+pub(crate) fn ipset_id(field: &str, id: &str) -> Result<(), Invalid> {
     if id.is_empty()
         || id.len() > 64
         || !id
@@ -137,7 +140,7 @@ pub fn ipset_id(field: &str, id: &str) -> Result<(), Invalid> {
 
 /// The kinds of IP set member.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemberKind {
+pub(crate) enum MemberKind {
     Ip,
     Net,
     IpPort,
@@ -146,7 +149,7 @@ pub enum MemberKind {
 /// One IP set member, normalised as the kernel will hold it, or why it is refused. A CIDR's
 /// host bits are cleared and an IPv4-mapped IPv6 address is taken as IPv4 (Calico's
 /// normalisation); `/0`, which a `hash:net` set cannot hold, becomes its two halves.
-pub fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String>, String> {
+pub(crate) fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String>, String> {
     let m = member.trim();
     match kind {
         MemberKind::Ip => {
@@ -203,7 +206,7 @@ fn unmap(a: IpAddr) -> IpAddr {
 }
 
 /// A CIDR (or a bare address, taken as a host route), checked and with host bits cleared.
-pub fn parse_cidr(s: &str) -> Result<(IpAddr, u8), String> {
+pub(crate) fn parse_cidr(s: &str) -> Result<(IpAddr, u8), String> {
     let (addr, len) = match s.split_once('/') {
         Some((a, l)) => (a, Some(l)),
         None => (s, None),
@@ -252,7 +255,7 @@ fn net_members(addr: IpAddr, len: u8) -> Vec<String> {
 }
 
 /// A CIDR in a rule, normalised (host bits cleared, mapped addresses unmapped).
-pub fn rule_cidr(field: &str, s: &str) -> Result<String, Invalid> {
+pub(crate) fn rule_cidr(field: &str, s: &str) -> Result<String, Invalid> {
     let (addr, len) = parse_cidr(s.trim()).map_err(|r| invalid(field, r))?;
     Ok(format!("{addr}/{len}"))
 }
@@ -314,7 +317,7 @@ fn icmp(field: &str, ty: i32, code: Option<i32>) -> Result<(), Invalid> {
 const ACTIONS: [&str; 6] = ["", "allow", "deny", "pass", "next-tier", "log"];
 
 /// One rule: everything the renderer writes into a restore line.
-pub fn rule(field: &str, r: &Rule) -> Result<(), Invalid> {
+pub(crate) fn rule(field: &str, r: &Rule) -> Result<(), Invalid> {
     let f = |name: &str| format!("{field}.{name}");
     if !ACTIONS.contains(&r.action.as_str()) {
         return Err(invalid(
@@ -371,7 +374,7 @@ pub fn rule(field: &str, r: &Rule) -> Result<(), Invalid> {
 }
 
 /// Every IP set id a rule names, by field.
-pub fn rule_set_ids(r: &Rule) -> [(&'static str, &Vec<String>); 9] {
+pub(crate) fn rule_set_ids(r: &Rule) -> [(&'static str, &Vec<String>); 9] {
     [
         ("src_ip_set_ids", &r.src_ip_set_ids),
         ("dst_ip_set_ids", &r.dst_ip_set_ids),
@@ -401,7 +404,7 @@ fn rules(field: &str, inbound: &[Rule], outbound: &[Rule]) -> Result<(), Invalid
 }
 
 /// A policy's id and rules.
-pub fn policy(id: &felix_proto::PolicyId, p: &Policy) -> Result<(), Invalid> {
+pub(crate) fn policy(id: &felix_proto::PolicyId, p: &Policy) -> Result<(), Invalid> {
     object_name("id.name", &id.name)?;
     if !id.namespace.is_empty() {
         object_name("id.namespace", &id.namespace)?;
@@ -419,7 +422,7 @@ pub fn policy(id: &felix_proto::PolicyId, p: &Policy) -> Result<(), Invalid> {
 }
 
 /// A profile's name and rules.
-pub fn profile(name: &str, p: &Profile) -> Result<(), Invalid> {
+pub(crate) fn profile(name: &str, p: &Profile) -> Result<(), Invalid> {
     object_name("id.name", name)?;
     rules("", &p.inbound_rules, &p.outbound_rules)
 }
@@ -440,7 +443,7 @@ fn tiers(field: &str, tiers: &[TierInfo]) -> Result<(), Invalid> {
 
 /// A workload endpoint: its interface (see [`workload_interface`]), MAC, addresses, profiles
 /// and tiers.
-pub fn workload_endpoint(ep: &WorkloadEndpoint, prefixes: &[String]) -> Result<(), Invalid> {
+pub(crate) fn workload_endpoint(ep: &WorkloadEndpoint, prefixes: &[String]) -> Result<(), Invalid> {
     workload_interface("name", &ep.name, prefixes)?;
     if !ep.mac.is_empty() && parse_mac(&ep.mac).is_none() {
         return Err(invalid(
@@ -460,7 +463,7 @@ pub fn workload_endpoint(ep: &WorkloadEndpoint, prefixes: &[String]) -> Result<(
 }
 
 /// A host endpoint: `*` or a valid interface name (never a wildcard of ours), addresses, tiers.
-pub fn host_endpoint(id: &str, ep: &HostEndpoint) -> Result<(), Invalid> {
+pub(crate) fn host_endpoint(id: &str, ep: &HostEndpoint) -> Result<(), Invalid> {
     object_name("id", id)?;
     if !ep.name.is_empty() && ep.name != "*" {
         interface_name("name", &ep.name)?;
@@ -483,14 +486,14 @@ pub fn host_endpoint(id: &str, ep: &HostEndpoint) -> Result<(), Invalid> {
 }
 
 /// An IPAM pool: a CIDR.
-pub fn ipam_pool(id: &str, pool: &IpamPool) -> Result<(), Invalid> {
+pub(crate) fn ipam_pool(id: &str, pool: &IpamPool) -> Result<(), Invalid> {
     ipset_id("id", id).or_else(|_| object_name("id", id))?;
     parse_cidr(&pool.cidr).map_err(|r| invalid("cidr", r))?;
     Ok(())
 }
 
 /// `aa:bb:cc:dd:ee:ff`.
-pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+pub(crate) fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let parts: Vec<&str> = s.split(':').collect();
     if parts.len() != 6 {
         return None;
@@ -506,10 +509,7 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 }
 
 /// The FelixConfiguration rules the calc-server applies too (one definition for both ends).
-pub use calico_names::validate::{interface_prefix, log_prefix};
-
-/// The reasons for every rejected object, by kind and key, for status and metrics.
-pub type Rejections = BTreeMap<String, String>;
+pub(crate) use calico_names::validate::{interface_prefix, log_prefix};
 
 #[cfg(test)]
 mod tests {

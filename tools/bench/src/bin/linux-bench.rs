@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use dataplane_agent::driver::linux::iptables::Backend;
-use dataplane_agent::driver::linux::runner::{CommandRunner, Output, SystemRunner};
+use dataplane_agent::driver::linux::Backend;
+use dataplane_agent::driver::linux::bench::{CommandRunner, Output, SystemRunner};
 use dataplane_agent::driver::{Driver, LinuxDriver, LinuxOptions, Message};
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
@@ -268,7 +268,7 @@ impl CommandRunner for Timing {
 
 fn options(nft: bool) -> LinuxOptions {
     LinuxOptions {
-        backend: Backend::Nft,
+        backend: Backend::IptablesNft,
         nftables: nft,
         // Routes are measured on their own (they need the async runtime).
         manage_routes: false,
@@ -597,9 +597,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Inside a fresh namespace: N veth interfaces, then the driver's route manager programs one
 /// /32 per interface (timed), against `ip -batch` of the same routes (timed), alternately.
 fn routes_bench(n: usize, runs: usize) {
-    use dataplane_agent::driver::linux::netlink::{Netlink, RouteEntry, RtNetlink};
-    use dataplane_agent::driver::linux::routes::Routes;
-    use dataplane_agent::driver::linux::rules::IpVersion;
+    use dataplane_agent::driver::linux::bench::IpVersion;
+    use dataplane_agent::driver::linux::bench::Routes;
+    use dataplane_agent::driver::linux::bench::{Netlink, RouteEntry, RtNetlink};
 
     let mut batch = String::new();
     for i in 0..n {

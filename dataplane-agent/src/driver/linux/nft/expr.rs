@@ -16,7 +16,7 @@ use crate::driver::linux::rules::{Action, Dir, Frag, IpVersion, MarkTest};
 /// A fragment or action this encoder does not write; the text path (`nft -f`) does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no nfnetlink encoding for {0}")]
-pub struct Unsupported(pub &'static str);
+pub(crate) struct Unsupported(pub &'static str);
 
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
@@ -60,7 +60,7 @@ const UDATA_RULE_COMMENT: u8 = 0;
 /// The expressions of one rule: `frags` (positive port lists of one item each, see
 /// [`render::variants`]) then `action`, in a table of family `v` whose chains it names are in
 /// the iptables table `table`.
-pub fn rule(
+pub(crate) fn rule(
     frags: &[Frag],
     action: &Action,
     table: &str,
@@ -77,7 +77,7 @@ pub fn rule(
 }
 
 /// The rule userdata holding `comment` (unquoted; [`render::comment_text`]).
-pub fn userdata(comment: &str) -> Vec<u8> {
+pub(crate) fn userdata(comment: &str) -> Vec<u8> {
     let bytes = comment.as_bytes();
     // The kernel keeps at most 256 bytes of userdata: type, length, text, NUL.
     let len = bytes.len().min(253);
@@ -458,7 +458,7 @@ fn port_range(item: &str) -> Result<(u16, u16), Unsupported> {
 }
 
 /// `iifname vmap @<map>` (or `oifname`): the interface name looked up in a verdict map.
-pub fn vmap(input: bool, map: &str) -> Vec<u8> {
+pub(crate) fn vmap(input: bool, map: &str) -> Vec<u8> {
     let mut e = Exprs(Vec::with_capacity(96));
     e.meta_load(if input { META_IIFNAME } else { META_OIFNAME }, REG_1);
     e.expr("lookup", |o| {

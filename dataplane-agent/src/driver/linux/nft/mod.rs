@@ -12,9 +12,9 @@
 //! [`NftTables::invalidate`] makes the next apply read the kernel back (`nft -j list table`) and
 //! repair what changed behind our back. Everything in the `calico` tables is ours.
 
-pub mod expr;
-pub mod netlink;
-pub mod render;
+pub(crate) mod expr;
+pub(crate) mod netlink;
+pub(crate) mod render;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -31,7 +31,7 @@ use super::runner::CommandRunner;
 use super::tables::{TableChanges, Tables};
 
 /// The table of ours in each family.
-pub const TABLE: &str = "calico";
+pub(crate) const TABLE: &str = "calico";
 
 /// Statements per element command (keeps single lines of a big transaction reasonable).
 const ELEMENTS_PER_STATEMENT: usize = 1000;
@@ -140,7 +140,7 @@ pub struct NftStats {
 }
 
 /// The nftables writer (see the module documentation).
-pub struct NftTables {
+pub(crate) struct NftTables {
     families: Vec<Family>,
     batch: Box<dyn netlink::BatchWriter>,
 }
@@ -214,12 +214,12 @@ impl ElementEdits<'_> {
 }
 
 impl NftTables {
-    pub fn new(versions: &[IpVersion]) -> Self {
+    pub(crate) fn new(versions: &[IpVersion]) -> Self {
         Self::with_batch(versions, Box::new(netlink::NetlinkBatch::default()))
     }
 
     /// A writer whose nfnetlink batches go to `batch` (tests pass a fake).
-    pub fn with_batch(versions: &[IpVersion], batch: Box<dyn netlink::BatchWriter>) -> Self {
+    pub(crate) fn with_batch(versions: &[IpVersion], batch: Box<dyn netlink::BatchWriter>) -> Self {
         Self {
             batch,
             families: versions
@@ -235,7 +235,7 @@ impl NftTables {
     }
 
     /// The next apply reads the kernel back and repairs what differs.
-    pub fn invalidate(&mut self) {
+    pub(crate) fn invalidate(&mut self) {
         for f in &mut self.families {
             f.check_drift |= f.kernel.take().is_some();
         }
@@ -244,7 +244,7 @@ impl NftTables {
     /// Writes what differs between the desired chains and sets and the kernel, in one
     /// transaction for every family. Takes the changes the tables and sets recorded since the
     /// last apply, so a small change costs the same whatever the size of the ruleset.
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &mut Tables,
@@ -343,7 +343,7 @@ impl NftTables {
     /// shows them) of our chain `chain` (`filter-cali-pi-…`) in family `v` renders: its
     /// iptables table, chain and index there. `None` before the chain was rendered, or for a
     /// rule of ours that renders none (a dispatch chain's map lookup, a hook chain's rules).
-    pub fn source_rule(
+    pub(crate) fn source_rule(
         &self,
         v: IpVersion,
         chain: &str,
@@ -362,7 +362,7 @@ impl NftTables {
 
     /// [`NftTables::source_rule`] of the rule whose comment (`cali:<hash>; …`, as
     /// `nft list chain` prints it or as the rule's userdata holds it) is `comment`.
-    pub fn source_rule_by_comment(
+    pub(crate) fn source_rule_by_comment(
         &self,
         v: IpVersion,
         chain: &str,
@@ -380,7 +380,7 @@ impl NftTables {
     }
 
     /// Rules of ours in the kernel view, all families.
-    pub fn rule_count(&self) -> usize {
+    pub(crate) fn rule_count(&self) -> usize {
         self.families
             .iter()
             .filter_map(|f| f.kernel.as_ref())
@@ -1170,7 +1170,7 @@ fn map_elem_text(e: &serde_json::Value) -> String {
 
 /// Deletes the `calico` tables of every family (the nftables driver's whole state): used by the
 /// iptables driver when a node switches back to it. An absent table or `nft` is not an error.
-pub fn remove_tables(runner: &mut dyn CommandRunner) -> Result<usize, NftError> {
+pub(crate) fn remove_tables(runner: &mut dyn CommandRunner) -> Result<usize, NftError> {
     let out = match runner.run("nft", &["list", "tables"], None) {
         Ok(out) if out.success => out,
         Ok(out) => {

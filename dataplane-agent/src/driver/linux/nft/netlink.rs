@@ -84,7 +84,7 @@ const IFNAMSIZ: usize = 16;
 
 /// One set's (or map's) elements to add or delete, as the writer prints them.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ElementOp {
+pub(crate) struct ElementOp {
     pub version: IpVersion,
     pub set: String,
     pub add: bool,
@@ -95,7 +95,7 @@ pub struct ElementOp {
 
 /// The kinds of set and map we create (their key types as `nft` declares them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SetType {
+pub(crate) enum SetType {
     /// `type ipv4_addr;` / `type ipv6_addr;`
     Addr,
     /// The same with `flags interval;`.
@@ -108,7 +108,7 @@ pub enum SetType {
 
 /// A base chain's hook (`type filter hook forward priority 0; policy accept;`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Hook {
+pub(crate) struct Hook {
     pub kind: &'static str,
     pub hook: &'static str,
     pub priority: i32,
@@ -116,7 +116,7 @@ pub struct Hook {
 
 /// One change to a family's `calico` table.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Op {
+pub(crate) enum Op {
     NewTable(IpVersion),
     NewChain {
         version: IpVersion,
@@ -153,7 +153,7 @@ pub enum Op {
 }
 
 /// Where batches go (the seam).
-pub trait BatchWriter: Send {
+pub(crate) trait BatchWriter: Send {
     /// Applies every op in one kernel transaction; on error nothing of it applied. Returns
     /// how long the kernel took (the `send`, in which it commits, and reading its answers).
     fn write(&mut self, ops: &[Op]) -> io::Result<std::time::Duration>;
@@ -161,7 +161,7 @@ pub trait BatchWriter: Send {
 
 /// A netlink socket of the agent's network namespace, opened on first use.
 #[derive(Default)]
-pub struct NetlinkBatch {
+pub(crate) struct NetlinkBatch {
     socket: Option<Socket>,
     sndbuf: usize,
     seq: u32,
@@ -259,7 +259,11 @@ pub fn attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
     }
 }
 
-pub fn nested(out: &mut Vec<u8>, kind: u16, body: impl FnOnce(&mut Vec<u8>)) -> io::Result<()> {
+pub(crate) fn nested(
+    out: &mut Vec<u8>,
+    kind: u16,
+    body: impl FnOnce(&mut Vec<u8>),
+) -> io::Result<()> {
     let start = out.len();
     out.extend_from_slice(&[0; 4]);
     body(out);
@@ -270,7 +274,7 @@ pub fn nested(out: &mut Vec<u8>, kind: u16, body: impl FnOnce(&mut Vec<u8>)) -> 
     Ok(())
 }
 
-pub fn cstr(s: &str) -> Vec<u8> {
+pub(crate) fn cstr(s: &str) -> Vec<u8> {
     let mut v = s.as_bytes().to_vec();
     v.push(0);
     v
@@ -489,7 +493,7 @@ fn set_decl(kind: SetType, v: IpVersion) -> (u32, u32, u32, &'static [u8]) {
 }
 
 /// The batch for `ops`.
-pub fn encode(ops: &[Op], seq: u32) -> io::Result<Vec<u8>> {
+pub(crate) fn encode(ops: &[Op], seq: u32) -> io::Result<Vec<u8>> {
     let mut out = Vec::new();
     let mut seq = seq;
     message(

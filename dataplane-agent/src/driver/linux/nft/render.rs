@@ -12,10 +12,10 @@ use std::fmt::Write as _;
 use crate::driver::linux::rules::{Action, Dir, Frag, IpVersion, MarkTest, Rule};
 
 /// Longest comment nft keeps (`NFT_USERDATA_MAXLEN` is 256; Felix cuts to 128).
-pub const MAX_COMMENT_LEN: usize = 128;
+pub(crate) const MAX_COMMENT_LEN: usize = 128;
 
 /// nft's family keyword for a table of this IP version.
-pub fn family(v: IpVersion) -> &'static str {
+pub(crate) fn family(v: IpVersion) -> &'static str {
     match v {
         IpVersion::V4 => "ip",
         IpVersion::V6 => "ip6",
@@ -23,18 +23,18 @@ pub fn family(v: IpVersion) -> &'static str {
 }
 
 /// The nft name of an iptables chain of table `table` (`filter-cali-FORWARD`).
-pub fn chain_name(table: &str, chain: &str) -> String {
+pub(crate) fn chain_name(table: &str, chain: &str) -> String {
     ident(&format!("{table}-{chain}"))
 }
 
 /// The nft name of a kernel IP set (`cali40s:abc` → `cali40s-abc`), as Felix legalises it.
-pub fn set_name(ipset: &str) -> String {
+pub(crate) fn set_name(ipset: &str) -> String {
     ident(&ipset.replace(':', "-"))
 }
 
 /// `s` as a bare nft identifier: bytes nft would not read as part of one become `_`, and a
 /// name not starting with a letter gets an `x` in front. Our names never need either.
-pub fn ident(s: &str) -> String {
+pub(crate) fn ident(s: &str) -> String {
     let mut out: String = s
         .bytes()
         .map(|b| {
@@ -52,13 +52,13 @@ pub fn ident(s: &str) -> String {
 }
 
 /// `s` as an nft double-quoted string: quotes, backslashes and control characters become `_`.
-pub fn string(s: &str) -> String {
+pub(crate) fn string(s: &str) -> String {
     format!("\"{}\"", string_content(s))
 }
 
 /// What [`string`] puts between the quotes (also what netlink carries for the same value, so
 /// both paths write the same bytes).
-pub fn string_content(s: &str) -> String {
+pub(crate) fn string_content(s: &str) -> String {
     s.chars()
         .map(|c| {
             if c == '"' || c == '\\' || c.is_control() {
@@ -73,12 +73,12 @@ pub fn string_content(s: &str) -> String {
 /// A conntrack word of iptables' `--ctstate` as nftables holds it: a `ct state` bit, or a
 /// `ct status` bit for iptables' virtual states SNAT and DNAT.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CtWord {
+pub(crate) enum CtWord {
     State(u32),
     Status(u32),
 }
 
-pub fn ct_word(word: &str) -> Option<CtWord> {
+pub(crate) fn ct_word(word: &str) -> Option<CtWord> {
     Some(match word.trim().to_ascii_lowercase().as_str() {
         "invalid" => CtWord::State(1),
         "established" => CtWord::State(2),
@@ -101,7 +101,7 @@ fn iface(name: &str) -> String {
 
 /// Protocol numbers for the names policies use: nft would otherwise resolve names through
 /// `/etc/protocols`, which minimal images lack.
-pub fn protocol_number(p: &str) -> String {
+pub(crate) fn protocol_number(p: &str) -> String {
     let n = match p.to_ascii_lowercase().as_str() {
         "icmp" => "1",
         "tcp" => "6",
@@ -146,7 +146,7 @@ fn not(negated: bool) -> &'static str {
 
 /// The transport keyword ports are matched with: the protocol's own (as Felix writes them)
 /// when the rule names tcp, udp or sctp, else the generic transport header.
-pub fn port_keyword(frags: &[Frag]) -> &'static str {
+pub(crate) fn port_keyword(frags: &[Frag]) -> &'static str {
     for f in frags {
         if let Frag::Protocol {
             proto,
@@ -300,7 +300,7 @@ fn action(out: &mut String, a: &Action, table: &str) {
 
 /// A rule's statement without its comment (what its hash covers), from fragments whose
 /// positive port lists have one item each (see [`variants`]).
-pub fn body(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
+pub(crate) fn body(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
     let mut out = String::with_capacity(96);
     let kw = port_keyword(frags);
     for f in frags {
@@ -315,7 +315,8 @@ pub fn body(frags: &[Frag], a: &Action, table: &str, v: IpVersion) -> String {
 /// lists (iptables' multiport ORs its items; nft without anonymous sets cannot). The rules
 /// match the same packets; a packet matching two overlapping items runs the action twice,
 /// which changes nothing for marks and verdicts.
-pub fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
+#[cfg(test)]
+pub(crate) fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
     variants(rule)
         .iter()
         .map(|frags| body(frags, &rule.action, table, v))
@@ -323,7 +324,7 @@ pub fn rule_bodies(rule: &Rule, table: &str, v: IpVersion) -> Vec<String> {
 }
 
 /// The fragments of each nft rule one rule becomes (see [`rule_bodies`]).
-pub fn variants(rule: &Rule) -> Vec<Vec<Frag>> {
+pub(crate) fn variants(rule: &Rule) -> Vec<Vec<Frag>> {
     let frags = rule.matches.frags();
     let mut variants: Vec<Vec<Frag>> = vec![Vec::with_capacity(frags.len())];
     for f in frags {
@@ -359,14 +360,9 @@ pub fn variants(rule: &Rule) -> Vec<Vec<Frag>> {
     variants
 }
 
-/// The rule's comment: `cali:<hash>;` and the rule's own comments, cut to
-/// [`MAX_COMMENT_LEN`] bytes, as a quoted string.
-pub fn comment(hash: &str, comments: &[String]) -> String {
-    format!("\"{}\"", comment_text(hash, comments))
-}
-
-/// The text of [`comment`] (between its quotes; what netlink writes as the rule's userdata).
-pub fn comment_text(hash: &str, comments: &[String]) -> String {
+/// The rule's comment, between its quotes (what netlink writes as the rule's userdata):
+/// `cali:<hash>;` and the rule's own comments, cut to [`MAX_COMMENT_LEN`] bytes.
+pub(crate) fn comment_text(hash: &str, comments: &[String]) -> String {
     let mut c = format!("cali:{hash};");
     for extra in comments {
         c.push(' ');
@@ -383,7 +379,7 @@ pub fn comment_text(hash: &str, comments: &[String]) -> String {
 }
 
 /// The hash a rule's comment carries: the comment text before the first `;`, less `cali:`.
-pub fn hash_of_comment(comment: &str) -> Option<&str> {
+pub(crate) fn hash_of_comment(comment: &str) -> Option<&str> {
     comment
         .split(';')
         .next()
@@ -392,7 +388,7 @@ pub fn hash_of_comment(comment: &str) -> Option<&str> {
 
 /// Position-dependent hashes of rule bodies, as the iptables driver's: a SHA-224 chain seeded
 /// by the chain name.
-pub fn hashes<'a>(chain: &str, bodies: impl Iterator<Item = &'a str>) -> Vec<String> {
+pub(crate) fn hashes<'a>(chain: &str, bodies: impl Iterator<Item = &'a str>) -> Vec<String> {
     use base64::Engine as _;
     use sha2::{Digest, Sha224};
     let mut hash = Sha224::digest(chain.as_bytes());
@@ -502,8 +498,8 @@ mod tests {
         assert!(!text.contains('\n'));
         assert_eq!(ident("a;b c\"d"), "a_b_c_d");
         assert_eq!(ident("9x"), "x9x");
-        let c = comment(&"h".repeat(16), &["a\"b".repeat(100)]);
-        assert!(c.len() <= MAX_COMMENT_LEN + 2 && c.matches('"').count() == 2);
+        let c = comment_text(&"h".repeat(16), &["a\"b".repeat(100)]);
+        assert!(c.len() <= MAX_COMMENT_LEN && !c.contains('"'));
         assert_eq!(hash_of_comment("cali:abc; extra"), Some("abc"));
     }
 

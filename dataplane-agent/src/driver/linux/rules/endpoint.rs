@@ -16,16 +16,16 @@ use super::{
     profile_chain_name,
 };
 
-pub const WORKLOAD_TO_PFX: &str = "cali-tw-";
-pub const WORKLOAD_FROM_PFX: &str = "cali-fw-";
-pub const HOST_TO_PFX: &str = "cali-th-";
-pub const HOST_FROM_PFX: &str = "cali-fh-";
-pub const HOST_TO_FWD_PFX: &str = "cali-thfw-";
-pub const HOST_FROM_FWD_PFX: &str = "cali-fhfw-";
-pub const FAILSAFE_IN: &str = "cali-failsafe-in";
-pub const FAILSAFE_OUT: &str = "cali-failsafe-out";
+pub(crate) const WORKLOAD_TO_PFX: &str = "cali-tw-";
+pub(crate) const WORKLOAD_FROM_PFX: &str = "cali-fw-";
+pub(crate) const HOST_TO_PFX: &str = "cali-th-";
+pub(crate) const HOST_FROM_PFX: &str = "cali-fh-";
+pub(crate) const HOST_TO_FWD_PFX: &str = "cali-thfw-";
+pub(crate) const HOST_FROM_FWD_PFX: &str = "cali-fhfw-";
+pub(crate) const FAILSAFE_IN: &str = "cali-failsafe-in";
+pub(crate) const FAILSAFE_OUT: &str = "cali-failsafe-out";
 /// The interface name standing for a host endpoint with `interfaceName: "*"`.
-pub const ALL_INTERFACES: &str = "any-interface-at-all";
+pub(crate) const ALL_INTERFACES: &str = "any-interface-at-all";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash, PartialOrd, Ord)]
 pub enum Direction {
@@ -55,7 +55,7 @@ struct Spec<'a> {
 }
 
 /// `cali-tw-<iface>` (ingress policy) and `cali-fw-<iface>` (egress policy) of a workload.
-pub fn workload_chains(
+pub(crate) fn workload_chains(
     cfg: &RenderConfig,
     iface: &str,
     admin_up: bool,
@@ -94,7 +94,7 @@ pub fn workload_chains(
 }
 
 /// A host endpoint's filter chains: `cali-th-`, `cali-fh-`, `cali-thfw-`, `cali-fhfw-`.
-pub fn host_filter_chains(
+pub(crate) fn host_filter_chains(
     cfg: &RenderConfig,
     iface: &str,
     tiers: &[TierInfo],
@@ -157,7 +157,11 @@ pub fn host_filter_chains(
 }
 
 /// A host endpoint's untracked chains (raw table): `cali-th-` and `cali-fh-`.
-pub fn host_raw_chains(cfg: &RenderConfig, iface: &str, untracked: &[TierInfo]) -> [Chain; 2] {
+pub(crate) fn host_raw_chains(
+    cfg: &RenderConfig,
+    iface: &str,
+    untracked: &[TierInfo],
+) -> [Chain; 2] {
     let spec = |pfx: &str, dir, failsafe| Spec {
         name: endpoint_chain_name(pfx, iface),
         tiers: untracked,
@@ -177,7 +181,7 @@ pub fn host_raw_chains(cfg: &RenderConfig, iface: &str, untracked: &[TierInfo]) 
 
 /// A host endpoint's egress chain in the mangle table (`cali-th-`), for host traffic that was
 /// DNAT'd: its normal egress policy and profiles, allowing with RETURN as Felix does there.
-pub fn host_mangle_egress_chain(
+pub(crate) fn host_mangle_egress_chain(
     cfg: &RenderConfig,
     iface: &str,
     tiers: &[TierInfo],
@@ -200,7 +204,7 @@ pub fn host_mangle_egress_chain(
 }
 
 /// A host endpoint's pre-DNAT chain (mangle table): `cali-fh-` (ingress only).
-pub fn host_mangle_chain(cfg: &RenderConfig, iface: &str, pre_dnat: &[TierInfo]) -> Chain {
+pub(crate) fn host_mangle_chain(cfg: &RenderConfig, iface: &str, pre_dnat: &[TierInfo]) -> Chain {
     render(
         cfg,
         Spec {

@@ -34,7 +34,7 @@ impl Default for RenderConfig {
 }
 
 /// The inbound (`cali-pi-`) and outbound (`cali-po-`) chains of a policy for one family.
-pub fn policy_chains(
+pub(crate) fn policy_chains(
     cfg: &RenderConfig,
     id: &felix_proto::PolicyId,
     policy: &felix_proto::Policy,
@@ -79,7 +79,7 @@ pub fn policy_chains(
 }
 
 /// The inbound (`cali-pri-`) and outbound (`cali-pro-`) chains of a profile for one family.
-pub fn profile_chains(
+pub(crate) fn profile_chains(
     cfg: &RenderConfig,
     name: &str,
     profile: &felix_proto::Profile,
@@ -119,7 +119,7 @@ pub fn profile_chains(
 /// Renders a rule list into the rule model every writer reads; each rule carries the id
 /// `rule_id` gives its index in `rules`. Trailing `RETURN`s are dropped (they decide nothing)
 /// and the first rule carries `chain_comment` (an empty chain gets a no-op rule to carry it).
-pub fn render_rules(
+pub(crate) fn render_rules(
     cfg: &RenderConfig,
     rules: &[ProtoRule],
     v: IpVersion,
@@ -296,7 +296,7 @@ impl Blocks {
 }
 
 /// Renders one proto rule for one family (possibly as several rules), without its id.
-pub fn render_rule(cfg: &RenderConfig, pr: &ProtoRule, v: IpVersion) -> Vec<Rule> {
+pub(crate) fn render_rule(cfg: &RenderConfig, pr: &ProtoRule, v: IpVersion) -> Vec<Rule> {
     let Some(mut r) = filter_to_version(pr, v) else {
         return Vec::new();
     };
@@ -476,7 +476,7 @@ fn rule_match(r: &ProtoRule, v: IpVersion) -> Match {
 }
 
 /// Splits a port list into multiport-sized groups: 15 slots each, a range taking two.
-pub fn split_ports(ports: &[PortRange]) -> Vec<Vec<PortRange>> {
+pub(crate) fn split_ports(ports: &[PortRange]) -> Vec<Vec<PortRange>> {
     let mut splits = Vec::new();
     let mut current: Vec<PortRange> = Vec::new();
     let mut free = 15;

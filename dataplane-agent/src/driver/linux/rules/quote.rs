@@ -15,11 +15,11 @@
 use std::borrow::Cow;
 
 /// Longest comment the kernel's `comment` match stores (Felix truncates to the same).
-pub const MAX_COMMENT_LEN: usize = 256;
+pub(crate) const MAX_COMMENT_LEN: usize = 256;
 
 /// Bytes that never need quoting: the characters of our chain names, ipset names, CIDRs,
 /// ports, marks and interface names.
-pub fn is_bare(b: u8) -> bool {
+pub(crate) fn is_bare(b: u8) -> bool {
     b.is_ascii_alphanumeric()
         || matches!(
             b,
@@ -29,7 +29,7 @@ pub fn is_bare(b: u8) -> bool {
 
 /// `s` as one `iptables-restore` argument: as it is when every byte is safe, else quoted with
 /// `\` and `"` escaped and control characters replaced by `_`.
-pub fn arg(s: &str) -> Cow<'_, str> {
+pub(crate) fn arg(s: &str) -> Cow<'_, str> {
     if !s.is_empty() && s.bytes().all(is_bare) {
         return Cow::Borrowed(s);
     }
@@ -53,7 +53,7 @@ pub fn arg(s: &str) -> Cow<'_, str> {
 /// `_ @%+=:,./-` becomes `_`, then the result is cut to [`MAX_COMMENT_LEN`] bytes. Lossy on
 /// purpose: comments carry ids and descriptions, and this keeps `iptables-save` output
 /// identical to Felix's for the same annotation.
-pub fn comment(s: &str) -> String {
+pub(crate) fn comment(s: &str) -> String {
     let mut out: String = s
         .chars()
         .map(|c| {
@@ -70,7 +70,7 @@ pub fn comment(s: &str) -> String {
 
 /// `s` as a quoted `--comment` argument, sanitised by [`comment`] (so nothing in it needs
 /// escaping).
-pub fn comment_arg(s: &str) -> String {
+pub(crate) fn comment_arg(s: &str) -> String {
     format!("\"{}\"", comment(s))
 }
 
@@ -78,7 +78,8 @@ pub fn comment_arg(s: &str) -> String {
 /// separates, `"` opens and closes a quoted argument, and inside quotes `\` takes the next byte
 /// literally. Used by the fake kernel and the tests to read restore input back as the real tool
 /// would; an unterminated quote is an error, as it is for the tool.
-pub fn split_restore_line(line: &str) -> Result<Vec<String>, String> {
+#[cfg(test)]
+pub(crate) fn split_restore_line(line: &str) -> Result<Vec<String>, String> {
     if line.contains('\n') {
         return Err(format!("more than one line: {line:?}"));
     }

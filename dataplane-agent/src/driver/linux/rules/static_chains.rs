@@ -10,17 +10,17 @@ use super::endpoint::{
 };
 use super::{Action, Chain, IpVersion, Match, Rule, RuleId, endpoint_chain_name, marks};
 
-pub const FROM_WL_DISPATCH: &str = "cali-from-wl-dispatch";
-pub const TO_WL_DISPATCH: &str = "cali-to-wl-dispatch";
-pub const FROM_HOST_DISPATCH: &str = "cali-from-host-endpoint";
-pub const TO_HOST_DISPATCH: &str = "cali-to-host-endpoint";
-pub const FROM_HEP_FWD_DISPATCH: &str = "cali-from-hep-forward";
-pub const TO_HEP_FWD_DISPATCH: &str = "cali-to-hep-forward";
-pub const WL_TO_HOST: &str = "cali-wl-to-host";
-pub const CIDR_BLOCK: &str = "cali-cidr-block";
+pub(crate) const FROM_WL_DISPATCH: &str = "cali-from-wl-dispatch";
+pub(crate) const TO_WL_DISPATCH: &str = "cali-to-wl-dispatch";
+pub(crate) const FROM_HOST_DISPATCH: &str = "cali-from-host-endpoint";
+pub(crate) const TO_HOST_DISPATCH: &str = "cali-to-host-endpoint";
+pub(crate) const FROM_HEP_FWD_DISPATCH: &str = "cali-from-hep-forward";
+pub(crate) const TO_HEP_FWD_DISPATCH: &str = "cali-to-hep-forward";
+pub(crate) const WL_TO_HOST: &str = "cali-wl-to-host";
+pub(crate) const CIDR_BLOCK: &str = "cali-cidr-block";
 /// Raw-table escape from the RPF check (Felix fills it for workloads allowed to spoof; empty
 /// here: no endpoint field asks for it yet).
-pub const RPF_SKIP: &str = "cali-rpf-skip";
+pub(crate) const RPF_SKIP: &str = "cali-rpf-skip";
 
 /// What happens to traffic from a workload to its own host once egress policy allowed it
 /// (Felix's `DefaultEndpointToHostAction`).
@@ -31,7 +31,7 @@ pub enum EndpointToHostAction {
     Return,
 }
 
-pub use calico_names::felix_config::{
+pub(crate) use calico_names::felix_config::{
     DEFAULT_FAILSAFES_IN, DEFAULT_FAILSAFES_OUT, Failsafe, default_failsafes_in,
     default_failsafes_out,
 };
@@ -64,7 +64,7 @@ impl Default for StaticConfig {
 /// Rules we own inside a kernel chain (`INPUT`, `FORWARD`…): inserted at the top, appended at
 /// the bottom.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Hooks {
+pub(crate) struct Hooks {
     pub inserts: BTreeMap<String, Vec<Rule>>,
     pub appends: BTreeMap<String, Vec<Rule>>,
 }
@@ -89,7 +89,7 @@ fn jump(c: &str) -> Rule {
 }
 
 /// The filter table's static chains and hooks for one family.
-pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
+pub(crate) fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("INPUT", jump("cali-INPUT"));
     hooks.insert("FORWARD", jump("cali-FORWARD"));
@@ -199,7 +199,7 @@ pub fn filter(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
 }
 
 /// The raw table: untracked host endpoint policy.
-pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
+pub(crate) fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
     hooks.insert("OUTPUT", jump("cali-OUTPUT"));
@@ -247,7 +247,7 @@ pub fn raw(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
 /// The mangle table: pre-DNAT host endpoint policy, and host endpoint egress policy for host
 /// traffic that was DNAT'd (in filter OUTPUT the outgoing interface is still the one chosen
 /// before DNAT; by mangle POSTROUTING the kernel has routed it again).
-pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
+pub(crate) fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
     let mut hooks = Hooks::default();
     hooks.insert("PREROUTING", jump("cali-PREROUTING"));
     hooks.insert("POSTROUTING", jump("cali-POSTROUTING"));
@@ -285,7 +285,7 @@ pub fn mangle(cfg: &StaticConfig, v: IpVersion) -> (Vec<Chain>, Hooks) {
 /// The nat table: masquerade traffic from natOutgoing pools to anywhere outside the pools
 /// workloads and tunnels use. The rule exists only while the family has a natOutgoing pool
 /// (`active`).
-pub fn nat(
+pub(crate) fn nat(
     masq_set: &str,
     network_pools_set: &str,
     active: bool,
@@ -385,7 +385,7 @@ fn failsafe_chain(name: &str, ports: &[Failsafe], cfg: &StaticConfig, v: IpVersi
 
 /// `cali-from-wl-dispatch` and `cali-to-wl-dispatch`: one goto per workload interface (sorted),
 /// then a drop, so an interface with no endpoint yet gets no traffic through.
-pub fn workload_dispatch(ifaces: &[String]) -> [Chain; 2] {
+pub(crate) fn workload_dispatch(ifaces: &[String]) -> [Chain; 2] {
     let mut sorted: Vec<&String> = ifaces.iter().collect();
     sorted.sort();
     sorted.dedup();
@@ -412,7 +412,7 @@ pub fn workload_dispatch(ifaces: &[String]) -> [Chain; 2] {
 /// Host endpoint dispatch (`cali-from-host-endpoint` / `cali-to-host-endpoint`). Interfaces
 /// with no host endpoint fall through (host traffic is not policed there); a `*` endpoint
 /// catches the rest.
-pub fn host_dispatch(ifaces: &[String]) -> [Chain; 2] {
+pub(crate) fn host_dispatch(ifaces: &[String]) -> [Chain; 2] {
     dispatch_pair(
         ifaces,
         (FROM_HOST_DISPATCH, HOST_FROM_PFX),
@@ -424,7 +424,7 @@ pub fn host_dispatch(ifaces: &[String]) -> [Chain; 2] {
 /// Forward host endpoint dispatch (`cali-from-hep-forward` / `cali-to-hep-forward`); as in
 /// Felix, forwarded traffic through any other interface goes to the `*` endpoint's forward
 /// chains when there is one.
-pub fn host_forward_dispatch(ifaces: &[String]) -> [Chain; 2] {
+pub(crate) fn host_forward_dispatch(ifaces: &[String]) -> [Chain; 2] {
     dispatch_pair(
         ifaces,
         (FROM_HEP_FWD_DISPATCH, HOST_FROM_FWD_PFX),
@@ -435,7 +435,10 @@ pub fn host_forward_dispatch(ifaces: &[String]) -> [Chain; 2] {
 
 /// The mangle table's `cali-to-host-endpoint` (DNAT'd host traffic): like the filter one, but
 /// the `*` endpoint's normal policy never applies to traffic going to a local workload.
-pub fn host_to_dispatch_for_mangle(ifaces: &[String], workload_prefixes: &[String]) -> Chain {
+pub(crate) fn host_to_dispatch_for_mangle(
+    ifaces: &[String],
+    workload_prefixes: &[String],
+) -> Chain {
     let [_, mut to] = host_dispatch(ifaces);
     if ifaces.iter().any(|i| i == "*") {
         let wildcard = to.rules.pop().expect("the wildcard goto is last");
