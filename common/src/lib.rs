@@ -1,7 +1,7 @@
 //! Small utilities both binaries (and the benchmark tools) share, so that each exists once:
 //! jittered back-off, a deterministic RNG, duration flags, logging set-up, the shutdown signal,
-//! the task tracker (spans, cancellation, bounded shutdown), RFC 3339 timestamps and
-//! fixed-bucket histograms in Prometheus text.
+//! the task tracker (spans, cancellation, bounded shutdown), RFC 3339 timestamps, and the one
+//! metrics writer (prometheus-client's OpenMetrics text) with fixed-bucket histograms.
 //!
 //! Nothing here knows Calico, the graph or the dataplane.
 
@@ -9,6 +9,7 @@ pub mod backoff;
 pub mod duration;
 pub mod histogram;
 pub mod logging;
+pub mod metrics;
 pub mod rng;
 pub mod shutdown;
 pub mod tasks;
