@@ -301,7 +301,11 @@ fn parse_save(text: &str) -> KernelView {
 #[derive(Clone, Debug)]
 struct DesiredChain {
     rules: Vec<Rule>,
+    /// The rules' `cali:` hashes over their iptables text (empty when this table is not
+    /// written by the iptables writer, see [`Table::skip_iptables_hashes`]).
     hashes: Vec<String>,
+    /// Bumped whenever the rules change: what another writer keys its own rendering by.
+    generation: u64,
     /// The stream object the chain renders ("policy …"), if any. When the kernel refuses the
     /// chain, one with an owner is replaced by a single DROP (its traffic fails closed); one
     /// without (our static and dispatch chains) keeps whatever version the kernel has.
@@ -361,6 +365,10 @@ pub(crate) struct Table {
     /// Chains set or removed since the last `take_changes`, and whether the hooks were set,
     /// for a writer that works from changes (nftables); `None` until one asks.
     changes: Option<(HashSet<String>, bool)>,
+    /// Compute the iptables hashes of the desired rules (only the iptables writer reads them).
+    iptables_hashes: bool,
+    /// The last generation given to a chain.
+    generation: u64,
 }
 
 impl Table {
@@ -377,6 +385,8 @@ impl Table {
             loaded: false,
             lock_wait_secs: 10,
             changes: None,
+            iptables_hashes: true,
+            generation: 0,
         }
     }
 
@@ -410,7 +420,12 @@ impl Table {
         if let Some((changed, _)) = &mut self.changes {
             changed.insert(chain.name.clone());
         }
-        let hashes = chain.rule_hashes();
+        let hashes = if self.iptables_hashes {
+            chain.rule_hashes()
+        } else {
+            Vec::new()
+        };
+        self.generation += 1;
         if self
             .refused
             .get(&chain.name)
@@ -424,6 +439,7 @@ impl Table {
             DesiredChain {
                 rules: chain.rules,
                 hashes,
+                generation: self.generation,
                 owner: owner.map(str::to_owned),
             },
         );
@@ -500,11 +516,17 @@ impl Table {
         self.desired.values().map(|c| c.rules.len()).sum()
     }
 
-    /// One desired chain: its rules and their hashes.
-    pub(crate) fn desired_chain(&self, name: &str) -> Option<(&[Rule], &[String])> {
+    /// One desired chain: its rules and their generation (changes whenever they do).
+    pub(crate) fn desired_chain(&self, name: &str) -> Option<(&[Rule], u64)> {
         self.desired
             .get(name)
-            .map(|d| (d.rules.as_slice(), d.hashes.as_slice()))
+            .map(|d| (d.rules.as_slice(), d.generation))
+    }
+
+    /// This table is written by a writer other than iptables: the iptables hashes of its
+    /// rules are not computed (that writer hashes its own rendering).
+    pub(crate) fn skip_iptables_hashes(&mut self) {
+        self.iptables_hashes = false;
     }
 
     /// The rule id of the rule at `position` (1-based, as `iptables -L --line-numbers` and

@@ -199,7 +199,10 @@ impl LinuxDriver {
             vec![IpVersion::V4]
         };
         // The one place the writer is chosen.
+        let mut tables = Tables::new(&versions, opts.lock_wait_secs);
         let writer: Box<dyn KernelWriter> = if opts.nftables {
+            // nftables hashes its own rendering: no iptables text for the hashes.
+            tables.skip_iptables_hashes();
             Box::new(NftWriter::new(&versions, opts.backend))
         } else {
             Box::new(IptablesWriter::new(opts.backend))
@@ -208,7 +211,7 @@ impl LinuxDriver {
             runner,
             writer,
             random_fully_supported: None,
-            tables: Tables::new(&versions, opts.lock_wait_secs),
+            tables,
             refusals: Refusals::default(),
             masq: MasqManager::default(),
             ipsets: IpSetsManager::new(versions.clone()),

@@ -106,6 +106,14 @@ impl Tables {
         }
     }
 
+    /// The tables are written by a writer other than iptables (see
+    /// [`Table::skip_iptables_hashes`]).
+    pub(crate) fn skip_iptables_hashes(&mut self) {
+        for t in &mut self.tables {
+            t.skip_iptables_hashes();
+        }
+    }
+
     /// Rules of ours, all tables and families.
     pub(crate) fn rule_count(&self) -> usize {
         self.tables.iter().map(Table::rule_count).sum()

@@ -79,8 +79,8 @@ fn base_chain(table: &str, chain: &str) -> Option<netlink::Hook> {
 /// One chain as it is written: full rule texts (comment included) and their hashes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Rendered {
-    /// What it was rendered from (the iptables hashes), to skip rendering it again.
-    source: Vec<String>,
+    /// The generation of the desired chain it was rendered from, to skip rendering it again.
+    source: u64,
     /// The hook of a base chain.
     hook: Option<netlink::Hook>,
     rules: Vec<String>,
@@ -434,9 +434,13 @@ impl Family {
             for name in names {
                 let nft = render::chain_name(table, name);
                 match t.desired_chain(name) {
-                    Some((rules, hashes)) => {
-                        if self.rendered.get(&nft).is_none_or(|r| r.source != hashes) {
-                            let r = render_chain(table, name, &nft, rules, v, hashes.to_vec());
+                    Some((rules, generation)) => {
+                        if self
+                            .rendered
+                            .get(&nft)
+                            .is_none_or(|r| r.source != generation)
+                        {
+                            let r = render_chain(table, name, &nft, rules, v, generation);
                             self.rendered.insert(nft.clone(), r);
                         }
                     }
@@ -475,7 +479,7 @@ impl Family {
                         .cloned()
                         .collect();
                     let nft = render::chain_name(table, k);
-                    let mut r = render_chain(table, k, &nft, &rules, v, Vec::new());
+                    let mut r = render_chain(table, k, &nft, &rules, v, 0);
                     r.hook = Some(hook);
                     self.rendered.insert(nft.clone(), r);
                     touched.insert(nft);
@@ -825,7 +829,7 @@ fn render_chain(
     nft: &str,
     rules: &[Rule],
     v: IpVersion,
-    source: Vec<String>,
+    source: u64,
 ) -> Rendered {
     let mut bodies: Vec<String> = Vec::with_capacity(rules.len());
     let mut exprs: Vec<Result<Vec<u8>, expr::Unsupported>> = Vec::with_capacity(rules.len());

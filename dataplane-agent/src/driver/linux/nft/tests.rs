@@ -137,6 +137,7 @@ impl World {
     fn new() -> Self {
         let v = [IpVersion::V4];
         let mut tables = Tables::new(&v, 10);
+        tables.skip_iptables_hashes();
         let mut hooks = Hooks::default();
         hooks.inserts.insert(
             "FORWARD".into(),
@@ -519,6 +520,7 @@ fn a_failed_read_back_leaves_no_family_planned_ahead_of_the_kernel() {
     let nft = FakeNft::default();
     let mut writer = NftTables::with_batch(&both, Box::new(FakeBatch::text_for_structure()));
     let mut tables = Tables::new(&both, 10);
+    tables.skip_iptables_hashes();
     let mut sets = IpSets::new(both.to_vec());
     for v in both {
         tables.table(v, "filter").set_chain(Chain::new(
