@@ -230,13 +230,7 @@ async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Resp
 }
 
 async fn metrics(State(s): State<AdminState>) -> impl axum::response::IntoResponse {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        s.metrics.render(s.ready.load(Ordering::Relaxed)),
-    )
+    s.metrics.response(s.ready.load(Ordering::Relaxed))
 }
 
 async fn status(State(s): State<AdminState>) -> Response {

@@ -1,22 +1,30 @@
-//! The server's metrics, rendered as Prometheus text on the admin endpoint's `/metrics`.
+//! The server's metrics, written by the one metrics writer (`common::metrics`, OpenMetrics
+//! text) on the admin endpoint's `/metrics`.
 //!
-//! Counters are plain atomics bumped where things happen (engine, listener, service); the
-//! per-agent lag is read live from each connection's queue counters. Names and meanings are
-//! listed in `docs/operations.md`.
+//! Counters and histograms are registered once and bumped where things happen (engine,
+//! listener, service) with a relaxed atomic add. What is read when scraped (readiness, the
+//! rejections and unusable objects the datastore adapter reports, each connected agent's lag,
+//! the per-tier realization sums) is written by a collector ([`Live`]) on each scrape, so a
+//! node whose agent left has no series. Names and meanings are listed in `docs/operations.md`.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 pub use crate::datastore::LastGoodHealth;
 use crate::datastore::{Health, Rejections, Unusable};
 
-use common::Histogram;
+use common::metrics::{self as writer, Histogram};
 
 /// One connected agent's queue counters (shared with its connection).
+#[derive(Debug)]
 struct AgentQueue {
     conn_id: u64,
     queued: Arc<AtomicU64>,
@@ -55,46 +63,137 @@ pub const ADMIN_REFUSAL_REASONS: [&str; 8] = [
     "too_large",
 ];
 
-#[derive(Default)]
+#[derive(Debug)]
 pub struct Metrics {
+    /// Every metric below, and [`Live`].
+    registry: Registry,
+    /// 1 once the datastore snapshot is in the graph: set by [`Self::render`].
+    ready: Gauge,
     /// Admin connections and requests refused, by reason (see [`ADMIN_REFUSAL_REASONS`]).
-    admin_refused: [AtomicU64; ADMIN_REFUSAL_REASONS.len()],
+    admin_refused: Vec<Counter>,
     /// Datastore updates applied to the graph (including rejected ones).
-    pub updates_processed: AtomicU64,
+    pub updates_processed: Counter,
     /// Complete datastore listings delivered (the first sync and every re-list).
-    pub datastore_syncs: AtomicU64,
+    pub datastore_syncs: Counter,
     /// Objects refused, by stage (shared with the datastore adapter).
     pub rejections: Arc<Rejections>,
     /// Agents refused because their node is not in the datastore.
-    pub refused_unknown_nodes: AtomicU64,
+    pub refused_unknown_nodes: Counter,
     /// Time the engine spent applying one burst of inputs and flushing.
     pub calc_seconds: Histogram,
     /// Connections closed before the gRPC layer, by reason (see [`REFUSAL_REASONS`]).
-    refused: [AtomicU64; REFUSAL_REASONS.len()],
+    refused: Vec<Counter>,
     /// Streams refused with PERMISSION_DENIED (certificate identity vs hello or reports).
-    pub permission_denied: AtomicU64,
+    pub permission_denied: Counter,
     /// Messages sent to agents (all streams).
-    pub messages_sent: AtomicU64,
-    agents: Mutex<BTreeMap<String, AgentQueue>>,
+    pub messages_sent: Counter,
     /// Time from a new endpoint's first message to its node's agent reporting it applied.
     pub endpoint_programmed_seconds: Histogram,
+    /// What is read when scraped.
+    live: Arc<Live>,
+}
+
+/// The values written when scraped: a collector in the registry.
+#[derive(Debug, Default)]
+struct Live {
+    agents: Mutex<BTreeMap<String, AgentQueue>>,
     /// Per tier: nodes that need its policies, that have applied them, that failed to.
     realization: Mutex<BTreeMap<String, (u64, u64, u64)>>,
+    rejections: Arc<Rejections>,
     /// What the datastore adapter reports as unusable.
     unusable: Arc<Unusable>,
 }
 
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let ready = Gauge::default();
+        registry.register(
+            "calc_server_ready",
+            "1 once the datastore snapshot is in the graph",
+            ready.clone(),
+        );
+        let counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let updates_processed = counter(
+            &mut registry,
+            "calc_server_datastore_updates",
+            "Datastore updates processed by the calculation graph",
+        );
+        let datastore_syncs = counter(
+            &mut registry,
+            "calc_server_datastore_syncs",
+            "Complete datastore listings delivered to the graph (first sync and every re-list)",
+        );
+        let messages_sent = counter(
+            &mut registry,
+            "calc_server_agent_messages_sent",
+            "Messages queued to agents, all streams",
+        );
+        let permission_denied = counter(
+            &mut registry,
+            "calc_server_permission_denied",
+            "Streams refused because the client certificate's node does not match the hello or a report",
+        );
+        let refused_unknown_nodes = counter(
+            &mut registry,
+            "calc_server_unknown_node_refusals",
+            "Agents refused because their node is not in the datastore (see --allow-unknown-nodes)",
+        );
+        let refused = writer::counters_by_label(
+            &mut registry,
+            "calc_server_connections_refused",
+            "Connections closed before they became an agent's, by reason",
+            "reason",
+            &REFUSAL_REASONS,
+        );
+        let admin_refused = writer::counters_by_label(
+            &mut registry,
+            "calc_server_admin_refused",
+            "Admin connections and requests refused, by reason",
+            "reason",
+            &ADMIN_REFUSAL_REASONS,
+        );
+        let calc_seconds = Histogram::default();
+        registry.register(
+            "calc_server_calc_seconds",
+            "Time to apply one burst of inputs to the graph and flush every node's changes",
+            calc_seconds.clone(),
+        );
+        let endpoint_programmed_seconds = Histogram::default();
+        registry.register(
+            "calc_server_endpoint_programmed_seconds",
+            "Time from a new endpoint's first message to its node's agent reporting it in the dataplane",
+            endpoint_programmed_seconds.clone(),
+        );
+        let live = Arc::new(Live::default());
+        registry.register_collector(Box::new(live.clone()));
+        Metrics {
+            registry,
+            ready,
+            admin_refused,
+            updates_processed,
+            datastore_syncs,
+            rejections: live.rejections.clone(),
+            refused_unknown_nodes,
+            calc_seconds,
+            refused,
+            permission_denied,
+            messages_sent,
+            endpoint_programmed_seconds,
+            live,
+        }
+    }
 }
 
 impl Metrics {
     /// The per-tier realization counts (desired, realized, failed), as the engine last summed
     /// them.
     pub fn set_realization(&self, tiers: BTreeMap<String, (u64, u64, u64)>) {
-        *self.realization.lock() = tiers;
+        *self.live.realization.lock() = tiers;
     }
 
     pub fn agent_connected(
@@ -104,7 +203,7 @@ impl Metrics {
         queued: Arc<AtomicU64>,
         taken: Arc<AtomicU64>,
     ) {
-        self.agents.lock().insert(
+        self.live.agents.lock().insert(
             node.to_string(),
             AgentQueue {
                 conn_id,
@@ -116,7 +215,7 @@ impl Metrics {
 
     /// Forgets the node's agent (if it is still connection `conn_id`, when given).
     pub fn agent_gone(&self, node: &str, conn_id: Option<u64>) {
-        let mut agents = self.agents.lock();
+        let mut agents = self.live.agents.lock();
         if agents
             .get(node)
             .is_some_and(|a| conn_id.is_none_or(|id| a.conn_id == id))
@@ -128,170 +227,114 @@ impl Metrics {
     /// Counts a refusal; `reason` is one of [`REFUSAL_REASONS`].
     pub fn refused(&self, reason: &str) {
         if let Some(i) = REFUSAL_REASONS.iter().position(|r| *r == reason) {
-            self.refused[i].fetch_add(1, Ordering::Relaxed);
+            self.refused[i].inc();
         }
     }
 
     /// Counts an admin refusal; `reason` is one of [`ADMIN_REFUSAL_REASONS`].
     pub fn admin_refused(&self, reason: &str) {
         if let Some(i) = ADMIN_REFUSAL_REASONS.iter().position(|r| *r == reason) {
-            self.admin_refused[i].fetch_add(1, Ordering::Relaxed);
+            self.admin_refused[i].inc();
         }
     }
 
     /// The part the datastore adapter writes.
     pub fn datastore_health(&self) -> Health {
         Health {
-            rejections: self.rejections.clone(),
-            unusable: self.unusable.clone(),
+            rejections: self.live.rejections.clone(),
+            unusable: self.live.unusable.clone(),
         }
     }
 
     pub fn last_good(&self) -> LastGoodHealth {
-        self.unusable.get()
+        self.live.unusable.get()
     }
 
-    /// The Prometheus text exposition of every metric.
+    /// Every metric as OpenMetrics text.
     pub fn render(&self, ready: bool) -> String {
-        let mut out = String::new();
-        let mut one = |name: &str, kind: &str, help: &str, value: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
-        };
-        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        one(
-            "calc_server_ready",
-            "gauge",
-            "1 once the datastore snapshot is in the graph.",
-            u64::from(ready),
-        );
-        one(
-            "calc_server_datastore_updates_total",
-            "counter",
-            "Datastore updates processed by the calculation graph.",
-            c(&self.updates_processed),
-        );
-        one(
-            "calc_server_datastore_syncs_total",
-            "counter",
-            "Complete datastore listings delivered to the graph (first sync and every re-list).",
-            c(&self.datastore_syncs),
-        );
-        one(
-            "calc_server_agent_messages_sent_total",
-            "counter",
-            "Messages queued to agents, all streams.",
-            c(&self.messages_sent),
-        );
-        one(
-            "calc_server_permission_denied_total",
-            "counter",
-            "Streams refused because the client certificate's node does not match the hello or a report.",
-            c(&self.permission_denied),
-        );
-        one(
-            "calc_server_unknown_node_refusals_total",
-            "counter",
-            "Agents refused because their node is not in the datastore (see --allow-unknown-nodes).",
-            c(&self.refused_unknown_nodes),
-        );
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_rejected_objects_total Datastore objects rejected, by stage (decode: unreadable; validation: invalid values; unknown_field: a field Calico's API does not define).\n# TYPE calc_server_rejected_objects_total counter"
-        );
-        for stage in calc_graph::manifest::RejectStage::ALL {
-            let _ = writeln!(
-                out,
-                "calc_server_rejected_objects_total{{stage=\"{}\"}} {}",
-                stage.as_str(),
-                self.rejections.get(stage)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_connections_refused_total Connections closed before they became an agent's, by reason.\n# TYPE calc_server_connections_refused_total counter"
-        );
-        for (reason, n) in REFUSAL_REASONS.iter().zip(&self.refused) {
-            let _ = writeln!(
-                out,
-                "calc_server_connections_refused_total{{reason=\"{reason}\"}} {}",
-                c(n)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_admin_refused_total Admin connections and requests refused, by reason.\n# TYPE calc_server_admin_refused_total counter"
-        );
-        for (reason, n) in ADMIN_REFUSAL_REASONS.iter().zip(&self.admin_refused) {
-            let _ = writeln!(
-                out,
-                "calc_server_admin_refused_total{{reason=\"{reason}\"}} {}",
-                c(n)
-            );
-        }
-        let health = self.last_good();
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_objects_held_last_good Objects whose datastore version is unusable; their last good version stays in force.\n# TYPE calc_server_objects_held_last_good gauge\ncalc_server_objects_held_last_good {}\n# HELP calc_server_objects_without_last_good Invalid objects with no known last good version: not in force.\n# TYPE calc_server_objects_without_last_good gauge\ncalc_server_objects_without_last_good {}",
-            health.held_last_good.len(),
-            health.without_last_good.len()
-        );
-        self.calc_seconds.render(
-            &mut out,
-            "calc_server_calc_seconds",
-            "Time to apply one burst of inputs to the graph and flush every node's changes.",
-        );
-        self.endpoint_programmed_seconds.render(
-            &mut out,
-            "calc_server_endpoint_programmed_seconds",
-            "Time from a new endpoint's first message to its node's agent reporting it in the dataplane.",
-        );
+        writer::encode(self.registry_at(ready))
+    }
+
+    /// The `/metrics` answer (content type and text).
+    pub fn response(&self, ready: bool) -> ([(&'static str, &'static str); 1], String) {
+        writer::response(self.registry_at(ready))
+    }
+
+    fn registry_at(&self, ready: bool) -> &Registry {
+        self.ready.set(i64::from(ready));
+        &self.registry
+    }
+}
+
+impl Collector for Live {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        writer::counters(
+            &mut e,
+            "calc_server_rejected_objects",
+            "Datastore objects rejected, by stage (decode: unreadable; validation: invalid values; unknown_field: a field Calico's API does not define)",
+            calc_graph::manifest::RejectStage::ALL
+                .map(|stage| ([("stage", stage.as_str())], self.rejections.get(stage))),
+        )?;
+        let health = self.unusable.get();
+        writer::gauge(
+            &mut e,
+            "calc_server_objects_held_last_good",
+            "Objects whose datastore version is unusable; their last good version stays in force",
+            health.held_last_good.len() as u64,
+        )?;
+        writer::gauge(
+            &mut e,
+            "calc_server_objects_without_last_good",
+            "Invalid objects with no known last good version: not in force",
+            health.without_last_good.len() as u64,
+        )?;
         let realization = self.realization.lock();
         for (i, (name, help)) in [
             (
                 "calc_server_policy_nodes_desired",
-                "Node-policy pairs where the tier's policies must be in force (their spans).",
+                "Node-policy pairs where the tier's policies must be in force (their spans)",
             ),
             (
                 "calc_server_policy_nodes_realized",
-                "Node-policy pairs whose agent reported the policy's current version applied.",
+                "Node-policy pairs whose agent reported the policy's current version applied",
             ),
             (
                 "calc_server_policy_nodes_failed",
-                "Node-policy pairs not realized because the node's last apply failed.",
+                "Node-policy pairs not realized because the node's last apply failed",
             ),
         ]
         .into_iter()
         .enumerate()
         {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            for (tier, (d, r, f)) in realization.iter() {
-                let v = [d, r, f][i];
-                let _ = writeln!(out, "{name}{{tier=\"{}\"}} {v}", escape_label(tier));
-            }
+            writer::gauges(
+                &mut e,
+                name,
+                help,
+                realization
+                    .iter()
+                    .map(|(tier, (d, r, f))| ([("tier", tier.as_str())], [*d, *r, *f][i])),
+            )?;
         }
         drop(realization);
         let agents = self.agents.lock();
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_connected_agents Agents with an accepted Sync stream.\n# TYPE calc_server_connected_agents gauge\ncalc_server_connected_agents {}",
-            agents.len()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP calc_server_agent_lag_messages Messages queued for the node's agent and not yet taken by its stream.\n# TYPE calc_server_agent_lag_messages gauge"
-        );
-        for (node, a) in agents.iter() {
-            let lag = c(&a.queued).saturating_sub(c(&a.taken));
-            let _ = writeln!(
-                out,
-                "calc_server_agent_lag_messages{{node=\"{}\"}} {lag}",
-                escape_label(node)
-            );
-        }
-        out
+        writer::gauge(
+            &mut e,
+            "calc_server_connected_agents",
+            "Agents with an accepted Sync stream",
+            agents.len() as u64,
+        )?;
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        writer::gauges(
+            &mut e,
+            "calc_server_agent_lag_messages",
+            "Messages queued for the node's agent and not yet taken by its stream",
+            agents.iter().map(|(node, a)| {
+                (
+                    [("node", node.as_str())],
+                    c(&a.queued).saturating_sub(c(&a.taken)),
+                )
+            }),
+        )
     }
 }
 
@@ -300,9 +343,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_prometheus_text() {
+    fn renders_openmetrics_text() {
         let m = Metrics::default();
-        m.updates_processed.fetch_add(3, Ordering::Relaxed);
+        m.updates_processed.inc_by(3);
         m.calc_seconds.observe(std::time::Duration::from_millis(2));
         m.calc_seconds.observe(std::time::Duration::from_secs(20));
         let q = Arc::new(AtomicU64::new(10));
@@ -314,7 +357,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("calc_server_calc_seconds_bucket{le=\"0.0025\"} 1\n"));
-        assert!(text.contains("calc_server_calc_seconds_bucket{le=\"10\"} 1\n"));
+        assert!(text.contains("calc_server_calc_seconds_bucket{le=\"10.0\"} 1\n"));
         assert!(text.contains("calc_server_calc_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("calc_server_calc_seconds_count 2\n"));
         assert!(text.contains("calc_server_agent_lag_messages{node=\"node-\\\"1\\\"\"} 6\n"));
@@ -324,6 +367,11 @@ mod tests {
         assert!(m.render(true).contains("calc_server_connected_agents 1\n"));
         m.agent_gone("node-\"1\"", Some(1));
         assert!(m.render(false).contains("calc_server_connected_agents 0\n"));
+        assert!(text.contains("calc_server_ready 1\n"));
+        assert!(m.render(false).contains("calc_server_ready 0\n"));
+        assert!(text.contains("calc_server_connections_refused_total{reason=\"limit\"} 0\n"));
+        assert!(text.contains("calc_server_rejected_objects_total{stage=\"decode\"} 0\n"));
+        assert!(text.ends_with("\n# EOF\n"), "OpenMetrics: {text}");
         // Every sample line is `name{labels} value` with a number.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let value = line.rsplit(' ').next().unwrap();

@@ -296,9 +296,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
         match &cert_node {
             None => {}
             Some(Err(why)) => {
-                self.metrics
-                    .permission_denied
-                    .fetch_add(1, Ordering::Relaxed);
+                self.metrics.permission_denied.inc();
                 tracing::warn!(?peer, hello_node = %Untrusted(&hello.node_name), reason = %Untrusted(why), "refused: the client certificate names no node");
                 return Err(Status::permission_denied(format!(
                     "the client certificate names no node: {why}"
@@ -306,9 +304,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             }
             Some(Ok(node)) if hello.node_name.is_empty() => hello.node_name = node.clone(),
             Some(Ok(node)) if *node != hello.node_name => {
-                self.metrics
-                    .permission_denied
-                    .fetch_add(1, Ordering::Relaxed);
+                self.metrics.permission_denied.inc();
                 tracing::warn!(?peer, certificate_node = %Untrusted(node), hello_node = %Untrusted(&hello.node_name), "refused: AgentHello names another node than the client certificate");
                 return Err(Status::permission_denied(format!(
                     "the client certificate is for node {node:?}; it may not sync node {:?}",
@@ -418,7 +414,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                                 .await;
                         }
                         if let Some(endpoint) = foreign_report(&m, &sent) {
-                            metrics.permission_denied.fetch_add(1, Ordering::Relaxed);
+                            metrics.permission_denied.inc();
                             tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node");
                             break Some((
                                 format!("status for endpoint {endpoint} not on this node"),

@@ -525,12 +525,10 @@ impl Engine {
         self.datastore_changed = true;
         let span = tracing::debug_span!("datastore_batch", updates = updates.len());
         let _enter = span.enter();
-        self.metrics
-            .updates_processed
-            .fetch_add(updates.len() as u64, Ordering::Relaxed);
+        self.metrics.updates_processed.inc_by(updates.len() as u64);
         for u in updates {
             if matches!(u, Update::InSync) {
-                self.metrics.datastore_syncs.fetch_add(1, Ordering::Relaxed);
+                self.metrics.datastore_syncs.inc();
             }
             if let Err(rejection) = self.graph.apply(u) {
                 self.metrics
@@ -553,9 +551,7 @@ impl Engine {
                  and no endpoints); check the agent's --node against the Node names, \
                  or start the server with --allow-unknown-nodes"
             );
-            self.metrics
-                .refused_unknown_nodes
-                .fetch_add(1, Ordering::Relaxed);
+            self.metrics.refused_unknown_nodes.inc();
             return Err(Refusal::UnknownNode { node });
         }
         if let Some(old) = self.conns.remove(&node) {
@@ -629,7 +625,7 @@ impl Engine {
             }
             let queued = conn.queued.fetch_add(n, Ordering::Relaxed) + n;
             conn.queued_bytes += bytes;
-            self.metrics.messages_sent.fetch_add(n, Ordering::Relaxed);
+            self.metrics.messages_sent.inc_by(n);
             // The node's first batch after it was admitted is its snapshot.
             let snapshot = conn.snapshot_end.is_none() && self.snapshotting.contains(&batch.node);
             if snapshot {

@@ -232,7 +232,7 @@ fn an_unknown_node_is_refused_once_the_datastore_is_in_sync() {
         })
     );
     assert!(agent.kinds().is_empty(), "a refused agent is sent nothing");
-    assert_eq!(h.metrics.refused_unknown_nodes.load(Ordering::Relaxed), 1);
+    assert_eq!(h.metrics.refused_unknown_nodes.get(), 1);
 
     let mut open = Harness::new(Limits {
         allow_unknown_nodes: true,
