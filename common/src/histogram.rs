@@ -3,7 +3,6 @@
 //! Observing is two relaxed atomic adds: it sits on the hot path of the engine and the agent's
 //! apply loop, where prometheus-client's own histogram would take a lock.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -82,21 +81,6 @@ impl Histogram {
         let count = buckets.iter().map(|(_, n)| n).sum();
         let sum = c.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
         (buckets, sum, count)
-    }
-
-    /// Appends the `# HELP`/`# TYPE` lines, cumulative buckets, `_sum` and `_count`.
-    pub fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let (buckets, sum, count) = self.snapshot();
-        let mut cumulative = 0;
-        for (b, c) in &buckets[..buckets.len() - 1] {
-            cumulative += c;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
-        );
     }
 }
 

@@ -12,10 +12,9 @@
 //! Counters are registered without `_total`: the encoder appends it. Help texts are given
 //! without their final period, which the registry adds (and so do the collector helpers).
 
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
@@ -38,11 +37,9 @@ pub fn response(registry: &Registry) -> ([(&'static str, &'static str); 1], Stri
     ([("content-type", CONTENT_TYPE)], encode(registry))
 }
 
-/// The series of a label that takes a fixed set of values.
-pub type OneLabel = [(&'static str, &'static str); 1];
-
 /// Registers the counter family `name{label}` with one series per value in `values`, each
-/// there (at 0) from the start, and returns their counters in the order of `values`.
+/// there (at 0) from the start and written in that order, and returns their counters in the
+/// order of `values`.
 pub fn counters_by_label(
     registry: &mut Registry,
     name: &str,
@@ -50,13 +47,34 @@ pub fn counters_by_label(
     label: &'static str,
     values: &[&'static str],
 ) -> Vec<Counter> {
-    let family = Family::<OneLabel, Counter>::default();
-    let counters = values
-        .iter()
-        .map(|v| family.get_or_create_owned(&[(label, *v)]))
-        .collect();
+    let counters: Vec<Counter> = values.iter().map(|_| Counter::default()).collect();
+    let family = FixedFamily {
+        label,
+        series: values.iter().copied().zip(counters.clone()).collect(),
+    };
     registry.register(name, help, family);
     counters
+}
+
+/// Counters over a fixed set of values of one label (prometheus-client's `Family` would
+/// write them in hash order).
+#[derive(Debug)]
+struct FixedFamily {
+    label: &'static str,
+    series: Vec<(&'static str, Counter)>,
+}
+
+impl EncodeMetric for FixedFamily {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        for (value, counter) in &self.series {
+            counter.encode(encoder.encode_family(&[(self.label, *value)])?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
 }
 
 /// From a collector: the gauge `name` with `value`.
@@ -146,6 +164,12 @@ mod tests {
 
         let text = encode(&registry);
         assert!(text.ends_with("\n# EOF\n"), "{text}");
+        assert!(
+            text.contains(
+                "\nx_refused_total{reason=\"limit\"} 0\nx_refused_total{reason=\"timeout\"} 1\n"
+            ),
+            "in order"
+        );
         for line in [
             "# HELP x_events Events.",
             "# TYPE x_events counter",

@@ -1,5 +1,6 @@
 //! The agent's health and metrics: [`AgentMetrics`] (updated by the session) and the admin HTTP
-//! endpoint (`--admin-listen`): `/liveness`, `/readiness`, `/metrics` (Prometheus text) and
+//! endpoint (`--admin-listen`): `/liveness`, `/readiness`, `/metrics` (OpenMetrics text, by the
+//! one metrics writer, `common::metrics`) and
 //! `/programmed` (JSON: what the driver programmed, by policy, profile and endpoint, with the
 //! iptables chain names; see [`crate::driver::programmed`]). Other paths answer 404.
 //!
@@ -23,17 +24,21 @@
 //! arriving for longer than the snapshot deadline plus the watchdog timeout (the session should
 //! have dropped it at the deadline).
 
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use common::Histogram;
+use common::metrics::{self as writer, Histogram};
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use crate::driver::{DriverMetrics, ProgrammedObjects};
 
@@ -42,35 +47,149 @@ const APPLY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// Apply durations, in [`APPLY_BUCKETS`].
-#[derive(Debug)]
-struct ApplyTimes(Histogram);
-
-impl Default for ApplyTimes {
-    fn default() -> Self {
-        ApplyTimes(Histogram::new(APPLY_BUCKETS))
-    }
-}
-
 /// Health and counters shared by the session (writer) and the admin endpoint (reader).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct AgentMetrics {
     connected: AtomicBool,
     stream_in_sync: AtomicBool,
     /// `None` before the first apply; the error (one short line) of a failed one.
     last_apply: Mutex<Option<Result<(), String>>>,
     session_running: AtomicBool,
-    applies: ApplyTimes,
-    apply_failures: AtomicU64,
-    resyncs: AtomicU64,
-    streams: AtomicU64,
-    messages: AtomicU64,
-    driver: Mutex<DriverMetrics>,
+    /// Apply durations, in [`APPLY_BUCKETS`].
+    applies: Histogram,
+    apply_failures: Counter,
+    resyncs: Counter,
+    streams: Counter,
+    messages: Counter,
+    /// What the driver reported after the last apply (written when scraped).
+    driver: Arc<DriverSizes>,
+    /// Every metric, for `/metrics`.
+    exported: Exported,
     health: Mutex<Health>,
     /// What `/programmed` shows.
     programmed: Mutex<ProgrammedView>,
     /// `/programmed` is served: until it is, the session builds no dumps.
     programmed_wanted: AtomicBool,
+}
+
+/// The registry `/metrics` encodes, and the gauges set just before each encode.
+#[derive(Debug)]
+struct Exported {
+    registry: Registry,
+    ready: Gauge,
+    connected: Gauge,
+}
+
+/// The driver's sizes after the last apply: a collector writing those the driver reports.
+#[derive(Debug, Default)]
+struct DriverSizes(Mutex<DriverMetrics>);
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let (ready, connected) = (Gauge::default(), Gauge::default());
+        registry.register(
+            "dataplane_agent_ready",
+            "1 when connected, in sync and the last apply succeeded",
+            ready.clone(),
+        );
+        registry.register(
+            "dataplane_agent_connected",
+            "1 while a Sync stream to a calc-server is open",
+            connected.clone(),
+        );
+        let counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let streams = counter(
+            &mut registry,
+            "dataplane_agent_streams",
+            "Sync streams opened (ServerHello accepted)",
+        );
+        let resyncs = counter(
+            &mut registry,
+            "dataplane_agent_resyncs",
+            "Snapshots received after the first one (reconnects, fail-overs, fell-behind resyncs)",
+        );
+        let messages = counter(
+            &mut registry,
+            "dataplane_agent_messages",
+            "Messages received from calc-servers",
+        );
+        let apply_failures = counter(
+            &mut registry,
+            "dataplane_agent_apply_failures",
+            "Applies that failed (retried with back-off)",
+        );
+        let applies = Histogram::new(APPLY_BUCKETS);
+        registry.register(
+            "dataplane_agent_apply_seconds",
+            "Time of each apply (programming the dataplane), failed ones included",
+            applies.clone(),
+        );
+        let driver = Arc::new(DriverSizes::default());
+        registry.register_collector(Box::new(driver.clone()));
+        AgentMetrics {
+            connected: AtomicBool::default(),
+            stream_in_sync: AtomicBool::default(),
+            last_apply: Mutex::default(),
+            session_running: AtomicBool::default(),
+            applies,
+            apply_failures,
+            resyncs,
+            streams,
+            messages,
+            driver,
+            exported: Exported {
+                registry,
+                ready,
+                connected,
+            },
+            health: Mutex::default(),
+            programmed: Mutex::default(),
+            programmed_wanted: AtomicBool::default(),
+        }
+    }
+}
+
+impl Collector for DriverSizes {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let d = *self.0.lock();
+        for (name, help, v) in [
+            (
+                "dataplane_agent_programmed_rules",
+                "Rules of ours after the last apply: iptables rules in all tables and families (linux driver), or nftables rules in our tables (nftables driver)",
+                d.rules,
+            ),
+            (
+                "dataplane_agent_programmed_ipsets",
+                "IP sets of ours after the last apply",
+                d.ipsets,
+            ),
+            (
+                "dataplane_agent_programmed_ipset_members",
+                "Members of our IP sets after the last apply",
+                d.ipset_members,
+            ),
+            (
+                "dataplane_agent_programmed_routes",
+                "Routes of ours after the last apply",
+                d.routes,
+            ),
+            (
+                "dataplane_agent_rejected_objects",
+                "Objects from the calc-server the agent refused to program as sent (held failing closed); the log names each with its reason",
+                d.rejected,
+            ),
+        ] {
+            if let Some(v) = v {
+                writer::gauge(&mut e, name, help, v)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The session's last published dump.
@@ -102,7 +221,7 @@ impl AgentMetrics {
     pub fn stream_started(&self) {
         self.connected.store(true, Ordering::Relaxed);
         self.stream_in_sync.store(false, Ordering::Relaxed);
-        self.streams.fetch_add(1, Ordering::Relaxed);
+        self.streams.inc();
         self.health().snapshot_since = Some(Instant::now());
     }
 
@@ -118,24 +237,24 @@ impl AgentMetrics {
         self.stream_in_sync.store(true, Ordering::Relaxed);
         self.health().snapshot_since = None;
         if resync {
-            self.resyncs.fetch_add(1, Ordering::Relaxed);
+            self.resyncs.inc();
         }
     }
 
     /// One message from the server was handled.
     pub fn message(&self) {
-        self.messages.fetch_add(1, Ordering::Relaxed);
+        self.messages.inc();
     }
 
     /// An apply finished: `Ok`, or `Err` with why it failed on one short line (readiness shows
     /// it as given).
     pub fn applied(&self, took: Duration, outcome: Result<(), &str>, driver: DriverMetrics) {
-        self.applies.0.observe(took);
+        self.applies.observe(took);
         if outcome.is_err() {
-            self.apply_failures.fetch_add(1, Ordering::Relaxed);
+            self.apply_failures.inc();
         }
         *self.last_apply.lock() = Some(outcome.map_err(str::to_owned));
-        *self.driver.lock() = driver;
+        *self.driver.0.lock() = driver;
     }
 
     /// After a successful apply: `dump` gives the driver's [`ProgrammedObjects`] for
@@ -234,90 +353,18 @@ impl AgentMetrics {
         }
     }
 
-    /// The Prometheus text exposition.
+    /// Every metric as OpenMetrics text.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut one = |name: &str, kind: &str, help: &str, value: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
-        };
-        one(
-            "dataplane_agent_ready",
-            "gauge",
-            "1 when connected, in sync and the last apply succeeded.",
-            u64::from(self.readiness().is_ok()),
-        );
-        one(
-            "dataplane_agent_connected",
-            "gauge",
-            "1 while a Sync stream to a calc-server is open.",
-            u64::from(self.connected.load(Ordering::Relaxed)),
-        );
-        one(
-            "dataplane_agent_streams_total",
-            "counter",
-            "Sync streams opened (ServerHello accepted).",
-            c(&self.streams),
-        );
-        one(
-            "dataplane_agent_resyncs_total",
-            "counter",
-            "Snapshots received after the first one (reconnects, fail-overs, fell-behind resyncs).",
-            c(&self.resyncs),
-        );
-        one(
-            "dataplane_agent_messages_total",
-            "counter",
-            "Messages received from calc-servers.",
-            c(&self.messages),
-        );
-        one(
-            "dataplane_agent_apply_failures_total",
-            "counter",
-            "Applies that failed (retried with back-off).",
-            c(&self.apply_failures),
-        );
-        self.applies.0.render(
-            &mut out,
-            "dataplane_agent_apply_seconds",
-            "Time of each apply (programming the dataplane), failed ones included.",
-        );
-        let d = *self.driver.lock();
-        for (name, help, v) in [
-            (
-                "dataplane_agent_programmed_rules",
-                "Rules of ours after the last apply: iptables rules in all tables and families (linux driver), or nftables rules in our tables (nftables driver).",
-                d.rules,
-            ),
-            (
-                "dataplane_agent_programmed_ipsets",
-                "IP sets of ours after the last apply.",
-                d.ipsets,
-            ),
-            (
-                "dataplane_agent_programmed_ipset_members",
-                "Members of our IP sets after the last apply.",
-                d.ipset_members,
-            ),
-            (
-                "dataplane_agent_programmed_routes",
-                "Routes of ours after the last apply.",
-                d.routes,
-            ),
-            (
-                "dataplane_agent_rejected_objects",
-                "Objects from the calc-server the agent refused to program as sent (held failing closed); the log names each with its reason.",
-                d.rejected,
-            ),
-        ] {
-            if let Some(v) = v {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-            }
-        }
-        out
+        writer::encode(self.registry_now())
+    }
+
+    /// The registry, with the gauges read from the session's state set to their values now.
+    fn registry_now(&self) -> &Registry {
+        let e = &self.exported;
+        e.ready.set(i64::from(self.readiness().is_ok()));
+        e.connected
+            .set(i64::from(self.connected.load(Ordering::Relaxed)));
+        &e.registry
     }
 }
 
@@ -336,13 +383,7 @@ async fn liveness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
 }
 
 async fn metrics_text(State(m): State<Arc<AgentMetrics>>) -> impl axum::response::IntoResponse {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        m.render(),
-    )
+    writer::response(m.registry_now())
 }
 
 async fn programmed(State(m): State<Arc<AgentMetrics>>) -> axum::response::Response {
@@ -445,6 +486,9 @@ mod tests {
             "unknown counts are not exported"
         );
         assert!(text.contains("dataplane_agent_streams_total 2\n"));
+        assert!(text.contains("dataplane_agent_ready 1\n"));
+        assert!(text.contains("dataplane_agent_connected 1\n"));
+        assert!(text.ends_with("\n# EOF\n"), "OpenMetrics: {text}");
     }
 
     #[test]
