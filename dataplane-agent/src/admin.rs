@@ -543,6 +543,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn metrics_are_openmetrics_text() {
+        use tower::ServiceExt as _;
+        let request = axum::http::Request::get("/metrics")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let response = router(Arc::new(AgentMetrics::default()))
+            .oneshot(request)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            response.headers()[axum::http::header::CONTENT_TYPE],
+            writer::CONTENT_TYPE
+        );
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        assert!(text.contains("\ndataplane_agent_ready 0\n"), "{text}");
+        assert!(text.ends_with("\n# EOF\n"), "{text}");
+    }
+
+    #[tokio::test]
     async fn programmed_serves_the_last_published_dump() {
         use tower::ServiceExt as _;
         let get = |m: &Arc<AgentMetrics>, path: &'static str| {
