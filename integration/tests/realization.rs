@@ -76,7 +76,15 @@ fn a_failing_node_shows_as_failed_with_its_error_and_the_others_as_realized() {
     let cells: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(
         cells,
-        ["production-isolation", "security", "2", "1", "1", "Failed"]
+        [
+            "production-isolation",
+            "security",
+            "2",
+            "1",
+            "1",
+            "Failed",
+            "GlobalNetworkPolicy"
+        ]
     );
     let one = status(&server, &["--policy", "production-isolation"]);
     assert!(one.contains("node-2  failed  last apply failed: "), "{one}");
