@@ -8,6 +8,7 @@
 //! Contract: everything here is pure (no IO, no clock, no allocation beyond the returned value)
 //! and never panics on any input: hostile strings come back as values or `Err` texts.
 //!
+//! - [`error`]: `FieldError`, one problem with one field, as both ends report it;
 //! - [`cert`]: the CN and URI SANs of a certificate (node, server and admin identities);
 //! - [`hash`]: Calico's `libcalico-go/lib/hash` ids (unique ids, length-limited names).
 //! - [`validate`]: the name rules both binaries enforce (interface and log prefixes) and how a
@@ -16,9 +17,12 @@
 //! - [`is_staged_policy_kind`]: which `PolicyID.kind`s are staged (computed, never programmed).
 
 pub mod cert;
+pub mod error;
 pub mod felix_config;
 pub mod hash;
 pub mod validate;
+
+pub use error::FieldError;
 
 /// The `PolicyID.kind`s of Calico's staged policies (3.30+).
 pub const STAGED_POLICY_KINDS: [&str; 3] = [

@@ -340,7 +340,7 @@ metadata: {name: rr}
             Outcome::Invalid(inv) => {
                 assert_eq!(entries[2].document, 2);
                 assert_eq!(inv.key.to_string(), "GlobalNetworkPolicy bad");
-                assert_eq!(inv.errors[0].path, "spec.selector");
+                assert_eq!(inv.errors[0].field, "spec.selector");
             }
             other => panic!("{other:?}"),
         }

@@ -481,7 +481,7 @@ pub const UNKNOWN_FIELD: &str = "unknown field";
 
 /// Whether `e` is one of [`unknown_fields`]' errors.
 pub fn is_unknown_field(e: &FieldError) -> bool {
-    e.message.starts_with(UNKNOWN_FIELD)
+    e.reason.starts_with(UNKNOWN_FIELD)
 }
 
 fn unknown<'a>(path: String, name: &str, known: impl Iterator<Item = &'a str>) -> FieldError {
@@ -489,7 +489,7 @@ fn unknown<'a>(path: String, name: &str, known: impl Iterator<Item = &'a str>) -
         Some(meant) => format!("{UNKNOWN_FIELD} (did you mean \"{meant}\"?)"),
         None => UNKNOWN_FIELD.to_owned(),
     };
-    FieldError { path, message }
+    FieldError::new(path, message)
 }
 
 /// The known field closest to `name`, if it is a near miss: the same but for case, or at most

@@ -286,10 +286,7 @@ struct Conversion {
 
 impl Conversion {
     fn error(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.errors.push(FieldError {
-            path: path.into(),
-            message: message.into(),
-        });
+        self.errors.push(FieldError::new(path, message));
     }
 
     /// A subject's selector; a bad one makes the object invalid (named in its errors), so

@@ -33,18 +33,8 @@ pub const MAX_SLICE_ENDPOINTS: usize = 1000;
 pub const MAX_SLICE_ADDRESSES: usize = 100;
 pub const MAX_SLICE_PORTS: usize = 100;
 
-/// One problem: where and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FieldError {
-    pub path: String,
-    pub message: String,
-}
-
-impl fmt::Display for FieldError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+/// One problem: where (the field path) and why; the shape the agent reports too.
+pub use calico_names::FieldError;
 
 /// A resource that passed [`validate`], and the proof of it: the only ways to build one are
 /// [`Valid::check`] and the manifest decoders (`crate::manifest::decode_and_validate`), which
@@ -118,7 +108,7 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
     match res {
         Resource::Policy(kind, _, s) => {
             for e in &s.conversion_errors {
-                v.err(e.path.clone(), e.message.clone());
+                v.err(e.field.clone(), e.reason.clone());
             }
             v.policy(s, kind.is_global_policy());
             if kind.is_staged()
@@ -184,10 +174,10 @@ impl Validator {
     fn err(&mut self, path: impl Into<String>, message: impl Into<String>) {
         // Messages quote the offending value: bounded here so a 50 MB label value is not
         // echoed whole into every log line and status that shows the error.
-        self.errors.push(FieldError {
-            path: crate::untrusted::clip(path.into(), 512),
-            message: crate::untrusted::clip(message.into(), 1024),
-        });
+        self.errors.push(FieldError::new(
+            crate::untrusted::clip(path.into(), 512),
+            crate::untrusted::clip(message.into(), 1024),
+        ));
     }
 
     fn meta(&mut self, kind: Kind, m: &ObjectMeta) {
@@ -1198,7 +1188,7 @@ mod tests {
     }
 
     fn paths(r: Result<(), Invalid>) -> Vec<String> {
-        r.unwrap_err().errors.into_iter().map(|e| e.path).collect()
+        r.unwrap_err().errors.into_iter().map(|e| e.field).collect()
     }
 
     #[test]
@@ -1221,11 +1211,11 @@ mod tests {
         assert_eq!(
             err.errors
                 .iter()
-                .map(|e| e.path.as_str())
+                .map(|e| e.field.as_str())
                 .collect::<Vec<_>>(),
             ["spec.ingress", "spec.egress"]
         );
-        assert!(err.errors[0].message.contains("at most 1024"), "{err}");
+        assert!(err.errors[0].reason.contains("at most 1024"), "{err}");
         let long = format!("a == '{}'", "x".repeat(MAX_SELECTOR_LEN));
         let err = check(json!({
             "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
@@ -1237,7 +1227,7 @@ mod tests {
             paths(Err(err.clone())),
             ["spec.selector", "spec.ingress[0].source.selector"]
         );
-        assert!(err.errors[0].message.contains("at most 1024"), "{err}");
+        assert!(err.errors[0].reason.contains("at most 1024"), "{err}");
         let fits = format!("a == '{}'", "x".repeat(MAX_SELECTOR_LEN - 7));
         assert_eq!(fits.len(), MAX_SELECTOR_LEN);
         assert!(
@@ -1359,7 +1349,7 @@ mod tests {
             msg.starts_with("GlobalNetworkPolicy Bad_Name is invalid: "),
             "{msg}"
         );
-        let p: Vec<&str> = err.errors.iter().map(|e| e.path.as_str()).collect();
+        let p: Vec<&str> = err.errors.iter().map(|e| e.field.as_str()).collect();
         for want in [
             "metadata.name",
             "spec.selector",
@@ -1386,9 +1376,9 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.errors.len(), 1);
         assert!(
-            err.errors[0].message.starts_with("invalid selector:"),
+            err.errors[0].reason.starts_with("invalid selector:"),
             "{}",
-            err.errors[0].message
+            err.errors[0].reason
         );
     }
 

@@ -58,7 +58,7 @@ pub enum Identity {
 fn identity_errors(errors: &[calc_graph::model::validate::FieldError]) -> Option<String> {
     let shown: Vec<String> = errors
         .iter()
-        .filter(|e| e.path == "metadata.name" || e.path == "metadata.namespace")
+        .filter(|e| e.field == "metadata.name" || e.field == "metadata.namespace")
         .map(ToString::to_string)
         .collect();
     (!shown.is_empty()).then(|| shown.join("; "))

@@ -10,31 +10,16 @@
 //! Pure functions, no IO.
 
 use calico_names::validate::shown;
-use std::fmt;
 use std::net::IpAddr;
 
 use felix_proto::{HostEndpoint, IpamPool, Policy, Profile, Rule, TierInfo, WorkloadEndpoint};
 
-/// Why an object from the stream was refused: the field and what is wrong with it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Invalid {
-    pub field: String,
-    pub reason: String,
-}
-
-impl fmt::Display for Invalid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.field, self.reason)
-    }
-}
-
-impl std::error::Error for Invalid {}
+/// Why an object from the stream was refused: the field and what is wrong with it — the same
+/// `FieldError` the calc-server's validation reports.
+pub(crate) type Invalid = calico_names::FieldError;
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Invalid {
-    Invalid {
-        field: field.into(),
-        reason: reason.into(),
-    }
+    Invalid::new(field, reason)
 }
 
 /// Longest Linux interface name (IFNAMSIZ less the NUL).

@@ -448,7 +448,7 @@ fn the_converted_form_round_trips_and_manifests_cannot_use_it() {
             panic!("a manifest in the converted form is refused")
         };
         assert!(
-            inv.errors.iter().any(|e| e.path == "spec.selector"),
+            inv.errors.iter().any(|e| e.field == "spec.selector"),
             "{inv}"
         );
     }
