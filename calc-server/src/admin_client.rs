@@ -9,15 +9,14 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 
 use crate::args::{AdminClientArgs, DEFAULT_ADMIN};
+use crate::pem::{read_certs, read_key};
 
 /// What the first bytes of an answer say about the listener that sent them.
 fn not_http1(addr: &str, head: &[u8], tls: bool) -> String {
@@ -60,19 +59,6 @@ fn host_of(addr: &str) -> &str {
     addr.rsplit_once(':').map_or(addr, |(h, _)| h)
 }
 
-fn read_certs(path: &Path, flag: &str) -> anyhow::Result<Vec<CertificateDer<'static>>> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("{flag} {}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("{flag} {}: not PEM certificates", path.display()))?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "{flag} {}: no certificate in the file",
-        path.display()
-    );
-    Ok(certs)
-}
-
 fn tls_config(client: &AdminClientArgs) -> anyhow::Result<rustls::ClientConfig> {
     let ca = client
         .ca_file
@@ -93,8 +79,7 @@ fn tls_config(client: &AdminClientArgs) -> anyhow::Result<rustls::ClientConfig> 
     let mut config = match (&client.cert_file, &client.key_file) {
         (Some(cert), Some(key)) => {
             let chain = read_certs(cert, "--tls-cert-file")?;
-            let key = PrivateKeyDer::from_pem_file(key)
-                .with_context(|| format!("--tls-key-file {}: no PEM private key", key.display()))?;
+            let key = read_key(key, "--tls-key-file")?;
             builder
                 .with_client_auth_cert(chain, key)
                 .context("--tls-cert-file and --tls-key-file do not make a usable pair")?

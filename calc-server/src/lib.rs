@@ -20,6 +20,7 @@ pub mod compute;
 pub mod datastore;
 pub mod explain_cmd;
 pub mod offline;
+mod pem;
 pub mod serve;
 pub mod status;
 pub mod status_cmd;

@@ -30,8 +30,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -39,6 +37,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::metrics::Metrics;
 use crate::args::ListenerArgs;
+use crate::pem::{read_certs, read_key};
 
 /// How the node name is read from a verified client certificate.
 #[derive(Clone, Debug)]
@@ -240,19 +239,6 @@ impl ListenerArgs {
     }
 }
 
-fn read_certs(path: &Path, what: &str) -> anyhow::Result<Vec<CertificateDer<'static>>> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("{what} {}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("{what} {}: not PEM certificates", path.display()))?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "{what} {}: no certificate in the file",
-        path.display()
-    );
-    Ok(certs)
-}
-
 /// Which client certificates a listener asks for: required (the Sync listener) or optional
 /// (the admin listener, where probes and token callers have none), from the CA in the file
 /// that the flag names.
@@ -309,8 +295,7 @@ fn server_config(
         .build()
         .context("building the client certificate verifier")?;
     let chain = read_certs(cert, "--tls-cert-file")?;
-    let key = PrivateKeyDer::from_pem_file(key)
-        .with_context(|| format!("--tls-key-file {}: no PEM private key", key.display()))?;
+    let key = read_key(key, "--tls-key-file")?;
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .context("TLS protocol versions")?
