@@ -532,7 +532,7 @@ pub struct StatusArgs {
 }
 
 /// A path where an empty value means "none" (clap's path parser refuses empty values).
-pub fn path_or_empty(s: &str) -> Result<PathBuf, String> {
+pub fn path_or_empty(s: &str) -> Result<PathBuf, std::convert::Infallible> {
     Ok(PathBuf::from(s))
 }
 
@@ -561,7 +561,12 @@ mod tests {
         assert_eq!(parse_duration(" 2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
         assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert!(parse_duration("10d").unwrap_err().contains("unit"));
+        assert!(
+            parse_duration("10d")
+                .unwrap_err()
+                .to_string()
+                .contains("unit")
+        );
         assert!(parse_duration("fast").is_err());
     }
 }

@@ -3,7 +3,12 @@
 //! reads a node name (or an admin identity) from a client certificate.
 //!
 //! Contract: pure parsing of a DER certificate that the TLS layer has already verified; a
-//! certificate that does not parse is an `Err` with the parser's reason, never a panic.
+//! certificate that does not parse is a [`CertError`] with the parser's reason, never a panic.
+
+/// A certificate that does not parse, with the parser's reason.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("cannot parse the certificate: {0}")]
+pub struct CertError(x509_parser::nom::Err<x509_parser::error::X509Error>);
 
 /// A certificate's subject CN (the first, when text) and its URI SANs, in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -14,9 +19,8 @@ pub struct CertNames {
 
 impl CertNames {
     /// The names of the DER certificate `der`.
-    pub fn of(der: &[u8]) -> Result<CertNames, String> {
-        let (_, cert) = x509_parser::parse_x509_certificate(der)
-            .map_err(|e| format!("cannot parse the certificate: {e}"))?;
+    pub fn of(der: &[u8]) -> Result<CertNames, CertError> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(CertError)?;
         let cn = cert
             .subject()
             .iter_common_name()
@@ -69,6 +73,7 @@ mod tests {
         assert_eq!(names.uri_suffix("spiffe://c/node/"), Some("node-7"));
         assert_eq!(names.uri_suffix("spiffe://c/node/node-7"), None, "empty");
         assert_eq!(names.uri_suffix("spiffe://other/"), None);
-        assert!(CertNames::of(b"junk").is_err());
+        let junk = CertNames::of(b"junk").unwrap_err().to_string();
+        assert!(junk.starts_with("cannot parse the certificate: "), "{junk}");
     }
 }

@@ -1,8 +1,8 @@
 //! FelixConfiguration values both ends read the same way: the agent programs them, and
 //! calc-server's explain reasons about what the agent programmed.
 //!
-//! Contract: pure parsing; an invalid value is an `Err` naming the entry, never a partial list
-//! (the agent then keeps what it had, so a reader must not guess from half a value).
+//! Contract: pure parsing; an invalid value is a [`FailsafeError`] naming the entry, never a
+//! partial list (the agent then keeps what it had, so a reader must not guess from half a value).
 
 /// A protocol and port that stays open whatever the host endpoint policy says.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -12,20 +12,36 @@ pub struct Failsafe {
     pub port: u16,
 }
 
+/// Why a failsafe value is refused, naming the entry.
+#[derive(Debug, thiserror::Error)]
+pub enum FailsafeError {
+    #[error("{0:?}: expected <tcp|udp|sctp>:<port>")]
+    NotProtocolAndPort(String),
+    #[error("{0:?}: protocol must be tcp, udp or sctp")]
+    Protocol(String),
+    #[error("{entry:?}: {port:?} is not a port number")]
+    Port { entry: String, port: String },
+    #[error("not a JSON list: {0}")]
+    NotAJsonList(serde_json::Error),
+    #[error("entry {0} has no numeric port")]
+    NoNumericPort(serde_json::Value),
+}
+
 impl std::str::FromStr for Failsafe {
-    type Err = String;
+    type Err = FailsafeError;
     /// `tcp:22` or `udp:68`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (p, port) = s
             .split_once(':')
-            .ok_or_else(|| format!("{s:?}: expected <tcp|udp|sctp>:<port>"))?;
+            .ok_or_else(|| FailsafeError::NotProtocolAndPort(s.to_owned()))?;
         let p = p.to_ascii_lowercase();
         if !matches!(p.as_str(), "tcp" | "udp" | "sctp") {
-            return Err(format!("{s:?}: protocol must be tcp, udp or sctp"));
+            return Err(FailsafeError::Protocol(s.to_owned()));
         }
-        let port = port
-            .parse()
-            .map_err(|_| format!("{s:?}: {port:?} is not a port number"))?;
+        let port = port.parse().map_err(|_| FailsafeError::Port {
+            entry: s.to_owned(),
+            port: port.to_owned(),
+        })?;
         Ok(Self { protocol: p, port })
     }
 }
@@ -47,21 +63,21 @@ pub fn default_failsafes_out() -> Vec<Failsafe> {
 
 /// `[{"protocol":"TCP","port":22}, …]` (the v3 resource) or `tcp:22,udp:68` (Felix's env form);
 /// `none` or an empty list for none.
-pub fn parse_failsafes(v: &str) -> Result<Vec<Failsafe>, String> {
+pub fn parse_failsafes(v: &str) -> Result<Vec<Failsafe>, FailsafeError> {
     let t = v.trim();
     if t.is_empty() || t.eq_ignore_ascii_case("none") {
         return Ok(Vec::new());
     }
     if t.starts_with('[') {
         let items: Vec<serde_json::Value> =
-            serde_json::from_str(t).map_err(|e| format!("not a JSON list: {e}"))?;
+            serde_json::from_str(t).map_err(FailsafeError::NotAJsonList)?;
         return items
             .iter()
             .map(|i| {
                 let proto = i["protocol"].as_str().unwrap_or("tcp");
                 let port = i["port"]
                     .as_u64()
-                    .ok_or_else(|| format!("entry {i} has no numeric port"))?;
+                    .ok_or_else(|| FailsafeError::NoNumericPort(i.clone()))?;
                 format!("{proto}:{port}").parse()
             })
             .collect();
@@ -88,8 +104,20 @@ mod tests {
             }
         );
         assert!(parse_failsafes("none").unwrap().is_empty());
-        assert!(parse_failsafes("tcp:22,icmp:1").is_err());
-        assert!(parse_failsafes("tcp:22,tcp:70000").is_err());
+        assert_eq!(
+            parse_failsafes("tcp:22,icmp:1").unwrap_err().to_string(),
+            "\"icmp:1\": protocol must be tcp, udp or sctp"
+        );
+        assert_eq!(
+            parse_failsafes("tcp:22,tcp:70000").unwrap_err().to_string(),
+            "\"tcp:70000\": \"70000\" is not a port number"
+        );
+        assert_eq!(
+            parse_failsafes(r#"[{"protocol":"TCP"}]"#)
+                .unwrap_err()
+                .to_string(),
+            r#"entry {"protocol":"TCP"} has no numeric port"#
+        );
         assert_eq!(default_failsafes_in().len(), 9);
         assert_eq!(
             default_failsafes_out()[0],

@@ -6,7 +6,8 @@
 //! can never drift apart.
 //!
 //! Contract: everything here is pure (no IO, no clock, no allocation beyond the returned value)
-//! and never panics on any input: hostile strings come back as values or `Err` texts.
+//! and never panics on any input: hostile strings come back as values or typed errors, which
+//! show them bounded and escaped.
 //!
 //! - [`error`]: `FieldError`, one problem with one field, as both ends report it;
 //! - [`cert`]: the CN and URI SANs of a certificate (node, server and admin identities);

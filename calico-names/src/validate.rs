@@ -2,7 +2,8 @@
 //!
 //! calc-server applies these to FelixConfiguration on ingest; the agent applies them again to
 //! what the stream carries, because it cannot trust the server. One implementation keeps the two
-//! verdicts identical. Errors are plain text naming the value ([`shown`]), ready for a log line.
+//! verdicts identical. A refusal is a [`NameError`] holding the value and the rule it breaks;
+//! it shows the value bounded and escaped ([`shown`]) when a log line displays it.
 
 /// A value as shown in an error: quoted and escaped, cut to 80 characters (a hostile value can
 /// be megabytes long).
@@ -19,22 +20,38 @@ pub fn shown(s: &str) -> String {
     out
 }
 
+/// A refused name: the value (shown with [`shown`]) and the rule it breaks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error(
+        "{} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")",
+        shown(.0)
+    )]
+    LogPrefixTooLong(String),
+    #[error(
+        "{} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'",
+        shown(.0)
+    )]
+    LogPrefixCharacters(String),
+    #[error(
+        "{} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])",
+        shown(.0)
+    )]
+    NotAnInterfacePrefix(String),
+    #[error("{} would match the loopback interface", shown(.0))]
+    MatchesLoopback(String),
+}
+
 /// Felix's `LogPrefix` rule, shared with the agent: Calico's character set `[A-Za-z0-9%: /_-]`
 /// and at most 27 characters (the kernel's LOG prefix limit, less the `": "` appended).
-pub fn log_prefix(p: &str) -> Result<(), String> {
+pub fn log_prefix(p: &str) -> Result<(), NameError> {
     if p.len() > 27 {
-        Err(format!(
-            "{} is longer than 27 characters (the kernel's LOG prefix limit, less \": \")",
-            shown(p)
-        ))
+        Err(NameError::LogPrefixTooLong(p.to_owned()))
     } else if !p
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b"%: /_-".contains(&b))
     {
-        Err(format!(
-            "{} may only contain letters, digits and '%', ':', ' ', '/', '_', '-'",
-            shown(p)
-        ))
+        Err(NameError::LogPrefixCharacters(p.to_owned()))
     } else {
         Ok(())
     }
@@ -43,14 +60,11 @@ pub fn log_prefix(p: &str) -> Result<(), String> {
 /// A workload interface prefix, shared with the agent: 1 to 14 interface name characters, and
 /// never one the loopback interface matches (`l`, `lo`): the prefixes decide which interfaces
 /// the agent takes over.
-pub fn interface_prefix(p: &str) -> Result<(), String> {
+pub fn interface_prefix(p: &str) -> Result<(), NameError> {
     if p.len() > 14 || !is_interface_name(p) {
-        Err(format!(
-            "{} is not an interface name prefix (1 to 14 of [A-Za-z0-9_.-])",
-            shown(p)
-        ))
+        Err(NameError::NotAnInterfacePrefix(p.to_owned()))
     } else if "lo".starts_with(p) {
-        Err(format!("{} would match the loopback interface", shown(p)))
+        Err(NameError::MatchesLoopback(p.to_owned()))
     } else {
         Ok(())
     }
@@ -84,8 +98,15 @@ mod tests {
         assert!(log_prefix("%t: drop/x_y").is_ok());
         assert!(log_prefix(&"x".repeat(27)).is_ok());
         assert!(log_prefix(&"x".repeat(28)).is_err());
-        let err = log_prefix("bad\"quote").unwrap_err();
+        let err = log_prefix("bad\"quote").unwrap_err().to_string();
         assert!(err.contains("\"bad\\\"quote\""), "{err}");
+        assert_eq!(
+            log_prefix(&"x".repeat(28)).unwrap_err().to_string(),
+            format!(
+                "\"{}\" is longer than 27 characters (the kernel's LOG prefix limit, less \": \")",
+                "x".repeat(28)
+            )
+        );
     }
 
     #[test]
@@ -95,6 +116,10 @@ mod tests {
         for bad in ["", "l", "lo", "cali+", "a b", &"c".repeat(15)] {
             assert!(interface_prefix(bad).is_err(), "{bad:?}");
         }
+        assert_eq!(
+            interface_prefix("lo").unwrap_err().to_string(),
+            "\"lo\" would match the loopback interface"
+        );
         assert!(
             interface_prefix("lo0").is_ok(),
             "only prefixes of \"lo\" match it"

@@ -1,9 +1,23 @@
 //! Durations on the command line: `500ms`, `5s`, `1.5s`, `2m`, `1h`; a bare number is seconds.
 
-use std::time::Duration;
+use std::time::{Duration, TryFromFloatSecsError};
+
+/// Why a flag value is not a duration; clap shows it after the flag's name.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("{0:?} is not a duration (e.g. 200ms, 5s, 1m)")]
+    NotADuration(String),
+    #[error("unknown unit {unit:?} in {text:?} (use ms, s, m or h)")]
+    UnknownUnit { unit: String, text: String },
+    #[error("{text:?}: {error}")]
+    OutOfRange {
+        text: String,
+        error: TryFromFloatSecsError,
+    },
+}
 
 /// Parses a duration flag value (a clap `value_parser`).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -11,19 +25,23 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let (number, unit) = t.split_at(split);
     let value: f64 = number
         .parse()
-        .map_err(|_| format!("{text:?} is not a duration (e.g. 200ms, 5s, 1m)"))?;
+        .map_err(|_| DurationError::NotADuration(text.to_owned()))?;
     let scale = match unit.trim() {
         "ms" => 0.001,
         "" | "s" => 1.0,
         "m" => 60.0,
         "h" => 3600.0,
         other => {
-            return Err(format!(
-                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
-            ));
+            return Err(DurationError::UnknownUnit {
+                unit: other.to_owned(),
+                text: text.to_owned(),
+            });
         }
     };
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
+    Duration::try_from_secs_f64(value * scale).map_err(|error| DurationError::OutOfRange {
+        text: text.to_owned(),
+        error,
+    })
 }
 
 #[cfg(test)]
@@ -43,16 +61,18 @@ mod tests {
 
     #[test]
     fn mistakes_are_named() {
-        assert!(
-            parse_duration("fast")
-                .unwrap_err()
-                .contains("not a duration")
+        assert_eq!(
+            parse_duration("fast").unwrap_err().to_string(),
+            "\"fast\" is not a duration (e.g. 200ms, 5s, 1m)"
         );
-        assert!(
-            parse_duration("5d")
-                .unwrap_err()
-                .contains("unknown unit \"d\"")
+        assert_eq!(
+            parse_duration("5d").unwrap_err().to_string(),
+            "unknown unit \"d\" in \"5d\" (use ms, s, m or h)"
         );
         assert!(parse_duration("").is_err());
+        assert!(matches!(
+            parse_duration("99999999999999999999999h"),
+            Err(DurationError::OutOfRange { .. })
+        ));
     }
 }

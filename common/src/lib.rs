@@ -16,7 +16,7 @@ pub mod tasks;
 pub mod time;
 
 pub use backoff::Backoff;
-pub use duration::parse_duration;
+pub use duration::{DurationError, parse_duration};
 pub use histogram::Histogram;
 pub use logging::{LogFormat, init_logging};
 pub use rng::Rng;

@@ -48,26 +48,69 @@ pub fn config_path(args: &[OsString], flag: &str, env: &str) -> Option<PathBuf> 
         .map(PathBuf::from)
 }
 
-/// The file's settings as flag name → values.
-pub fn load(path: &Path) -> Result<BTreeMap<String, Vec<String>>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("config file {}: {e}", path.display()))?;
-    parse(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+/// Why the config file cannot be used: the file, and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+#[error("config file {}: {problem}", path.display())]
+pub struct FileError {
+    pub path: PathBuf,
+    pub problem: Problem,
 }
 
-fn parse(text: &str) -> Result<BTreeMap<String, Vec<String>>, String> {
+/// What is wrong with a config file.
+#[derive(Debug, thiserror::Error)]
+pub enum Problem {
+    #[error("{0}")]
+    Read(io::Error),
+    #[error("not a YAML mapping: {0}")]
+    NotAMapping(Box<serde_saphyr::Error>),
+    #[error("{key}: expected a string, number or boolean, got {value}")]
+    NotAScalar {
+        key: String,
+        value: serde_json::Value,
+    },
+    /// A key that is no long flag name of the command; `closest`: the flag it most likely
+    /// meant, when one is close enough.
+    #[error("unknown setting {key:?} {}", did_you_mean(closest.as_deref()))]
+    UnknownSetting {
+        key: String,
+        closest: Option<String>,
+    },
+    /// `--config-file` itself or `--print-config`.
+    #[error("{0:?} cannot be set inside the config file")]
+    NotASetting(String),
+}
+
+fn did_you_mean(closest: Option<&str>) -> String {
+    match closest {
+        Some(name) => format!("(did you mean {name:?}?)"),
+        None => "(settings are long flag names without the dashes; see --help)".to_owned(),
+    }
+}
+
+/// The file's settings as flag name → values.
+pub fn load(path: &Path) -> Result<BTreeMap<String, Vec<String>>, FileError> {
+    let at = |problem| FileError {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| at(Problem::Read(e)))?;
+    parse(&text).map_err(at)
+}
+
+fn parse(text: &str) -> Result<BTreeMap<String, Vec<String>>, Problem> {
     if text.trim().is_empty() {
         return Ok(BTreeMap::new());
     }
     let map: BTreeMap<String, serde_json::Value> =
-        serde_saphyr::from_str(text).map_err(|e| format!("not a YAML mapping: {e}"))?;
+        serde_saphyr::from_str(text).map_err(|e| Problem::NotAMapping(Box::new(e)))?;
     let scalar = |key: &str, v: &serde_json::Value| match v {
         serde_json::Value::String(s) => Ok(s.clone()),
         serde_json::Value::Number(n) => Ok(n.to_string()),
         serde_json::Value::Bool(b) => Ok(b.to_string()),
-        other => Err(format!(
-            "{key}: expected a string, number or boolean, got {other}"
-        )),
+        other => Err(Problem::NotAScalar {
+            key: key.to_owned(),
+            value: other.clone(),
+        }),
     };
     let mut out = BTreeMap::new();
     for (key, value) in &map {
@@ -86,7 +129,7 @@ fn parse(text: &str) -> Result<BTreeMap<String, Vec<String>>, String> {
 
 /// "unknown setting", with the closest flag name of `cmd` (or its subcommand `sub`) when one
 /// is close enough to be the intended one.
-fn unknown_setting(key: &str, cmd: &Command, sub: Option<&str>) -> String {
+fn unknown_setting(key: &str, cmd: &Command, sub: Option<&str>) -> Problem {
     let names = cmd
         .get_arguments()
         .chain(
@@ -100,11 +143,9 @@ fn unknown_setting(key: &str, cmd: &Command, sub: Option<&str>) -> String {
         .map(|n| (strsim::jaro_winkler(key, n), n))
         .filter(|(score, _)| *score > 0.8)
         .max_by(|a, b| a.0.total_cmp(&b.0));
-    match best {
-        Some((_, name)) => format!("unknown setting {key:?} (did you mean {name:?}?)"),
-        None => format!(
-            "unknown setting {key:?} (settings are long flag names without the dashes; see --help)"
-        ),
+    Problem::UnknownSetting {
+        key: key.to_owned(),
+        closest: best.map(|(_, name)| name.to_owned()),
     }
 }
 
@@ -115,7 +156,7 @@ pub fn apply(
     sub: Option<&str>,
     settings: &BTreeMap<String, Vec<String>>,
     file_flag: &str,
-) -> Result<Command, String> {
+) -> Result<Command, Problem> {
     for (key, values) in settings {
         let find = |c: &Command| {
             c.get_arguments()
@@ -131,7 +172,7 @@ pub fn apply(
             ),
         };
         if format!("--{key}") == file_flag || key == PRINT_FLAG {
-            return Err(format!("{key:?} cannot be set inside the config file"));
+            return Err(Problem::NotASetting(key.clone()));
         }
         let (id, delimiter) = found;
         let values: Vec<String> = match (delimiter, values.as_slice()) {
@@ -223,9 +264,13 @@ pub fn explicit_long_flags_from<C: CommandFactory>(
     out
 }
 
+/// Why the command line and config file do not parse.
+#[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error(transparent)]
     Clap(clap::Error),
-    File(String),
+    #[error(transparent)]
+    File(FileError),
 }
 
 pub fn try_parse_from<C: CommandFactory + FromArgMatches>(
@@ -261,8 +306,12 @@ fn layered<C: CommandFactory>(
         return Ok((cmd, None));
     };
     let settings = load(&path).map_err(Error::File)?;
-    let cmd = apply(cmd, sub, &settings, file_flag)
-        .map_err(|e| Error::File(format!("config file {}: {e}", path.display())))?;
+    let cmd = apply(cmd, sub, &settings, file_flag).map_err(|problem| {
+        Error::File(FileError {
+            path: path.clone(),
+            problem,
+        })
+    })?;
     let keys = settings.into_keys().collect();
     Ok((cmd, Some(FileLayer { path, keys })))
 }
@@ -545,12 +594,8 @@ mod tests {
         std::fs::write(&path, file).unwrap();
         let mut args: Vec<OsString> = vec!["t".into(), "--config-file".into(), path.into()];
         args.extend(argv.iter().map(OsString::from));
-        try_parse_from::<T>(&args, "--config-file", "T_UNUSED_CONFIG_FILE", None).map_err(|e| {
-            match e {
-                Error::Clap(e) => e.to_string(),
-                Error::File(e) => e,
-            }
-        })
+        try_parse_from::<T>(&args, "--config-file", "T_UNUSED_CONFIG_FILE", None)
+            .map_err(|e| e.to_string())
     }
 
     #[test]

@@ -444,7 +444,7 @@ impl ServerCertVerifier for IdentityVerifier {
         )?;
         let names = calico_names::cert::CertNames::of(end_entity.as_ref()).map_err(|e| {
             rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
-                Arc::new(IdentityMismatch(e)),
+                Arc::new(IdentityMismatch(e.to_string())),
             )))
         })?;
         check_identity(&self.expected, names.cn.as_deref(), &names.uri_sans).map_err(|e| {

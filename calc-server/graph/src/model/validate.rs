@@ -691,7 +691,7 @@ impl Validator {
         if let Some(v) = spec.get("logPrefix") {
             match text(v).map(|p| log_prefix(&p)) {
                 Some(Ok(())) => {}
-                Some(Err(reason)) => self.err("spec.logPrefix", reason),
+                Some(Err(reason)) => self.err("spec.logPrefix", reason.to_string()),
                 None => self.err("spec.logPrefix", "must be a string"),
             }
         }
@@ -714,7 +714,7 @@ impl Validator {
                         .into_iter()
                         .filter_map(|p| interface_prefix(p).err())
                     {
-                        self.err("spec.interfacePrefix", reason);
+                        self.err("spec.interfacePrefix", reason.to_string());
                     }
                 }
             }
