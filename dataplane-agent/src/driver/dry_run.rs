@@ -435,8 +435,7 @@ mod tests {
     use felix_proto::{
         ActivePolicyRemove, ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, HostEndpointId,
         HostEndpointUpdate, InSync, IpSetDeltaUpdate, IpSetRemove, IpSetUpdate, PolicyId,
-        ProfileId, Rule, WorkloadEndpointId, WorkloadEndpointRemove, WorkloadEndpointUpdate,
-        ip_set_update,
+        ProfileId, Rule, ip_set_update,
     };
     use serde_json::{Value, json};
 
@@ -468,23 +467,11 @@ mod tests {
         }
     }
 
-    fn wep_id(wl: &str) -> WorkloadEndpointId {
-        WorkloadEndpointId {
-            orchestrator_id: "k8s".into(),
-            workload_id: wl.into(),
-            endpoint_id: "eth0".into(),
-        }
-    }
-
     fn wep(wl: &str, ip: &str) -> Message {
-        msg(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-            id: Some(wep_id(wl)),
-            endpoint: Some(WorkloadEndpoint {
-                name: format!("cali{wl}"),
-                ipv4_nets: vec![ip.into()],
-                ..Default::default()
-            }),
-        }))
+        msg(test_support::wep(wl)
+            .iface(&format!("cali{wl}"))
+            .ipv4(ip)
+            .update())
     }
 
     fn json_of(d: &DryRunDriver) -> Value {
@@ -645,11 +632,7 @@ mod tests {
         d.on_update(&msg(Payload::ActivePolicyRemove(ActivePolicyRemove {
             id: Some(pid("NetworkPolicy", "prod", "web")),
         })));
-        d.on_update(&msg(Payload::WorkloadEndpointRemove(
-            WorkloadEndpointRemove {
-                id: Some(wep_id("prod/web-0")),
-            },
-        )));
+        d.on_update(&msg(test_support::wep("prod/web-0").remove()));
         let v = json_of(&d);
         assert!(v["policies"].get("NetworkPolicy/prod/web").is_none());
         assert!(v["policies"].get("GlobalNetworkPolicy/g1").is_some());

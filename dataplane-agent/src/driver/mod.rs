@@ -158,7 +158,7 @@ pub enum DriverError {
     },
     /// Reading back or writing the iptables tables failed.
     #[error("iptables not programmed")]
-    Tables(#[source] linux::tables::TableApplyError),
+    Tables(#[source] linux::iptables::TableApplyError),
     /// Creating, filling or destroying IP sets failed.
     #[error("IP sets not {stage}")]
     IpSets {

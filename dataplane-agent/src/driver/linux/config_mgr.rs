@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
+use super::desired::Tables;
 use super::interfaces::Interfaces;
 use super::rules::static_chains;
 use super::rules::{self, IpVersion};
-use super::tables::Tables;
 use super::{LinuxOptions, MASQ_POOLS_SET, NETWORK_POOLS_SET, config};
 use crate::message::Message;
 

@@ -17,12 +17,12 @@ use felix_proto::{HostEndpoint, TierInfo, WorkloadEndpoint};
 use tracing::{debug, warn};
 
 use super::LinuxOptions;
+use super::desired::Tables;
 use super::interfaces::Interfaces;
 use super::refusals::Refusals;
 use super::rules::endpoint::{self, ALL_INTERFACES};
 use super::rules::static_chains;
 use super::rules::{self, Chain};
-use super::tables::Tables;
 use super::validate;
 use crate::driver::EndpointStatuses;
 use crate::driver::programmed::Collector;

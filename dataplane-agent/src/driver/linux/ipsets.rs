@@ -1,52 +1,35 @@
-//! IP sets: the calc-server's set ids (one id, v4 and v6 members mixed) become kernel sets
-//! `cali40<id>` / `cali60<id>` cut to 31 characters, as Calico names them.
+//! The ipset half of the iptables writer: what the kernel holds of our IP sets, brought to the
+//! desired [`Sets`] with `ipset restore`.
 //!
-//! Contract: `replace`/`delta`/`remove` only record. [`IpSets::apply_updates`] (before the
-//! iptables tables) creates missing sets and writes membership deltas with one `ipset restore`;
-//! a set whose kernel type or family is wrong is built beside it in a temporary set
-//! (`cali4t0`…), the rules move to it and back ([`Migration`]), so they never lose the set. [`IpSets::apply_deletions`] (after the
-//! tables, once no rule refers to them) destroys sets of ours that are no longer wanted. The
-//! kernel view is read back with `ipset save` on the first apply, after a failure and after
-//! [`IpSets::invalidate`], which is how out-of-band changes get repaired. When a batch fails
-//! (`ipset restore` is not atomic), the kernel is read back and each set is written on its
-//! own; a set the kernel refuses is reported by [`IpSets::refused`], and the driver makes the
-//! rules that use it fail closed.
+//! Contract: [`IpSets::take_changes`] takes the desired state's change log; nothing else is
+//! recorded here but the kernel's side. [`IpSets::apply_updates`] (before the iptables tables)
+//! creates missing sets and writes membership deltas with one `ipset restore`; a set whose
+//! kernel type or family is wrong is built beside it in a temporary set (`cali4t0`…), the rules
+//! move to it and back ([`Migration`]), so they never lose the set.
+//! [`IpSets::apply_deletions`] (after the tables, once no rule refers to them) destroys sets of
+//! ours that are no longer wanted. The kernel view is read back with `ipset save` on the first
+//! apply, after a failure and after [`IpSets::invalidate`], which is how out-of-band changes
+//! get repaired. When a batch fails (`ipset restore` is not atomic), the kernel is read back and
+//! each set is written on its own; a set the kernel refuses is reported by [`IpSets::refused`],
+//! and the driver makes the rules that use it fail closed.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 
-use super::rules::{IpVersion, ipset_name};
+use super::desired::sets::DesiredSet;
+use super::desired::{SetChanges, SetKind, Sets};
+use super::rules::IpVersion;
 use super::runner::CommandRunner;
-use super::validate::{self, MemberKind};
 
 /// Sets we own start with one of these.
 const OUR_SET_PREFIXES: [&str; 4] = ["cali40", "cali60", "cali4t", "cali6t"];
 
-/// The kernel set type of a proto set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SetKind {
-    Ip,
-    IpPort,
-    Net,
-}
-
-impl SetKind {
-    /// From `IPSetUpdate.type`.
-    pub(crate) fn from_proto(t: crate::message::IpSetType) -> Self {
-        use crate::message::IpSetType;
-        match t {
-            IpSetType::Ip => SetKind::Ip,
-            IpSetType::IpAndPort => SetKind::IpPort,
-            IpSetType::Net => SetKind::Net,
-        }
-    }
-
-    fn kernel_type(self) -> &'static str {
-        match self {
-            SetKind::Ip => "hash:ip",
-            SetKind::IpPort => "hash:ip,port",
-            SetKind::Net => "hash:net",
-        }
+/// The `ipset` type of a set.
+fn kernel_type(kind: SetKind) -> &'static str {
+    match kind {
+        SetKind::Ip => "hash:ip",
+        SetKind::IpPort => "hash:ip,port",
+        SetKind::Net => "hash:net",
     }
 }
 
@@ -55,61 +38,6 @@ fn family(v: IpVersion) -> &'static str {
         IpVersion::V4 => "inet",
         IpVersion::V6 => "inet6",
     }
-}
-
-/// A member in the form `ipset save` prints it, with its family, checked and normalised by
-/// [`validate::ipset_members`] (a `/0` gives two members); the reason when it is refused.
-pub(crate) fn normalize_member(
-    kind: SetKind,
-    member: &str,
-) -> Result<Vec<(IpVersion, String)>, String> {
-    let vkind = match kind {
-        SetKind::Ip => MemberKind::Ip,
-        SetKind::IpPort => MemberKind::IpPort,
-        SetKind::Net => MemberKind::Net,
-    };
-    Ok(validate::ipset_members(vkind, member)?
-        .into_iter()
-        .map(|m| {
-            let addr_end = m.find([',', '/']).unwrap_or(m.len());
-            let version = if m[..addr_end].contains(':') {
-                IpVersion::V6
-            } else {
-                IpVersion::V4
-            };
-            // `ipset save` leaves out a full-length prefix.
-            let m = match version {
-                IpVersion::V4 => m.strip_suffix("/32").map(str::to_owned).unwrap_or(m),
-                IpVersion::V6 => m.strip_suffix("/128").map(str::to_owned).unwrap_or(m),
-            };
-            (version, m)
-        })
-        .collect())
-}
-
-/// Members of `members` that [`normalize_member`] refuses, with the reasons.
-fn normalized(
-    kind: SetKind,
-    members: &[String],
-    refused: &mut Vec<String>,
-) -> Vec<(IpVersion, String)> {
-    let mut out = Vec::with_capacity(members.len());
-    for m in members {
-        match normalize_member(kind, m) {
-            Ok(ms) => out.extend(ms),
-            Err(reason) => refused.push(reason),
-        }
-    }
-    out
-}
-
-#[derive(Clone, Debug)]
-struct DesiredSet {
-    /// The calc-server's id of the set.
-    id: String,
-    kind: SetKind,
-    version: IpVersion,
-    members: HashSet<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,154 +78,46 @@ pub(crate) struct Migration {
     pub temp: String,
 }
 
-/// Our kernel IP sets.
+/// The kernel side of our IP sets.
 pub(crate) struct IpSets {
-    desired: HashMap<String, DesiredSet>,
     kernel: Option<HashMap<String, KernelSet>>,
     /// `invalidate` dropped a kernel view we trusted: the next read back reports the sets that
     /// changed behind our back.
     check_drift: bool,
-    dirty: HashSet<String>,
+    /// Sets (by kernel name) to bring to their desired version at the next apply.
+    pending: HashSet<String>,
     /// Sets the kernel refused on their own: kernel name → error. Left out until they change
-    /// (`replace`, `delta`, `remove`) or `invalidate`.
+    /// or `invalidate`.
     refused: BTreeMap<String, String>,
-    /// Families to program (IPv6 sets are skipped when IPv6 is off).
-    versions: Vec<IpVersion>,
     /// Type changes built beside the old sets by the last `apply_updates`, not yet finished.
     migrations: Vec<Migration>,
     pub max_elem: u32,
-    /// Kernel names of sets removed since the last `take_removed`, for a writer that works
-    /// from changes (nftables); `None` until one asks.
-    removed: Option<HashSet<String>>,
+}
+
+impl Default for IpSets {
+    fn default() -> Self {
+        Self {
+            kernel: None,
+            check_drift: false,
+            pending: HashSet::new(),
+            refused: BTreeMap::new(),
+            migrations: Vec::new(),
+            max_elem: 1_048_576,
+        }
+    }
 }
 
 impl IpSets {
-    pub(crate) fn new(versions: Vec<IpVersion>) -> Self {
-        Self {
-            desired: HashMap::new(),
-            kernel: None,
-            check_drift: false,
-            dirty: HashSet::new(),
-            refused: BTreeMap::new(),
-            versions,
-            migrations: Vec::new(),
-            max_elem: 1_048_576,
-            removed: None,
-        }
-    }
-
-    /// Replaces a set's type and members (`IPSetUpdate`). Returns the reasons members were
-    /// refused (they are left out).
-    pub(crate) fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) -> Vec<String> {
-        let mut refused = Vec::new();
-        let members = normalized(kind, members, &mut refused);
-        for v in self.versions.clone() {
-            let name = ipset_name(v, id);
-            let set = DesiredSet {
-                id: id.to_owned(),
-                kind,
-                version: v,
-                members: members
-                    .iter()
-                    .filter(|(mv, _)| *mv == v)
-                    .map(|(_, m)| m.clone())
-                    .collect(),
-            };
-            self.desired.insert(name.clone(), set);
+    /// Takes the desired sets' change log: changed sets are written (and tried again if the
+    /// kernel refused them), removed ones are no longer written.
+    pub(crate) fn take_changes(&mut self, changes: SetChanges) {
+        for name in changes.removed {
             self.refused.remove(&name);
-            self.dirty.insert(name);
+            self.pending.remove(&name);
         }
-        refused
-    }
-
-    /// Adds and removes members (`IPSetDeltaUpdate`). Returns the reasons members were refused.
-    pub(crate) fn delta(&mut self, id: &str, added: &[String], removed: &[String]) -> Vec<String> {
-        let mut refused = Vec::new();
-        let Some(kind) = self
-            .versions
-            .iter()
-            .find_map(|v| self.desired.get(&ipset_name(*v, id)).map(|s| s.kind))
-        else {
-            return refused;
-        };
-        let removed = normalized(kind, removed, &mut refused);
-        let added = normalized(kind, added, &mut refused);
-        for v in self.versions.clone() {
-            let name = ipset_name(v, id);
-            let Some(set) = self.desired.get_mut(&name) else {
-                continue;
-            };
-            for (mv, m) in &removed {
-                if *mv == v {
-                    set.members.remove(m);
-                }
-            }
-            for (mv, m) in &added {
-                if *mv == v {
-                    set.members.insert(m.clone());
-                }
-            }
+        for name in changes.changed {
             self.refused.remove(&name);
-            self.dirty.insert(name);
-        }
-        refused
-    }
-
-    /// Our desired sets by kernel name: type, family and members (normalised as `ipset save`
-    /// prints them), for a writer other than `ipset restore` (the nftables one).
-    pub(crate) fn desired_sets(
-        &self,
-    ) -> impl Iterator<Item = (&str, SetKind, IpVersion, &HashSet<String>)> {
-        self.desired
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.kind, d.version, &d.members))
-    }
-
-    /// One desired set by kernel name: type, family and members.
-    pub(crate) fn desired_set(&self, name: &str) -> Option<(SetKind, IpVersion, &HashSet<String>)> {
-        self.desired
-            .get(name)
-            .map(|d| (d.kind, d.version, &d.members))
-    }
-
-    /// Starts recording removed sets (see [`IpSets::take_removed`]).
-    pub(crate) fn track_removals(&mut self) {
-        self.removed.get_or_insert_with(HashSet::new);
-    }
-
-    /// Kernel names of the sets removed since the last call.
-    pub(crate) fn take_removed(&mut self) -> HashSet<String> {
-        self.removed
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
-    /// The sets changed since the last call (by kernel name), for a writer that does not use
-    /// [`IpSets::apply_updates`].
-    pub(crate) fn take_dirty(&mut self) -> HashSet<String> {
-        std::mem::take(&mut self.dirty)
-    }
-
-    /// Whether the set is known (given by an `IPSetUpdate` and not removed).
-    pub(crate) fn contains(&self, id: &str) -> bool {
-        self.versions
-            .iter()
-            .any(|v| self.desired.contains_key(&ipset_name(*v, id)))
-    }
-
-    /// Forgets a set (`IPSetRemove`); it is destroyed by the next `apply_deletions`.
-    pub(crate) fn remove(&mut self, id: &str) {
-        for v in IpVersion::BOTH {
-            let name = ipset_name(v, id);
-            if let Some(removed) = &mut self.removed
-                && self.desired.contains_key(&name)
-            {
-                removed.insert(name.clone());
-            }
-            self.desired.remove(&name);
-            self.refused.remove(&name);
-            self.dirty.remove(&name);
+            self.pending.insert(name);
         }
     }
 
@@ -309,31 +129,22 @@ impl IpSets {
 
     /// Our sets, with no change pending, that the kernel holds otherwise than we programmed
     /// them (missing, another type, other members): changed behind our back.
-    fn drifted(&self, kernel: &HashMap<String, KernelSet>) -> Vec<String> {
-        let mut out: Vec<String> = self
-            .desired
+    fn drifted(&self, desired: &Sets, kernel: &HashMap<String, KernelSet>) -> Vec<String> {
+        let mut out: Vec<String> = desired
             .iter()
-            .filter(|(name, _)| !self.dirty.contains(*name) && !self.refused.contains_key(*name))
+            .filter(|(name, _)| !self.pending.contains(*name) && !self.refused.contains_key(*name))
             .filter(|(name, d)| match kernel.get(*name) {
                 None => true,
                 Some(k) => {
-                    k.kind != d.kind.kernel_type()
+                    k.kind != kernel_type(d.kind)
                         || k.family != family(d.version)
                         || k.members != d.members
                 }
             })
-            .map(|(name, _)| name.clone())
+            .map(|(name, _)| name.to_owned())
             .collect();
         out.sort();
         out
-    }
-
-    /// Number of sets and members we want in the kernel.
-    pub(crate) fn counts(&self) -> (usize, usize) {
-        (
-            self.desired.len(),
-            self.desired.values().map(|s| s.members.len()).sum(),
-        )
     }
 
     fn read_back(
@@ -389,8 +200,9 @@ impl IpSets {
     pub(crate) fn apply_updates(
         &mut self,
         runner: &mut dyn CommandRunner,
+        desired: &Sets,
     ) -> Result<IpSetStats, IpSetError> {
-        let result = self.apply_updates_inner(runner);
+        let result = self.apply_updates_inner(runner, desired);
         if result.is_err() {
             self.kernel = None;
         }
@@ -400,16 +212,17 @@ impl IpSets {
     fn apply_updates_inner(
         &mut self,
         runner: &mut dyn CommandRunner,
+        desired: &Sets,
     ) -> Result<IpSetStats, IpSetError> {
         let mut stats = IpSetStats::default();
         // A migration left unfinished (its tables failed) starts again from the kernel.
         for m in std::mem::take(&mut self.migrations) {
-            self.dirty.insert(m.name);
+            self.pending.insert(m.name);
         }
         if self.kernel.is_none() {
             let kernel = self.read_back(runner)?;
             if std::mem::take(&mut self.check_drift) {
-                let changed = self.drifted(&kernel);
+                let changed = self.drifted(desired, &kernel);
                 if !changed.is_empty() {
                     let shown: Vec<&str> = changed.iter().take(10).map(String::as_str).collect();
                     tracing::warn!(
@@ -421,25 +234,21 @@ impl IpSets {
             }
             self.kernel = Some(kernel);
             stats.read_back = true;
-            self.dirty = self.desired.keys().cloned().collect();
+            self.pending = desired.iter().map(|(n, _)| n.to_owned()).collect();
         }
-        let mut names: Vec<String> = self
-            .dirty
-            .drain()
-            .filter(|n| self.desired.contains_key(n))
-            .collect();
+        let mut names: Vec<String> = self.pending.drain().filter(|n| desired.wants(n)).collect();
         names.sort();
         if names.is_empty() {
             return Ok(stats);
         }
         let mut migrations = Vec::new();
-        let script = self.script(&names, &mut stats, &mut migrations);
+        let script = self.script(desired, &names, &mut stats, &mut migrations);
         if script.is_empty() {
             return Ok(stats);
         }
         let Err(error) = self.restore(runner, &script, "restore") else {
             self.migrations = migrations;
-            names.iter().for_each(|n| self.record(n));
+            names.iter().for_each(|n| self.record(desired, n));
             return Ok(stats);
         };
         tracing::warn!(%error, sets = names.len(), "ipset restore failed; writing the sets one by one");
@@ -453,11 +262,16 @@ impl IpSets {
         for name in names {
             let mut one = IpSetStats::default();
             let mut migration = Vec::new();
-            let script = self.script(std::slice::from_ref(&name), &mut one, &mut migration);
+            let script = self.script(
+                desired,
+                std::slice::from_ref(&name),
+                &mut one,
+                &mut migration,
+            );
             match self.restore(runner, &script, "restore") {
                 Ok(()) => {
                     self.migrations.extend(migration);
-                    self.record(&name);
+                    self.record(desired, &name);
                     stats.created += one.created;
                     stats.rewritten += one.rewritten;
                     stats.added += one.added;
@@ -481,6 +295,7 @@ impl IpSets {
     /// one; a set whose type or family changed is built beside it (`migrations`).
     fn script(
         &self,
+        desired: &Sets,
         names: &[String],
         stats: &mut IpSetStats,
         migrations: &mut Vec<Migration>,
@@ -488,10 +303,10 @@ impl IpSets {
         let kernel = self.kernel.as_ref().expect("read back above");
         let mut script = String::new();
         for name in names {
-            let Some(d) = self.desired.get(name) else {
+            let Some(d) = desired.get(name) else {
                 continue;
             };
-            let ty = d.kind.kernel_type();
+            let ty = kernel_type(d.kind);
             let fam = family(d.version);
             match kernel.get(name) {
                 None => {
@@ -536,7 +351,7 @@ impl IpSets {
         let _ = writeln!(
             script,
             "create {name} {} family {} maxelem {}",
-            d.kind.kernel_type(),
+            kernel_type(d.kind),
             family(d.version),
             self.max_elem
         );
@@ -547,18 +362,18 @@ impl IpSets {
 
     /// Records that the kernel now holds the desired version of `name` (under its temporary
     /// name while it migrates).
-    fn record(&mut self, name: &str) {
+    fn record(&mut self, desired: &Sets, name: &str) {
         let kernel = self.kernel.as_mut().expect("read back above");
         let holder = self
             .migrations
             .iter()
             .find(|m| m.name == name)
             .map_or(name, |m| m.temp.as_str());
-        if let Some(d) = self.desired.get(name) {
+        if let Some(d) = desired.get(name) {
             kernel.insert(
                 holder.to_owned(),
                 KernelSet {
-                    kind: d.kind.kernel_type().to_owned(),
+                    kind: kernel_type(d.kind).to_owned(),
                     family: family(d.version).to_owned(),
                     members: d.members.clone(),
                 },
@@ -578,11 +393,12 @@ impl IpSets {
     pub(crate) fn finish_migrations(
         &mut self,
         runner: &mut dyn CommandRunner,
+        desired: &Sets,
     ) -> Result<(), IpSetError> {
         let migrations = std::mem::take(&mut self.migrations);
         let mut script = String::new();
         for m in &migrations {
-            let Some(d) = self.desired.get(&m.name) else {
+            let Some(d) = desired.get(&m.name) else {
                 continue;
             };
             let _ = writeln!(script, "destroy {}", m.name);
@@ -593,11 +409,11 @@ impl IpSets {
         }
         if let Err(error) = self.restore(runner, &script, "restore") {
             self.kernel = None;
-            self.dirty.extend(migrations.into_iter().map(|m| m.name));
+            self.pending.extend(migrations.into_iter().map(|m| m.name));
             return Err(error);
         }
         for m in &migrations {
-            self.record(&m.name);
+            self.record(desired, &m.name);
         }
         Ok(())
     }
@@ -606,23 +422,24 @@ impl IpSets {
     /// (the temporary sets go with the deletions).
     pub(crate) fn abandon_migrations(&mut self) {
         for m in std::mem::take(&mut self.migrations) {
-            self.dirty.insert(m.name);
+            self.pending.insert(m.name);
         }
     }
 
     /// Sets the kernel refused: (kernel name, the calc-server's id, the kernel's error).
-    pub(crate) fn refused(&self) -> impl Iterator<Item = (&str, &str, &str)> {
+    pub(crate) fn refused<'a>(
+        &'a self,
+        desired: &'a Sets,
+    ) -> impl Iterator<Item = (&'a str, &'a str, &'a str)> {
         self.refused.iter().map(|(name, error)| {
-            let id = self.desired.get(name).map_or("", |d| d.id.as_str());
+            let id = desired.get(name).map_or("", |d| d.id.as_str());
             (name.as_str(), id, error.as_str())
         })
     }
 
-    /// Whether the kernel refused the v4 or v6 set of `id`.
-    pub(crate) fn is_refused(&self, id: &str) -> bool {
-        IpVersion::BOTH
-            .iter()
-            .any(|v| self.refused.contains_key(&ipset_name(*v, id)))
+    /// Kernel names of the sets the kernel refused.
+    pub(crate) fn refused_names(&self) -> BTreeSet<String> {
+        self.refused.keys().cloned().collect()
     }
 
     /// Destroys sets of ours nothing wants any more. A set still in use by a rule that is not
@@ -630,13 +447,14 @@ impl IpSets {
     pub(crate) fn apply_deletions(
         &mut self,
         runner: &mut dyn CommandRunner,
+        desired: &Sets,
     ) -> Result<usize, IpSetError> {
         let Some(kernel) = self.kernel.as_ref() else {
             return Ok(0);
         };
         let mut stale: Vec<String> = kernel
             .keys()
-            .filter(|n| !self.desired.contains_key(*n))
+            .filter(|n| !desired.wants(n))
             .cloned()
             .collect();
         if stale.is_empty() {
@@ -704,42 +522,58 @@ mod tests {
     use super::*;
     use crate::driver::linux::fake::FakeKernel;
 
-    fn both() -> IpSets {
-        IpSets::new(IpVersion::BOTH.to_vec())
+    /// The desired sets and the ipset writer's side, as the driver pairs them.
+    struct W {
+        d: Sets,
+        k: IpSets,
     }
 
-    #[test]
-    fn members_are_normalized_as_ipset_prints_them() {
-        assert_eq!(
-            normalize_member(SetKind::Net, "10.65.0.2/32"),
-            Ok(vec![(IpVersion::V4, "10.65.0.2".into())])
-        );
-        assert_eq!(
-            normalize_member(SetKind::Net, "10.65.1.7/24"),
-            Ok(vec![(IpVersion::V4, "10.65.1.0/24".into())])
-        );
-        assert_eq!(
-            normalize_member(SetKind::Net, "fd00:0:0::1/128"),
-            Ok(vec![(IpVersion::V6, "fd00::1".into())])
-        );
-        assert_eq!(
-            normalize_member(SetKind::IpPort, "10.0.0.1,TCP:8080"),
-            Ok(vec![(IpVersion::V4, "10.0.0.1,tcp:8080".into())])
-        );
-        assert_eq!(
-            normalize_member(SetKind::IpPort, "fd00::1,udp:53"),
-            Ok(vec![(IpVersion::V6, "fd00::1,udp:53".into())])
-        );
-        assert!(normalize_member(SetKind::Net, "nonsense").is_err());
-        assert_eq!(
-            normalize_member(SetKind::Net, "0.0.0.0/0"),
-            Ok(vec![
-                (IpVersion::V4, "0.0.0.0/1".into()),
-                (IpVersion::V4, "128.0.0.0/1".into())
-            ])
-        );
-        // The protocol of an IP-and-port member reaches the restore input: only real ones.
-        assert!(normalize_member(SetKind::IpPort, "10.0.0.1,tcp\nflush:80").is_err());
+    impl W {
+        fn new(versions: &[IpVersion]) -> Self {
+            Self {
+                d: Sets::new(versions.to_vec()),
+                k: IpSets::default(),
+            }
+        }
+        fn replace(&mut self, id: &str, kind: SetKind, members: &[String]) {
+            self.d.replace(id, kind, members);
+        }
+        fn delta(&mut self, id: &str, added: &[String], removed: &[String]) {
+            self.d.delta(id, added, removed);
+        }
+        fn remove(&mut self, id: &str) {
+            self.d.remove(id);
+        }
+        fn sync(&mut self) {
+            self.k.take_changes(self.d.take_changes());
+        }
+        fn apply_updates(&mut self, k: &mut FakeKernel) -> Result<IpSetStats, IpSetError> {
+            self.sync();
+            self.k.apply_updates(k, &self.d)
+        }
+        fn finish_migrations(&mut self, k: &mut FakeKernel) -> Result<(), IpSetError> {
+            self.k.finish_migrations(k, &self.d)
+        }
+        fn apply_deletions(&mut self, k: &mut FakeKernel) -> Result<usize, IpSetError> {
+            self.sync();
+            self.k.apply_deletions(k, &self.d)
+        }
+        fn migrations(&self) -> &[Migration] {
+            self.k.migrations()
+        }
+        fn abandon_migrations(&mut self) {
+            self.k.abandon_migrations();
+        }
+        fn is_refused(&self, id: &str) -> bool {
+            let names = self.k.refused_names();
+            IpVersion::BOTH
+                .iter()
+                .any(|v| names.contains(&crate::driver::linux::rules::ipset_name(*v, id)))
+        }
+    }
+
+    fn both() -> W {
+        W::new(&IpVersion::BOTH)
     }
 
     #[test]
@@ -777,7 +611,7 @@ mod tests {
             false,
         )
         .unwrap();
-        let mut s = IpSets::new(vec![IpVersion::V4]);
+        let mut s = W::new(&[IpVersion::V4]);
         s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!(st.rewritten, 1);
@@ -810,7 +644,7 @@ mod tests {
         let mut k = FakeKernel::new();
         k.exec_ipset("create cali40s:x hash:ip family inet\n", false)
             .unwrap();
-        let mut s = IpSets::new(vec![IpVersion::V4]);
+        let mut s = W::new(&[IpVersion::V4]);
         s.replace("s:x", SetKind::Net, &["10.0.0.0/24".into()]);
         s.apply_updates(&mut k).unwrap();
         s.abandon_migrations();
@@ -822,16 +656,17 @@ mod tests {
     #[test]
     fn removed_members_out_of_band_come_back_after_invalidate() {
         let mut k = FakeKernel::new();
-        let mut s = IpSets::new(vec![IpVersion::V4]);
+        let mut s = W::new(&[IpVersion::V4]);
         s.replace("s:x", SetKind::Net, &["10.0.0.1".into(), "10.0.0.2".into()]);
         s.apply_updates(&mut k).unwrap();
         k.exec_ipset("del cali40s:x 10.0.0.1\nadd cali40s:x 10.9.9.9\n", false)
             .unwrap();
-        s.invalidate();
+        s.k.invalidate();
         // The edited set is named; a set with a change of ours pending is not.
         s.replace("s:y", SetKind::Net, &["10.0.0.3".into()]);
-        let kernel = s.read_back(&mut k).unwrap();
-        assert_eq!(s.drifted(&kernel), ["cali40s:x"]);
+        s.sync();
+        let kernel = s.k.read_back(&mut k).unwrap();
+        assert_eq!(s.k.drifted(&s.d, &kernel), ["cali40s:x"]);
         s.remove("s:y");
         let st = s.apply_updates(&mut k).unwrap();
         assert_eq!((st.read_back, st.added, st.removed), (true, 1, 1));
@@ -853,7 +688,7 @@ mod tests {
             false,
         )
         .unwrap();
-        let mut s = IpSets::new(vec![IpVersion::V4]);
+        let mut s = W::new(&[IpVersion::V4]);
         s.replace("s:new", SetKind::Net, &[]);
         s.apply_updates(&mut k).unwrap();
         assert_eq!(s.apply_deletions(&mut k).unwrap(), 1);
@@ -867,7 +702,7 @@ mod tests {
     fn a_set_the_kernel_refuses_is_left_out_and_the_others_go_in() {
         let mut k = FakeKernel::new();
         k.refuse.push("10.9.9.9".into());
-        let mut s = IpSets::new(vec![IpVersion::V4]);
+        let mut s = W::new(&[IpVersion::V4]);
         s.replace("s:a", SetKind::Net, &["10.0.0.1".into()]);
         s.replace("s:b", SetKind::Net, &["10.0.0.2".into(), "10.9.9.9".into()]);
         s.replace("s:c", SetKind::Net, &["10.0.0.3".into()]);
@@ -875,7 +710,7 @@ mod tests {
         assert!(s.apply_updates(&mut k).unwrap().read_back);
         assert_eq!(k.set("cali40s:a").unwrap().members.len(), 1);
         assert_eq!(k.set("cali40s:c").unwrap().members.len(), 1);
-        let refused: Vec<_> = s.refused().collect();
+        let refused: Vec<_> = s.k.refused(&s.d).collect();
         assert_eq!(refused.len(), 1);
         assert_eq!((refused[0].0, refused[0].1), ("cali40s:b", "s:b"));
         assert!(s.is_refused("s:b") && !s.is_refused("s:a"));

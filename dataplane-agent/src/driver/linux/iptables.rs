@@ -1,23 +1,25 @@
-//! One iptables table of one family, kept equal to a desired set of chains.
+//! The iptables half of the iptables writer: one [`KernelTable`] per table and family, kept
+//! equal to that table's desired chains ([`desired::Table`]).
 //!
-//! Contract: [`Table::set_chain`] / [`Table::remove_chain`] / [`Table::set_hooks`] only record;
-//! [`Table::apply`] reads the kernel back with `iptables-save` when it has no trusted view
-//! (first apply, after a failure, after [`Table::invalidate`]), then writes one
+//! Contract: [`KernelTable::take_changes`] takes the desired table's change log and hashes the
+//! changed chains (the `cali:` hashes are this writer's own: nothing else computes them);
+//! [`KernelTable::apply`] reads the kernel back with `iptables-save` when it has no trusted
+//! view (first apply, after a failure, after [`KernelTable::invalidate`]), then writes one
 //! `iptables-restore --noflush` transaction holding only the chains whose rule hashes differ,
 //! the hook rules that are missing or out of place, and the deletion of chains of ours
 //! (`cali-…`) that are no longer wanted. Rules and chains that are not ours are never touched.
 //!
 //! When the kernel refuses that transaction, no single chain may hold the rest back: the
 //! chains are written again in halves (dependencies first) down to the single chains that are
-//! refused on their own. Such a chain is reported by [`Table::refused`] with the object it
+//! refused on their own. Such a chain is reported by [`KernelTable::refused`] with the object it
 //! renders; a stream object's chain is replaced by a DROP (fail closed), one of our own keeps
 //! its kernel version. It is tried again when its content changes or after `invalidate`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
-use super::rules::static_chains::Hooks;
-use super::rules::{Chain, IpVersion, Rule, RuleId, quote, rule_hashes};
+use super::desired;
+use super::rules::{IpVersion, Rule, RuleId, quote, rule_hashes};
 use super::runner::CommandRunner;
 
 /// Chains we own start with this.
@@ -155,6 +157,26 @@ pub enum TableError {
     },
     #[error("{program} failed: {stderr}")]
     Failed { program: String, stderr: String },
+}
+
+/// Why the tables could not be read back or written.
+#[derive(Debug, thiserror::Error)]
+pub enum TableApplyError {
+    /// `iptables-save` for one family failed.
+    #[error("reading back the IPv{version} tables")]
+    ReadBack {
+        version: u8,
+        #[source]
+        source: TableError,
+    },
+    /// The first table whose restore failed (every table was tried).
+    #[error("table {table} (IPv{version})")]
+    Restore {
+        table: &'static str,
+        version: u8,
+        #[source]
+        source: TableError,
+    },
 }
 
 /// A kernel rule as read back: its `cali:` hash if it carries one, and the full rule line.
@@ -298,20 +320,6 @@ fn parse_save(text: &str) -> KernelView {
     view
 }
 
-#[derive(Clone, Debug)]
-struct DesiredChain {
-    rules: Vec<Rule>,
-    /// The rules' `cali:` hashes over their iptables text (empty when this table is not
-    /// written by the iptables writer, see [`Table::skip_iptables_hashes`]).
-    hashes: Vec<String>,
-    /// Bumped whenever the rules change: what another writer keys its own rendering by.
-    generation: u64,
-    /// The stream object the chain renders ("policy …"), if any. When the kernel refuses the
-    /// chain, one with an owner is replaced by a single DROP (its traffic fails closed); one
-    /// without (our static and dispatch chains) keeps whatever version the kernel has.
-    owner: Option<String>,
-}
-
 /// A chain the kernel refused on its own, kept out until its content changes or the table is
 /// invalidated (the next refresh tries it again).
 #[derive(Clone, Debug)]
@@ -345,12 +353,13 @@ pub(crate) struct ApplyStats {
     pub read_back: bool,
 }
 
-/// One table (`filter`, `raw`, `mangle`, `nat`) of one family.
-pub(crate) struct Table {
+/// What the kernel holds of one table (`filter`, `raw`, `mangle`, `nat`) of one family, and
+/// the hashes of the desired chains it is compared with.
+pub(crate) struct KernelTable {
     name: &'static str,
     version: IpVersion,
-    desired: HashMap<String, DesiredChain>,
-    hooks: Hooks,
+    /// The `cali:` hashes of each desired chain's rules, kept up to date from the change log.
+    hashes: HashMap<String, Vec<String>>,
     /// Hashes of the hook rules: kernel chain → (inserts, appends).
     hook_hashes: BTreeMap<String, (Vec<String>, Vec<String>)>,
     kernel: Option<KernelView>,
@@ -361,32 +370,21 @@ pub(crate) struct Table {
     /// The kernel view was loaded by `load_kernel_view` and no apply has reported it yet.
     loaded: bool,
     /// Seconds `iptables-restore` waits for the xtables lock.
-    pub lock_wait_secs: u32,
-    /// Chains set or removed since the last `take_changes`, and whether the hooks were set,
-    /// for a writer that works from changes (nftables); `None` until one asks.
-    changes: Option<(HashSet<String>, bool)>,
-    /// Compute the iptables hashes of the desired rules (only the iptables writer reads them).
-    iptables_hashes: bool,
-    /// The last generation given to a chain.
-    generation: u64,
+    lock_wait_secs: u32,
 }
 
-impl Table {
-    pub(crate) fn new(name: &'static str, version: IpVersion) -> Self {
+impl KernelTable {
+    pub(crate) fn new(name: &'static str, version: IpVersion, lock_wait_secs: u32) -> Self {
         Self {
             name,
             version,
-            desired: HashMap::new(),
-            hooks: Hooks::default(),
+            hashes: HashMap::new(),
             hook_hashes: BTreeMap::new(),
             kernel: None,
             last_known: None,
             refused: BTreeMap::new(),
             loaded: false,
-            lock_wait_secs: 10,
-            changes: None,
-            iptables_hashes: true,
-            generation: 0,
+            lock_wait_secs,
         }
     }
 
@@ -398,192 +396,75 @@ impl Table {
         self.version
     }
 
-    /// Sets (or replaces) one of our own chains (static or dispatch).
-    pub(crate) fn set_chain(&mut self, chain: Chain) {
-        self.put_chain(chain, None);
-    }
-
-    /// Sets (or replaces) a chain that renders the stream object `owner` ("policy …").
-    pub(crate) fn set_owned_chain(&mut self, chain: Chain, owner: &str) {
-        self.put_chain(chain, Some(owner));
-    }
-
-    fn put_chain(&mut self, chain: Chain, owner: Option<&str>) {
-        if let Some(existing) = self.desired.get_mut(&chain.name)
-            && existing.rules == chain.rules
-        {
-            if existing.owner.as_deref() != owner {
-                existing.owner = owner.map(str::to_owned);
+    /// Takes the desired table's change log: hashes the chains set since the last call (new
+    /// content is worth trying again if the kernel refused the old), forgets removed ones, and
+    /// hashes the hook rules if they were set.
+    pub(crate) fn take_changes(&mut self, d: &mut desired::Table) {
+        let (chains, hooks) = d.take_changes();
+        for name in chains {
+            match d.chain(&name) {
+                Some(c) => {
+                    let hashes = rule_hashes(&name, &c.rules);
+                    if self.refused.get(&name).is_some_and(|r| r.hashes != hashes) {
+                        self.refused.remove(&name);
+                    }
+                    self.hashes.insert(name, hashes);
+                }
+                None => {
+                    self.hashes.remove(&name);
+                    self.refused.remove(&name);
+                }
             }
-            return;
         }
-        if let Some((changed, _)) = &mut self.changes {
-            changed.insert(chain.name.clone());
+        if hooks {
+            let hooks = d.hooks();
+            let mut hashes = BTreeMap::new();
+            let kernel_chains: std::collections::BTreeSet<&String> =
+                hooks.inserts.keys().chain(hooks.appends.keys()).collect();
+            for k in kernel_chains {
+                let ins = hooks
+                    .inserts
+                    .get(k)
+                    .map(|r| rule_hashes(k, r))
+                    .unwrap_or_default();
+                let app = hooks
+                    .appends
+                    .get(k)
+                    .map(|r| rule_hashes(&format!("{k}*appends*"), r))
+                    .unwrap_or_default();
+                hashes.insert(k.clone(), (ins, app));
+            }
+            self.hook_hashes = hashes;
         }
-        let hashes = if self.iptables_hashes {
-            chain.rule_hashes()
-        } else {
-            Vec::new()
-        };
-        self.generation += 1;
-        if self
-            .refused
-            .get(&chain.name)
-            .is_some_and(|r| r.hashes != hashes)
-        {
-            // New content: worth trying again.
-            self.refused.remove(&chain.name);
-        }
-        self.desired.insert(
-            chain.name,
-            DesiredChain {
-                rules: chain.rules,
-                hashes,
-                generation: self.generation,
-                owner: owner.map(str::to_owned),
-            },
-        );
-    }
-
-    /// Points every rule that matches IP set `from` at set `to` instead (an IP set changing
-    /// type is rebuilt beside the old one, then the rules move to it). Returns how many chains
-    /// changed; they are rewritten at the next apply.
-    pub(crate) fn rename_set(&mut self, from: &str, to: &str) -> usize {
-        let changed: Vec<(String, Chain, Option<String>)> = self
-            .desired
-            .iter()
-            .filter_map(|(name, d)| {
-                let mut any = false;
-                let rules: Vec<Rule> = d
-                    .rules
-                    .iter()
-                    .map(|r| match r.matches.with_set_renamed(from, to) {
-                        Some(m) => {
-                            any = true;
-                            Rule {
-                                matches: m,
-                                ..r.clone()
-                            }
-                        }
-                        None => r.clone(),
-                    })
-                    .collect();
-                any.then(|| {
-                    (
-                        name.clone(),
-                        Chain::new(name.clone(), rules),
-                        d.owner.clone(),
-                    )
-                })
-            })
-            .collect();
-        let n = changed.len();
-        for (_, chain, owner) in changed {
-            self.put_chain(chain, owner.as_deref());
-        }
-        n
-    }
-
-    /// Our desired chains: name, rules and their hashes (what another writer of the same
-    /// chains, the nftables one, takes as its input).
-    pub(crate) fn desired_chains(&self) -> impl Iterator<Item = (&str, &[Rule], &[String])> {
-        self.desired
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.rules.as_slice(), d.hashes.as_slice()))
-    }
-
-    /// The rules we keep in the kernel's own chains.
-    pub(crate) fn hooks(&self) -> &Hooks {
-        &self.hooks
-    }
-
-    pub(crate) fn remove_chain(&mut self, name: &str) {
-        if let Some((changed, _)) = &mut self.changes
-            && self.desired.contains_key(name)
-        {
-            changed.insert(name.to_owned());
-        }
-        self.desired.remove(name);
-        self.refused.remove(name);
-    }
-
-    pub(crate) fn has_chain(&self, name: &str) -> bool {
-        self.desired.contains_key(name)
-    }
-
-    /// Number of rules in our desired chains.
-    pub(crate) fn rule_count(&self) -> usize {
-        self.desired.values().map(|c| c.rules.len()).sum()
-    }
-
-    /// One desired chain: its rules and their generation (changes whenever they do).
-    pub(crate) fn desired_chain(&self, name: &str) -> Option<(&[Rule], u64)> {
-        self.desired
-            .get(name)
-            .map(|d| (d.rules.as_slice(), d.generation))
-    }
-
-    /// This table is written by a writer other than iptables: the iptables hashes of its
-    /// rules are not computed (that writer hashes its own rendering).
-    pub(crate) fn skip_iptables_hashes(&mut self) {
-        self.iptables_hashes = false;
     }
 
     /// The rule id of the rule at `position` (1-based, as `iptables -L --line-numbers` and
     /// `iptables-save` order them) of our chain `chain`, as this writer puts it in the kernel
     /// (a chain the kernel refused and that fails closed holds a DROP without an id).
-    pub(crate) fn rule_id_at(&self, chain: &str, position: usize) -> Option<&RuleId> {
-        let (rules, _) = self.wanted(chain)?;
+    pub(crate) fn rule_id_at<'a>(
+        &'a self,
+        d: &'a desired::Table,
+        chain: &str,
+        position: usize,
+    ) -> Option<&'a RuleId> {
+        let (rules, _) = self.wanted(d, chain)?;
         rules.get(position.checked_sub(1)?)?.id.as_ref()
     }
 
     /// The rule id of the rule of our chain `chain` that carries `comment`: its `cali:<hash>`
     /// comment, or a whole rule line from `iptables-save` holding it.
-    pub(crate) fn rule_id_by_comment(&self, chain: &str, comment: &str) -> Option<&RuleId> {
+    pub(crate) fn rule_id_by_comment<'a>(
+        &'a self,
+        d: &'a desired::Table,
+        chain: &str,
+        comment: &str,
+    ) -> Option<&'a RuleId> {
         let hash = hash_of(comment)
             .or_else(|| comment.strip_prefix("cali:"))
             .unwrap_or(comment);
-        let (rules, hashes) = self.wanted(chain)?;
+        let (rules, hashes) = self.wanted(d, chain)?;
         let i = hashes.iter().position(|h| h == hash)?;
         rules.get(i)?.id.as_ref()
-    }
-
-    /// Starts recording which chains change (see [`Table::take_changes`]).
-    pub(crate) fn track_changes(&mut self) {
-        self.changes.get_or_insert_with(Default::default);
-    }
-
-    /// The chains set or removed, and whether the hooks were set, since the last call.
-    pub(crate) fn take_changes(&mut self) -> (HashSet<String>, bool) {
-        self.changes
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
-    /// Sets the rules we keep in the kernel's own chains.
-    pub(crate) fn set_hooks(&mut self, hooks: Hooks) {
-        if let Some((_, hooks_changed)) = &mut self.changes {
-            *hooks_changed = true;
-        }
-        let mut hashes = BTreeMap::new();
-        let kernel_chains: std::collections::BTreeSet<&String> =
-            hooks.inserts.keys().chain(hooks.appends.keys()).collect();
-        for k in kernel_chains {
-            let ins = hooks
-                .inserts
-                .get(k)
-                .map(|r| rule_hashes(k, r))
-                .unwrap_or_default();
-            let app = hooks
-                .appends
-                .get(k)
-                .map(|r| rule_hashes(&format!("{k}*appends*"), r))
-                .unwrap_or_default();
-            hashes.insert(k.clone(), (ins, app));
-        }
-        self.hooks = hooks;
-        self.hook_hashes = hashes;
     }
 
     /// Forgets the kernel view: the next apply reads the kernel back, repairs differences and
@@ -634,10 +515,11 @@ impl Table {
     /// tool fails as such or our own hooks cannot be written.
     pub(crate) fn apply(
         &mut self,
+        d: &desired::Table,
         runner: &mut dyn CommandRunner,
         backend: Backend,
     ) -> Result<ApplyStats, TableError> {
-        let result = self.apply_inner(runner, backend);
+        let result = self.apply_inner(d, runner, backend);
         if result.is_err() {
             // We no longer know what the kernel holds: read it back before the retry.
             self.kernel = None;
@@ -647,6 +529,7 @@ impl Table {
 
     fn apply_inner(
         &mut self,
+        d: &desired::Table,
         runner: &mut dyn CommandRunner,
         backend: Backend,
     ) -> Result<ApplyStats, TableError> {
@@ -659,30 +542,30 @@ impl Table {
             self.set_kernel_view(view);
             stats.read_back = true;
         }
-        let writes = self.chain_writes();
-        let tail = self.tail();
+        let writes = self.chain_writes(d);
+        let tail = self.tail(d);
         if writes.is_empty() && tail.script.is_empty() {
             return Ok(stats);
         }
-        let script = format!("{}{}", self.write_script(&writes), tail.script);
+        let script = format!("{}{}", self.write_script(d, &writes), tail.script);
         match self.restore(runner, backend, &script) {
             Ok(()) => {
-                self.record_writes(&writes);
-                self.record_tail(&tail);
+                self.record_writes(d, &writes);
+                self.record_tail(d, &tail);
                 stats.chains_written = writes.len();
             }
             Err(error) if !writes.is_empty() => {
                 tracing::warn!(table = self.name, v = self.version.number(), %error, chains = writes.len(), "restore failed; finding the chains responsible");
                 // The tool itself failing (lock, missing binary) is not any chain's fault.
                 self.restore(runner, backend, "")?;
-                let (written, refused) = self.isolate(runner, backend, writes);
+                let (written, refused) = self.isolate(d, runner, backend, writes);
                 stats.chains_written = written;
                 stats.chains_refused = refused;
                 // The hooks and deletions, now that every chain is in, or failing closed.
-                let tail = self.tail();
+                let tail = self.tail(d);
                 if !tail.script.is_empty() {
                     self.restore(runner, backend, &tail.script)?;
-                    self.record_tail(&tail);
+                    self.record_tail(d, &tail);
                 }
                 stats.chains_deleted = tail.stale.len();
                 stats.hooks_fixed = tail.hook_fixes.len();
@@ -698,41 +581,47 @@ impl Table {
     /// The rules and hashes we want in the kernel for `name`: the desired chain, a single DROP
     /// in its place when the kernel refused it and it renders a stream object, or `None` when
     /// the kernel refused it and it is one of our own (its kernel version is left alone).
-    fn wanted(&self, name: &str) -> Option<(&[Rule], &[String])> {
-        let d = self.desired.get(name)?;
+    fn wanted<'a>(
+        &'a self,
+        d: &'a desired::Table,
+        name: &str,
+    ) -> Option<(&'a [Rule], &'a [String])> {
+        let c = d.chain(name)?;
+        let hashes = self.hashes.get(name)?;
         match self.refused.get(name) {
-            Some(r) if r.hashes == d.hashes => d
+            Some(r) if &r.hashes == hashes => c
                 .owner
                 .as_ref()
                 .map(|_| (std::slice::from_ref(&*DROP_RULE), r.fallback.as_slice())),
-            _ => Some((&d.rules, &d.hashes)),
+            _ => Some((&c.rules, hashes)),
         }
     }
 
     /// Chains whose kernel version differs from what we want, in an order where every chain
     /// comes after the chains it jumps to (so any prefix of the list can be written alone).
-    fn chain_writes(&self) -> Vec<String> {
+    fn chain_writes(&self, d: &desired::Table) -> Vec<String> {
         let kernel = self.kernel.as_ref().expect("read back before planning");
-        let mut differ: Vec<&String> = self
-            .desired
-            .keys()
+        let mut differ: Vec<&str> = d
+            .chains()
+            .map(|(n, _)| n)
             .filter(|n| {
-                self.wanted(n)
+                self.wanted(d, n)
                     .is_some_and(|(_, h)| kernel.ours.get(*n).map(Vec::as_slice) != Some(h))
             })
             .collect();
         differ.sort();
-        let wanted: std::collections::HashSet<&str> = differ.iter().map(|s| s.as_str()).collect();
+        let wanted: std::collections::HashSet<&str> = differ.iter().copied().collect();
         let mut order = Vec::with_capacity(differ.len());
         let mut seen = std::collections::HashSet::new();
         for name in differ {
-            self.visit(name, &wanted, &mut seen, &mut order);
+            self.visit(d, name, &wanted, &mut seen, &mut order);
         }
         order
     }
 
     fn visit<'a>(
         &'a self,
+        d: &'a desired::Table,
         name: &'a str,
         wanted: &std::collections::HashSet<&str>,
         seen: &mut std::collections::HashSet<&'a str>,
@@ -741,11 +630,11 @@ impl Table {
         if !seen.insert(name) {
             return;
         }
-        if let Some((rules, _)) = self.wanted(name) {
+        if let Some((rules, _)) = self.wanted(d, name) {
             for t in rules.iter().filter_map(|r| r.action.target_chain()) {
                 if wanted.contains(t) {
-                    let t = self.desired.get_key_value(t).expect("wanted").0;
-                    self.visit(t, wanted, seen, order);
+                    let t = d.chain_key(t).expect("wanted");
+                    self.visit(d, t, wanted, seen, order);
                 }
             }
         }
@@ -753,11 +642,11 @@ impl Table {
     }
 
     /// Declarations (which flush under `--noflush`) and rules of the given chains.
-    fn write_script(&self, names: &[String]) -> String {
+    fn write_script(&self, d: &desired::Table, names: &[String]) -> String {
         let mut decls = String::new();
         let mut body = String::new();
         for name in names {
-            let (rules, hashes) = self.wanted(name).expect("planned chains are wanted");
+            let (rules, hashes) = self.wanted(d, name).expect("planned chains are wanted");
             let _ = writeln!(decls, ":{name} - [0:0]");
             for (rule, hash) in rules.iter().zip(hashes) {
                 body.push_str(&rule.render_with_hash(name, hash));
@@ -767,9 +656,9 @@ impl Table {
         decls + &body
     }
 
-    fn record_writes(&mut self, names: &[String]) {
+    fn record_writes(&mut self, d: &desired::Table, names: &[String]) {
         for name in names {
-            let hashes = self.wanted(name).expect("written").1.to_vec();
+            let hashes = self.wanted(d, name).expect("written").1.to_vec();
             let kernel = self.kernel.as_mut().expect("read back above");
             kernel.ours.insert(name.clone(), hashes);
         }
@@ -781,6 +670,7 @@ impl Table {
     /// after it that jump to it can go in). Returns (written, refused).
     fn isolate(
         &mut self,
+        d: &desired::Table,
         runner: &mut dyn CommandRunner,
         backend: Backend,
         order: Vec<String>,
@@ -789,14 +679,14 @@ impl Table {
         let mut refused = 0;
         let mut work = vec![order];
         while let Some(batch) = work.pop() {
-            match self.restore(runner, backend, &self.write_script(&batch)) {
+            match self.restore(runner, backend, &self.write_script(d, &batch)) {
                 Ok(()) => {
-                    self.record_writes(&batch);
+                    self.record_writes(d, &batch);
                     written += batch.len();
                 }
                 Err(error) if batch.len() == 1 => {
                     refused += 1;
-                    self.refuse(runner, backend, &batch[0], &error);
+                    self.refuse(d, runner, backend, &batch[0], &error);
                 }
                 Err(_) => {
                     // Left half first: the right half may jump into it.
@@ -812,13 +702,13 @@ impl Table {
 
     fn refuse(
         &mut self,
+        d: &desired::Table,
         runner: &mut dyn CommandRunner,
         backend: Backend,
         name: &str,
         error: &TableError,
     ) {
-        let d = &self.desired[name];
-        let owner = d.owner.clone();
+        let owner = d.chain(name).and_then(|c| c.owner.clone());
         let error = match error {
             TableError::Failed { stderr, .. } => stderr.clone(),
             other => other.to_string(),
@@ -827,15 +717,15 @@ impl Table {
         self.refused.insert(
             name.to_owned(),
             Refused {
-                hashes: d.hashes.clone(),
+                hashes: self.hashes.get(name).cloned().unwrap_or_default(),
                 fallback: rule_hashes(name, std::slice::from_ref(&*DROP_RULE)),
                 error,
             },
         );
         if owner.is_some() {
             let names = [name.to_owned()];
-            match self.restore(runner, backend, &self.write_script(&names)) {
-                Ok(()) => self.record_writes(&names),
+            match self.restore(runner, backend, &self.write_script(d, &names)) {
+                Ok(()) => self.record_writes(d, &names),
                 Err(error) => {
                     tracing::error!(table = self.name, chain = %name, %error, "could not replace a refused chain by a DROP");
                 }
@@ -844,16 +734,19 @@ impl Table {
     }
 
     /// Chains the kernel refused: (chain, object it renders, the kernel's error).
-    pub(crate) fn refused(&self) -> impl Iterator<Item = (&str, Option<&str>, &str)> {
-        self.refused.iter().map(|(name, r)| {
-            let owner = self.desired.get(name).and_then(|d| d.owner.as_deref());
+    pub(crate) fn refused<'a>(
+        &'a self,
+        d: &'a desired::Table,
+    ) -> impl Iterator<Item = (&'a str, Option<&'a str>, &'a str)> {
+        self.refused.iter().map(move |(name, r)| {
+            let owner = d.chain(name).and_then(|c| c.owner.as_deref());
             (name.as_str(), owner, r.error.as_str())
         })
     }
 
     /// The transaction's second part: flushing stale chains of ours, fixing hook rules in the
     /// kernel's chains, and deleting the stale chains.
-    fn tail(&self) -> Tail {
+    fn tail(&self, d: &desired::Table) -> Tail {
         let kernel = self.kernel.as_ref().expect("read back before planning");
         let mut script = String::new();
         // Stale chains of ours: flushed now, deleted at the end. One that a desired chain still
@@ -861,14 +754,13 @@ impl Table {
         let mut stale: Vec<String> = kernel
             .ours
             .keys()
-            .filter(|n| !self.desired.contains_key(*n))
+            .filter(|n| !d.has_chain(n))
             .cloned()
             .collect();
         if !stale.is_empty() {
-            let referenced: std::collections::HashSet<&str> = self
-                .desired
-                .values()
-                .flat_map(|c| c.rules.iter().filter_map(|r| r.action.target_chain()))
+            let referenced: std::collections::HashSet<&str> = d
+                .chains()
+                .flat_map(|(_, c)| c.rules.iter().filter_map(|r| r.action.target_chain()))
                 .collect();
             stale.retain(|n| {
                 let keep = referenced.contains(n.as_str());
@@ -913,14 +805,14 @@ impl Table {
             {
                 let _ = writeln!(script, "-D {chain} {}", r.spec);
             }
-            if let Some(inserts) = self.hooks.inserts.get(chain) {
+            if let Some(inserts) = d.hooks().inserts.get(chain) {
                 for (rule, hash) in inserts.iter().zip(ins).rev() {
                     let line = rule.render_with_hash(chain, hash);
                     let prefix = format!("-A {}", quote::arg(chain));
                     let _ = writeln!(script, "-I {chain} 1{}", &line[prefix.len()..]);
                 }
             }
-            if let Some(appends) = self.hooks.appends.get(chain) {
+            if let Some(appends) = d.hooks().appends.get(chain) {
                 for (rule, hash) in appends.iter().zip(app) {
                     script.push_str(&rule.render_with_hash(chain, hash));
                     script.push('\n');
@@ -939,7 +831,7 @@ impl Table {
     }
 
     /// Records what a successful tail did to the kernel.
-    fn record_tail(&mut self, tail: &Tail) {
+    fn record_tail(&mut self, d: &desired::Table, tail: &Tail) {
         let kernel = self.kernel.as_mut().expect("read back above");
         for name in &tail.stale {
             kernel.ours.remove(name);
@@ -948,7 +840,7 @@ impl Table {
             let mut rules: Vec<KernelRule> = Vec::new();
             let empty = (Vec::new(), Vec::new());
             let (ins, app) = self.hook_hashes.get(chain).unwrap_or(&empty);
-            if let Some(inserts) = self.hooks.inserts.get(chain) {
+            if let Some(inserts) = d.hooks().inserts.get(chain) {
                 rules.extend(
                     inserts
                         .iter()
@@ -965,7 +857,7 @@ impl Table {
                 .cloned()
                 .collect::<Vec<_>>();
             rules.extend(foreign);
-            if let Some(appends) = self.hooks.appends.get(chain) {
+            if let Some(appends) = d.hooks().appends.get(chain) {
                 rules.extend(
                     appends
                         .iter()
@@ -1049,7 +941,49 @@ fn hooks_in_place(rules: &[KernelRule], inserts: &[String], appends: &[String]) 
 mod tests {
     use super::*;
     use crate::driver::linux::fake::FakeKernel;
-    use crate::driver::linux::rules::{Action, Match};
+    use crate::driver::linux::rules::static_chains::Hooks;
+    use crate::driver::linux::rules::{Action, Chain, Match};
+
+    /// A desired filter table and the writer's view of it, as the iptables writer pairs them.
+    struct T {
+        d: desired::Table,
+        k: KernelTable,
+    }
+
+    impl T {
+        fn new() -> Self {
+            Self {
+                d: desired::Table::new("filter", IpVersion::V4),
+                k: KernelTable::new("filter", IpVersion::V4, 10),
+            }
+        }
+        fn set_chain(&mut self, c: Chain) {
+            self.d.set_chain(c);
+        }
+        fn set_owned_chain(&mut self, c: Chain, owner: &str) {
+            self.d.set_owned_chain(c, owner);
+        }
+        fn set_hooks(&mut self, h: Hooks) {
+            self.d.set_hooks(h);
+        }
+        fn remove_chain(&mut self, name: &str) {
+            self.d.remove_chain(name);
+        }
+        fn invalidate(&mut self) {
+            self.k.invalidate();
+        }
+        fn apply(
+            &mut self,
+            runner: &mut dyn CommandRunner,
+            backend: Backend,
+        ) -> Result<ApplyStats, TableError> {
+            self.k.take_changes(&mut self.d);
+            self.k.apply(&self.d, runner, backend)
+        }
+        fn refused(&self) -> impl Iterator<Item = (&str, Option<&str>, &str)> {
+            self.k.refused(&self.d)
+        }
+    }
 
     fn chain(name: &str, n: usize) -> Chain {
         Chain::new(
@@ -1151,7 +1085,7 @@ mod tests {
     #[test]
     fn only_changed_chains_are_written() {
         let mut k = FakeKernel::new();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-INPUT", 1));
         t.set_chain(chain("cali-a", 3));
         t.set_chain(chain("cali-b", 3));
@@ -1183,7 +1117,7 @@ mod tests {
     fn stale_chains_go_and_foreign_rules_stay() {
         let mut k = FakeKernel::new();
         k.exec_restore(IpVersion::V4, "*filter\n:cali-old - [0:0]\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\n-A cali-old -j ACCEPT\nCOMMIT\n").unwrap();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-INPUT", 1));
         t.set_hooks(hooks());
         let s = t.apply(&mut k, Backend::IptablesLegacy).unwrap();
@@ -1203,7 +1137,7 @@ mod tests {
             "*filter\n:KUBE-X - [0:0]\n-A INPUT -j KUBE-X\nCOMMIT\n",
         )
         .unwrap();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-INPUT", 1));
         t.set_chain(chain("cali-a", 3));
         t.set_hooks(hooks());
@@ -1261,7 +1195,7 @@ mod tests {
     #[test]
     fn a_stale_chain_still_referenced_is_kept_until_it_is_not() {
         let mut k = FakeKernel::new();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-target", 1));
         t.set_chain(Chain::new(
             "cali-user",
@@ -1285,7 +1219,7 @@ mod tests {
     #[test]
     fn a_tool_failure_is_an_error_and_forces_a_read_back() {
         let mut k = FakeKernel::new();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-a", 1));
         t.set_chain(chain("cali-b", 1));
         t.apply(&mut k, Backend::IptablesNft).unwrap();
@@ -1321,7 +1255,7 @@ mod tests {
     fn a_chain_the_kernel_refuses_fails_closed_and_the_rest_goes_in() {
         let mut k = FakeKernel::new();
         k.refuse.push("10.9.9.9".into());
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_hooks(hooks());
         t.set_chain(chain("cali-INPUT", 1));
         t.set_owned_chain(chain_from("cali-pi-bad", &["10.9.9.9"]), "policy bad");
@@ -1387,7 +1321,7 @@ mod tests {
     #[test]
     fn a_refused_chain_of_our_own_keeps_its_kernel_version() {
         let mut k = FakeKernel::new();
-        let mut t = Table::new("filter", IpVersion::V4);
+        let mut t = T::new();
         t.set_chain(chain("cali-static", 2));
         t.apply(&mut k, Backend::IptablesNft).unwrap();
         k.refuse.push("10.9.9.9".into());

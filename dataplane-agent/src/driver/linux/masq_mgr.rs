@@ -9,8 +9,7 @@ use std::collections::BTreeMap;
 
 use felix_proto::IpamPool;
 
-use super::ipsets::SetKind;
-use super::ipsets_mgr::IpSetsManager;
+use super::desired::{SetKind, Sets};
 use super::refusals::Refusals;
 use super::rules::IpVersion;
 use super::validate;
@@ -54,7 +53,7 @@ impl MasqManager {
 
     /// Fills the pool sets if the pools changed; returns whether they did (the NAT chains
     /// follow).
-    pub(crate) fn apply(&mut self, ipsets: &mut IpSetsManager) -> bool {
+    pub(crate) fn apply(&mut self, sets: &mut Sets) -> bool {
         if !self.dirty {
             return false;
         }
@@ -74,8 +73,9 @@ impl MasqManager {
             .filter(|p| p.masquerade)
             .map(|p| p.cidr.clone())
             .collect();
-        ipsets.replace_local(NETWORK_POOLS_SET, SetKind::Net, &network);
-        ipsets.replace_local(MASQ_POOLS_SET, SetKind::Net, &masq);
+        // Our own sets: their members are trusted.
+        sets.replace(NETWORK_POOLS_SET, SetKind::Net, &network);
+        sets.replace(MASQ_POOLS_SET, SetKind::Net, &masq);
         self.dirty = false;
         true
     }

@@ -1,32 +1,32 @@
 //! The Linux driver: programs iptables (legacy or nft backend), ipsets, routes and interface
 //! settings in Calico's layout, as Felix's internal dataplane does: through managers.
 //!
-//! Each manager owns one part of the desired state and has Felix's two phases: `on_update`
-//! records a message and marks what changed (no IO), `apply` works it out. The driver hands
-//! every message to every manager (each ignores what is not its own) and, in `apply`, runs
-//! them in dependency order:
+//! Each manager owns one part of the desired state ([`desired`]: chains and IP sets, in no
+//! writer's syntax) and has Felix's two phases: `on_update` records a message and marks what
+//! changed (no IO), `apply` works it out. The driver hands every message to every manager
+//! (each ignores what is not its own) and, in `apply`, runs them in dependency order:
 //!
 //! 1. [`config_mgr`]: FelixConfiguration over the flags (new prefixes re-check endpoints, a new
 //!    log prefix re-renders policy);
 //! 2. [`masq_mgr`]: IPAM pools into the pool sets, then the static chains ([`config_mgr`]);
 //! 3. [`policy_mgr`]: changed policies and profiles into their chains;
 //! 4. [`endpoint_mgr`]: changed endpoints into their chains, then the dispatch chains;
-//! 5. [`ipsets_mgr`]: IP sets created and updated (rules using a set the kernel refused are
-//!    rendered again, failing closed);
-//! 6. the kernel writer chosen at start (`writer::KernelWriter`: iptables and ipsets, or
-//!    nftables) writes the desired chains and sets (iptables: one `iptables-restore` per
-//!    changed table, IP sets changing type move their rules to a copy first; nftables: one
-//!    transaction);
-//! 7. [`routes_mgr`]: routes, neighbours and interface sysctls;
-//! 8. the writer finishes: unused IP sets destroyed, and once the other writer's state removed.
+//! 5. the kernel writer chosen at start (`writer::KernelWriter`: iptables and ipsets, or
+//!    nftables) writes the desired sets and chains (iptables: one `ipset restore`, then one
+//!    `iptables-restore` per changed table, IP sets changing type move their rules to a copy
+//!    first; nftables: one transaction). Sets the kernel refuses go to [`ipsets_mgr`], and the
+//!    rules using them are rendered again, failing closed, in the same apply;
+//! 6. [`routes_mgr`]: routes, neighbours and interface sysctls;
+//! 7. the writer finishes: unused IP sets destroyed, and once the other writer's state removed.
 //!
-//! Every table and the sets keep a view of the kernel and write only differences;
-//! `request_refresh` drops those views so the next apply reads the kernel back and repairs
+//! The writer keeps its own view of the kernel and writes only differences;
+//! `request_refresh` drops that view so the next apply reads the kernel back and repairs
 //! out-of-band changes. All IO goes through the seams: [`runner::CommandRunner`],
 //! [`netlink::Netlink`], [`sysctl::Sysctl`].
 
 pub(crate) mod config;
 pub(crate) mod config_mgr;
+pub(crate) mod desired;
 pub(crate) mod endpoint_mgr;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fake;
@@ -44,7 +44,6 @@ pub(crate) mod routes_mgr;
 pub(crate) mod rules;
 pub(crate) mod runner;
 pub(crate) mod sysctl;
-pub(crate) mod tables;
 pub(crate) mod validate;
 mod writer;
 
@@ -71,9 +70,10 @@ use std::time::Duration;
 use felix_proto::WorkloadEndpoint;
 
 use self::config_mgr::ConfigManager;
+use self::desired::{Sets, Tables};
 use self::endpoint_mgr::EndpointManager;
 use self::interfaces::Interfaces;
-use self::ipsets_mgr::IpSetsManager;
+use self::ipsets_mgr::{IpSetsManager, SetUse};
 use self::masq_mgr::MasqManager;
 use self::netlink::Netlink;
 use self::policy::RenderConfig;
@@ -85,7 +85,6 @@ use self::rules::static_chains::StaticConfig;
 use self::rules::{IpVersion, ipset_name};
 use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
-use self::tables::Tables;
 use self::writer::{IptablesWriter, KernelWriter, NftWriter};
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
 use crate::message::Message;
@@ -158,7 +157,9 @@ pub struct LinuxDriver {
     random_fully_supported: Option<bool>,
     /// Interfaces as the monitor sees them (the managers that need them hold them too).
     ifaces: Arc<Interfaces>,
+    /// The desired chains and IP sets the managers write and the writer reads.
     tables: Tables,
+    sets: Sets,
     refusals: Refusals,
     config: ConfigManager,
     masq: MasqManager,
@@ -199,22 +200,24 @@ impl LinuxDriver {
             vec![IpVersion::V4]
         };
         // The one place the writer is chosen.
-        let mut tables = Tables::new(&versions, opts.lock_wait_secs);
         let writer: Box<dyn KernelWriter> = if opts.nftables {
-            // nftables hashes its own rendering: no iptables text for the hashes.
-            tables.skip_iptables_hashes();
             Box::new(NftWriter::new(&versions, opts.backend))
         } else {
-            Box::new(IptablesWriter::new(opts.backend))
+            Box::new(IptablesWriter::new(
+                &versions,
+                opts.backend,
+                opts.lock_wait_secs,
+            ))
         };
         Self {
             runner,
             writer,
             random_fully_supported: None,
-            tables,
+            tables: Tables::new(&versions),
+            sets: Sets::new(versions.clone()),
             refusals: Refusals::default(),
             masq: MasqManager::default(),
-            ipsets: IpSetsManager::new(versions.clone()),
+            ipsets: IpSetsManager::default(),
             policy: PolicyManager::default(),
             endpoints: EndpointManager::new(ifaces.clone()),
             routes: RouteManager::new(
@@ -251,7 +254,7 @@ impl LinuxDriver {
 
     /// What is programmed (desired state after the last apply).
     pub fn programmed(&self) -> Programmed {
-        let (ipsets, ipset_members) = self.ipsets.counts();
+        let (ipsets, ipset_members) = self.sets.counts();
         Programmed {
             rules: self.writer.rule_count(&self.tables),
             ipsets,
@@ -293,7 +296,7 @@ impl LinuxDriver {
                     .detect_fully_random(self.runner.as_mut(), release.as_deref()),
             );
         }
-        if self.masq.apply(&mut self.ipsets) {
+        if self.masq.apply(&mut self.sets) {
             self.config.mark_statics_dirty();
         }
         let fully_random = self.config.masq_fully_random(self.random_fully_supported);
@@ -303,23 +306,30 @@ impl LinuxDriver {
         self.routes.ensure_netlink()?;
         self.policy.refresh_mangle_refs(self.endpoints.hosts());
         let opts = self.config.opts();
-        self.policy
-            .apply(&mut self.tables, &opts.render, &self.ipsets);
+        let usable = SetUse {
+            mgr: &self.ipsets,
+            sets: &self.sets,
+        };
+        self.policy.apply(&mut self.tables, &opts.render, &usable);
         self.endpoints.apply(&mut self.tables, opts);
-        let (policy, config) = (&mut self.policy, &self.config);
-        let mut rerender =
-            |changed: &BTreeSet<String>, tables: &mut Tables, ipsets: &IpSetsManager| {
-                policy.dirty_users_of_sets(|id| {
-                    IpVersion::BOTH
-                        .iter()
-                        .any(|v| changed.contains(&ipset_name(*v, id)))
-                });
-                policy.apply(tables, &config.opts().render, ipsets);
-            };
+        let (policy, config, ipsets) = (&mut self.policy, &self.config, &mut self.ipsets);
+        let mut rerender = |refused: &BTreeSet<String>, tables: &mut Tables, sets: &Sets| {
+            let changed = ipsets.set_kernel_refused(refused.clone());
+            if changed.is_empty() {
+                return;
+            }
+            policy.dirty_users_of_sets(|id| {
+                IpVersion::BOTH
+                    .iter()
+                    .any(|v| changed.contains(&ipset_name(*v, id)))
+            });
+            let usable = SetUse { mgr: ipsets, sets };
+            policy.apply(tables, &config.opts().render, &usable);
+        };
         self.writer.write(
             self.runner.as_mut(),
             &mut self.tables,
-            &mut self.ipsets,
+            &mut self.sets,
             &mut rerender,
             &mut self.refusals.kernel,
         )?;
@@ -327,7 +337,7 @@ impl LinuxDriver {
             .apply(self.endpoints.workloads(), self.config.opts())
             .map_err(DriverError::Routes)?;
         self.writer
-            .finish(self.runner.as_mut(), &self.tables, &mut self.ipsets)
+            .finish(self.runner.as_mut(), &self.tables, &mut self.sets)
     }
 }
 
@@ -336,7 +346,10 @@ impl Driver for LinuxDriver {
     fn on_update(&mut self, msg: &Message) {
         self.config.on_update(msg);
         self.masq.on_update(msg, &mut self.refusals);
-        if let Some(id) = self.ipsets.on_update(msg, &mut self.refusals) {
+        if let Some(id) = self
+            .ipsets
+            .on_update(msg, &mut self.sets, &mut self.refusals)
+        {
             self.policy.dirty_users_of_set(&id);
         }
         self.policy.on_update(msg, &mut self.refusals);
@@ -407,8 +420,6 @@ impl Driver for LinuxDriver {
 
     fn request_refresh(&mut self) {
         self.writer.invalidate();
-        self.tables.invalidate();
-        self.ipsets.invalidate();
         // Routes, and interface settings and neighbours too.
         self.routes.invalidate();
     }

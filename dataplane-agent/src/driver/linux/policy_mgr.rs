@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use felix_proto::{HostEndpoint, Policy, Profile, Rule};
 use tracing::{info, warn};
 
-use super::ipsets_mgr::IpSetsManager;
+use super::desired::Tables;
+use super::ipsets_mgr::SetUse;
 use super::refusals::Refusals;
 use super::rules::policy::{self, RenderConfig};
 use super::rules::{self};
-use super::tables::Tables;
 use super::validate;
 use crate::driver::programmed::Collector;
 use crate::message::{Message, PolicyKey, ProfileKey};
@@ -187,18 +187,13 @@ impl PolicyManager {
         &mut self,
         tables: &mut Tables,
         render: &RenderConfig,
-        ipsets: &IpSetsManager,
+        ipsets: &SetUse<'_>,
     ) {
         self.render_policies(tables, render, ipsets);
         self.render_profiles(tables, render, ipsets);
     }
 
-    fn render_policies(
-        &mut self,
-        tables: &mut Tables,
-        render: &RenderConfig,
-        ipsets: &IpSetsManager,
-    ) {
+    fn render_policies(&mut self, tables: &mut Tables, render: &RenderConfig, ipsets: &SetUse<'_>) {
         for key in std::mem::take(&mut self.dirty_policies) {
             let id = key.to_proto();
             let names = [
@@ -244,12 +239,7 @@ impl PolicyManager {
         }
     }
 
-    fn render_profiles(
-        &mut self,
-        tables: &mut Tables,
-        render: &RenderConfig,
-        ipsets: &IpSetsManager,
-    ) {
+    fn render_profiles(&mut self, tables: &mut Tables, render: &RenderConfig, ipsets: &SetUse<'_>) {
         for name in std::mem::take(&mut self.dirty_profiles) {
             let names = [
                 rules::profile_chain_name(rules::PROFILE_INBOUND_PFX, name.as_str()),
@@ -294,7 +284,7 @@ impl PolicyManager {
         what: String,
         inbound: &[Rule],
         outbound: &[Rule],
-        ipsets: &IpSetsManager,
+        ipsets: &SetUse<'_>,
     ) -> bool {
         let unusable = inbound.iter().chain(outbound).find_map(|r| {
             validate::rule_set_ids(r)

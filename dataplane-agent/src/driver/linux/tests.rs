@@ -999,7 +999,7 @@ fn a_failed_apply_reports_error_and_the_retry_converges() {
     k.lock().fail_restores = Some("Another app is currently holding the xtables lock".into());
     let err = d.apply().unwrap_err();
     // The kernel's reason is the typed source, and reaches the log through the chain.
-    let DriverError::Tables(tables::TableApplyError::Restore { table, source, .. }) = &err else {
+    let DriverError::Tables(iptables::TableApplyError::Restore { table, source, .. }) = &err else {
         panic!("{err:?}")
     };
     assert_eq!(*table, "filter");

@@ -6,7 +6,7 @@
 use std::process::Command;
 
 use super::*;
-use crate::driver::linux::ipsets::{IpSets, SetKind};
+use crate::driver::linux::desired::{SetKind, Sets};
 use crate::driver::linux::rules::static_chains::Hooks;
 use crate::driver::linux::rules::{Action, Chain, Match, Rule};
 use crate::driver::linux::runner::SystemRunner;
@@ -159,11 +159,10 @@ fn corpus(v: IpVersion, variant: u16) -> Chain {
 }
 
 /// The corpus in both families, hooked in, with sets of every kind and a dispatch map.
-fn state() -> (Tables, IpSets) {
+fn state() -> (Tables, Sets) {
     let both = IpVersion::BOTH;
-    let mut tables = Tables::new(&both, 10);
-    tables.skip_iptables_hashes();
-    let mut sets = IpSets::new(both.to_vec());
+    let mut tables = Tables::new(&both);
+    let mut sets = Sets::new(both.to_vec());
     // One id makes a set in each family; members go to the family of their address.
     let members = |pick: &dyn Fn(IpVersion) -> String| -> Vec<String> {
         both.iter().map(|v| pick(*v)).collect()
@@ -228,7 +227,7 @@ fn state() -> (Tables, IpSets) {
 
 fn write(
     writer: &mut NftTables,
-    (tables, sets): &mut (Tables, IpSets),
+    (tables, sets): &mut (Tables, Sets),
 ) -> Result<NftStats, NftError> {
     writer.apply(&mut SystemRunner, tables, sets)
 }
@@ -507,8 +506,8 @@ fn negated_conntrack_lists_match_only_packets_with_none_of_their_bits() {
             false,
         ),
     ] {
-        let mut tables = Tables::new(&v4, 10);
-        let mut sets = IpSets::new(v4.to_vec());
+        let mut tables = Tables::new(&v4);
+        let mut sets = Sets::new(v4.to_vec());
         let mut hooks = Hooks::default();
         let rules = CT_CASES
             .iter()

@@ -1,5 +1,4 @@
-//! The nftables writer: the chains the managers render into [`Tables`] and the sets in
-//! [`IpSets`], programmed as Felix's nftables mode lays them out (one `calico` table per family,
+//! The nftables writer: the desired chains ([`Tables`]) and sets ([`Sets`]), programmed as Felix's nftables mode lays them out (one `calico` table per family,
 //! chains prefixed with their iptables table, base chains hooked at the iptables priorities,
 //! IP sets as native sets, workload dispatch through `ifname` verdict maps).
 //!
@@ -22,13 +21,12 @@ use std::sync::Arc;
 
 use tracing::{debug, warn};
 
-use super::ipsets::{IpSets, SetKind};
+use super::desired::{SetKind, Sets, TableChanges, Tables};
 use super::rules::static_chains::{FROM_WL_DISPATCH, TO_WL_DISPATCH};
 use netlink::Op;
 
 use super::rules::{Action, Frag, IpVersion, Rule};
 use super::runner::CommandRunner;
-use super::tables::{TableChanges, Tables};
 
 /// The table of ours in each family.
 pub(crate) const TABLE: &str = "calico";
@@ -248,13 +246,11 @@ impl NftTables {
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &mut Tables,
-        sets: &mut IpSets,
+        sets: &mut Sets,
     ) -> Result<NftStats, NftError> {
-        tables.track_changes();
-        sets.track_removals();
         let changes = tables.take_changes();
-        let dirty = sets.take_dirty();
-        let removed = sets.take_removed();
+        let set_changes = sets.take_changes();
+        let (dirty, removed) = (set_changes.changed, set_changes.removed);
         let mut stats = NftStats::default();
         // Every family is read back before any is planned: planning updates the views and
         // consumes the changes, so a failure after it would leave a view ahead of the kernel.
@@ -405,7 +401,7 @@ impl Family {
     fn plan(
         &mut self,
         tables: &Tables,
-        sets: &IpSets,
+        sets: &Sets,
         changes: &[TableChanges],
         dirty: &HashSet<String>,
         removed: &HashSet<String>,
@@ -426,14 +422,14 @@ impl Family {
             let table = t.name();
             let c = changes.iter().find(|c| c.version == v && c.table == table);
             let names: Vec<&str> = if full {
-                t.desired_chains().map(|(n, _, _)| n).collect()
+                t.chains().map(|(n, _)| n).collect()
             } else {
                 c.map(|c| c.chains.iter().map(String::as_str).collect())
                     .unwrap_or_default()
             };
             for name in names {
                 let nft = render::chain_name(table, name);
-                match t.desired_chain(name) {
+                match t.chain(name).map(|c| (&c.rules, c.generation)) {
                     Some((rules, generation)) => {
                         if self
                             .rendered
@@ -528,7 +524,7 @@ impl Family {
         // Sets: created, recreated with a new type, elements added and removed.
         let mut retyped: Vec<String> = Vec::new();
         let mut set_names: Vec<&str> = if full {
-            sets.desired_sets().map(|(n, _, _, _)| n).collect()
+            sets.iter().map(|(n, _)| n).collect()
         } else {
             dirty.iter().map(String::as_str).collect()
         };
@@ -539,9 +535,10 @@ impl Family {
             .filter(|n| view.sets.contains_key(n))
             .collect();
         for ipset in set_names {
-            let Some((kind, sv, members)) = sets.desired_set(ipset) else {
+            let Some(d) = sets.get(ipset) else {
                 continue;
             };
+            let (kind, sv, members) = (d.kind, d.version, &d.members);
             if sv != v {
                 continue;
             }
@@ -659,9 +656,9 @@ impl Family {
                 .map(|(n, _)| n)
                 .collect();
             let wanted_sets: HashSet<String> = sets
-                .desired_sets()
-                .filter(|(_, _, sv, _)| *sv == v)
-                .map(|(n, _, _, _)| render::set_name(n))
+                .iter()
+                .filter(|(_, d)| d.version == v)
+                .map(|(n, _)| render::set_name(n))
                 .collect();
             stale_sets.extend(
                 view.sets

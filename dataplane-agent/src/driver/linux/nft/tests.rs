@@ -5,7 +5,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::*;
-use crate::driver::linux::ipsets::{IpSets, SetKind};
+use crate::driver::linux::desired::{SetKind, Sets};
 use crate::driver::linux::rules::static_chains::Hooks;
 use crate::driver::linux::rules::{Action, Chain, Match, Rule};
 use crate::driver::linux::runner::Output;
@@ -130,14 +130,13 @@ struct World {
     elements: FakeBatch,
     writer: NftTables,
     tables: Tables,
-    sets: IpSets,
+    sets: Sets,
 }
 
 impl World {
     fn new() -> Self {
         let v = [IpVersion::V4];
-        let mut tables = Tables::new(&v, 10);
-        tables.skip_iptables_hashes();
+        let mut tables = Tables::new(&v);
         let mut hooks = Hooks::default();
         hooks.inserts.insert(
             "FORWARD".into(),
@@ -163,7 +162,7 @@ impl World {
             writer: NftTables::with_batch(&v, Box::new(elements.clone())),
             elements,
             tables,
-            sets: IpSets::new(v.to_vec()),
+            sets: Sets::new(v.to_vec()),
         };
         w.dispatch(&["calia", "calib"]);
         w.policy("web", "10.0.0.0/8");
@@ -519,9 +518,8 @@ fn a_failed_read_back_leaves_no_family_planned_ahead_of_the_kernel() {
     let both = IpVersion::BOTH;
     let nft = FakeNft::default();
     let mut writer = NftTables::with_batch(&both, Box::new(FakeBatch::text_for_structure()));
-    let mut tables = Tables::new(&both, 10);
-    tables.skip_iptables_hashes();
-    let mut sets = IpSets::new(both.to_vec());
+    let mut tables = Tables::new(&both);
+    let mut sets = Sets::new(both.to_vec());
     for v in both {
         tables.table(v, "filter").set_chain(Chain::new(
             "cali-pi-web",

@@ -1,12 +1,12 @@
 //! The pure rule renderer: proto policies, profiles and endpoints in, chains of structured
-//! rules out, in Calico's layout (`reference/calico.md` §6). A [`Rule`] is match fragments
+//! rules out, in Calico's layout (docs/drivers.md, "The Linux driver"). A [`Rule`] is match fragments
 //! ([`Frag`]), an action, comments and its [`RuleId`]: the one form every kernel writer reads
 //! and renders in its own syntax (iptables-restore input here, [`Match::render_iptables`];
 //! nftables in `nft::render` and `nft::expr`).
 //!
-//! Nothing here does IO. A [`Chain`] is a name and its rules; [`Chain::rule_hashes`] gives each
-//! rule the position-dependent `cali:` hash that lets the iptables writer recognise, after a
-//! read-back, which kernel rules are already right.
+//! Nothing here does IO. A [`Chain`] is a name and its rules; [`rule_hashes`] gives each rule
+//! the position-dependent `cali:` hash that lets the iptables writer recognise, after a
+//! read-back, which kernel rules are already right (only that writer computes it).
 
 pub(crate) mod endpoint;
 pub(crate) mod policy;
@@ -607,16 +607,12 @@ impl Chain {
             rules,
         }
     }
-
-    /// Each rule's hash: a SHA-224 chain seeded with the chain name, so a hash depends on the
-    /// rule, its position and every rule before it.
-    pub(crate) fn rule_hashes(&self) -> Vec<String> {
-        rule_hashes(&self.name, &self.rules)
-    }
 }
 
-/// The hashes of `rules` as if they were the whole content of chain `seed` (kernel hook chains
-/// are hashed under their own name for inserts and `<name>*appends*` for appends).
+/// Each rule's `cali:` hash as the iptables writer gives it: a SHA-224 chain seeded with the
+/// chain name `seed`, so a hash depends on the rule, its position and every rule before it
+/// (kernel hook chains are hashed under their own name for inserts and `<name>*appends*` for
+/// appends).
 pub(crate) fn rule_hashes(seed: &str, rules: &[Rule]) -> Vec<String> {
     let mut hash = Sha224::digest(seed.as_bytes());
     rules

@@ -4,17 +4,20 @@
 //!  config_mgr · masq_mgr · policy_mgr · endpoint_mgr · ipsets_mgr      (on_update: no IO)
 //!         │ chains (with their owners) and hooks      │ sets and members
 //!         ▼                                            ▼
-//!  desired state: tables::Tables (per table and family) · ipsets_mgr::IpSetsManager
+//!  desired state (no writer's syntax): desired::Tables · desired::Sets, each with a change log
 //!         │
 //!         ▼  one KernelWriter, chosen once at start (--driver)
-//!  ┌──────────────┴───────────────┐
-//!  IptablesWriter                  NftWriter
-//!  iptables-restore + ipset        one nfnetlink batch (nft -f fallback)
+//!  ┌──────────────┴────────────────────┐
+//!  IptablesWriter                       NftWriter
+//!  iptables::KernelTable + ipsets::IpSets   nft::NftTables
+//!  iptables-restore + ipset             one nfnetlink batch (nft -f fallback)
 //! ```
 //!
-//! The driver runs the managers, then [`KernelWriter::write`], then routes, then
-//! [`KernelWriter::finish`]; nothing outside the choice in [`super::LinuxDriver::with_seams`]
-//! asks which writer is in force.
+//! Each writer keeps its own view of the kernel and its own rendering (the iptables writer its
+//! `cali:` hashes, the nftables writer its rendered chains and ops), takes the change logs, and
+//! reads nothing of the other. The driver runs the managers, then [`KernelWriter::write`], then
+//! routes, then [`KernelWriter::finish`]; nothing outside the choice in
+//! [`super::LinuxDriver::with_seams`] asks which writer is in force.
 
 mod iptables;
 mod nftables;
@@ -24,11 +27,10 @@ pub(crate) use self::nftables::NftWriter;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::ipsets_mgr::IpSetsManager;
+use super::desired::{Sets, Tables};
 use super::nft::NftStats;
 use super::rules::{IpVersion, RuleId};
 use super::runner::CommandRunner;
-use super::tables::Tables;
 use crate::driver::DriverError;
 
 /// Where a rule sits in a kernel chain, as counters and logs find it.
@@ -42,9 +44,9 @@ pub enum RuleAt<'a> {
     Comment(&'a str),
 }
 
-/// Renders the rules that use the given kernel set names again (their sets were refused by
-/// the kernel, or taken back), into the tables, in the same apply.
-pub(crate) type Rerender<'a> = dyn FnMut(&BTreeSet<String>, &mut Tables, &IpSetsManager) + 'a;
+/// Told the kernel names of the IP sets the kernel refuses, renders again, into the tables and
+/// in the same apply, the rules whose sets were refused or taken back.
+pub(crate) type Rerender<'a> = dyn FnMut(&BTreeSet<String>, &mut Tables, &Sets) + 'a;
 
 /// One way of writing the desired state to the kernel.
 pub(crate) trait KernelWriter: Send {
@@ -57,15 +59,15 @@ pub(crate) trait KernelWriter: Send {
     ) -> bool;
 
     /// Writes the chains and sets (everything but the destruction of unused sets, which waits
-    /// for [`KernelWriter::finish`]). `rerender` is called when rules must be rendered again
-    /// because the kernel refused (or took back) a set they use. `refused` is set to what the
+    /// for [`KernelWriter::finish`]), taking the desired state's change logs. `rerender` is
+    /// told which sets the kernel refuses, once they are written. `refused` is set to what the
     /// kernel refused on its own ("<object>" → reason; those objects fail closed) once the
     /// writer knows it.
     fn write(
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &mut Tables,
-        ipsets: &mut IpSetsManager,
+        sets: &mut Sets,
         rerender: &mut Rerender<'_>,
         refused: &mut BTreeMap<String, String>,
     ) -> Result<(), DriverError>;
@@ -75,7 +77,7 @@ pub(crate) trait KernelWriter: Send {
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &Tables,
-        ipsets: &mut IpSetsManager,
+        sets: &mut Sets,
     ) -> Result<(), DriverError>;
 
     /// The next write reads the kernel back and repairs what differs.

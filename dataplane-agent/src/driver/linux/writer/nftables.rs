@@ -1,6 +1,6 @@
 //! The nftables writer: the desired chains and sets as one transaction per apply in Felix's
 //! nftables layout ([`crate::driver::linux::nft`]); once its state is in place, the iptables
-//! driver's state goes.
+//! driver's state goes (programmed empty by the iptables writer's own [`super::iptables::sweep`]).
 
 use std::collections::BTreeMap;
 
@@ -8,13 +8,11 @@ use tracing::info;
 
 use super::{KernelWriter, Rerender, RuleAt};
 use crate::driver::DriverError;
-use crate::driver::linux::ipsets::IpSets;
-use crate::driver::linux::ipsets_mgr::IpSetsManager;
+use crate::driver::linux::desired::{Sets, TABLE_NAMES, Tables};
 use crate::driver::linux::iptables::{self, Backend};
 use crate::driver::linux::nft::{self, NftStats, NftTables};
 use crate::driver::linux::rules::{IpVersion, RuleId};
 use crate::driver::linux::runner::CommandRunner;
-use crate::driver::linux::tables::{self, Tables};
 
 /// Writes nftables (see the module documentation).
 pub(crate) struct NftWriter {
@@ -70,13 +68,13 @@ impl KernelWriter for NftWriter {
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &mut Tables,
-        ipsets: &mut IpSetsManager,
+        sets: &mut Sets,
         _rerender: &mut Rerender<'_>,
         refused: &mut BTreeMap<String, String>,
     ) -> Result<(), DriverError> {
         let stats = self
             .nft
-            .apply(runner, tables, ipsets.sets_mut())
+            .apply(runner, tables, sets)
             .map_err(DriverError::Nftables)?;
         if stats != Default::default() {
             // The one log of what each apply wrote (and whether it read the kernel back).
@@ -92,10 +90,10 @@ impl KernelWriter for NftWriter {
         &mut self,
         runner: &mut dyn CommandRunner,
         tables: &Tables,
-        _ipsets: &mut IpSetsManager,
+        _sets: &mut Sets,
     ) -> Result<(), DriverError> {
         if self.sweep_other {
-            match sweep_iptables(runner, tables.versions(), self.backend) {
+            match super::iptables::sweep(runner, tables.versions(), self.backend) {
                 Ok(()) => self.sweep_other = false,
                 Err(error) => tracing::warn!(
                     error = %error,
@@ -122,7 +120,7 @@ impl KernelWriter for NftWriter {
         let mut named: Vec<String> = chains
             .iter()
             .flat_map(|c| {
-                let mut in_tables: Vec<String> = tables::TABLE_NAMES
+                let mut in_tables: Vec<String> = TABLE_NAMES
                     .iter()
                     .filter(|t| tables.get(v, t).is_some_and(|t| t.has_chain(c)))
                     .map(|t| nft::render::chain_name(t, c))
@@ -153,41 +151,10 @@ impl KernelWriter for NftWriter {
             RuleAt::Position(p) => self.nft.source_rule(v, chain, p),
             RuleAt::Comment(comment) => self.nft.source_rule_by_comment(v, chain, comment),
         }?;
-        let (rules, _) = tables.get(v, t)?.desired_chain(c)?;
-        rules.get(i)?.id.clone()
+        tables.get(v, t)?.chain(c)?.rules.get(i)?.id.clone()
     }
 
     fn nft_stats(&self) -> NftStats {
         self.stats
     }
-}
-
-/// Removes the iptables driver's state (our chains, our rules in the kernel's chains, our IP
-/// sets; recognised by name and rule comment as that driver does) by programming empty tables
-/// and sets. Used by the nftables driver once its own rules are in place. A machine without
-/// iptables or ipset has nothing to remove.
-fn sweep_iptables(
-    runner: &mut dyn CommandRunner,
-    versions: &[IpVersion],
-    backend: Backend,
-) -> anyhow::Result<()> {
-    let installed = |runner: &mut dyn CommandRunner, tool: &str| !matches!(runner.run(tool, &["--version"], None), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
-    if installed(runner, "iptables-save") || installed(runner, "iptables-legacy-save") {
-        let backend = match backend {
-            Backend::Auto => iptables::detect_backend(runner),
-            b => b,
-        };
-        let mut tables = Tables::new(versions, 10);
-        tables.read_back(runner, backend)?;
-        tables.apply(runner, backend)?;
-    }
-    if installed(runner, "ipset") {
-        let mut sets = IpSets::new(versions.to_vec());
-        sets.apply_updates(runner)?;
-        let n = sets.apply_deletions(runner)?;
-        if n > 0 {
-            info!(sets = n, "IP sets of the iptables driver destroyed");
-        }
-    }
-    Ok(())
 }
