@@ -185,8 +185,7 @@ mod tests {
     use felix_proto::to_dataplane::Payload;
     use felix_proto::{
         ActivePolicyUpdate, ActiveProfileUpdate, HostMetadataUpdate, IpSetRemove, IpSetUpdate,
-        Policy, PolicyId, Profile, ProfileId, WorkloadEndpoint, WorkloadEndpointId,
-        WorkloadEndpointUpdate,
+        Policy, PolicyId, Profile, ProfileId,
     };
 
     fn m(payload: Payload) -> Message {
@@ -215,14 +214,7 @@ mod tests {
         }))
     }
     fn wep(wl: &str) -> Message {
-        m(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-            id: Some(WorkloadEndpointId {
-                orchestrator_id: "k8s".into(),
-                workload_id: wl.into(),
-                endpoint_id: "eth0".into(),
-            }),
-            endpoint: Some(WorkloadEndpoint::default()),
-        }))
+        m(test_support::wep(wl).update())
     }
     fn kinds(msgs: &[Message]) -> Vec<String> {
         msgs.iter()

@@ -74,33 +74,19 @@ impl Driver for EndpointCounter {
 #[test]
 fn endpoint_counter_tracks_updates_and_removes() {
     use dataplane_agent::message::{Inbound, Received};
+    use felix_proto::ToDataplane;
     use felix_proto::to_dataplane::Payload;
-    use felix_proto::{
-        ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
-        WorkloadEndpointUpdate,
-    };
     // What the session does with each message from the stream before a driver sees it.
-    let convert = |msg: ToDataplane| match Inbound::try_from(msg).map(|i| i.received) {
+    let convert = |payload: Payload| match Inbound::try_from(ToDataplane {
+        sequence_number: 0,
+        payload: Some(payload),
+    })
+    .map(|i| i.received)
+    {
         Ok(Received::Message(m)) => m,
         other => panic!("{other:?}"),
     };
-    let id = |w: &str| WorkloadEndpointId {
-        orchestrator_id: "k8s".into(),
-        workload_id: w.into(),
-        endpoint_id: "eth0".into(),
-    };
-    let update = |w: &str, ip: &str| {
-        convert(ToDataplane {
-            sequence_number: 0,
-            payload: Some(Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-                id: Some(id(w)),
-                endpoint: Some(WorkloadEndpoint {
-                    ipv4_nets: vec![ip.into()],
-                    ..Default::default()
-                }),
-            })),
-        })
-    };
+    let update = |w: &str, ip: &str| convert(test_support::wep(w).ipv4(ip).update());
     let mut d = EndpointCounter::default();
     d.on_update(&update("ns/a", "10.0.0.1/32"));
     d.on_update(&update("ns/b", "10.0.0.2/32"));
@@ -112,12 +98,7 @@ fn endpoint_counter_tracks_updates_and_removes() {
         d.render(),
         "2 workload endpoints\n  k8s/ns/a/eth0: 10.0.0.3/32\n  k8s/ns/b/eth0: 10.0.0.2/32\n"
     );
-    d.on_update(&convert(ToDataplane {
-        sequence_number: 0,
-        payload: Some(Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
-            id: Some(id("ns/b")),
-        })),
-    }));
+    d.on_update(&convert(test_support::wep("ns/b").remove()));
     assert_eq!(d.endpoint_statuses().workloads.len(), 1);
     assert_eq!(
         d.render(),

@@ -1,12 +1,10 @@
 //! Session tests against an in-process fake calc-server.
 //!
-//! The fake implements `CalcServer.Sync` with tonic on 127.0.0.1:0 and plays one script per
-//! accepted stream (send messages, wait for reports, wait for the test, end with a status). The
+//! The fake (`test_support::sync_server`) implements `CalcServer.Sync` with tonic on
+//! 127.0.0.1:0 and plays one script per accepted stream (send messages, wait for reports, wait for the test, end with a status). The
 //! agent runs the real session with a recording wrapper around the dry-run driver, so the tests
 //! see both what reached the driver (and when `apply` ran) and the state file it wrote.
 
-use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -19,196 +17,31 @@ use dataplane_agent::driver::{
 };
 use dataplane_agent::message::Message;
 use dataplane_agent::session::{self, SessionConfig};
-use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
 use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
     ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, DataplaneApplied, FromDataplane,
     HostEndpoint, HostEndpointId, HostEndpointUpdate, HostMetadataUpdate, InSync, IpSetDeltaUpdate,
-    IpSetUpdate, IpamPool, IpamPoolUpdate, Policy, PolicyId, Profile, ProfileId, Rule, ServerHello,
-    TierInfo, ToDataplane, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointRemove,
-    WorkloadEndpointUpdate,
+    IpSetUpdate, IpamPool, IpamPoolUpdate, Policy, PolicyId, Profile, ProfileId, Rule, ToDataplane,
+    WorkloadEndpoint, WorkloadEndpointUpdate,
 };
 use serde_json::Value;
-use tokio::sync::{Notify, mpsc, oneshot, watch};
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
+use test_support::sync_server::{self, Step, SyncServer, is_dataplane_in_sync};
+use tokio::sync::{Notify, oneshot};
+use tonic::Status;
 
 const NODE: &str = "node-1";
 const WAIT: Duration = Duration::from_secs(5);
 
 // ------------------------------------------------------------------------------------------------
-// The fake calc-server
+// The fake calc-server (test_support::sync_server, shared with the namespace tests)
 // ------------------------------------------------------------------------------------------------
 
-type Predicate = Box<dyn Fn(&[FromDataplane]) -> bool + Send + Sync>;
-
-enum Step {
-    /// Send a payload with the next sequence number.
-    Send(Payload),
-    /// Send a message exactly as given (to break the numbering).
-    SendRaw(ToDataplane),
-    /// Wait until the reports received on this stream satisfy the predicate.
-    WaitFor(&'static str, Predicate),
-    /// Wait until the test calls `notify_one`.
-    Gate(Arc<Notify>),
-    /// Tell the test this point was reached.
-    Signal(Arc<Notify>),
-    /// End the stream: cleanly (`None`) or with a status.
-    End(Option<Status>),
-    /// Keep the stream open until the agent goes away (recorded as the stream's end).
-    Hold,
-}
-
-#[derive(Default)]
-struct Connection {
-    received: Vec<FromDataplane>,
-    opened: Option<Instant>,
-    ended: Option<Instant>,
-}
-
-#[derive(Default)]
-struct FakeState {
-    scripts: Mutex<VecDeque<Vec<Step>>>,
-    connections: Mutex<Vec<Connection>>,
-}
-
-struct Fake {
-    state: Arc<FakeState>,
-    changed: watch::Sender<u64>,
-}
-
-impl FakeState {
-    fn connection_count(&self) -> usize {
-        self.connections.lock().len()
-    }
-    fn received(&self, conn: usize) -> Vec<FromDataplane> {
-        self.connections
-            .lock()
-            .get(conn)
-            .map(|c| c.received.clone())
-            .unwrap_or_default()
-    }
-    fn times(&self, conn: usize) -> (Option<Instant>, Option<Instant>) {
-        let c = &self.connections.lock()[conn];
-        (c.opened, c.ended)
-    }
-}
-
-#[tonic::async_trait]
-impl CalcServer for Fake {
-    type SyncStream = ReceiverStream<Result<ToDataplane, Status>>;
-
-    async fn sync(
-        &self,
-        request: Request<Streaming<FromDataplane>>,
-    ) -> Result<Response<Self::SyncStream>, Status> {
-        let script = self
-            .state
-            .scripts
-            .lock()
-            .pop_front()
-            .unwrap_or_else(|| vec![Step::End(Some(Status::unavailable("no script left")))]);
-        let conn = {
-            let mut conns = self.state.connections.lock();
-            conns.push(Connection {
-                opened: Some(Instant::now()),
-                ..Connection::default()
-            });
-            conns.len() - 1
-        };
-        // Reader: records every report of this stream.
-        let mut inbound = request.into_inner();
-        let state = self.state.clone();
-        let changed = self.changed.clone();
-        tokio::spawn(async move {
-            while let Some(Ok(msg)) = inbound.next().await {
-                state.connections.lock()[conn].received.push(msg);
-                changed.send_modify(|n| *n += 1);
-            }
-        });
-        // Writer: plays the script.
-        let (tx, rx) = mpsc::channel(1024);
-        let state = self.state.clone();
-        let mut changed = self.changed.subscribe();
-        tokio::spawn(async move {
-            let mut seq = 0u64;
-            for step in script {
-                match step {
-                    Step::Send(payload) => {
-                        seq += 1;
-                        let msg = ToDataplane {
-                            payload: Some(payload),
-                            sequence_number: seq,
-                        };
-                        if tx.send(Ok(msg)).await.is_err() {
-                            break;
-                        }
-                    }
-                    Step::SendRaw(msg) => {
-                        seq = msg.sequence_number;
-                        if tx.send(Ok(msg)).await.is_err() {
-                            break;
-                        }
-                    }
-                    Step::WaitFor(what, predicate) => {
-                        let deadline = tokio::time::Instant::now() + WAIT;
-                        loop {
-                            if predicate(&state.received(conn)) {
-                                break;
-                            }
-                            if tokio::time::timeout_at(deadline, changed.changed())
-                                .await
-                                .is_err()
-                            {
-                                panic!("fake server: timed out waiting for {what}");
-                            }
-                        }
-                    }
-                    Step::Gate(gate) => gate.notified().await,
-                    Step::Signal(signal) => signal.notify_one(),
-                    Step::End(status) => {
-                        state.connections.lock()[conn].ended = Some(Instant::now());
-                        if let Some(status) = status {
-                            let _ = tx.send(Err(status)).await;
-                        }
-                        return;
-                    }
-                    Step::Hold => {
-                        tx.closed().await;
-                        // The agent dropped the stream.
-                        state.connections.lock()[conn].ended = Some(Instant::now());
-                        return;
-                    }
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-/// Starts a fake calc-server that plays `scripts`, one per accepted stream, in order.
-async fn start_fake(scripts: Vec<Vec<Step>>) -> (String, Arc<FakeState>) {
-    let state = Arc::new(FakeState {
-        scripts: Mutex::new(scripts.into()),
-        connections: Mutex::new(Vec::new()),
-    });
-    let (changed, _) = watch::channel(0);
-    let fake = Fake {
-        state: state.clone(),
-        changed,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr: SocketAddr = listener.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(CalcServerServer::new(fake))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    (format!("http://{addr}"), state)
+/// Starts a fake calc-server that plays `scripts`, one per accepted stream, in order; a wait
+/// of a script gives up (panics) after [`WAIT`].
+async fn start_fake(scripts: Vec<Vec<Step>>) -> (String, SyncServer) {
+    let fake = SyncServer::scripted(scripts).wait_limit(WAIT);
+    (fake.spawn().await, fake)
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -389,11 +222,7 @@ fn server_hello(node: &str) -> Payload {
 }
 
 fn server_hello_with(node: &str, capabilities: &[&str]) -> Payload {
-    Payload::ServerHello(ServerHello {
-        server_version: "fake".into(),
-        capabilities: capabilities.iter().map(|c| (*c).to_owned()).collect(),
-        node_name: node.into(),
-    })
+    sync_server::server_hello("fake", node, capabilities)
 }
 
 fn in_sync() -> Payload {
@@ -445,30 +274,14 @@ fn profile(name: &str) -> Payload {
     })
 }
 
-fn wep_id(workload: &str) -> WorkloadEndpointId {
-    WorkloadEndpointId {
-        orchestrator_id: "k8s".into(),
-        workload_id: workload.into(),
-        endpoint_id: "eth0".into(),
-    }
-}
-
 fn wep(workload: &str, ip: &str, policy: &str, profile: &str) -> Payload {
-    Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-        id: Some(wep_id(workload)),
-        endpoint: Some(WorkloadEndpoint {
-            state: "active".into(),
-            name: format!("cali-{}", workload.replace('/', "-")),
-            ipv4_nets: vec![ip.into()],
-            profile_ids: vec![profile.into()],
-            tiers: vec![TierInfo {
-                name: "default".into(),
-                ingress_policies: vec![pid(policy)],
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-    })
+    test_support::wep(workload)
+        .active()
+        .iface(&format!("cali-{}", workload.replace('/', "-")))
+        .ipv4(ip)
+        .profile(profile)
+        .ingress_tier("default", &[pid(policy)])
+        .update()
 }
 
 fn hep(id: &str) -> Payload {
@@ -504,16 +317,13 @@ fn ipam_pool(cidr: &str) -> Payload {
 
 /// Wait for the AgentHello, answer with a ServerHello.
 fn handshake() -> Vec<Step> {
-    vec![
-        Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
-        Step::Send(server_hello(NODE)),
-    ]
+    vec![Step::hello_received(), Step::Send(server_hello(NODE))]
 }
 
 /// [`handshake`] by a server that wants `DataplaneApplied` reports.
 fn handshake_applied() -> Vec<Step> {
     vec![
-        Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
+        Step::hello_received(),
         Step::Send(server_hello_with(NODE, &["applied"])),
     ]
 }
@@ -524,18 +334,6 @@ fn script(parts: Vec<Vec<Step>>) -> Vec<Step> {
 
 fn sends(payloads: Vec<Payload>) -> Vec<Step> {
     payloads.into_iter().map(Step::Send).collect()
-}
-
-/// Waits for the agent's DataplaneInSync on this stream.
-fn programmed() -> Step {
-    Step::WaitFor(
-        "DataplaneInSync",
-        Box::new(|r| r.iter().any(is_dataplane_in_sync)),
-    )
-}
-
-fn is_dataplane_in_sync(m: &FromDataplane) -> bool {
-    matches!(m.payload, Some(Report::DataplaneInSync(_)))
 }
 
 fn applied_reports(reports: &[FromDataplane]) -> Vec<DataplaneApplied> {
@@ -614,7 +412,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
             wep("default/web-0", "10.0.0.1/32", "allow-a", "kns.default"),
         ]),
         vec![Step::Gate(gate.clone()), Step::Send(in_sync())],
-        vec![programmed(), Step::Gate(deltas.clone())],
+        vec![Step::programmed(), Step::Gate(deltas.clone())],
         sends(vec![
             Payload::IpsetDeltaUpdate(IpSetDeltaUpdate {
                 id: "s:a".into(),
@@ -622,9 +420,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
                 removed_members: vec!["10.0.0.1".into()],
             }),
             wep("default/web-1", "10.0.0.2/32", "allow-a", "kns.default"),
-            Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
-                id: Some(wep_id("default/web-0")),
-            }),
+            test_support::wep("default/web-0").remove(),
         ]),
         vec![Step::Hold],
     ])])
@@ -704,7 +500,7 @@ async fn hello_snapshot_in_sync_then_deltas() {
 async fn server_hello_must_come_first() {
     let (url, fake) = start_fake(vec![
         script(vec![
-            vec![Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty()))],
+            vec![Step::hello_received()],
             sends(vec![config("bad"), in_sync()]),
             vec![Step::Hold],
         ]),
@@ -763,7 +559,7 @@ async fn resync_sweeps_objects_missing_from_the_new_snapshot() {
             ipam_pool("10.1.0.0/16"),
             in_sync(),
         ]),
-        vec![programmed(), Step::End(None)],
+        vec![Step::programmed(), Step::End(None)],
     ]);
     let second_snapshot = vec![
         ipset("s:a", &["10.0.0.1", "10.0.0.9"]),
@@ -984,9 +780,7 @@ async fn reports_heartbeats_in_sync_and_endpoint_status() {
             }),
         )],
         sends(vec![
-            Payload::WorkloadEndpointRemove(WorkloadEndpointRemove {
-                id: Some(wep_id("ns/w1")),
-            }),
+            test_support::wep("ns/w1").remove(),
             wep("ns/w3", "10.0.0.3/32", "p", "pr"),
         ]),
         vec![
@@ -1077,7 +871,7 @@ async fn resource_exhausted_reconnects_without_back_off() {
             handshake(),
             sends(vec![ipset("s:a", &[]), in_sync()]),
             vec![
-                programmed(),
+                Step::programmed(),
                 Step::End(Some(Status::resource_exhausted("agent fell behind"))),
             ],
         ]),
@@ -1153,7 +947,7 @@ async fn server_hello_for_another_node_is_refused() {
     let (url, fake) = start_fake(vec![
         script(vec![
             vec![
-                Step::WaitFor("AgentHello", Box::new(|r| !r.is_empty())),
+                Step::hello_received(),
                 Step::Send(server_hello("someone-else")),
             ],
             sends(vec![ipset("s:foreign", &[]), in_sync()]),
@@ -1262,7 +1056,7 @@ async fn refreshes_continue_while_the_server_is_gone() {
         handshake(),
         sends(vec![ipset("s:a", &["10.0.0.1"])]),
         vec![Step::Send(in_sync())],
-        vec![programmed(), Step::End(None)],
+        vec![Step::programmed(), Step::End(None)],
     ])])
     .await;
     let mut config = test_config(vec![url]);
@@ -1289,7 +1083,7 @@ async fn a_cut_short_resync_leaves_the_last_complete_state_in_force() {
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"])]),
             vec![Step::Send(in_sync())],
-            vec![programmed(), Step::End(None)],
+            vec![Step::programmed(), Step::End(None)],
         ]),
         // The resync's snapshot is cut short: s:b arrives, InSync never comes.
         script(vec![
@@ -1429,7 +1223,7 @@ async fn a_snapshot_without_in_sync_is_dropped_at_the_deadline() {
         script(vec![
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
-            vec![programmed(), Step::End(None)],
+            vec![Step::programmed(), Step::End(None)],
         ]),
         // A snapshot that never ends: a few objects, then silence.
         script(vec![
@@ -1507,7 +1301,7 @@ async fn a_snapshot_over_the_byte_bound_is_dropped() {
         script(vec![
             handshake(),
             sends(vec![ipset("s:a", &["10.0.0.1"]), in_sync()]),
-            vec![programmed()],
+            vec![Step::programmed()],
             sends(deltas),
             vec![Step::Hold],
         ]),
@@ -1558,13 +1352,13 @@ async fn the_snapshot_bound_is_sized_from_the_last_complete_snapshot() {
         script(vec![
             handshake(),
             sends(sets(2)),
-            vec![programmed(), Step::End(None)],
+            vec![Step::programmed(), Step::End(None)],
         ]),
         script(vec![handshake(), sends(sets(12)), vec![Step::Hold]]),
         script(vec![
             handshake(),
             sends(sets(12)),
-            vec![programmed(), Step::Hold],
+            vec![Step::programmed(), Step::Hold],
         ]),
     ])
     .await;
@@ -1793,7 +1587,7 @@ async fn an_update_without_its_object_leaves_the_dataplane_as_it_is() {
         script(vec![
             handshake(),
             sends(vec![ipset("s:a", &[]), policy("keep-me", "s:a"), in_sync()]),
-            vec![programmed()],
+            vec![Step::programmed()],
             sends(vec![
                 Payload::ActivePolicyUpdate(ActivePolicyUpdate {
                     id: Some(pid("lost-its-body")),
@@ -1987,7 +1781,7 @@ async fn without_the_servers_capability_no_applied_reports_are_sent() {
             profile("pr"),
             in_sync(),
         ]),
-        vec![programmed()],
+        vec![Step::programmed()],
         sends(vec![wep("ns/w1", "10.0.0.1/32", "p", "pr")]),
         vec![
             // Reports go out in order on one stream: a heartbeat after the delta's status

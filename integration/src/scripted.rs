@@ -1,30 +1,21 @@
 //! A scripted calc-server inside a network namespace: the test decides every `ToDataplane`
 //! message the agent receives (hostile ones included) and reads every report it sends back.
 //!
-//! It runs on its own thread, which enters the namespace (`setns`) before it builds a
-//! single-threaded runtime, so it listens on the namespace's loopback like a calc-server on the
-//! node would. Each stream gets `ServerHello` after the agent's hello, then every payload sent
-//! so far, then each new one as the test sends it ([`ScriptedServer::start`]), or what a
-//! [`Plan`] made for that stream says ([`ScriptedServer::start_planned`]: a snapshot, then hold,
-//! close, or trickle forever without `InSync`).
+//! The server is `test_support::sync_server` (the one the agent's session tests use). It runs
+//! on its own thread, which enters the namespace (`setns`) before it builds a single-threaded
+//! runtime, so it listens on the namespace's loopback like a calc-server on the node would. Each
+//! stream gets `ServerHello` after the agent's hello, then every payload sent so far, then each
+//! new one as the test sends it ([`ScriptedServer::start`]), or what a [`Plan`] made for that
+//! stream says ([`ScriptedServer::start_planned`]: a snapshot, then hold, close, or trickle
+//! forever without `InSync`).
 
 use std::path::Path;
 use std::process::Child;
-use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
-use felix_proto::calc_server_server::{CalcServer, CalcServerServer};
-use felix_proto::from_dataplane::Payload as Report;
 use felix_proto::to_dataplane::Payload;
-use felix_proto::{
-    ActiveProfileUpdate, FromDataplane, Profile, ProfileId, Rule, ServerHello, ToDataplane,
-};
-use tokio::sync::{Notify, mpsc};
-use tokio_stream::StreamExt as _;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
+use felix_proto::{ActiveProfileUpdate, FromDataplane, Profile, ProfileId, Rule};
+use test_support::sync_server::{Step, SyncServer, is_dataplane_in_sync, server_hello};
 
 use crate::netns::{Driver, Netns};
 
@@ -48,22 +39,6 @@ pub enum Then {
     },
 }
 
-#[derive(Default)]
-struct Shared {
-    sent: Mutex<Vec<Payload>>,
-    reports: Mutex<Vec<FromDataplane>>,
-    /// When each stream opened.
-    opened: Mutex<Vec<Instant>>,
-    more: Notify,
-}
-
-struct Service {
-    node: String,
-    shared: Arc<Shared>,
-    /// Stream `n` (from 0) follows `plan(n)`; `None`: every stream sends what the test sent.
-    plan: Option<fn(usize) -> Plan>,
-}
-
 /// The namespace's profile (`kns.prod`): everything allowed both ways.
 pub fn allow_all_profile() -> Payload {
     let allow = || Rule {
@@ -81,9 +56,27 @@ pub fn allow_all_profile() -> Payload {
     })
 }
 
+impl Plan {
+    /// The script of a stream that follows this plan, as the calc-server of `node`.
+    fn script(self, node: &str) -> Vec<Step> {
+        let mut steps = vec![Step::hello_received(), Step::Send(hello(node))];
+        steps.extend(self.snapshot.into_iter().map(Step::Send));
+        match self.then {
+            Then::Hold => steps.push(Step::Hold),
+            Then::CloseWhenProgrammed => steps.extend([Step::programmed(), Step::End(None)]),
+            Then::Endless { every, filler } => steps.push(Step::Endless { every, filler }),
+        }
+        steps
+    }
+}
+
+fn hello(node: &str) -> Payload {
+    server_hello("scripted", node, &[])
+}
+
 /// The server; dropping it stops nothing (the namespace's end does).
 pub struct ScriptedServer {
-    shared: Arc<Shared>,
+    server: SyncServer,
     node: String,
     pub url: String,
 }
@@ -91,7 +84,15 @@ pub struct ScriptedServer {
 impl ScriptedServer {
     /// Starts listening on `127.0.0.1:port` inside `ns`, as the calc-server of `node`.
     pub fn start(ns: &Netns, port: u16, node: &str) -> ScriptedServer {
-        Self::start_with(ns, port, node, None)
+        let owned = node.to_owned();
+        let server = SyncServer::per_stream(move |_| {
+            vec![
+                Step::hello_received(),
+                Step::Send(hello(&owned)),
+                Step::Follow,
+            ]
+        });
+        Self::start_with(ns, port, node, server)
     }
 
     /// [`Self::start`] whose stream `n` (from 0) follows `plan(n)`; [`Self::send`] is unused.
@@ -101,21 +102,14 @@ impl ScriptedServer {
         node: &str,
         plan: fn(usize) -> Plan,
     ) -> ScriptedServer {
-        Self::start_with(ns, port, node, Some(plan))
+        let owned = node.to_owned();
+        let server = SyncServer::per_stream(move |n| plan(n).script(&owned));
+        Self::start_with(ns, port, node, server)
     }
 
-    fn start_with(
-        ns: &Netns,
-        port: u16,
-        node: &str,
-        plan: Option<fn(usize) -> Plan>,
-    ) -> ScriptedServer {
-        let shared = Arc::new(Shared::default());
-        let service = Service {
-            node: node.to_owned(),
-            shared: shared.clone(),
-            plan,
-        };
+    fn start_with(ns: &Netns, port: u16, node: &str, server: SyncServer) -> ScriptedServer {
+        let server = server.buffer(64);
+        let serving = server.clone();
         let path = format!("/var/run/netns/{}", ns.name);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -130,17 +124,14 @@ impl ScriptedServer {
                     .await
                     .expect("bind in the namespace");
                 ready_tx.send(()).expect("test waits");
-                let _ = tonic::transport::Server::builder()
-                    .add_service(CalcServerServer::new(service))
-                    .serve_with_incoming(TcpListenerStream::new(listener))
-                    .await;
+                let _ = serving.serve(listener).await;
             });
         });
         ready_rx
             .recv_timeout(Duration::from_secs(10))
             .expect("scripted server listening");
         ScriptedServer {
-            shared,
+            server,
             node: node.to_owned(),
             url: format!("127.0.0.1:{port}"),
         }
@@ -148,32 +139,29 @@ impl ScriptedServer {
 
     /// Sends a payload on every stream (and on any later one).
     pub fn send(&self, payload: Payload) {
-        self.shared.sent.lock().push(payload);
-        self.shared.more.notify_waiters();
+        self.server.send(payload);
     }
 
     /// Every report received so far, on any stream.
     pub fn reports(&self) -> Vec<FromDataplane> {
-        self.shared.reports.lock().clone()
+        self.server.all_received()
     }
 
     /// Streams opened so far.
     pub fn streams(&self) -> usize {
-        self.shared.opened.lock().len()
+        self.server.connection_count()
     }
 
     /// When each stream opened so far.
     pub fn stream_times(&self) -> Vec<Instant> {
-        self.shared.opened.lock().clone()
+        self.server.opened_times()
     }
 
     /// DataplaneInSync reports received so far, on any stream.
     pub fn dataplane_in_syncs(&self) -> usize {
-        self.shared
-            .reports
-            .lock()
+        self.reports()
             .iter()
-            .filter(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
+            .filter(|m| is_dataplane_in_sync(m))
             .count()
     }
 
@@ -234,132 +222,7 @@ impl ScriptedServer {
         self.wait_reports(
             &format!("DataplaneInSync x{count}"),
             Duration::from_secs(30),
-            |r| {
-                r.iter()
-                    .filter(|m| matches!(m.payload, Some(Report::DataplaneInSync(_))))
-                    .count()
-                    >= count
-            },
+            |r| r.iter().filter(|m| is_dataplane_in_sync(m)).count() >= count,
         );
-    }
-}
-
-#[tonic::async_trait]
-impl CalcServer for Service {
-    type SyncStream = ReceiverStream<Result<ToDataplane, Status>>;
-
-    async fn sync(
-        &self,
-        request: Request<Streaming<FromDataplane>>,
-    ) -> Result<Response<Self::SyncStream>, Status> {
-        let n = {
-            let mut opened = self.shared.opened.lock();
-            opened.push(Instant::now());
-            opened.len() - 1
-        };
-        let mut inbound = request.into_inner();
-        let (hello_tx, hello_rx) = tokio::sync::oneshot::channel();
-        let (programmed_tx, programmed_rx) = tokio::sync::oneshot::channel();
-        let shared = self.shared.clone();
-        tokio::spawn(async move {
-            let mut hello_tx = Some(hello_tx);
-            let mut programmed_tx = Some(programmed_tx);
-            while let Some(Ok(msg)) = inbound.next().await {
-                if matches!(msg.payload, Some(Report::DataplaneInSync(_)))
-                    && let Some(tx) = programmed_tx.take()
-                {
-                    let _ = tx.send(());
-                }
-                shared.reports.lock().push(msg);
-                if let Some(tx) = hello_tx.take() {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        let (tx, rx) = mpsc::channel(64);
-        let shared = self.shared.clone();
-        let plan = self.plan.map(|plan| plan(n));
-        let hello = Payload::ServerHello(ServerHello {
-            server_version: "scripted".into(),
-            capabilities: vec![],
-            node_name: self.node.clone(),
-        });
-        tokio::spawn(async move {
-            if hello_rx.await.is_err() {
-                return;
-            }
-            let mut out = Numbered { tx, seq: 0 };
-            if out.send(hello).await.is_err() {
-                return;
-            }
-            match plan {
-                Some(plan) => out.follow(plan, programmed_rx).await,
-                None => out.follow_the_test(&shared).await,
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-/// A stream's sender, numbering messages from 1.
-struct Numbered {
-    tx: mpsc::Sender<Result<ToDataplane, Status>>,
-    seq: u64,
-}
-
-impl Numbered {
-    async fn send(&mut self, payload: Payload) -> Result<(), ()> {
-        self.seq += 1;
-        let msg = ToDataplane {
-            payload: Some(payload),
-            sequence_number: self.seq,
-        };
-        self.tx.send(Ok(msg)).await.map_err(|_| ())
-    }
-
-    /// Sends everything the test sent, then each new payload, until the stream closes.
-    async fn follow_the_test(&mut self, shared: &Shared) {
-        let mut next = 0;
-        loop {
-            // Registered before reading, so a send in between is not missed.
-            let more = shared.more.notified();
-            tokio::pin!(more);
-            more.as_mut().enable();
-            let batch: Vec<Payload> = shared.sent.lock()[next..].to_vec();
-            next += batch.len();
-            for payload in batch {
-                if self.send(payload).await.is_err() {
-                    return;
-                }
-            }
-            tokio::select! {
-                _ = more => {}
-                _ = self.tx.closed() => return,
-            }
-        }
-    }
-
-    async fn follow(&mut self, plan: Plan, programmed: tokio::sync::oneshot::Receiver<()>) {
-        for payload in plan.snapshot {
-            if self.send(payload).await.is_err() {
-                return;
-            }
-        }
-        match plan.then {
-            Then::Hold => self.tx.closed().await,
-            Then::CloseWhenProgrammed => {
-                let _ = programmed.await;
-            }
-            Then::Endless { every, filler } => {
-                for i in 0.. {
-                    if !every.is_zero() {
-                        tokio::time::sleep(every).await;
-                    }
-                    if self.send(filler(i)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
     }
 }

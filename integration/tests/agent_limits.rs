@@ -13,9 +13,7 @@ use std::process::Child;
 use std::time::Duration;
 
 use felix_proto::to_dataplane::Payload;
-use felix_proto::{
-    InSync, IpSetUpdate, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointUpdate,
-};
+use felix_proto::{InSync, IpSetUpdate};
 use integration::netns::{self, Ipt, Netns, Workload};
 use integration::scripted::{Plan, ScriptedServer, Then, allow_all_profile};
 use integration::strip_ansi;
@@ -32,21 +30,13 @@ const ADMIN: &str = "127.0.0.1:9098";
 fn programmed_state(iface: &str, ip: &str) -> Vec<Payload> {
     vec![
         allow_all_profile(),
-        Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-            id: Some(WorkloadEndpointId {
-                orchestrator_id: "k8s".into(),
-                workload_id: "prod/w1".into(),
-                endpoint_id: "eth0".into(),
-            }),
-            endpoint: Some(WorkloadEndpoint {
-                state: "active".into(),
-                name: iface.into(),
-                mac: "ee:ee:ee:ee:ee:ee".into(),
-                ipv4_nets: vec![format!("{ip}/32")],
-                profile_ids: vec!["kns.prod".into()],
-                ..Default::default()
-            }),
-        }),
+        test_support::wep("prod/w1")
+            .active()
+            .iface(iface)
+            .mac("ee:ee:ee:ee:ee:ee")
+            .ipv4(&format!("{ip}/32"))
+            .profile("kns.prod")
+            .update(),
         Payload::InSync(InSync {}),
     ]
 }

@@ -1,8 +1,8 @@
 //! The crate graph is the architecture (docs/architecture.md, "Crate graph"): these checks keep
 //! it so. The pure crates link nothing that does IO, the agent does not link the server's
 //! crates, the server does not link the agent, and no production binary links the benchmark
-//! tools. Read from `cargo tree` for one package at a time, so each crate's own features count,
-//! not the workspace's union.
+//! tools or the test fixtures. Read from `cargo tree` for one package at a time, so each crate's
+//! own features count, not the workspace's union.
 
 use std::process::Command;
 
@@ -81,13 +81,25 @@ fn the_pure_crates_link_nothing_that_does_io() {
 fn the_binaries_link_neither_each_other_nor_the_benchmarks() {
     assert_links_none(
         "dataplane-agent",
-        &["calc-graph", "calc-ingest", "calc-server", "bench-tools"],
-        "the agent shares only felix-proto, calico-names, common and config-file with the server",
+        &[
+            "calc-graph",
+            "calc-ingest",
+            "calc-server",
+            "bench-tools",
+            "test-support",
+        ],
+        "the agent shares only felix-proto, calico-names, common and config-file with the server, \
+         and ships no fixtures",
     );
     assert_links_none(
         "calc-server",
-        &["dataplane-agent", "bench-tools", "rtnetlink"],
-        "the server knows nothing of the dataplane and ships no benchmarks",
+        &[
+            "dataplane-agent",
+            "bench-tools",
+            "rtnetlink",
+            "test-support",
+        ],
+        "the server knows nothing of the dataplane and ships no benchmarks or fixtures",
     );
 }
 

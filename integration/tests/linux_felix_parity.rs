@@ -16,7 +16,7 @@ use std::time::Duration;
 use felix_proto::to_dataplane::Payload;
 use felix_proto::{
     ActivePolicyUpdate, HostEndpoint, HostEndpointId, HostEndpointUpdate, InSync, Policy, PolicyId,
-    Rule, TierInfo, WorkloadEndpoint, WorkloadEndpointId, WorkloadEndpointUpdate,
+    Rule, TierInfo,
 };
 use integration::driver_tests;
 use integration::netns::{self, Driver, Ipt, Netns, Workload, nft_list, nft_packets, wait_until};
@@ -25,22 +25,14 @@ use integration::scripted::{ScriptedServer, allow_all_profile};
 const NODE: &str = "node-p";
 
 fn wep(name: &str, w: &Workload) -> Payload {
-    Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-        id: Some(WorkloadEndpointId {
-            orchestrator_id: "k8s".into(),
-            workload_id: format!("prod/{name}"),
-            endpoint_id: "eth0".into(),
-        }),
-        endpoint: Some(WorkloadEndpoint {
-            state: "active".into(),
-            name: w.iface.clone(),
-            mac: w.mac(),
-            ipv4_nets: vec![format!("{}/32", w.ipv4)],
-            ipv6_nets: vec![format!("{}/128", w.ipv6)],
-            profile_ids: vec!["kns.prod".into()],
-            ..Default::default()
-        }),
-    })
+    test_support::wep(&format!("prod/{name}"))
+        .active()
+        .iface(&w.iface)
+        .mac(&w.mac())
+        .ipv4(&format!("{}/32", w.ipv4))
+        .ipv6(&format!("{}/128", w.ipv6))
+        .profile("kns.prod")
+        .update()
 }
 
 /// What a scenario runs on: a driver and, for the linux driver, its iptables backend. The

@@ -21,8 +21,7 @@ use felix_proto::to_dataplane::Payload;
 use felix_proto::{
     ActivePolicyUpdate, ActiveProfileUpdate, ConfigUpdate, HostEndpoint, HostEndpointId,
     HostEndpointUpdate, IcmpTypeAndCode, InSync, IpSetUpdate, Policy, PolicyId, PortRange, Profile,
-    ProfileId, Protocol, Rule, RuleMetadata, TierInfo, WorkloadEndpoint, WorkloadEndpointId,
-    WorkloadEndpointUpdate, rule,
+    ProfileId, Protocol, Rule, RuleMetadata, rule,
 };
 use integration::driver_tests;
 use integration::netns::{self, Driver, Netns, Probe, Workload, nft_text};
@@ -30,14 +29,6 @@ use integration::scripted::{ScriptedServer, allow_all_profile};
 
 const NODE: &str = "node-h";
 const INJECT: &str = "x\n-A INPUT -j ACCEPT\n-A FORWARD -j ACCEPT\nCOMMIT\n*filter";
-
-fn wep_id(name: &str) -> WorkloadEndpointId {
-    WorkloadEndpointId {
-        orchestrator_id: "k8s".into(),
-        workload_id: format!("prod/{name}"),
-        endpoint_id: "eth0".into(),
-    }
-}
 
 fn pid(name: &str) -> PolicyId {
     PolicyId {
@@ -96,26 +87,17 @@ fn wep_with_mac(
     policies: &[PolicyId],
     tier: &str,
 ) -> Payload {
-    Payload::WorkloadEndpointUpdate(WorkloadEndpointUpdate {
-        id: Some(wep_id(name)),
-        endpoint: Some(WorkloadEndpoint {
-            state: "active".into(),
-            name: iface.into(),
-            mac: mac.into(),
-            ipv4_nets: vec![format!("{ip}/32")],
-            profile_ids: vec!["kns.prod".into()],
-            tiers: if policies.is_empty() {
-                vec![]
-            } else {
-                vec![TierInfo {
-                    name: tier.into(),
-                    ingress_policies: policies.to_vec(),
-                    ..Default::default()
-                }]
-            },
-            ..Default::default()
-        }),
-    })
+    let wep = test_support::wep(&format!("prod/{name}"))
+        .active()
+        .iface(iface)
+        .mac(mac)
+        .ipv4(&format!("{ip}/32"))
+        .profile("kns.prod");
+    if policies.is_empty() {
+        wep.update()
+    } else {
+        wep.ingress_tier(tier, policies).update()
+    }
 }
 
 fn config(pairs: &[(&str, &str)]) -> Payload {
