@@ -81,11 +81,8 @@ struct Rendered {
     source: u64,
     /// The hook of a base chain.
     hook: Option<netlink::Hook>,
-    rules: Vec<String>,
+    rules: Vec<RenderedRule>,
     hashes: Vec<String>,
-    /// The rules as nfnetlink expressions and userdata; `None` when one of them has no
-    /// encoding (the chain is then written by `nft -f`).
-    encoded: Option<Vec<EncodedRule>>,
     /// The elements (`"iface" : goto chain`) of the verdict map a dispatch chain looks
     /// interfaces up in.
     map: Option<BTreeSet<String>>,
@@ -94,8 +91,15 @@ struct Rendered {
     origin: Vec<Option<usize>>,
 }
 
-/// A rule as nfnetlink carries it: expressions and userdata (shared with the ops that write it).
-type EncodedRule = (Arc<[u8]>, Arc<[u8]>);
+/// One rule as written: its `nft -f` text (comment included), its nfnetlink expressions
+/// (`None` when it has no encoding: its transaction then goes by `nft -f`) and userdata, all
+/// shared with the ops that write it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct RenderedRule {
+    text: Arc<str>,
+    exprs: Option<Arc<[u8]>>,
+    userdata: Arc<[u8]>,
+}
 
 /// A set or map in the kernel: its declaration (type and flags) and elements.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -143,21 +147,17 @@ pub(crate) struct NftTables {
     batch: Box<dyn netlink::BatchWriter>,
 }
 
-/// The planned transaction of one family (its view already updated to what it leaves): as
-/// `nft -f` input, and as nfnetlink ops unless a rule has no encoding.
+/// The planned transaction of one family (its view already updated to what it leaves).
 struct Plan {
-    script: String,
+    ops: Vec<Op>,
+    /// Every rule has an nfnetlink encoding (else the transaction goes by `nft -f`).
+    encodable: bool,
     stats: NftStats,
-    ops: Option<Vec<Op>>,
 }
 
-/// Element changes being planned: `add`/`delete element` statements for `nft -f`, the same
-/// changes as netlink ops, and their counts.
+/// Element changes being planned, as ops, and their counts.
 struct ElementEdits<'a> {
-    fam: &'static str,
     v: IpVersion,
-    removals: String,
-    additions: String,
     removal_ops: Vec<Op>,
     addition_ops: Vec<Op>,
     stats: &'a mut NftStats,
@@ -176,9 +176,8 @@ impl ElementEdits<'_> {
         let mut new: Vec<String> = wanted.difference(kernel).cloned().collect();
         gone.sort();
         new.sort();
-        self.stats.elements_removed +=
-            element_ops(&mut self.removals, "delete", self.fam, set, &gone);
-        self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &new);
+        self.stats.elements_removed += gone.len();
+        self.stats.elements_added += new.len();
         self.push_op(set, false, interval, gone);
         self.push_op(set, true, interval, new);
         *kernel = wanted;
@@ -206,7 +205,7 @@ impl ElementEdits<'_> {
     fn add_all(&mut self, set: &str, interval: bool, elems: &HashSet<String>) {
         let mut all: Vec<String> = elems.iter().cloned().collect();
         all.sort();
-        self.stats.elements_added += element_ops(&mut self.additions, "add", self.fam, set, &all);
+        self.stats.elements_added += all.len();
         self.push_op(set, true, interval, all);
     }
 }
@@ -269,11 +268,11 @@ impl NftTables {
                 stats.read_back = true;
             }
         }
-        let mut script = String::new();
-        let mut plans = Vec::new();
+        let mut ops: Vec<Op> = Vec::new();
+        let mut encodable = true;
         for (f, full) in self.families.iter_mut().zip(full) {
             let plan = f.plan(tables, sets, &changes, &dirty, &removed, full);
-            if f.check_drift && !plan.script.is_empty() {
+            if f.check_drift && !plan.ops.is_empty() {
                 warn!(
                     family = render::family(f.v),
                     chains = plan.stats.chains_written,
@@ -282,22 +281,18 @@ impl NftTables {
                 );
             }
             f.check_drift = false;
-            script.push_str(&plan.script);
             add_stats(&mut stats, &plan.stats);
-            plans.push(plan);
+            encodable &= plan.encodable;
+            ops.extend(plan.ops);
         }
-        if script.is_empty() {
+        if ops.is_empty() {
             return Ok(stats);
         }
         // One nfnetlink batch, without nft's cost of parsing text and loading the ruleset.
         // A rule without an encoding, or a batch the kernel refuses, goes by `nft -f` (whose
-        // error message is the one to report).
+        // error message is the one to report), the only time the text is rendered.
         let mut refused = None;
-        if plans.iter().all(|p| p.ops.is_some()) {
-            let ops: Vec<Op> = plans
-                .into_iter()
-                .flat_map(|p| p.ops.unwrap_or_default())
-                .collect();
+        if encodable {
             match self.batch.write(&ops) {
                 Ok(kernel) => {
                     stats.via_netlink = true;
@@ -310,6 +305,7 @@ impl NftTables {
                 }
             }
         }
+        let script = script_of(&ops);
         match run(runner, &["-f", "-"], Some(script.as_bytes()), "-f") {
             Ok(_) => {
                 if let Some(error) = refused {
@@ -408,7 +404,6 @@ impl Family {
         full: bool,
     ) -> Plan {
         let v = self.v;
-        let fam = render::family(v);
         let view = self.kernel.as_mut().expect("read back before planning");
         let mut stats = NftStats::default();
 
@@ -490,33 +485,24 @@ impl Family {
                 .retain(|n, r| r.hook.is_some() || desired_names.contains(n));
         }
 
-        // The transaction in the order it must run, as text and as netlink ops: declarations,
-        // flushes, recreated sets, element removals and additions, rules, deletions.
-        let mut decls = String::new();
+        // The transaction in the order it must run, as ops (the `nft -f` text of the fallback
+        // is rendered from them only when it is needed): declarations, flushes, recreated
+        // sets, element removals and additions, rules, deletions.
         let mut decl_ops: Vec<Op> = Vec::new();
-        let mut flushes = String::new();
         let mut flush_ops: Vec<Op> = Vec::new();
-        let mut recreate = String::new();
         let mut recreate_ops: Vec<Op> = Vec::new();
-        let mut rules = String::new();
         let mut rule_ops: Vec<Op> = Vec::new();
-        let mut deletions = String::new();
         let mut deletion_ops: Vec<Op> = Vec::new();
-        let mut new_sets = String::new();
         let mut new_set_ops: Vec<Op> = Vec::new();
         let mut encodable = true;
         let mut edits = ElementEdits {
-            fam,
             v,
-            removals: String::new(),
-            additions: String::new(),
             removal_ops: Vec::new(),
             addition_ops: Vec::new(),
             stats: &mut stats,
         };
 
         if !view.exists {
-            let _ = writeln!(decls, "add table {fam} {TABLE}");
             decl_ops.push(Op::NewTable(v));
             view.exists = true;
         }
@@ -558,16 +544,11 @@ impl Family {
                 }
                 Some(_) => {
                     // A new type: recreated once the chains using it are flushed.
-                    let _ = writeln!(recreate, "delete set {fam} {TABLE} {name}");
                     retyped.push(name.clone());
-                    let _ = writeln!(
-                        recreate,
-                        "add set {fam} {TABLE} {name} {{ {} }}",
-                        decl_text(kind, v)
-                    );
                     recreate_ops.push(Op::DelSet {
                         version: v,
                         name: name.clone(),
+                        map: false,
                     });
                     recreate_ops.push(Op::NewSet {
                         version: v,
@@ -579,16 +560,10 @@ impl Family {
                     view.sets.insert(name, KernelSet { decl, elems });
                 }
                 None => {
-                    // A new set with its elements, in nft's block syntax (it parses elements
-                    // in a block about 40% faster than `add element` statements).
-                    let _ = write!(new_sets, "set {name} {{ {}", decl_text(kind, v));
+                    // A new set with its elements (the text fallback writes the two in nft's
+                    // block syntax).
                     let mut all: Vec<String> = elems.iter().cloned().collect();
                     all.sort();
-                    if !all.is_empty() {
-                        new_sets.push_str(" elements = ");
-                        braced_list(&mut new_sets, &all);
-                    }
-                    new_sets.push_str(" }\n");
                     new_set_ops.push(Op::NewSet {
                         version: v,
                         name: name.clone(),
@@ -626,20 +601,16 @@ impl Family {
                         name: chain.clone(),
                         kind: netlink::SetType::IfnameVerdict,
                     };
-                    let (target, target_ops) = if existing.is_some() {
-                        let _ = writeln!(recreate, "delete map {fam} {TABLE} {chain}");
+                    let target_ops = if existing.is_some() {
                         recreate_ops.push(Op::DelSet {
                             version: v,
                             name: chain.clone(),
+                            map: true,
                         });
-                        (&mut recreate, &mut recreate_ops)
+                        &mut recreate_ops
                     } else {
-                        (&mut decls, &mut decl_ops)
+                        &mut decl_ops
                     };
-                    let _ = writeln!(
-                        target,
-                        "add map {fam} {TABLE} {chain} {{ type ifname : verdict; }}"
-                    );
                     target_ops.push(new_map);
                     edits.add_all(chain, false, &elems);
                     view.sets.insert(chain.clone(), KernelSet { decl, elems });
@@ -677,8 +648,6 @@ impl Family {
         }
 
         let ElementEdits {
-            removals,
-            additions,
             removal_ops,
             addition_ops,
             ..
@@ -697,25 +666,19 @@ impl Family {
             writes.extend(
                 self.rendered
                     .iter()
-                    .filter(|(_, r)| r.rules.iter().any(|rule| references_set(rule, s)))
+                    .filter(|(_, r)| r.rules.iter().any(|rule| references_set(&rule.text, s)))
                     .map(|(n, _)| n),
             );
         }
         for name in writes {
             let r = &self.rendered[name];
             if let Some(h) = &r.hook {
-                let _ = writeln!(
-                    decls,
-                    "add chain {fam} {TABLE} {name} {{ type {} hook {} priority {}; policy accept; }}",
-                    h.kind, h.hook, h.priority
-                );
                 decl_ops.push(Op::NewChain {
                     version: v,
                     name: name.clone(),
                     hook: Some(*h),
                 });
             } else if !view.chains.contains_key(name) {
-                let _ = writeln!(decls, "add chain {fam} {TABLE} {name}");
                 decl_ops.push(Op::NewChain {
                     version: v,
                     name: name.clone(),
@@ -723,35 +686,19 @@ impl Family {
                 });
             }
             if view.chains.contains_key(name) {
-                let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
                 flush_ops.push(Op::FlushChain {
                     version: v,
                     name: name.clone(),
                 });
             }
-            // The rules in nft's block syntax (additive, like `add rule`): it parses about a
-            // quarter faster than one `add rule <family> <table> <chain>` statement per rule.
-            if !r.rules.is_empty() {
-                if rules.is_empty() {
-                    let _ = writeln!(rules, "table {fam} {TABLE} {{");
-                }
-                let _ = writeln!(rules, "chain {name} {{");
-                for rule in &r.rules {
-                    let _ = writeln!(rules, "{rule}");
-                }
-                rules.push_str("}\n");
-            }
-            match &r.encoded {
-                Some(encoded) => {
-                    rule_ops.extend(encoded.iter().map(|(exprs, userdata)| Op::Rule {
-                        version: v,
-                        chain: name.clone(),
-                        exprs: exprs.clone(),
-                        userdata: userdata.clone(),
-                    }))
-                }
-                None => encodable = false,
-            }
+            encodable &= r.rules.iter().all(|rule| rule.exprs.is_some());
+            rule_ops.extend(r.rules.iter().map(|rule| Op::Rule {
+                version: v,
+                chain: name.clone(),
+                exprs: rule.exprs.clone(),
+                userdata: rule.userdata.clone(),
+                text: rule.text.clone(),
+            }));
             view.chains.insert(name.clone(), r.hashes.clone());
             stats.chains_written += 1;
         }
@@ -763,7 +710,6 @@ impl Family {
             .filter(|n| !self.rendered.contains_key(*n) && view.chains.contains_key(*n))
             .collect();
         for name in &stale_chains {
-            let _ = writeln!(flushes, "flush chain {fam} {TABLE} {name}");
             flush_ops.push(Op::FlushChain {
                 version: v,
                 name: (*name).clone(),
@@ -771,16 +717,14 @@ impl Family {
         }
         for name in &stale_sets {
             let k = view.sets.remove(name).expect("listed from the view");
-            let what = if k.decl.contains(" : ") { "map" } else { "set" };
-            let _ = writeln!(deletions, "delete {what} {fam} {TABLE} {name}");
             deletion_ops.push(Op::DelSet {
                 version: v,
                 name: name.clone(),
+                map: k.decl.contains(" : "),
             });
             stats.sets_deleted += 1;
         }
         for name in &stale_chains {
-            let _ = writeln!(deletions, "delete chain {fam} {TABLE} {name}");
             deletion_ops.push(Op::DelChain {
                 version: v,
                 name: (*name).clone(),
@@ -789,27 +733,22 @@ impl Family {
             stats.chains_deleted += 1;
         }
 
-        if !new_sets.is_empty() {
-            let _ = write!(decls, "table {fam} {TABLE} {{\n{new_sets}}}\n");
-            decl_ops.extend(new_set_ops);
+        decl_ops.extend(new_set_ops);
+        let ops = [
+            decl_ops,
+            flush_ops,
+            recreate_ops,
+            removal_ops,
+            addition_ops,
+            rule_ops,
+            deletion_ops,
+        ]
+        .concat();
+        Plan {
+            ops,
+            encodable,
+            stats,
         }
-        if !rules.is_empty() {
-            rules.push_str("}\n");
-        }
-        let script = decls + &flushes + &recreate + &removals + &additions + &rules + &deletions;
-        let ops = encodable.then(|| {
-            [
-                decl_ops,
-                flush_ops,
-                recreate_ops,
-                removal_ops,
-                addition_ops,
-                rule_ops,
-                deletion_ops,
-            ]
-            .concat()
-        });
-        Plan { script, stats, ops }
     }
 }
 
@@ -871,21 +810,21 @@ fn render_chain(
     let rules = bodies
         .iter()
         .zip(&texts)
-        .map(|(b, c)| format!("{b} comment \"{c}\""))
+        .zip(exprs)
+        .map(|((b, c), e)| RenderedRule {
+            text: Arc::from(format!("{b} comment \"{c}\"")),
+            exprs: e
+                .map_err(|error| debug!(chain = nft, %error, "rule written by nft -f"))
+                .ok()
+                .map(Arc::from),
+            userdata: Arc::from(expr::userdata(c)),
+        })
         .collect();
-    let encoded = exprs
-        .into_iter()
-        .zip(&texts)
-        .map(|(e, c)| e.map(|e| (Arc::<[u8]>::from(e), Arc::<[u8]>::from(expr::userdata(c)))))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| debug!(chain = nft, %error, "chain written by nft -f"))
-        .ok();
     Rendered {
         source,
         hook: None,
         rules,
         hashes,
-        encoded,
         map,
         origin,
     }
@@ -924,13 +863,130 @@ fn set_decl(kind: SetKind, v: IpVersion) -> String {
     }
 }
 
-fn decl_text(kind: SetKind, v: IpVersion) -> String {
+fn decl_text(kind: netlink::SetType, v: IpVersion) -> String {
     let addr = addr_type(v);
     match kind {
-        SetKind::Ip => format!("type {addr};"),
-        SetKind::Net => format!("type {addr}; flags interval;"),
-        SetKind::IpPort => format!("type {addr} . inet_proto . inet_service;"),
+        netlink::SetType::Addr => format!("type {addr};"),
+        netlink::SetType::Net => format!("type {addr}; flags interval;"),
+        netlink::SetType::AddrProtoPort => format!("type {addr} . inet_proto . inet_service;"),
+        netlink::SetType::IfnameVerdict => "type ifname : verdict;".to_owned(),
     }
+}
+
+/// The `nft -f` text of a transaction, for the fallback: the ops in their order, new sets with
+/// their elements and rules in nft's block syntax (it parses elements in a block about 40%
+/// faster than `add element` statements, and rules about a quarter faster than one `add rule`
+/// statement each).
+fn script_of(ops: &[Op]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < ops.len() {
+        match &ops[i] {
+            Op::NewTable(v) => {
+                let _ = writeln!(out, "add table {} {TABLE}", render::family(*v));
+            }
+            Op::NewChain {
+                version,
+                name,
+                hook,
+            } => {
+                let fam = render::family(*version);
+                match hook {
+                    Some(h) => {
+                        let _ = writeln!(
+                            out,
+                            "add chain {fam} {TABLE} {name} {{ type {} hook {} priority {}; policy accept; }}",
+                            h.kind, h.hook, h.priority
+                        );
+                    }
+                    None => {
+                        let _ = writeln!(out, "add chain {fam} {TABLE} {name}");
+                    }
+                }
+            }
+            Op::FlushChain { version, name } => {
+                let _ = writeln!(
+                    out,
+                    "flush chain {} {TABLE} {name}",
+                    render::family(*version)
+                );
+            }
+            Op::DelChain { version, name } => {
+                let _ = writeln!(
+                    out,
+                    "delete chain {} {TABLE} {name}",
+                    render::family(*version)
+                );
+            }
+            Op::DelSet { version, name, map } => {
+                let what = if *map { "map" } else { "set" };
+                let _ = writeln!(
+                    out,
+                    "delete {what} {} {TABLE} {name}",
+                    render::family(*version)
+                );
+            }
+            Op::NewSet {
+                version,
+                name,
+                kind,
+            } => {
+                let fam = render::family(*version);
+                let decl = decl_text(*kind, *version);
+                let with_elements =
+                    matches!(ops.get(i + 1), Some(Op::Elements(e)) if e.add && &e.set == name);
+                if *kind == netlink::SetType::IfnameVerdict {
+                    let _ = writeln!(out, "add map {fam} {TABLE} {name} {{ {decl} }}");
+                } else if !with_elements {
+                    let _ = writeln!(out, "add set {fam} {TABLE} {name} {{ {decl} }}");
+                } else {
+                    let Some(Op::Elements(e)) = ops.get(i + 1) else {
+                        unreachable!("checked above")
+                    };
+                    let _ = write!(
+                        out,
+                        "table {fam} {TABLE} {{\nset {name} {{ {decl} elements = "
+                    );
+                    braced_list(&mut out, &e.elems);
+                    out.push_str(" }\n}\n");
+                    i += 1;
+                }
+            }
+            Op::Elements(e) => {
+                let op = if e.add { "add" } else { "delete" };
+                element_ops(&mut out, op, render::family(e.version), &e.set, &e.elems);
+            }
+            Op::Rule { version, .. } => {
+                // Every rule up to the next other op, chain by chain.
+                let _ = writeln!(out, "table {} {TABLE} {{", render::family(*version));
+                let mut open: Option<&str> = None;
+                while let Some(Op::Rule {
+                    version: rv,
+                    chain,
+                    text,
+                    ..
+                }) = ops.get(i)
+                {
+                    if rv != version {
+                        break;
+                    }
+                    if open != Some(chain.as_str()) {
+                        if open.is_some() {
+                            out.push_str("}\n");
+                        }
+                        let _ = writeln!(out, "chain {chain} {{");
+                        open = Some(chain);
+                    }
+                    let _ = writeln!(out, "{text}");
+                    i += 1;
+                }
+                out.push_str("}\n}\n");
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out
 }
 
 fn addr_type(v: IpVersion) -> &'static str {
@@ -1005,14 +1061,13 @@ fn without_nested(members: &HashSet<String>) -> HashSet<String> {
         .collect()
 }
 
-/// `add|delete element <fam> calico <set> { … }` in batches; returns the element count.
-fn element_ops(out: &mut String, op: &str, fam: &str, set: &str, elems: &[String]) -> usize {
+/// `add|delete element <fam> calico <set> { … }` in batches.
+fn element_ops(out: &mut String, op: &str, fam: &str, set: &str, elems: &[String]) {
     for chunk in elems.chunks(ELEMENTS_PER_STATEMENT) {
         let _ = write!(out, "{op} element {fam} {TABLE} {set} ");
         braced_list(out, chunk);
         out.push('\n');
     }
-    elems.len()
 }
 
 /// `{ a, b, c }`.

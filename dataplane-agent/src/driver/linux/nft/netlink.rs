@@ -132,22 +132,26 @@ pub(crate) enum Op {
         version: IpVersion,
         name: String,
     },
-    /// Appends a rule: its expressions ([`super::expr::rule`]) and userdata (the comment).
+    /// Appends a rule: its expressions ([`super::expr::rule`], `None` when it has no
+    /// nfnetlink encoding), its userdata (the comment) and its `nft -f` text (for the
+    /// fallback).
     Rule {
         version: IpVersion,
         chain: String,
-        exprs: Arc<[u8]>,
+        exprs: Option<Arc<[u8]>>,
         userdata: Arc<[u8]>,
+        text: Arc<str>,
     },
     NewSet {
         version: IpVersion,
         name: String,
         kind: SetType,
     },
-    /// A set or a map.
+    /// A set, or a map (`map`: only `nft -f` tells them apart).
     DelSet {
         version: IpVersion,
         name: String,
+        map: bool,
     },
     Elements(ElementOp),
 }
@@ -560,7 +564,14 @@ pub(crate) fn encode(ops: &[Op], seq: u32) -> io::Result<Vec<u8>> {
                 chain,
                 exprs,
                 userdata,
+                ..
             } => {
+                let Some(exprs) = exprs else {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("a rule of {chain} has no nfnetlink encoding"),
+                    ));
+                };
                 attr(&mut body, NFTA_RULE_TABLE, &cstr(TABLE));
                 attr(&mut body, NFTA_RULE_CHAIN, &cstr(chain));
                 nested(&mut body, NFTA_RULE_EXPRESSIONS, |o| {
@@ -599,7 +610,7 @@ pub(crate) fn encode(ops: &[Op], seq: u32) -> io::Result<Vec<u8>> {
                 attr(&mut body, NFTA_SET_USERDATA, udata);
                 push(&mut out, NFT_MSG_NEWSET, NLM_F_CREATE, *version, &body);
             }
-            Op::DelSet { version, name } => {
+            Op::DelSet { version, name, .. } => {
                 attr(&mut body, NFTA_SET_TABLE, &cstr(TABLE));
                 attr(&mut body, NFTA_SET_NAME, &cstr(name));
                 push(&mut out, NFT_MSG_DELSET, 0, *version, &body);
