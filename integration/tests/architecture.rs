@@ -276,6 +276,117 @@ fn calc_servers_modules_import_only_lower_layers() {
     );
 }
 
+/// Whether `word` occurs in `code` as a whole identifier or path (`IpSets`, not
+/// `IpSetsManager`; `nft::render`, not `my_nft::render`).
+fn has_word(code: &str, word: &str) -> bool {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    code.match_indices(word).any(|(i, _)| {
+        let before = code[..i].chars().next_back();
+        let after = code[i + word.len()..].chars().next();
+        !before.is_some_and(is_ident) && !(word.ends_with(is_ident) && after.is_some_and(is_ident))
+    })
+}
+
+/// The agent's Linux driver (docs/architecture.md, `driver::linux`): managers write only the
+/// desired state, each kernel writer reads the desired state and its own state and nothing of
+/// the other writer's, and one place asks which writer is in force. Checked on the code (not
+/// comments) of every non-test source file; a violation names the file and the word.
+#[test]
+fn the_agents_writers_read_only_the_desired_state() {
+    let root = workspace_root();
+    let linux = "dataplane-agent/src/driver/linux/";
+    // (files, words they must not use, why)
+    let nft_side: &[&str] = &["nft/", "writer/nftables.rs"];
+    let ipt_side: &[&str] = &["iptables.rs", "ipsets.rs", "writer/iptables.rs"];
+    let managers: &[&str] = &[
+        "config_mgr.rs",
+        "masq_mgr.rs",
+        "policy_mgr.rs",
+        "endpoint_mgr.rs",
+        "ipsets_mgr.rs",
+        "routes_mgr.rs",
+        "desired/",
+        "rules/",
+    ];
+    let rules: &[(&[&str], &[&str], &str)] = &[
+        (
+            nft_side,
+            &["KernelTable", "IpSets", "ipsets::", "rule_hashes"],
+            "the nftables writer reads the iptables writer's state",
+        ),
+        (
+            ipt_side,
+            &[
+                "NftTables",
+                "nft::render",
+                "nft::expr",
+                "nft::netlink",
+                "nft::plan",
+            ],
+            "the iptables writer reads the nftables writer's state",
+        ),
+        (
+            managers,
+            &[
+                "KernelTable",
+                "IpSets",
+                "NftTables",
+                "writer::",
+                "ipsets::",
+                "nft::",
+            ],
+            "a manager reaches past the desired state into a writer",
+        ),
+    ];
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    let mut writer_choices = Vec::new();
+    for f in sources() {
+        let Some(rel) = f.to_str().and_then(|p| p.strip_prefix(linux)) else {
+            continue;
+        };
+        if rel.ends_with("tests.rs") || rel == "fake.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(root.join(&f)).unwrap();
+        let code: String = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .map(|l| l.split(" // ").next().unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        // Tests inside a file see everything.
+        let code = code
+            .split("#[cfg(test)]\nmod tests")
+            .next()
+            .unwrap_or(&code);
+        checked += 1;
+        for (files, words, why) in rules {
+            if !files
+                .iter()
+                .any(|p| rel == *p || (p.ends_with('/') && rel.starts_with(p)))
+            {
+                continue;
+            }
+            for w in *words {
+                if has_word(code, w) {
+                    problems.push(format!("{}: {why} ({w})", f.display()));
+                }
+            }
+        }
+        if code.contains(".nftables") {
+            writer_choices.push(f.display().to_string());
+        }
+    }
+    assert!(checked > 25, "only {checked} files checked");
+    assert_eq!(
+        writer_choices,
+        [format!("{linux}mod.rs")],
+        "the writer is chosen in one place"
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 #[test]
 fn the_import_reader_sees_every_form() {
     let refs = crate_refs(
