@@ -5,7 +5,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use calc_graph::graph::CalcGraph;
+use calc_graph::graph::{CalcGraph, Rejection};
 use felix_proto as pb;
 
 use crate::args::ComputeArgs;
@@ -18,12 +18,12 @@ pub fn compute(
     updates: Vec<calc_graph::graph::Update>,
     nodes: Option<&[String]>,
     allow_unknown: bool,
-    mut on_rejection: impl FnMut(String),
+    mut on_rejection: impl FnMut(Rejection),
 ) -> anyhow::Result<Vec<(String, Vec<pb::ToDataplane>)>> {
     let mut g = CalcGraph::new();
     for u in updates {
         if let Err(rejection) = g.apply(u) {
-            on_rejection(rejection.to_string());
+            on_rejection(rejection);
         }
     }
     let known = g.known_nodes();

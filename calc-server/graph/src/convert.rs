@@ -8,7 +8,7 @@
 //! canonical forms, and therefore every IP-set id, match Felix's.
 //!
 //! Contract: input is a validated resource; anything that still cannot be converted comes back
-//! as `Err(reason)`, never a panic.
+//! as a [`ConvertError`], never a panic.
 
 use std::collections::BTreeMap;
 
@@ -169,18 +169,42 @@ impl PolicyModel {
     }
 }
 
-fn parse(sel: &str) -> Result<Selector, String> {
-    selector::parse(sel).map_err(|e| format!("selector {sel:?}: {e}"))
+/// A selector the graph built or was given that does not parse (shown with the selector, then
+/// the parser's reason).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("selector {selector:?}: {0}", selector = .0.input)]
+pub struct BadSelector(pub selector::ParseError);
+
+/// Why a validated resource still cannot be converted. Validation refuses each of these first;
+/// one that gets through is refused by the graph, which keeps the last good version.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConvertError {
+    #[error(transparent)]
+    Selector(#[from] BadSelector),
+    #[error("invalid action {0:?}")]
+    Action(String),
+    /// A WorkloadEndpoint name that is not four dash-separated parts.
+    #[error(
+        "name {0:?} is not of the form <node>-<orchestrator>-<workload>-<endpoint> (with '-' inside a part written '--')"
+    )]
+    EndpointName(String),
+    /// A WorkloadEndpoint whose `spec.node` is not the node its name holds.
+    #[error("spec.node {spec:?} does not match the node {in_name:?} in the endpoint's name")]
+    EndpointNode { spec: String, in_name: String },
+}
+
+pub(crate) fn parse(sel: &str) -> Result<Selector, BadSelector> {
+    selector::parse(sel).map_err(BadSelector)
 }
 
 /// Parses `s` and prefixes every label with `prefix`, returning the canonical string
 /// (Calico's `parseSelectorAttachPrefix`).
-pub(crate) fn attach_prefix(s: &str, prefix: &str) -> Result<String, String> {
+pub(crate) fn attach_prefix(s: &str, prefix: &str) -> Result<String, BadSelector> {
     Ok(parse(s)?.with_label_prefix(prefix).canonical().to_string())
 }
 
 /// Calico's `prefixAndAppendSelector`.
-fn prefix_and_append(current: String, new: &str, prefix: &str) -> Result<String, String> {
+fn prefix_and_append(current: String, new: &str, prefix: &str) -> Result<String, BadSelector> {
     if new.is_empty() {
         return Ok(current);
     }
@@ -197,7 +221,7 @@ pub fn convert_policy(
     key: &ResourceKey,
     spec: &PolicySpec,
     namespace: Option<&str>,
-) -> Result<PolicyModel, String> {
+) -> Result<PolicyModel, ConvertError> {
     let mut sel = spec.selector.clone();
     let rule_ns = namespace.unwrap_or("");
     match namespace {
@@ -230,7 +254,7 @@ pub fn convert_policy(
         }
     }
     let selector = parse(&sel)?;
-    let convert_rules = |rules: &[Rule]| -> Result<Vec<ModelRule>, String> {
+    let convert_rules = |rules: &[Rule]| -> Result<Vec<ModelRule>, ConvertError> {
         rules.iter().map(|r| convert_rule(r, rule_ns)).collect()
     };
     // Types are defaulted at decode time; an empty list (raw data) means both, as in Felix.
@@ -262,12 +286,12 @@ pub fn convert_policy(
 }
 
 /// Converts profile rules (never namespaced).
-pub fn convert_profile_rules(rules: &[Rule]) -> Result<Vec<ModelRule>, String> {
+pub fn convert_profile_rules(rules: &[Rule]) -> Result<Vec<ModelRule>, ConvertError> {
     rules.iter().map(|r| convert_rule(r, "")).collect()
 }
 
 /// Calico's `parseServiceAccounts`.
-fn service_account_selector(names: &[String], sel: &str) -> Result<String, String> {
+fn service_account_selector(names: &[String], sel: &str) -> Result<String, BadSelector> {
     let prefixed = if sel.is_empty() {
         String::new()
     } else {
@@ -286,7 +310,7 @@ fn service_account_selector(names: &[String], sel: &str) -> Result<String, Strin
 }
 
 /// Calico's `getEndpointSelector`: one selector for everything an EntityRule selects.
-fn entity_selector(er: &EntityRule, ns: &str) -> Result<String, String> {
+fn entity_selector(er: &EntityRule, ns: &str) -> Result<String, BadSelector> {
     let sa = match &er.service_accounts {
         Some(m) => service_account_selector(&m.names, &m.selector)?,
         None => String::new(),
@@ -337,9 +361,9 @@ fn v1_protocol(p: &Option<Protocol>) -> Option<Protocol> {
     })
 }
 
-fn convert_rule(r: &Rule, ns: &str) -> Result<ModelRule, String> {
+fn convert_rule(r: &Rule, ns: &str) -> Result<ModelRule, ConvertError> {
     let action = Action::parse(&r.action)
-        .ok_or_else(|| format!("invalid action {:?}", r.action))?
+        .ok_or_else(|| ConvertError::Action(r.action.clone()))?
         .proto_name()
         .to_string();
     let sa = |er: &EntityRule| {
@@ -507,20 +531,16 @@ fn split_nets(nets: &[String]) -> (Vec<String>, Vec<String>) {
 pub fn convert_workload_endpoint(
     meta: &ObjectMeta,
     spec: &WorkloadEndpointSpec,
-) -> Result<Option<EndpointModel>, String> {
+) -> Result<Option<EndpointModel>, ConvertError> {
     let ns = meta.namespace.as_deref().unwrap_or("default");
-    let parts = split_dashed_name(&meta.name, 4).ok_or_else(|| {
-        format!(
-            "name {:?} is not of the form <node>-<orchestrator>-<workload>-<endpoint> (with '-' inside a part written '--')",
-            meta.name
-        )
-    })?;
+    let parts = split_dashed_name(&meta.name, 4)
+        .ok_or_else(|| ConvertError::EndpointName(meta.name.clone()))?;
     // Felix keys the endpoint by the node in its name; a spec that disagrees is a mistake.
     if !spec.node.is_empty() && spec.node != parts[0] {
-        return Err(format!(
-            "spec.node {:?} does not match the node {:?} in the endpoint's name",
-            spec.node, parts[0]
-        ));
+        return Err(ConvertError::EndpointNode {
+            spec: spec.node.clone(),
+            in_name: parts[0].clone(),
+        });
     }
     if spec.ip_networks.is_empty() {
         return Ok(None);
@@ -780,10 +800,10 @@ mod tests {
             ip_networks: vec!["10.0.0.1".into()],
             ..Default::default()
         };
-        assert!(
-            convert_workload_endpoint(&meta, &other_node)
-                .unwrap_err()
-                .contains("does not match")
+        let err = convert_workload_endpoint(&meta, &other_node).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "spec.node \"node-2\" does not match the node \"node-1\" in the endpoint's name"
         );
         let no_ips = WorkloadEndpointSpec::default();
         assert_eq!(convert_workload_endpoint(&meta, &no_ips).unwrap(), None);

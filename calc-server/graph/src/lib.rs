@@ -7,6 +7,7 @@
 //! - [`selector`]: Calico's label-selector language (parse, evaluate, canonical form, ids).
 //! - [`model`]: Calico's v3 resources as serde types, defaulting and validation.
 //! - [`manifest`]: decoding YAML/JSON manifests (multi-document) into resources.
+//! - [`rejection`]: why an object is not used, whichever stage refused it.
 //! - [`untrusted`]: datastore strings made safe to show in logs and errors.
 
 pub mod convert;
@@ -17,6 +18,7 @@ pub mod label_index;
 pub mod manifest;
 pub mod model;
 pub mod policy_resolver;
+pub mod rejection;
 pub mod rule_scanner;
 pub mod selector;
 pub mod stream_model;

@@ -31,54 +31,7 @@ pub enum Outcome {
     Invalid(Invalid),
 }
 
-/// Why an object is not used: the stage that refused it (the label operators count it by).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RejectStage {
-    /// The value cannot be read as an object of its kind (syntax, key, shape).
-    Decode,
-    /// Read, but its values are invalid.
-    Validation,
-    /// Read, but it holds a field Calico's API does not define (a typo, most often).
-    UnknownField,
-}
-
-impl RejectStage {
-    pub const ALL: [RejectStage; 3] = [
-        RejectStage::Decode,
-        RejectStage::Validation,
-        RejectStage::UnknownField,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RejectStage::Decode => "decode",
-            RejectStage::Validation => "validation",
-            RejectStage::UnknownField => "unknown_field",
-        }
-    }
-}
-
-/// An object that is not used, with the stage that refused it and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Rejection {
-    pub stage: RejectStage,
-    pub reason: String,
-}
-
-impl Rejection {
-    pub fn decode(reason: impl Into<String>) -> Rejection {
-        Rejection {
-            stage: RejectStage::Decode,
-            reason: reason.into(),
-        }
-    }
-}
-
-impl std::fmt::Display for Rejection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.reason)
-    }
-}
+pub use crate::rejection::{RejectStage, Rejection};
 
 impl Outcome {
     /// The stage that refused the object; `None` for a valid or ignored one. An object with an
@@ -88,31 +41,17 @@ impl Outcome {
         match self {
             Outcome::Valid(..) | Outcome::Ignored(..) => None,
             Outcome::Undecodable(_) => Some(RejectStage::Decode),
-            Outcome::Invalid(inv) => Some(
-                if inv
-                    .errors
-                    .iter()
-                    .any(crate::model::fields::is_unknown_field)
-                {
-                    RejectStage::UnknownField
-                } else {
-                    RejectStage::Validation
-                },
-            ),
+            Outcome::Invalid(inv) => Some(RejectStage::of_invalid(inv)),
         }
     }
 
     /// The resource to use (`None`: a kind the dataplane ignores), or why not.
     pub fn into_resource(self) -> Result<Option<Valid>, Rejection> {
-        let stage = self.stage();
         match self {
             Outcome::Valid(_, res) => Ok(Some(res)),
             Outcome::Ignored(..) => Ok(None),
-            Outcome::Undecodable(e) => Err(Rejection::decode(e.to_string())),
-            Outcome::Invalid(inv) => Err(Rejection {
-                stage: stage.unwrap_or(RejectStage::Validation),
-                reason: inv.to_string(),
-            }),
+            Outcome::Undecodable(e) => Err(Rejection::Undecodable(e)),
+            Outcome::Invalid(inv) => Err(Rejection::Invalid(inv)),
         }
     }
 }

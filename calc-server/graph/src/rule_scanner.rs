@@ -14,10 +14,10 @@ use felix_proto as pb;
 use prost::Message;
 use sha2::{Digest, Sha224};
 
-use crate::convert::ModelRule;
+use crate::convert::{BadSelector, ModelRule};
 use crate::hash::named_port_ipset_id;
 use crate::model::rule::{Port, Protocol};
-use crate::selector::{self, Selector};
+use crate::selector::Selector;
 
 /// The kind of members an IP set holds.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -109,7 +109,7 @@ pub fn scan_rules(
     inbound: &[ModelRule],
     outbound: &[ModelRule],
     rule_id_seeds: (&str, &str),
-) -> Result<ScannedRules, String> {
+) -> Result<ScannedRules, BadSelector> {
     let mut out = ScannedRules::default();
     let mut seen = BTreeMap::new();
     for (rules, dest, seed) in [
@@ -135,10 +135,6 @@ pub fn scan_rules(
         }
     }
     Ok(out)
-}
-
-fn parse(s: &str) -> Result<Selector, String> {
-    selector::parse(s).map_err(|e| format!("selector {s:?}: {e}"))
 }
 
 /// Calico's `combineMatchesIfPossible`.
@@ -190,16 +186,16 @@ fn ip_version(v: Option<i64>, proto: &Option<Protocol>) -> i32 {
     }
 }
 
-fn sel_opt(s: &str) -> Result<Option<Selector>, String> {
+fn sel_opt(s: &str) -> Result<Option<Selector>, BadSelector> {
     if s.is_empty() {
         Ok(None)
     } else {
-        parse(s).map(Some)
+        crate::convert::parse(s).map(Some)
     }
 }
 
 /// Converts one rule; returns the proto rule (without `rule_id`) and its IP sets.
-pub fn scan_rule(r: &ModelRule) -> Result<(pb::Rule, Vec<IpSetSpec>), String> {
+pub fn scan_rule(r: &ModelRule) -> Result<(pb::Rule, Vec<IpSetSpec>), BadSelector> {
     let (src_raw, not_src_raw) = combine(&r.src_selector, &r.not_src_selector);
     let (dst_raw, not_dst_raw) = combine(&r.dst_selector, &r.not_dst_selector);
     let src = sel_opt(&src_raw)?;

@@ -19,7 +19,7 @@ pub type EndpointKey = String;
 pub struct StreamModel {
     pub config: BTreeMap<String, String>,
     pub ipsets: BTreeMap<String, (i32, BTreeSet<String>)>,
-    pub policies: BTreeMap<(String, String, String), pb::Policy>,
+    pub policies: BTreeMap<PolicyKey, pb::Policy>,
     pub profiles: BTreeMap<String, pb::Profile>,
     pub workload_endpoints: BTreeMap<EndpointKey, pb::WorkloadEndpoint>,
     pub host_endpoints: BTreeMap<EndpointKey, pb::HostEndpoint>,
@@ -28,7 +28,58 @@ pub struct StreamModel {
     pub in_sync: bool,
 }
 
-fn pid(id: &Option<pb::PolicyId>) -> (String, String, String) {
+/// A policy's `(name, namespace, kind)`.
+pub type PolicyKey = (String, String, String);
+
+/// A message that breaks the stream contract, naming what it touched. The model is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    #[error("message without payload")]
+    NoPayload,
+    #[error("InSync sent twice")]
+    InSyncTwice,
+    #[error("IPSetUpdate for {0} which already exists")]
+    IpSetExists(String),
+    #[error("IPSetDeltaUpdate for unknown set {0}")]
+    DeltaOfUnknownSet(String),
+    #[error("delta adds {member} already in {set}")]
+    DeltaAddsPresent { member: String, set: String },
+    #[error("delta removes {member} not in {set}")]
+    DeltaRemovesAbsent { member: String, set: String },
+    #[error("IPSetRemove of unknown set {0}")]
+    RemoveOfUnknownSet(String),
+    #[error("IPSetRemove of {set} still used by {user}")]
+    IpSetInUse { set: String, user: IpSetUser },
+    #[error("ActivePolicyRemove of unknown policy {0:?}")]
+    RemoveOfUnknownPolicy(PolicyKey),
+    #[error("ActivePolicyRemove of {0:?} still used by an endpoint")]
+    PolicyInUse(PolicyKey),
+    #[error("ActiveProfileRemove of unknown profile {0}")]
+    RemoveOfUnknownProfile(String),
+    #[error("ActiveProfileRemove of {0} still used by an endpoint")]
+    ProfileInUse(String),
+    #[error("WorkloadEndpointRemove of unknown {0}")]
+    RemoveOfUnknownWorkload(EndpointKey),
+    #[error("HostEndpointRemove of unknown {0}")]
+    RemoveOfUnknownHost(EndpointKey),
+    #[error("rule references IP set {0} not yet sent")]
+    IpSetNotSent(String),
+    #[error("endpoint references profile {0} not yet sent")]
+    ProfileNotSent(String),
+    #[error("endpoint references policy {0:?} not yet sent")]
+    PolicyNotSent(PolicyKey),
+}
+
+/// The policy or profile whose rules use an IP set.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum IpSetUser {
+    #[error("policy {0:?}")]
+    Policy(PolicyKey),
+    #[error("profile {0}")]
+    Profile(String),
+}
+
+fn pid(id: &Option<pb::PolicyId>) -> PolicyKey {
     let id = id.clone().unwrap_or_default();
     (id.name, id.namespace, id.kind)
 }
@@ -54,7 +105,7 @@ fn rule_ipsets(r: &pb::Rule) -> impl Iterator<Item = &String> {
         .chain(&r.dst_ip_port_set_ids)
 }
 
-fn tier_policies(t: &[pb::TierInfo]) -> impl Iterator<Item = (String, String, String)> + '_ {
+fn tier_policies(t: &[pb::TierInfo]) -> impl Iterator<Item = PolicyKey> + '_ {
     t.iter().flat_map(|t| {
         t.ingress_policies
             .iter()
@@ -64,22 +115,22 @@ fn tier_policies(t: &[pb::TierInfo]) -> impl Iterator<Item = (String, String, St
 }
 
 impl StreamModel {
-    /// Applies one message; `Err` describes a contract violation (the model is unchanged).
-    pub fn apply(&mut self, m: &pb::ToDataplane) -> Result<(), String> {
+    /// Applies one message; `Err` is the contract violation (the model is unchanged).
+    pub fn apply(&mut self, m: &pb::ToDataplane) -> Result<(), Violation> {
         let Some(p) = &m.payload else {
-            return Err("message without payload".into());
+            return Err(Violation::NoPayload);
         };
         match p {
             Payload::InSync(_) => {
                 if self.in_sync {
-                    return Err("InSync sent twice".into());
+                    return Err(Violation::InSyncTwice);
                 }
                 self.in_sync = true;
             }
             Payload::ConfigUpdate(c) => self.config = c.config.clone().into_iter().collect(),
             Payload::IpsetUpdate(u) => {
                 if self.ipsets.contains_key(&u.id) {
-                    return Err(format!("IPSetUpdate for {} which already exists", u.id));
+                    return Err(Violation::IpSetExists(u.id.clone()));
                 }
                 self.ipsets.insert(
                     u.id.clone(),
@@ -88,16 +139,22 @@ impl StreamModel {
             }
             Payload::IpsetDeltaUpdate(d) => {
                 let Some((_, members)) = self.ipsets.get(&d.id) else {
-                    return Err(format!("IPSetDeltaUpdate for unknown set {}", d.id));
+                    return Err(Violation::DeltaOfUnknownSet(d.id.clone()));
                 };
                 for a in &d.added_members {
                     if members.contains(a) {
-                        return Err(format!("delta adds {a} already in {}", d.id));
+                        return Err(Violation::DeltaAddsPresent {
+                            member: a.clone(),
+                            set: d.id.clone(),
+                        });
                     }
                 }
                 for r in &d.removed_members {
                     if !members.contains(r) {
-                        return Err(format!("delta removes {r} not in {}", d.id));
+                        return Err(Violation::DeltaRemovesAbsent {
+                            member: r.clone(),
+                            set: d.id.clone(),
+                        });
                     }
                 }
                 let members = &mut self.ipsets.get_mut(&d.id).expect("checked").1;
@@ -108,10 +165,13 @@ impl StreamModel {
             }
             Payload::IpsetRemove(r) => {
                 if !self.ipsets.contains_key(&r.id) {
-                    return Err(format!("IPSetRemove of unknown set {}", r.id));
+                    return Err(Violation::RemoveOfUnknownSet(r.id.clone()));
                 }
                 if let Some(user) = self.ipset_user(&r.id) {
-                    return Err(format!("IPSetRemove of {} still used by {user}", r.id));
+                    return Err(Violation::IpSetInUse {
+                        set: r.id.clone(),
+                        user,
+                    });
                 }
                 self.ipsets.remove(&r.id);
             }
@@ -123,7 +183,7 @@ impl StreamModel {
             Payload::ActivePolicyRemove(r) => {
                 let id = pid(&r.id);
                 if !self.policies.contains_key(&id) {
-                    return Err(format!("ActivePolicyRemove of unknown policy {id:?}"));
+                    return Err(Violation::RemoveOfUnknownPolicy(id));
                 }
                 let used = self
                     .workload_endpoints
@@ -137,9 +197,7 @@ impl StreamModel {
                             .any(|p| p == id)
                     });
                 if used {
-                    return Err(format!(
-                        "ActivePolicyRemove of {id:?} still used by an endpoint"
-                    ));
+                    return Err(Violation::PolicyInUse(id));
                 }
                 self.policies.remove(&id);
             }
@@ -152,7 +210,7 @@ impl StreamModel {
             Payload::ActiveProfileRemove(r) => {
                 let name = r.id.clone().unwrap_or_default().name;
                 if !self.profiles.contains_key(&name) {
-                    return Err(format!("ActiveProfileRemove of unknown profile {name}"));
+                    return Err(Violation::RemoveOfUnknownProfile(name));
                 }
                 let used = self
                     .workload_endpoints
@@ -163,9 +221,7 @@ impl StreamModel {
                         .values()
                         .any(|e| e.profile_ids.contains(&name));
                 if used {
-                    return Err(format!(
-                        "ActiveProfileRemove of {name} still used by an endpoint"
-                    ));
+                    return Err(Violation::ProfileInUse(name));
                 }
                 self.profiles.remove(&name);
             }
@@ -176,9 +232,9 @@ impl StreamModel {
             }
             Payload::WorkloadEndpointRemove(r) => {
                 let key = workload_key(&r.id);
-                self.workload_endpoints
-                    .remove(&key)
-                    .ok_or_else(|| format!("WorkloadEndpointRemove of unknown {key}"))?;
+                if self.workload_endpoints.remove(&key).is_none() {
+                    return Err(Violation::RemoveOfUnknownWorkload(key));
+                }
             }
             Payload::HostEndpointUpdate(u) => {
                 let ep = u.endpoint.clone().unwrap_or_default();
@@ -193,9 +249,9 @@ impl StreamModel {
             }
             Payload::HostEndpointRemove(r) => {
                 let id = r.id.clone().unwrap_or_default().endpoint_id;
-                self.host_endpoints
-                    .remove(&id)
-                    .ok_or_else(|| format!("HostEndpointRemove of unknown {id}"))?;
+                if self.host_endpoints.remove(&id).is_none() {
+                    return Err(Violation::RemoveOfUnknownHost(id));
+                }
             }
             Payload::HostMetadataUpdate(u) => {
                 self.host_metadata.insert(u.hostname.clone(), u.clone());
@@ -215,11 +271,11 @@ impl StreamModel {
         Ok(())
     }
 
-    fn check_rules<'a>(&self, rules: impl Iterator<Item = &'a pb::Rule>) -> Result<(), String> {
+    fn check_rules<'a>(&self, rules: impl Iterator<Item = &'a pb::Rule>) -> Result<(), Violation> {
         for r in rules {
             for id in rule_ipsets(r) {
                 if !self.ipsets.contains_key(id) {
-                    return Err(format!("rule references IP set {id} not yet sent"));
+                    return Err(Violation::IpSetNotSent(id.clone()));
                 }
             }
         }
@@ -229,29 +285,29 @@ impl StreamModel {
     fn check_endpoint(
         &self,
         profiles: &[String],
-        policies: impl Iterator<Item = (String, String, String)>,
-    ) -> Result<(), String> {
+        policies: impl Iterator<Item = PolicyKey>,
+    ) -> Result<(), Violation> {
         for p in profiles {
             if !self.profiles.contains_key(p) {
-                return Err(format!("endpoint references profile {p} not yet sent"));
+                return Err(Violation::ProfileNotSent(p.clone()));
             }
         }
         for p in policies {
             if !self.policies.contains_key(&p) {
-                return Err(format!("endpoint references policy {p:?} not yet sent"));
+                return Err(Violation::PolicyNotSent(p));
             }
         }
         Ok(())
     }
 
-    fn ipset_user(&self, id: &str) -> Option<String> {
+    fn ipset_user(&self, id: &str) -> Option<IpSetUser> {
         for (k, p) in &self.policies {
             if p.inbound_rules
                 .iter()
                 .chain(&p.outbound_rules)
                 .any(|r| rule_ipsets(r).any(|x| x == id))
             {
-                return Some(format!("policy {k:?}"));
+                return Some(IpSetUser::Policy(k.clone()));
             }
         }
         for (k, p) in &self.profiles {
@@ -260,7 +316,7 @@ impl StreamModel {
                 .chain(&p.outbound_rules)
                 .any(|r| rule_ipsets(r).any(|x| x == id))
             {
-                return Some(format!("profile {k}"));
+                return Some(IpSetUser::Profile(k.clone()));
             }
         }
         None
@@ -270,10 +326,38 @@ impl StreamModel {
     pub fn apply_all<'a>(
         &mut self,
         msgs: impl IntoIterator<Item = &'a pb::ToDataplane>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         for m in msgs {
             self.apply(m)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(p: Payload) -> pb::ToDataplane {
+        pb::ToDataplane {
+            payload: Some(p),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn violations_name_what_they_touch() {
+        let mut m = StreamModel::default();
+        assert_eq!(
+            m.apply(&pb::ToDataplane::default()),
+            Err(Violation::NoPayload)
+        );
+        let remove = msg(Payload::IpsetRemove(pb::IpSetRemove { id: "s:a".into() }));
+        let err = m.apply(&remove).unwrap_err();
+        assert_eq!(err, Violation::RemoveOfUnknownSet("s:a".into()));
+        assert_eq!(err.to_string(), "IPSetRemove of unknown set s:a");
+        let insync = msg(Payload::InSync(pb::InSync {}));
+        assert_eq!(m.apply_all([&insync, &insync]), Err(Violation::InSyncTwice));
+        assert!(m.in_sync, "the first InSync applied");
     }
 }

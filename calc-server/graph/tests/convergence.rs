@@ -1252,7 +1252,7 @@ proptest! {
             ));
             match h.g.apply(Update::Apply(invalid)) {
                 Ok(()) => return Err(h.fail(format!("{bad:?} on {key} was accepted"))),
-                Err(rej) => prop_assert_eq!(&rej.key, &key),
+                Err(rej) => prop_assert_eq!(rej.key(), Some(&key)),
             }
             h.log.push("flush".into());
             let out = h.g.flush();

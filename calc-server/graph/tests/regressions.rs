@@ -191,6 +191,9 @@ fn invalid_objects_are_refused_whichever_way_they_come() {
     let mut g = CalcGraph::new();
     g.apply(Update::ApplyValid(valid)).expect("accepted");
     let rejection = g.apply(Update::Apply(bad)).expect_err("refused");
-    assert_eq!(rejection.key.to_string(), "GlobalNetworkPolicy p");
-    assert!(rejection.reason.contains("spec.selector"), "{rejection}");
+    let calc_graph::graph::Rejection::Invalid(invalid) = &rejection else {
+        panic!("refused by validation: {rejection:?}");
+    };
+    assert_eq!(invalid.key.to_string(), "GlobalNetworkPolicy p");
+    assert_eq!(invalid.errors[0].field, "spec.selector", "{rejection}");
 }

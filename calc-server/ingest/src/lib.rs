@@ -83,6 +83,8 @@ impl Decision {
 pub struct Problem {
     /// The object as its datastore names it (an etcd key, `<collection> <namespace>/<name>`).
     pub key: String,
+    /// The [`Rejection`] or the warning, as the report shows it (this is the report's line;
+    /// the stage that refused the object is kept beside it).
     pub reason: String,
     /// A version of the object stays in force (its last good one, or, for a warning, the
     /// object itself).

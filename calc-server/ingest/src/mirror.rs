@@ -186,9 +186,9 @@ where
                 e.rejected = true;
                 out.problems.push(Problem {
                     key: id.to_string(),
-                    reason: rejection.reason,
+                    reason: rejection.to_string(),
                     held: e.delivered.is_some(),
-                    stage: Some(rejection.stage),
+                    stage: Some(rejection.stage()),
                 });
             }
             Decision::Apply { resource, warnings } => {
@@ -415,6 +415,7 @@ mod tests {
     use super::*;
     use crate::summary;
     use calc_graph::manifest::{Rejection, decode_and_validate};
+    use calc_graph::model::DecodeError;
     use serde_json::json;
 
     /// A GlobalNetworkPolicy `name` with `selector`.
@@ -517,14 +518,14 @@ mod tests {
             2,
             "c",
             v("1"),
-            || Decision::Reject(Rejection::decode("bad")),
+            || Decision::Reject(Rejection::Undecodable(DecodeError::MissingKind)),
             &mut out,
         );
         assert_eq!(
             out.problems,
             [Problem {
                 key: "c".into(),
-                reason: "bad".into(),
+                reason: "missing kind".into(),
                 held: false,
                 stage: Some(calc_graph::manifest::RejectStage::Decode),
             }]

@@ -21,7 +21,7 @@ use super::items::{EndpointState, NetSetState};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::policies::{PolicyState, ProfileState};
 use super::{CalcGraph, Key, Name};
-use crate::convert::{EndpointModel, LABEL_NAMESPACE, PolicyModel};
+use crate::convert::{BadSelector, EndpointModel, LABEL_NAMESPACE, PolicyModel};
 use crate::label_index::{ItemClass, ItemId};
 use crate::model::ObjectMeta;
 use crate::rule_scanner::{self, IpSetKind, IpSetSpec, ScannedRules};
@@ -190,7 +190,7 @@ impl CalcGraph {
         }
     }
 
-    pub(super) fn set_policy(&mut self, key: Key, model: PolicyModel) -> Result<(), String> {
+    pub(super) fn set_policy(&mut self, key: Key, model: PolicyModel) -> Result<(), BadSelector> {
         let scanned = rule_scanner::scan_rules(
             &model.inbound,
             &model.outbound,

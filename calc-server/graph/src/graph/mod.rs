@@ -6,8 +6,8 @@
 //!   validates (unless the resource comes as a [`Valid`], validated once by its decoder) and
 //!   converts the resource, updates the cluster-wide indexes (label index, IP-set members,
 //!   per-node reference counts) and only *marks* per-node state dirty. An invalid object is
-//!   rejected with a reason and the last good version of that key stays in force (see
-//!   docs/architecture.md "Invalid updates").
+//!   refused with a [`Rejection`] (its validation errors, or why it cannot be converted) and the
+//!   last good version of that key stays in force (see docs/architecture.md "Invalid updates").
 //! - [`CalcGraph::flush`] computes, for every subscribed node, the messages that move it from
 //!   what it was last sent to the current state, in dependency order (config → IP sets → policies
 //!   → profiles → endpoints, removals reversed, then host metadata and IPAM pools), and `InSync`
@@ -47,7 +47,7 @@ mod view;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::convert;
+use crate::convert::{self, ConvertError};
 use crate::label_index::LabelIndex;
 use crate::model::{Kind, Resource, ResourceKey, Valid};
 use crate::policy_resolver::TierMeta;
@@ -78,13 +78,10 @@ pub enum Update {
     InSync,
 }
 
-/// An update the graph refused, with the reason. The previous good version (if any) stays.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{key}: {reason}")]
-pub struct Rejection {
-    pub key: ResourceKey,
-    pub reason: String,
-}
+/// An update the graph refused: [`Rejection::Invalid`] (validation) or
+/// [`Rejection::Unconvertible`]. The previous good version (if any) stays. The same type the
+/// decoders and datastore adapters refuse objects with.
+pub use crate::rejection::Rejection;
 
 type Key = Arc<ResourceKey>;
 type Name = Arc<str>;
@@ -148,18 +145,7 @@ impl CalcGraph {
             }
             Update::Apply(res) => match Valid::check(res) {
                 Ok(valid) => self.apply(Update::ApplyValid(valid)),
-                Err(invalid) => {
-                    let reason = invalid
-                        .errors
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("; ");
-                    Err(Rejection {
-                        key: invalid.key,
-                        reason,
-                    })
-                }
+                Err(invalid) => Err(Rejection::Invalid(invalid)),
             },
             Update::ApplyValid(valid) => {
                 let res = valid.into_resource();
@@ -171,9 +157,9 @@ impl CalcGraph {
                     return Ok(());
                 }
                 self.install(key.clone(), &res)
-                    .map_err(|reason| Rejection {
+                    .map_err(|error| Rejection::Unconvertible {
                         key: (*key).clone(),
-                        reason,
+                        error: Box::new(error),
                     })?;
                 if !endpoint {
                     self.store.resources.insert(key, res);
@@ -213,7 +199,7 @@ impl CalcGraph {
     }
 
     /// Converts and installs a validated resource (replacing any previous version).
-    fn install(&mut self, key: Key, res: &Resource) -> Result<(), String> {
+    fn install(&mut self, key: Key, res: &Resource) -> Result<(), ConvertError> {
         match res {
             // A staged delete stages the removal of the enforced policy: nothing to compute
             // or send (Calico's syncer drops it too), but a previous version is withdrawn.
@@ -228,7 +214,7 @@ impl CalcGraph {
                     None
                 };
                 let model = convert::convert_policy(&key, s, namespace)?;
-                self.set_policy(key, model)
+                Ok(self.set_policy(key, model)?)
             }
             Resource::Tier(_, s) => {
                 self.policies.tiers.insert(

@@ -19,7 +19,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::{Map, Value, json};
 
 use super::LABEL_ORCHESTRATOR;
-use super::validate::parse_cidr_or_ip;
+use super::validate::{FieldError, parse_cidr_or_ip};
+use crate::untrusted::Untrusted;
 
 /// Kubernetes NetworkPolicies are named with this prefix in Calico's model.
 pub const K8S_POLICY_PREFIX: &str = "knp.default.";
@@ -80,7 +81,7 @@ pub fn network_policy_object(
     name: &str,
     namespace: &str,
     spec: &NetworkPolicySpec,
-) -> Result<(Value, Vec<String>), String> {
+) -> Result<(Value, Vec<String>), FieldError> {
     let (spec, warnings) = network_policy_spec(spec)?;
     let value = json!({
         "kind": "NetworkPolicy",
@@ -120,6 +121,33 @@ pub fn masked_cidr(s: &str) -> Option<String> {
     parse_cidr_or_ip(s.trim()).map(|n| format!("{}/{}", n.network(), n.prefix()))
 }
 
+/// A label selector key or value that is not Kubernetes label syntax (shown escaped and cut:
+/// it came from the datastore).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LabelSyntaxError {
+    #[error("label selector key {:?} is not a Kubernetes label key", Untrusted(.0))]
+    Key(String),
+    #[error("label selector value {:?} is not a Kubernetes label value", Untrusted(.0))]
+    Value(String),
+}
+
+/// Why one rule of a Kubernetes NetworkPolicy cannot be converted (Calico drops the rule).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    #[error(transparent)]
+    Selector(#[from] LabelSyntaxError),
+    #[error("invalid port {0:?}")]
+    Port(String),
+    #[error("invalid port range {0}:{1}")]
+    PortRange(u16, u16),
+    #[error("invalid port \"{port}:{end}\": a named port cannot have an endPort")]
+    NamedPortRange { port: String, end: i32 },
+    #[error("ipBlock.cidr {0:?} is not a CIDR")]
+    Cidr(String),
+    #[error("ipBlock.except {0:?} is not a CIDR")]
+    Except(String),
+}
+
 /// Which selector `k8s_selector` builds.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum SelectorType {
@@ -136,7 +164,10 @@ pub enum SelectorType {
 /// its own NetworkPolicies but not inside a CRD's label selector, so here a key or value that
 /// is not Kubernetes label syntax is an error: `x' || all() || a == 'y` as a value would
 /// otherwise widen the selector.
-pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> Result<String, String> {
+pub fn k8s_selector(
+    s: Option<&LabelSelector>,
+    which: SelectorType,
+) -> Result<String, LabelSyntaxError> {
     let mut parts = Vec::new();
     if which == SelectorType::Pod {
         parts.push(format!("{LABEL_ORCHESTRATOR} == 'k8s'"));
@@ -149,24 +180,18 @@ pub fn k8s_selector(s: Option<&LabelSelector>, which: SelectorType) -> Result<St
     if which == SelectorType::Namespace && labels.is_none() && exprs.is_none() {
         return Ok("all()".into());
     }
-    let key = |k: &str| -> Result<(), String> {
+    let key = |k: &str| {
         if is_label_key(k) {
             Ok(())
         } else {
-            Err(format!(
-                "label selector key {:?} is not a Kubernetes label key",
-                crate::untrusted::Untrusted(k)
-            ))
+            Err(LabelSyntaxError::Key(k.to_owned()))
         }
     };
-    let value = |v: &str| -> Result<(), String> {
+    let value = |v: &str| {
         if is_label_value(v) {
             Ok(())
         } else {
-            Err(format!(
-                "label selector value {:?} is not a Kubernetes label value",
-                crate::untrusted::Untrusted(v)
-            ))
+            Err(LabelSyntaxError::Value(v.to_owned()))
         }
     };
     for (k, v) in labels.into_iter().flatten() {
@@ -233,10 +258,10 @@ fn is_label_key(k: &str) -> bool {
 /// selector + namespace selector or an ipBlock (`except` → `notNets`). Types: those listed in
 /// `policyTypes`, or `[Ingress]` when none are (an empty ingress list is then deny-all ingress).
 /// A rule that cannot be converted is dropped and the rest kept, as Calico does (the policy
-/// only gets stricter).
+/// only gets stricter); a `podSelector` that cannot be converted fails the whole spec.
 pub fn network_policy_spec(
     spec: &NetworkPolicySpec,
-) -> Result<(Map<String, Value>, Vec<String>), String> {
+) -> Result<(Map<String, Value>, Vec<String>), FieldError> {
     let mut warnings = Vec::new();
     let mut ingress = Vec::new();
     for (i, r) in spec.ingress.iter().flatten().enumerate() {
@@ -275,7 +300,7 @@ pub fn network_policy_spec(
             Some(&spec.pod_selector.clone().unwrap_or_default()),
             SelectorType::Pod,
         )
-        .map_err(|e| format!("podSelector: {e}"))?
+        .map_err(|e| FieldError::new("podSelector", e.to_string()))?
         .into(),
     );
     out.insert("ingress".into(), Value::Array(ingress));
@@ -302,15 +327,15 @@ impl RulePort {
 }
 
 /// `numorstring.PortFromString` of `<port>` or `<port>:<endPort>`.
-fn k8s_port(p: &NetworkPolicyPort) -> Result<Option<RulePort>, String> {
+fn k8s_port(p: &NetworkPolicyPort) -> Result<Option<RulePort>, RuleError> {
     let Some(port) = &p.port else {
         return Ok(None);
     };
-    let number = |s: &str| -> Result<u16, String> {
+    let number = |s: &str| {
         s.parse::<u16>()
             .ok()
             .filter(|n| *n > 0)
-            .ok_or_else(|| format!("invalid port {s:?}"))
+            .ok_or_else(|| RuleError::Port(s.to_owned()))
     };
     let port = match port {
         IntOrString::Int(n) => n.to_string(),
@@ -325,14 +350,12 @@ fn k8s_port(p: &NetworkPolicyPort) -> Result<Option<RulePort>, String> {
         (true, Some(end)) => {
             let (a, b) = (number(&port)?, number(&end.to_string())?);
             if a > b {
-                return Err(format!("invalid port range {a}:{b}"));
+                return Err(RuleError::PortRange(a, b));
             }
             Ok(Some(RulePort::Range(a, b)))
         }
         (false, None) => Ok(Some(RulePort::Named(port))),
-        (false, Some(end)) => Err(format!(
-            "invalid port \"{port}:{end}\": a named port cannot have an endPort"
-        )),
+        (false, Some(end)) => Err(RuleError::NamedPortRange { port, end }),
     }
 }
 
@@ -375,7 +398,7 @@ fn k8s_rule(
     peers: Option<&[NetworkPolicyPeer]>,
     ports: Option<&[NetworkPolicyPort]>,
     ingress: bool,
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<Value>, RuleError> {
     // Protocol → ports (None: every port of it). The key "" (no protocol, no ports) exists
     // only when the rule lists no ports at all.
     let mut by_protocol: BTreeMap<String, Option<Vec<RulePort>>> = BTreeMap::new();
@@ -434,20 +457,19 @@ fn k8s_rule(
 
 /// Calico's `k8sPeerToCalicoFields`: an ipBlock gives nets (and notNets from `except`);
 /// otherwise a pod selector and a namespace selector (see [`k8s_selector`]).
-fn k8s_peer(peer: Option<&NetworkPolicyPeer>) -> Result<Map<String, Value>, String> {
+fn k8s_peer(peer: Option<&NetworkPolicyPeer>) -> Result<Map<String, Value>, RuleError> {
     let mut out = Map::new();
     let Some(peer) = peer else {
         return Ok(out);
     };
     if let Some(block) = &peer.ip_block {
-        let net = masked_cidr(&block.cidr)
-            .ok_or_else(|| format!("ipBlock.cidr {:?} is not a CIDR", block.cidr))?;
+        let net = masked_cidr(&block.cidr).ok_or_else(|| RuleError::Cidr(block.cidr.clone()))?;
         out.insert("nets".into(), json!([net]));
         let except = block
             .except
             .iter()
             .flatten()
-            .map(|e| masked_cidr(e).ok_or_else(|| format!("ipBlock.except {e:?} is not a CIDR")))
+            .map(|e| masked_cidr(e).ok_or_else(|| RuleError::Except(e.clone())))
             .collect::<Result<Vec<_>, _>>()?;
         if !except.is_empty() {
             out.insert("notNets".into(), json!(except));

@@ -945,7 +945,7 @@ fn staged_kubernetes_policy(spec: serde_json::Value) -> Result<PolicySpec, (Stri
     let k8s: k8s_openapi::api::networking::v1::NetworkPolicySpec =
         decode_at("spec", serde_json::Value::Object(spec))?;
     let (calico, warnings) =
-        kubernetes::network_policy_spec(&k8s).map_err(|e| ("spec".to_string(), e))?;
+        kubernetes::network_policy_spec(&k8s).map_err(|e| ("spec".to_string(), e.to_string()))?;
     let mut out: PolicySpec = decode_at("spec", serde_json::Value::Object(calico))?;
     out.staged_action = staged_action;
     out.conversion_warnings = warnings;
@@ -990,7 +990,7 @@ fn kubernetes_native(
             let spec: k8s_openapi::api::networking::v1::NetworkPolicySpec =
                 decode_at("spec", spec).map_err(field_err)?;
             kubernetes::network_policy_object(&name, &namespace, &spec)
-                .map_err(|m| field_err(("spec".into(), m)))?
+                .map_err(|e| field_err(("spec".into(), e.to_string())))?
         }
         kubernetes::Native::Namespace => (
             kubernetes::namespace_profile(&name, &meta.labels),

@@ -41,7 +41,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::kubernetes::{RulePort, SelectorType, k8s_selector, masked_cidr, simplify_ports};
+use super::kubernetes::{
+    LabelSyntaxError, RulePort, SelectorType, k8s_selector, masked_cidr, simplify_ports,
+};
 use super::validate::FieldError;
 use super::{Kind, LABEL_ORCHESTRATOR, PolicySpec, decode_at};
 
@@ -278,6 +280,61 @@ pub(super) fn policy_spec(kind: Kind, spec: Value) -> Result<PolicySpec, (String
 /// What one rule's conversion decides per (protocol, port list) before the peers are combined.
 type ProtocolPorts = BTreeMap<String, Option<Vec<RulePort>>>;
 
+/// Why one API rule cannot be converted; it then fails closed, and the warning shows this.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum RuleError {
+    #[error("unsupported action {0:?}")]
+    Action(String),
+    /// A ClusterNetworkPolicy match entry that sets none of the fields we know (a newer API's).
+    #[error("protocols[{0}] sets none of tcp, udp, sctp, destinationNamedPort")]
+    NoProtocol(usize),
+    /// A ClusterNetworkPolicy match entry.
+    #[error("protocols[{0}]: {1}")]
+    Protocol(usize, PortError),
+    /// An AdminNetworkPolicy port.
+    #[error("ports[{0}]: {1}")]
+    Port(usize, PortError),
+    /// A peer (`from[i]`, `to[i]`).
+    #[error("{direction}[{index}]: {error}")]
+    Peer {
+        direction: &'static str,
+        index: usize,
+        error: PeerError,
+    },
+}
+
+/// Why a match entry's protocol or port cannot be converted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum PortError {
+    #[error("port {0} is outside 1–65535")]
+    OutOfRange(i64),
+    #[error("port range {0}–{1}: the start is greater than the end")]
+    Reversed(u16, u16),
+    #[error("unsupported protocol {0:?}")]
+    Protocol(String),
+    #[error("named ports are not supported")]
+    Named,
+    #[error("sets none of portNumber, portRange, namedPort")]
+    NoPort,
+}
+
+/// Why a peer cannot be converted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum PeerError {
+    #[error(transparent)]
+    Selector(#[from] LabelSyntaxError),
+    #[error("networks: {0:?} is not a CIDR")]
+    Network(String),
+    #[error("nodes peers are not supported")]
+    Nodes,
+    #[error("domainNames peers are not supported")]
+    DomainNames,
+    #[error("sets none of the supported peers (namespaces, pods)")]
+    NoIngressPeer,
+    #[error("sets none of the supported peers (namespaces, pods, networks)")]
+    NoEgressPeer,
+}
+
 struct Conversion {
     kind: Kind,
     warnings: Vec<String>,
@@ -291,9 +348,9 @@ impl Conversion {
 
     /// A subject's selector; a bad one makes the object invalid (named in its errors), so
     /// the placeholder returned then is never used.
-    fn subject_selector(&mut self, sel: Result<String, String>) -> String {
+    fn subject_selector(&mut self, sel: Result<String, LabelSyntaxError>) -> String {
         sel.unwrap_or_else(|e| {
-            self.error("spec.subject", e);
+            self.error("spec.subject", e.to_string());
             format!("{LABEL_ORCHESTRATOR} == 'k8s'")
         })
     }
@@ -456,9 +513,9 @@ impl Conversion {
         path: &str,
         protocols: Option<&[Protocol]>,
         anp_ports: Option<&[AnpPort]>,
-    ) -> Result<ProtocolPorts, String> {
+    ) -> Result<ProtocolPorts, RuleError> {
         let (_, max) = self.limits();
-        let entries: Vec<Result<(String, Option<RulePort>), String>> = match self.kind {
+        let entries: Vec<Result<(String, Option<RulePort>), RuleError>> = match self.kind {
             Kind::ClusterNetworkPolicy => {
                 let list = protocols.unwrap_or_default();
                 if list.len() > max {
@@ -506,10 +563,10 @@ impl Conversion {
         &self,
         name: &str,
         action: &str,
-        ports: Result<ProtocolPorts, String>,
+        ports: Result<ProtocolPorts, RuleError>,
         peers: &[Peer],
         ingress: bool,
-    ) -> Result<Vec<Value>, String> {
+    ) -> Result<Vec<Value>, RuleError> {
         let action = self.action(action)?;
         let ports = ports?;
         let mut rules = Vec::new();
@@ -519,9 +576,10 @@ impl Conversion {
                 .map(RulePort::to_value)
                 .collect();
             for (i, peer) in peers.iter().enumerate() {
-                let mut entity = peer_fields(peer, ingress).map_err(|e| {
-                    let dir = if ingress { "from" } else { "to" };
-                    format!("{dir}[{i}]: {e}")
+                let mut entity = peer_fields(peer, ingress).map_err(|error| RuleError::Peer {
+                    direction: if ingress { "from" } else { "to" },
+                    index: i,
+                    error,
                 })?;
                 let mut rule = Map::new();
                 if !name.is_empty() {
@@ -552,13 +610,13 @@ impl Conversion {
     }
 
     /// The Calico action of an API action.
-    fn action(&self, action: &str) -> Result<&'static str, String> {
+    fn action(&self, action: &str) -> Result<&'static str, RuleError> {
         match (self.kind, action) {
             (Kind::ClusterNetworkPolicy, "Accept") => Ok("Allow"),
             (Kind::ClusterNetworkPolicy | Kind::AdminNetworkPolicy, "Pass") => Ok("Pass"),
             (Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy, "Allow") => Ok("Allow"),
             (_, "Deny") => Ok("Deny"),
-            _ => Err(format!("unsupported action {action:?}")),
+            _ => Err(RuleError::Action(action.to_owned())),
         }
     }
 
@@ -570,7 +628,7 @@ impl Conversion {
         index: usize,
         name: &str,
         action: &str,
-        converted: Result<Vec<Value>, String>,
+        converted: Result<Vec<Value>, RuleError>,
     ) {
         let e = match converted {
             Ok(rules) => {
@@ -599,25 +657,23 @@ impl Conversion {
 }
 
 /// A port number the API allows (1–65535).
-fn port_number(n: i64) -> Result<u16, String> {
+fn port_number(n: i64) -> Result<u16, PortError> {
     u16::try_from(n)
         .ok()
         .filter(|p| *p > 0)
-        .ok_or_else(|| format!("port {n} is outside 1–65535"))
+        .ok_or(PortError::OutOfRange(n))
 }
 
-fn port_range(r: &PortRange) -> Result<RulePort, String> {
+fn port_range(r: &PortRange) -> Result<RulePort, PortError> {
     let (a, b) = (port_number(r.start)?, port_number(r.end)?);
     if a > b {
-        return Err(format!(
-            "port range {a}–{b}: the start is greater than the end"
-        ));
+        return Err(PortError::Reversed(a, b));
     }
     Ok(RulePort::Range(a, b))
 }
 
 /// A ClusterNetworkPolicy match entry → (protocol, port or every port).
-fn cnp_protocol((i, p): (usize, &Protocol)) -> Result<(String, Option<RulePort>), String> {
+fn cnp_protocol((i, p): (usize, &Protocol)) -> Result<(String, Option<RulePort>), RuleError> {
     let (proto, m) = if let Some(m) = &p.tcp {
         ("TCP", m)
     } else if let Some(m) = &p.udp {
@@ -625,22 +681,20 @@ fn cnp_protocol((i, p): (usize, &Protocol)) -> Result<(String, Option<RulePort>)
     } else if let Some(m) = &p.sctp {
         ("SCTP", m)
     } else if p.destination_named_port.is_some() {
-        return Err(format!("protocols[{i}]: named ports are not supported"));
+        return Err(RuleError::Protocol(i, PortError::Named));
     } else {
-        return Err(format!(
-            "protocols[{i}] sets none of tcp, udp, sctp, destinationNamedPort"
-        ));
+        return Err(RuleError::NoProtocol(i));
     };
     let port = match &m.destination_port {
         None => None,
         Some(CnpPort {
             number: Some(n), ..
         }) if *n != 0 => {
-            let n = port_number(*n).map_err(|e| format!("protocols[{i}]: {e}"))?;
+            let n = port_number(*n).map_err(|e| RuleError::Protocol(i, e))?;
             Some(RulePort::Range(n, n))
         }
         Some(CnpPort { range: Some(r), .. }) => {
-            Some(port_range(r).map_err(|e| format!("protocols[{i}]: {e}"))?)
+            Some(port_range(r).map_err(|e| RuleError::Protocol(i, e))?)
         }
         Some(_) => None,
     };
@@ -648,17 +702,17 @@ fn cnp_protocol((i, p): (usize, &Protocol)) -> Result<(String, Option<RulePort>)
 }
 
 /// A protocol name of the older API (TCP when unset).
-fn anp_protocol(p: Option<&str>) -> Result<String, String> {
+fn anp_protocol(p: Option<&str>) -> Result<String, PortError> {
     match p.unwrap_or("TCP") {
         "" | "TCP" => Ok("TCP".into()),
         p @ ("UDP" | "SCTP") => Ok(p.into()),
-        other => Err(format!("unsupported protocol {other:?}")),
+        other => Err(PortError::Protocol(other.to_owned())),
     }
 }
 
 /// An AdminNetworkPolicy port → (protocol, port).
-fn anp_port((i, p): (usize, &AnpPort)) -> Result<(String, Option<RulePort>), String> {
-    let at = |e: String| format!("ports[{i}]: {e}");
+fn anp_port((i, p): (usize, &AnpPort)) -> Result<(String, Option<RulePort>), RuleError> {
+    let at = |e: PortError| RuleError::Port(i, e);
     if let Some(n) = &p.port_number {
         let proto = anp_protocol(n.protocol.as_deref()).map_err(at)?;
         let n = port_number(n.port).map_err(at)?;
@@ -669,15 +723,15 @@ fn anp_port((i, p): (usize, &AnpPort)) -> Result<(String, Option<RulePort>), Str
         return Ok((proto, Some(port_range(r).map_err(at)?)));
     }
     if p.named_port.is_some() {
-        return Err(at("named ports are not supported".into()));
+        return Err(at(PortError::Named));
     }
-    Err(at("sets none of portNumber, portRange, namedPort".into()))
+    Err(at(PortError::NoPort))
 }
 
 /// A peer → the entity fields of a Calico rule (selector, namespace selector, nets), as
 /// Calico reads the peer's fields in order; a peer none of whose supported fields is set
 /// cannot be converted.
-fn peer_fields(peer: &Peer, ingress: bool) -> Result<Map<String, Value>, String> {
+fn peer_fields(peer: &Peer, ingress: bool) -> Result<Map<String, Value>, PeerError> {
     let mut out = Map::new();
     let mut found = false;
     if let Some(ns) = &peer.namespaces {
@@ -701,7 +755,7 @@ fn peer_fields(peer: &Peer, ingress: bool) -> Result<Map<String, Value>, String>
     if !ingress && let Some(networks) = peer.networks.as_ref().filter(|n| !n.is_empty()) {
         let nets = networks
             .iter()
-            .map(|n| masked_cidr(n).ok_or_else(|| format!("networks: {n:?} is not a CIDR")))
+            .map(|n| masked_cidr(n).ok_or_else(|| PeerError::Network(n.clone())))
             .collect::<Result<Vec<_>, _>>()?;
         out.insert("nets".into(), json!(nets));
         found = true;
@@ -710,13 +764,13 @@ fn peer_fields(peer: &Peer, ingress: bool) -> Result<Map<String, Value>, String>
         return Ok(out);
     }
     Err(if peer.nodes.is_some() && !ingress {
-        "nodes peers are not supported".into()
+        PeerError::Nodes
     } else if peer.domain_names.is_some() && !ingress {
-        "domainNames peers are not supported".into()
+        PeerError::DomainNames
     } else if ingress {
-        "sets none of the supported peers (namespaces, pods)".into()
+        PeerError::NoIngressPeer
     } else {
-        "sets none of the supported peers (namespaces, pods, networks)".into()
+        PeerError::NoEgressPeer
     })
 }
 

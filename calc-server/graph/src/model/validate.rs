@@ -1110,8 +1110,28 @@ fn is_mac(s: &str) -> bool {
             .all(|p| p.len() == 2 && p.bytes().all(|c| c.is_ascii_hexdigit()))
 }
 
+/// The character rule of a label value and of a qualified name's name part.
+const LABEL_CHARACTERS: &str = "must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character";
+
+/// Why a label key (a qualified name) or a label value breaks Kubernetes' rules.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LabelError {
+    #[error("prefix {0:?} must be a DNS subdomain")]
+    Prefix(String),
+    #[error("name part must not be empty")]
+    EmptyName,
+    #[error("name part must be no more than 63 characters")]
+    LongName,
+    #[error("name part {LABEL_CHARACTERS}")]
+    NameCharacters,
+    #[error("must be no more than 63 characters")]
+    LongValue,
+    #[error("{LABEL_CHARACTERS}")]
+    ValueCharacters,
+}
+
 /// Kubernetes' qualified-name rule for label and annotation keys: `[prefix/]name`.
-pub fn qualified_name(s: &str) -> Result<(), String> {
+pub fn qualified_name(s: &str) -> Result<(), LabelError> {
     let (prefix, name) = match s.split_once('/') {
         Some((p, n)) => (Some(p), n),
         None => (None, s),
@@ -1119,38 +1139,42 @@ pub fn qualified_name(s: &str) -> Result<(), String> {
     if let Some(p) = prefix
         && !is_subdomain(&p.to_ascii_lowercase())
     {
-        return Err(format!("prefix {p:?} must be a DNS subdomain"));
+        return Err(LabelError::Prefix(p.to_owned()));
     }
     if name.is_empty() {
-        return Err("name part must not be empty".into());
+        return Err(LabelError::EmptyName);
     }
     if name.len() > 63 {
-        return Err("name part must be no more than 63 characters".into());
+        return Err(LabelError::LongName);
     }
-    label_chars(name).map_err(|e| format!("name part {e}"))
+    if !label_chars(name) {
+        return Err(LabelError::NameCharacters);
+    }
+    Ok(())
 }
 
 /// Kubernetes' label-value rule: empty, or up to 63 of `[A-Za-z0-9_.-]` starting and ending
 /// alphanumeric.
-pub fn label_value(s: &str) -> Result<(), String> {
+pub fn label_value(s: &str) -> Result<(), LabelError> {
     if s.is_empty() {
         return Ok(());
     }
     if s.len() > 63 {
-        return Err("must be no more than 63 characters".into());
+        return Err(LabelError::LongValue);
     }
-    label_chars(s)
+    if !label_chars(s) {
+        return Err(LabelError::ValueCharacters);
+    }
+    Ok(())
 }
 
-fn label_chars(s: &str) -> Result<(), String> {
+/// Whether a non-empty `s` keeps [`LABEL_CHARACTERS`].
+fn label_chars(s: &str) -> bool {
     let b = s.as_bytes();
     let ok_inner = b
         .iter()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
-    if !ok_inner || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
-        return Err("must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into());
-    }
-    Ok(())
+    ok_inner && b[0].is_ascii_alphanumeric() && b[b.len() - 1].is_ascii_alphanumeric()
 }
 
 /// IANA service name, as Kubernetes validates port names: 1-15 of `[a-z0-9-]`, at least one
@@ -1497,6 +1521,15 @@ mod tests {
         assert!(qualified_name("projectcalico.org/namespace").is_ok());
         assert!(qualified_name("a/b/c").is_err());
         assert!(label_value("").is_ok() && label_value("-x").is_err());
+        assert_eq!(
+            qualified_name("a/-b").unwrap_err().to_string(),
+            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start \
+             and end with an alphanumeric character"
+        );
+        assert_eq!(
+            qualified_name("Bad_Prefix/x").unwrap_err().to_string(),
+            "prefix \"Bad_Prefix\" must be a DNS subdomain"
+        );
         assert!(
             port_name("http").is_ok() && port_name("80").is_err() && port_name("a--b").is_err()
         );

@@ -37,8 +37,49 @@ pub fn kind_of_plural(plural: &str) -> Option<Kind> {
 /// A key split into kind, namespace (namespaced kinds) and name.
 pub type KeyParts<'a> = (Kind, Option<&'a str>, &'a str);
 
+/// A key under a plural the graph reads that is not `<plural>/[<namespace>/]<name>`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error(
+        "malformed key: {plural} are namespaced, expected {RESOURCE_PREFIX}{plural}/<namespace>/<name>",
+        plural = .0.plural()
+    )]
+    Namespaced(Kind),
+    #[error("malformed key: expected {RESOURCE_PREFIX}{plural}/<name>", plural = .0.plural())]
+    Global(Kind),
+}
+
+/// Why a value under a key the graph reads is refused before it is decoded (see the module
+/// documentation). Values from the datastore are shown escaped and cut.
+#[derive(Debug, thiserror::Error)]
+pub enum ValueError {
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error("value is not valid JSON: {0}")]
+    Json(serde_json::Error),
+    #[error("value is not a JSON object")]
+    NotAnObject,
+    #[error("value has no kind (expected {0}, as its key is under {plural})", plural = .0.plural())]
+    NoKind(Kind),
+    #[error(
+        "value has kind {found}, but the key is under {plural} (expected {expected})",
+        found = shown(found),
+        plural = expected.plural()
+    )]
+    OtherKind { found: Value, expected: Kind },
+    #[error("value has no apiVersion (expected {0})")]
+    NoApiVersion(&'static str),
+    #[error("value has apiVersion {found}, expected {expected}", found = shown(found))]
+    OtherApiVersion {
+        found: Value,
+        expected: &'static str,
+    },
+    #[error("metadata is not a JSON object")]
+    MetadataNotAnObject,
+}
+
 /// Splits a key into its parts. `Ok(None)`: not a key the graph reads.
-pub fn parse_key(key: &str) -> Result<Option<KeyParts<'_>>, String> {
+pub fn parse_key(key: &str) -> Result<Option<KeyParts<'_>>, KeyError> {
     let Some(rest) = key.strip_prefix(RESOURCE_PREFIX) else {
         return Ok(None);
     };
@@ -54,62 +95,47 @@ pub fn parse_key(key: &str) -> Result<Option<KeyParts<'_>>, String> {
             Ok(Some((kind, Some(*ns), *name)))
         }
         (false, [name]) if !name.is_empty() => Ok(Some((kind, None, *name))),
-        (true, _) => Err(format!(
-            "malformed key: {plural} are namespaced, expected {RESOURCE_PREFIX}{plural}/<namespace>/<name>"
-        )),
-        (false, _) => Err(format!(
-            "malformed key: expected {RESOURCE_PREFIX}{plural}/<name>"
-        )),
+        (true, _) => Err(KeyError::Namespaced(kind)),
+        (false, _) => Err(KeyError::Global(kind)),
     }
 }
 
 /// Decodes one key/value (see the module documentation).
 pub fn decode(key: &str, value: &[u8]) -> Decision {
+    let reject = |e: ValueError| Decision::Reject(Rejection::datastore(e));
     let (kind, namespace, name) = match parse_key(key) {
         Ok(Some(parts)) => parts,
         Ok(None) => return Decision::Skip,
-        Err(reason) => return Decision::Reject(Rejection::decode(reason)),
+        Err(e) => return reject(e.into()),
     };
     let mut v: Value = match serde_json::from_slice(value) {
         Ok(v) => v,
-        Err(e) => {
-            return Decision::Reject(Rejection::decode(format!("value is not valid JSON: {e}")));
-        }
+        Err(e) => return reject(ValueError::Json(e)),
     };
     let Value::Object(obj) = &mut v else {
-        return Decision::Reject(Rejection::decode("value is not a JSON object"));
+        return reject(ValueError::NotAnObject);
     };
     // The key says what the value must be; the value must say it too. Calico's client writes
     // both fields on every put, so a value lacking one was written around it.
     match obj.get("kind") {
         Some(Value::String(k)) if k == kind.as_str() => {}
-        None | Some(Value::Null) => {
-            return Decision::Reject(Rejection::decode(format!(
-                "value has no kind (expected {kind}, as its key is under {})",
-                kind.plural()
-            )));
-        }
+        None | Some(Value::Null) => return reject(ValueError::NoKind(kind)),
         Some(other) => {
-            return Decision::Reject(Rejection::decode(format!(
-                "value has kind {}, but the key is under {} (expected {kind})",
-                shown(other),
-                kind.plural()
-            )));
+            return reject(ValueError::OtherKind {
+                found: other.clone(),
+                expected: kind,
+            });
         }
     }
     let expected = kind.api_version();
     match obj.get("apiVersion") {
         Some(Value::String(v)) if v == expected => {}
-        None | Some(Value::Null) => {
-            return Decision::Reject(Rejection::decode(format!(
-                "value has no apiVersion (expected {expected})"
-            )));
-        }
+        None | Some(Value::Null) => return reject(ValueError::NoApiVersion(expected)),
         Some(other) => {
-            return Decision::Reject(Rejection::decode(format!(
-                "value has apiVersion {}, expected {expected}",
-                shown(other)
-            )));
+            return reject(ValueError::OtherApiVersion {
+                found: other.clone(),
+                expected,
+            });
         }
     }
     let tier = obj
@@ -125,7 +151,7 @@ pub fn decode(key: &str, value: &[u8]) -> Decision {
         *meta = Value::Object(Map::new());
     }
     let Value::Object(meta) = meta else {
-        return Decision::Reject(Rejection::decode("metadata is not a JSON object"));
+        return reject(ValueError::MetadataNotAnObject);
     };
     for (field, from_key) in [("name", Some(name)), ("namespace", namespace)] {
         let Some(from_key) = from_key else { continue };
@@ -197,7 +223,7 @@ mod tests {
 
     fn rejected(key: &str, value: &str) -> String {
         match decode(key, value.as_bytes()) {
-            Decision::Reject(r) => r.reason,
+            Decision::Reject(r) => r.to_string(),
             other => panic!("{key}: expected Reject, got {other:?}"),
         }
     }
@@ -333,11 +359,11 @@ mod tests {
                 panic!("{value}: must be rejected");
             };
             assert_eq!(
-                r.stage,
+                r.stage(),
                 calc_graph::manifest::RejectStage::Decode,
                 "{value}"
             );
-            assert!(r.reason.contains(reason), "{value}: {}", r.reason);
+            assert!(r.to_string().contains(reason), "{value}: {r}");
         }
         // The kind is named for the operator; hostile text in it is escaped and cut.
         let hostile = format!(
@@ -406,6 +432,24 @@ mod tests {
         assert!(r.contains("GlobalNetworkPolicy p"), "{r}");
         assert!(rejected(&format!("{P}workloadendpoints/only-name"), "{}").contains("malformed"));
         assert!(rejected(&format!("{P}tiers/a/b"), "{}").contains("malformed"));
+        assert_eq!(
+            rejected(&format!("{P}workloadendpoints/only-name"), "{}"),
+            format!(
+                "malformed key: workloadendpoints are namespaced, expected \
+                 {P}workloadendpoints/<namespace>/<name>"
+            )
+        );
+        assert_eq!(
+            rejected(&format!("{P}tiers/a/b"), "{}"),
+            format!("malformed key: expected {P}tiers/<name>")
+        );
+        assert_eq!(
+            rejected(
+                &format!("{P}tiers/t"),
+                r#"{"apiVersion":"projectcalico.org/v3"}"#
+            ),
+            "value has no kind (expected Tier, as its key is under tiers)"
+        );
     }
 
     #[test]
@@ -415,14 +459,14 @@ mod tests {
         let Decision::Reject(r) = decode(&key, value.as_bytes()) else {
             panic!("a value with unknown fields must be rejected");
         };
-        assert_eq!(r.stage, calc_graph::manifest::RejectStage::UnknownField);
-        assert!(r.reason.contains("spec.selectr"), "{}", r.reason);
-        assert!(
-            r.reason.contains("did you mean \"selector\""),
-            "{}",
-            r.reason
-        );
-        assert!(r.reason.contains("spec.ingres"), "{}", r.reason);
+        assert_eq!(r.stage(), calc_graph::manifest::RejectStage::UnknownField);
+        let Rejection::Invalid(invalid) = &r else {
+            panic!("{r:?}");
+        };
+        let fields: Vec<&str> = invalid.errors.iter().map(|e| e.field.as_str()).collect();
+        assert!(fields.contains(&"spec.selectr"), "{r}");
+        assert!(fields.contains(&"spec.ingres"), "{r}");
+        assert!(r.to_string().contains("did you mean \"selector\""), "{r}");
         // A value that is merely invalid counts as validation.
         let Decision::Reject(r) = decode(
             &format!("{P}tiers/t"),
@@ -431,10 +475,9 @@ mod tests {
             panic!("an invalid tier must be rejected");
         };
         assert_eq!(
-            r.stage,
+            r.stage(),
             calc_graph::manifest::RejectStage::Validation,
-            "{}",
-            r.reason
+            "{r}"
         );
     }
 }

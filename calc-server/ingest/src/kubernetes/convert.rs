@@ -38,7 +38,7 @@ use std::fmt::Write as _;
 
 use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::kubernetes::{self, masked_cidr};
-use calc_graph::model::validate::parse_cidr_or_ip;
+use calc_graph::model::validate::{FieldError, parse_cidr_or_ip};
 use calc_graph::model::{API_VERSION, ENDPOINT_SLICE_API_VERSION, Kind};
 use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -74,6 +74,44 @@ const NODE_IPV4_ANNOTATION: &str = "projectcalico.org/IPv4Address";
 const NODE_IPV6_ANNOTATION: &str = "projectcalico.org/IPv6Address";
 const NODE_ASN_ANNOTATION: &str = "projectcalico.org/ASNumber";
 const NODE_LABELS_ANNOTATION: &str = "projectcalico.org/labels";
+
+/// Why a Kubernetes object cannot be converted: it is refused before decoding, and its last
+/// good version stays in force. Values from the object are shown quoted and escaped.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error("cannot decode the object: {0}")]
+    Undecodable(serde_json::Error),
+    #[error("pod IP {0:?} is not an IP address")]
+    PodIp(String),
+    /// An annotation that must hold a JSON list of strings.
+    #[error("annotation {annotation}: {value:?} is not a JSON list of strings: {error}")]
+    NotAList {
+        annotation: &'static str,
+        value: String,
+        error: serde_json::Error,
+    },
+    #[error("annotation {annotation}: {value:?} is not a CIDR")]
+    NotACidr {
+        annotation: &'static str,
+        value: String,
+    },
+    #[error("annotation {METADATA_ANNOTATION} is not JSON: {0}")]
+    Metadata(serde_json::Error),
+    #[error("metadata is missing or not a JSON object")]
+    NoMetadata,
+    #[error("not a JSON object")]
+    NotAnObject,
+    /// A list item whose `kind` is not the listed collection's.
+    #[error("kind {found} listed as {plural}.{group}", plural = listed.plural())]
+    OtherKind {
+        found: Value,
+        listed: Kind,
+        group: &'static str,
+    },
+    /// A Kubernetes NetworkPolicy whose pod selector cannot be converted.
+    #[error(transparent)]
+    NetworkPolicy(FieldError),
+}
 
 /// Conversion settings.
 #[derive(Clone, Debug)]
@@ -121,7 +159,7 @@ impl Converter {
                 Decision::from_outcome(outcome, warnings)
             }
             Ok(Converted::Skip) => Decision::Skip,
-            Err(reason) => Decision::Reject(Rejection::decode(reason)),
+            Err(e) => Decision::Reject(Rejection::datastore(e)),
         }
     }
 
@@ -135,7 +173,7 @@ impl Converter {
         format!("{}{}", self.interface_prefix, &hex[..11])
     }
 
-    fn pod(&self, pod: &Pod) -> Result<Converted, String> {
+    fn pod(&self, pod: &Pod) -> Result<Converted, ConvertError> {
         let meta = &pod.metadata;
         let name = meta.name.as_deref().unwrap_or_default();
         let ns = meta.namespace.as_deref().unwrap_or("default");
@@ -213,8 +251,8 @@ enum Converted {
 }
 
 /// The typed Kubernetes object (k8s-openapi's types ignore unknown fields, as the API does).
-fn typed<T: serde::de::DeserializeOwned>(object: Value) -> Result<T, String> {
-    serde_json::from_value(object).map_err(|e| format!("cannot decode the object: {e}"))
+fn typed<T: serde::de::DeserializeOwned>(object: Value) -> Result<T, ConvertError> {
+    serde_json::from_value(object).map_err(ConvertError::Undecodable)
 }
 
 /// `names.WorkloadEndpointIdentifiers{Node, Orchestrator: k8s, Pod, Endpoint: eth0}`'s name.
@@ -235,7 +273,7 @@ fn ip_net(s: &str) -> Option<String> {
 }
 
 /// Calico's `getPodIPs`: the first source that has any, each parsed as CIDR or IP.
-fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
+fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<String>, ConvertError> {
     let status = pod.status.as_ref();
     let from_status: Vec<String> = status
         .and_then(|s| s.pod_ips.as_ref())
@@ -263,7 +301,7 @@ fn pod_ips(pod: &Pod, annotations: &BTreeMap<String, String>) -> Result<Vec<Stri
         Vec::new()
     };
     raw.iter()
-        .map(|ip| ip_net(ip).ok_or_else(|| format!("pod IP {ip:?} is not an IP address")))
+        .map(|ip| ip_net(ip).ok_or_else(|| ConvertError::PodIp(ip.clone())))
         .collect()
 }
 
@@ -309,13 +347,19 @@ fn container_ports(c: &Container, out: &mut Vec<Value>) {
 
 /// `cni.projectcalico.org/floatingIPs`: JSON list of external IPs, each NATed to the pod's
 /// address of the same family.
-fn floating_ips(annotations: &BTreeMap<String, String>, ips: &[String]) -> Result<Value, String> {
+fn floating_ips(
+    annotations: &BTreeMap<String, String>,
+    ips: &[String],
+) -> Result<Value, ConvertError> {
     let Some(raw) = annotations.get(ANNOTATION_FLOATING_IPS) else {
         return Ok(json!([]));
     };
-    let external: Vec<String> = serde_json::from_str(raw).map_err(|e| {
-        format!("annotation {ANNOTATION_FLOATING_IPS}: {raw:?} is not a JSON list of strings: {e}")
-    })?;
+    let external: Vec<String> =
+        serde_json::from_str(raw).map_err(|error| ConvertError::NotAList {
+            annotation: ANNOTATION_FLOATING_IPS,
+            value: raw.clone(),
+            error,
+        })?;
     let addr = |v6: bool| {
         ips.iter()
             .find(|n| n.contains(':') == v6)
@@ -331,29 +375,30 @@ fn floating_ips(annotations: &BTreeMap<String, String>, ips: &[String]) -> Resul
 }
 
 /// `cni.projectcalico.org/allowedSourcePrefixes`: JSON list of CIDRs, normalised.
-fn source_prefixes(annotations: &BTreeMap<String, String>) -> Result<Vec<String>, String> {
+fn source_prefixes(annotations: &BTreeMap<String, String>) -> Result<Vec<String>, ConvertError> {
     let Some(raw) = annotations
         .get(ANNOTATION_SOURCE_PREFIXES)
         .filter(|s| !s.is_empty())
     else {
         return Ok(Vec::new());
     };
-    let list: Vec<String> = serde_json::from_str(raw).map_err(|e| {
-        format!(
-            "annotation {ANNOTATION_SOURCE_PREFIXES}: {raw:?} is not a JSON list of strings: {e}"
-        )
+    let list: Vec<String> = serde_json::from_str(raw).map_err(|error| ConvertError::NotAList {
+        annotation: ANNOTATION_SOURCE_PREFIXES,
+        value: raw.clone(),
+        error,
     })?;
     list.iter()
         .map(|p| {
-            masked_cidr(p).ok_or_else(|| {
-                format!("annotation {ANNOTATION_SOURCE_PREFIXES}: {p:?} is not a CIDR")
+            masked_cidr(p).ok_or_else(|| ConvertError::NotACidr {
+                annotation: ANNOTATION_SOURCE_PREFIXES,
+                value: p.clone(),
             })
         })
         .collect()
 }
 
 /// Calico's `NamespaceToProfile` ([`kubernetes::namespace_profile`]).
-fn namespace(ns: &Namespace) -> Result<Converted, String> {
+fn namespace(ns: &Namespace) -> Result<Converted, ConvertError> {
     let name = ns.metadata.name.as_deref().unwrap_or_default();
     let labels = ns.metadata.labels.clone().unwrap_or_default();
     Ok(Converted::Value(
@@ -363,7 +408,7 @@ fn namespace(ns: &Namespace) -> Result<Converted, String> {
 }
 
 /// Calico's `ServiceAccountToProfile`.
-fn service_account(sa: &ServiceAccount) -> Result<Converted, String> {
+fn service_account(sa: &ServiceAccount) -> Result<Converted, ConvertError> {
     let name = sa.metadata.name.as_deref().unwrap_or_default();
     let ns = sa.metadata.namespace.as_deref().unwrap_or_default();
     let mut labels: BTreeMap<String, String> = sa
@@ -391,7 +436,7 @@ fn service_account(sa: &ServiceAccount) -> Result<Converted, String> {
 /// Calico's `K8sNodeToCalico` (the parts Felix uses): labels (Calico's own, stored in an
 /// annotation, under the Kubernetes ones), BGP addresses and AS number from Calico's
 /// annotations (an invalid one is ignored, as Calico does), and the node's addresses.
-fn node(n: &Node) -> Result<Converted, String> {
+fn node(n: &Node) -> Result<Converted, ConvertError> {
     let name = n.metadata.name.as_deref().unwrap_or_default();
     let annotations = n.metadata.annotations.clone().unwrap_or_default();
     let mut labels: BTreeMap<String, String> = annotations
@@ -465,11 +510,12 @@ fn parse_as_number(s: &str) -> Option<u64> {
 
 /// Calico's `K8sNetworkPolicyToCalico`: a NetworkPolicy `knp.default.<name>` in the same
 /// namespace ([`kubernetes::network_policy_object`], which manifests go through too).
-fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, String> {
+fn k8s_network_policy(np: &K8sNetworkPolicy) -> Result<Converted, ConvertError> {
     let name = np.metadata.name.as_deref().unwrap_or_default();
     let ns = np.metadata.namespace.as_deref().unwrap_or("default");
     let (value, warnings) =
-        kubernetes::network_policy_object(name, ns, &np.spec.clone().unwrap_or_default())?;
+        kubernetes::network_policy_object(name, ns, &np.spec.clone().unwrap_or_default())
+            .map_err(ConvertError::NetworkPolicy)?;
     Ok(Converted::Value(value, warnings))
 }
 
@@ -507,7 +553,7 @@ fn endpoint_slice(s: &EndpointSlice) -> Converted {
 
 /// A network-policy-api object → the same object as the graph's decoder reads it (see the
 /// module documentation).
-fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
+fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, ConvertError> {
     let mut obj = listed_object(kind, super::NETWORK_POLICY_API_GROUP, object)?;
     let name = obj
         .get("metadata")
@@ -523,19 +569,27 @@ fn network_policy_api(kind: Kind, object: Value) -> Result<Converted, String> {
 
 /// An object listed as `kind` in `group`: a JSON object whose `kind`, when a list item carries
 /// one, is that kind.
-fn listed_object(kind: Kind, group: &str, object: Value) -> Result<Map<String, Value>, String> {
+fn listed_object(
+    kind: Kind,
+    group: &'static str,
+    object: Value,
+) -> Result<Map<String, Value>, ConvertError> {
     let Value::Object(obj) = object else {
-        return Err("not a JSON object".into());
+        return Err(ConvertError::NotAnObject);
     };
     match obj.get("kind") {
         None | Some(Value::Null) => Ok(obj),
         Some(Value::String(k)) if k == kind.as_str() => Ok(obj),
-        Some(other) => Err(format!("kind {other} listed as {}.{group}", kind.plural())),
+        Some(other) => Err(ConvertError::OtherKind {
+            found: other.clone(),
+            listed: kind,
+            group,
+        }),
     }
 }
 
 /// A Calico CRD object → the v3 object it stores (see the module documentation).
-fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
+fn crd(kind: Kind, object: Value) -> Result<Converted, ConvertError> {
     let mut obj = listed_object(kind, super::CRD_GROUP, object)?;
     obj.insert("kind".into(), kind.as_str().into());
     obj.insert("apiVersion".into(), API_VERSION.into());
@@ -547,15 +601,14 @@ fn crd(kind: Kind, object: Value) -> Result<Converted, String> {
         .unwrap_or_default()
         .to_string();
     let Some(Value::Object(meta)) = obj.remove("metadata") else {
-        return Err("metadata is missing or not a JSON object".into());
+        return Err(ConvertError::NoMetadata);
     };
     let cr_name = meta.get("name").and_then(Value::as_str).unwrap_or_default();
     let mut labels = string_map(meta.get("labels"));
     let mut annotations = string_map(meta.get("annotations"));
     let mut name = String::new();
     if let Some(raw) = annotations.remove(METADATA_ANNOTATION) {
-        let stored: Value = serde_json::from_str(&raw)
-            .map_err(|e| format!("annotation {METADATA_ANNOTATION} is not JSON: {e}"))?;
+        let stored: Value = serde_json::from_str(&raw).map_err(ConvertError::Metadata)?;
         labels.extend(string_map(stored.get("labels")));
         annotations.extend(string_map(stored.get("annotations")));
         name = stored

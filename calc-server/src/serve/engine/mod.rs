@@ -531,9 +531,7 @@ impl Engine {
                 self.metrics.datastore_syncs.inc();
             }
             if let Err(rejection) = self.graph.apply(u) {
-                self.metrics
-                    .rejections
-                    .count(calc_graph::manifest::RejectStage::Validation);
+                self.metrics.rejections.count(rejection.stage());
                 tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
             }
         }

@@ -35,7 +35,7 @@ fn skipped(source: Source, v: Value) {
 
 fn rejected(source: Source, v: Value) -> String {
     match conv().convert(source, v) {
-        Decision::Reject(r) => r.reason,
+        Decision::Reject(r) => r.to_string(),
         other => panic!("expected Reject, got {other:?}"),
     }
 }
@@ -749,11 +749,11 @@ fn a_crd_with_a_misspelt_field_is_rejected_by_name() {
     ) else {
         panic!("a CRD with an unknown spec field must be rejected");
     };
-    assert_eq!(r.stage, calc_graph::manifest::RejectStage::UnknownField);
+    assert_eq!(r.stage(), calc_graph::manifest::RejectStage::UnknownField);
+    let reason = r.to_string();
     assert!(
-        r.reason.contains("spec.selectr") && r.reason.contains("did you mean \"selector\""),
-        "{}",
-        r.reason
+        reason.contains("spec.selectr") && reason.contains("did you mean \"selector\""),
+        "{reason}"
     );
 }
 
@@ -898,8 +898,8 @@ fn network_policy_api_objects_are_converted_by_the_graph() {
     ) else {
         panic!("too many rules")
     };
-    assert_eq!(r.stage, calc_graph::manifest::RejectStage::Validation);
-    assert!(r.reason.contains("spec.ingress: 26 rules"), "{}", r.reason);
+    assert_eq!(r.stage(), calc_graph::manifest::RejectStage::Validation);
+    assert!(r.to_string().contains("spec.ingress: 26 rules"), "{r}");
     // A kind listed in the wrong collection.
     let r = rejected(
         cnp,
