@@ -63,6 +63,17 @@ pub(super) struct ExplainParams {
     policy: Option<String>,
 }
 
+/// Why `/explain`'s query is refused (400; the text is the answer's `error`).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ParamsError {
+    #[error("parameter {0}: invalid escape")]
+    InvalidEscape(String),
+    #[error("unknown parameter {:?}", calc_graph::untrusted::Untrusted(.0))]
+    Unknown(String),
+    #[error("give from and to (with protocol and port), or endpoint, or policy")]
+    NoQuestion,
+}
+
 /// `%XX` and `+` decoded; `None` for an invalid escape or non-UTF-8 text.
 fn percent_decode(s: &str) -> Option<String> {
     let mut out = Vec::with_capacity(s.len());
@@ -81,11 +92,11 @@ fn percent_decode(s: &str) -> Option<String> {
 }
 
 impl ExplainParams {
-    fn parse(query: &str) -> Result<Self, String> {
+    fn parse(query: &str) -> Result<Self, ParamsError> {
         let mut p = ExplainParams::default();
         for pair in query.split('&').filter(|s| !s.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_decode(v).ok_or_else(|| format!("parameter {k}: invalid escape"))?;
+            let v = percent_decode(v).ok_or_else(|| ParamsError::InvalidEscape(k.to_string()))?;
             let slot = match k {
                 "from" => &mut p.from,
                 "to" => &mut p.to,
@@ -94,19 +105,14 @@ impl ExplainParams {
                 "source_port" => &mut p.source_port,
                 "endpoint" => &mut p.endpoint,
                 "policy" => &mut p.policy,
-                other => {
-                    return Err(format!(
-                        "unknown parameter {:?}",
-                        calc_graph::untrusted::Untrusted(other)
-                    ));
-                }
+                other => return Err(ParamsError::Unknown(other.to_string())),
             };
             *slot = Some(v);
         }
         Ok(p)
     }
 
-    fn request(self) -> Result<calc_graph::explain::Request, String> {
+    fn request(self) -> Result<calc_graph::explain::Request, ParamsError> {
         use calc_graph::explain::{Query, Request};
         match (self.from, self.to, self.endpoint, self.policy) {
             (Some(from), Some(to), None, None) => Ok(Request::Path(Query {
@@ -118,7 +124,7 @@ impl ExplainParams {
             })),
             (None, None, Some(e), None) => Ok(Request::Endpoint(e)),
             (None, None, None, Some(p)) => Ok(Request::Policy(p)),
-            _ => Err("give from and to (with protocol and port), or endpoint, or policy".into()),
+            _ => Err(ParamsError::NoQuestion),
         }
     }
 }
@@ -220,7 +226,7 @@ async fn explain(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Resp
         .and_then(ExplainParams::request)
     {
         Ok(r) => r,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.to_string()),
     };
     match ask(&s, |reply| super::engine::Input::Explain { request, reply }).await {
         Ok(Ok(value)) => json_answer(&s, StatusCode::OK, &value),
@@ -287,7 +293,7 @@ async fn realization(s: &AdminState, only: Option<String>) -> Response {
             ),
         },
         Ok(Ok(rows)) => json_answer(s, StatusCode::OK, &rows),
-        Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e),
+        Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
         Err(answer) => answer,
     }
 }
@@ -355,4 +361,27 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/metrics", get(metrics))
         .merge(sensitive)
         .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explain_parameters_name_what_is_wrong() {
+        let ask = |q: &str| ExplainParams::parse(q).and_then(ExplainParams::request);
+        assert_eq!(
+            ask("from=a&nope=1").unwrap_err().to_string(),
+            "unknown parameter \"nope\""
+        );
+        assert_eq!(
+            ask("from=%zz").unwrap_err(),
+            ParamsError::InvalidEscape("from".into())
+        );
+        assert_eq!(ask("from=a").unwrap_err(), ParamsError::NoQuestion);
+        assert!(matches!(
+            ask("endpoint=shop%2Fweb"),
+            Ok(calc_graph::explain::Request::Endpoint(e)) if e == "shop/web"
+        ));
+    }
 }

@@ -48,12 +48,28 @@ pub enum IdentitySource {
     UriSanPrefix(String),
 }
 
+/// Why a TLS client names no node.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum IdentityError {
+    #[error("no client certificate")]
+    NoCertificate,
+    #[error("the client certificate: {0}")]
+    Unparseable(calico_names::cert::CertError),
+    #[error("the client certificate has no CN (as text)")]
+    NoCommonName,
+    #[error("no URI SAN of the client certificate starts with {prefix:?} (it has {uri_sans:?})")]
+    NoUriSan {
+        prefix: String,
+        uri_sans: Vec<String>,
+    },
+}
+
 /// What the service learns about a connection.
 #[derive(Clone, Debug)]
 pub struct PeerInfo {
     pub remote: Option<SocketAddr>,
     /// With TLS: the node the client certificate names, or why it names none.
-    pub identity: Option<Result<String, String>>,
+    pub identity: Option<Result<String, IdentityError>>,
     /// The connection's slot; the service admits it on an accepted hello.
     pub admission: Option<Arc<Admission>>,
 }
@@ -307,21 +323,17 @@ fn server_config(
 }
 
 /// The node name a (verified) client certificate names.
-pub fn node_identity(der: &[u8], source: &IdentitySource) -> Result<String, String> {
-    let names = calico_names::cert::CertNames::of(der)
-        .map_err(|e| format!("the client certificate: {e}"))?;
+pub fn node_identity(der: &[u8], source: &IdentitySource) -> Result<String, IdentityError> {
+    let names = calico_names::cert::CertNames::of(der).map_err(IdentityError::Unparseable)?;
     match source {
-        IdentitySource::CommonName => names
-            .cn
-            .ok_or_else(|| "the client certificate has no CN (as text)".to_string()),
-        IdentitySource::UriSanPrefix(prefix) => {
-            names.uri_suffix(prefix).map(str::to_string).ok_or_else(|| {
-                format!(
-                    "no URI SAN of the client certificate starts with {prefix:?} (it has {:?})",
-                    names.uri_sans
-                )
-            })
-        }
+        IdentitySource::CommonName => names.cn.ok_or(IdentityError::NoCommonName),
+        IdentitySource::UriSanPrefix(prefix) => match names.uri_suffix(prefix) {
+            Some(node) => Ok(node.to_string()),
+            None => Err(IdentityError::NoUriSan {
+                prefix: prefix.clone(),
+                uri_sans: names.uri_sans,
+            }),
+        },
     }
 }
 
@@ -593,7 +605,7 @@ async fn establish(
                 .peer_certificates()
                 .and_then(|c| c.first())
                 .map(|leaf| node_identity(leaf.as_ref(), &tls.identity))
-                .unwrap_or_else(|| Err("no client certificate".to_string()));
+                .unwrap_or(Err(IdentityError::NoCertificate));
             (Io::Tls(Box::new(stream)), Some(identity))
         }
     };
@@ -675,7 +687,11 @@ mod tests {
             &IdentitySource::UriSanPrefix("spiffe://other/".into()),
         )
         .unwrap_err();
-        assert!(err.contains("spiffe://other/"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "no URI SAN of the client certificate starts with \"spiffe://other/\" (it has \
+             [\"spiffe://c.local/node/node-7\", \"https://x/y\"])"
+        );
         assert!(node_identity(b"junk", &IdentitySource::CommonName).is_err());
     }
 

@@ -297,7 +297,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             None => {}
             Some(Err(why)) => {
                 self.metrics.permission_denied.inc();
-                tracing::warn!(?peer, hello_node = %Untrusted(&hello.node_name), reason = %Untrusted(why), "refused: the client certificate names no node");
+                tracing::warn!(?peer, hello_node = %Untrusted(&hello.node_name), reason = %Untrusted(&why.to_string()), "refused: the client certificate names no node");
                 return Err(Status::permission_denied(format!(
                     "the client certificate names no node: {why}"
                 )));

@@ -15,7 +15,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use calc_graph::manifest::{Outcome, decode_and_validate};
-use calc_graph::model::{ResourceKey, Valid};
+use calc_graph::model::validate::Invalid;
+use calc_graph::model::{DecodeError, ResourceKey, Valid};
 
 /// Where last-good versions are kept; see the module documentation.
 #[derive(Debug)]
@@ -146,15 +147,29 @@ impl LastGood {
     }
 }
 
-fn read_entry(path: &Path) -> Result<(ResourceKey, Valid), String> {
-    let text = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
-    let value: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| format!("not JSON: {e}"))?;
+/// Why a last-good entry is skipped.
+#[derive(Debug, thiserror::Error)]
+enum EntryError {
+    #[error("cannot read: {0}")]
+    Read(std::io::Error),
+    #[error("not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error(transparent)]
+    Undecodable(DecodeError),
+    #[error(transparent)]
+    Invalid(Invalid),
+    #[error("kind {0} is not kept")]
+    NotKept(String),
+}
+
+fn read_entry(path: &Path) -> Result<(ResourceKey, Valid), EntryError> {
+    let text = std::fs::read(path).map_err(EntryError::Read)?;
+    let value: serde_json::Value = serde_json::from_slice(&text).map_err(EntryError::NotJson)?;
     match decode_and_validate(value) {
         Outcome::Valid(key, res) => Ok((key, res)),
-        Outcome::Invalid(inv) => Err(inv.to_string()),
-        Outcome::Undecodable(e) => Err(e.to_string()),
-        Outcome::Ignored(kind, _) => Err(format!("kind {kind} is not kept")),
+        Outcome::Invalid(inv) => Err(EntryError::Invalid(inv)),
+        Outcome::Undecodable(e) => Err(EntryError::Undecodable(e)),
+        Outcome::Ignored(kind, _) => Err(EntryError::NotKept(kind)),
     }
 }
 

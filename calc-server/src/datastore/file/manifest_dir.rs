@@ -18,6 +18,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use calc_graph::manifest::{Outcome, RejectStage, parse_manifest};
+use calc_graph::model::validate::FieldError;
 use calc_graph::model::{DecodeError, ResourceKey, Valid};
 
 /// One problem with its location.
@@ -47,21 +48,46 @@ pub enum Identity {
     /// A kind the dataplane does not use (BGPPeer, a v1 Service, …): names nothing in force.
     Ignored,
     /// Does not say which object it is: not an object, no or an unknown kind, a wrong
-    /// apiVersion, or a missing or invalid name or namespace. `document`: its 1-based number;
-    /// `reason`: why (bounded, control characters escaped).
-    Unidentified { document: usize, reason: String },
+    /// apiVersion, or a missing or invalid name or namespace. `document`: its 1-based number.
+    Unidentified {
+        document: usize,
+        reason: Unidentified,
+    },
+}
+
+/// Why an object of a file does not say which object it is. Shown bounded, with control
+/// characters escaped (it quotes the file).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unidentified {
+    /// Not an object, no or an unknown kind, a wrong apiVersion, or no name.
+    Undecodable(DecodeError),
+    /// Its name or namespace is invalid: the validation errors of those fields.
+    Identity(Vec<FieldError>),
+}
+
+impl fmt::Display for Unidentified {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            Unidentified::Undecodable(e) => e.to_string(),
+            Unidentified::Identity(errors) => errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
+        };
+        f.write_str(&calc_graph::untrusted::clip(text, 1024))
+    }
 }
 
 /// The validation errors that break an object's identity (its name or namespace is invalid:
-/// whatever it names, it is not an object that can be in force), as one reason; `None` when
-/// its identity is sound.
-fn identity_errors(errors: &[calc_graph::model::validate::FieldError]) -> Option<String> {
-    let shown: Vec<String> = errors
+/// whatever it names, it is not an object that can be in force); none when its identity is
+/// sound.
+fn identity_errors(errors: &[FieldError]) -> Vec<FieldError> {
+    errors
         .iter()
         .filter(|e| e.field == "metadata.name" || e.field == "metadata.namespace")
-        .map(ToString::to_string)
-        .collect();
-    (!shown.is_empty()).then(|| shown.join("; "))
+        .cloned()
+        .collect()
 }
 
 /// What loading produced.
@@ -255,21 +281,30 @@ impl Walker<'_> {
     }
 }
 
+/// Why a manifest file's text cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read: {0}")]
+    Io(std::io::Error),
+    #[error(
+        "larger than {} MiB; not read (split it into several files)",
+        MAX_FILE_BYTES / (1024 * 1024)
+    )]
+    TooLarge,
+}
+
 /// Reads one manifest file's text, refusing files over [`MAX_FILE_BYTES`].
-pub fn read_manifest(file: &Path) -> Result<String, String> {
+pub fn read_manifest(file: &Path) -> Result<String, ReadError> {
     use std::io::Read;
-    let f = std::fs::File::open(file).map_err(|e| format!("cannot read: {e}"))?;
+    let f = std::fs::File::open(file).map_err(ReadError::Io)?;
     let mut text = String::new();
     // Read one byte past the limit to tell "exactly at the limit" from "over it", without
     // trusting a size the file may change while it is read.
     f.take(MAX_FILE_BYTES + 1)
         .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read: {e}"))?;
+        .map_err(ReadError::Io)?;
     if text.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!(
-            "larger than {} MiB; not read (split it into several files)",
-            MAX_FILE_BYTES / (1024 * 1024)
-        ));
+        return Err(ReadError::TooLarge);
     }
     Ok(text)
 }
@@ -286,7 +321,7 @@ pub fn load_file(file: &Path, report: &mut Report) {
     let text = match read_manifest(file) {
         Ok(t) => t,
         Err(e) => {
-            report.problems.push(problem(None, e));
+            report.problems.push(problem(None, e.to_string()));
             report.broken.push(file.to_path_buf());
             report.rejected.push(RejectStage::Decode);
             return;
@@ -338,11 +373,10 @@ pub fn load_file(file: &Path, report: &mut Report) {
                     report.identities.push(Identity::Object(key.clone()));
                     report.invalid.insert(key.clone(), file.to_path_buf());
                 } else {
-                    let reason = e.to_string();
-                    report.problems.push(problem(doc, reason.clone()));
+                    report.problems.push(problem(doc, e.to_string()));
                     report.identities.push(Identity::Unidentified {
                         document: entry.document,
-                        reason: calc_graph::untrusted::clip(reason, 1024),
+                        reason: Unidentified::Undecodable(e),
                     });
                 }
             }
@@ -352,16 +386,16 @@ pub fn load_file(file: &Path, report: &mut Report) {
                         .problems
                         .push(problem(doc, format!("{}: {e}", inv.key)));
                 }
-                match identity_errors(&inv.errors) {
+                let broken = identity_errors(&inv.errors);
+                if broken.is_empty() {
+                    report.identities.push(Identity::Object(inv.key.clone()));
+                    report.invalid.insert(inv.key, file.to_path_buf());
+                } else {
                     // Not "an invalid version of the object named so": no such object can be.
-                    Some(reason) => report.identities.push(Identity::Unidentified {
+                    report.identities.push(Identity::Unidentified {
                         document: entry.document,
-                        reason: calc_graph::untrusted::clip(reason, 1024),
-                    }),
-                    None => {
-                        report.identities.push(Identity::Object(inv.key.clone()));
-                        report.invalid.insert(inv.key, file.to_path_buf());
-                    }
+                        reason: Unidentified::Identity(broken),
+                    });
                 }
             }
         }
@@ -411,7 +445,9 @@ mod tests {
             .identities
             .iter()
             .filter_map(|i| match i {
-                Identity::Unidentified { document, reason } => Some((*document, reason.clone())),
+                Identity::Unidentified { document, reason } => {
+                    Some((*document, reason.to_string()))
+                }
                 _ => None,
             })
             .collect();

@@ -108,11 +108,11 @@ enum Slot {
 }
 
 /// What an unidentifiable document holds in force.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 struct Holds {
     /// Its 1-based document number and why it cannot be identified, for messages.
     document: usize,
-    reason: String,
+    reason: manifest_dir::Unidentified,
     /// The resources its position named before (carried over while it stays unidentifiable),
     /// except those the file still names elsewhere.
     keys: BTreeSet<ResourceKey>,

@@ -32,7 +32,7 @@ mod run;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use realization::PolicyRealization;
+pub(crate) use realization::{FindError, PolicyRealization};
 
 pub(super) use run::run;
 
@@ -271,7 +271,7 @@ pub(super) enum Input {
     /// nodes.
     Realization {
         only: Option<String>,
-        reply: oneshot::Sender<Result<Vec<PolicyRealization>, String>>,
+        reply: oneshot::Sender<Result<Vec<PolicyRealization>, FindError>>,
     },
     /// Close every stream (server shutting down).
     Shutdown,

@@ -63,6 +63,31 @@ fn key_text(k: &ResourceKey) -> String {
     }
 }
 
+/// Why `[KIND:][NAMESPACE/]NAME` names no policy or profile (the admin endpoint's 400 answer).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum FindError {
+    #[error(
+        "unknown policy kind {kind:?} in {name:?} (a kind such as NetworkPolicy or StagedNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
+    )]
+    UnknownKind { kind: String, name: String },
+    #[error("no policy {0:?} in the datastore")]
+    NoPolicy(String),
+    /// Several policies of that name; `found` is sorted.
+    #[error(
+        "{name:?} is ambiguous: it names {named}; qualify it with its kind, e.g. {qualified}",
+        named = found.iter().map(key_text).collect::<Vec<_>>().join(", "),
+        qualified = found
+            .iter()
+            .map(|k| format!("{}:{}", k.kind.as_str(), full_name(k)))
+            .collect::<Vec<_>>()
+            .join(" or ")
+    )]
+    Ambiguous {
+        name: String,
+        found: Vec<ResourceKey>,
+    },
+}
+
 /// What one node's agent has acknowledged, and what it still has to.
 #[derive(Debug, Default)]
 struct NodeTrack {
@@ -402,14 +427,15 @@ impl Realization {
     /// What `[NAMESPACE/]NAME` names: a policy, or else a profile.
     /// `KIND:` before the name picks one of several policies of the same name, as in
     /// `explain --policy` (`StagedNetworkPolicy:shop/x` or Calico's short form `snp:shop/x`).
-    pub(super) fn find(graph: &CalcGraph, name: &str) -> Result<Target, String> {
+    pub(super) fn find(graph: &CalcGraph, name: &str) -> Result<Target, FindError> {
         let (kind, rest) = match name.split_once(':') {
             Some((k, rest)) => match calc_graph::model::Kind::policy_by_name(k) {
                 Some(kind) => (Some(kind), rest),
                 None => {
-                    return Err(format!(
-                        "unknown policy kind {k:?} in {name:?} (a kind such as NetworkPolicy or StagedNetworkPolicy, or Calico's short form: np, gnp, snp, sgnp, sknp, kcnp)"
-                    ));
+                    return Err(FindError::UnknownKind {
+                        kind: k.to_string(),
+                        name: name.to_string(),
+                    });
                 }
             },
             None => (None, name),
@@ -432,16 +458,11 @@ impl Realization {
         match found.len() {
             1 => Ok(Target::Policy(found.remove(0))),
             0 if ns.is_none() && kind.is_none() => Ok(Target::Profile(n.to_string())),
-            0 => Err(format!("no policy {name:?} in the datastore")),
-            _ => Err(format!(
-                "{name:?} is ambiguous: it names {}; qualify it with its kind, e.g. {}",
-                found.iter().map(key_text).collect::<Vec<_>>().join(", "),
-                found
-                    .iter()
-                    .map(|k| format!("{}:{}", k.kind.as_str(), full_name(k)))
-                    .collect::<Vec<_>>()
-                    .join(" or ")
-            )),
+            0 => Err(FindError::NoPolicy(name.to_string())),
+            _ => Err(FindError::Ambiguous {
+                name: name.to_string(),
+                found,
+            }),
         }
     }
 

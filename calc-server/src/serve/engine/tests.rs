@@ -765,5 +765,12 @@ fn a_staged_policy_is_its_own_row_and_phase_and_a_kind_picks_it() {
         reply,
     }]);
     let err = answer.try_recv().unwrap().unwrap_err();
-    assert!(err.contains("StagedNetworkPolicy:shop/web"), "{err}");
+    let super::FindError::Ambiguous { found, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(found.len(), 2, "{err}");
+    assert!(
+        err.to_string().contains("StagedNetworkPolicy:shop/web"),
+        "{err}"
+    );
 }
