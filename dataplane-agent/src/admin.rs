@@ -10,19 +10,19 @@
 //!
 //! Ready means: connected to a calc-server, that stream is in sync (its InSync arrived), the
 //! last apply succeeded, and the session is live. Before the first InSync, while reconnecting,
-//! or while an apply is failing, `/readiness` answers 503 with the reason; for a failing apply
-//! that is `the last apply failed: <error>`, the same short line the session reports to the
-//! calc-server in `DataplaneApplied.error`.
+//! or while an apply is failing, `/readiness` answers 503 with the reason ([`NotReady`]); for a
+//! failing apply that is `the last apply failed: <error>`, the same short line the session
+//! reports to the calc-server in `DataplaneApplied.error`.
 //!
 //! Live means the session task runs and its loop makes progress: the session marks progress
 //! ([`AgentMetrics::progress`]) on every turn of its loop — a watchdog tick while connecting,
 //! streaming or backing off, each batch of messages, each heartbeat, each apply — so a healthy
 //! agent idle on a quiet server, or reconnecting with back-off to an absent one, stays live
-//! (not ready). `/liveness` answers 503 with a one-line reason when the session has not marked
-//! progress for the watchdog timeout (`--dataplane-watchdog-timeout`: the loop is stuck in a
-//! blocking call, e.g. an apply waiting on a lock), or when a stream's snapshot has been
-//! arriving for longer than the snapshot deadline plus the watchdog timeout (the session should
-//! have dropped it at the deadline).
+//! (not ready). `/liveness` answers 503 with a one-line reason ([`NotLive`]) when the session
+//! has not marked progress for the watchdog timeout (`--dataplane-watchdog-timeout`: the loop is
+//! stuck in a blocking call, e.g. an apply waiting on a lock), or when a stream's snapshot has
+//! been arriving for longer than the snapshot deadline plus the watchdog timeout (the session
+//! should have dropped it at the deadline).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,13 +47,58 @@ const APPLY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Why the agent is not live: `/liveness` answers 503 with this line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotLive {
+    #[error("session not running")]
+    SessionNotRunning,
+    /// The session loop has not marked progress for longer than the watchdog timeout.
+    #[error(
+        "session loop stalled: no progress for {secs:.1}s (watchdog timeout {watchdog:?})",
+        secs = idle.as_secs_f64()
+    )]
+    Stalled { idle: Duration, watchdog: Duration },
+    /// A stream's snapshot has been arriving for longer than its deadline plus the watchdog.
+    #[error(
+        "snapshot stuck: the stream's snapshot has been arriving for {secs:.1}s without InSync \
+         (snapshot timeout {deadline:?})",
+        secs = age.as_secs_f64()
+    )]
+    SnapshotStuck { age: Duration, deadline: Duration },
+}
+
+/// Why the agent is not ready: `/readiness` answers 503 with this line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error("the session loop is stuck (see /liveness)")]
+    Stuck,
+    #[error("not connected to a calc-server")]
+    NotConnected,
+    #[error("waiting for the calc-server's snapshot (InSync)")]
+    NoSnapshot,
+    /// The last apply failed: its error, the one line the session reports to the calc-server
+    /// in `DataplaneApplied.error` (it says what to fix without a trip to the log).
+    #[error("the last apply failed: {0}")]
+    ApplyFailed(String),
+    #[error("the dataplane has not been programmed yet")]
+    NotProgrammed,
+}
+
+/// The outcome of the last apply.
+#[derive(Debug)]
+enum LastApply {
+    Succeeded,
+    /// Its error on one short line, as the session reports it.
+    Failed(String),
+}
+
 /// Health and counters shared by the session (writer) and the admin endpoint (reader).
 #[derive(Debug)]
 pub struct AgentMetrics {
     connected: AtomicBool,
     stream_in_sync: AtomicBool,
-    /// `None` before the first apply; the error (one short line) of a failed one.
-    last_apply: Mutex<Option<Result<(), String>>>,
+    /// `None` before the first apply.
+    last_apply: Mutex<Option<LastApply>>,
     session_running: AtomicBool,
     /// Apply durations, in [`APPLY_BUCKETS`].
     applies: Histogram,
@@ -253,7 +298,10 @@ impl AgentMetrics {
         if outcome.is_err() {
             self.apply_failures.inc();
         }
-        *self.last_apply.lock() = Some(outcome.map_err(str::to_owned));
+        *self.last_apply.lock() = Some(match outcome {
+            Ok(()) => LastApply::Succeeded,
+            Err(error) => LastApply::Failed(error.to_owned()),
+        });
         *self.driver.0.lock() = driver;
     }
 
@@ -293,20 +341,25 @@ impl AgentMetrics {
         self.health.lock()
     }
 
-    /// `Ok` when live, else a one-line reason.
-    pub fn liveness(&self) -> Result<(), String> {
-        self.liveness_at(Instant::now())
+    /// `Ok` when live, else why not.
+    pub fn live(&self) -> Result<(), NotLive> {
+        self.live_at(Instant::now())
     }
 
-    fn liveness_at(&self, now: Instant) -> Result<(), String> {
+    /// [`AgentMetrics::live`] as `/liveness` shows it: `Err` is its one-line answer.
+    pub fn liveness(&self) -> Result<(), String> {
+        self.live().map_err(|e| e.to_string())
+    }
+
+    fn live_at(&self, now: Instant) -> Result<(), NotLive> {
         if !self.session_running.load(Ordering::Relaxed) {
-            return Err("session not running".to_owned());
+            return Err(NotLive::SessionNotRunning);
         }
         self.stall_at(now)
     }
 
     /// Why the running session counts as stuck, if it does.
-    fn stall_at(&self, now: Instant) -> Result<(), String> {
+    fn stall_at(&self, now: Instant) -> Result<(), NotLive> {
         let h = self.health();
         let Some(watchdog) = h.watchdog else {
             return Ok(());
@@ -314,43 +367,41 @@ impl AgentMetrics {
         if let Some(last) = h.progress {
             let idle = now.saturating_duration_since(last);
             if idle > watchdog {
-                return Err(format!(
-                    "session loop stalled: no progress for {:.1}s (watchdog timeout {watchdog:?})",
-                    idle.as_secs_f64()
-                ));
+                return Err(NotLive::Stalled { idle, watchdog });
             }
         }
         if let (Some(since), Some(deadline)) = (h.snapshot_since, h.snapshot_timeout) {
             let age = now.saturating_duration_since(since);
             if age > deadline.saturating_add(watchdog) {
-                return Err(format!(
-                    "snapshot stuck: the stream's snapshot has been arriving for {:.1}s without \
-                     InSync (snapshot timeout {deadline:?})",
-                    age.as_secs_f64()
-                ));
+                return Err(NotLive::SnapshotStuck { age, deadline });
             }
         }
         Ok(())
     }
 
-    /// `Ok` when ready, else why not, on one line.
-    pub fn readiness(&self) -> Result<(), String> {
+    /// `Ok` when ready, else why not.
+    pub fn ready(&self) -> Result<(), NotReady> {
         if self.stall_at(Instant::now()).is_err() {
-            return Err("the session loop is stuck (see /liveness)".to_owned());
+            return Err(NotReady::Stuck);
         }
         if !self.connected.load(Ordering::Relaxed) {
-            return Err("not connected to a calc-server".to_owned());
+            return Err(NotReady::NotConnected);
         }
         if !self.stream_in_sync.load(Ordering::Relaxed) {
-            return Err("waiting for the calc-server's snapshot (InSync)".to_owned());
+            return Err(NotReady::NoSnapshot);
         }
         match &*self.last_apply.lock() {
-            Some(Ok(())) => Ok(()),
+            Some(LastApply::Succeeded) => Ok(()),
             // The error says what to fix (a held xtables lock, a refused table) without a trip
             // to the log.
-            Some(Err(error)) => Err(format!("the last apply failed: {error}")),
-            None => Err("the dataplane has not been programmed yet".to_owned()),
+            Some(LastApply::Failed(error)) => Err(NotReady::ApplyFailed(error.clone())),
+            None => Err(NotReady::NotProgrammed),
         }
+    }
+
+    /// [`AgentMetrics::ready`] as `/readiness` shows it: `Err` is its one-line answer.
+    pub fn readiness(&self) -> Result<(), String> {
+        self.ready().map_err(|e| e.to_string())
     }
 
     /// Every metric as OpenMetrics text.
@@ -361,7 +412,7 @@ impl AgentMetrics {
     /// The registry, with the gauges read from the session's state set to their values now.
     fn registry_now(&self) -> &Registry {
         let e = &self.exported;
-        e.ready.set(i64::from(self.readiness().is_ok()));
+        e.ready.set(i64::from(self.ready().is_ok()));
         e.connected
             .set(i64::from(self.connected.load(Ordering::Relaxed)));
         &e.registry
@@ -369,14 +420,14 @@ impl AgentMetrics {
 }
 
 async fn readiness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
-    match m.readiness() {
+    match m.ready() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
 }
 
 async fn liveness(State(m): State<Arc<AgentMetrics>>) -> (StatusCode, String) {
-    match m.liveness() {
+    match m.live() {
         Ok(()) => (StatusCode::OK, "alive\n".to_owned()),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
@@ -442,14 +493,14 @@ mod tests {
     #[test]
     fn readiness_follows_the_session() {
         let m = AgentMetrics::default();
-        assert!(m.readiness().is_err());
+        assert_eq!(m.ready(), Err(NotReady::NotConnected));
         m.stream_started();
         assert_eq!(
             m.readiness(),
             Err("waiting for the calc-server's snapshot (InSync)".to_owned())
         );
         m.in_sync(false);
-        assert!(m.readiness().is_err(), "not programmed yet");
+        assert_eq!(m.ready(), Err(NotReady::NotProgrammed));
         let driver = DriverMetrics {
             ipsets: Some(2),
             ..DriverMetrics::default()
@@ -494,6 +545,7 @@ mod tests {
     #[test]
     fn liveness_fails_on_a_stalled_loop_or_an_overdue_snapshot() {
         let m = AgentMetrics::default();
+        assert_eq!(m.live(), Err(NotLive::SessionNotRunning));
         assert_eq!(m.liveness(), Err("session not running".to_owned()));
         m.set_session_running(true);
         assert_eq!(m.liveness(), Ok(()), "no limits set: running is live");
@@ -503,12 +555,19 @@ mod tests {
         m.set_liveness_limits(watchdog, deadline);
         let start = Instant::now();
         m.health().progress = Some(start);
-        assert_eq!(m.liveness_at(start + watchdog), Ok(()));
+        assert_eq!(m.live_at(start + watchdog), Ok(()));
         let why = m
-            .liveness_at(start + watchdog + Duration::from_millis(1500))
+            .live_at(start + watchdog + Duration::from_millis(1500))
             .unwrap_err();
         assert_eq!(
             why,
+            NotLive::Stalled {
+                idle: watchdog + Duration::from_millis(1500),
+                watchdog
+            }
+        );
+        assert_eq!(
+            why.to_string(),
             "session loop stalled: no progress for 91.5s (watchdog timeout 90s)"
         );
 
@@ -518,16 +577,16 @@ mod tests {
         let since = m.health().snapshot_since.expect("snapshot started");
         let late = since + deadline + watchdog + Duration::from_secs(1);
         m.health().progress = Some(late);
-        let why = m.liveness_at(late).unwrap_err();
+        let why = m.live_at(late).unwrap_err().to_string();
         assert!(why.starts_with("snapshot stuck: "), "{why}");
         assert!(why.contains("391.0s") && why.contains("300s"), "{why}");
         assert!(!why.contains('\n'));
-        assert_eq!(m.liveness_at(since + deadline), Ok(()), "within the margin");
+        assert_eq!(m.live_at(since + deadline), Ok(()), "within the margin");
         m.in_sync(false);
-        assert_eq!(m.liveness_at(late), Ok(()), "InSync ends the snapshot");
+        assert_eq!(m.live_at(late), Ok(()), "InSync ends the snapshot");
         m.stream_started();
         m.stream_ended();
-        assert_eq!(m.liveness_at(late), Ok(()), "so does the stream's end");
+        assert_eq!(m.live_at(late), Ok(()), "so does the stream's end");
 
         // A stalled loop is not ready either.
         m.applied(Duration::from_millis(1), Ok(()), DriverMetrics::default());
@@ -536,6 +595,7 @@ mod tests {
         m.progress();
         assert_eq!(m.readiness(), Ok(()));
         m.health().progress = Some(Instant::now() - watchdog - Duration::from_secs(1));
+        assert_eq!(m.ready(), Err(NotReady::Stuck));
         assert_eq!(
             m.readiness(),
             Err("the session loop is stuck (see /liveness)".to_owned())

@@ -13,8 +13,70 @@ use crate::driver::linux::rules::static_chains::{
     EndpointToHostAction, Failsafe, default_failsafes_in, default_failsafes_out,
 };
 use crate::driver::{DriverKind, LinuxOptions};
-use crate::session::{SessionConfig, normalize_server_url};
-use crate::tls::{ClientTls, ServerIdentity};
+use crate::session::{SessionConfig, UrlError, normalize_server_url};
+use crate::tls::{ClientTls, ServerIdentity, TlsError};
+
+/// What is wrong with the flags beyond what clap checks; shown as `error: ...` at start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum FlagError {
+    #[error(transparent)]
+    ServerUrl(#[from] UrlError),
+    #[error(
+        "--server {0}: the --tls-* flags are set, so every server must be https:// (no plaintext fallback)"
+    )]
+    PlaintextServer(String),
+    #[error(
+        "--server {0}: https:// needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn or --tls-server-uri-san"
+    )]
+    HttpsWithoutTls(String),
+    #[error("--server: at least one calc-server URL is required")]
+    NoServer,
+    #[error("--node must not be empty")]
+    EmptyNode,
+    #[error(
+        "--state-file {}: the directory {} does not exist (create it, or give a path in an existing directory)",
+        path.display(),
+        dir.display()
+    )]
+    StateFileDirectory { path: PathBuf, dir: PathBuf },
+    /// A duration flag that must be positive.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    #[error("--reconnect-min-delay ({min:?}) is larger than --reconnect-max-delay ({max:?})")]
+    ReconnectDelays { min: Duration, max: Duration },
+    /// Some --tls-* flags without the others (each missing item is one choice: `A or B`).
+    #[error(
+        "TLS needs all of --tls-ca-file, --tls-cert-file, --tls-key-file and one of \
+         --tls-server-cn / --tls-server-uri-san; given: {}; missing: {}",
+        given.join(", "),
+        missing.iter().map(|m| format!("[{m}]")).collect::<Vec<_>>().join(" ")
+    )]
+    IncompleteTls {
+        given: Vec<&'static str>,
+        missing: Vec<&'static str>,
+    },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("--interface-prefix must name at least one prefix")]
+    NoInterfacePrefix,
+    #[error("--interface-prefix: {0}")]
+    InterfacePrefix(calico_names::validate::NameError),
+    #[error("--log-prefix: {0}")]
+    LogPrefix(calico_names::validate::NameError),
+    #[error("{flag}: {error}")]
+    Failsafe {
+        flag: &'static str,
+        error: calico_names::felix_config::FailsafeError,
+    },
+    /// The driver's parser of Felix's feature overrides, which says what is wrong.
+    #[error("--feature-detect-override: {0}")]
+    FeatureDetectOverride(String),
+    #[error(
+        "--device-route-protocol {0}: reserved for the kernel (redirect, kernel, boot, static); \
+         routes with it are not ours to delete"
+    )]
+    ReservedRouteProtocol(u8),
+}
 
 /// Follows a calc-server's Sync stream and programs this node's dataplane through a pluggable
 /// driver.
@@ -256,7 +318,7 @@ pub struct Cli {
 
 impl Cli {
     /// Checks what clap cannot and builds the session configuration.
-    pub fn session_config(&self) -> Result<SessionConfig, String> {
+    pub fn session_config(&self) -> Result<SessionConfig, FlagError> {
         let tls = self.tls()?;
         let servers = self
             .servers
@@ -270,21 +332,17 @@ impl Cli {
                     normalize_server_url(s)?
                 };
                 match (tls.is_some(), url.starts_with("https://")) {
-                    (true, false) => Err(format!(
-                        "--server {url}: the --tls-* flags are set, so every server must be https:// (no plaintext fallback)"
-                    )),
-                    (false, true) => Err(format!(
-                        "--server {url}: https:// needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn or --tls-server-uri-san"
-                    )),
+                    (true, false) => Err(FlagError::PlaintextServer(url)),
+                    (false, true) => Err(FlagError::HttpsWithoutTls(url)),
                     _ => Ok(url),
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
         if servers.is_empty() {
-            return Err("--server: at least one calc-server URL is required".to_owned());
+            return Err(FlagError::NoServer);
         }
         if self.node.trim().is_empty() {
-            return Err("--node must not be empty".to_owned());
+            return Err(FlagError::EmptyNode);
         }
         // Checked now: a state file that cannot be written would fail every apply, forever.
         if let Some(path) = &self.state_file {
@@ -293,27 +351,29 @@ impl Cli {
                 _ => std::path::Path::new("."),
             };
             if !dir.is_dir() {
-                return Err(format!(
-                    "--state-file {}: the directory {} does not exist (create it, or give a path in an existing directory)",
-                    path.display(),
-                    dir.display()
-                ));
+                return Err(FlagError::StateFileDirectory {
+                    path: path.clone(),
+                    dir: dir.to_path_buf(),
+                });
             }
         }
-        if self.heartbeat_interval.is_zero() {
-            return Err("--heartbeat-interval must be greater than zero".to_owned());
-        }
-        if self.snapshot_timeout.is_zero() {
-            return Err("--snapshot-timeout must be greater than zero".to_owned());
-        }
-        if self.dataplane_watchdog_timeout.is_zero() {
-            return Err("--dataplane-watchdog-timeout must be greater than zero".to_owned());
+        for (flag, value) in [
+            ("--heartbeat-interval", self.heartbeat_interval),
+            ("--snapshot-timeout", self.snapshot_timeout),
+            (
+                "--dataplane-watchdog-timeout",
+                self.dataplane_watchdog_timeout,
+            ),
+        ] {
+            if value.is_zero() {
+                return Err(FlagError::Zero(flag));
+            }
         }
         if self.reconnect_min_delay > self.reconnect_max_delay {
-            return Err(format!(
-                "--reconnect-min-delay ({:?}) is larger than --reconnect-max-delay ({:?})",
-                self.reconnect_min_delay, self.reconnect_max_delay
-            ));
+            return Err(FlagError::ReconnectDelays {
+                min: self.reconnect_min_delay,
+                max: self.reconnect_max_delay,
+            });
         }
         let mut config = SessionConfig::new(servers, self.node.trim());
         config.heartbeat_interval = self.heartbeat_interval;
@@ -328,7 +388,7 @@ impl Cli {
     }
 
     /// The TLS settings: `None` without any --tls-* flag; all-or-nothing otherwise.
-    pub fn tls(&self) -> Result<Option<ClientTls>, String> {
+    pub fn tls(&self) -> Result<Option<ClientTls>, FlagError> {
         let any = self.tls_ca_file.is_some()
             || self.tls_cert_file.is_some()
             || self.tls_key_file.is_some()
@@ -337,7 +397,7 @@ impl Cli {
         if !any {
             return Ok(None);
         }
-        let missing: Vec<&str> = [
+        let missing: Vec<&'static str> = [
             ("--tls-ca-file", self.tls_ca_file.is_none()),
             ("--tls-cert-file", self.tls_cert_file.is_none()),
             ("--tls-key-file", self.tls_key_file.is_none()),
@@ -356,8 +416,7 @@ impl Cli {
             &self.tls_key_file,
             missing.is_empty(),
         ) else {
-            // One item per line of what is missing, so "A or B" reads as one choice.
-            let given: Vec<&str> = [
+            let given: Vec<&'static str> = [
                 ("--tls-ca-file", self.tls_ca_file.is_some()),
                 ("--tls-cert-file", self.tls_cert_file.is_some()),
                 ("--tls-key-file", self.tls_key_file.is_some()),
@@ -368,24 +427,13 @@ impl Cli {
             .filter(|(_, g)| *g)
             .map(|(n, _)| *n)
             .collect();
-            return Err(format!(
-                "TLS needs all of --tls-ca-file, --tls-cert-file, --tls-key-file and one of \
-                 --tls-server-cn / --tls-server-uri-san; given: {}; missing: {}",
-                given.join(", "),
-                missing
-                    .iter()
-                    .map(|m| format!("[{m}]"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            ));
+            return Err(FlagError::IncompleteTls { given, missing });
         };
         let identity = ServerIdentity {
             cn: self.tls_server_cn.clone().filter(|s| !s.is_empty()),
             uri_san: self.tls_server_uri_san.clone().filter(|s| !s.is_empty()),
         };
-        ClientTls::load(ca, cert, key, identity)
-            .map(Some)
-            .map_err(|e| e.to_string())
+        Ok(Some(ClientTls::load(ca, cert, key, identity)?))
     }
 }
 
@@ -428,7 +476,7 @@ impl Cli {
     }
 
     /// The Linux driver's settings from the flags.
-    pub fn linux_options(&self) -> Result<LinuxOptions, String> {
+    pub fn linux_options(&self) -> Result<LinuxOptions, FlagError> {
         let prefixes: Vec<String> = self
             .interface_prefix
             .iter()
@@ -436,25 +484,29 @@ impl Cli {
             .filter(|p| !p.is_empty())
             .collect();
         if prefixes.is_empty() {
-            return Err("--interface-prefix must name at least one prefix".to_owned());
+            return Err(FlagError::NoInterfacePrefix);
         }
         if let Some(e) = prefixes
             .iter()
             .find_map(|p| crate::driver::linux::validate::interface_prefix(p).err())
         {
-            return Err(format!("--interface-prefix: {e}"));
+            return Err(FlagError::InterfacePrefix(e));
         }
         crate::driver::linux::validate::log_prefix(&self.log_prefix)
-            .map_err(|e| format!("--log-prefix: {e}"))?;
-        let failsafes = |flag: &str, v: &Option<Vec<String>>, default: Vec<Failsafe>| match v {
-            None => Ok(default),
-            Some(list) => list
-                .iter()
-                .map(|s| s.trim())
-                .filter(|s| !s.is_empty())
-                .map(|s| s.parse::<Failsafe>().map_err(|e| format!("{flag}: {e}")))
-                .collect(),
-        };
+            .map_err(FlagError::LogPrefix)?;
+        let failsafes =
+            |flag: &'static str, v: &Option<Vec<String>>, default: Vec<Failsafe>| match v {
+                None => Ok(default),
+                Some(list) => list
+                    .iter()
+                    .map(|s| s.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(|s| {
+                        s.parse::<Failsafe>()
+                            .map_err(|error| FlagError::Failsafe { flag, error })
+                    })
+                    .collect(),
+            };
         let mut opts = LinuxOptions {
             backend: self.iptables_backend,
             ipv6: self.ipv6_support,
@@ -482,15 +534,11 @@ impl Cli {
         opts.render.log_prefix = self.log_prefix.clone();
         opts.masq_fully_random =
             crate::driver::linux::config::parse_feature_overrides(&self.feature_detect_override)
-                .map_err(|e| format!("--feature-detect-override: {e}"))?;
+                .map_err(FlagError::FeatureDetectOverride)?;
         opts.manage_routes = !self.route_sync_disabled;
         opts.route_protocol = self.device_route_protocol;
         if matches!(opts.route_protocol, 1..=4) {
-            return Err(format!(
-                "--device-route-protocol {}: reserved for the kernel (redirect, kernel, boot, static); \
-                 routes with it are not ours to delete",
-                opts.route_protocol
-            ));
+            return Err(FlagError::ReservedRouteProtocol(opts.route_protocol));
         }
         Ok(opts)
     }
@@ -648,7 +696,7 @@ mod tests {
             Cli::try_parse_from(args).expect("parses")
         };
         let cli = parse(&["--failsafe-inbound-host-ports", "tcp:22,udp:x"]);
-        let err = cli.linux_options().unwrap_err();
+        let err = cli.linux_options().unwrap_err().to_string();
         assert!(
             err.contains("--failsafe-inbound-host-ports") && err.contains("udp:x"),
             "{err}"
@@ -674,7 +722,8 @@ mod tests {
         assert_eq!(parse(&[]).linux_options().unwrap().masq_fully_random, None);
         let err = parse(&["--feature-detect-override", "Turbo=true"])
             .linux_options()
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("--feature-detect-override") && err.contains("Turbo"),
             "{err}"
@@ -699,7 +748,8 @@ mod tests {
         };
         let err = parse(&["--tls-server-cn", "calc"])
             .session_config()
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("--tls-ca-file") && err.contains("--tls-key-file"),
             "{err}"
@@ -713,7 +763,8 @@ mod tests {
             "/k",
         ])
         .session_config()
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("--tls-server-cn"), "{err}");
         // What is missing is listed item by item: "A or B" is one choice, not two flags.
         assert!(
@@ -730,7 +781,10 @@ mod tests {
             "n",
         ])
         .unwrap();
-        assert!(cli.session_config().unwrap_err().contains("https://"));
+        assert!(matches!(
+            cli.session_config(),
+            Err(FlagError::HttpsWithoutTls(url)) if url == "https://calc:50051"
+        ));
     }
 
     #[test]
@@ -745,7 +799,7 @@ mod tests {
             "/nonexistent-dir-xyz/node.json",
         ])
         .unwrap();
-        let err = cli.session_config().unwrap_err();
+        let err = cli.session_config().unwrap_err().to_string();
         assert!(
             err.contains("/nonexistent-dir-xyz") && err.contains("does not exist"),
             "{err}"
@@ -769,7 +823,11 @@ mod tests {
     fn a_server_without_a_port_is_refused() {
         for url in ["127.0.0.1", "http://calc-server", "https://calc.example"] {
             let err = crate::session::normalize_server_url(url).unwrap_err();
-            assert!(err.contains("port"), "{url}: {err}");
+            assert!(
+                matches!(&err, crate::session::UrlError::NoPort(_)),
+                "{url}: {err}"
+            );
+            assert!(err.to_string().contains("port"), "{url}: {err}");
         }
         assert_eq!(
             crate::session::normalize_server_url("127.0.0.1:50051").unwrap(),
@@ -806,12 +864,18 @@ mod tests {
             .expect("parses")
             .session_config()
             .unwrap_err();
-        assert!(err.contains("--snapshot-timeout"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "--snapshot-timeout must be greater than zero"
+        );
         let err = parse(&["--dataplane-watchdog-timeout", "0"])
             .expect("parses")
             .session_config()
             .unwrap_err();
-        assert!(err.contains("--dataplane-watchdog-timeout"), "{err}");
+        assert!(
+            matches!(err, FlagError::Zero("--dataplane-watchdog-timeout")),
+            "{err}"
+        );
         let help = Cli::command().render_long_help().to_string();
         for env in [
             "DATAPLANE_AGENT_SNAPSHOT_TIMEOUT",

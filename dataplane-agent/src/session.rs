@@ -231,24 +231,61 @@ impl SessionConfig {
     }
 }
 
+/// Why a `--server` value is not a calc-server URL.
+#[derive(Debug, thiserror::Error)]
+pub enum UrlError {
+    #[error("empty server URL")]
+    Empty,
+    #[error("{url}: {}", error_chain(error))]
+    Invalid {
+        url: String,
+        error: tonic::transport::Error,
+    },
+    /// Without a port the URL means 80 or 443, never a calc-server's.
+    #[error(
+        "{0}: no port; give the calc-server's --listen port (the default is 50051), e.g. {0}:50051"
+    )]
+    NoPort(String),
+}
+
+/// Why a connection to a calc-server could not be made (logged; the session retries).
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error("timed out after {0:?}")]
+    TimedOut(Duration),
+    #[error("{0}: TLS is configured, so the server URL must be https://")]
+    NeedsHttps(String),
+    #[error(
+        "{0}: an https:// server needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn"
+    )]
+    NeedsTls(String),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::ConnectError),
+    /// The connection itself, its cause chain on one line.
+    #[error("{}", error_chain(.0))]
+    Transport(tonic::transport::Error),
+}
+
 /// Adds `http://` to a URL without a scheme and checks that tonic accepts it.
-pub fn normalize_server_url(url: &str) -> Result<String, String> {
+pub fn normalize_server_url(url: &str) -> Result<String, UrlError> {
     let url = url.trim();
     if url.is_empty() {
-        return Err("empty server URL".to_owned());
+        return Err(UrlError::Empty);
     }
     let url = if url.contains("://") {
         url.to_owned()
     } else {
         format!("http://{url}")
     };
-    let endpoint =
-        Endpoint::from_shared(url.clone()).map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+    let endpoint = match Endpoint::from_shared(url.clone()) {
+        Ok(e) => e,
+        Err(error) => return Err(UrlError::Invalid { url, error }),
+    };
     // Without a port the URL means 80 or 443, never a calc-server's: say so instead.
     if endpoint.uri().port_u16().is_none() {
-        return Err(format!(
-            "{url}: no port; give the calc-server's --listen port (the default is 50051), e.g. {url}:50051"
-        ));
+        return Err(UrlError::NoPort(url));
     }
     Ok(url)
 }
@@ -379,7 +416,7 @@ fn watchdog_tick(watchdog_timeout: Duration) -> Duration {
 #[derive(Debug)]
 enum StreamEnd {
     /// The connection could not be made.
-    Connect(String),
+    Connect(ConnectError),
     /// The call was rejected or the stream ended with a gRPC status.
     Status(tonic::Status),
     /// The server ended the stream cleanly.
@@ -702,7 +739,7 @@ async fn connect(
         CalcServerClient<tonic::transport::Channel>,
         Option<ConnectionErrors>,
     ),
-    String,
+    ConnectError,
 > {
     let url = normalize_server_url(url)?;
     let settings = |e: Endpoint| {
@@ -719,27 +756,19 @@ async fn connect(
                 .await
             {
                 Ok(Ok((channel, errors))) => Ok((client(config, channel), Some(errors))),
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
+                Ok(Err(e)) => Err(e.into()),
+                Err(_) => Err(ConnectError::TimedOut(config.connect_timeout)),
             };
         }
-        (Some(_), false) => {
-            return Err(format!(
-                "{url}: TLS is configured, so the server URL must be https://"
-            ));
-        }
-        (None, true) => {
-            return Err(format!(
-                "{url}: an https:// server needs --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-cn"
-            ));
-        }
+        (Some(_), false) => return Err(ConnectError::NeedsHttps(url)),
+        (None, true) => return Err(ConnectError::NeedsTls(url)),
         (None, false) => {}
     }
-    let endpoint = settings(Endpoint::from_shared(url).map_err(|e| error_chain(&e))?);
+    let endpoint = settings(Endpoint::from_shared(url).map_err(ConnectError::Transport)?);
     match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
         Ok(Ok(channel)) => Ok((client(config, channel), None)),
-        Ok(Err(e)) => Err(error_chain(&e)),
-        Err(_) => Err(format!("timed out after {:?}", config.connect_timeout)),
+        Ok(Err(e)) => Err(ConnectError::Transport(e)),
+        Err(_) => Err(ConnectError::TimedOut(config.connect_timeout)),
     }
 }
 
@@ -1297,15 +1326,17 @@ mod tests {
     #[test]
     fn urls_get_a_scheme() {
         assert_eq!(
-            normalize_server_url("calc:50051").as_deref(),
-            Ok("http://calc:50051")
+            normalize_server_url("calc:50051").unwrap(),
+            "http://calc:50051"
         );
         assert_eq!(
-            normalize_server_url(" https://calc.example:443 ").as_deref(),
-            Ok("https://calc.example:443")
+            normalize_server_url(" https://calc.example:443 ").unwrap(),
+            "https://calc.example:443"
         );
-        assert!(normalize_server_url("").is_err());
-        assert!(normalize_server_url("http://bad host").is_err());
+        assert!(matches!(normalize_server_url(""), Err(UrlError::Empty)));
+        let bad = normalize_server_url("http://bad host").unwrap_err();
+        assert!(matches!(bad, UrlError::Invalid { .. }), "{bad}");
+        assert!(bad.to_string().starts_with("http://bad host: "), "{bad}");
     }
 
     #[test]

@@ -46,6 +46,31 @@ pub enum TlsError {
     Config(String),
 }
 
+/// Why a TLS connection to a calc-server could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{url}: {error}")]
+    Uri {
+        url: String,
+        error: tonic::codegen::http::uri::InvalidUri,
+    },
+    #[error("{0}: no host")]
+    NoHost(String),
+    #[error("{url}: {error}")]
+    Endpoint {
+        url: String,
+        error: tonic::transport::Error,
+    },
+    #[error("{url}: {error}")]
+    ServerName {
+        url: String,
+        error: rustls::pki_types::InvalidDnsNameError,
+    },
+    /// The connection itself (TCP, the handshake, HTTP/2), its cause chain on one line.
+    #[error("{}", crate::session::error_chain(.0))]
+    Connection(tonic::transport::Error),
+}
+
 /// The expected server identity.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServerIdentity {
@@ -140,11 +165,14 @@ impl ClientTls {
         &self,
         url: &str,
         endpoint_settings: impl FnOnce(Endpoint) -> Endpoint,
-    ) -> Result<(Channel, ConnectionErrors), String> {
-        let uri: Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    ) -> Result<(Channel, ConnectionErrors), ConnectError> {
+        let uri: Uri = url.parse().map_err(|error| ConnectError::Uri {
+            url: url.to_owned(),
+            error,
+        })?;
         let host = uri
             .host()
-            .ok_or_else(|| format!("{url}: no host"))?
+            .ok_or_else(|| ConnectError::NoHost(url.to_owned()))?
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_owned();
@@ -156,11 +184,19 @@ impl ClientTls {
         } else {
             format!("{host}:{port}")
         };
-        let endpoint = Endpoint::from_shared(format!("http://{authority}"))
-            .map_err(|e| format!("{url}: {e}"))?;
+        let endpoint = Endpoint::from_shared(format!("http://{authority}")).map_err(|error| {
+            ConnectError::Endpoint {
+                url: url.to_owned(),
+                error,
+            }
+        })?;
         let endpoint = endpoint_settings(endpoint);
         let connector = tokio_rustls::TlsConnector::from(self.config.clone());
-        let server_name = ServerName::try_from(host.clone()).map_err(|e| format!("{url}: {e}"))?;
+        let server_name =
+            ServerName::try_from(host.clone()).map_err(|error| ConnectError::ServerName {
+                url: url.to_owned(),
+                error,
+            })?;
         let errors = ConnectionErrors::default();
         let recorder = errors.clone();
         let service = tower::service_fn(move |_: Uri| {
@@ -184,7 +220,7 @@ impl ClientTls {
         let channel = endpoint
             .connect_with_connector(service)
             .await
-            .map_err(|e| crate::session::error_chain(&e))?;
+            .map_err(ConnectError::Connection)?;
         Ok((channel, errors))
     }
 }
@@ -196,7 +232,7 @@ fn certificate_hint(e: &rustls::Error) -> Option<String> {
     Some(match e {
         rustls::Error::InvalidCertificate(CertificateError::Other(other)) => {
             match other.0.downcast_ref::<IdentityMismatch>() {
-                Some(m) => m.0.clone(),
+                Some(m) => m.to_string(),
                 None => format!("the server's certificate is refused: {other}"),
             }
         }
@@ -380,24 +416,49 @@ struct IdentityVerifier {
     expected: ServerIdentity,
 }
 
-/// The server certificate does not carry the identity the agent expects.
-#[derive(Debug)]
-struct IdentityMismatch(String);
+/// The server certificate does not carry the identity the agent expects, or cannot be read.
+#[derive(Debug, thiserror::Error)]
+enum IdentityMismatch {
+    #[error(transparent)]
+    Unparseable(calico_names::cert::CertError),
+    #[error(
+        "server certificate identity mismatch: the server's certificate has {found}, this agent \
+         expects {wanted}: check --tls-server-cn / --tls-server-uri-san against calc-server's \
+         certificate",
+        found = found_names(cn.as_deref(), uri_sans),
+        wanted = expected_names(expected)
+    )]
+    Names {
+        expected: ServerIdentity,
+        cn: Option<String>,
+        uri_sans: Vec<String>,
+    },
+}
 
-impl fmt::Display for IdentityMismatch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+fn expected_names(expected: &ServerIdentity) -> String {
+    match (&expected.cn, &expected.uri_san) {
+        (Some(c), Some(u)) => format!("CN \"{c}\" or URI SAN {u}"),
+        (Some(c), None) => format!("CN \"{c}\" (--tls-server-cn)"),
+        (None, Some(u)) => format!("URI SAN {u} (--tls-server-uri-san)"),
+        (None, None) => "no identity".into(),
     }
 }
 
-impl std::error::Error for IdentityMismatch {}
+fn found_names(cn: Option<&str>, uris: &[String]) -> String {
+    match (cn, uris.is_empty()) {
+        (Some(c), true) => format!("CN \"{c}\" and no URI SAN"),
+        (Some(c), false) => format!("CN \"{c}\" and URI SANs {}", uris.join(", ")),
+        (None, true) => "no CN and no URI SAN".into(),
+        (None, false) => format!("no CN and URI SANs {}", uris.join(", ")),
+    }
+}
 
-/// Whether names match the expected identity; `Err` says what was found instead.
+/// Whether names match the expected identity; `Err` holds what was found instead.
 fn check_identity(
     expected: &ServerIdentity,
     cn: Option<&str>,
     uris: &[String],
-) -> Result<(), String> {
+) -> Result<(), IdentityMismatch> {
     let cn_ok = expected.cn.as_deref().is_some_and(|e| cn == Some(e));
     let uri_ok = expected
         .uri_san
@@ -406,23 +467,11 @@ fn check_identity(
     if cn_ok || uri_ok {
         return Ok(());
     }
-    let expected = match (&expected.cn, &expected.uri_san) {
-        (Some(c), Some(u)) => format!("CN \"{c}\" or URI SAN {u}"),
-        (Some(c), None) => format!("CN \"{c}\" (--tls-server-cn)"),
-        (None, Some(u)) => format!("URI SAN {u} (--tls-server-uri-san)"),
-        (None, None) => "no identity".into(),
-    };
-    let found = match (cn, uris.is_empty()) {
-        (Some(c), true) => format!("CN \"{c}\" and no URI SAN"),
-        (Some(c), false) => format!("CN \"{c}\" and URI SANs {}", uris.join(", ")),
-        (None, true) => "no CN and no URI SAN".into(),
-        (None, false) => format!("no CN and URI SANs {}", uris.join(", ")),
-    };
-    Err(format!(
-        "server certificate identity mismatch: the server's certificate has {found}, this agent \
-         expects {expected}: check --tls-server-cn / --tls-server-uri-san against calc-server's \
-         certificate"
-    ))
+    Err(IdentityMismatch::Names {
+        expected: expected.clone(),
+        cn: cn.map(str::to_owned),
+        uri_sans: uris.to_vec(),
+    })
 }
 
 impl ServerCertVerifier for IdentityVerifier {
@@ -442,16 +491,14 @@ impl ServerCertVerifier for IdentityVerifier {
             now,
             self.provider.signature_verification_algorithms.all,
         )?;
-        let names = calico_names::cert::CertNames::of(end_entity.as_ref()).map_err(|e| {
+        let refused = |e: IdentityMismatch| {
             rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
-                Arc::new(IdentityMismatch(e.to_string())),
+                Arc::new(e),
             )))
-        })?;
-        check_identity(&self.expected, names.cn.as_deref(), &names.uri_sans).map_err(|e| {
-            rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
-                Arc::new(IdentityMismatch(e)),
-            )))
-        })?;
+        };
+        let names = calico_names::cert::CertNames::of(end_entity.as_ref())
+            .map_err(|e| refused(IdentityMismatch::Unparseable(e)))?;
+        check_identity(&self.expected, names.cn.as_deref(), &names.uri_sans).map_err(refused)?;
         Ok(ServerCertVerified::assertion())
     }
 
@@ -503,10 +550,15 @@ mod tests {
         let uris = vec!["spiffe://c/calc".to_owned()];
         assert!(check_identity(&both, Some("calc-server"), &[]).is_ok());
         assert!(check_identity(&both, Some("other"), &uris).is_ok());
-        let err = check_identity(&both, Some("other"), &["spiffe://c/x".into()]).unwrap_err();
-        assert!(
-            err.contains("\"other\"") && err.contains("spiffe://c/x"),
-            "{err}"
+        let err = check_identity(&both, Some("other"), &["spiffe://c/x".into()])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "server certificate identity mismatch: the server's certificate has CN \"other\" and \
+             URI SANs spiffe://c/x, this agent expects CN \"calc-server\" or URI SAN \
+             spiffe://c/calc: check --tls-server-cn / --tls-server-uri-san against calc-server's \
+             certificate"
         );
         let cn_only = ServerIdentity {
             cn: Some("calc-server".into()),
