@@ -59,8 +59,6 @@ pub fn require() {
     }
 }
 
-/// Writes a manifest for the file datastore beside its final name and renames it, so the
-/// server's watcher never reads half a file.
 /// A namespace's profile as kube-controllers writes it: allow all both ways, carrying the
 /// namespace's labels (`pcns.`-prefixed, `env` here) for namespace selectors.
 pub fn namespace_profile(ns: &str, env: &str) -> String {
@@ -80,6 +78,123 @@ spec:
     )
 }
 
+/// A pod's WorkloadEndpoint as Calico's CNI plugin writes it, for the file datastore: pod `pod`
+/// of namespace `ns` on `node`, endpoint `eth0` on host interface `iface`, with its namespace's
+/// profile (`kns.<ns>`). Each method adds one field; [`WepManifest::render`] writes the YAML
+/// document (ending `---`).
+pub fn wep_manifest(node: &str, ns: &str, pod: &str, iface: &str) -> WepManifest {
+    WepManifest {
+        node: node.to_owned(),
+        ns: ns.to_owned(),
+        pod: pod.to_owned(),
+        iface: iface.to_owned(),
+        labels: Vec::new(),
+        mac: None,
+        nets: Vec::new(),
+        ports: None,
+    }
+}
+
+/// A WorkloadEndpoint manifest being built: see [`wep_manifest`].
+#[must_use]
+pub struct WepManifest {
+    node: String,
+    ns: String,
+    pod: String,
+    iface: String,
+    labels: Vec<(String, String)>,
+    mac: Option<String>,
+    nets: Vec<String>,
+    ports: Option<String>,
+}
+
+impl WepManifest {
+    /// One more label.
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// The labels Calico puts on every pod's endpoint: its namespace and its orchestrator.
+    pub fn calico_labels(self) -> Self {
+        let ns = self.ns.clone();
+        self.label("projectcalico.org/namespace", &ns)
+            .label("projectcalico.org/orchestrator", "k8s")
+    }
+
+    /// The workload's MAC.
+    pub fn mac(mut self, mac: &str) -> Self {
+        self.mac = Some(mac.to_owned());
+        self
+    }
+
+    /// One more IPv4 address (as a /32).
+    pub fn ipv4(mut self, ip: &str) -> Self {
+        self.nets.push(format!("{ip}/32"));
+        self
+    }
+
+    /// One more IPv6 address (as a /128).
+    pub fn ipv6(mut self, ip: &str) -> Self {
+        self.nets.push(format!("{ip}/128"));
+        self
+    }
+
+    /// The named ports, as YAML flow items (`{name: http, protocol: TCP, port: 8080}`, comma
+    /// separated; empty for `ports: []`).
+    pub fn ports(mut self, items: &str) -> Self {
+        self.ports = Some(items.to_owned());
+        self
+    }
+
+    /// The YAML document.
+    pub fn render(&self) -> String {
+        let escape = |s: &str| s.replace('-', "--");
+        let mut out = format!(
+            "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: {}-k8s-{}-eth0
+  namespace: {}
+",
+            escape(&self.node),
+            escape(&self.pod),
+            self.ns
+        );
+        if !self.labels.is_empty() {
+            out.push_str("  labels:\n");
+            for (k, v) in &self.labels {
+                out.push_str(&format!("    {k}: {v}\n"));
+            }
+        }
+        out.push_str(&format!(
+            "spec:
+  orchestrator: k8s
+  node: {}
+  pod: {}
+  endpoint: eth0
+  interfaceName: {}
+",
+            self.node, self.pod, self.iface
+        ));
+        if let Some(mac) = &self.mac {
+            out.push_str(&format!("  mac: \"{mac}\"\n"));
+        }
+        out.push_str(&format!(
+            "  ipNetworks: [{}]\n  profiles: [kns.{}]\n",
+            self.nets.join(", "),
+            self.ns
+        ));
+        if let Some(ports) = &self.ports {
+            out.push_str(&format!("  ports: [{ports}]\n"));
+        }
+        out.push_str("---\n");
+        out
+    }
+}
+
+/// Writes a manifest for the file datastore beside its final name and renames it, so the
+/// server's watcher never reads half a file.
 pub fn write_manifest(dir: &Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     std::fs::write(&tmp, text).expect("write manifest");
@@ -843,4 +958,47 @@ pub fn expect_eventually(what: &str, probes: &[Probe<'_>], cp: &ControlPlane) {
     expect_verdicts(what, probes, Duration::from_secs(20), || {
         format!("agent log:\n{}", cp.agent_log_text())
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wep_manifest;
+
+    /// The document as the tests wrote it by hand before there was a builder, names escaped as
+    /// Calico's CNI plugin escapes them.
+    #[test]
+    fn a_wep_manifest_is_the_cni_plugins_document() {
+        let text = wep_manifest("node-a", "prod", "web-1", "caliweb")
+            .label("app", "web")
+            .calico_labels()
+            .mac("ee:ee:ee:ee:ee:01")
+            .ipv4("10.65.0.2")
+            .ipv6("fd00:65::2")
+            .ports("{name: http, protocol: TCP, port: 8080}")
+            .render();
+        assert_eq!(
+            text,
+            "apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--a-k8s-web--1-eth0
+  namespace: prod
+  labels:
+    app: web
+    projectcalico.org/namespace: prod
+    projectcalico.org/orchestrator: k8s
+spec:
+  orchestrator: k8s
+  node: node-a
+  pod: web-1
+  endpoint: eth0
+  interfaceName: caliweb
+  mac: \"ee:ee:ee:ee:ee:01\"
+  ipNetworks: [10.65.0.2/32, fd00:65::2/128]
+  profiles: [kns.prod]
+  ports: [{name: http, protocol: TCP, port: 8080}]
+---
+"
+        );
+    }
 }

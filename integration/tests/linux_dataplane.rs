@@ -12,35 +12,19 @@ use std::time::Duration;
 use integration::driver_tests;
 use integration::netns::{
     ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, failing, namespace_profile,
-    nft_chain, nft_list, nft_sets_holding, wait_until, write_manifest,
+    nft_chain, nft_list, nft_sets_holding, wait_until, wep_manifest, write_manifest,
 };
 
 const NODE: &str = "node-a";
 
 fn wep(ns: &str, pod: &str, app: &str, iface: &str, w: &Workload, ports: &str) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--a-k8s-{pod}-eth0
-  namespace: {ns}
-  labels:
-    app: {app}
-    projectcalico.org/namespace: {ns}
-    projectcalico.org/orchestrator: k8s
-spec:
-  orchestrator: k8s
-  node: {NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  ipNetworks: [{}/32, {}/128]
-  profiles: [kns.{ns}]
-  ports: [{ports}]
----
-",
-        w.ipv4, w.ipv6
-    )
+    wep_manifest(NODE, ns, pod, iface)
+        .label("app", app)
+        .calico_labels()
+        .ipv4(&w.ipv4)
+        .ipv6(&w.ipv6)
+        .ports(ports)
+        .render()
 }
 
 /// The security tier passes traffic from prod namespaces and from trusted network sets,

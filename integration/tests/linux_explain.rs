@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use integration::driver_tests;
 use integration::netns::{
-    ControlPlane, Driver, Netns, Workload, namespace_profile, write_manifest,
+    ControlPlane, Driver, Netns, Workload, namespace_profile, wep_manifest, write_manifest,
 };
 use serde_json::Value;
 
@@ -138,44 +138,23 @@ impl Pod {
     }
 
     fn manifest(&self, i: usize) -> String {
-        let labels: String = self
-            .labels
-            .iter()
-            .map(|(k, v)| format!("    {k}: {v}\n"))
-            .collect();
         let ports = self
             .named_ports
             .iter()
             .map(|(n, p)| format!("{{name: {n}, protocol: TCP, port: {p}}}"))
             .collect::<Vec<_>>()
             .join(", ");
-        format!(
-            "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: {wep}
-  namespace: {ns}
-  labels:
-{labels}    projectcalico.org/namespace: {ns}
-    projectcalico.org/orchestrator: k8s
-spec:
-  orchestrator: k8s
-  node: {NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  ipNetworks: [{v4}/32, {v6}/128]
-  profiles: [kns.{ns}]
-  ports: [{ports}]
----
-",
-            wep = self.wep_name(),
-            ns = self.ns,
-            pod = self.name,
-            iface = self.iface(),
-            v4 = Pod::ipv4(i),
-            v6 = Pod::ipv6(i),
-        )
+        self.labels
+            .iter()
+            .fold(
+                wep_manifest(NODE, self.ns, self.name, &self.iface()),
+                |m, (k, v)| m.label(k, v),
+            )
+            .calico_labels()
+            .ipv4(&Pod::ipv4(i))
+            .ipv6(&Pod::ipv6(i))
+            .ports(&ports)
+            .render()
     }
 }
 

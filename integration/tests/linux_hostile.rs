@@ -826,27 +826,11 @@ fn hostile_stream(driver: Driver) {
 const MANIFEST_NODE: &str = "node-a";
 
 fn manifest_wep(pod: &str, iface: &str, ip: &str) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--a-k8s-{pod}-eth0
-  namespace: prod
-  labels:
-    app: {pod}
-    projectcalico.org/namespace: prod
-    projectcalico.org/orchestrator: k8s
-spec:
-  orchestrator: k8s
-  node: {MANIFEST_NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  ipNetworks: [{ip}/32]
-  profiles: [kns.prod]
----
-"
-    )
+    netns::wep_manifest(MANIFEST_NODE, "prod", pod, iface)
+        .label("app", pod)
+        .calico_labels()
+        .ipv4(ip)
+        .render()
 }
 
 fn manifest_guard(ports: &str) -> String {

@@ -15,33 +15,22 @@ use std::time::{Duration, Instant};
 
 use integration::netns::{
     ControlPlane, Driver, Ipt, Netns, Probe, Workload, expect_eventually, namespace_profile,
-    nft_chain, nft_list, nft_text, wait_until, write_manifest,
+    nft_chain, nft_list, nft_text, wait_until, wep_manifest, write_manifest,
 };
 
 const NODE: &str = "node-a";
 
 fn wep(pod: &str, w: &Workload) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--a-k8s-{pod}-eth0
-  namespace: prod
-  labels: {{app: {pod}}}
-spec:
-  orchestrator: k8s
-  node: {NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  ipNetworks: [{v4}/32, {v6}/128]
-  profiles: [kns.prod]
----
-",
-        iface = w.iface,
-        v4 = w.ipv4,
-        v6 = w.ipv6,
-    )
+    wep_labelled(pod, pod, w)
+}
+
+/// [`wep`] labelled `app: <app>`.
+fn wep_labelled(pod: &str, app: &str, w: &Workload) -> String {
+    wep_manifest(NODE, "prod", pod, &w.iface)
+        .label("app", app)
+        .ipv4(&w.ipv4)
+        .ipv6(&w.ipv6)
+        .render()
 }
 
 /// web accepts the client on 8080 only: 9090 reaches the end of the default tier (drop). The
@@ -415,10 +404,7 @@ fn a_label_change_reaches_the_kernel_as_a_netlink_element_batch() {
     let dir = tempfile::tempdir().expect("temp dir");
     let workloads = |client_app: &str| {
         let mut m = namespace_profile("prod", "prod");
-        m.push_str(&wep("client", &client).replace(
-            "labels: {app: client}",
-            &format!("labels: {{app: {client_app}}}"),
-        ));
+        m.push_str(&wep_labelled("client", client_app, &client));
         m.push_str(&wep("web", &web));
         m
     };

@@ -15,32 +15,16 @@ use std::process::Command;
 use integration::driver_tests;
 use integration::netns::{
     ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, namespace_profile, nft_list,
-    write_manifest,
+    wep_manifest, write_manifest,
 };
 
 const NODE: &str = "node-a";
 
 fn wep(ns: &str, pod: &str, app: &str, w: &Workload) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--a-k8s-{pod}-eth0
-  namespace: {ns}
-  labels: {{app: {app}}}
-spec:
-  orchestrator: k8s
-  node: {NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  ipNetworks: [{ip}/32]
-  profiles: [kns.{ns}]
----
-",
-        iface = w.iface,
-        ip = w.ipv4,
-    )
+    wep_manifest(NODE, ns, pod, &w.iface)
+        .label("app", app)
+        .ipv4(&w.ipv4)
+        .render()
 }
 
 /// The tiers Calico creates in every datastore, and the default tier.

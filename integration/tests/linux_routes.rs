@@ -11,38 +11,19 @@ use std::time::{Duration, Instant};
 use integration::driver_tests;
 use integration::netns::{
     ControlPlane, Driver, Netns, Probe, Workload, expect_eventually, failing, nft_chain, nft_list,
-    nft_packets, write_manifest,
+    nft_packets, wep_manifest, write_manifest,
 };
 
 const NODE: &str = "node-a";
 
 fn wep(pod: &str, w: &Workload) -> String {
-    format!(
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--a-k8s-{pod}-eth0
-  namespace: prod
-  labels:
-    app: {pod}
-    projectcalico.org/namespace: prod
-    projectcalico.org/orchestrator: k8s
-spec:
-  orchestrator: k8s
-  node: {NODE}
-  pod: {pod}
-  endpoint: eth0
-  interfaceName: {iface}
-  mac: \"{mac}\"
-  ipNetworks: [{v4}/32, {v6}/128]
-  profiles: [kns.prod]
----
-",
-        iface = w.iface,
-        mac = w.mac(),
-        v4 = w.ipv4,
-        v6 = w.ipv6,
-    )
+    wep_manifest(NODE, "prod", pod, &w.iface)
+        .label("app", pod)
+        .calico_labels()
+        .mac(&w.mac())
+        .ipv4(&w.ipv4)
+        .ipv6(&w.ipv6)
+        .render()
 }
 
 const PROFILE: &str = "apiVersion: projectcalico.org/v3

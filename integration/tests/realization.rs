@@ -6,6 +6,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use integration::netns::wep_manifest;
 use integration::{Agent, Server, binary, example_datastore, http_get, metric};
 
 fn status(server: &Server, args: &[&str]) -> String {
@@ -139,21 +140,11 @@ fn a_new_endpoint_is_timed_until_its_agent_applies_it() {
     assert_eq!(count(), 0.0, "the snapshot's endpoints are not new");
     std::fs::write(
         dir.path().join("new-pod.yaml"),
-        "apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata:
-  name: node--1-k8s-web--9-eth0
-  namespace: shop
-  labels: {app: web, projectcalico.org/namespace: shop, projectcalico.org/orchestrator: k8s}
-spec:
-  orchestrator: k8s
-  node: node-1
-  pod: web-9
-  endpoint: eth0
-  interfaceName: caliweb9
-  ipNetworks: [10.65.1.99/32]
-  profiles: [kns.shop]
-",
+        wep_manifest("node-1", "shop", "web-9", "caliweb9")
+            .label("app", "web")
+            .calico_labels()
+            .ipv4("10.65.1.99")
+            .render(),
     )
     .expect("write");
     agent.wait_for("the new pod", |s| s.to_string().contains("web-9"));
