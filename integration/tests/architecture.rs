@@ -283,7 +283,8 @@ fn has_word(code: &str, word: &str) -> bool {
     code.match_indices(word).any(|(i, _)| {
         let before = code[..i].chars().next_back();
         let after = code[i + word.len()..].chars().next();
-        !before.is_some_and(is_ident) && !(word.ends_with(is_ident) && after.is_some_and(is_ident))
+        let joined_after = word.ends_with(is_ident) && after.is_some_and(is_ident);
+        !before.is_some_and(is_ident) && !joined_after
     })
 }
 
