@@ -1,5 +1,5 @@
 //! Conversion tests, one group per kind. Expected values come from Calico's conversion code
-//! and its documented examples (`reference/calico.md` §3).
+//! and its documented examples (libcalico-go's conversion and names).
 
 use super::*;
 use calc_graph::model::rule::Port;
@@ -67,7 +67,7 @@ fn wep(r: &Resource) -> (&ObjectMeta, &calc_graph::model::WorkloadEndpointSpec) 
 
 #[test]
 fn interface_names_are_calicos_veth_names() {
-    // reference/calico.md §3: pod nginx-5d8f in default → calia37792c9b43.
+    // Calico names pod nginx-5d8f in default calia37792c9b43 (libcalico-go's interface name).
     assert_eq!(
         conv().interface_name("default", "nginx-5d8f"),
         "calia37792c9b43"
@@ -99,7 +99,7 @@ fn a_pod_becomes_the_workload_endpoint_calico_stores() {
             running("10.65.0.5"),
         ),
     );
-    // The same object calicoctl shows for this pod (reference/calico.md §3), through the same
+    // The same object calicoctl shows for this pod (as libcalico-go converts it), through the same
     // decoding the etcd adapter uses.
     let stored = crate::etcd::decode::decode(
         "/calico/resources/v3/projectcalico.org/workloadendpoints/default/node1-k8s-nginx--5d8f-eth0",
