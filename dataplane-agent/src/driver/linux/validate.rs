@@ -123,6 +123,27 @@ pub(crate) fn ipset_id(field: &str, id: &str) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Why an address, CIDR or IP set member is refused (the value as given, shown safely).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum AddrError {
+    #[error("{} is not an IP address", shown(.0))]
+    Addr(String),
+    #[error("{} is not an IP address or CIDR", shown(.0))]
+    Cidr(String),
+    #[error("prefix length in {} must be 0 to {max}", shown(.cidr))]
+    PrefixLength { cidr: String, max: u8 },
+    #[error("{} is an IPv4-mapped range shorter than /96", shown(.0))]
+    MappedRange(String),
+    #[error("{} is a network, not an address", shown(.0))]
+    NotAnAddress(String),
+    #[error("{} is not <ip>,<protocol>:<port>", shown(.0))]
+    NotIpPort(String),
+    #[error("protocol {} in {} must be tcp, udp or sctp", shown(.protocol), shown(.member))]
+    Protocol { protocol: String, member: String },
+    #[error("port in {} must be 0 to 65535", shown(.0))]
+    Port(String),
+}
+
 /// The kinds of IP set member.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MemberKind {
@@ -134,7 +155,7 @@ pub(crate) enum MemberKind {
 /// One IP set member, normalised as the kernel will hold it, or why it is refused. A CIDR's
 /// host bits are cleared and an IPv4-mapped IPv6 address is taken as IPv4 (Calico's
 /// normalisation); `/0`, which a `hash:net` set cannot hold, becomes its two halves.
-pub(crate) fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String>, String> {
+pub(crate) fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String>, AddrError> {
     let m = member.trim();
     match kind {
         MemberKind::Ip => {
@@ -142,7 +163,7 @@ pub(crate) fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String
             let (addr, len) = parse_cidr(m)?;
             let full = if addr.is_ipv4() { 32 } else { 128 };
             if len != full {
-                return Err(format!("{} is a network, not an address", shown(m)));
+                return Err(AddrError::NotAnAddress(m.to_owned()));
             }
             Ok(vec![addr.to_string()])
         }
@@ -153,32 +174,24 @@ pub(crate) fn ipset_members(kind: MemberKind, member: &str) -> Result<Vec<String
         MemberKind::IpPort => {
             let mut parts = m.splitn(2, ',');
             let addr = parse_addr(parts.next().unwrap_or_default())?;
-            let rest = parts
-                .next()
-                .ok_or_else(|| format!("{} is not <ip>,<protocol>:<port>", shown(m)))?;
-            let (proto, port) = rest
-                .split_once(':')
-                .ok_or_else(|| format!("{} is not <ip>,<protocol>:<port>", shown(m)))?;
+            let not_ip_port = || AddrError::NotIpPort(m.to_owned());
+            let rest = parts.next().ok_or_else(not_ip_port)?;
+            let (proto, port) = rest.split_once(':').ok_or_else(not_ip_port)?;
             let proto = proto.to_ascii_lowercase();
             if !matches!(proto.as_str(), "tcp" | "udp" | "sctp") {
-                return Err(format!(
-                    "protocol {} in {} must be tcp, udp or sctp",
-                    shown(&proto),
-                    shown(m)
-                ));
+                return Err(AddrError::Protocol {
+                    protocol: proto,
+                    member: m.to_owned(),
+                });
             }
-            let port: u16 = port
-                .parse()
-                .map_err(|_| format!("port in {} must be 0 to 65535", shown(m)))?;
+            let port: u16 = port.parse().map_err(|_| AddrError::Port(m.to_owned()))?;
             Ok(vec![format!("{addr},{proto}:{port}")])
         }
     }
 }
 
-fn parse_addr(s: &str) -> Result<IpAddr, String> {
-    let a: IpAddr = s
-        .parse()
-        .map_err(|_| format!("{} is not an IP address", shown(s)))?;
+fn parse_addr(s: &str) -> Result<IpAddr, AddrError> {
+    let a: IpAddr = s.parse().map_err(|_| AddrError::Addr(s.to_owned()))?;
     Ok(unmap(a))
 }
 
@@ -191,30 +204,27 @@ fn unmap(a: IpAddr) -> IpAddr {
 }
 
 /// A CIDR (or a bare address, taken as a host route), checked and with host bits cleared.
-pub(crate) fn parse_cidr(s: &str) -> Result<(IpAddr, u8), String> {
+pub(crate) fn parse_cidr(s: &str) -> Result<(IpAddr, u8), AddrError> {
     let (addr, len) = match s.split_once('/') {
         Some((a, l)) => (a, Some(l)),
         None => (s, None),
     };
-    let raw: IpAddr = addr
-        .parse()
-        .map_err(|_| format!("{} is not an IP address or CIDR", shown(s)))?;
+    let raw: IpAddr = addr.parse().map_err(|_| AddrError::Cidr(s.to_owned()))?;
     let mapped = matches!(raw, IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some());
     let max = if raw.is_ipv4() { 32 } else { 128 };
-    let len = match len {
-        None => max,
-        Some(l) => l
-            .parse::<u8>()
-            .ok()
-            .filter(|l| *l <= max)
-            .ok_or_else(|| format!("prefix length in {} must be 0 to {max}", shown(s)))?,
-    };
+    let len =
+        match len {
+            None => max,
+            Some(l) => l.parse::<u8>().ok().filter(|l| *l <= max).ok_or_else(|| {
+                AddrError::PrefixLength {
+                    cidr: s.to_owned(),
+                    max,
+                }
+            })?,
+        };
     let (addr, len) = if mapped {
         if len < 96 {
-            return Err(format!(
-                "{} is an IPv4-mapped range shorter than /96",
-                shown(s)
-            ));
+            return Err(AddrError::MappedRange(s.to_owned()));
         }
         (unmap(raw), len - 96)
     } else {
@@ -241,7 +251,7 @@ fn net_members(addr: IpAddr, len: u8) -> Vec<String> {
 
 /// A CIDR in a rule, normalised (host bits cleared, mapped addresses unmapped).
 pub(crate) fn rule_cidr(field: &str, s: &str) -> Result<String, Invalid> {
-    let (addr, len) = parse_cidr(s.trim()).map_err(|r| invalid(field, r))?;
+    let (addr, len) = parse_cidr(s.trim()).map_err(|r| invalid(field, r.to_string()))?;
     Ok(format!("{addr}/{len}"))
 }
 
@@ -438,7 +448,7 @@ pub(crate) fn workload_endpoint(ep: &WorkloadEndpoint, prefixes: &[String]) -> R
     }
     for (field, nets) in [("ipv4_nets", &ep.ipv4_nets), ("ipv6_nets", &ep.ipv6_nets)] {
         for n in nets {
-            parse_cidr(n).map_err(|r| invalid(field, r))?;
+            parse_cidr(n).map_err(|r| invalid(field, r.to_string()))?;
         }
     }
     for p in &ep.profile_ids {
@@ -454,7 +464,7 @@ pub(crate) fn host_endpoint(id: &str, ep: &HostEndpoint) -> Result<(), Invalid> 
         interface_name("name", &ep.name)?;
     }
     for a in ep.expected_ipv4_addrs.iter().chain(&ep.expected_ipv6_addrs) {
-        parse_addr(a).map_err(|r| invalid("expected_addrs", r))?;
+        parse_addr(a).map_err(|r| invalid("expected_addrs", r.to_string()))?;
     }
     for p in &ep.profile_ids {
         object_name("profile_ids", p)?;
@@ -473,7 +483,7 @@ pub(crate) fn host_endpoint(id: &str, ep: &HostEndpoint) -> Result<(), Invalid> 
 /// An IPAM pool: a CIDR.
 pub(crate) fn ipam_pool(id: &str, pool: &IpamPool) -> Result<(), Invalid> {
     ipset_id("id", id).or_else(|_| object_name("id", id))?;
-    parse_cidr(&pool.cidr).map_err(|r| invalid("cidr", r))?;
+    parse_cidr(&pool.cidr).map_err(|r| invalid("cidr", r.to_string()))?;
     Ok(())
 }
 
@@ -567,6 +577,30 @@ mod tests {
         ] {
             assert!(ipset_members(MemberKind::IpPort, bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// The refusal an operator reads names the value, shown safely, and what is wrong.
+    #[test]
+    fn member_refusals_name_the_value_and_the_reason() {
+        let said = |kind, m: &str| ipset_members(kind, m).unwrap_err().to_string();
+        assert_eq!(
+            said(MemberKind::Ip, "10.0.0.0/8"),
+            "\"10.0.0.0/8\" is a network, not an address"
+        );
+        assert_eq!(
+            said(MemberKind::Net, "10.0.0.0/33"),
+            "prefix length in \"10.0.0.0/33\" must be 0 to 32"
+        );
+        assert_eq!(
+            said(MemberKind::IpPort, "1.2.3.4,icmp:8"),
+            "protocol \"icmp\" in \"1.2.3.4,icmp:8\" must be tcp, udp or sctp"
+        );
+        let hostile = said(MemberKind::Net, "1.2.3.4\ndestroy");
+        assert!(!hostile.contains('\n'), "{hostile}");
+        assert!(
+            hostile.ends_with("is not an IP address or CIDR"),
+            "{hostile}"
+        );
     }
 
     #[test]

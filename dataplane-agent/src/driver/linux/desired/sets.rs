@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::driver::linux::rules::{IpVersion, ipset_name};
-use crate::driver::linux::validate::{self, MemberKind};
+use crate::driver::linux::validate::{self, AddrError, MemberKind};
 
 /// The type of a proto set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,7 +36,7 @@ impl SetKind {
 pub(crate) fn normalize_member(
     kind: SetKind,
     member: &str,
-) -> Result<Vec<(IpVersion, String)>, String> {
+) -> Result<Vec<(IpVersion, String)>, AddrError> {
     let vkind = match kind {
         SetKind::Ip => MemberKind::Ip,
         SetKind::IpPort => MemberKind::IpPort,
@@ -72,7 +72,7 @@ fn normalized(
     for m in members {
         match normalize_member(kind, m) {
             Ok(ms) => out.extend(ms),
-            Err(reason) => refused.push(reason),
+            Err(reason) => refused.push(reason.to_string()),
         }
     }
     out
