@@ -521,8 +521,9 @@ pub struct StatusArgs {
     /// Print the raw JSON instead of a table.
     #[arg(long, env = "CALC_SERVER_STATUS_JSON")]
     pub json: bool,
-    /// One line per policy and profile: POLICY TIER DESIRED REALIZED FAILED PHASE KIND (where it
-    /// is in force, from what the agents report they applied; staged policies are `Staged`).
+    /// One line per policy and profile: POLICY TIER DESIRED REALIZED FAILED PHASE KIND HITS
+    /// LAST-HIT (where it is in force, from what the agents report they applied; staged policies
+    /// are `Staged`; packets its rules decided and when last, from the agents' hit counts).
     #[arg(long, env = "CALC_SERVER_STATUS_POLICIES", conflicts_with = "policy")]
     pub policies: bool,
     /// One policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/web-http-only`, or a profile's name): its

@@ -132,13 +132,22 @@ const RIGHT: [bool; 10] = [
     false, false, false, false, false, true, true, true, false, false,
 ];
 
-/// `/status/policies` as a table.
+/// `/status/policies` as a table. HITS and LAST-HIT are `-` for a staged policy (no dataplane
+/// programs it: the server answers `hits: null`) and for a server that does not count hits;
+/// LAST-HIT is `never` for a policy nothing has hit yet.
 fn policy_rows(rows: &[serde_json::Value]) -> Vec<Vec<String>> {
     rows.iter()
         .map(|r| {
             let text = |k: &str| r[k].as_str().unwrap_or_default().to_string();
             let num = |k: &str| r[k].as_u64().unwrap_or_default().to_string();
             let tier = text("tier");
+            let (hits, last_hit) = match r["hits"].as_u64() {
+                Some(n) if r["phase"] != "Staged" => (
+                    n.to_string(),
+                    r["last_hit"].as_str().unwrap_or("never").to_string(),
+                ),
+                _ => ("-".to_string(), "-".to_string()),
+            };
             vec![
                 if r["kind"] == "Profile" {
                     format!("profile:{}", text("policy"))
@@ -151,15 +160,17 @@ fn policy_rows(rows: &[serde_json::Value]) -> Vec<Vec<String>> {
                 num("failed"),
                 text("phase"),
                 text("kind"),
+                hits,
+                last_hit,
             ]
         })
         .collect()
 }
 
-const POLICY_HEADER: [&str; 7] = [
-    "POLICY", "TIER", "DESIRED", "REALIZED", "FAILED", "PHASE", "KIND",
+const POLICY_HEADER: [&str; 9] = [
+    "POLICY", "TIER", "DESIRED", "REALIZED", "FAILED", "PHASE", "KIND", "HITS", "LAST-HIT",
 ];
-const POLICY_RIGHT: [bool; 7] = [false, false, true, true, true, false, false];
+const POLICY_RIGHT: [bool; 9] = [false, false, true, true, true, false, false, true, false];
 
 /// One policy: its line, then the nodes that lag.
 fn policy_detail(r: &serde_json::Value) -> String {
@@ -293,5 +304,49 @@ mod tests {
         assert_eq!(row[4], "unknown", "IN-SYNC of a disconnected node");
         assert_eq!(row[5], "300s ago (stale)");
         assert_eq!(row[8], "unknown (last 1/1 up)");
+    }
+
+    /// HITS and LAST-HIT come after every other column: a count and its time, `never` when
+    /// nothing hit, `-` for a staged policy (hits: null) or a server that counts no hits.
+    #[test]
+    fn the_policy_table_ends_with_hits_and_the_last_hit() {
+        let rows = [
+            json!({"policy": "shop/allow-api-from-web", "kind": "NetworkPolicy", "tier": "default",
+                   "desired": 2, "realized": 2, "failed": 0, "phase": "Realized",
+                   "hits": 1234, "bytes": 99000, "last_hit": "2026-11-24T10:00:00Z"}),
+            json!({"policy": "block-threat-feed", "kind": "GlobalNetworkPolicy", "tier": "security",
+                   "desired": 2, "realized": 1, "failed": 1, "phase": "Failed",
+                   "hits": 0, "bytes": 0, "last_hit": null}),
+            json!({"policy": "shop/web-http-only", "kind": "StagedNetworkPolicy", "tier": "default",
+                   "desired": 1, "realized": 1, "failed": 0, "phase": "Staged",
+                   "hits": null, "bytes": null, "last_hit": null}),
+            json!({"policy": "kns.shop", "kind": "Profile", "tier": "",
+                   "desired": 1, "realized": 1, "failed": 0, "phase": "Realized",
+                   "hits": 7, "bytes": 700, "last_hit": "2026-11-24T09:59:00Z"}),
+            // An older server: no hit fields at all.
+            json!({"policy": "old", "kind": "GlobalNetworkPolicy", "tier": "default",
+                   "desired": 1, "realized": 1, "failed": 0, "phase": "Realized"}),
+        ];
+        let text = table(&POLICY_HEADER, &policy_rows(&rows), &POLICY_RIGHT);
+        assert_eq!(
+            text,
+            "\
+POLICY                   TIER      DESIRED  REALIZED  FAILED  PHASE     KIND                 HITS  LAST-HIT
+shop/allow-api-from-web  default         2         2       0  Realized  NetworkPolicy        1234  2026-11-24T10:00:00Z
+block-threat-feed        security        2         1       1  Failed    GlobalNetworkPolicy     0  never
+shop/web-http-only       default         1         1       0  Staged    StagedNetworkPolicy     -  -
+profile:kns.shop         -               1         1       0  Realized  Profile                 7  2026-11-24T09:59:00Z
+old                      default         1         1       0  Realized  GlobalNetworkPolicy     -  -
+"
+        );
+        // One policy's detail starts with the same line.
+        let one = policy_detail(&rows[1]);
+        assert!(
+            one.starts_with(
+                "POLICY             TIER      DESIRED  REALIZED  FAILED  PHASE   KIND                 HITS  LAST-HIT\n\
+                 block-threat-feed  security        2         1       1  Failed  GlobalNetworkPolicy     0  never\n"
+            ),
+            "{one}"
+        );
     }
 }

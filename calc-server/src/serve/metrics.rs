@@ -63,6 +63,23 @@ pub const ADMIN_REFUSAL_REASONS: [&str; 8] = [
     "too_large",
 ];
 
+/// Why policy hit counts were refused. A report refused whole (its stream ends with
+/// INVALID_ARGUMENT), counted once: `too_many_hits` (more than a report may carry),
+/// `malformed` (a reference without the id its kind needs, an invalid id), `not_negotiated` (a
+/// `RuleStats` on a stream without the `stats` capability). One hit dropped from an accepted
+/// report, counted per hit: `stale_stream` (the stream has been replaced or closed),
+/// `not_sent` (a policy, profile or tier the node's stream does not hold), `out_of_range` (a
+/// rule index past the rules sent), `staged` (a staged policy, never programmed).
+pub const RULE_STATS_REFUSAL_REASONS: [&str; 7] = [
+    "too_many_hits",
+    "malformed",
+    "not_negotiated",
+    "stale_stream",
+    "not_sent",
+    "out_of_range",
+    "staged",
+];
+
 #[derive(Debug)]
 pub struct Metrics {
     /// Every metric below, and [`Live`].
@@ -89,6 +106,12 @@ pub struct Metrics {
     pub messages_sent: Counter,
     /// Time from a new endpoint's first message to its node's agent reporting it applied.
     pub endpoint_programmed_seconds: Histogram,
+    /// `RuleStats` reports accepted (passed to the engine).
+    pub rule_stats_reports: Counter,
+    /// Rule hit reports and hits refused, by reason (see [`RULE_STATS_REFUSAL_REASONS`]).
+    rule_stats_refused: Vec<Counter>,
+    /// Policy hit counter entries the engine holds (per node and rule).
+    pub rule_stats_entries: Gauge,
     /// What is read when scraped.
     live: Arc<Live>,
 }
@@ -169,6 +192,24 @@ impl Default for Metrics {
             "Time from a new endpoint's first message to its node's agent reporting it in the dataplane",
             endpoint_programmed_seconds.clone(),
         );
+        let rule_stats_reports = counter(
+            &mut registry,
+            "calc_server_rule_stats_reports",
+            "RuleStats reports from agents accepted (policy hit counts)",
+        );
+        let rule_stats_refused = writer::counters_by_label(
+            &mut registry,
+            "calc_server_rule_stats_refused",
+            "Policy hit reports refused whole (too_many_hits, malformed, not_negotiated: the stream ends) and hits dropped (stale_stream, not_sent, out_of_range, staged), by reason",
+            "reason",
+            &RULE_STATS_REFUSAL_REASONS,
+        );
+        let rule_stats_entries = Gauge::default();
+        registry.register(
+            "calc_server_rule_stats_entries",
+            "Policy hit counter entries held (one per node and rule that was hit)",
+            rule_stats_entries.clone(),
+        );
         let live = Arc::new(Live::default());
         registry.register_collector(Box::new(live.clone()));
         Metrics {
@@ -184,6 +225,9 @@ impl Default for Metrics {
             permission_denied,
             messages_sent,
             endpoint_programmed_seconds,
+            rule_stats_reports,
+            rule_stats_refused,
+            rule_stats_entries,
             live,
         }
     }
@@ -235,6 +279,14 @@ impl Metrics {
     pub fn admin_refused(&self, reason: &str) {
         if let Some(i) = ADMIN_REFUSAL_REASONS.iter().position(|r| *r == reason) {
             self.admin_refused[i].inc();
+        }
+    }
+
+    /// Counts `n` refused rule hit reports or hits; `reason` is one of
+    /// [`RULE_STATS_REFUSAL_REASONS`].
+    pub fn rule_stats_refused(&self, reason: &str, n: u64) {
+        if let Some(i) = RULE_STATS_REFUSAL_REASONS.iter().position(|r| *r == reason) {
+            self.rule_stats_refused[i].inc_by(n);
         }
     }
 
@@ -371,6 +423,25 @@ mod tests {
         assert!(m.render(false).contains("calc_server_ready 0\n"));
         assert!(text.contains("calc_server_connections_refused_total{reason=\"limit\"} 0\n"));
         assert!(text.contains("calc_server_rejected_objects_total{stage=\"decode\"} 0\n"));
+        // Every refusal reason is there from the start; the hit counters' gauge too.
+        for reason in RULE_STATS_REFUSAL_REASONS {
+            assert!(
+                text.contains(&format!(
+                    "calc_server_rule_stats_refused_total{{reason=\"{reason}\"}} 0\n"
+                )),
+                "{text}"
+            );
+        }
+        m.rule_stats_refused("not_sent", 3);
+        m.rule_stats_refused("no_such_reason", 1);
+        m.rule_stats_entries.set(5);
+        let text = m.render(true);
+        assert!(text.contains("calc_server_rule_stats_refused_total{reason=\"not_sent\"} 3\n"));
+        assert!(
+            text.contains("calc_server_rule_stats_entries 5\n"),
+            "{text}"
+        );
+        assert!(text.contains("calc_server_rule_stats_reports_total 0\n"));
         assert!(text.ends_with("\n# EOF\n"), "OpenMetrics: {text}");
         // Every sample line is `name{labels} value` with a number.
         for line in text.lines().filter(|l| !l.starts_with('#')) {

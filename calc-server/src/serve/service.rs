@@ -10,6 +10,12 @@
 //! hello node name takes the certificate's). Whatever the transport, an agent may report status
 //! only for endpoints this stream has sent it (its own node's); a status update for any other
 //! endpoint ends the stream with PERMISSION_DENIED.
+//!
+//! Rule hit counts (`RuleStats`, capability [`STATS`]) are untrusted: a report with more hits
+//! than a report may carry, a reference without the id its kind needs or with an invalid id,
+//! or any report on a stream that did not negotiate the capability ends the stream with
+//! INVALID_ARGUMENT (counted in `calc_server_rule_stats_refused_total`). A valid one goes to
+//! the engine with its receive time, which adds only what this node's stream was sent.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -18,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use felix_proto as pb;
 use pb::framed::{Encoded, Frame};
@@ -28,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::engine::{CloseReason, Conn, Input, Out, Refusal};
+use super::engine::{CloseReason, Conn, Hit, Input, Out, Refusal, parse_rule_stats};
 use super::listener::PeerInfo;
 use super::metrics::Metrics;
 use super::status::Board;
@@ -36,6 +42,42 @@ use calc_graph::untrusted::Untrusted;
 
 /// The capability token for `DataplaneApplied` reports (docs/proto.md, "Capabilities").
 pub(super) const APPLIED: &str = "applied";
+
+/// The capability token for `RuleStats` reports (docs/proto.md, "Capabilities").
+pub(super) const STATS: &str = "stats";
+
+/// The capabilities the server lists in its hello: those of its own the agent offered.
+fn agreed_capabilities(offered: &[String]) -> Vec<String> {
+    [APPLIED, STATS]
+        .into_iter()
+        .filter(|c| offered.iter().any(|o| o == c))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A `RuleStats` report the stream must refuse: (the metric's reason, why).
+#[derive(Debug, PartialEq, Eq)]
+struct RefusedStats {
+    reason: &'static str,
+    why: String,
+}
+
+/// The hits of a `RuleStats` report on a stream that negotiated `stats` (or not), or why the
+/// report ends the stream.
+fn rule_stats(stats: &pb::RuleStats, negotiated: bool) -> Result<Vec<Hit>, RefusedStats> {
+    if !negotiated {
+        return Err(RefusedStats {
+            reason: "not_negotiated",
+            why: format!(
+                "RuleStats on a stream without the {STATS:?} capability (the AgentHello did not offer it)"
+            ),
+        });
+    }
+    parse_rule_stats(stats).map_err(|e| RefusedStats {
+        reason: e.reason(),
+        why: e.to_string(),
+    })
+}
 
 pub(super) struct SyncService {
     pub engine: mpsc::Sender<Input>,
@@ -330,7 +372,9 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             ));
         }
         let node = hello.node_name.clone();
-        let reports_applied = hello.capabilities.iter().any(|c| c == APPLIED);
+        let capabilities = agreed_capabilities(&hello.capabilities);
+        let reports_applied = capabilities.iter().any(|c| c == APPLIED);
+        let reports_stats = capabilities.iter().any(|c| c == STATS);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -354,7 +398,8 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                 node: node.clone(),
                 agent_version: hello.agent_version.clone(),
                 conn: Conn::new(id, tx, taken.clone(), taken_bytes.clone())
-                    .reporting_applied(reports_applied),
+                    .reporting_applied(reports_applied)
+                    .reporting_stats(reports_stats),
                 reply: reply_tx,
             })
             .await
@@ -413,6 +458,30 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                                 })
                                 .await;
                         }
+                        if let Some(FromPayload::RuleStats(stats)) = &m.payload {
+                            let at = SystemTime::now();
+                            match rule_stats(stats, reports_stats) {
+                                Ok(hits) => {
+                                    metrics.rule_stats_reports.inc();
+                                    let _ = engine
+                                        .send(Input::Hits {
+                                            node: reader_node.clone(),
+                                            id,
+                                            hits,
+                                            at,
+                                        })
+                                        .await;
+                                }
+                                Err(refused) => {
+                                    metrics.rule_stats_refused(refused.reason, 1);
+                                    tracing::warn!(reason = %refused.why, "refused a report");
+                                    break Some((
+                                        refused.why.clone(),
+                                        Status::invalid_argument(refused.why),
+                                    ));
+                                }
+                            }
+                        }
                         if let Some(endpoint) = foreign_report(&m, &sent) {
                             metrics.permission_denied.inc();
                             tracing::warn!(%endpoint, "refused: status report for an endpoint not on this node");
@@ -456,11 +525,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             payload: Some(ToPayload::ServerHello(pb::ServerHello {
                 server_version: env!("CARGO_PKG_VERSION").to_string(),
                 // Only what this stream will use: a subset of what the agent offered.
-                capabilities: if reports_applied {
-                    vec![APPLIED.to_string()]
-                } else {
-                    Vec::new()
-                },
+                capabilities,
                 node_name: node,
             })),
         };
@@ -472,5 +537,276 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             taken_bytes,
             sent_endpoints,
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    use pb::rule_ref::Kind as RefKind;
+
+    use super::super::engine::{Engine, Limits, run};
+    use super::super::listener;
+
+    fn policy_hit(name: &str) -> pb::RuleHits {
+        pb::RuleHits {
+            rule: Some(pb::RuleRef {
+                kind: RefKind::PolicyRule as i32,
+                policy: Some(pb::PolicyId {
+                    name: name.into(),
+                    namespace: "shop".into(),
+                    kind: "NetworkPolicy".into(),
+                }),
+                ..Default::default()
+            }),
+            packets: 1,
+            bytes: 64,
+        }
+    }
+
+    #[test]
+    fn the_server_agrees_only_to_its_own_capabilities_the_agent_offered() {
+        let offered =
+            |c: &[&str]| agreed_capabilities(&c.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            offered(&["stats", "x-future", "applied"]),
+            ["applied", "stats"]
+        );
+        assert_eq!(offered(&["stats"]), ["stats"]);
+        assert!(offered(&["statistics", "stats:v2"]).is_empty());
+        assert!(offered(&[]).is_empty());
+    }
+
+    #[test]
+    fn rule_stats_are_refused_with_a_reason_for_the_metric() {
+        let ok = pb::RuleStats {
+            hits: vec![policy_hit("web")],
+        };
+        assert_eq!(rule_stats(&ok, true).map(|h| h.len()), Ok(1));
+        let refused = rule_stats(&ok, false).unwrap_err();
+        assert_eq!(refused.reason, "not_negotiated");
+        let too_many = pb::RuleStats {
+            hits: vec![policy_hit("web"); 4097],
+        };
+        let refused = rule_stats(&too_many, true).unwrap_err();
+        assert_eq!(refused.reason, "too_many_hits");
+        assert_eq!(refused.why, "RuleStats carries 4097 hits, more than 4096");
+        let no_policy = pb::RuleStats {
+            hits: vec![policy_hit(""), policy_hit("web")],
+        };
+        let refused = rule_stats(&no_policy, true).unwrap_err();
+        assert_eq!(
+            (refused.reason, refused.why.as_str()),
+            (
+                "malformed",
+                "RuleStats.hits[0] is a POLICY_RULE without its policy"
+            )
+        );
+    }
+
+    /// A Sync service on a loopback port, with its engine (no datastore; any node may
+    /// connect): its gRPC URL and metrics.
+    async fn start() -> (String, Arc<Metrics>, common::Tasks) {
+        let metrics = Arc::new(Metrics::default());
+        let board = Arc::new(Board::default());
+        let tasks = common::Tasks::new();
+        let (engine_tx, engine_rx) = mpsc::channel(64);
+        let (datastore_tx, datastore_rx) = mpsc::channel(1);
+        let engine = Engine::new(
+            Limits {
+                backlog: 1000,
+                backlog_bytes: None,
+                concurrent_snapshots: 4,
+                allow_unknown_nodes: true,
+            },
+            board.clone(),
+            Arc::new(AtomicBool::new(false)),
+            metrics.clone(),
+        );
+        tasks.spawn(tracing::info_span!("engine"), async move {
+            // The datastore channel stays open as long as the engine runs.
+            let _datastore = datastore_tx;
+            run(engine, engine_rx, datastore_rx).await
+        });
+        let service = SyncService {
+            engine: engine_tx,
+            board,
+            hello_timeout: Duration::from_secs(5),
+            next_id: AtomicU64::new(1),
+            metrics: metrics.clone(),
+            tasks: tasks.clone(),
+        };
+        let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", socket.local_addr().unwrap());
+        let incoming = listener::incoming(
+            socket,
+            None,
+            listener::Limits::new(8, 8, 8, metrics.clone()),
+            listener::Deadlines {
+                handshake: Duration::from_secs(5),
+                hello: Duration::from_secs(5),
+            },
+            metrics.clone(),
+            &tasks,
+        );
+        let svc = pb::framed::server::calc_server_server::CalcServerServer::new(service);
+        tasks.spawn(tracing::info_span!("grpc"), async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(incoming)
+                .await;
+        });
+        (url, metrics, tasks)
+    }
+
+    /// Says hello for `node` offering `capabilities`, then sends `reports` (numbered from 2)
+    /// and keeps its sending side open; returns what the server listed and how the stream
+    /// ended.
+    async fn sync(
+        url: &str,
+        capabilities: &[&str],
+        reports: Vec<FromPayload>,
+    ) -> (Vec<String>, Status) {
+        let mut client = pb::calc_server_client::CalcServerClient::connect(url.to_string())
+            .await
+            .expect("connect");
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(pb::FromDataplane {
+            sequence_number: 1,
+            payload: Some(FromPayload::AgentHello(pb::AgentHello {
+                node_name: "node-a".into(),
+                agent_version: "test".into(),
+                capabilities: capabilities.iter().map(|c| c.to_string()).collect(),
+            })),
+        })
+        .await
+        .unwrap();
+        let mut inbound = client
+            .sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("accepted")
+            .into_inner();
+        let hello = match inbound.next().await {
+            Some(Ok(pb::ToDataplane {
+                payload: Some(ToPayload::ServerHello(h)),
+                ..
+            })) => h,
+            other => panic!("expected a ServerHello, got {other:?}"),
+        };
+        for (seq, payload) in (2..).zip(reports) {
+            tx.send(pb::FromDataplane {
+                sequence_number: seq,
+                payload: Some(payload),
+            })
+            .await
+            .unwrap();
+        }
+        let end = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match inbound.next().await {
+                    Some(Ok(_)) => continue,
+                    Some(Err(status)) => return status,
+                    None => return Status::ok("stream ended"),
+                }
+            }
+        })
+        .await
+        .expect("the stream ends");
+        drop(tx);
+        (hello.capabilities, end)
+    }
+
+    fn refused(metrics: &Metrics, reason: &str) -> String {
+        let text = metrics.render(true);
+        let series = format!("calc_server_rule_stats_refused_total{{reason=\"{reason}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn malformed_or_unnegotiated_rule_stats_end_the_stream() {
+        let (url, metrics, tasks) = start().await;
+
+        // Offered and listed; a report past the bound ends the stream.
+        let (listed, end) = sync(
+            &url,
+            &["applied", "stats"],
+            vec![FromPayload::RuleStats(pb::RuleStats {
+                hits: vec![policy_hit("web"); 4097],
+            })],
+        )
+        .await;
+        assert_eq!(listed, ["applied", "stats"]);
+        assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end:?}");
+        assert!(end.message().contains("more than 4096"), "{end:?}");
+        assert_eq!(refused(&metrics, "too_many_hits"), "1");
+
+        // A policy rule without its policy.
+        let (_, end) = sync(
+            &url,
+            &["stats"],
+            vec![FromPayload::RuleStats(pb::RuleStats {
+                hits: vec![policy_hit("")],
+            })],
+        )
+        .await;
+        assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end:?}");
+        assert!(end.message().contains("without its policy"), "{end:?}");
+        assert_eq!(refused(&metrics, "malformed"), "1");
+
+        // Not offered: not listed, and a report is refused.
+        let (listed, end) = sync(
+            &url,
+            &["applied"],
+            vec![FromPayload::RuleStats(pb::RuleStats {
+                hits: vec![policy_hit("web")],
+            })],
+        )
+        .await;
+        assert_eq!(listed, ["applied"]);
+        assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end:?}");
+        assert!(end.message().contains("\"stats\" capability"), "{end:?}");
+        assert_eq!(refused(&metrics, "not_negotiated"), "1");
+
+        // A well-formed report for a policy this node was never sent: accepted as a report,
+        // its hit dropped in the engine, and the stream carries on (a heartbeat after it is
+        // taken, then the test's own deadline ends the wait).
+        let (_, end) = tokio::time::timeout(
+            Duration::from_secs(2),
+            sync(
+                &url,
+                &["stats"],
+                vec![FromPayload::RuleStats(pb::RuleStats {
+                    hits: vec![policy_hit("web")],
+                })],
+            ),
+        )
+        .await
+        .map_or((Vec::new(), Status::ok("still open")), |r| r);
+        assert_eq!(end.code(), tonic::Code::Ok, "{end:?}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while refused(&metrics, "not_sent") != "1" {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}",
+                metrics.render(true)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            metrics
+                .render(true)
+                .contains("calc_server_rule_stats_reports_total 1\n")
+        );
+        assert!(
+            metrics
+                .render(true)
+                .contains("calc_server_rule_stats_entries 0\n")
+        );
+        tasks.shutdown(Duration::from_secs(2)).await;
     }
 }

@@ -26,12 +26,17 @@
 //! - Every message queued is numbered as its stream will number it, so what agents report
 //!   applied (`DataplaneApplied`) says which policy versions are in force where
 //!   ([`realization`]).
+//! - Rule hit counts an agent reports (`RuleStats`) count only for rules its current stream
+//!   was sent, on its own node's entries ([`hits`]); `/status/policies` sums them per policy
+//!   and profile.
 
+mod hits;
 mod realization;
 mod run;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use hits::{Hit, parse as parse_rule_stats};
 pub(crate) use realization::{FindError, PolicyRealization};
 
 pub(super) use run::run;
@@ -195,6 +200,8 @@ pub(super) struct Conn {
     pub snapshot_bytes: Option<u64>,
     /// The agent offered the `applied` capability: it reports what its dataplane holds.
     pub reports_applied: bool,
+    /// The agent offered the `stats` capability: it reports rule hit counts.
+    pub reports_stats: bool,
 }
 
 impl Conn {
@@ -214,12 +221,19 @@ impl Conn {
             snapshot_end: None,
             snapshot_bytes: None,
             reports_applied: false,
+            reports_stats: false,
         }
     }
 
     /// The agent reports what it applied (`DataplaneApplied`).
     pub(super) fn reporting_applied(mut self, reports: bool) -> Conn {
         self.reports_applied = reports;
+        self
+    }
+
+    /// The agent reports rule hit counts (`RuleStats`).
+    pub(super) fn reporting_stats(mut self, reports: bool) -> Conn {
+        self.reports_stats = reports;
         self
     }
 
@@ -266,6 +280,14 @@ pub(super) enum Input {
         id: u64,
         applied: u64,
         error: Option<String>,
+    },
+    /// Stream `id` of `node` reports what its rules decided since its previous report
+    /// (validated by [`parse_rule_stats`]), received at `at`.
+    Hits {
+        node: String,
+        id: u64,
+        hits: Vec<Hit>,
+        at: std::time::SystemTime,
     },
     /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
     /// nodes.
@@ -315,6 +337,12 @@ pub(super) struct Engine {
     snapshotting: HashSet<String>,
     metrics: Arc<Metrics>,
     realization: realization::Realization,
+    /// Policy hit counters, per node and rule.
+    hits: hits::Hits,
+    /// A datastore batch or a departure since the hit counters were last pruned.
+    hits_prune_due: bool,
+    /// When the hit counters were last pruned.
+    hits_pruned: Option<std::time::Instant>,
     /// When the per-tier realization gauges were last summed.
     realization_summed: Option<std::time::Instant>,
     /// When the current step started.
@@ -343,6 +371,9 @@ impl Engine {
             snapshotting: HashSet::new(),
             metrics,
             realization: realization::Realization::default(),
+            hits: hits::Hits::default(),
+            hits_prune_due: false,
+            hits_pruned: None,
             realization_summed: None,
             now: std::time::Instant::now(),
         }
@@ -384,6 +415,7 @@ impl Engine {
         self.admit();
         self.flush();
         self.sum_realization();
+        self.prune_hits();
         self.metrics.calc_seconds.observe(started.elapsed());
         if self.graph.in_sync() {
             self.ready.store(true, Ordering::Relaxed);
@@ -423,6 +455,50 @@ impl Engine {
             .map(|(t, c)| (t, (c.desired, c.realized, c.failed)))
             .collect();
         self.metrics.set_realization(tiers);
+    }
+
+    /// Drops the hit counters of what left the datastore, at most once a minute and only after
+    /// a datastore batch or a departure: it walks every counter.
+    fn prune_hits(&mut self) {
+        const EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+        if !self.hits_prune_due
+            || self
+                .hits_pruned
+                .is_some_and(|t| self.now.duration_since(t) < EVERY)
+        {
+            return;
+        }
+        self.hits_prune_due = false;
+        self.hits_pruned = Some(self.now);
+        let conns = &self.conns;
+        self.hits.prune(&self.graph, |n| conns.contains_key(n));
+        self.metrics
+            .rule_stats_entries
+            .set(self.hits.entries() as i64);
+    }
+
+    /// The policies' and profiles' hit counts, on realization rows (none for a staged policy:
+    /// it has no rules in any dataplane).
+    fn with_hits(&self, rows: &mut [PolicyRealization]) {
+        for r in rows {
+            if r.phase == "Staged" {
+                continue;
+            }
+            let owner = if r.kind == "Profile" {
+                hits::Owner::Profile(r.policy.clone())
+            } else {
+                let (namespace, name) = r.policy.split_once('/').unwrap_or(("", &r.policy));
+                hits::Owner::Policy {
+                    kind: r.kind.clone(),
+                    namespace: namespace.to_string(),
+                    name: name.to_string(),
+                }
+            };
+            let t = self.hits.totals(&owner);
+            r.hits = Some(t.packets);
+            r.bytes = Some(t.bytes);
+            r.last_hit = t.last.map(common::rfc3339_utc);
+        }
     }
 
     /// Ends finished snapshots and starts waiting ones, up to the limit. A snapshot is
@@ -468,6 +544,8 @@ impl Engine {
         self.board.disconnected(node);
         self.metrics.agent_gone(node, Some(conn.id));
         self.realization.disconnected(node);
+        self.hits.disconnected(node);
+        self.hits_prune_due = true;
         Some(conn)
     }
 
@@ -502,12 +580,24 @@ impl Engine {
                     self.metrics.endpoint_programmed_seconds.observe(waited);
                 }
             }
+            Input::Hits { node, id, hits, at } => {
+                for (why, n) in self.hits.add(&node, id, hits, at) {
+                    tracing::debug!(%node, conn = id, reason = why.reason(), hits = n, "dropped rule hits");
+                    self.metrics.rule_stats_refused(why.reason(), n);
+                }
+                self.metrics
+                    .rule_stats_entries
+                    .set(self.hits.entries() as i64);
+            }
             Input::Realization { only, reply } => {
-                let answer = match only {
+                let mut answer = match only {
                     None => Ok(self.realization.table(&self.graph, None)),
                     Some(name) => realization::Realization::find(&self.graph, &name)
                         .map(|t| self.realization.table(&self.graph, Some(&t))),
                 };
+                if let Ok(rows) = &mut answer {
+                    self.with_hits(rows);
+                }
                 let _ = reply.send(answer);
             }
             Input::Explain { request, reply } => {
@@ -523,6 +613,7 @@ impl Engine {
 
     fn apply(&mut self, updates: Vec<Update>) {
         self.datastore_changed = true;
+        self.hits_prune_due = true;
         let span = tracing::debug_span!("datastore_batch", updates = updates.len());
         let _enter = span.enter();
         self.metrics.updates_processed.inc_by(updates.len() as u64);
@@ -565,6 +656,7 @@ impl Engine {
             .connected(&node, conn.id, agent_version, conn.reports_applied);
         self.realization
             .connected(&node, conn.id, conn.reports_applied);
+        self.hits.connected(&node, conn.id, conn.reports_stats);
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());
         self.conns.insert(node, conn);
@@ -638,6 +730,8 @@ impl Engine {
                 snapshot,
                 self.now,
             );
+            self.hits
+                .queued(&batch.node, outs.iter().filter_map(Out::message));
             self.board.sent(&batch.node, n);
             for out in outs {
                 let _ = conn.tx.send(out);

@@ -175,6 +175,17 @@ pub(crate) struct PolicyRealization {
     /// The nodes that lag, with why (only in a single-policy answer).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lagging: Vec<NodeLag>,
+    /// Packets its rules decided, summed over its rules and nodes, as the agents reported them
+    /// (capability `stats`); `None` (null) for a staged policy, which no dataplane programs.
+    #[serde(default)]
+    pub hits: Option<u64>,
+    /// Bytes, likewise.
+    #[serde(default)]
+    pub bytes: Option<u64>,
+    /// RFC 3339 UTC receive time of the last report with a hit on one of its rules; `None`
+    /// (null) when none has.
+    #[serde(default)]
+    pub last_hit: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -774,3 +774,238 @@ fn a_staged_policy_is_its_own_row_and_phase_and_a_kind_picks_it() {
         "{err}"
     );
 }
+
+impl Harness {
+    /// Connects an agent that reports rule hits (and what it applied), and takes its snapshot.
+    fn connect_stats(&mut self, node: &str) -> Agent {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut agent = Agent {
+            id: self.next_id,
+            rx,
+            taken: Arc::new(AtomicU64::new(0)),
+            taken_bytes: Arc::new(AtomicU64::new(0)),
+        };
+        self.next_id += 1;
+        let conn = Conn::new(agent.id, tx, agent.taken.clone(), agent.taken_bytes.clone())
+            .reporting_applied(true)
+            .reporting_stats(true);
+        let (reply, _verdict) = oneshot::channel();
+        self.engine.step([Input::Connect {
+            node: node.into(),
+            agent_version: "test".into(),
+            conn,
+            reply,
+        }]);
+        let snapshot = agent.kinds();
+        assert_eq!(snapshot.last().map(String::as_str), Some("InSync"));
+        agent
+    }
+
+    /// `node`'s stream `a` reports `hits`, received `secs` seconds into the test's epoch.
+    fn hits(&mut self, node: &str, a: &Agent, hits: Vec<super::Hit>, secs: u64) {
+        self.engine.step([Input::Hits {
+            node: node.into(),
+            id: a.id,
+            hits,
+            at: std::time::SystemTime::UNIX_EPOCH
+                + std::time::Duration::from_secs(1_800_000_000 + secs),
+        }]);
+    }
+
+    /// The realization row of `kind` `policy`.
+    fn row(&mut self, policy: &str, kind: &str) -> super::PolicyRealization {
+        self.realization(None)
+            .into_iter()
+            .find(|r| r.policy == policy && r.kind == kind)
+            .unwrap_or_else(|| panic!("no row for {kind} {policy}"))
+    }
+
+    fn metric(&self, series: &str) -> String {
+        let text = self.metrics.render(true);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{series} ")))
+            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+            .to_string()
+    }
+}
+
+fn web_hit(egress: bool, index: u32, packets: u64, bytes: u64) -> super::Hit {
+    super::Hit {
+        owner: super::hits::Owner::Policy {
+            kind: "GlobalNetworkPolicy".into(),
+            namespace: String::new(),
+            name: "web".into(),
+        },
+        egress,
+        index,
+        packets,
+        bytes,
+    }
+}
+
+/// Hits reported by two nodes add up on the policy's row, with the last report's time; what a
+/// node was not sent is dropped and counted; the counters outlive the node's stream.
+#[test]
+fn policy_rows_carry_the_hits_their_nodes_reported() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let a = h.connect_stats("node-a");
+    let b = h.connect_stats("node-b");
+    let row = h.row("web", "GlobalNetworkPolicy");
+    assert_eq!(
+        (row.hits, row.bytes, row.last_hit),
+        (Some(0), Some(0), None),
+        "nothing hit yet"
+    );
+
+    h.hits("node-a", &a, vec![web_hit(false, 0, 3, 300)], 10);
+    h.hits("node-b", &b, vec![web_hit(false, 0, 2, 200)], 20);
+    h.hits("node-a", &a, vec![web_hit(false, 0, 1, 100)], 30);
+    let row = h.row("web", "GlobalNetworkPolicy");
+    assert_eq!(
+        (row.hits, row.bytes, row.last_hit.as_deref()),
+        (Some(6), Some(600), Some("2027-01-15T08:00:30Z"))
+    );
+    // The JSON the CLI reads.
+    let json = serde_json::to_value(&row).unwrap();
+    assert_eq!(
+        (&json["hits"], &json["bytes"], &json["last_hit"]),
+        (&json!(6), &json!(600), &json!("2027-01-15T08:00:30Z"))
+    );
+    assert_eq!(h.metric("calc_server_rule_stats_entries"), "2");
+
+    // web has one ingress rule and no egress rule; db was never sent: dropped, no state.
+    let db = super::Hit {
+        owner: super::hits::Owner::Policy {
+            kind: "GlobalNetworkPolicy".into(),
+            namespace: String::new(),
+            name: "db".into(),
+        },
+        ..web_hit(false, 0, 1, 1)
+    };
+    h.hits(
+        "node-a",
+        &a,
+        vec![web_hit(false, 1, 1, 1), web_hit(true, 0, 1, 1), db],
+        40,
+    );
+    assert_eq!(
+        h.metric("calc_server_rule_stats_refused_total{reason=\"out_of_range\"}"),
+        "2"
+    );
+    assert_eq!(
+        h.metric("calc_server_rule_stats_refused_total{reason=\"not_sent\"}"),
+        "1"
+    );
+    assert_eq!(h.metric("calc_server_rule_stats_entries"), "2");
+    assert_eq!(h.row("web", "GlobalNetworkPolicy").hits, Some(6));
+
+    // A node gone: its counters are history and stay; its old stream adds nothing more.
+    drop(b);
+    h.engine.step([]);
+    let old_b = Agent {
+        id: 2,
+        rx: mpsc::unbounded_channel().1,
+        taken: Arc::new(AtomicU64::new(0)),
+        taken_bytes: Arc::new(AtomicU64::new(0)),
+    };
+    h.hits("node-b", &old_b, vec![web_hit(false, 0, 5, 5)], 50);
+    assert_eq!(
+        h.metric("calc_server_rule_stats_refused_total{reason=\"stale_stream\"}"),
+        "1"
+    );
+    assert_eq!(h.row("web", "GlobalNetworkPolicy").hits, Some(6));
+    drop(a);
+}
+
+/// A staged policy has no rules in any dataplane: no counts (null), and a hit reported for it
+/// is dropped.
+#[test]
+fn a_staged_policy_has_no_hits() {
+    let mut h = Harness::new(LIMITS);
+    let mut updates = cluster();
+    updates.insert(
+        3,
+        apply(json!({
+            "apiVersion": "projectcalico.org/v3",
+            "kind": "StagedGlobalNetworkPolicy",
+            "metadata": {"name": "web-staged"},
+            "spec": {"selector": "app == 'web'", "ingress": [{"action": "Deny"}]},
+        })),
+    );
+    h.datastore(updates);
+    let a = h.connect_stats("node-a");
+    let staged = super::Hit {
+        owner: super::hits::Owner::Policy {
+            kind: "StagedGlobalNetworkPolicy".into(),
+            namespace: String::new(),
+            name: "web-staged".into(),
+        },
+        ..web_hit(false, 0, 1, 1)
+    };
+    h.hits("node-a", &a, vec![staged], 10);
+    assert_eq!(
+        h.metric("calc_server_rule_stats_refused_total{reason=\"staged\"}"),
+        "1"
+    );
+    let row = h.row("web-staged", "StagedGlobalNetworkPolicy");
+    assert_eq!(row.phase, "Staged");
+    assert_eq!(
+        (row.hits, row.bytes, row.last_hit.as_deref()),
+        (None, None, None)
+    );
+    let json = serde_json::to_value(&row).unwrap();
+    assert!(
+        json["hits"].is_null() && json["last_hit"].is_null(),
+        "{json}"
+    );
+}
+
+/// Counters of a policy deleted from the datastore are dropped; those of a node gone from it
+/// are folded, so the policy's totals stay.
+#[test]
+fn hit_counters_follow_the_datastore() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let a = h.connect_stats("node-a");
+    let b = h.connect_stats("node-b");
+    h.hits("node-a", &a, vec![web_hit(false, 0, 3, 300)], 10);
+    h.hits("node-b", &b, vec![web_hit(false, 0, 2, 200)], 20);
+    assert_eq!(h.engine.hits.entries(), 2);
+
+    // node-b leaves: its stream, then its endpoint and Node resource.
+    drop(b);
+    h.engine.step([]);
+    h.engine.hits_pruned = None;
+    h.datastore(vec![
+        Update::Delete(calc_graph::model::ResourceKey::new(
+            calc_graph::model::Kind::WorkloadEndpoint,
+            Some("shop"),
+            "node--b-k8s-web--2-eth0",
+        )),
+        Update::Delete(calc_graph::model::ResourceKey::new(
+            calc_graph::model::Kind::Node,
+            None,
+            "node-b",
+        )),
+    ]);
+    let web = web_hit(false, 0, 0, 0).owner;
+    assert!(h.engine.hits.rule(&web, Some("node-b"), false, 0).is_none());
+    assert_eq!(
+        h.engine.hits.rule(&web, None, false, 0).map(|c| c.packets),
+        Some(2),
+        "folded into the departed nodes' entry"
+    );
+    assert_eq!(h.row("web", "GlobalNetworkPolicy").hits, Some(5));
+
+    // The policy deleted: its counters go with it.
+    h.engine.hits_pruned = None;
+    h.datastore(vec![Update::Delete(calc_graph::model::ResourceKey::new(
+        calc_graph::model::Kind::GlobalNetworkPolicy,
+        None,
+        "web",
+    ))]);
+    assert_eq!(h.engine.hits.entries(), 0);
+    assert_eq!(h.metric("calc_server_rule_stats_entries"), "0");
+    drop(a);
+}
