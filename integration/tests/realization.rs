@@ -76,7 +76,7 @@ fn a_failing_node_shows_as_failed_with_its_error_and_the_others_as_realized() {
         .unwrap_or_else(|| panic!("no line for the policy:\n{table}"));
     let cells: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(
-        cells,
+        cells[..7],
         [
             "production-isolation",
             "security",
@@ -86,6 +86,13 @@ fn a_failing_node_shows_as_failed_with_its_error_and_the_others_as_realized() {
             "Failed",
             "GlobalNetworkPolicy"
         ]
+    );
+    // HITS and LAST-HIT close the line: a count, and `never` or a time (as the agents counted).
+    assert_eq!(cells.len(), 9, "{line}");
+    assert!(cells[7].parse::<u64>().is_ok(), "HITS: {line}");
+    assert!(
+        cells[8] == "never" || cells[8].ends_with('Z'),
+        "LAST-HIT: {line}"
     );
     let one = status(&server, &["--policy", "production-isolation"]);
     assert!(one.contains("node-2  failed  last apply failed: "), "{one}");
