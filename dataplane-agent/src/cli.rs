@@ -221,6 +221,12 @@ pub struct Cli {
     #[arg(long, env = "DATAPLANE_AGENT_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
 
+    /// How often to read the kernel's per-rule counters and report to the calc-server what each
+    /// policy rule (and each verdict of ours) decided since the last report, for the `HITS`
+    /// columns of `calc-server status` (iptables driver; 0 turns collection off).
+    #[arg(long, env = "DATAPLANE_AGENT_STATS_INTERVAL", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub stats_interval: Duration,
+
     /// Largest message accepted from the server, in bytes. An IP set travels as one message: a
     /// network set of a million IPv6 addresses needs about 47 MB.
     #[arg(long, env = "DATAPLANE_AGENT_MAX_RECV_BYTES", value_name = "BYTES", default_value_t = 128 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024 * 1024..=2 * 1024 * 1024 * 1024))]
@@ -377,6 +383,7 @@ impl Cli {
         }
         let mut config = SessionConfig::new(servers, self.node.trim());
         config.heartbeat_interval = self.heartbeat_interval;
+        config.stats_interval = (!self.stats_interval.is_zero()).then_some(self.stats_interval);
         config.reconnect_min_delay = self.reconnect_min_delay;
         config.reconnect_max_delay = self.reconnect_max_delay;
         config.max_recv_bytes = usize::try_from(self.max_recv_bytes).unwrap_or(usize::MAX);

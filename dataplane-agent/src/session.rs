@@ -143,6 +143,13 @@ pub const DEFAULT_WATCHDOG_TIMEOUT: Duration = Duration::from_secs(90);
 /// agent always offers it and reports only when the server's hello lists it.
 pub const CAPABILITY_APPLIED: &str = "applied";
 
+/// The capability token for `RuleStats` reports (docs/proto.md, "Capabilities"): offered when
+/// the driver counts what its rules decide and `stats_interval` is set.
+pub const CAPABILITY_STATS: &str = "stats";
+
+/// Most rules in one `RuleStats` (the server refuses more); a longer list goes in several.
+pub const MAX_HITS_PER_REPORT: usize = 4096;
+
 /// The longest `DataplaneApplied.error` the protocol allows (the server refuses longer ones).
 pub const MAX_APPLIED_ERROR_BYTES: usize = 256;
 
@@ -161,6 +168,8 @@ pub struct SessionConfig {
     pub capabilities: Vec<String>,
     /// How often to send a `ProcessStatusUpdate`.
     pub heartbeat_interval: Duration,
+    /// How often to read the rules' counters and send what moved (`RuleStats`); `None`: never.
+    pub stats_interval: Option<Duration>,
     /// Shortest reconnect (and apply retry) delay.
     pub reconnect_min_delay: Duration,
     /// Longest reconnect (and apply retry) delay.
@@ -212,6 +221,7 @@ impl SessionConfig {
             agent_version: env!("CARGO_PKG_VERSION").to_owned(),
             capabilities: Vec::new(),
             heartbeat_interval: Duration::from_secs(5),
+            stats_interval: Some(Duration::from_secs(10)),
             reconnect_min_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
@@ -698,10 +708,13 @@ fn short_error(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// The tokens for `AgentHello.capabilities`: the built-in ones, then the configured ones, each
-/// once.
-fn offered_capabilities(configured: &[String]) -> Vec<String> {
+/// The tokens for `AgentHello.capabilities`: the built-in ones (`stats` when this agent will
+/// send them), then the configured ones, each once.
+fn offered_capabilities(configured: &[String], stats: bool) -> Vec<String> {
     let mut out = vec![CAPABILITY_APPLIED.to_owned()];
+    if stats {
+        out.push(CAPABILITY_STATS.to_owned());
+    }
     for c in configured {
         if !out.contains(c) {
             out.push(c.clone());
@@ -848,7 +861,10 @@ async fn stream_inner<D: Driver>(
     out.send(Report::AgentHello(AgentHello {
         node_name: config.node_name.clone(),
         agent_version: config.agent_version.clone(),
-        capabilities: offered_capabilities(&config.capabilities),
+        capabilities: offered_capabilities(
+            &config.capabilities,
+            config.stats_interval.is_some() && driver.counts_hits(),
+        ),
     }));
     // A server that accepts the connection but never answers must not hold the agent.
     let opened = tokio::time::timeout(
@@ -919,6 +935,9 @@ async fn stream_inner<D: Driver>(
     // An older server, or a Felix-shaped one, does not list the token: it gets no new messages.
     // Exact match: a token with a `:value` suffix would be a variant this agent does not know.
     let report_applied = hello.capabilities.iter().any(|c| c == CAPABILITY_APPLIED);
+    let stats_every = config.stats_interval.filter(|_| {
+        driver.counts_hits() && hello.capabilities.iter().any(|c| c == CAPABILITY_STATS)
+    });
     // The snapshot's deadline runs from the hello: a server that keeps the stream busy (or
     // idle) without ever finishing its snapshot is left.
     let snapshot_deadline = tokio::time::sleep(config.snapshot_timeout);
@@ -965,6 +984,11 @@ async fn stream_inner<D: Driver>(
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The driver's own "something changed under me" signal (interfaces).
     let wake = driver.wakeup();
+    // What the rules matched, when the server takes it.
+    let stats_period = stats_every.unwrap_or(Duration::from_secs(3600));
+    let mut stats =
+        tokio::time::interval_at(tokio::time::Instant::now() + stats_period, stats_period);
+    stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         let retry_at = st.retry_at;
@@ -1052,6 +1076,11 @@ async fn stream_inner<D: Driver>(
                     }
                 }
             }
+            _ = stats.tick(), if stats_every.is_some() => {
+                if st.in_sync && agent.ever_in_sync {
+                    report_hits(&mut st, driver);
+                }
+            }
             _ = refresh.tick(), if refresh_every.is_some() => {
                 if st.in_sync && agent.ever_in_sync {
                     debug!("periodic dataplane refresh");
@@ -1062,6 +1091,32 @@ async fn stream_inner<D: Driver>(
                     }
                 }
             }
+        }
+    }
+}
+
+/// Reads what the rules matched since the last collection and sends it, in reports of at most
+/// [`MAX_HITS_PER_REPORT`] rules. A failed read is logged; the next one covers its interval
+/// (counts are compared with the last successful read).
+fn report_hits<D: Driver>(st: &mut StreamState, driver: &mut D) {
+    let started = Instant::now();
+    match run_blocking(|| driver.collect_hits()) {
+        Ok(hits) => {
+            debug!(
+                rules = hits.len(),
+                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                "rule counters read"
+            );
+            let mut hits = hits;
+            while !hits.is_empty() {
+                let rest = hits.split_off(hits.len().min(MAX_HITS_PER_REPORT));
+                st.out
+                    .send(Report::RuleStats(felix_proto::RuleStats { hits }));
+                hits = rest;
+            }
+        }
+        Err(error) => {
+            warn!(error = %error_chain(&error), "could not read the rules' counters; the next read covers this interval")
         }
     }
 }
@@ -1565,11 +1620,16 @@ mod tests {
 
     #[test]
     fn the_agent_always_offers_applied() {
-        assert_eq!(offered_capabilities(&[]), ["applied"]);
+        assert_eq!(offered_capabilities(&[], false), ["applied"]);
         assert_eq!(
-            offered_capabilities(&["x-test".to_owned(), "applied".to_owned()]),
+            offered_capabilities(&["x-test".to_owned(), "applied".to_owned()], false),
             ["applied", "x-test"],
             "configured ones kept, each once"
+        );
+        assert_eq!(
+            offered_capabilities(&["stats".to_owned()], true),
+            ["applied", "stats"],
+            "stats when the driver counts, once"
         );
     }
 

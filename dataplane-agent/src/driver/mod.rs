@@ -85,6 +85,19 @@ pub trait Driver: Send {
         DriverMetrics::default()
     }
 
+    /// Whether this driver counts what its rules decide ([`Driver::collect_hits`]).
+    fn counts_hits(&self) -> bool {
+        false
+    }
+
+    /// The packets and bytes each rule of the stream (and each verdict of ours) decided since
+    /// the previous call, only for rules whose counters moved. The first call after start only
+    /// takes the kernel's counters as its baseline (what an earlier process already reported
+    /// is not counted again) and returns nothing.
+    fn collect_hits(&mut self) -> Result<Vec<felix_proto::RuleHits>, DriverError> {
+        Ok(Vec::new())
+    }
+
     /// What is programmed, by stream object, with Calico's chain names (the admin endpoint's
     /// `/programmed`; see [`programmed`]). Read after each successful apply, and only while
     /// that endpoint is served. `None`: the driver cannot say.
@@ -170,6 +183,9 @@ pub enum DriverError {
     /// Programming routes failed.
     #[error("routes not programmed")]
     Routes(#[source] linux::routes::RouteError),
+    /// Reading the kernel's rule counters failed (nothing was reported).
+    #[error("rule counters not read")]
+    Counters(#[source] linux::iptables::TableError),
     /// The nftables transaction (or the read-back before it) failed; nothing of it applied.
     #[error("nftables")]
     Nftables(#[source] linux::nft::NftError),

@@ -267,6 +267,66 @@ pub(crate) fn save_all(
     run_save(runner, backend, v, &[])
 }
 
+/// One rule of ours as `iptables-save -c` shows it: where it is and what it counted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CountedRule {
+    pub table: String,
+    pub chain: String,
+    /// The rule's `cali:` hash.
+    pub hash: String,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Every table of a family with its counters (`-save -c`): the exact per-rule counts the
+/// kernel keeps for both backends.
+pub(crate) fn save_counted(
+    runner: &mut dyn CommandRunner,
+    backend: Backend,
+    v: IpVersion,
+) -> Result<Vec<CountedRule>, TableError> {
+    Ok(parse_counted(&run_save(runner, backend, v, &["-c"])?))
+}
+
+/// The rules of our chains that carry a `cali:` hash, from `-save -c` output
+/// (`[packets:bytes] -A chain spec`).
+fn parse_counted(text: &str) -> Vec<CountedRule> {
+    let mut out = Vec::new();
+    let mut table = "";
+    for line in text.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t;
+            continue;
+        }
+        let Some(rest) = line.strip_prefix('[') else {
+            continue;
+        };
+        let Some((counts, rule)) = rest.split_once("] -A ") else {
+            continue;
+        };
+        let Some((p, b)) = counts.split_once(':') else {
+            continue;
+        };
+        let (Ok(packets), Ok(bytes)) = (p.parse(), b.parse()) else {
+            continue;
+        };
+        let (chain, spec) = rule.split_once(' ').unwrap_or((rule, ""));
+        if !chain.starts_with(OUR_CHAIN_PREFIX) {
+            continue;
+        }
+        if let Some(hash) = hash_of(spec) {
+            out.push(CountedRule {
+                table: table.to_owned(),
+                chain: chain.to_owned(),
+                hash: hash.to_owned(),
+                packets,
+                bytes,
+            });
+        }
+    }
+    out
+}
+
 /// `ip[6]tables-<backend>-save args…`, its output as text.
 fn run_save(
     runner: &mut dyn CommandRunner,
@@ -371,6 +431,9 @@ pub(crate) struct KernelTable {
     loaded: bool,
     /// Seconds `iptables-restore` waits for the xtables lock.
     lock_wait_secs: u32,
+    /// How many times each chain of ours was written by this process: a written chain's rules
+    /// count again from zero, so counters are told apart by it (see [`KernelTable::epoch`]).
+    writes: HashMap<String, u64>,
 }
 
 impl KernelTable {
@@ -385,7 +448,14 @@ impl KernelTable {
             refused: BTreeMap::new(),
             loaded: false,
             lock_wait_secs,
+            writes: HashMap::new(),
         }
+    }
+
+    /// How many times this process wrote `chain`: its rules' counters started from zero at
+    /// the last write, so a counter read is only comparable with one of the same epoch.
+    pub(crate) fn epoch(&self, chain: &str) -> u64 {
+        self.writes.get(chain).copied().unwrap_or(0)
     }
 
     pub(crate) fn name(&self) -> &'static str {
@@ -661,6 +731,7 @@ impl KernelTable {
             let hashes = self.wanted(d, name).expect("written").1.to_vec();
             let kernel = self.kernel.as_mut().expect("read back above");
             kernel.ours.insert(name.clone(), hashes);
+            *self.writes.entry(name.clone()).or_default() += 1;
         }
     }
 
@@ -1070,6 +1141,35 @@ mod tests {
         assert_eq!(parse_version("iptables v1.6.2 (legacy)"), Some((1, 6, 2)));
         assert_eq!(parse_version("4.19"), Some((4, 19, 0)));
         assert_eq!(parse_version("no version here"), None);
+    }
+
+    #[test]
+    fn counted_rules_of_ours_are_read_with_their_table() {
+        let text = "*filter\n:cali-pi-x - [0:0]\n\
+            [12:3400] -A cali-pi-x -m comment --comment \"cali:abc\" -j ACCEPT\n\
+            [5:60] -A INPUT -m comment --comment \"cali:hook\" -j cali-INPUT\n\
+            [7:70] -A cali-pi-x -j MARK --set-xmark 0x0/0x10000\n\
+            COMMIT\n*mangle\n\
+            [1:2] -A cali-po-y -m comment --comment \"cali:def\" -j DROP\nCOMMIT\n";
+        assert_eq!(
+            parse_counted(text),
+            vec![
+                CountedRule {
+                    table: "filter".into(),
+                    chain: "cali-pi-x".into(),
+                    hash: "abc".into(),
+                    packets: 12,
+                    bytes: 3400
+                },
+                CountedRule {
+                    table: "mangle".into(),
+                    chain: "cali-po-y".into(),
+                    hash: "def".into(),
+                    packets: 1,
+                    bytes: 2
+                },
+            ]
+        );
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub(crate) mod desired;
 pub(crate) mod endpoint_mgr;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fake;
+pub(crate) mod hits;
 pub(crate) mod interfaces;
 pub(crate) mod ipsets;
 pub(crate) mod ipsets_mgr;
@@ -169,6 +170,8 @@ pub struct LinuxDriver {
     routes: RouteManager,
     /// The last apply failed (endpoints changed since then report "error").
     apply_failed: bool,
+    /// The kernel's counters at the last collection (`collect_hits`).
+    hits: hits::HitTracker,
 }
 
 impl LinuxDriver {
@@ -230,6 +233,7 @@ impl LinuxDriver {
             ifaces,
             config: ConfigManager::new(opts),
             apply_failed: false,
+            hits: hits::HitTracker::default(),
         }
     }
 
@@ -414,6 +418,33 @@ impl Driver for LinuxDriver {
         }
     }
 
+    fn counts_hits(&self) -> bool {
+        self.writer.counts_rules()
+    }
+
+    /// Reads the kernel's counters through the writer and reports, by rule of the stream, what
+    /// moved (see [`hits`]). A policy no longer held when its counters are read is left out.
+    fn collect_hits(&mut self) -> Result<Vec<felix_proto::RuleHits>, DriverError> {
+        let counts = self
+            .writer
+            .read_counts(self.runner.as_mut(), &self.tables)?;
+        let deltas = self.hits.deltas(counts);
+        if deltas.is_empty() {
+            return Ok(Vec::new());
+        }
+        let policies = self.policy.policy_ids();
+        Ok(deltas
+            .into_iter()
+            .filter_map(|(id, (packets, bytes))| {
+                Some(felix_proto::RuleHits {
+                    rule: Some(rule_ref(&id, &policies)?),
+                    packets,
+                    bytes,
+                })
+            })
+            .collect())
+    }
+
     fn refresh_interval(&self) -> Option<Duration> {
         Some(self.config.opts().refresh_interval)
     }
@@ -434,6 +465,59 @@ impl Driver for LinuxDriver {
     fn on_wakeup(&mut self) {
         self.endpoints.on_wakeup();
     }
+}
+
+/// The stream's name for a rule id (`RuleRef`); `None` for a policy not held.
+fn rule_ref(
+    id: &rules::RuleId,
+    policies: &std::collections::HashMap<String, felix_proto::PolicyId>,
+) -> Option<felix_proto::RuleRef> {
+    use felix_proto::rule_ref::Kind;
+    use rules::RuleId;
+    let egress = |d: &Direction| matches!(d, Direction::Egress);
+    let mut r = felix_proto::RuleRef::default();
+    match id {
+        RuleId::Policy {
+            policy,
+            direction,
+            index,
+        } => {
+            r.set_kind(Kind::PolicyRule);
+            r.policy = Some(policies.get(policy)?.clone());
+            r.egress = egress(direction);
+            r.index = *index;
+        }
+        RuleId::Profile {
+            profile,
+            direction,
+            index,
+        } => {
+            r.set_kind(Kind::ProfileRule);
+            r.profile = Some(felix_proto::ProfileId {
+                name: profile.clone(),
+            });
+            r.egress = egress(direction);
+            r.index = *index;
+        }
+        RuleId::EndOfTier { tier, direction } => {
+            r.set_kind(Kind::EndOfTier);
+            r.tier = tier.clone();
+            r.egress = egress(direction);
+        }
+        RuleId::NoProfileMatched { direction } => {
+            r.set_kind(Kind::NoProfileMatched);
+            r.egress = egress(direction);
+        }
+        RuleId::Default { direction } => {
+            r.set_kind(Kind::DefaultAction);
+            r.egress = egress(direction);
+        }
+        RuleId::Failsafe { direction } => {
+            r.set_kind(Kind::Failsafe);
+            r.egress = egress(direction);
+        }
+    }
+    Some(r)
 }
 
 #[cfg(test)]

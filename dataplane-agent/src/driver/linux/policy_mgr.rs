@@ -310,6 +310,18 @@ impl PolicyManager {
     }
 
     /// Policies and profiles held failing closed for the IP sets they use.
+    /// The proto id of every policy held, by the key its rule ids carry
+    /// ([`rules::policy_id_string`]).
+    pub(crate) fn policy_ids(&self) -> HashMap<String, felix_proto::PolicyId> {
+        self.policies
+            .keys()
+            .map(|k| {
+                let id = k.to_proto();
+                (rules::policy_id_string(&id), id)
+            })
+            .collect()
+    }
+
     pub(crate) fn set_refused(&self) -> &BTreeMap<String, String> {
         &self.set_refused
     }

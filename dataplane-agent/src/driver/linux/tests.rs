@@ -1564,3 +1564,63 @@ fn kernel_rules_map_back_to_their_rule_ids() {
     // Not a table this writer programs.
     assert_eq!(d.rule_id(v4, "calico", &chain, RuleAt::Position(1)), None);
 }
+
+/// The kernel's counters come back as deltas per stream rule: a baseline first, then what
+/// moved, added up over families; a rewritten policy chain counts again from its new rules
+/// without counting the old ones twice.
+#[test]
+fn rule_counters_are_reported_as_deltas_by_stream_rule() {
+    use felix_proto::rule_ref::Kind;
+
+    let policy = |action: &str| {
+        msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+            id: Some(pol_id()),
+            policy: Some(Policy {
+                inbound_rules: vec![Rule {
+                    action: action.into(),
+                    protocol: Some(felix_proto::Protocol {
+                        number_or_name: Some(felix_proto::protocol::NumberOrName::Name(
+                            "udp".into(),
+                        )),
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        }))
+    };
+    let (mut d, k) = driver();
+    assert!(d.counts_hits());
+    d.on_update(&policy("allow"));
+    d.on_update(&wep("caliweb"));
+    d.apply().unwrap();
+    let chain = rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &pol_id());
+    k.lock().hit(IpVersion::V4, &chain, "udp", 100, 10_000);
+    assert!(
+        d.collect_hits().unwrap().is_empty(),
+        "the first read is the baseline"
+    );
+
+    k.lock().hit(IpVersion::V4, &chain, "udp", 37, 3_700);
+    k.lock().hit(IpVersion::V6, &chain, "udp", 3, 300);
+    let hits = d.collect_hits().unwrap();
+    let policy_hits: Vec<_> = hits
+        .iter()
+        .filter(|h| h.rule.as_ref().unwrap().kind() == Kind::PolicyRule)
+        .collect();
+    assert_eq!(policy_hits.len(), 1, "{hits:?}");
+    let h = policy_hits[0];
+    let r = h.rule.as_ref().unwrap();
+    assert_eq!(r.policy.as_ref(), Some(&pol_id()));
+    assert_eq!((r.egress, r.index), (false, 0));
+    assert_eq!((h.packets, h.bytes), (40, 4_000));
+    assert!(d.collect_hits().unwrap().is_empty(), "nothing moved");
+
+    // The policy changes: its chain is rewritten and counts from zero.
+    d.on_update(&policy("deny"));
+    d.apply().unwrap();
+    k.lock().hit(IpVersion::V4, &chain, "udp", 5, 500);
+    let hits = d.collect_hits().unwrap();
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    assert_eq!((hits[0].packets, hits[0].bytes), (5, 500));
+}

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use tracing::{debug, info, warn};
 
-use super::{KernelWriter, Rerender, RuleAt};
+use super::{KernelWriter, LineCount, Rerender, RuleAt};
 use crate::driver::DriverError;
 use crate::driver::linux::desired::{Sets, TABLE_NAMES, Tables};
 use crate::driver::linux::ipsets::IpSets;
@@ -162,6 +162,47 @@ impl KernelWriter for IptablesWriter {
 
     fn rule_count(&self, tables: &Tables) -> usize {
         tables.rule_count()
+    }
+
+    fn counts_rules(&self) -> bool {
+        true
+    }
+
+    /// One `-save -c` per family: the kernel's exact per-rule counters, for both backends.
+    fn read_counts(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        tables: &Tables,
+    ) -> Result<Vec<LineCount>, DriverError> {
+        let backend = self.backend(runner);
+        let mut out = Vec::new();
+        for v in tables.versions().to_vec() {
+            let counted =
+                iptables::save_counted(runner, backend, v).map_err(DriverError::Counters)?;
+            for c in counted {
+                let (Some(k), Some(d)) = (self.tables.get(v, &c.table), tables.get(v, &c.table))
+                else {
+                    continue;
+                };
+                let Some(id) = k.rule_id_by_comment(d, &c.chain, &c.hash) else {
+                    continue;
+                };
+                out.push(LineCount {
+                    line: format!(
+                        "{}|{}|{}|{}|{}",
+                        v.number(),
+                        c.table,
+                        c.chain,
+                        c.hash,
+                        k.epoch(&c.chain)
+                    ),
+                    id: id.clone(),
+                    packets: c.packets,
+                    bytes: c.bytes,
+                });
+            }
+        }
+        Ok(out)
     }
 
     fn rule_id(

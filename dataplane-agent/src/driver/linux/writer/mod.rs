@@ -33,6 +33,17 @@ use super::rules::{IpVersion, RuleId};
 use super::runner::CommandRunner;
 use crate::driver::DriverError;
 
+/// What one kernel rule of ours counted, with the rule it enforces. `line` names the kernel
+/// rule and the write that created it (a rewritten rule counts again from zero under a new
+/// `line`), so a tracker compares a count only with the same line's previous count.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LineCount {
+    pub line: String,
+    pub id: RuleId,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
 /// Where a rule sits in a kernel chain, as counters and logs find it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RuleAt<'a> {
@@ -99,6 +110,20 @@ pub(crate) trait KernelWriter: Send {
         chain: &str,
         at: RuleAt<'_>,
     ) -> Option<RuleId>;
+
+    /// Whether [`KernelWriter::read_counts`] reads the kernel's counters.
+    fn counts_rules(&self) -> bool {
+        false
+    }
+
+    /// The counters of every rule of ours that carries a rule id, as the kernel holds them now.
+    fn read_counts(
+        &mut self,
+        _runner: &mut dyn CommandRunner,
+        _tables: &Tables,
+    ) -> Result<Vec<LineCount>, DriverError> {
+        Ok(Vec::new())
+    }
 
     /// What the last nftables write did (zero for any other writer).
     fn nft_stats(&self) -> NftStats {
