@@ -223,7 +223,7 @@ pub struct Cli {
 
     /// How often to read the kernel's per-rule counters and report to the calc-server what each
     /// policy rule (and each verdict of ours) decided since the last report, for the `HITS`
-    /// columns of `calc-server status` (iptables driver; 0 turns collection off).
+    /// columns of `calc-server status` (the linux and nftables drivers; 0 turns collection off).
     #[arg(long, env = "DATAPLANE_AGENT_STATS_INTERVAL", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub stats_interval: Duration,
 

@@ -186,6 +186,9 @@ pub enum DriverError {
     /// Reading the kernel's rule counters failed (nothing was reported).
     #[error("rule counters not read")]
     Counters(#[source] linux::iptables::TableError),
+    /// Reading the nftables rules' counters failed (nothing was reported).
+    #[error("nftables rule counters not read")]
+    NftCounters(#[source] linux::nft::NftError),
     /// The nftables transaction (or the read-back before it) failed; nothing of it applied.
     #[error("nftables")]
     Nftables(#[source] linux::nft::NftError),

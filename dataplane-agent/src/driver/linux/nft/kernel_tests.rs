@@ -544,3 +544,103 @@ fn negated_conntrack_lists_match_only_packets_with_none_of_their_bits() {
         nft(&["delete", "table", "ip", "calico"]);
     }
 }
+
+/// The writer reads back what the kernel counted for each rule with an id, keyed by the write
+/// of its chain: 4 UDP packets to an accepted port and 3 to a dropped one are what the rules'
+/// counters say, and a rewritten chain is a new line that counts from zero.
+#[test]
+#[ignore = "needs root and nft: make test runs it"]
+fn rule_counters_are_read_back_by_rule_id() {
+    use crate::driver::linux::rules::RuleId;
+    use crate::driver::linux::rules::endpoint::Direction;
+    use std::net::UdpSocket;
+
+    let _ns = Namespace::enter("nft-counters-test");
+    let ok = Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip link set lo up");
+    let v4 = [IpVersion::V4];
+    let id = |index| RuleId::Policy {
+        policy: "gnp/counted".into(),
+        direction: Direction::Egress,
+        index,
+    };
+    let chain = |extra: bool| {
+        let mut rules = vec![
+            Rule::new(
+                Match::new().protocol("udp").dst_ports("7301"),
+                Action::Accept,
+            )
+            .with_id(id(0)),
+            Rule::new(Match::new().protocol("udp").dst_ports("7302"), Action::Drop).with_id(id(1)),
+        ];
+        if extra {
+            rules.push(
+                Rule::new(Match::new().protocol("udp").dst_ports("7303"), Action::Drop)
+                    .with_id(id(2)),
+            );
+        }
+        Chain::new("cali-po-counted", rules)
+    };
+    let mut tables = Tables::new(&v4);
+    let mut sets = Sets::new(v4.to_vec());
+    let mut hooks = Hooks::default();
+    hooks.inserts.insert(
+        "OUTPUT".into(),
+        vec![Rule::new(
+            Match::new().protocol("udp"),
+            Action::Jump("cali-po-counted".into()),
+        )],
+    );
+    tables.table(IpVersion::V4, "filter").set_hooks(hooks);
+    tables
+        .table(IpVersion::V4, "filter")
+        .set_chain(chain(false));
+    let mut writer = NftTables::new(&v4);
+    writer
+        .apply(&mut SystemRunner, &mut tables, &mut sets)
+        .expect("apply");
+    let send = |port: u16, n: usize| {
+        let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        for _ in 0..n {
+            let _ = s.send_to(b"x", ("127.0.0.1", port));
+        }
+    };
+    send(7301, 4);
+    send(7302, 3);
+    let counts = |writer: &NftTables, tables: &Tables| {
+        let mut got: Vec<(RuleId, u64, String)> = writer
+            .read_counts(&mut SystemRunner, tables)
+            .expect("read counts")
+            .into_iter()
+            .map(|c| (c.id, c.packets, c.line))
+            .collect();
+        got.sort();
+        got
+    };
+    let got = counts(&writer, &tables);
+    assert_eq!(
+        got.iter()
+            .map(|(i, p, _)| (i.clone(), *p))
+            .collect::<Vec<_>>(),
+        vec![(id(0), 4), (id(1), 3)],
+        "{}",
+        nft(&["list", "table", "ip", "calico"])
+    );
+    // Rewritten: new lines, counting from zero.
+    tables.table(IpVersion::V4, "filter").set_chain(chain(true));
+    writer
+        .apply(&mut SystemRunner, &mut tables, &mut sets)
+        .expect("apply");
+    send(7301, 2);
+    let again = counts(&writer, &tables);
+    assert_eq!(again[0].0, id(0));
+    assert_eq!(again[0].1, 2);
+    assert_ne!(
+        again[0].2, got[0].2,
+        "a rewritten chain's rule is a new line"
+    );
+    nft(&["delete", "table", "ip", "calico"]);
+}

@@ -120,6 +120,9 @@ struct Family {
     v: IpVersion,
     rendered: HashMap<String, Rendered>,
     kernel: Option<KernelView>,
+    /// How many times each chain was written by this process: a written chain's rules count
+    /// again from zero, so a counter is only comparable with one of the same write.
+    writes: HashMap<String, u64>,
     /// `invalidate` dropped a view we trusted: report drift at the next read back.
     check_drift: bool,
 }
@@ -150,6 +153,8 @@ pub(crate) struct NftTables {
 /// The planned transaction of one family (its view already updated to what it leaves).
 struct Plan {
     ops: Vec<Op>,
+    /// The chains the transaction writes (replaced whole).
+    written: Vec<String>,
     /// Every rule has an nfnetlink encoding (else the transaction goes by `nft -f`).
     encodable: bool,
     stats: NftStats,
@@ -225,6 +230,7 @@ impl NftTables {
                     v: *v,
                     rendered: HashMap::new(),
                     kernel: None,
+                    writes: HashMap::new(),
                     check_drift: false,
                 })
                 .collect(),
@@ -270,6 +276,7 @@ impl NftTables {
         }
         let mut ops: Vec<Op> = Vec::new();
         let mut encodable = true;
+        let mut written: Vec<Vec<String>> = Vec::with_capacity(self.families.len());
         for (f, full) in self.families.iter_mut().zip(full) {
             let plan = f.plan(tables, sets, &changes, &dirty, &removed, full);
             if f.check_drift && !plan.ops.is_empty() {
@@ -284,6 +291,7 @@ impl NftTables {
             add_stats(&mut stats, &plan.stats);
             encodable &= plan.encodable;
             ops.extend(plan.ops);
+            written.push(plan.written);
         }
         if ops.is_empty() {
             return Ok(stats);
@@ -297,6 +305,7 @@ impl NftTables {
                 Ok(kernel) => {
                     stats.via_netlink = true;
                     stats.kernel_us = u64::try_from(kernel.as_micros()).unwrap_or(u64::MAX);
+                    self.record_writes(written);
                     return Ok(stats);
                 }
                 Err(error) => {
@@ -313,6 +322,7 @@ impl NftTables {
                     // and every such change now pays for nft.
                     warn!(%error, "the kernel refused an nfnetlink batch that nft -f then wrote");
                 }
+                self.record_writes(written);
                 Ok(stats)
             }
             Err(e) => {
@@ -321,6 +331,61 @@ impl NftTables {
                 Err(e)
             }
         }
+    }
+
+    /// Counts the chains a transaction that went in wrote, family by family.
+    fn record_writes(&mut self, written: Vec<Vec<String>>) {
+        for (f, names) in self.families.iter_mut().zip(written) {
+            for n in names {
+                *f.writes.entry(n).or_default() += 1;
+            }
+        }
+    }
+
+    /// The counters of every rule of ours that renders a desired rule with a rule id (one
+    /// `nft -j -t list table` per family: the rules with their counters, set elements left
+    /// out), each keyed by its chain, hash and the chain's write.
+    pub(crate) fn read_counts(
+        &self,
+        runner: &mut dyn CommandRunner,
+        tables: &Tables,
+    ) -> Result<Vec<crate::driver::linux::writer::LineCount>, NftError> {
+        let mut out = Vec::new();
+        for f in &self.families {
+            let fam = render::family(f.v);
+            let listing = run(
+                runner,
+                &["-j", "-t", "list", "table", fam, TABLE],
+                None,
+                "list table",
+            )?;
+            let counted = parse_counters(&listing).map_err(|reason| NftError::Parse {
+                family: fam,
+                reason,
+            })?;
+            for (chain, comment, packets, bytes) in counted {
+                let Some((t, c, i)) = self.source_rule_by_comment(f.v, &chain, &comment) else {
+                    continue;
+                };
+                let Some(id) = tables
+                    .get(f.v, t)
+                    .and_then(|t| t.chain(c))
+                    .and_then(|c| c.rules.get(i))
+                    .and_then(|r| r.id.clone())
+                else {
+                    continue;
+                };
+                let hash = render::hash_of_comment(&comment).unwrap_or_default();
+                let epoch = f.writes.get(&chain).copied().unwrap_or(0);
+                out.push(crate::driver::linux::writer::LineCount {
+                    line: format!("{}|{chain}|{hash}|{epoch}", f.v.number()),
+                    id,
+                    packets,
+                    bytes,
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Drops every view (and rendering): the next apply reads back and plans everything.
@@ -670,7 +735,9 @@ impl Family {
                     .map(|(n, _)| n),
             );
         }
+        let mut written = Vec::with_capacity(writes.len());
         for name in writes {
+            written.push(name.clone());
             let r = &self.rendered[name];
             if let Some(h) = &r.hook {
                 decl_ops.push(Op::NewChain {
@@ -746,6 +813,7 @@ impl Family {
         .concat();
         Plan {
             ops,
+            written,
             encodable,
             stats,
         }
@@ -1175,6 +1243,34 @@ fn parse_listing(json: &[u8]) -> Result<KernelView, String> {
         view.chains.insert(chain, hashes);
     }
     Ok(view)
+}
+
+/// (chain, comment, packets, bytes) of every rule with a comment and a counter, from
+/// `nft -j list table` output.
+fn parse_counters(json: &[u8]) -> Result<Vec<(String, String, u64, u64)>, String> {
+    let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+    let items = doc
+        .get("nftables")
+        .and_then(|v| v.as_array())
+        .ok_or("no \"nftables\" array")?;
+    let mut out = Vec::new();
+    for r in items.iter().filter_map(|i| i.get("rule")) {
+        let (Some(chain), Some(comment)) = (r["chain"].as_str(), r["comment"].as_str()) else {
+            continue;
+        };
+        let Some(counter) = r["expr"]
+            .as_array()
+            .and_then(|e| e.iter().find_map(|x| x.get("counter")))
+        else {
+            continue;
+        };
+        let (Some(packets), Some(bytes)) = (counter["packets"].as_u64(), counter["bytes"].as_u64())
+        else {
+            continue;
+        };
+        out.push((chain.to_owned(), comment.to_owned(), packets, bytes));
+    }
+    Ok(out)
 }
 
 fn type_text(t: &serde_json::Value) -> String {

@@ -154,6 +154,20 @@ impl KernelWriter for NftWriter {
         tables.get(v, t)?.chain(c)?.rules.get(i)?.id.clone()
     }
 
+    fn counts_rules(&self) -> bool {
+        true
+    }
+
+    fn read_counts(
+        &mut self,
+        runner: &mut dyn CommandRunner,
+        tables: &Tables,
+    ) -> Result<Vec<super::LineCount>, DriverError> {
+        self.nft
+            .read_counts(runner, tables)
+            .map_err(DriverError::NftCounters)
+    }
+
     fn nft_stats(&self) -> NftStats {
         self.stats
     }
