@@ -1,5 +1,5 @@
-//! The client side of serve's admin endpoint, for `status` and `explain --server`: one GET over
-//! HTTP/1.0, in clear text or over TLS (the server's certificate verified against
+//! The client side of serve's admin endpoint, for `status`, `policies` and `explain --server`:
+//! one GET over HTTP/1.0, in clear text or over TLS (the server's certificate verified against
 //! `--tls-ca-file`, an optional client certificate), with an optional bearer token.
 //!
 //! Kept to a blocking socket and rustls (which the binary links for the Sync listener anyway)
@@ -173,6 +173,21 @@ pub(crate) fn fetch(
         .context("malformed HTTP response")?;
     let status = head.lines().next().unwrap_or_default().to_string();
     Ok((status, body.to_string()))
+}
+
+/// The body of a GET the server answered 200. Any other answer is an error naming the path,
+/// the status and the server's reason (the admin endpoint answers errors as `{"error": …}`),
+/// with what to try when it refused the caller.
+pub(crate) fn get(server: &str, path: &str, client: &AdminClientArgs) -> anyhow::Result<String> {
+    let (status, body) = fetch(server, path, client)?;
+    if !status.contains(" 200") {
+        let why = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or_else(|| body.trim().to_string());
+        anyhow::bail!("{path}: {status}: {why}{}", refusal_hint(&status));
+    }
+    Ok(body)
 }
 
 /// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate

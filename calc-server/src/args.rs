@@ -138,8 +138,8 @@ pub struct ServeArgs {
     /// Address the gRPC Sync service listens on.
     #[arg(long, env = "CALC_SERVER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the admin endpoint (/status, /status/policies, /status/datastore, /explain,
-    /// /liveness, /readiness, /metrics).
+    /// Address of the admin endpoint (/status, /status/policies, /status/unused,
+    /// /status/datastore, /explain, /liveness, /readiness, /metrics).
     /// The default port is 9096 because Felix's health port (9099) and Typha's (9098) are
     /// taken on a Calico node. Without admin authentication (--admin-allowed-cn,
     /// --admin-allowed-uri-san, --admin-ca-file or --admin-token-file) only a loopback address
@@ -316,8 +316,8 @@ pub struct AdminArgs {
     /// changes (a rotated Secret). Without --tls-* the token crosses the network in clear text.
     #[arg(long, env = "CALC_SERVER_ADMIN_TOKEN_FILE", value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
-    /// Most `/explain` and `/status/policies` questions the engine works on at once; more are
-    /// answered 429 at once, so the admin endpoint cannot starve the engine.
+    /// Most `/explain`, `/status/policies` and `/status/unused` questions the engine works on
+    /// at once; more are answered 429 at once, so the admin endpoint cannot starve the engine.
     #[arg(
         long,
         env = "CALC_SERVER_ADMIN_MAX_CONCURRENT_QUERIES",
@@ -527,9 +527,66 @@ pub struct StatusArgs {
     #[arg(long, env = "CALC_SERVER_STATUS_POLICIES", conflicts_with = "policy")]
     pub policies: bool,
     /// One policy ([KIND:][NAMESPACE/]NAME, e.g. `snp:shop/web-http-only`, or a profile's name): its
-    /// counts and the nodes that lag, with their reason.
+    /// counts and the nodes that lag, with their reason, then one line per rule (ingress, then
+    /// egress): its action, packets, bytes, last hit and the nodes where it matched.
     #[arg(long, env = "CALC_SERVER_STATUS_POLICY")]
     pub policy: Option<String>,
+}
+
+// `calc-server policies`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PoliciesArgs {
+    /// The server's admin address (`--admin-listen` of serve), as host:port, http://host:port
+    /// or https://host:port (a server with --tls-*). Not the gRPC address (`--listen`).
+    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
+    pub server: String,
+    /// TLS and token for an admin endpoint that requires them.
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+    /// List the policies and profiles in force on at least one node, and their rules, that no
+    /// packet matched within the window, from the agents' hit counts. One observed (in force
+    /// on a node whose agent reports stats) for less than the window is not yet known, never
+    /// unused.
+    #[arg(long, env = "CALC_SERVER_POLICIES_UNUSED", required = true)]
+    pub unused: bool,
+    /// The window, back from now (e.g. `7d`, `12h`, `30m`; units d, h, m, s, ms; at least 1s).
+    /// Default: all the history the server recorded, each rule since it was first observed.
+    #[arg(long, env = "CALC_SERVER_POLICIES_SINCE", value_name = "DURATION", value_parser = parse_window)]
+    pub since: Option<Duration>,
+    /// Output: a table, or the server's JSON (a list of objects).
+    #[arg(
+        long,
+        env = "CALC_SERVER_POLICIES_OUTPUT",
+        value_enum,
+        default_value = "table"
+    )]
+    pub output: ListOutput,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ListOutput {
+    Table,
+    Json,
+}
+
+/// A window back from now: a duration as [`parse_duration`] reads it, or whole days (`7d`);
+/// at least a second.
+pub fn parse_window(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let d = match t.strip_suffix('d') {
+        Some(days) => days
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|d| d.is_finite() && *d >= 0.0)
+            .and_then(|d| Duration::try_from_secs_f64(d * 86_400.0).ok()),
+        None => parse_duration(t).ok(),
+    }
+    .ok_or_else(|| format!("{text:?} is not a duration (e.g. 7d, 12h, 30m, 90s)"))?;
+    if d < Duration::from_secs(1) {
+        return Err(format!("{text:?} is shorter than 1s"));
+    }
+    Ok(d)
 }
 
 /// A path where an empty value means "none" (clap's path parser refuses empty values).
@@ -553,6 +610,18 @@ mod tests {
             interface_prefix: " eni , veth".into(),
         };
         assert_eq!(args.interface_prefix(), "eni");
+    }
+
+    /// A window takes days too, and is at least a second.
+    #[test]
+    fn windows_take_days_and_are_at_least_a_second() {
+        assert_eq!(parse_window("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_window("1.5d"), Ok(Duration::from_secs(129_600)));
+        assert_eq!(parse_window("12h"), Ok(Duration::from_secs(43_200)));
+        assert_eq!(parse_window("90"), Ok(Duration::from_secs(90)));
+        for bad in ["0", "500ms", "0d", "xd", "-1d", "7w", ""] {
+            assert!(parse_window(bad).is_err(), "{bad}");
+        }
     }
 
     /// Durations are written as operators write them in flags, env vars and config files.

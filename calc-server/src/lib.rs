@@ -4,12 +4,13 @@
 //! Layers, each importing only those above it:
 //! - [`args`]: every flag and environment variable (user contracts) and their value parsers;
 //! - [`status`]: the status board, what the agents report (shared by the serving layer and the
-//!   datastore's status writers);
+//!   datastore's status writers); [`admin_client`] and `table`: the admin endpoint's client side
+//!   and its text tables (shared by the commands that ask a running server);
 //! - [`datastore`]: one adapter per datastore (file, etcd, Kubernetes) feeding one sink; the
 //!   pure part of ingest is the `calc_ingest` crate;
 //! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
-//!   admin endpoint; [`compute`], [`explain_cmd`], [`status_cmd`] and [`offline`]: the other
-//!   commands;
+//!   admin endpoint; [`compute`], [`explain_cmd`], [`status_cmd`], [`policies_cmd`] and
+//!   [`offline`]: the other commands;
 //!
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
@@ -21,6 +22,8 @@ pub mod datastore;
 pub mod explain_cmd;
 pub mod offline;
 mod pem;
+pub mod policies_cmd;
 pub mod serve;
 pub mod status;
 pub mod status_cmd;
+mod table;

@@ -1,8 +1,9 @@
 //! calc-server: the command-line entry point. Only the CLI lives here (parsing, logging,
 //! dispatch); the commands are in the `calc_server` library.
 //!
-//! Subcommands: `serve` (the Sync stream), `status`, `compute` (the stream a node would
-//! receive), `explain` (why traffic is allowed or denied), the offline tools (selector
+//! Subcommands: `serve` (the Sync stream), `status`, `policies` (unused policies and rules, from
+//! a running server's hit counters), `compute` (the stream a node would receive), `explain`
+//! (why traffic is allowed or denied), the offline tools (selector
 //! evaluation and normalisation, manifest validation). The benchmarks are the separate
 //! `calc-bench` tool (`tools/bench`), not commands of the server.
 //! Exit codes: 0 success, 1 invalid manifests found (validate), 2 usage or parse errors.
@@ -10,8 +11,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use calc_server::args::{ComputeArgs, ExplainArgs, ServeArgs, StatusArgs};
-use calc_server::{compute, explain_cmd, offline, serve, status_cmd};
+use calc_server::args::{ComputeArgs, ExplainArgs, PoliciesArgs, ServeArgs, StatusArgs};
+use calc_server::{compute, explain_cmd, offline, policies_cmd, serve, status_cmd};
 use clap::{Parser, Subcommand};
 use common::LogFormat;
 
@@ -65,6 +66,13 @@ enum Command {
     Serve(ServeArgs),
     /// Show connected nodes and their reported status (from a server's admin endpoint).
     Status(StatusArgs),
+    /// List the policies and profiles in force, and their rules, that no packet matched within
+    /// a window (--unused [--since 7d]), from a running server's hit counters; those observed
+    /// for less than the window are listed as not yet known, never as unused.
+    #[command(
+        override_usage = "calc-server policies [OPTIONS] --unused [--since <DURATION>] [--output <OUTPUT>]"
+    )]
+    Policies(PoliciesArgs),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -115,6 +123,7 @@ fn main() -> ExitCode {
         Command::Explain(args) => explain_cmd::run(&args),
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
+        Command::Policies(args) => policies_cmd::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }

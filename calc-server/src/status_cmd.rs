@@ -9,44 +9,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::admin_client::{fetch, url_escape};
+use crate::admin_client::{get, url_escape};
 use crate::args::StatusArgs;
-
-/// A column-aligned table: each column as wide as its widest cell; numbers right-aligned.
-fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let mut out = String::new();
-        for (i, cell) in cells.iter().enumerate() {
-            let pad = widths[i].saturating_sub(cell.chars().count());
-            let last = i + 1 == cells.len();
-            if i > 0 {
-                out.push_str("  ");
-            }
-            if right[i] {
-                out.push_str(&" ".repeat(pad));
-                out.push_str(cell);
-            } else {
-                out.push_str(cell);
-                if !last {
-                    out.push_str(&" ".repeat(pad));
-                }
-            }
-        }
-        out.push('\n');
-        out
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
-}
+use crate::table::table;
 
 /// One row per node of `/status` (see `serve::status::NodeStatus`).
 fn rows(nodes: &[serde_json::Value]) -> Vec<Vec<String>> {
@@ -172,7 +137,7 @@ const POLICY_HEADER: [&str; 9] = [
 ];
 const POLICY_RIGHT: [bool; 9] = [false, false, true, true, true, false, false, true, false];
 
-/// One policy: its line, then the nodes that lag.
+/// One policy: its line, then the nodes that lag, then its rules' hit counts.
 fn policy_detail(r: &serde_json::Value) -> String {
     let mut out = table(
         &POLICY_HEADER,
@@ -182,24 +147,79 @@ fn policy_detail(r: &serde_json::Value) -> String {
     let lagging = r["lagging"].as_array().cloned().unwrap_or_default();
     if lagging.is_empty() {
         out.push_str("\nno node lags\n");
-        return out;
+    } else {
+        out.push('\n');
+        let rows: Vec<Vec<String>> = lagging
+            .iter()
+            .map(|l| {
+                ["node", "state", "reason"]
+                    .iter()
+                    .map(|k| l[*k].as_str().unwrap_or_default().to_string())
+                    .collect()
+            })
+            .collect();
+        out.push_str(&table(
+            &["NODE", "STATE", "REASON"],
+            &rows,
+            &[false, false, false],
+        ));
     }
-    out.push('\n');
-    let rows: Vec<Vec<String>> = lagging
+    out.push_str(&rule_lines(r));
+    out
+}
+
+const RULE_HEADER: [&str; 7] = [
+    "DIRECTION",
+    "RULE",
+    "ACTION",
+    "PACKETS",
+    "BYTES",
+    "LAST-HIT",
+    "NODES",
+];
+const RULE_RIGHT: [bool; 7] = [false, true, false, true, true, false, false];
+
+/// A single policy's rules (`rules` of `/status/policies/NAME`), after a blank line: one line
+/// each, ingress then egress, with its index, action, packets, bytes, last hit (`never`) and
+/// the nodes where it matched (`-`: none). A staged policy has no counters, and says so; a
+/// server too old to send the rules adds nothing.
+fn rule_lines(r: &serde_json::Value) -> String {
+    let Some(rules) = r["rules"].as_array() else {
+        return String::new();
+    };
+    if r["phase"] == "Staged" {
+        return "\nstaged: not in the dataplane, no counters\n".into();
+    }
+    if rules.is_empty() {
+        return "\nno rules\n".into();
+    }
+    let rows: Vec<Vec<String>> = rules
         .iter()
-        .map(|l| {
-            ["node", "state", "reason"]
-                .iter()
-                .map(|k| l[*k].as_str().unwrap_or_default().to_string())
-                .collect()
+        .map(|rule| {
+            let text = |k: &str| rule[k].as_str().unwrap_or_default().to_string();
+            let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
+            let nodes: Vec<&str> = rule["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(serde_json::Value::as_str)
+                .collect();
+            vec![
+                text("direction"),
+                rule["index"].as_u64().unwrap_or_default().to_string(),
+                text("action"),
+                num("packets"),
+                num("bytes"),
+                rule["last_hit"].as_str().unwrap_or("never").to_string(),
+                if nodes.is_empty() {
+                    "-".into()
+                } else {
+                    nodes.join(",")
+                },
+            ]
         })
         .collect();
-    out.push_str(&table(
-        &["NODE", "STATE", "REASON"],
-        &rows,
-        &[false, false, false],
-    ));
-    out
+    format!("\n{}", table(&RULE_HEADER, &rows, &RULE_RIGHT))
 }
 
 /// `[NAMESPACE/]NAME`'s `/status/policies` path.
@@ -213,18 +233,7 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
         (None, true) => "/status/policies".to_string(),
         (None, false) => "/status".to_string(),
     };
-    let (status, body) = fetch(&args.server, &path, &args.client)?;
-    if !status.contains(" 200") {
-        // The admin endpoint answers errors as {"error": …}.
-        let why = serde_json::from_str::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["error"].as_str().map(str::to_string))
-            .unwrap_or_else(|| body.trim().to_string());
-        anyhow::bail!(
-            "{path}: {status}: {why}{}",
-            crate::admin_client::refusal_hint(&status)
-        );
-    }
+    let body = get(&args.server, &path, &args.client)?;
     let mut out = std::io::stdout().lock();
     let text = if args.json {
         format!("{body}\n")
@@ -347,6 +356,49 @@ old                      default         1         1       0  Realized  GlobalNe
                  block-threat-feed  security        2         1       1  Failed  GlobalNetworkPolicy     0  never\n"
             ),
             "{one}"
+        );
+    }
+
+    /// After the policy's line and its lagging nodes, one line per rule: ingress then egress,
+    /// with its action, counts, last hit (`never`) and nodes (`-`). A staged policy says it
+    /// has no counters; an older server's answer (no `rules`) shows what it showed before.
+    #[test]
+    fn one_policy_ends_with_a_line_per_rule() {
+        let mut r = json!({"policy": "shop/allow-api-from-web", "kind": "NetworkPolicy",
+               "tier": "default", "desired": 2, "realized": 2, "failed": 0, "phase": "Realized",
+               "hits": 1234, "bytes": 99000, "last_hit": "2026-11-24T10:00:00Z",
+               "rules": [
+                   {"direction": "ingress", "index": 0, "action": "allow", "packets": 1234,
+                    "bytes": 99000, "last_hit": "2026-11-24T10:00:00Z",
+                    "nodes": ["node-1", "node-2"]},
+                   {"direction": "ingress", "index": 1, "action": "deny", "packets": 0,
+                    "bytes": 0, "last_hit": null, "nodes": []},
+                   {"direction": "egress", "index": 0, "action": "pass", "packets": 0,
+                    "bytes": 0, "last_hit": null, "nodes": []}]});
+        let text = policy_detail(&r);
+        assert!(
+            text.ends_with(
+                "\n\nno node lags\n\n\
+DIRECTION  RULE  ACTION  PACKETS  BYTES  LAST-HIT              NODES
+ingress       0  allow      1234  99000  2026-11-24T10:00:00Z  node-1,node-2
+ingress       1  deny          0      0  never                 -
+egress        0  pass          0      0  never                 -
+"
+            ),
+            "{text}"
+        );
+        r["rules"] = json!([]);
+        assert!(policy_detail(&r).ends_with("no node lags\n\nno rules\n"));
+        r.as_object_mut().unwrap().remove("rules");
+        assert!(policy_detail(&r).ends_with("no node lags\n"));
+        let staged = json!({"policy": "shop/web-http-only", "kind": "StagedNetworkPolicy",
+               "tier": "default", "desired": 1, "realized": 1, "failed": 0, "phase": "Staged",
+               "hits": null, "bytes": null, "last_hit": null,
+               "rules": [{"direction": "ingress", "index": 0, "action": "deny", "packets": null,
+                          "bytes": null, "last_hit": null, "nodes": []}]});
+        assert!(
+            policy_detail(&staged)
+                .ends_with("no node lags\n\nstaged: not in the dataplane, no counters\n")
         );
     }
 }

@@ -42,6 +42,7 @@ fn is_command(line: &str) -> bool {
         (Some("calc-server"), Some(sub)) => [
             "serve",
             "status",
+            "policies",
             "compute",
             "explain",
             "validate",

@@ -96,6 +96,70 @@ fn a_failing_node_shows_as_failed_with_its_error_and_the_others_as_realized() {
     );
     let one = status(&server, &["--policy", "production-isolation"]);
     assert!(one.contains("node-2  failed  last apply failed: "), "{one}");
+    // Then one line per rule, with its counts (the dry-run agents report none: 0, never, -).
+    let rules: Vec<Vec<&str>> = one
+        .lines()
+        .skip_while(|l| !l.starts_with("DIRECTION"))
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rules.len(), 4, "{one}");
+    for (i, r) in rules.iter().enumerate() {
+        assert_eq!(
+            (r[0], r[1], &r[3..]),
+            (
+                "ingress",
+                i.to_string().as_str(),
+                &["0", "0", "never", "-"][..]
+            ),
+            "{one}"
+        );
+    }
+    assert_eq!(p["rules"].as_array().map(Vec::len), Some(4), "{p}");
+    assert_eq!(p["rules"][0]["direction"], "ingress");
+    // Nothing reports stats: nothing can be called unused, only not yet known.
+    let unused = Command::new(binary("calc-server"))
+        .args([
+            "policies",
+            "--server",
+            &server.admin,
+            "--unused",
+            "--since",
+            "7d",
+        ])
+        .output()
+        .expect("run calc-server policies");
+    let table = String::from_utf8_lossy(&unused.stdout);
+    assert!(unused.status.success(), "{table}");
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("production-isolation "))
+        .unwrap_or_else(|| panic!("no line for the policy:\n{table}"));
+    assert_eq!(
+        line.split_whitespace().collect::<Vec<_>>(),
+        [
+            "production-isolation",
+            "security",
+            "GlobalNetworkPolicy",
+            "not-yet-known",
+            "never",
+            "-"
+        ]
+    );
+    assert!(!table.contains(" unused "), "{table}");
+    let bad = Command::new(binary("calc-server"))
+        .args([
+            "policies",
+            "--server",
+            &server.admin,
+            "--unused",
+            "--since",
+            "7x",
+        ])
+        .output()
+        .expect("run calc-server policies");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("'--since <DURATION>'"));
     let nodes = status(&server, &[]);
     let node2 = nodes
         .lines()

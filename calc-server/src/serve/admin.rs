@@ -1,7 +1,10 @@
 //! Admin HTTP endpoint: `/status` (JSON of every node's connection and reported status),
 //! `/status/datastore` (JSON: objects held at their last good version, and invalid objects
 //! with none), `/status/policies` and `/status/policies/[NAMESPACE/]NAME` (JSON: where each
-//! policy is in force, from the engine's realization tracking), `/liveness`, `/readiness` (200
+//! policy is in force, from the engine's realization tracking, with hit counts; one policy's
+//! per rule), `/status/unused[?since=SECONDS]` (JSON: the policies and profiles in force whose
+//! rules nothing matched within the window, and those not observed long enough to tell),
+//! `/liveness`, `/readiness` (200
 //! once the datastore is loaded, 503 before; the body names the invalid objects that have no
 //! last good version, a degraded condition that does not take the server out of service),
 //! `/metrics` (Prometheus text, see `metrics`) and `/explain` (JSON: why traffic is allowed or
@@ -9,7 +12,8 @@
 //! its current state, see `calc_graph::explain`).
 //!
 //! Access: the probes and `/metrics` are open; every other path passes [`AdminAccess`] first
-//! (401/403 otherwise). Cost: questions to the engine (`/explain`, `/status/policies…`) hold
+//! (401/403 otherwise). Cost: questions to the engine (`/explain`, `/status/policies…`,
+//! `/status/unused`) hold
 //! one of `--admin-max-concurrent-queries` slots until the engine answers (429 when none is
 //! free), wait at most `--admin-query-timeout` (503), and no JSON answer above
 //! `--admin-max-response-bytes` is sent (413): a flood of questions queues at most that many
@@ -298,6 +302,43 @@ async fn realization(s: &AdminState, only: Option<String>) -> Response {
     }
 }
 
+/// `/status/unused`'s window: `since=SECONDS` (a whole number above 0), or none (all recorded
+/// history). The error is the 400 answer's text.
+fn unused_window(query: &str) -> Result<Option<Duration>, String> {
+    let mut window = None;
+    for pair in query.split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "since" => {
+                let secs = v
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|s| *s > 0)
+                    .ok_or("parameter since: a whole number of seconds above 0")?;
+                window = Some(Duration::from_secs(secs));
+            }
+            other => {
+                return Err(ParamsError::Unknown(
+                    percent_decode(other).unwrap_or_else(|| other.to_string()),
+                )
+                .to_string());
+            }
+        }
+    }
+    Ok(window)
+}
+
+async fn unused(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    let window = match unused_window(query.as_deref().unwrap_or_default()) {
+        Ok(w) => w,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+    };
+    match ask(&s, |reply| super::engine::Input::Unused { window, reply }).await {
+        Ok(rows) => json_answer(&s, StatusCode::OK, &rows),
+        Err(answer) => answer,
+    }
+}
+
 async fn policies(State(s): State<AdminState>) -> Response {
     realization(&s, None).await
 }
@@ -353,6 +394,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/status/datastore", get(datastore))
         .route("/status/policies", get(policies))
         .route("/status/policies/{*name}", get(policy))
+        .route("/status/unused", get(unused))
         .route("/explain", get(explain))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
     axum::Router::new()
@@ -383,5 +425,25 @@ mod tests {
             ask("endpoint=shop%2Fweb"),
             Ok(calc_graph::explain::Request::Endpoint(e)) if e == "shop/web"
         ));
+    }
+
+    #[test]
+    fn the_unused_window_is_whole_seconds_or_all_history() {
+        assert_eq!(unused_window(""), Ok(None));
+        assert_eq!(
+            unused_window("since=604800"),
+            Ok(Some(Duration::from_secs(604_800)))
+        );
+        for bad in ["since=0", "since=7d", "since=", "since=-1"] {
+            assert_eq!(
+                unused_window(bad).unwrap_err(),
+                "parameter since: a whole number of seconds above 0",
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            unused_window("window=1").unwrap_err(),
+            "unknown parameter \"window\""
+        );
     }
 }

@@ -4,8 +4,8 @@
 //! Counters and histograms are registered once and bumped where things happen (engine,
 //! listener, service) with a relaxed atomic add. What is read when scraped (readiness, the
 //! rejections and unusable objects the datastore adapter reports, each connected agent's lag,
-//! the per-tier realization sums) is written by a collector ([`Live`]) on each scrape, so a
-//! node whose agent left has no series. Names and meanings are listed in `docs/operations.md`.
+//! the per-tier realization sums, the per-policy hit totals) is written by a collector
+//! ([`Live`]) on each scrape, so a node whose agent left, or a policy deleted, has no series. Names and meanings are listed in `docs/operations.md`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,6 +22,8 @@ pub use crate::datastore::LastGoodHealth;
 use crate::datastore::{Health, Rejections, Unusable};
 
 use common::metrics::{self as writer, Histogram};
+
+use super::engine::PolicySeries;
 
 /// One connected agent's queue counters (shared with its connection).
 #[derive(Debug)]
@@ -122,6 +124,8 @@ struct Live {
     agents: Mutex<BTreeMap<String, AgentQueue>>,
     /// Per tier: nodes that need its policies, that have applied them, that failed to.
     realization: Mutex<BTreeMap<String, (u64, u64, u64)>>,
+    /// Per policy and profile and action: packets and bytes its rules matched, on every node.
+    policy_hits: Mutex<Vec<PolicySeries>>,
     rejections: Arc<Rejections>,
     /// What the datastore adapter reports as unusable.
     unusable: Arc<Unusable>,
@@ -238,6 +242,11 @@ impl Metrics {
     /// them.
     pub fn set_realization(&self, tiers: BTreeMap<String, (u64, u64, u64)>) {
         *self.live.realization.lock() = tiers;
+    }
+
+    /// The per-policy hit totals, as the engine last published them (sorted).
+    pub(crate) fn set_policy_hits(&self, series: Vec<PolicySeries>) {
+        *self.live.policy_hits.lock() = series;
     }
 
     pub fn agent_connected(
@@ -368,6 +377,37 @@ impl Collector for Live {
             )?;
         }
         drop(realization);
+        let hits = self.policy_hits.lock();
+        for (name, help, packets) in [
+            (
+                "calc_server_policy_hits_packets",
+                "Packets the rules of a policy or profile matched, summed over its rules with that action and over every node whose agent reports stats",
+                true,
+            ),
+            (
+                "calc_server_policy_hits_bytes",
+                "Bytes the rules of a policy or profile matched, summed over its rules with that action and over every node whose agent reports stats",
+                false,
+            ),
+        ] {
+            writer::counters(
+                &mut e,
+                name,
+                help,
+                hits.iter().map(|s| {
+                    (
+                        [
+                            ("tier", s.tier.as_str()),
+                            ("policy", s.policy.as_str()),
+                            ("kind", s.kind.as_str()),
+                            ("action", s.action),
+                        ],
+                        if packets { s.packets } else { s.bytes },
+                    )
+                }),
+            )?;
+        }
+        drop(hits);
         let agents = self.agents.lock();
         writer::gauge(
             &mut e,

@@ -18,18 +18,30 @@
 //!   (history); [`Hits::prune`] drops those of a policy, profile or tier gone from the datastore
 //!   and folds those of a node gone from the datastore into one entry per rule, so totals stay.
 //!   Nothing is persisted: a restart starts from zero.
+//! - Observation: per policy and profile, [`Hits`] records when each of its rules was first in
+//!   force on a node whose stream reports stats: the receive time of the first
+//!   `DataplaneApplied` that covers a message carrying that rule ([`Hits::applied`]; a rule
+//!   queued but never applied is not observed). Only the first time is kept: a later gap (the
+//!   node's agent gone) is not subtracted. [`Hits::unused`] classifies rules against a window
+//!   from this and the last hits: a rule hit within the window is used; one observed for at
+//!   least the window and not hit within it is unused; any other is not yet known
+//!   ([`rule_use`], [`policy_use`]). Staged policies are never observed.
+//! - Per-policy totals by action ([`Hits::series`], the Prometheus counters): each accepted hit
+//!   is added under the action its rule has in the datastore's current version of the policy
+//!   when the report arrives, so the totals only grow until the policy leaves the datastore.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use calc_graph::graph::{CalcGraph, SpanItem};
 use calc_graph::model::{Kind, ResourceKey};
 use felix_proto as pb;
 use pb::rule_ref::Kind as RefKind;
 use pb::to_dataplane::Payload;
+use serde::{Deserialize, Serialize};
 
 /// Most hits one `RuleStats` may carry.
 pub(crate) const MAX_HITS_PER_REPORT: usize = 4096;
@@ -65,6 +77,284 @@ impl Owner {
     }
 }
 
+/// A rule's action, as the Prometheus label and the listings spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Action {
+    Allow,
+    Deny,
+    Pass,
+    Log,
+}
+
+impl Action {
+    const ALL: [Action; 4] = [Action::Allow, Action::Deny, Action::Pass, Action::Log];
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "allow",
+            Action::Deny => "deny",
+            Action::Pass => "pass",
+            Action::Log => "log",
+        }
+    }
+
+    /// A sent rule's action (empty: allow; `next-tier`: pass; unknown: deny, as the agent
+    /// programs it).
+    fn of(rule: &pb::Rule) -> Action {
+        match calc_graph::explain::rules::action_name(&rule.action) {
+            "Allow" => Action::Allow,
+            "Pass" => Action::Pass,
+            "Log" => Action::Log,
+            _ => Action::Deny,
+        }
+    }
+}
+
+/// An owner's rules as the datastore's current version sends them.
+enum RulesNow<'g> {
+    Sent(&'g [pb::Rule], &'g [pb::Rule]),
+    /// A profile endpoints reference that does not exist: one deny each way
+    /// (`calc_graph::rule_scanner::missing_profile_rules`).
+    MissingProfile,
+}
+
+impl RulesNow<'_> {
+    fn len(&self, egress: bool) -> usize {
+        match self {
+            RulesNow::Sent(i, o) => if egress { o } else { i }.len(),
+            RulesNow::MissingProfile => 1,
+        }
+    }
+
+    fn action(&self, egress: bool, index: usize) -> Option<Action> {
+        match self {
+            RulesNow::Sent(i, o) => if egress { o } else { i }.get(index).map(Action::of),
+            RulesNow::MissingProfile => (index == 0).then_some(Action::Deny),
+        }
+    }
+
+    fn actions(&self, egress: bool) -> impl Iterator<Item = Action> + '_ {
+        (0..self.len(egress)).filter_map(move |i| self.action(egress, i))
+    }
+}
+
+/// `owner`'s rules in `graph` now (`None`: a verdict, or a policy not in the datastore).
+fn rules_now<'g>(graph: &'g CalcGraph, owner: &Owner) -> Option<RulesNow<'g>> {
+    match owner {
+        Owner::Policy {
+            kind,
+            namespace,
+            name,
+        } => {
+            let kind = Kind::from_name(kind)?;
+            let ns = (!namespace.is_empty()).then_some(namespace.as_str());
+            let m = graph
+                .view()
+                .policy(&ResourceKey::new(kind, ns, name))?
+                .message();
+            Some(RulesNow::Sent(&m.inbound_rules, &m.outbound_rules))
+        }
+        Owner::Profile(name) => Some(match graph.view().profile(name) {
+            Some(p) => RulesNow::Sent(&p.inbound_rules, &p.outbound_rules),
+            None => RulesNow::MissingProfile,
+        }),
+        _ => None,
+    }
+}
+
+/// The action of `owner`'s rule `index` in `graph`'s current version (what [`Hits::add`]
+/// files a hit's totals under).
+pub(super) fn rule_action(
+    graph: &CalcGraph,
+    owner: &Owner,
+    egress: bool,
+    index: u32,
+) -> Option<Action> {
+    rules_now(graph, owner)?.action(egress, index as usize)
+}
+
+/// How a rule fared within a window (see [`rule_use`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RuleUse {
+    /// A packet matched it within the window.
+    Used,
+    /// Observed for at least the whole window, and no packet matched it within.
+    Unused,
+    /// Not observed for the whole window (or never), and not hit within it: no verdict.
+    NotYetKnown,
+}
+
+/// A rule's use within the `window` before `now` (`None`: its whole observed history), from its
+/// last hit on any node and the time it was first in force on a node that reports stats
+/// (`since`). A hit before the window does not make the rule used within it.
+pub(crate) fn rule_use(
+    last_hit: Option<SystemTime>,
+    since: Option<SystemTime>,
+    now: SystemTime,
+    window: Option<Duration>,
+) -> RuleUse {
+    let Some(window) = window else {
+        return match (last_hit, since) {
+            (Some(_), _) => RuleUse::Used,
+            (None, Some(_)) => RuleUse::Unused,
+            (None, None) => RuleUse::NotYetKnown,
+        };
+    };
+    let from = now.checked_sub(window).unwrap_or(SystemTime::UNIX_EPOCH);
+    if last_hit.is_some_and(|l| l >= from) {
+        RuleUse::Used
+    } else if since.is_some_and(|s| s <= from) {
+        RuleUse::Unused
+    } else {
+        RuleUse::NotYetKnown
+    }
+}
+
+/// What `policies --unused` says of a policy whose rules fared so (`None`: nothing to report:
+/// every rule known is used, or it has no rules). One used rule makes it in use, with any
+/// unused ones listed (`partly-unused`); with none used, one rule not yet known makes the
+/// whole policy not yet known, never unused.
+pub(crate) fn policy_use(rules: &[RuleUse]) -> Option<&'static str> {
+    let any = |u: RuleUse| rules.contains(&u);
+    if rules.is_empty() {
+        None
+    } else if any(RuleUse::Used) {
+        any(RuleUse::Unused).then_some("partly-unused")
+    } else if any(RuleUse::NotYetKnown) {
+        Some("not-yet-known")
+    } else {
+        Some("unused")
+    }
+}
+
+/// One rule of one policy or profile with its counters (the single-policy status answer).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RuleHits {
+    /// `ingress` or `egress`.
+    pub direction: String,
+    pub index: u32,
+    /// `allow`, `deny`, `pass` or `log`.
+    pub action: String,
+    /// Packets it matched, summed over nodes; `None` (null) for a staged policy.
+    pub packets: Option<u64>,
+    pub bytes: Option<u64>,
+    /// RFC 3339 UTC receive time of the last report with a hit on it.
+    pub last_hit: Option<String>,
+    /// The nodes where it matched something, sorted; `(departed)` for nodes gone from the
+    /// datastore, whose counts are folded.
+    pub nodes: Vec<String>,
+}
+
+/// One rule in a `/status/unused` answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct UnusedRule {
+    pub direction: String,
+    pub index: u32,
+    pub action: String,
+    /// Its last hit, before the window (`None`: never).
+    pub last_hit: Option<String>,
+}
+
+/// One policy or profile in a `/status/unused` answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct UnusedPolicy {
+    /// `namespace/name` or `name` (a profile's name).
+    pub policy: String,
+    pub kind: String,
+    /// Empty for a profile.
+    pub tier: String,
+    /// `unused`, `partly-unused` or `not-yet-known` ([`policy_use`]).
+    pub state: String,
+    /// When it was first in force on a node that reports stats (RFC 3339 UTC), and how long
+    /// ago; `None` (null) when never.
+    pub observed_since: Option<String>,
+    pub observed_seconds: Option<u64>,
+    /// Its rules, both directions.
+    pub rule_count: u32,
+    /// The rules no packet matched within the window, observed for all of it.
+    pub unused_rules: Vec<UnusedRule>,
+    /// The rules neither hit within the window nor observed for all of it.
+    pub not_yet_known_rules: Vec<UnusedRule>,
+}
+
+/// A policy or profile `policies --unused` considers: in force somewhere, not staged.
+pub(super) struct Candidate {
+    pub owner: Owner,
+    pub policy: String,
+    pub kind: String,
+    pub tier: String,
+}
+
+/// One per-policy Prometheus series pair (packets and bytes) of one action.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PolicySeries {
+    pub tier: String,
+    pub policy: String,
+    pub kind: String,
+    pub action: &'static str,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// What is known of one policy or profile beyond its per-node counters.
+#[derive(Debug)]
+struct Seen {
+    owner: Owner,
+    /// Per direction (ingress, egress): when each rule index was first in force on a node
+    /// that reports stats (the vector grows as the policy gains rules; never shrinks).
+    since: [Vec<SystemTime>; 2],
+    /// Packets and bytes by [`Action`] (indexed by its discriminant).
+    by_action: [(u64, u64); 4],
+}
+
+impl Seen {
+    fn new(owner: Owner) -> Seen {
+        Seen {
+            owner,
+            since: [Vec::new(), Vec::new()],
+            by_action: [(0, 0); 4],
+        }
+    }
+
+    /// Whether rules `(inbound, outbound)` are all observed already.
+    fn covers(&self, (inbound, outbound): (u32, u32)) -> bool {
+        self.since[0].len() >= inbound as usize && self.since[1].len() >= outbound as usize
+    }
+
+    /// Rules `(inbound, outbound)` are in force at `at`: the ones not yet observed are from
+    /// now. Returns whether any was new.
+    fn observe(&mut self, (inbound, outbound): (u32, u32), at: SystemTime) -> bool {
+        let mut new = false;
+        for (since, n) in self.since.iter_mut().zip([inbound, outbound]) {
+            while since.len() < n as usize {
+                since.push(at);
+                new = true;
+            }
+        }
+        new
+    }
+
+    /// When its first rule was first observed.
+    fn first(&self) -> Option<SystemTime> {
+        self.since.iter().flatten().min().copied()
+    }
+}
+
+/// A policy or profile update queued on a stats-reporting stream whose rules were not all
+/// observed yet: observed once the agent reports `seq` applied.
+#[derive(Debug)]
+struct Pending {
+    seq: u64,
+    sig: Sig,
+    owner: Owner,
+    rules: (u32, u32),
+}
+
+fn direction(egress: bool) -> &'static str {
+    if egress { "egress" } else { "ingress" }
+}
+
+/// One rule's delta in a report.
 /// One rule's delta in a report.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Hit {
@@ -242,6 +532,24 @@ struct Sent {
     profiles: HashMap<Sig, (u32, u32)>,
     /// Tiers of the programmed (not staged) policies sent, with how many of them.
     tiers: HashMap<Sig, u32>,
+    /// Updates whose rules are not all observed yet, in sequence order, until applied.
+    pending: VecDeque<Pending>,
+    /// The most rules of each policy or profile queued in `pending` so far: a later update
+    /// with no more rules waits for nothing the earlier one does not, and is not queued (so a
+    /// stream whose applies keep failing holds at most a few entries per policy).
+    pending_most: HashMap<Sig, (u32, u32)>,
+}
+
+impl Sent {
+    /// Queues `p` unless an update already pending has at least its rules.
+    fn push_pending(&mut self, p: Pending) {
+        let most = self.pending_most.entry(p.sig).or_default();
+        if most.0 >= p.rules.0 && most.1 >= p.rules.1 {
+            return;
+        }
+        *most = (most.0.max(p.rules.0), most.1.max(p.rules.1));
+        self.pending.push_back(p);
+    }
 }
 
 impl Sent {
@@ -309,6 +617,9 @@ pub(super) struct Hits {
     names: HashSet<Arc<str>>,
     /// Entries held (the `calc_server_rule_stats_entries` gauge).
     entries: usize,
+    /// Per policy and profile ever in force on a stats-reporting node or hit: when its rules
+    /// were first in force there, and its totals by action.
+    seen: HashMap<Sig, Seen>,
 }
 
 impl Hits {
@@ -356,16 +667,17 @@ impl Hits {
         self.sent.remove(node);
     }
 
-    /// `msgs` were queued on `node`'s current stream.
+    /// `msgs` were queued on `node`'s current stream, numbered from `first_seq`.
     pub(super) fn queued<'m>(
         &mut self,
         node: &str,
+        first_seq: u64,
         msgs: impl IntoIterator<Item = &'m pb::ToDataplane>,
     ) {
         if !self.sent.contains_key(node) {
             return;
         }
-        for msg in msgs {
+        for (seq, msg) in (first_seq..).zip(msgs) {
             let Some(p) = &msg.payload else { continue };
             // The keys are computed before the node's log is borrowed.
             match p {
@@ -384,6 +696,21 @@ impl Hits {
                         outbound,
                         staged,
                     };
+                    // A staged policy is never in force: never observed.
+                    let pending =
+                        (!staged && !self.observed(sig, (inbound, outbound))).then(|| {
+                            let id = u.id.clone().unwrap_or_default();
+                            Pending {
+                                seq,
+                                sig,
+                                owner: Owner::Policy {
+                                    kind: id.kind,
+                                    namespace: id.namespace,
+                                    name: id.name,
+                                },
+                                rules: (inbound, outbound),
+                            }
+                        });
                     let Some(s) = self.sent.get_mut(node) else {
                         return;
                     };
@@ -391,6 +718,9 @@ impl Hits {
                         s.remove_tier(old);
                     }
                     s.add_tier(new);
+                    if let Some(p) = pending {
+                        s.push_pending(p);
+                    }
                 }
                 Payload::ActivePolicyRemove(r) => {
                     let (sig, _) = self.policy_id_sig(r.id.as_ref());
@@ -407,8 +737,17 @@ impl Hits {
                     let rules = u.profile.as_ref().map_or((0, 0), |p| {
                         (p.inbound_rules.len() as u32, p.outbound_rules.len() as u32)
                     });
+                    let pending = (!self.observed(sig, rules)).then(|| Pending {
+                        seq,
+                        sig,
+                        owner: Owner::Profile(name.to_string()),
+                        rules,
+                    });
                     if let Some(s) = self.sent.get_mut(node) {
                         s.profiles.insert(sig, rules);
+                        if let Some(p) = pending {
+                            s.push_pending(p);
+                        }
                     }
                 }
                 Payload::ActiveProfileRemove(r) => {
@@ -420,6 +759,43 @@ impl Hits {
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// Whether rules `(inbound, outbound)` of the policy or profile `sig` are all observed.
+    fn observed(&self, sig: Sig, rules: (u32, u32)) -> bool {
+        self.seen.get(&sig).is_some_and(|s| s.covers(rules))
+    }
+
+    /// `node`'s stream `conn` reports its dataplane holds everything up to `applied`, received
+    /// `at`: the rules of the updates up to there are in force from then, if they were not
+    /// already observed. Returns whether any rule was observed for the first time.
+    pub(super) fn applied(&mut self, node: &str, conn: u64, applied: u64, at: SystemTime) -> bool {
+        let Some(s) = self.sent.get_mut(node).filter(|s| s.conn == conn) else {
+            return false;
+        };
+        let mut new = false;
+        while s.pending.front().is_some_and(|p| p.seq <= applied) {
+            let p = s.pending.pop_front().expect("checked");
+            new |= self
+                .seen
+                .entry(p.sig)
+                .or_insert_with(|| Seen::new(p.owner))
+                .observe(p.rules, at);
+        }
+        new
+    }
+
+    /// The keyed hash of a policy's or profile's owner (`None`: a verdict).
+    fn owner_sig(&self, owner: &Owner) -> Option<Sig> {
+        match owner {
+            Owner::Policy {
+                kind,
+                namespace,
+                name,
+            } => Some(self.policy_sig(kind, namespace, name)),
+            Owner::Profile(name) => Some(self.profile_sig(name)),
+            _ => None,
         }
     }
 
@@ -457,14 +833,17 @@ impl Hits {
         }
     }
 
-    /// Adds the deltas `node`'s stream `conn` reported, received `at`. Returns what was
-    /// dropped, by reason (hits whose delta is zero are neither held nor counted).
+    /// Adds the deltas `node`'s stream `conn` reported, received `at`; each also goes to its
+    /// owner's totals under the action `action` gives its rule (none: only the rule's
+    /// counters). Returns what was dropped, by reason (hits whose delta is zero are neither
+    /// held nor counted).
     pub(super) fn add(
         &mut self,
         node: &str,
         conn: u64,
         hits: Vec<Hit>,
         at: SystemTime,
+        action: impl Fn(&Owner, bool, u32) -> Option<Action>,
     ) -> Vec<(Refused, u64)> {
         let mut refused: HashMap<Refused, u64> = HashMap::new();
         let moved = hits.into_iter().filter(|h| h.packets != 0 || h.bytes != 0);
@@ -502,6 +881,17 @@ impl Hits {
                     last: at,
                 };
                 let index = if h.owner.has_rules() { h.index } else { 0 };
+                if let Some(sig) = self.owner_sig(&h.owner)
+                    && let Some(a) = action(&h.owner, h.egress, index)
+                {
+                    let seen = self
+                        .seen
+                        .entry(sig)
+                        .or_insert_with(|| Seen::new(h.owner.clone()));
+                    let t = &mut seen.by_action[a as usize];
+                    t.0 = t.0.saturating_add(h.packets);
+                    t.1 = t.1.saturating_add(h.bytes);
+                }
                 let rules = self.counts.entry(h.owner).or_default();
                 match rules.entry((Some(name.clone()), h.egress, index)) {
                     std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().merge(delta),
@@ -549,8 +939,190 @@ impl Hits {
             .copied()
     }
 
-    /// Drops the counters of policies, profiles and tiers gone from the datastore, and folds
-    /// those of nodes neither in the datastore nor `connected` into one entry per rule.
+    /// `owner`'s rules as the datastore's current version has them, ingress then egress, each
+    /// with its counters summed over nodes and the nodes where it matched something (none for
+    /// a `staged` policy, which no dataplane programs).
+    pub(super) fn rules(&self, graph: &CalcGraph, owner: &Owner, staged: bool) -> Vec<RuleHits> {
+        let Some(now) = rules_now(graph, owner) else {
+            return Vec::new();
+        };
+        let mut per_rule: HashMap<(bool, u32), (Totals, BTreeSet<&str>)> = HashMap::new();
+        for ((node, egress, index), c) in self.counts.get(owner).into_iter().flatten() {
+            let (t, nodes) = per_rule.entry((*egress, *index)).or_default();
+            t.packets = t.packets.saturating_add(c.packets);
+            t.bytes = t.bytes.saturating_add(c.bytes);
+            t.last = Some(t.last.map_or(c.last, |l| l.max(c.last)));
+            nodes.insert(node.as_deref().unwrap_or("(departed)"));
+        }
+        let mut out = Vec::new();
+        for egress in [false, true] {
+            for index in 0..now.len(egress) {
+                let action = now.action(egress, index).unwrap_or(Action::Deny);
+                let index = index as u32;
+                let mut rule = RuleHits {
+                    direction: direction(egress).into(),
+                    index,
+                    action: action.as_str().into(),
+                    ..RuleHits::default()
+                };
+                if !staged {
+                    let (t, nodes) = per_rule.remove(&(egress, index)).unwrap_or_default();
+                    rule.packets = Some(t.packets);
+                    rule.bytes = Some(t.bytes);
+                    rule.last_hit = t.last.map(common::rfc3339_utc);
+                    rule.nodes = nodes.into_iter().map(str::to_string).collect();
+                }
+                out.push(rule);
+            }
+        }
+        out
+    }
+
+    /// Of the `candidates` (policies and profiles in force somewhere, not staged), those with
+    /// rules no packet matched within the `window` before `now` (`None`: all recorded history),
+    /// and those not observed long enough to tell ([`rule_use`], [`policy_use`]), by state,
+    /// then policies before profiles, tier, name and kind. A candidate without rules matches
+    /// nothing itself and is left out.
+    pub(super) fn unused(
+        &self,
+        graph: &CalcGraph,
+        candidates: Vec<Candidate>,
+        now: SystemTime,
+        window: Option<Duration>,
+    ) -> Vec<UnusedPolicy> {
+        let mut out = Vec::new();
+        for c in candidates {
+            let Some(rules) = rules_now(graph, &c.owner) else {
+                continue;
+            };
+            let mut last: HashMap<(bool, u32), SystemTime> = HashMap::new();
+            for ((_, egress, index), n) in self.counts.get(&c.owner).into_iter().flatten() {
+                let l = last.entry((*egress, *index)).or_insert(n.last);
+                *l = (*l).max(n.last);
+            }
+            let seen = self.owner_sig(&c.owner).and_then(|s| self.seen.get(&s));
+            let (mut uses, mut unused_rules, mut not_yet_known_rules) =
+                (Vec::new(), Vec::new(), Vec::new());
+            for egress in [false, true] {
+                for index in 0..rules.len(egress) {
+                    let since = seen.and_then(|s| s.since[usize::from(egress)].get(index).copied());
+                    let action = rules.action(egress, index).unwrap_or(Action::Deny);
+                    let index = index as u32;
+                    let last_hit = last.get(&(egress, index)).copied();
+                    let u = rule_use(last_hit, since, now, window);
+                    uses.push(u);
+                    let rule = UnusedRule {
+                        direction: direction(egress).into(),
+                        index,
+                        action: action.as_str().into(),
+                        last_hit: last_hit.map(common::rfc3339_utc),
+                    };
+                    match u {
+                        RuleUse::Used => {}
+                        RuleUse::Unused => unused_rules.push(rule),
+                        RuleUse::NotYetKnown => not_yet_known_rules.push(rule),
+                    }
+                }
+            }
+            let Some(state) = policy_use(&uses) else {
+                continue;
+            };
+            let first = seen.and_then(Seen::first);
+            out.push(UnusedPolicy {
+                policy: c.policy,
+                kind: c.kind,
+                tier: c.tier,
+                state: state.into(),
+                observed_since: first.map(common::rfc3339_utc),
+                observed_seconds: first
+                    .map(|f| now.duration_since(f).unwrap_or_default().as_secs()),
+                rule_count: uses.len() as u32,
+                unused_rules,
+                not_yet_known_rules,
+            });
+        }
+        let rank = |s: &str| match s {
+            "unused" => 0,
+            "partly-unused" => 1,
+            _ => 2,
+        };
+        out.sort_by(|a, b| {
+            (
+                rank(&a.state),
+                a.kind == "Profile",
+                &a.tier,
+                &a.policy,
+                &a.kind,
+            )
+                .cmp(&(
+                    rank(&b.state),
+                    b.kind == "Profile",
+                    &b.tier,
+                    &b.policy,
+                    &b.kind,
+                ))
+        });
+        out
+    }
+
+    /// The per-policy Prometheus series: for each policy and profile in the datastore that was
+    /// in force on a node that reports stats, or was hit, one per action its rules have now or
+    /// had when hit, with the packets and bytes filed under it. Staged policies have none.
+    pub(super) fn series(&self, graph: &CalcGraph) -> Vec<PolicySeries> {
+        let view = graph.view();
+        let mut out = Vec::new();
+        for s in self.seen.values() {
+            let (policy, kind, tier) = match &s.owner {
+                Owner::Policy {
+                    kind,
+                    namespace,
+                    name,
+                } => {
+                    let Some(k) = Kind::from_name(kind).filter(|k| !k.is_staged()) else {
+                        continue;
+                    };
+                    let ns = (!namespace.is_empty()).then_some(namespace.as_str());
+                    let Some(p) = view.policy(&ResourceKey::new(k, ns, name)) else {
+                        continue;
+                    };
+                    let label = match ns {
+                        Some(ns) => format!("{ns}/{name}"),
+                        None => name.clone(),
+                    };
+                    (label, kind.clone(), p.model().tier.clone())
+                }
+                Owner::Profile(name) => (name.clone(), "Profile".to_string(), String::new()),
+                _ => continue,
+            };
+            let mut actions: BTreeSet<Action> = rules_now(graph, &s.owner)
+                .map(|r| r.actions(false).chain(r.actions(true)).collect())
+                .unwrap_or_default();
+            actions.extend(
+                Action::ALL
+                    .into_iter()
+                    .filter(|a| s.by_action[*a as usize] != (0, 0)),
+            );
+            for a in actions {
+                let (packets, bytes) = s.by_action[a as usize];
+                out.push(PolicySeries {
+                    tier: tier.clone(),
+                    policy: policy.clone(),
+                    kind: kind.clone(),
+                    action: a.as_str(),
+                    packets,
+                    bytes,
+                });
+            }
+        }
+        out.sort_by(|a, b| {
+            (&a.tier, &a.policy, &a.kind, a.action).cmp(&(&b.tier, &b.policy, &b.kind, b.action))
+        });
+        out
+    }
+
+    /// Drops the counters (and observation) of policies, profiles and tiers gone from the
+    /// datastore, and folds those of nodes neither in the datastore nor `connected` into one
+    /// entry per rule.
     pub(super) fn prune(&mut self, graph: &CalcGraph, connected: impl Fn(&str) -> bool) {
         let view = graph.view();
         let tiers: HashSet<&str> = view
@@ -561,7 +1133,7 @@ impl Hits {
         // Profiles nodes are sent without a Profile resource (their rules are the missing
         // profile's): walked only when a counted profile has no resource.
         let mut referenced: Option<HashSet<&str>> = None;
-        self.counts.retain(|owner, _| match owner {
+        let mut keep = |owner: &Owner| match owner {
             Owner::Policy {
                 kind,
                 namespace,
@@ -586,7 +1158,9 @@ impl Hits {
             }
             Owner::EndOfTier(t) => tiers.contains(t.as_str()) || view.tier(t).is_some(),
             Owner::NoProfileMatched | Owner::DefaultAction | Owner::Failsafe => true,
-        });
+        };
+        self.counts.retain(|owner, _| keep(owner));
+        self.seen.retain(|_, s| keep(&s.owner));
         let known: HashSet<String> = graph.known_nodes().into_iter().collect();
         let departed = |n: &str| !known.contains(n) && !connected(n);
         for rules in self.counts.values_mut() {
@@ -614,6 +1188,11 @@ impl Hits {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// No action for the totals (the tests of the per-rule counters).
+    fn no_action(_: &Owner, _: bool, _: u32) -> Option<Action> {
+        None
+    }
 
     fn at(secs: u64) -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + secs)
@@ -692,6 +1271,7 @@ mod tests {
             h.connected(node, conn, true);
             h.queued(
                 node,
+                2,
                 &[
                     policy_update(policy_id("web"), "default", 2, 1),
                     profile_update("kns.shop", 1, 0),
@@ -710,7 +1290,8 @@ mod tests {
                 "node-a",
                 1,
                 vec![hit(web.clone(), false, 0, 3, 300)],
-                at(10)
+                at(10),
+                no_action
             )
             .is_empty()
         );
@@ -719,13 +1300,20 @@ mod tests {
                 "node-a",
                 1,
                 vec![hit(web.clone(), false, 0, 2, 200)],
-                at(20)
+                at(20),
+                no_action
             )
             .is_empty()
         );
         assert!(
-            h.add("node-b", 2, vec![hit(web.clone(), true, 0, 1, 60)], at(30))
-                .is_empty()
+            h.add(
+                "node-b",
+                2,
+                vec![hit(web.clone(), true, 0, 1, 60)],
+                at(30),
+                no_action
+            )
+            .is_empty()
         );
         let a = h.rule(&web, Some("node-a"), false, 0).expect("held");
         assert_eq!(
@@ -750,9 +1338,27 @@ mod tests {
     fn a_zero_delta_neither_creates_an_entry_nor_moves_the_last_hit() {
         let mut h = two_nodes();
         let web = policy_owner("web");
-        h.add("node-a", 1, vec![hit(web.clone(), false, 1, 1, 10)], at(10));
-        h.add("node-a", 1, vec![hit(web.clone(), false, 1, 0, 0)], at(20));
-        h.add("node-a", 1, vec![hit(web.clone(), false, 0, 0, 0)], at(30));
+        h.add(
+            "node-a",
+            1,
+            vec![hit(web.clone(), false, 1, 1, 10)],
+            at(10),
+            no_action,
+        );
+        h.add(
+            "node-a",
+            1,
+            vec![hit(web.clone(), false, 1, 0, 0)],
+            at(20),
+            no_action,
+        );
+        h.add(
+            "node-a",
+            1,
+            vec![hit(web.clone(), false, 0, 0, 0)],
+            at(30),
+            no_action,
+        );
         assert_eq!(h.entries(), 1);
         assert_eq!(h.totals(&web).last, Some(at(10)));
     }
@@ -766,6 +1372,7 @@ mod tests {
             1,
             vec![hit(web.clone(), false, 0, 7, 700)],
             at(10),
+            no_action,
         );
         // node-b reports the same rule: its own entry, node-a's is untouched.
         h.add(
@@ -773,6 +1380,7 @@ mod tests {
             2,
             vec![hit(web.clone(), false, 0, 1, 100)],
             at(20),
+            no_action,
         );
         let a = h.rule(&web, Some("node-a"), false, 0).unwrap();
         assert_eq!((a.packets, a.last), (7, at(10)));
@@ -783,7 +1391,8 @@ mod tests {
                 "node-a",
                 2,
                 vec![hit(web.clone(), false, 0, 9, 900)],
-                at(30)
+                at(30),
+                no_action
             ),
             [(Refused::StaleStream, 1)]
         );
@@ -794,7 +1403,8 @@ mod tests {
                 "node-a",
                 1,
                 vec![hit(web.clone(), false, 0, 9, 900)],
-                at(40)
+                at(40),
+                no_action
             ),
             [(Refused::StaleStream, 1)]
         );
@@ -804,7 +1414,8 @@ mod tests {
                 "node-a",
                 3,
                 vec![hit(web.clone(), false, 0, 9, 900)],
-                at(40)
+                at(40),
+                no_action
             ),
             [(Refused::NotSent, 1)]
         );
@@ -812,7 +1423,13 @@ mod tests {
         // Disconnected: history stays, nothing more is added.
         h.disconnected("node-b");
         assert_eq!(
-            h.add("node-b", 2, vec![hit(web.clone(), false, 0, 1, 1)], at(50)),
+            h.add(
+                "node-b",
+                2,
+                vec![hit(web.clone(), false, 0, 1, 1)],
+                at(50),
+                no_action
+            ),
             [(Refused::StaleStream, 1)]
         );
         assert_eq!(h.totals(&web).packets, 8);
@@ -820,10 +1437,17 @@ mod tests {
         h.connected("node-c", 4, false);
         h.queued(
             "node-c",
+            2,
             &[policy_update(policy_id("web"), "default", 2, 1)],
         );
         assert_eq!(
-            h.add("node-c", 4, vec![hit(web.clone(), false, 0, 1, 1)], at(60)),
+            h.add(
+                "node-c",
+                4,
+                vec![hit(web.clone(), false, 0, 1, 1)],
+                at(60),
+                no_action
+            ),
             [(Refused::StaleStream, 1)]
         );
     }
@@ -857,6 +1481,7 @@ mod tests {
                 hit(Owner::EndOfTier("security".into()), false, 0, 1, 1),
             ],
             at(10),
+            no_action,
         );
         assert_eq!(refused, [(Refused::NotSent, 4), (Refused::OutOfRange, 3)]);
         assert_eq!(h.entries(), 0, "nothing refused is held");
@@ -865,6 +1490,7 @@ mod tests {
         // Removed from the node: its rules are no longer the node's.
         h.queued(
             "node-a",
+            2,
             &[msg(Payload::ActivePolicyRemove(pb::ActivePolicyRemove {
                 id: Some(policy_id("web")),
             }))],
@@ -874,13 +1500,15 @@ mod tests {
                 "node-a",
                 1,
                 vec![hit(policy_owner("web"), false, 0, 1, 1)],
-                at(20)
+                at(20),
+                no_action
             ),
             [(Refused::NotSent, 1)]
         );
         // An update that shrinks the policy bounds the index from then on.
         h.queued(
             "node-b",
+            2,
             &[policy_update(policy_id("web"), "default", 1, 1)],
         );
         assert_eq!(
@@ -888,7 +1516,8 @@ mod tests {
                 "node-b",
                 2,
                 vec![hit(policy_owner("web"), false, 1, 1, 1)],
-                at(20)
+                at(20),
+                no_action
             ),
             [(Refused::OutOfRange, 1)]
         );
@@ -903,7 +1532,7 @@ mod tests {
             kind: "StagedNetworkPolicy".into(),
             ..policy_id("web")
         };
-        h.queued("node-a", &[policy_update(staged, "security", 1, 1)]);
+        h.queued("node-a", 2, &[policy_update(staged, "security", 1, 1)]);
         let owner = Owner::Policy {
             kind: "StagedNetworkPolicy".into(),
             namespace: "shop".into(),
@@ -919,6 +1548,7 @@ mod tests {
                     hit(Owner::EndOfTier("security".into()), false, 0, 1, 1),
                 ],
                 at(10),
+                no_action,
             ),
             [(Refused::NotSent, 1), (Refused::Staged, 1)]
         );
@@ -937,7 +1567,7 @@ mod tests {
             hit(Owner::Failsafe, false, 7, 5, 500),
             hit(Owner::Failsafe, false, 0, 5, 500),
         ];
-        assert!(h.add("node-a", 1, verdicts, at(10)).is_empty());
+        assert!(h.add("node-a", 1, verdicts, at(10), no_action).is_empty());
         let eot = Owner::EndOfTier("default".into());
         assert_eq!(h.rule(&eot, Some("node-a"), false, 0).unwrap().packets, 4);
         assert_eq!(h.rule(&eot, Some("node-a"), true, 0).unwrap().packets, 1);
@@ -947,17 +1577,25 @@ mod tests {
         // Once the node holds no policy of the tier, its end is not the node's.
         h.queued(
             "node-a",
+            2,
             &[msg(Payload::ActivePolicyRemove(pb::ActivePolicyRemove {
                 id: Some(policy_id("web")),
             }))],
         );
         assert_eq!(
-            h.add("node-a", 1, vec![hit(eot.clone(), false, 0, 1, 1)], at(20)),
+            h.add(
+                "node-a",
+                1,
+                vec![hit(eot.clone(), false, 0, 1, 1)],
+                at(20),
+                no_action
+            ),
             [(Refused::NotSent, 1)]
         );
         // A policy moved to another tier takes its tier's end along.
         h.queued(
             "node-b",
+            2,
             &[policy_update(policy_id("web"), "security", 2, 1)],
         );
         assert_eq!(
@@ -968,7 +1606,8 @@ mod tests {
                     hit(eot.clone(), false, 0, 1, 1),
                     hit(Owner::EndOfTier("security".into()), false, 0, 1, 1)
                 ],
-                at(20)
+                at(20),
+                no_action
             ),
             [(Refused::NotSent, 1)]
         );
@@ -1172,5 +1811,195 @@ mod tests {
                 (Owner::NoProfileMatched, true, 0),
             ]
         );
+    }
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    /// The window decides: a rule hit within it is used; one observed for at least the window
+    /// and not hit within it is unused, even if it was hit before the window; one observed for
+    /// less is not yet known. Without a window, its whole observed history counts.
+    #[test]
+    fn a_rule_is_used_unused_or_not_yet_known_within_the_window() {
+        let now = at(30 * 86_400);
+        let days_ago = |d: u32| now - DAY * d;
+        let week = Some(7 * DAY);
+        // Observed 10 days, hit 2 days ago: used within a week.
+        assert_eq!(
+            rule_use(Some(days_ago(2)), Some(days_ago(10)), now, week),
+            RuleUse::Used
+        );
+        // Observed 10 days, never hit: unused within a week, and over its whole history.
+        assert_eq!(
+            rule_use(None, Some(days_ago(10)), now, week),
+            RuleUse::Unused
+        );
+        assert_eq!(
+            rule_use(None, Some(days_ago(10)), now, None),
+            RuleUse::Unused
+        );
+        // Hit 9 days ago, outside the week: unused within it; used over its whole history.
+        assert_eq!(
+            rule_use(Some(days_ago(9)), Some(days_ago(10)), now, week),
+            RuleUse::Unused
+        );
+        assert_eq!(
+            rule_use(Some(days_ago(9)), Some(days_ago(10)), now, None),
+            RuleUse::Used
+        );
+        // Observed 3 days (less than the window), never hit: not yet known, never unused…
+        assert_eq!(
+            rule_use(None, Some(days_ago(3)), now, week),
+            RuleUse::NotYetKnown
+        );
+        // …unless the window is shorter than what was observed.
+        assert_eq!(
+            rule_use(None, Some(days_ago(3)), now, Some(DAY)),
+            RuleUse::Unused
+        );
+        // Observed exactly the window: known.
+        assert_eq!(
+            rule_use(None, Some(days_ago(7)), now, week),
+            RuleUse::Unused
+        );
+        // Hit within the window although observed less than it: used.
+        assert_eq!(
+            rule_use(Some(days_ago(1)), Some(days_ago(3)), now, week),
+            RuleUse::Used
+        );
+        // Never observed: not yet known, whatever the window.
+        assert_eq!(rule_use(None, None, now, week), RuleUse::NotYetKnown);
+        assert_eq!(rule_use(None, None, now, None), RuleUse::NotYetKnown);
+        // A window longer than the clock's history.
+        assert_eq!(
+            rule_use(None, Some(days_ago(10)), now, Some(Duration::MAX)),
+            RuleUse::NotYetKnown
+        );
+    }
+
+    #[test]
+    fn a_policy_is_unused_only_when_every_rule_is_known_unused() {
+        use RuleUse::{NotYetKnown as N, Unused as U, Used};
+        assert_eq!(policy_use(&[U, U]), Some("unused"));
+        assert_eq!(policy_use(&[U, N]), Some("not-yet-known"));
+        assert_eq!(policy_use(&[N]), Some("not-yet-known"));
+        assert_eq!(policy_use(&[Used, U, N]), Some("partly-unused"));
+        assert_eq!(policy_use(&[Used, N]), None);
+        assert_eq!(policy_use(&[Used]), None);
+        assert_eq!(policy_use(&[]), None, "no rules: nothing to say");
+    }
+
+    fn applied_msgs() -> Vec<pb::ToDataplane> {
+        vec![
+            policy_update(policy_id("web"), "default", 2, 1),
+            profile_update("kns.shop", 1, 0),
+        ]
+    }
+
+    /// A rule is observed from the first `DataplaneApplied` that covers it on a stats stream;
+    /// queued alone it is not in force; a staged policy never is; a rule added later is
+    /// observed from later; the first time stays.
+    #[test]
+    fn rules_are_observed_once_applied_on_a_node_that_reports_stats() {
+        let mut h = Hits::default();
+        h.connected("node-a", 1, true);
+        // Sequence 2 and 3 (the ServerHello is 1).
+        h.queued("node-a", 2, &applied_msgs());
+        let staged = pb::PolicyId {
+            kind: "StagedNetworkPolicy".into(),
+            ..policy_id("web")
+        };
+        h.queued("node-a", 4, &[policy_update(staged, "default", 1, 0)]);
+        let web = h.policy_sig("NetworkPolicy", "shop", "web");
+        let kns = h.profile_sig("kns.shop");
+        assert!(h.seen.is_empty(), "queued is not in force");
+        // Another stream's report, or one that covers only the policy.
+        assert!(!h.applied("node-a", 9, 3, at(5)));
+        assert!(h.applied("node-a", 1, 2, at(10)));
+        assert_eq!(h.seen[&web].since, [vec![at(10); 2], vec![at(10)]]);
+        assert!(!h.seen.contains_key(&kns));
+        assert!(h.applied("node-a", 1, 4, at(20)));
+        assert_eq!(h.seen[&kns].since, [vec![at(20)], vec![]]);
+        assert_eq!(h.seen.len(), 2, "the staged policy is never observed");
+        assert!(h.seen[&web].first() == Some(at(10)));
+
+        // Another node applies it later: the first time stays. An edit with a third ingress
+        // rule observes only that rule from then.
+        h.connected("node-b", 2, true);
+        h.queued("node-b", 2, &applied_msgs());
+        assert!(
+            h.sent["node-b"].pending.is_empty(),
+            "nothing new to observe"
+        );
+        h.queued(
+            "node-b",
+            4,
+            &[policy_update(policy_id("web"), "default", 3, 1)],
+        );
+        assert!(h.applied("node-b", 2, 4, at(30)));
+        assert_eq!(
+            h.seen[&web].since,
+            [vec![at(10), at(10), at(30)], vec![at(10)]]
+        );
+        // Updates that add no rule to one already pending are not queued again.
+        h.connected("node-c", 3, true);
+        let grown = policy_update(policy_id("web"), "default", 4, 1);
+        h.queued("node-c", 2, &[grown.clone(), grown.clone(), grown]);
+        assert_eq!(h.sent["node-c"].pending.len(), 1);
+        // A stream without the capability observes nothing.
+        let mut h = Hits::default();
+        h.connected("node-c", 3, false);
+        h.queued("node-c", 2, &applied_msgs());
+        assert!(!h.applied("node-c", 3, 10, at(10)));
+        assert!(h.seen.is_empty());
+        // A reconnect forgets what the old stream had not applied.
+        let mut h = Hits::default();
+        h.connected("node-a", 1, true);
+        h.queued("node-a", 2, &applied_msgs());
+        h.connected("node-a", 2, true);
+        assert!(!h.applied("node-a", 2, 10, at(10)));
+        assert!(h.seen.is_empty());
+    }
+
+    /// Each accepted hit goes to its owner's totals under the action its rule has; a hit whose
+    /// action is not known adds to the rule's counters only.
+    #[test]
+    fn totals_by_action_add_up_what_was_accepted() {
+        let mut h = two_nodes();
+        let web = policy_owner("web");
+        let action = |_: &Owner, egress: bool, index: u32| match (egress, index) {
+            (false, 0) => Some(Action::Allow),
+            (false, 1) => Some(Action::Deny),
+            _ => None,
+        };
+        h.add(
+            "node-a",
+            1,
+            vec![
+                hit(web.clone(), false, 0, 3, 300),
+                hit(web.clone(), false, 1, 1, 100),
+                hit(web.clone(), true, 0, 5, 500),
+                // Refused (out of range): in no total.
+                hit(web.clone(), true, 1, 7, 700),
+                // A verdict has no owner totals.
+                hit(Owner::Failsafe, false, 0, 9, 900),
+            ],
+            at(10),
+            action,
+        );
+        h.add(
+            "node-b",
+            2,
+            vec![hit(web.clone(), false, 0, 2, 200)],
+            at(20),
+            action,
+        );
+        let sig = h.policy_sig("NetworkPolicy", "shop", "web");
+        let seen = &h.seen[&sig];
+        assert_eq!(seen.by_action[Action::Allow as usize], (5, 500));
+        assert_eq!(seen.by_action[Action::Deny as usize], (1, 100));
+        assert_eq!(seen.by_action[Action::Pass as usize], (0, 0));
+        assert_eq!(h.totals(&web).packets, 11, "the rule counters have all");
+        assert!(seen.first().is_none(), "hit, but not observed as applied");
+        assert_eq!(h.seen.len(), 1);
     }
 }

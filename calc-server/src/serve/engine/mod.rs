@@ -28,7 +28,10 @@
 //!   ([`realization`]).
 //! - Rule hit counts an agent reports (`RuleStats`) count only for rules its current stream
 //!   was sent, on its own node's entries ([`hits`]); `/status/policies` sums them per policy
-//!   and profile.
+//!   and profile, a single policy's answer has them per rule, `/status/unused` lists the rules
+//!   nothing matched within a window (from when each was first in force on a node that reports
+//!   stats, as its `DataplaneApplied` says), and the per-policy Prometheus totals are
+//!   republished at most once a second.
 
 mod hits;
 mod realization;
@@ -36,7 +39,7 @@ mod run;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use hits::{Hit, parse as parse_rule_stats};
+pub(crate) use hits::{Hit, PolicySeries, UnusedPolicy, parse as parse_rule_stats};
 pub(crate) use realization::{FindError, PolicyRealization};
 
 pub(super) use run::run;
@@ -290,10 +293,16 @@ pub(super) enum Input {
         at: std::time::SystemTime,
     },
     /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
-    /// nodes.
+    /// nodes and its rules' hit counts.
     Realization {
         only: Option<String>,
         reply: oneshot::Sender<Result<Vec<PolicyRealization>, FindError>>,
+    },
+    /// The policies and profiles in force whose rules nothing matched within `window` before
+    /// now (`None`: all recorded history), and those not observed long enough to tell.
+    Unused {
+        window: Option<std::time::Duration>,
+        reply: oneshot::Sender<Vec<UnusedPolicy>>,
     },
     /// Close every stream (server shutting down).
     Shutdown,
@@ -343,10 +352,19 @@ pub(super) struct Engine {
     hits_prune_due: bool,
     /// When the hit counters were last pruned.
     hits_pruned: Option<std::time::Instant>,
+    /// The per-policy hit totals changed since they were last published to the metrics.
+    hit_series_dirty: bool,
+    /// When they were last published.
+    hit_series_published: Option<std::time::Instant>,
     /// When the per-tier realization gauges were last summed.
     realization_summed: Option<std::time::Instant>,
     /// When the current step started.
     now: std::time::Instant,
+    /// The same, by the wall clock (rule observation and `/status/unused`'s window).
+    wall: std::time::SystemTime,
+    /// A fixed wall clock for tests.
+    #[cfg(test)]
+    wall_override: Option<std::time::SystemTime>,
 }
 
 impl Engine {
@@ -374,8 +392,13 @@ impl Engine {
             hits: hits::Hits::default(),
             hits_prune_due: false,
             hits_pruned: None,
+            hit_series_dirty: false,
+            hit_series_published: None,
             realization_summed: None,
             now: std::time::Instant::now(),
+            wall: std::time::SystemTime::now(),
+            #[cfg(test)]
+            wall_override: None,
         }
     }
 
@@ -383,6 +406,12 @@ impl Engine {
     #[cfg(test)]
     pub(super) fn set_backlog_sizing(&mut self, sizing: BacklogSizing) {
         self.backlog_sizing = sizing;
+    }
+
+    /// Fixes the wall clock of the steps that follow (`None`: the real one).
+    #[cfg(test)]
+    pub(super) fn set_wall(&mut self, at: Option<std::time::SystemTime>) {
+        self.wall_override = at;
     }
 
     /// The backlog bound in bytes of a connection.
@@ -398,15 +427,21 @@ impl Engine {
     }
 
     /// Whether the driver should step periodically even without input: to notice drained
-    /// queues and admit the next snapshots, or to sum stale realization gauges.
+    /// queues and admit the next snapshots, or to sum stale realization gauges or publish
+    /// changed hit totals.
     pub(super) fn wants_tick(&self) -> bool {
-        self.busy() || self.realization.dirty
+        self.busy() || self.realization.dirty || self.hit_series_dirty
     }
 
     /// Applies a burst of inputs and flushes once for all of them.
     pub(super) fn step(&mut self, inputs: impl IntoIterator<Item = Input>) -> Step {
         let started = std::time::Instant::now();
         self.now = started;
+        self.wall = std::time::SystemTime::now();
+        #[cfg(test)]
+        if let Some(at) = self.wall_override {
+            self.wall = at;
+        }
         let mut stop = false;
         for input in inputs {
             stop |= self.handle(input);
@@ -416,6 +451,7 @@ impl Engine {
         self.flush();
         self.sum_realization();
         self.prune_hits();
+        self.publish_hit_series();
         self.metrics.calc_seconds.observe(started.elapsed());
         if self.graph.in_sync() {
             self.ready.store(true, Ordering::Relaxed);
@@ -475,30 +511,75 @@ impl Engine {
         self.metrics
             .rule_stats_entries
             .set(self.hits.entries() as i64);
+        self.hit_series_dirty = true;
+    }
+
+    /// Publishes the per-policy hit totals to the metrics, at most once a second and only
+    /// when something changed: it walks every policy observed.
+    fn publish_hit_series(&mut self) {
+        const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+        if !self.hit_series_dirty
+            || self
+                .hit_series_published
+                .is_some_and(|t| self.now.duration_since(t) < EVERY)
+        {
+            return;
+        }
+        self.hit_series_dirty = false;
+        self.hit_series_published = Some(self.now);
+        self.metrics.set_policy_hits(self.hits.series(&self.graph));
+    }
+
+    /// The hit counters' owner of a realization row.
+    fn owner_of(r: &PolicyRealization) -> hits::Owner {
+        if r.kind == "Profile" {
+            hits::Owner::Profile(r.policy.clone())
+        } else {
+            let (namespace, name) = r.policy.split_once('/').unwrap_or(("", &r.policy));
+            hits::Owner::Policy {
+                kind: r.kind.clone(),
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            }
+        }
     }
 
     /// The policies' and profiles' hit counts, on realization rows (none for a staged policy:
-    /// it has no rules in any dataplane).
-    fn with_hits(&self, rows: &mut [PolicyRealization]) {
+    /// it has no rules in any dataplane); with `per_rule` (a single policy's answer), its
+    /// rules with theirs.
+    fn with_hits(&self, rows: &mut [PolicyRealization], per_rule: bool) {
         for r in rows {
-            if r.phase == "Staged" {
+            let staged = r.phase == "Staged";
+            let owner = Self::owner_of(r);
+            if per_rule {
+                r.rules = Some(self.hits.rules(&self.graph, &owner, staged));
+            }
+            if staged {
                 continue;
             }
-            let owner = if r.kind == "Profile" {
-                hits::Owner::Profile(r.policy.clone())
-            } else {
-                let (namespace, name) = r.policy.split_once('/').unwrap_or(("", &r.policy));
-                hits::Owner::Policy {
-                    kind: r.kind.clone(),
-                    namespace: namespace.to_string(),
-                    name: name.to_string(),
-                }
-            };
             let t = self.hits.totals(&owner);
             r.hits = Some(t.packets);
             r.bytes = Some(t.bytes);
             r.last_hit = t.last.map(common::rfc3339_utc);
         }
+    }
+
+    /// `/status/unused`: the policies and profiles needed on at least one node (not staged),
+    /// classified by [`hits::Hits::unused`].
+    fn unused(&self, window: Option<std::time::Duration>) -> Vec<UnusedPolicy> {
+        let candidates = self
+            .realization
+            .table(&self.graph, None)
+            .into_iter()
+            .filter(|r| r.desired > 0 && r.phase != "Staged")
+            .map(|r| hits::Candidate {
+                owner: Self::owner_of(&r),
+                policy: r.policy,
+                kind: r.kind,
+                tier: r.tier,
+            })
+            .collect();
+        self.hits.unused(&self.graph, candidates, self.wall, window)
     }
 
     /// Ends finished snapshots and starts waiting ones, up to the limit. A snapshot is
@@ -573,6 +654,9 @@ impl Engine {
                 applied,
                 error,
             } => {
+                if self.hits.applied(&node, id, applied, self.wall) {
+                    self.hit_series_dirty = true;
+                }
                 for waited in self
                     .realization
                     .applied(&node, id, applied, error, self.now)
@@ -581,7 +665,11 @@ impl Engine {
                 }
             }
             Input::Hits { node, id, hits, at } => {
-                for (why, n) in self.hits.add(&node, id, hits, at) {
+                let graph = &self.graph;
+                let action =
+                    |o: &hits::Owner, egress, index| hits::rule_action(graph, o, egress, index);
+                self.hit_series_dirty = true;
+                for (why, n) in self.hits.add(&node, id, hits, at, action) {
                     tracing::debug!(%node, conn = id, reason = why.reason(), hits = n, "dropped rule hits");
                     self.metrics.rule_stats_refused(why.reason(), n);
                 }
@@ -590,15 +678,19 @@ impl Engine {
                     .set(self.hits.entries() as i64);
             }
             Input::Realization { only, reply } => {
+                let per_rule = only.is_some();
                 let mut answer = match only {
                     None => Ok(self.realization.table(&self.graph, None)),
                     Some(name) => realization::Realization::find(&self.graph, &name)
                         .map(|t| self.realization.table(&self.graph, Some(&t))),
                 };
                 if let Ok(rows) = &mut answer {
-                    self.with_hits(rows);
+                    self.with_hits(rows, per_rule);
                 }
                 let _ = reply.send(answer);
+            }
+            Input::Unused { window, reply } => {
+                let _ = reply.send(self.unused(window));
             }
             Input::Explain { request, reply } => {
                 let span = tracing::debug_span!("explain");
@@ -614,6 +706,8 @@ impl Engine {
     fn apply(&mut self, updates: Vec<Update>) {
         self.datastore_changed = true;
         self.hits_prune_due = true;
+        // A policy's tier or rules' actions may have changed.
+        self.hit_series_dirty = true;
         let span = tracing::debug_span!("datastore_batch", updates = updates.len());
         let _enter = span.enter();
         self.metrics.updates_processed.inc_by(updates.len() as u64);
@@ -730,8 +824,11 @@ impl Engine {
                 snapshot,
                 self.now,
             );
-            self.hits
-                .queued(&batch.node, outs.iter().filter_map(Out::message));
+            self.hits.queued(
+                &batch.node,
+                queued - n + 2,
+                outs.iter().filter_map(Out::message),
+            );
             self.board.sent(&batch.node, n);
             for out in outs {
                 let _ = conn.tx.send(out);

@@ -186,6 +186,10 @@ pub(crate) struct PolicyRealization {
     /// (null) when none has.
     #[serde(default)]
     pub last_hit: Option<String>,
+    /// Its rules, ingress then egress, each with its hit counts and the nodes where it matched
+    /// (only in a single-policy answer; counts null for a staged policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<Vec<super::hits::RuleHits>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1009,3 +1009,325 @@ fn hit_counters_follow_the_datastore() {
     assert_eq!(h.metric("calc_server_rule_stats_entries"), "0");
     drop(a);
 }
+
+fn gnp(name: &str, selector: &str, spec: serde_json::Value) -> Update {
+    let mut spec = spec;
+    spec["selector"] = json!(selector);
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+}
+
+/// A hit on GlobalNetworkPolicy `name`'s rule, 100 bytes a packet.
+fn owner_hit(name: &str, egress: bool, index: u32, packets: u64) -> super::Hit {
+    super::Hit {
+        owner: super::hits::Owner::Policy {
+            kind: "GlobalNetworkPolicy".into(),
+            namespace: String::new(),
+            name: name.into(),
+        },
+        ..web_hit(egress, index, packets, packets * 100)
+    }
+}
+
+/// The cluster, plus `mixed` (ingress Allow and Deny, egress Pass), `idle` (one rule nothing
+/// hits), `nowhere` (selects nothing) and a staged policy, all but `nowhere` on both nodes.
+/// node-a's agent reports stats and applies its snapshot at day 0; node-b's reports none.
+fn observed_cluster() -> (Harness, Agent, Agent) {
+    let mut h = Harness::new(LIMITS);
+    h.engine.set_wall(Some(day(0)));
+    let mut updates = cluster();
+    updates.insert(
+        3,
+        gnp(
+            "mixed",
+            "app == 'web'",
+            json!({
+                "ingress": [{"action": "Allow", "protocol": "TCP", "destination": {"ports": [443]}},
+                            {"action": "Deny"}],
+                "egress": [{"action": "Pass"}],
+            }),
+        ),
+    );
+    updates.insert(
+        3,
+        gnp(
+            "idle",
+            "app == 'web'",
+            json!({"ingress": [{"action": "Deny", "source": {"nets": ["192.0.2.0/24"]}}]}),
+        ),
+    );
+    updates.insert(
+        3,
+        gnp(
+            "nowhere",
+            "app == 'db'",
+            json!({"ingress": [{"action": "Allow"}]}),
+        ),
+    );
+    updates.insert(
+        3,
+        apply(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "StagedGlobalNetworkPolicy",
+            "metadata": {"name": "web-staged"},
+            "spec": {"selector": "app == 'web'", "ingress": [{"action": "Deny"}]},
+        })),
+    );
+    h.datastore(updates);
+    let a = h.connect_stats("node-a");
+    h.ack("node-a", &a, None);
+    let b = h.connect_reporting("node-b");
+    h.ack("node-b", &b, None);
+    (h, a, b)
+}
+
+fn day(d: u64) -> std::time::SystemTime {
+    std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_000 + d * 86_400)
+}
+
+impl Harness {
+    fn unused(&mut self, days: Option<u64>) -> Vec<super::UnusedPolicy> {
+        let (reply, mut answer) = oneshot::channel();
+        self.engine.step([Input::Unused {
+            window: days.map(|d| std::time::Duration::from_secs(d * 86_400)),
+            reply,
+        }]);
+        answer.try_recv().expect("answered in the step")
+    }
+}
+
+/// `(policy, state, unused rules as direction/index, observed days)` of an answer.
+fn unused_summary(rows: &[super::UnusedPolicy]) -> Vec<(String, String, Vec<String>, Option<u64>)> {
+    rows.iter()
+        .map(|r| {
+            (
+                r.policy.clone(),
+                r.state.clone(),
+                r.unused_rules
+                    .iter()
+                    .map(|u| format!("{}/{}", u.direction, u.index))
+                    .collect(),
+                r.observed_seconds.map(|s| s / 86_400),
+            )
+        })
+        .collect()
+}
+
+/// What nothing matched within a window, from when node-a (the node that reports stats)
+/// applied each policy: a rule hit before the window is unused within it; a window longer than
+/// the observation says not yet known; no window means all history.
+#[test]
+fn unused_policies_and_rules_follow_the_window() {
+    let (mut h, a, b) = observed_cluster();
+    // Reports carry their receive time: web's at day 1, mixed's ingress 0 at day 9.
+    h.engine.step([Input::Hits {
+        node: "node-a".into(),
+        id: a.id,
+        hits: vec![owner_hit("web", false, 0, 3)],
+        at: day(1),
+    }]);
+    h.engine.step([Input::Hits {
+        node: "node-a".into(),
+        id: a.id,
+        hits: vec![owner_hit("mixed", false, 0, 1)],
+        at: day(9),
+    }]);
+    h.engine.set_wall(Some(day(10)));
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    // The last week: web's one hit (day 1) is before it; mixed's ingress 0 is within.
+    assert_eq!(
+        unused_summary(&h.unused(Some(7))),
+        [
+            ("idle".into(), "unused".into(), s(&["ingress/0"]), Some(10)),
+            ("web".into(), "unused".into(), s(&["ingress/0"]), Some(10)),
+            (
+                "mixed".into(),
+                "partly-unused".into(),
+                s(&["ingress/1", "egress/0"]),
+                Some(10)
+            ),
+        ]
+    );
+    // 30 days: observed for 10 only. idle is not yet known; web and mixed were hit within.
+    let month = h.unused(Some(30));
+    assert_eq!(
+        unused_summary(&month),
+        [("idle".into(), "not-yet-known".into(), vec![], Some(10))]
+    );
+    assert_eq!(month[0].not_yet_known_rules.len(), 1);
+    // All history: web was hit once, so it is in use.
+    assert_eq!(
+        unused_summary(&h.unused(None)),
+        [
+            ("idle".into(), "unused".into(), s(&["ingress/0"]), Some(10)),
+            (
+                "mixed".into(),
+                "partly-unused".into(),
+                s(&["ingress/1", "egress/0"]),
+                Some(10)
+            ),
+        ]
+    );
+    // The JSON the CLI reads: the window's rules with their action and last hit.
+    let week = h.unused(Some(7));
+    let web = serde_json::to_value(&week[1]).unwrap();
+    assert_eq!(
+        web,
+        json!({"policy": "web", "kind": "GlobalNetworkPolicy", "tier": "default",
+               "state": "unused", "observed_since": "2027-01-15T08:00:00Z",
+               "observed_seconds": 864_000, "rule_count": 1,
+               "unused_rules": [{"direction": "ingress", "index": 0, "action": "allow",
+                                 "last_hit": "2027-01-16T08:00:00Z"}],
+               "not_yet_known_rules": []})
+    );
+    // Neither the staged policy nor one in force nowhere is listed.
+    for w in [Some(1), Some(7), None] {
+        assert!(
+            h.unused(w)
+                .iter()
+                .all(|r| r.policy != "web-staged" && r.policy != "nowhere")
+        );
+    }
+    drop((a, b));
+}
+
+/// Without a node that reports stats, nothing is observed: not yet known, never unused.
+#[test]
+fn policies_no_stats_node_holds_are_not_yet_known() {
+    let mut h = Harness::new(LIMITS);
+    h.engine.set_wall(Some(day(0)));
+    h.datastore(cluster());
+    let b = h.connect_reporting("node-b");
+    h.ack("node-b", &b, None);
+    h.engine.set_wall(Some(day(100)));
+    for w in [Some(1), None] {
+        let rows = h.unused(w);
+        assert_eq!(
+            unused_summary(&rows),
+            [("web".into(), "not-yet-known".into(), vec![], None)]
+        );
+        assert!(rows[0].observed_since.is_none());
+    }
+}
+
+/// A single policy's answer has its rules, ingress then egress, with their counts and the
+/// nodes where they matched; a staged policy's rules have no counts.
+#[test]
+fn one_policys_answer_has_its_rules_with_their_hits() {
+    let (mut h, a, b) = observed_cluster();
+    h.engine.step([Input::Hits {
+        node: "node-a".into(),
+        id: a.id,
+        hits: vec![owner_hit("mixed", false, 0, 4)],
+        at: day(2),
+    }]);
+    let rows = h.realization(Some("mixed"));
+    let rules = rows[0].rules.clone().expect("per rule");
+    let brief: Vec<_> = rules
+        .iter()
+        .map(|r| {
+            (
+                r.direction.as_str(),
+                r.index,
+                r.action.as_str(),
+                r.packets,
+                r.bytes,
+                r.last_hit.as_deref(),
+                r.nodes.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        brief,
+        [
+            (
+                "ingress",
+                0,
+                "allow",
+                Some(4),
+                Some(400),
+                Some("2027-01-17T08:00:00Z"),
+                vec!["node-a".to_string()]
+            ),
+            ("ingress", 1, "deny", Some(0), Some(0), None, vec![]),
+            ("egress", 0, "pass", Some(0), Some(0), None, vec![]),
+        ]
+    );
+    let json = serde_json::to_value(&rows[0]).unwrap();
+    assert_eq!(
+        json["rules"][0],
+        json!({"direction": "ingress", "index": 0, "action": "allow", "packets": 4,
+               "bytes": 400, "last_hit": "2027-01-17T08:00:00Z", "nodes": ["node-a"]})
+    );
+    // The list of every policy carries no rules.
+    assert!(h.row("mixed", "GlobalNetworkPolicy").rules.is_none());
+    assert!(
+        serde_json::to_value(h.row("mixed", "GlobalNetworkPolicy"))
+            .unwrap()
+            .get("rules")
+            .is_none()
+    );
+    // Staged: its rules, no counts.
+    let staged = h.realization(Some("web-staged"));
+    let rules = staged[0].rules.clone().expect("per rule");
+    assert_eq!(rules.len(), 1);
+    assert_eq!(
+        (rules[0].action.as_str(), rules[0].packets, rules[0].bytes),
+        ("deny", None, None)
+    );
+    drop((a, b));
+}
+
+/// Per policy and action, the packets and bytes summed over nodes and rules: a series for each
+/// action its rules have once a node that reports stats holds it; none for a staged policy or
+/// one no such node holds.
+#[test]
+fn per_policy_totals_reach_the_metrics_by_action() {
+    let (mut h, a, b) = observed_cluster();
+    h.engine.step([Input::Hits {
+        node: "node-a".into(),
+        id: a.id,
+        hits: vec![
+            owner_hit("mixed", false, 0, 4),
+            owner_hit("mixed", false, 1, 2),
+            owner_hit("web", false, 0, 1),
+        ],
+        at: day(2),
+    }]);
+    h.engine.hit_series_published = None;
+    h.engine.step([]);
+    let series = |name: &str, policy: &str, action: &str| {
+        format!(
+            "calc_server_policy_hits_{name}_total{{tier=\"default\",policy=\"{policy}\",kind=\"GlobalNetworkPolicy\",action=\"{action}\"}}"
+        )
+    };
+    assert_eq!(h.metric(&series("packets", "mixed", "allow")), "4");
+    assert_eq!(h.metric(&series("bytes", "mixed", "allow")), "400");
+    assert_eq!(h.metric(&series("packets", "mixed", "deny")), "2");
+    assert_eq!(h.metric(&series("packets", "mixed", "pass")), "0");
+    assert_eq!(h.metric(&series("packets", "web", "allow")), "1");
+    assert_eq!(h.metric(&series("packets", "idle", "deny")), "0");
+    let text = h.metrics.render(true);
+    assert!(!text.contains("web-staged"), "{text}");
+    assert!(!text.contains("policy=\"nowhere\""), "{text}");
+    assert!(!text.contains("action=\"log\""), "{text}");
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("calc_server_policy_hits_packets_total{"))
+            .count(),
+        5,
+        "per policy and action, not per rule or node:\n{text}"
+    );
+    // A policy deleted from the datastore: its series go.
+    h.engine.hits_pruned = None;
+    h.datastore(vec![Update::Delete(calc_graph::model::ResourceKey::new(
+        calc_graph::model::Kind::GlobalNetworkPolicy,
+        None,
+        "mixed",
+    ))]);
+    h.engine.hit_series_published = None;
+    h.engine.step([]);
+    assert!(!h.metrics.render(true).contains("policy=\"mixed\""));
+    drop((a, b));
+}
