@@ -4,7 +4,8 @@
 //! namespace per run and re-runs itself inside it:
 //!
 //! * `program`: feeds a synthetic node state (endpoints with tiered policies, profiles, IP sets)
-//!   to the Linux driver (nft backend) and times a full apply; then times one-chain changes;
+//!   to the Linux driver (nft backend) and times a full apply; then times one-chain changes
+//!   and hit-counter collections (`collect_hits`: wall and CPU time, the tools included);
 //!   dumps `ipset save` and `ip[6]tables-save` of the result.
 //! * `floor`: in another fresh namespace, times one `ipset restore` and one
 //!   `ip[6]tables-restore` per family of exactly that dump, and a bare `--noflush` restore of
@@ -286,6 +287,44 @@ fn sh(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// What one collection of the rules' hit counters costs (median wall time; CPU time of the
+/// process and the tools it ran, per collection).
+struct Collection {
+    wall: f64,
+    cpu: f64,
+}
+
+/// CPU seconds used by this process and its waited-for children (`/proc/self/stat` utime,
+/// stime, cutime, cstime; clock ticks of 1/100 s).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // Fields after the command name, which ends with the last ')'.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime is field 14 of the whole line, the 12th after the state (field 3).
+    let ticks: u64 = fields[11..15]
+        .iter()
+        .map(|f| f.parse::<u64>().unwrap_or(0))
+        .sum();
+    ticks as f64 / 100.0
+}
+
+/// Times `collect_hits` as the agent runs it every stats interval: a baseline read, then ten.
+fn hit_collection(driver: &mut LinuxDriver) -> Collection {
+    driver.collect_hits().expect("baseline collection");
+    let mut times = Vec::new();
+    let cpu0 = cpu_seconds();
+    for _ in 0..10 {
+        let t = Instant::now();
+        driver.collect_hits().expect("collection");
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Collection {
+        wall: median(times),
+        cpu: (cpu_seconds() - cpu0) / 10.0,
+    }
+}
+
 /// Inside a fresh namespace: program the state with the driver, time it, dump the result.
 fn program(p: &Params, dump: &Path) {
     let spent = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
@@ -332,13 +371,14 @@ fn program(p: &Params, dump: &Path) {
         change_times.push(t.elapsed().as_secs_f64());
         change_kernel.push(driver.nft_stats().kernel_us as f64 / 1e6);
     }
+    let hits = hit_collection(&mut driver);
     std::fs::create_dir_all(dump).expect("dump dir");
     if p.nft {
         let kernel = Kernel {
             full: full_kernel,
             change: median(change_kernel),
         };
-        return nft_program_tail(&mut driver, dump, full, change_times, kernel, &spent);
+        return nft_program_tail(&mut driver, dump, full, change_times, kernel, &spent, hits);
     }
     std::fs::write(dump.join("ipset.save"), sh("ipset save")).expect("write");
     std::fs::write(dump.join("v4.save"), sh("iptables-nft-save")).expect("write");
@@ -373,8 +413,10 @@ fn program(p: &Params, dump: &Path) {
     );
     change_times.sort_by(f64::total_cmp);
     println!(
-        "{{\"full_s\":{full},\"change_median_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
+        "{{\"full_s\":{full},\"change_median_s\":{},\"collect_s\":{},\"collect_cpu_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
         change_times[change_times.len() / 2],
+        hits.wall,
+        hits.cpu,
         programmed.rules,
         programmed.ipsets,
         programmed.ipset_members
@@ -398,6 +440,7 @@ fn nft_program_tail(
     mut change_times: Vec<f64>,
     kernel: Kernel,
     spent: &std::sync::Arc<parking_lot::Mutex<Vec<(String, f64)>>>,
+    hits: Collection,
 ) {
     use felix_proto::IpSetDeltaUpdate;
     let member = "10.250.0.1".to_owned();
@@ -478,12 +521,14 @@ fn nft_program_tail(
     }
     change_times.sort_by(f64::total_cmp);
     println!(
-        "{{\"full_s\":{full},\"change_median_s\":{},\"member_median_s\":{},\"net_member_median_s\":{},\"full_kernel_s\":{},\"change_kernel_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
+        "{{\"full_s\":{full},\"change_median_s\":{},\"member_median_s\":{},\"net_member_median_s\":{},\"full_kernel_s\":{},\"change_kernel_s\":{},\"collect_s\":{},\"collect_cpu_s\":{},\"rules\":{},\"ipsets\":{},\"members\":{}}}",
         change_times[change_times.len() / 2],
         median(member_times),
         median(net_member_times),
         kernel.full,
         kernel.change,
+        hits.wall,
+        hits.cpu,
         programmed.rules,
         programmed.ipsets,
         programmed.ipset_members
@@ -654,6 +699,17 @@ fn routes_bench(n: usize, runs: usize) {
     println!("{{\"routes\":{n},\"driver_s\":{ours},\"floor_s\":{floor}}}");
 }
 
+/// One line on the cost of reading the rules' counters, against the 1 %-of-a-core budget at the
+/// default 10 s interval.
+fn print_collection(wall: f64, cpu: f64) {
+    println!(
+        "hit counter collection: {:.1} ms wall, {:.1} ms CPU (agent and tools) per collection, {:.2} % of one core at a 10 s interval (target <= 1 %)",
+        wall * 1e3,
+        cpu * 1e3,
+        cpu / 10.0 * 100.0
+    );
+}
+
 fn orchestrate(p: &Params) {
     let dump: PathBuf = std::env::temp_dir().join(format!("sf-linux-bench-{}", std::process::id()));
     let extra = |sizes: (usize, usize, usize)| -> Vec<String> {
@@ -677,6 +733,8 @@ fn orchestrate(p: &Params) {
         let mut ours_change = Vec::new();
         let mut floor_full = Vec::new();
         let mut floor_change = Vec::new();
+        let mut collect = Vec::new();
+        let mut collect_cpu = Vec::new();
         let mut shape = String::new();
         for run in 0..p.runs {
             let mut args = vec!["program".to_owned(), dump.display().to_string()];
@@ -690,6 +748,8 @@ fn orchestrate(p: &Params) {
             ours_change.push(field(&ours, "change_median_s"));
             floor_full.push(field(&theirs, "full_s"));
             floor_change.push(field(&theirs, "change_median_s"));
+            collect.push(field(&ours, "collect_s"));
+            collect_cpu.push(field(&ours, "collect_cpu_s"));
             let v: serde_json::Value = serde_json::from_str(ours.trim()).expect("JSON");
             shape = format!(
                 "{} endpoints, {} policies: {} rules (v4+v6), {} ipsets, {} members",
@@ -711,6 +771,7 @@ fn orchestrate(p: &Params) {
             fc * 1e3,
             oc / fc
         );
+        print_collection(median(collect), median(collect_cpu));
     }
     let _ = std::fs::remove_dir_all(&dump);
 
@@ -749,6 +810,7 @@ fn nft_orchestrate(p: &Params, dump: &Path, extra: &dyn Fn((usize, usize, usize)
         let mut ours: [Vec<f64>; 4] = Default::default();
         let mut floor: [Vec<f64>; 4] = Default::default();
         let mut kernel: [Vec<f64>; 2] = Default::default();
+        let mut collect: [Vec<f64>; 2] = Default::default();
         let mut shape = String::new();
         for run in 0..p.runs {
             let mut args = vec!["program".to_owned(), dump.display().to_string()];
@@ -778,6 +840,8 @@ fn nft_orchestrate(p: &Params, dump: &Path, extra: &dyn Fn((usize, usize, usize)
             }
             kernel[0].push(field(&o, "full_kernel_s"));
             kernel[1].push(field(&o, "change_kernel_s"));
+            collect[0].push(field(&o, "collect_s"));
+            collect[1].push(field(&o, "collect_cpu_s"));
             let v: serde_json::Value = serde_json::from_str(o.trim()).expect("JSON");
             shape = format!(
                 "{} endpoints, {} policies: {} rules (v4+v6), {} sets, {} members",
@@ -815,6 +879,8 @@ fn nft_orchestrate(p: &Params, dump: &Path, extra: &dyn Fn((usize, usize, usize)
             fnet * 1e3,
             on / fnet
         );
+        let [cw, cc] = collect.map(median);
+        print_collection(cw, cc);
     }
     let _ = std::fs::remove_dir_all(dump);
 }

@@ -346,23 +346,34 @@ impl NftTables {
     /// `nft -j -t list table` per family: the rules with their counters, set elements left
     /// out), each keyed by its chain, hash and the chain's write.
     pub(crate) fn read_counts(
-        &self,
+        &mut self,
         runner: &mut dyn CommandRunner,
         tables: &Tables,
     ) -> Result<Vec<crate::driver::linux::writer::LineCount>, NftError> {
         let mut out = Vec::new();
         for f in &self.families {
             let fam = render::family(f.v);
-            let listing = run(
-                runner,
-                &["-j", "-t", "list", "table", fam, TABLE],
-                None,
-                "list table",
-            )?;
-            let counted = parse_counters(&listing).map_err(|reason| NftError::Parse {
-                family: fam,
-                reason,
-            })?;
+            // One rule dump over nfnetlink; `nft -j -t list table` (set elements left out)
+            // where there is none (a fake) or it fails.
+            let counted = match self.batch.counted_rules(f.v) {
+                Ok(rules) => rules
+                    .into_iter()
+                    .map(|r| (r.chain, r.comment, r.packets, r.bytes))
+                    .collect(),
+                Err(error) => {
+                    debug!(%error, family = fam, "no rule dump over netlink; listing with nft");
+                    let listing = run(
+                        runner,
+                        &["-j", "-t", "list", "table", fam, TABLE],
+                        None,
+                        "list table",
+                    )?;
+                    parse_counters(&listing).map_err(|reason| NftError::Parse {
+                        family: fam,
+                        reason,
+                    })?
+                }
+            };
             for (chain, comment, packets, bytes) in counted {
                 let Some((t, c, i)) = self.source_rule_by_comment(f.v, &chain, &comment) else {
                     continue;

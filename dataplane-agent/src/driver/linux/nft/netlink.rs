@@ -35,6 +35,15 @@ const NFT_MSG_DELSET: u16 = 11;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
 const NLM_F_REQUEST: u16 = 1;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_DONE: u16 = 3;
+const NFT_MSG_GETRULE: u16 = 7;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_COUNTER_BYTES: u16 = 1;
+const NFTA_COUNTER_PACKETS: u16 = 2;
+/// `NFTNL_UDATA_RULE_COMMENT`: the userdata TLV holding a rule's comment.
+const UDATA_RULE_COMMENT: u8 = 0;
 const NLM_F_CREATE: u16 = 0x400;
 const NLM_F_APPEND: u16 = 0x800;
 const NLMSG_ERROR: u16 = 2;
@@ -156,11 +165,30 @@ pub(crate) enum Op {
     Elements(ElementOp),
 }
 
-/// Where batches go (the seam).
+/// One rule of a family's `calico` table with its counter, as a rule dump gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CountedRule {
+    pub chain: String,
+    /// The rule's comment (from its userdata).
+    pub comment: String,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Where batches go, and where rule counters come from (the seam).
 pub(crate) trait BatchWriter: Send {
     /// Applies every op in one kernel transaction; on error nothing of it applied. Returns
     /// how long the kernel took (the `send`, in which it commits, and reading its answers).
     fn write(&mut self, ops: &[Op]) -> io::Result<std::time::Duration>;
+
+    /// Every rule of family `v`'s `calico` table that has a comment and a counter (one
+    /// `NFT_MSG_GETRULE` dump). Unsupported by default: the caller lists the table with `nft`.
+    fn counted_rules(&mut self, _v: IpVersion) -> io::Result<Vec<CountedRule>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "no rule dump on this writer",
+        ))
+    }
 }
 
 /// A netlink socket of the agent's network namespace, opened on first use.
@@ -173,6 +201,10 @@ pub(crate) struct NetlinkBatch {
 }
 
 impl BatchWriter for NetlinkBatch {
+    fn counted_rules(&mut self, v: IpVersion) -> io::Result<Vec<CountedRule>> {
+        Self::dump_rules(v)
+    }
+
     fn write(&mut self, ops: &[Op]) -> io::Result<std::time::Duration> {
         self.seq = self.seq.wrapping_add(1 << 20);
         let batch = encode(ops, self.seq)?;
@@ -186,6 +218,64 @@ impl BatchWriter for NetlinkBatch {
 }
 
 impl NetlinkBatch {
+    /// One `NFT_MSG_GETRULE` dump of the `calico` table of family `v` on a socket of its own
+    /// (the kernel answers with every rule, expressions and userdata included, then
+    /// `NLMSG_DONE`).
+    fn dump_rules(v: IpVersion) -> io::Result<Vec<CountedRule>> {
+        let mut s = Socket::new(NETLINK_NETFILTER)?;
+        s.bind_auto()?;
+        s.connect(&SocketAddr::new(0, 0))?;
+        let mut body = Vec::new();
+        attr(&mut body, NFTA_RULE_TABLE, &cstr(TABLE));
+        let mut req = Vec::new();
+        message(
+            &mut req,
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            1,
+            family_of(v),
+            0,
+            &body,
+        );
+        s.send(&req, 0)?;
+        let mut buf = vec![0u8; 1 << 17];
+        let mut out = Vec::new();
+        loop {
+            let n = s.recv(&mut &mut buf[..], 0)?;
+            let mut off = 0;
+            while off + 16 <= n {
+                let len = u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4")) as usize;
+                let kind = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().expect("2"));
+                if len < 16 || off + len > n {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "a rule dump message cut short",
+                    ));
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(out),
+                    NLMSG_ERROR => {
+                        let code = buf
+                            .get(off + 16..off + 20)
+                            .map(|b| i32::from_ne_bytes(b.try_into().expect("4")))
+                            .unwrap_or(-libc_eio());
+                        if code != 0 {
+                            return Err(io::Error::from_raw_os_error(-code));
+                        }
+                    }
+                    // nlmsghdr (16) and nfgenmsg (4), then the rule's attributes.
+                    _ if len >= 20 => {
+                        if let Some(r) = counted_rule(&buf[off + 20..off + len]) {
+                            out.push(r);
+                        }
+                    }
+                    _ => {}
+                }
+                off += (len + 3) & !3;
+            }
+        }
+    }
+
     fn send(&mut self, batch: &[u8]) -> io::Result<std::time::Duration> {
         if self.socket.is_none() {
             let mut s = Socket::new(NETLINK_NETFILTER)?;
@@ -238,6 +328,88 @@ impl NetlinkBatch {
             }
         }
     }
+}
+
+/// `EIO`, for an error message too short to hold its code.
+fn libc_eio() -> i32 {
+    5
+}
+
+/// The attributes of a buffer: (type without flags, payload).
+fn attrs(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if b.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+        let kind = u16::from_ne_bytes([b[2], b[3]]) & !NLA_F_NESTED;
+        if len < 4 || len > b.len() {
+            return None;
+        }
+        let payload = &b[4..len];
+        b = &b[((len + 3) & !3).min(b.len())..];
+        Some((kind, payload))
+    })
+}
+
+/// The chain, comment and counter of a rule message's attributes; `None` for a rule without
+/// a comment or a counter.
+fn counted_rule(b: &[u8]) -> Option<CountedRule> {
+    let (mut chain, mut comment, mut counter) = (None, None, None);
+    for (kind, payload) in attrs(b) {
+        match kind {
+            NFTA_RULE_CHAIN => {
+                chain =
+                    Some(String::from_utf8_lossy(payload.split(|c| *c == 0).next()?).into_owned());
+            }
+            NFTA_RULE_USERDATA => {
+                // TLVs of (type, length, value); the comment's value ends with a NUL.
+                let mut u = payload;
+                while u.len() >= 2 {
+                    let (t, l) = (u[0], u[1] as usize);
+                    let value = u.get(2..2 + l)?;
+                    if t == UDATA_RULE_COMMENT {
+                        let text = value.split(|c| *c == 0).next().unwrap_or_default();
+                        comment = Some(String::from_utf8_lossy(text).into_owned());
+                    }
+                    u = &u[2 + l..];
+                }
+            }
+            NFTA_RULE_EXPRESSIONS => {
+                for (_, elem) in attrs(payload) {
+                    let mut name = None;
+                    let mut data = None;
+                    for (k, p) in attrs(elem) {
+                        match k {
+                            NFTA_EXPR_NAME => name = Some(p),
+                            NFTA_EXPR_DATA => data = Some(p),
+                            _ => {}
+                        }
+                    }
+                    if name.is_some_and(|n| n.starts_with(b"counter\0")) {
+                        let (mut packets, mut bytes) = (0, 0);
+                        for (k, p) in attrs(data.unwrap_or_default()) {
+                            let value = u64::from_be_bytes(p.get(..8)?.try_into().ok()?);
+                            match k {
+                                NFTA_COUNTER_BYTES => bytes = value,
+                                NFTA_COUNTER_PACKETS => packets = value,
+                                _ => {}
+                            }
+                        }
+                        counter = Some((packets, bytes));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let (packets, bytes) = counter?;
+    Some(CountedRule {
+        chain: chain?,
+        comment: comment?,
+        packets,
+        bytes,
+    })
 }
 
 /// A verdict (`NFTA_DATA_VERDICT`: its code, and the chain of a jump or goto), as a map
