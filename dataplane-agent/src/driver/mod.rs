@@ -152,6 +152,12 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     fn programmed_objects(&self) -> Option<ProgrammedObjects> {
         (**self).programmed_objects()
     }
+    fn counts_hits(&self) -> bool {
+        (**self).counts_hits()
+    }
+    fn collect_hits(&mut self) -> Result<Vec<felix_proto::RuleHits>, DriverError> {
+        (**self).collect_hits()
+    }
 }
 
 /// Why an apply failed. The session logs it with its sources and retries with back-off.

@@ -1589,7 +1589,9 @@ fn rule_counters_are_reported_as_deltas_by_stream_rule() {
             }),
         }))
     };
-    let (mut d, k) = driver();
+    let (d, k) = driver();
+    // Boxed, as `driver::build` hands it to the session: the box must forward the hit methods.
+    let mut d: Box<dyn crate::driver::Driver> = Box::new(d);
     assert!(d.counts_hits());
     d.on_update(&policy("allow"));
     d.on_update(&wep("caliweb"));
