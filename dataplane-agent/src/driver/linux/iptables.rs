@@ -529,12 +529,23 @@ impl KernelTable {
         chain: &str,
         comment: &str,
     ) -> Option<&'a RuleId> {
+        self.rule_by_comment(d, chain, comment)?.id.as_ref()
+    }
+
+    /// The rule of our chain `chain` that carries `comment` (see
+    /// [`KernelTable::rule_id_by_comment`]).
+    pub(crate) fn rule_by_comment<'a>(
+        &'a self,
+        d: &'a desired::Table,
+        chain: &str,
+        comment: &str,
+    ) -> Option<&'a Rule> {
         let hash = hash_of(comment)
             .or_else(|| comment.strip_prefix("cali:"))
             .unwrap_or(comment);
         let (rules, hashes) = self.wanted(d, chain)?;
         let i = hashes.iter().position(|h| h == hash)?;
-        rules.get(i)?.id.as_ref()
+        rules.get(i)
     }
 
     /// Forgets the kernel view: the next apply reads the kernel back, repairs differences and

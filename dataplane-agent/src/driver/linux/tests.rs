@@ -1625,4 +1625,16 @@ fn rule_counters_are_reported_as_deltas_by_stream_rule() {
     let hits = d.collect_hits().unwrap();
     assert_eq!(hits.len(), 1, "{hits:?}");
     assert_eq!((hits[0].packets, hits[0].bytes), (5, 500));
+    // The verdict line gated on the mark sees the same packets again: it does not count.
+    let verdict = k
+        .lock()
+        .chain_rules(IpVersion::V4, "filter", &chain)
+        .into_iter()
+        .find(|r| r.contains("--mark") && !r.contains("MARK --set"))
+        .expect("the verdict line");
+    k.lock().hit(IpVersion::V4, &chain, &verdict, 40, 4_000);
+    assert!(
+        d.collect_hits().unwrap().is_empty(),
+        "the verdict line counted: {verdict}"
+    );
 }

@@ -382,7 +382,7 @@ impl NftTables {
                     .get(f.v, t)
                     .and_then(|t| t.chain(c))
                     .and_then(|c| c.rules.get(i))
-                    .and_then(|r| r.id.clone())
+                    .and_then(|r| r.counted_id().cloned())
                 else {
                     continue;
                 };

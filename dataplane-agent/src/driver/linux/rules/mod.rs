@@ -184,6 +184,10 @@ pub(crate) struct Rule {
     pub comments: Vec<String>,
     /// The stream rule or verdict this rule enforces (not part of its hash).
     pub id: Option<RuleId>,
+    /// This line's counter is what its rule decided (hit counters read only such lines). A
+    /// policy rule is two lines, `match → set mark` and the verdict gated on that mark; both
+    /// carry the rule's id, and only the first counts, so a packet is counted once.
+    pub counts: bool,
 }
 
 impl Rule {
@@ -193,7 +197,19 @@ impl Rule {
             action,
             comments: Vec::new(),
             id: None,
+            counts: true,
         }
+    }
+
+    /// The rule, its counter left out of hit counts (see [`Rule::counts`]).
+    pub(crate) fn uncounted(mut self) -> Self {
+        self.counts = false;
+        self
+    }
+
+    /// The id of the rule whose decisions this line counts, if it counts.
+    pub(crate) fn counted_id(&self) -> Option<&RuleId> {
+        self.id.as_ref().filter(|_| self.counts)
     }
 
     /// The rule, recorded as enforcing `id`.

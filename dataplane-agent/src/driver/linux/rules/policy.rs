@@ -383,7 +383,7 @@ fn combine_with_action(cfg: &RenderConfig, r: &ProtoRule, m: Match) -> Vec<Rule>
     };
     vec![
         Rule::new(m, Action::SetMark(mark)),
-        Rule::new(Match::new().mark_set(mark), action),
+        Rule::new(Match::new().mark_set(mark), action).uncounted(),
     ]
 }
 

@@ -184,7 +184,10 @@ impl KernelWriter for IptablesWriter {
                 else {
                     continue;
                 };
-                let Some(id) = k.rule_id_by_comment(d, &c.chain, &c.hash) else {
+                let Some(id) = k
+                    .rule_by_comment(d, &c.chain, &c.hash)
+                    .and_then(|r| r.counted_id())
+                else {
                     continue;
                 };
                 out.push(LineCount {
