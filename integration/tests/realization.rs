@@ -228,3 +228,76 @@ fn a_new_endpoint_is_timed_until_its_agent_applies_it() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The hit counters survive a restart through `_hits.json` in the status directory: a saved
+/// document is loaded (its entries of a policy the datastore no longer has pruned and the file
+/// saved again without them), a killed server's successor shows the same counts, and a document
+/// of another version is refused with a warning naming the file: the server starts from zero.
+#[test]
+fn hit_counters_are_kept_in_the_status_directory_across_a_restart() {
+    let dir = example_datastore();
+    let status_dir = dir.path().join("status");
+    std::fs::create_dir_all(&status_dir).expect("mkdir status");
+    let file = status_dir.join("_hits.json");
+    let count = |name: &str| {
+        serde_json::json!({
+            "owner": {"policy": {"kind": "GlobalNetworkPolicy", "namespace": "", "name": name}},
+            "node": null, "egress": false, "index": 1,
+            "packets": 42, "bytes": 4200,
+            "first_ms": 1_700_000_000_000_u64, "last_ms": 1_700_000_060_000_u64
+        })
+    };
+    let doc = serde_json::json!({
+        "version": 1,
+        "counts": [count("production-isolation"), count("gone")],
+        "seen": []
+    });
+    std::fs::write(&file, doc.to_string()).expect("write _hits.json");
+    let restored = |p: &serde_json::Value| p["rules"][1]["packets"] == 42;
+
+    let server = Server::start(dir.path(), &["--hits-save-interval", "1s"]);
+    let p = wait_policy(&server, "production-isolation", "restored counts", restored);
+    assert_eq!(p["rules"][1]["last_hit"], "2023-11-14T22:14:20Z", "{p}");
+    assert_eq!(
+        p["rules"][1]["nodes"],
+        serde_json::json!(["(departed)"]),
+        "{p}"
+    );
+    // The deleted policy's entry is pruned once the datastore is in sync, and saved so.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        if text.contains("production-isolation") && !text.contains("\"gone\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never saved without `gone`: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Killed (no graceful save): the next server reads what was saved.
+    drop(server);
+    let server = Server::start(dir.path(), &[]);
+    wait_policy(
+        &server,
+        "production-isolation",
+        "counts after a restart",
+        restored,
+    );
+    drop(server);
+
+    std::fs::write(&file, r#"{"version": 9, "counts": [], "seen": []}"#).expect("write");
+    let server = Server::start(dir.path(), &[]);
+    let p = wait_policy(&server, "production-isolation", "zero counts", |p| {
+        p["rules"][1]["packets"] == 0
+    });
+    assert_eq!(p["rules"][1]["last_hit"], serde_json::Value::Null, "{p}");
+    let log = server.log_text();
+    assert!(
+        log.contains("cannot load the saved policy hit counters")
+            && log.contains(file.to_str().expect("UTF-8"))
+            && log.contains("version 9 is not one this server reads"),
+        "{log}"
+    );
+}

@@ -10,12 +10,16 @@
 //! with UNAVAILABLE through the engine, the remaining tasks are cancelled and awaited (at most
 //! [`SHUTDOWN_TIMEOUT`]), then the process exits 0.
 //! `listener` accepts connections (mutual TLS, handshake timeout, connection limit) and
-//! `metrics` holds what `/metrics` shows.
+//! `metrics` holds what `/metrics` shows. With the file datastore and a status directory,
+//! `hits_file` loads the policy hit counters at start and a `hits_writer` task saves the copies
+//! the engine hands over; on shutdown it is awaited (at most [`SHUTDOWN_TIMEOUT`]) after the
+//! engine, so the last copy is on disk before the process exits.
 
 mod admin;
 mod admin_access;
 mod admin_server;
 mod engine;
+mod hits_file;
 pub mod listener;
 pub mod metrics;
 mod service;
@@ -81,7 +85,7 @@ async fn serve_with(
     let ready = Arc::new(AtomicBool::new(false));
     let (engine_tx, engine_rx) = mpsc::channel(1024);
     let (sink, datastore_rx): (crate::datastore::Sink, _) = mpsc::channel(64);
-    let engine = engine::Engine::new(
+    let mut engine = engine::Engine::new(
         engine::Limits {
             backlog: args.agent_backlog_limit as u64,
             backlog_bytes: args.agent_backlog_bytes,
@@ -100,6 +104,26 @@ async fn serve_with(
         tasks,
     )
     .await?;
+    let hits_writer = hits_file::path(&args).map(|path| {
+        match hits_file::load(&path) {
+            Ok(None) => {}
+            Ok(Some(saved)) => {
+                let skipped = engine.restore_hits(saved);
+                tracing::info!(file = %path.display(), "policy hit counters restored");
+                if skipped > 0 {
+                    tracing::warn!(file = %path.display(), skipped, "saved policy hit counters with invalid names were skipped");
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(file = %path.display(), %reason, "cannot load the saved policy hit counters; they start from zero");
+            }
+        }
+        let saved = engine.save_hits_every(args.hits_save_interval);
+        tasks.spawn(
+            tracing::info_span!("hits_writer"),
+            hits_file::writer(path, saved),
+        )
+    });
     let engine_task = tasks.spawn(
         tracing::info_span!("engine"),
         engine::run(engine, engine_rx, datastore_rx),
@@ -179,6 +203,10 @@ async fn serve_with(
         tracing::info!("shutting down: closing agent streams");
         let _ = engine_tx.send(engine::Input::Shutdown).await;
         let _ = engine_task.await;
+        // The engine handed over its last copy of the hit counters as it stopped.
+        if let Some(writer) = hits_writer {
+            let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, writer).await;
+        }
     };
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(args.keepalive_interval))

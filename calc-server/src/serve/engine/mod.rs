@@ -32,6 +32,12 @@
 //!   nothing matched within a window (from when each was first in force on a node that reports
 //!   stats, as its `DataplaneApplied` says), and the per-policy Prometheus totals are
 //!   republished at most once a second.
+//! - With a place to keep them ([`Engine::save_hits_every`]), the hit counters are copied
+//!   ([`SavedHits`]) at most once per save interval when they changed, and once more in the
+//!   step that shuts down, and handed to the writer task through a `watch` channel (latest
+//!   wins): the engine never waits on a disk. [`Engine::restore_hits`] loads them at start.
+//!   Counters are pruned only once the datastore is in sync, so restored ones are not dropped
+//!   before their policies are known.
 
 mod hits;
 mod realization;
@@ -39,7 +45,9 @@ mod run;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use hits::{Hit, PolicySeries, UnusedPolicy, parse as parse_rule_stats};
+pub(crate) use hits::{
+    Hit, PolicySeries, SAVED_VERSION, SavedHits, UnusedPolicy, parse as parse_rule_stats,
+};
 pub(crate) use realization::{FindError, PolicyRealization};
 
 pub(super) use run::run;
@@ -322,6 +330,15 @@ pub(super) struct Limits {
     pub allow_unknown_nodes: bool,
 }
 
+/// Where the hit counters go to be saved, and when they last went.
+struct HitsSave {
+    tx: tokio::sync::watch::Sender<Option<Arc<SavedHits>>>,
+    every: std::time::Duration,
+    last: Option<std::time::Instant>,
+    /// They changed since they were last handed over.
+    due: bool,
+}
+
 /// What one step did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct Step {
@@ -356,6 +373,8 @@ pub(super) struct Engine {
     hit_series_dirty: bool,
     /// When they were last published.
     hit_series_published: Option<std::time::Instant>,
+    /// Where the hit counters are handed to be saved (`None`: they are not).
+    hits_save: Option<HitsSave>,
     /// When the per-tier realization gauges were last summed.
     realization_summed: Option<std::time::Instant>,
     /// When the current step started.
@@ -394,6 +413,7 @@ impl Engine {
             hits_pruned: None,
             hit_series_dirty: false,
             hit_series_published: None,
+            hits_save: None,
             realization_summed: None,
             now: std::time::Instant::now(),
             wall: std::time::SystemTime::now(),
@@ -426,6 +446,42 @@ impl Engine {
         !self.waiting.is_empty() || !self.snapshotting.is_empty()
     }
 
+    /// Hands the hit counters to the returned receiver at most `every` when they changed, and
+    /// in the step that shuts down (see the module documentation).
+    pub(super) fn save_hits_every(
+        &mut self,
+        every: std::time::Duration,
+    ) -> tokio::sync::watch::Receiver<Option<Arc<SavedHits>>> {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        self.hits_save = Some(HitsSave {
+            tx,
+            every,
+            last: None,
+            due: false,
+        });
+        rx
+    }
+
+    /// Loads saved hit counters (at start, before any input); returns how many entries were
+    /// skipped as invalid. Those of what is no longer in the datastore are pruned once it is in
+    /// sync.
+    pub(super) fn restore_hits(&mut self, saved: SavedHits) -> usize {
+        let skipped = self.hits.restore(saved);
+        self.hits.take_changed();
+        self.hits_prune_due = true;
+        self.hit_series_dirty = true;
+        self.metrics
+            .rule_stats_entries
+            .set(self.hits.entries() as i64);
+        skipped
+    }
+
+    /// Whether changed hit counters wait for their save interval: the driver wakes to save
+    /// them even without input.
+    pub(super) fn wants_save_tick(&self) -> bool {
+        self.hits_save.as_ref().is_some_and(|s| s.due)
+    }
+
     /// Whether the driver should step periodically even without input: to notice drained
     /// queues and admit the next snapshots, or to sum stale realization gauges or publish
     /// changed hit totals.
@@ -452,6 +508,7 @@ impl Engine {
         self.sum_realization();
         self.prune_hits();
         self.publish_hit_series();
+        self.save_hits(stop);
         self.metrics.calc_seconds.observe(started.elapsed());
         if self.graph.in_sync() {
             self.ready.store(true, Ordering::Relaxed);
@@ -498,6 +555,7 @@ impl Engine {
     fn prune_hits(&mut self) {
         const EVERY: std::time::Duration = std::time::Duration::from_secs(60);
         if !self.hits_prune_due
+            || !self.graph.in_sync()
             || self
                 .hits_pruned
                 .is_some_and(|t| self.now.duration_since(t) < EVERY)
@@ -512,6 +570,27 @@ impl Engine {
             .rule_stats_entries
             .set(self.hits.entries() as i64);
         self.hit_series_dirty = true;
+    }
+
+    /// Hands a copy of the hit counters to the writer when they changed, at most once per save
+    /// interval, and in the step that shuts down (`stopping`).
+    fn save_hits(&mut self, stopping: bool) {
+        let Some(save) = &mut self.hits_save else {
+            return;
+        };
+        save.due |= self.hits.take_changed();
+        if !save.due
+            || (!stopping
+                && save
+                    .last
+                    .is_some_and(|t| self.now.duration_since(t) < save.every))
+        {
+            return;
+        }
+        save.due = false;
+        save.last = Some(self.now);
+        // The writer may be gone (shutting down): nothing to do then.
+        let _ = save.tx.send(Some(Arc::new(self.hits.saved())));
     }
 
     /// Publishes the per-policy hit totals to the metrics, at most once a second and only

@@ -1,6 +1,7 @@
 //! Drives the [`Engine`] from its channels: control inputs (connections) and datastore
 //! batches, each burst applied in one step, plus a 10 ms tick while snapshots are admitted or
-//! the realization gauges wait to be summed.
+//! the realization gauges wait to be summed, and a 1 s tick while changed hit counters wait to be
+//! saved.
 
 use calc_graph::graph::Update;
 use tokio::sync::mpsc;
@@ -18,9 +19,13 @@ pub(crate) async fn run(
 ) {
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(10));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // While changed hit counters wait for their save interval (see `Engine::save_hits_every`).
+    let mut save_tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    save_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut datastore_open = true;
     loop {
         let busy = engine.wants_tick();
+        let saving = engine.wants_save_tick();
         let first = tokio::select! {
             i = control.recv() => match i {
                 Some(i) => Some(i),
@@ -32,6 +37,7 @@ pub(crate) async fn run(
                 None => { datastore_open = false; None }
             },
             _ = tick.tick(), if busy => None,
+            _ = save_tick.tick(), if saving => None,
         };
         // Take everything already waiting: one flush for the whole burst. Datastore batches
         // go first so that a connection is judged against the newest view of the cluster.

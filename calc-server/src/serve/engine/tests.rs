@@ -1331,3 +1331,59 @@ fn per_policy_totals_reach_the_metrics_by_action() {
     assert!(!h.metrics.render(true).contains("policy=\"mixed\""));
     drop((a, b));
 }
+
+/// The hit counters are handed over to be saved when they change (at most once per interval)
+/// and at shutdown; restored in a new engine they show again, and restored entries of what the
+/// datastore no longer has are pruned once it is in sync, not before.
+#[test]
+fn saved_hit_counters_survive_a_restart() {
+    let mut h = Harness::new(LIMITS);
+    let saved = h
+        .engine
+        .save_hits_every(std::time::Duration::from_secs(3600));
+    h.datastore(cluster());
+    let a = h.connect_stats("node-a");
+    assert!(saved.borrow().is_none(), "nothing counted yet");
+    h.hits("node-a", &a, vec![web_hit(false, 0, 3, 300)], 10);
+    let first = saved
+        .borrow()
+        .clone()
+        .expect("the first change is saved at once");
+    assert_eq!(first.counts.len(), 1);
+    h.hits("node-a", &a, vec![web_hit(false, 0, 1, 100)], 20);
+    assert_eq!(
+        saved.borrow().as_ref().map(|d| d.counts[0].packets),
+        Some(3),
+        "within the interval: not yet"
+    );
+    assert!(h.engine.wants_save_tick());
+    h.engine.step([Input::Shutdown]);
+    let mut last = (*saved.borrow().clone().expect("saved at shutdown")).clone();
+    assert_eq!(last.counts[0].packets, 4);
+    drop(a);
+
+    // A counter of a policy the datastore no longer has, restored with the rest.
+    let mut gone = last.counts[0].clone();
+    gone.owner = super::hits::Owner::Policy {
+        kind: "GlobalNetworkPolicy".into(),
+        namespace: String::new(),
+        name: "gone".into(),
+    };
+    last.counts.push(gone);
+    let mut h = Harness::new(LIMITS);
+    assert_eq!(h.engine.restore_hits(last), 0);
+    h.engine.step([]);
+    assert_eq!(
+        h.engine.hits.entries(),
+        2,
+        "not pruned before the datastore is in sync"
+    );
+    h.datastore(cluster());
+    assert_eq!(h.engine.hits.entries(), 1, "pruned once it is");
+    let row = h.row("web", "GlobalNetworkPolicy");
+    assert_eq!(
+        (row.hits, row.bytes, row.last_hit.as_deref()),
+        (Some(4), Some(400), Some("2027-01-15T08:00:20Z"))
+    );
+    assert_eq!(h.metric("calc_server_rule_stats_entries"), "1");
+}

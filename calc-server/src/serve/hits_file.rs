@@ -1,0 +1,207 @@
+//! Where `serve` keeps the policy hit counters across a restart: `_hits.json` in the file
+//! datastore's status directory (`--status-dir`; none without one, nor for etcd or Kubernetes).
+//! The name cannot be a node's status file (`<node>.json`): a node name has no `_`.
+//!
+//! The document is the engine's [`SavedHits`] as JSON (`{"version": 1, "counts": […], "seen":
+//! […]}`). [`writer`] takes each copy the engine hands over (at most once per
+//! `--hits-save-interval` when changed, and at shutdown) and writes it off the engine: to a
+//! temporary file in the same directory, synced, then renamed, so a crash leaves the old
+//! document or the new one, never half of one. [`load`] reads it at start, bounded by
+//! [`MAX_BYTES`]; a missing file is a first start, and a document that is too large,
+//! unparsable or of another version is refused with its reason (the caller logs it and starts
+//! from zero): never fatal.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use super::engine::{SAVED_VERSION, SavedHits};
+use crate::args::{DatastoreType, ServeArgs};
+
+/// The document's name in the status directory.
+pub(super) const FILE_NAME: &str = "_hits.json";
+
+/// Largest document read or written.
+pub(super) const MAX_BYTES: u64 = 64 << 20;
+
+/// Where `args`' server keeps its hit counters (`None`: nowhere; they live in memory only).
+pub(super) fn path(args: &ServeArgs) -> Option<PathBuf> {
+    if args.datastore.datastore_type != DatastoreType::File {
+        return None;
+    }
+    let dirs = crate::datastore::file::OutputDirs::check(
+        &args.datastore.file_dir,
+        args.status_dir.as_deref(),
+        args.last_good_dir.as_deref(),
+    )
+    .ok()?;
+    dirs.status.map(|d| d.join(FILE_NAME))
+}
+
+/// The document at `path` (`Ok(None)`: there is none), or why it is refused.
+pub(super) fn load(path: &Path) -> Result<Option<SavedHits>, String> {
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read it: {e}")),
+    };
+    let mut body = Vec::new();
+    file.take(MAX_BYTES + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if body.len() as u64 > MAX_BYTES {
+        return Err(format!("it is larger than {MAX_BYTES} bytes"));
+    }
+    parse(&body).map(Some)
+}
+
+/// A document's bytes, checked: JSON, its version, then its shape.
+fn parse(body: &[u8]) -> Result<SavedHits, String> {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        version: u32,
+    }
+    let head: Head =
+        serde_json::from_slice(body).map_err(|e| format!("not a hit counters document: {e}"))?;
+    if head.version != SAVED_VERSION {
+        return Err(format!(
+            "version {} is not one this server reads ({SAVED_VERSION})",
+            head.version
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| format!("damaged: {e}"))
+}
+
+/// Writes `doc` to `path` atomically (temporary file in the same directory, synced, renamed).
+fn write_atomic(path: &Path, doc: &SavedHits) -> std::io::Result<()> {
+    let body = serde_json::to_vec(doc).map_err(std::io::Error::other)?;
+    if body.len() as u64 > MAX_BYTES {
+        return Err(std::io::Error::other(format!(
+            "the counters take {} bytes, more than the {MAX_BYTES} a start would read",
+            body.len()
+        )));
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    // Per process: replicas sharing the directory never write into each other's temporary file.
+    let tmp = dir.join(format!(".{FILE_NAME}.{}.tmp", std::process::id()));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, &body)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// Writes each copy of the counters the engine hands over until it is gone (after its last,
+/// at shutdown). A failing write is logged once when it starts failing and once when it
+/// recovers; the next copy is a whole document again.
+pub(super) async fn writer(path: PathBuf, mut rx: watch::Receiver<Option<Arc<SavedHits>>>) {
+    let mut failing = false;
+    while rx.changed().await.is_ok() {
+        let Some(doc) = rx.borrow_and_update().clone() else {
+            continue;
+        };
+        let to = path.clone();
+        let result = tokio::task::spawn_blocking(move || write_atomic(&to, &doc))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        match result {
+            Err(error) => {
+                if !failing {
+                    tracing::error!(%error, file = %path.display(),
+                        "cannot save the policy hit counters; a restart would start them from \
+                         what was last saved (retrying with the next change)");
+                }
+                failing = true;
+            }
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!(file = %path.display(), "saving the policy hit counters again");
+            }
+            Ok(()) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc() -> SavedHits {
+        serde_json::from_value(serde_json::json!({
+            "version": 1,
+            "counts": [{
+                "owner": {"policy": {"kind": "NetworkPolicy", "namespace": "shop", "name": "web"}},
+                "node": "node-a", "egress": false, "index": 0,
+                "packets": 3, "bytes": 300, "first_ms": 1000, "last_ms": 2000
+            }, {
+                "owner": "failsafe", "node": null, "egress": true, "index": 0,
+                "packets": 1, "bytes": 60, "first_ms": 1000, "last_ms": 1000
+            }],
+            "seen": [{
+                "owner": {"profile": "kns.shop"},
+                "ingress_since_ms": [500], "egress_since_ms": [],
+                "by_action": [[1, 2], [0, 0], [0, 0], [0, 0]]
+            }]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_written_document_loads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status").join(FILE_NAME);
+        assert_eq!(load(&path), Ok(None), "no file: a first start");
+        write_atomic(&path, &doc()).unwrap();
+        assert_eq!(load(&path), Ok(Some(doc())));
+        // Rewritten in place; no temporary file left behind.
+        write_atomic(&path, &doc()).unwrap();
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [FILE_NAME]);
+    }
+
+    #[test]
+    fn bad_documents_are_refused_with_their_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        let refused = |body: &[u8]| {
+            std::fs::write(&path, body).unwrap();
+            load(&path).unwrap_err()
+        };
+        assert!(refused(b"{not json").starts_with("not a hit counters document"));
+        assert!(refused(b"[]").starts_with("not a hit counters document"));
+        let other = refused(br#"{"version": 2, "counts": [], "seen": []}"#);
+        assert_eq!(other, "version 2 is not one this server reads (1)");
+        assert!(
+            refused(br#"{"version": 1, "counts": [{"owner": 7}], "seen": []}"#)
+                .starts_with("damaged")
+        );
+        let mut big = br#"{"version": 1, "counts": [], "seen": [], "pad": ""#.to_vec();
+        big.resize(MAX_BYTES as usize + 10, b' ');
+        assert_eq!(
+            refused(&big),
+            format!("it is larger than {MAX_BYTES} bytes")
+        );
+    }
+
+    #[tokio::test]
+    async fn the_writer_saves_the_last_copy_before_the_engine_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(writer(path.clone(), rx));
+        let mut last = doc();
+        last.counts[0].packets = 99;
+        tx.send(Some(Arc::new(doc()))).unwrap();
+        tx.send(Some(Arc::new(last.clone()))).unwrap();
+        drop(tx);
+        task.await.unwrap();
+        assert_eq!(load(&path), Ok(Some(last)));
+    }
+}
