@@ -574,9 +574,18 @@ pub enum ListOutput {
     Json,
 }
 
+/// Why a window (`--since`) is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WindowError {
+    #[error("{0:?} is not a duration (e.g. 7d, 12h, 30m, 90s)")]
+    NotADuration(String),
+    #[error("{0:?} is shorter than 1s")]
+    TooShort(String),
+}
+
 /// A window back from now: a duration as [`parse_duration`] reads it, or whole days (`7d`);
 /// at least a second.
-pub fn parse_window(text: &str) -> Result<Duration, String> {
+pub fn parse_window(text: &str) -> Result<Duration, WindowError> {
     let t = text.trim();
     let d = match t.strip_suffix('d') {
         Some(days) => days
@@ -587,9 +596,9 @@ pub fn parse_window(text: &str) -> Result<Duration, String> {
             .and_then(|d| Duration::try_from_secs_f64(d * 86_400.0).ok()),
         None => parse_duration(t).ok(),
     }
-    .ok_or_else(|| format!("{text:?} is not a duration (e.g. 7d, 12h, 30m, 90s)"))?;
+    .ok_or_else(|| WindowError::NotADuration(text.to_owned()))?;
     if d < Duration::from_secs(1) {
-        return Err(format!("{text:?} is shorter than 1s"));
+        return Err(WindowError::TooShort(text.to_owned()));
     }
     Ok(d)
 }

@@ -76,6 +76,8 @@ pub(super) enum ParamsError {
     Unknown(String),
     #[error("give from and to (with protocol and port), or endpoint, or policy")]
     NoQuestion,
+    #[error("parameter since: a whole number of seconds above 0")]
+    Since,
 }
 
 /// `%XX` and `+` decoded; `None` for an invalid escape or non-UTF-8 text.
@@ -304,7 +306,7 @@ async fn realization(s: &AdminState, only: Option<String>) -> Response {
 
 /// `/status/unused`'s window: `since=SECONDS` (a whole number above 0), or none (all recorded
 /// history). The error is the 400 answer's text.
-fn unused_window(query: &str) -> Result<Option<Duration>, String> {
+fn unused_window(query: &str) -> Result<Option<Duration>, ParamsError> {
     let mut window = None;
     for pair in query.split('&').filter(|s| !s.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -314,14 +316,13 @@ fn unused_window(query: &str) -> Result<Option<Duration>, String> {
                     .parse::<u64>()
                     .ok()
                     .filter(|s| *s > 0)
-                    .ok_or("parameter since: a whole number of seconds above 0")?;
+                    .ok_or(ParamsError::Since)?;
                 window = Some(Duration::from_secs(secs));
             }
             other => {
                 return Err(ParamsError::Unknown(
                     percent_decode(other).unwrap_or_else(|| other.to_string()),
-                )
-                .to_string());
+                ));
             }
         }
     }
@@ -331,7 +332,7 @@ fn unused_window(query: &str) -> Result<Option<Duration>, String> {
 async fn unused(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
     let window = match unused_window(query.as_deref().unwrap_or_default()) {
         Ok(w) => w,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.to_string()),
     };
     match ask(&s, |reply| super::engine::Input::Unused { window, reply }).await {
         Ok(rows) => json_answer(&s, StatusCode::OK, &rows),
@@ -429,20 +430,20 @@ mod tests {
 
     #[test]
     fn the_unused_window_is_whole_seconds_or_all_history() {
-        assert_eq!(unused_window(""), Ok(None));
+        assert_eq!(unused_window("").unwrap(), None);
         assert_eq!(
-            unused_window("since=604800"),
-            Ok(Some(Duration::from_secs(604_800)))
+            unused_window("since=604800").unwrap(),
+            Some(Duration::from_secs(604_800))
         );
         for bad in ["since=0", "since=7d", "since=", "since=-1"] {
             assert_eq!(
-                unused_window(bad).unwrap_err(),
+                unused_window(bad).unwrap_err().to_string(),
                 "parameter since: a whole number of seconds above 0",
                 "{bad}"
             );
         }
         assert_eq!(
-            unused_window("window=1").unwrap_err(),
+            unused_window("window=1").unwrap_err().to_string(),
             "unknown parameter \"window\""
         );
     }

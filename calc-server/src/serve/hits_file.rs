@@ -40,38 +40,49 @@ pub(super) fn path(args: &ServeArgs) -> Option<PathBuf> {
     dirs.status.map(|d| d.join(FILE_NAME))
 }
 
+/// Why a saved document is refused.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LoadError {
+    #[error("cannot read it: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("it is larger than {MAX_BYTES} bytes")]
+    TooLarge,
+    #[error("not a hit counters document: {0}")]
+    NotADocument(#[source] serde_json::Error),
+    #[error("version {0} is not one this server reads ({SAVED_VERSION})")]
+    Version(u32),
+    #[error("damaged: {0}")]
+    Damaged(#[source] serde_json::Error),
+}
+
 /// The document at `path` (`Ok(None)`: there is none), or why it is refused.
-pub(super) fn load(path: &Path) -> Result<Option<SavedHits>, String> {
+pub(super) fn load(path: &Path) -> Result<Option<SavedHits>, LoadError> {
     let file = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read it: {e}")),
+        Err(e) => return Err(LoadError::Read(e)),
     };
     let mut body = Vec::new();
     file.take(MAX_BYTES + 1)
         .read_to_end(&mut body)
-        .map_err(|e| format!("cannot read it: {e}"))?;
+        .map_err(LoadError::Read)?;
     if body.len() as u64 > MAX_BYTES {
-        return Err(format!("it is larger than {MAX_BYTES} bytes"));
+        return Err(LoadError::TooLarge);
     }
     parse(&body).map(Some)
 }
 
 /// A document's bytes, checked: JSON, its version, then its shape.
-fn parse(body: &[u8]) -> Result<SavedHits, String> {
+fn parse(body: &[u8]) -> Result<SavedHits, LoadError> {
     #[derive(serde::Deserialize)]
     struct Head {
         version: u32,
     }
-    let head: Head =
-        serde_json::from_slice(body).map_err(|e| format!("not a hit counters document: {e}"))?;
+    let head: Head = serde_json::from_slice(body).map_err(LoadError::NotADocument)?;
     if head.version != SAVED_VERSION {
-        return Err(format!(
-            "version {} is not one this server reads ({SAVED_VERSION})",
-            head.version
-        ));
+        return Err(LoadError::Version(head.version));
     }
-    serde_json::from_slice(body).map_err(|e| format!("damaged: {e}"))
+    serde_json::from_slice(body).map_err(LoadError::Damaged)
 }
 
 /// Writes `doc` to `path` atomically (temporary file in the same directory, synced, renamed).
@@ -154,9 +165,9 @@ mod tests {
     fn a_written_document_loads_back() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status").join(FILE_NAME);
-        assert_eq!(load(&path), Ok(None), "no file: a first start");
+        assert_eq!(load(&path).unwrap(), None, "no file: a first start");
         write_atomic(&path, &doc()).unwrap();
-        assert_eq!(load(&path), Ok(Some(doc())));
+        assert_eq!(load(&path).unwrap(), Some(doc()));
         // Rewritten in place; no temporary file left behind.
         write_atomic(&path, &doc()).unwrap();
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
@@ -172,7 +183,7 @@ mod tests {
         let path = dir.path().join(FILE_NAME);
         let refused = |body: &[u8]| {
             std::fs::write(&path, body).unwrap();
-            load(&path).unwrap_err()
+            load(&path).unwrap_err().to_string()
         };
         assert!(refused(b"{not json").starts_with("not a hit counters document"));
         assert!(refused(b"[]").starts_with("not a hit counters document"));
@@ -202,6 +213,6 @@ mod tests {
         tx.send(Some(Arc::new(last.clone()))).unwrap();
         drop(tx);
         task.await.unwrap();
-        assert_eq!(load(&path), Ok(Some(last)));
+        assert_eq!(load(&path).unwrap(), Some(last));
     }
 }
