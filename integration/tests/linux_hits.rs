@@ -1,11 +1,13 @@
 //! Policy hit counters on real packets: a host network namespace (one node, `node-a`) runs
-//! calc-server (file datastore) and `dataplane-agent --driver linux --stats-interval 200ms`
-//! (one test per iptables backend, nft and legacy); a client and a server workload hang off it
+//! calc-server (file datastore) and `dataplane-agent --stats-interval 200ms` (one test per
+//! iptables backend, nft and legacy, and one for `--driver nftables`); a client and a server
+//! workload hang off it
 //! by veth pairs. One NetworkPolicy allows UDP 5001 from the client to the server, another
 //! denies UDP 5002. The client sends 37 datagrams to 5001 and 5 to 5002, each on a new flow (a
 //! source port of its own: only a flow's first packet reaches the policy rules). `calc-server
 //! status --policies` must show HITS 37 and 5, equal to what the kernel's own counters of those
-//! rules say (`iptables-save -c`, the policy chains' rules that set the accept and drop marks).
+//! rules say (`iptables-save -c`, or `nft list chain` for the nftables driver: the policy
+//! chains' rules that set the accept and drop marks).
 //! A second rule then rewrites the allow policy's chain (its kernel counters start again from
 //! zero); 10 more datagrams must bring its HITS to 47, nothing counted twice or lost.
 //!
@@ -21,8 +23,16 @@ use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
 use integration::netns::{
-    ControlPlane, Ipt, Netns, Workload, namespace_profile, wait_until, wep_manifest, write_manifest,
+    ControlPlane, Driver, Ipt, Netns, Workload, namespace_profile, wait_until, wep_manifest,
+    write_manifest,
 };
+
+/// What programs the node: the iptables driver on one backend, or the nftables driver.
+#[derive(Clone, Copy, Debug)]
+enum Plane {
+    Iptables(Ipt),
+    Nftables,
+}
 
 const NODE: &str = "node-a";
 const ALLOWED_PORT: u16 = 5001;
@@ -39,13 +49,19 @@ const PACKET_BYTES: u64 = 20 + 8 + PAYLOAD.len() as u64;
 #[test]
 #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn policy_hits_match_the_kernel_counters_nft() {
-    policy_hits_match_the_kernel_counters(Ipt::Nft);
+    policy_hits_match_the_kernel_counters(Plane::Iptables(Ipt::Nft));
 }
 
 #[test]
 #[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
 fn policy_hits_match_the_kernel_counters_legacy() {
-    policy_hits_match_the_kernel_counters(Ipt::Legacy);
+    policy_hits_match_the_kernel_counters(Plane::Iptables(Ipt::Legacy));
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn policy_hits_match_the_kernel_counters_nftables_driver() {
+    policy_hits_match_the_kernel_counters(Plane::Nftables);
 }
 
 /// `udp-allow` lets the client reach UDP 5001 on the server (with `second_rule`, also TCP 9999:
@@ -227,7 +243,11 @@ fn settled<const N: usize>(host: &Netns, names: [&str; N]) -> [(u64, u64); N] {
 /// the accept (0x10000) or drop mark, one per proto rule, each counting every packet the rule
 /// matched once (the `-j RETURN` / `-j DROP` gated on the mark would count the same packets
 /// again). Summed over those rules, as (packets, bytes), from `iptables-save -c` (IPv4).
-fn kernel_counts(host: &Netns, ipt: Ipt, chain: &str) -> (u64, u64) {
+fn kernel_counts(host: &Netns, plane: Plane, chain: &str) -> (u64, u64) {
+    let ipt = match plane {
+        Plane::Iptables(ipt) => ipt,
+        Plane::Nftables => return nft_counts(host, chain),
+    };
     let save = host.exec(&[&ipt.tool(4, "save"), "-c", "-t", "filter"]);
     let prefix = format!("-A {chain} ");
     let mut total = (0, 0);
@@ -248,10 +268,47 @@ fn kernel_counts(host: &Netns, ipt: Ipt, chain: &str) -> (u64, u64) {
     total
 }
 
+/// The same under the nftables driver: the rules of `filter-<chain>` in `table ip calico` that
+/// set the accept or drop mark, from their `counter` statements.
+fn nft_counts(host: &Netns, chain: &str) -> (u64, u64) {
+    let listing = host.exec(&[
+        "nft",
+        "list",
+        "chain",
+        "ip",
+        "calico",
+        &format!("filter-{chain}"),
+    ]);
+    let mut total = (0, 0);
+    let mut found = false;
+    for line in listing.lines().filter(|l| l.contains("meta mark set")) {
+        let Some((_, rest)) = line.split_once("counter packets ") else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let p: u64 = words.next().and_then(|w| w.parse().ok()).expect("packets");
+        assert_eq!(words.next(), Some("bytes"), "{line}");
+        let b: u64 = words.next().and_then(|w| w.parse().ok()).expect("bytes");
+        total.0 += p;
+        total.1 += b;
+        found = true;
+    }
+    assert!(found, "no verdict-mark rule in filter-{chain}:\n{listing}");
+    total
+}
+
+/// The ruleset as the plane's own tool prints it, counters included.
+fn kernel_listing(host: &Netns, plane: Plane) -> String {
+    match plane {
+        Plane::Iptables(ipt) => host.exec(&[&ipt.tool(4, "save"), "-c", "-t", "filter"]),
+        Plane::Nftables => host.exec(&["nft", "list", "table", "ip", "calico"]),
+    }
+}
+
 /// Everything worth reading when the counts are wrong.
-fn diagnostics(host: &Netns, ipt: Ipt, cp: &ControlPlane) -> String {
+fn diagnostics(host: &Netns, plane: Plane, cp: &ControlPlane) -> String {
     format!(
-        "status rows:\n{}\nserver metrics:\n{}\nkernel (iptables-save -c, filter):\n{}\nagent log:\n{}",
+        "status rows:\n{}\nserver metrics:\n{}\nkernel ({plane:?}, counters):\n{}\nagent log:\n{}",
         serde_json::to_string_pretty(&policy_rows(host)).unwrap_or_default(),
         in_netns(host, || integration::http_get("127.0.0.1:9099", "/metrics"))
             .map(|(_, body)| body)
@@ -260,12 +317,12 @@ fn diagnostics(host: &Netns, ipt: Ipt, cp: &ControlPlane) -> String {
             .filter(|l| l.starts_with("calc_server_rule_stats"))
             .collect::<Vec<_>>()
             .join("\n"),
-        host.exec(&[&ipt.tool(4, "save"), "-c", "-t", "filter"]),
+        kernel_listing(host, plane),
         cp.agent_log_text()
     )
 }
 
-fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
+fn policy_hits_match_the_kernel_counters(plane: Plane) {
     integration::netns::require();
     let started = Instant::now();
     let host = Netns::new("host");
@@ -286,20 +343,20 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
     }
     write_manifest(dir.path(), "workloads.yaml", &manifests);
     write_manifest(dir.path(), "policies.yaml", &policies(false));
-    let cp = ControlPlane::start(
+    let (driver, backend) = match plane {
+        Plane::Iptables(ipt) => (Driver::Linux, ipt.name()),
+        Plane::Nftables => (Driver::Nftables, "auto"),
+    };
+    let cp = ControlPlane::start_with_driver(
+        driver,
         &host,
         dir.path(),
         NODE,
-        &[
-            "--iptables-backend",
-            ipt.name(),
-            "--stats-interval",
-            "200ms",
-        ],
+        &["--iptables-backend", backend, "--stats-interval", "200ms"],
     );
     cp.wait_programmed();
     let receiver = Receiver::start(&server);
-    let diag = || diagnostics(&host, ipt, &cp);
+    let diag = || diagnostics(&host, plane, &cp);
 
     // The agent's first read of the counters is only its baseline: anything counted before it
     // is never reported. A datagram from the client to the node (its egress profile allows it;
@@ -322,7 +379,7 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
         assert_eq!(
             hits_of(&rows, name),
             Some((0, 0)),
-            "{ipt:?}: nothing reached {name} yet\n{}",
+            "{plane:?}: nothing reached {name} yet\n{}",
             diag()
         );
         assert!(row(&rows, name).expect("row")["last_hit"].is_null());
@@ -350,24 +407,24 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
     );
     let counted_after = sent_at.elapsed();
     let [allow, deny] = settled(&host, [ALLOW, DENY]);
-    let kernel = [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host, ipt, c));
+    let kernel = [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host, plane, c));
     assert_eq!(
         kernel,
         [want(37), want(5)],
-        "{ipt:?}: the kernel counted each flow once, on the rule that decided it\n{}",
+        "{plane:?}: the kernel counted each flow once, on the rule that decided it\n{}",
         diag()
     );
     assert_eq!(
         [allow, deny],
         kernel,
-        "{ipt:?}: (packets, bytes) of udp-allow and udp-deny in status against the kernel's \
+        "{plane:?}: (packets, bytes) of udp-allow and udp-deny in status against the kernel's \
          counters of their rules\n{}",
         diag()
     );
     assert_eq!(
         receiver.received(),
         (37, 0),
-        "{ipt:?}: only the allowed datagrams arrive"
+        "{plane:?}: only the allowed datagrams arrive"
     );
 
     // The table an operator reads: HITS and LAST-HIT close each line.
@@ -392,7 +449,7 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
         let c = cells(name);
         assert_eq!(c.len(), 9, "{table}");
         assert_eq!(c[6], "NetworkPolicy", "{table}");
-        assert_eq!(c[7], hits, "{ipt:?}: HITS of {name}:\n{table}");
+        assert_eq!(c[7], hits, "{plane:?}: HITS of {name}:\n{table}");
         assert!(
             c[8].ends_with('Z') && c[8].contains('T'),
             "LAST-HIT: {table}"
@@ -405,17 +462,28 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
     wait_until(
         "udp-allow's chain is rewritten with its second rule",
         Duration::from_secs(20),
-        || {
-            host.exec(&[&ipt.tool(4, "save"), "-t", "filter"])
+        || match plane {
+            Plane::Iptables(ipt) => host
+                .exec(&[&ipt.tool(4, "save"), "-t", "filter"])
                 .lines()
-                .any(|l| l.starts_with(&format!("-A {ALLOW_CHAIN} ")) && l.contains("9999"))
+                .any(|l| l.starts_with(&format!("-A {ALLOW_CHAIN} ")) && l.contains("9999")),
+            Plane::Nftables => host
+                .exec(&[
+                    "nft",
+                    "list",
+                    "chain",
+                    "ip",
+                    "calico",
+                    &format!("filter-{ALLOW_CHAIN}"),
+                ])
+                .contains("9999"),
         },
         diag,
     );
     assert_eq!(
-        kernel_counts(&host, ipt, ALLOW_CHAIN),
+        kernel_counts(&host, plane, ALLOW_CHAIN),
         (0, 0),
-        "{ipt:?}: the rewritten chain counts from zero"
+        "{plane:?}: the rewritten chain counts from zero"
     );
     send_flows(&client, &server.ipv4, ALLOWED_PORT, 40037..40047);
     wait_until(
@@ -431,18 +499,18 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
         diag,
     );
     let [allow, deny] = settled(&host, [ALLOW, DENY]);
-    let kernel_after = kernel_counts(&host, ipt, ALLOW_CHAIN);
+    let kernel_after = kernel_counts(&host, plane, ALLOW_CHAIN);
     assert_eq!(
         kernel_after,
         want(10),
-        "{ipt:?}: the kernel counted the 10 new flows once\n{}",
+        "{plane:?}: the kernel counted the 10 new flows once\n{}",
         diag()
     );
     let total = (kernel[0].0 + kernel_after.0, kernel[0].1 + kernel_after.1);
     assert_eq!(
         [allow, deny],
         [total, kernel[1]],
-        "{ipt:?}: udp-allow is its rules' {:?} from before its chain was rewritten plus the \
+        "{plane:?}: udp-allow is its rules' {:?} from before its chain was rewritten plus the \
          {kernel_after:?} of the new chain; udp-deny unchanged\n{}",
         kernel[0],
         diag()
@@ -450,7 +518,7 @@ fn policy_hits_match_the_kernel_counters(ipt: Ipt) {
     assert_eq!(total, want(47));
     assert_eq!(receiver.received(), (47, 0));
     eprintln!(
-        "{ipt:?}: agent counting {ready:?} after start; 37+5 flows in status {counted_after:?} \
+        "{plane:?}: agent counting {ready:?} after start; 37+5 flows in status {counted_after:?} \
          after sending; whole test {:?}",
         started.elapsed()
     );
