@@ -2,6 +2,9 @@
 //! a policy is in force — from a datastore snapshot (as `compute` reads it) or from a running
 //! server's admin endpoint (`--server`, `GET /explain`). Both answer with the same
 //! `calc_graph::explain` values; this module only reads the question, asks, and prints.
+//! `--policy` text ends with each rule's hit counters: from a running server, read from its
+//! `/status/policies/KIND:NAME` and shown per direction and index; offline, one line saying
+//! where they come from (a datastore has none).
 //! Exit codes: 0 with an answer (allow or deny alike), 2 for a question that cannot be answered
 //! (unknown or ambiguous endpoint, bad port…) or an unreachable datastore or server.
 
@@ -15,6 +18,7 @@ use calc_graph::graph::{CalcGraph, Update};
 
 use crate::args::{ExplainArgs, ExplainOutput};
 use crate::datastore;
+use crate::table::table;
 
 fn request(args: &ExplainArgs) -> Request {
     if let Some(e) = &args.endpoint {
@@ -76,6 +80,67 @@ fn ask_server(
     Ok(value)
 }
 
+/// Said once, offline, instead of counters: a datastore holds none.
+const OFFLINE_HITS: &str = "\nhits: only from a running server (--server)\n";
+
+const HIT_HEADER: [&str; 6] = [
+    "DIRECTION",
+    "RULE",
+    "ACTION",
+    "PACKETS",
+    "BYTES",
+    "LAST-HIT",
+];
+const HIT_RIGHT: [bool; 6] = [false, true, false, true, true, false];
+
+/// A policy's rules with their hits, from its `/status/policies/NAME` answer, after a blank
+/// line: one line each, ingress then egress (the server's order), with the rule's direction
+/// and index, action, packets, bytes and last hit (`never`). A staged policy has no counters
+/// and says so; an answer without `rules` (an older server) adds nothing.
+fn hit_lines(status: &serde_json::Value) -> String {
+    let Some(rules) = status["rules"].as_array() else {
+        return String::new();
+    };
+    if status["phase"] == "Staged" {
+        return "\nstaged: not in the dataplane, no counters\n".into();
+    }
+    if rules.is_empty() {
+        return "\nno rules\n".into();
+    }
+    let rows: Vec<Vec<String>> = rules
+        .iter()
+        .map(|rule| {
+            let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
+            vec![
+                rule["direction"].as_str().unwrap_or_default().to_string(),
+                rule["index"].as_u64().unwrap_or_default().to_string(),
+                rule["action"].as_str().unwrap_or_default().to_string(),
+                num("packets"),
+                num("bytes"),
+                rule["last_hit"].as_str().unwrap_or("never").to_string(),
+            ]
+        })
+        .collect();
+    format!("\n{}", table(&HIT_HEADER, &rows, &HIT_RIGHT))
+}
+
+/// The hit lines of the policy `p` names, asked of the server that answered the explain
+/// question (by its kind and name, so that the same policy is counted); a server that cannot
+/// say is noted in one line rather than failing the answer already given.
+fn server_hits(addr: &str, client: &crate::args::AdminClientArgs, p: &PolicyReach) -> String {
+    let path = format!(
+        "/status/policies/{}",
+        crate::admin_client::url_escape(&format!("{}:{}", p.kind, p.policy))
+    );
+    let answer = crate::admin_client::get(addr, &path, client).and_then(|body| {
+        serde_json::from_str::<serde_json::Value>(&body).map_err(anyhow::Error::from)
+    });
+    match answer {
+        Ok(status) => hit_lines(&status),
+        Err(e) => format!("\nhits: unavailable ({e:#})\n"),
+    }
+}
+
 /// The answer from a datastore snapshot, and the notes that go with it: where a running
 /// server may answer otherwise (invalid objects left out whose last good versions it may hold).
 fn ask_datastore(
@@ -121,7 +186,12 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
                 render_endpoint_text(&serde_json::from_value::<EndpointPolicies>(answer)?)
             }
             Request::Policy(_) => {
-                render_policy_text(&serde_json::from_value::<PolicyReach>(answer)?)
+                let reach = serde_json::from_value::<PolicyReach>(answer)?;
+                let hits = match &args.server {
+                    Some(addr) => server_hits(addr, &args.client, &reach),
+                    None => OFFLINE_HITS.to_string(),
+                };
+                render_policy_text(&reach) + &hits
             }
         },
     };
@@ -154,6 +224,46 @@ mod tests {
         assert_eq!(
             path_of(&Request::Policy("a b&c".into())),
             "/explain?policy=a%20b%26c"
+        );
+    }
+
+    /// One line per rule with its packets, bytes and last hit (`never`), ingress then egress;
+    /// a staged policy says it has no counters; an older server's answer adds nothing.
+    #[test]
+    fn a_policy_ends_with_its_rules_hits() {
+        let status = serde_json::json!({
+            "policy": "shop/allow-api-from-web", "phase": "Realized",
+            "rules": [
+                {"direction": "ingress", "index": 0, "action": "allow", "packets": 18342,
+                 "bytes": 99000, "last_hit": "2026-11-24T10:04:10Z", "nodes": ["node-1"]},
+                {"direction": "ingress", "index": 1, "action": "deny", "packets": 0,
+                 "bytes": 0, "last_hit": null, "nodes": []},
+                {"direction": "egress", "index": 0, "action": "pass", "packets": 0,
+                 "bytes": 0, "last_hit": null, "nodes": []}]});
+        assert_eq!(
+            hit_lines(&status),
+            "
+DIRECTION  RULE  ACTION  PACKETS  BYTES  LAST-HIT
+ingress       0  allow     18342  99000  2026-11-24T10:04:10Z
+ingress       1  deny          0      0  never
+egress        0  pass          0      0  never
+"
+        );
+        let staged = serde_json::json!({"phase": "Staged", "rules": [
+            {"direction": "ingress", "index": 0, "action": "deny", "packets": null,
+             "bytes": null, "last_hit": null, "nodes": []}]});
+        assert_eq!(
+            hit_lines(&staged),
+            "\nstaged: not in the dataplane, no counters\n"
+        );
+        assert_eq!(
+            hit_lines(&serde_json::json!({"phase": "Realized", "rules": []})),
+            "\nno rules\n"
+        );
+        assert_eq!(hit_lines(&serde_json::json!({"phase": "Realized"})), "");
+        assert_eq!(
+            OFFLINE_HITS,
+            "\nhits: only from a running server (--server)\n"
         );
     }
 }
