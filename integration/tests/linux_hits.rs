@@ -9,7 +9,9 @@
 //! rules say (`iptables-save -c`, or `nft list chain` for the nftables driver: the policy
 //! chains' rules that set the accept and drop marks).
 //! A second rule then rewrites the allow policy's chain (its kernel counters start again from
-//! zero); 10 more datagrams must bring its HITS to 47, nothing counted twice or lost.
+//! zero); 10 more datagrams must bring its HITS to 47, nothing counted twice or lost. The
+//! agent then restarts (the kernel keeps its counters): 10 more bring HITS to 57, the 10 it
+//! had already reported not counted again.
 //!
 //! One node only: the namespace fixtures (`integration::netns::ControlPlane`) run one agent
 //! beside its calc-server, so the sum over several nodes is left to the calc-server's unit
@@ -347,7 +349,7 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
         Plane::Iptables(ipt) => (Driver::Linux, ipt.name()),
         Plane::Nftables => (Driver::Nftables, "auto"),
     };
-    let cp = ControlPlane::start_with_driver(
+    let mut cp = ControlPlane::start_with_driver(
         driver,
         &host,
         dir.path(),
@@ -517,6 +519,44 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
     );
     assert_eq!(total, want(47));
     assert_eq!(receiver.received(), (47, 0));
+
+    // The agent restarts: the kernel keeps its counters (the chain is not rewritten), and the
+    // new agent's first read is its baseline, so the 10 already reported are not sent again.
+    cp.stop_agent();
+    cp.start_agent(&host);
+    cp.wait_programmed();
+    let profile_before = hits_of(&policy_rows(&host), "kns.prod").map_or(0, |(h, _)| h);
+    let mut warmup = 31000..32000;
+    wait_until(
+        "the restarted agent reports again (the client's profile gains a hit)",
+        Duration::from_secs(20),
+        || {
+            let sport = warmup.next().expect("a warm-up source port");
+            send_flows(&client, "10.254.0.1", 9, sport..sport + 1);
+            hits_of(&policy_rows(&host), "kns.prod").is_some_and(|(h, _)| h > profile_before)
+        },
+        || diagnostics(&host, plane, &cp),
+    );
+    send_flows(&client, &server.ipv4, ALLOWED_PORT, 40047..40057);
+    wait_until(
+        "status shows the 10 flows sent after the restart: at least 57 hits for udp-allow",
+        Duration::from_secs(20),
+        || at_least(&policy_rows(&host), ALLOW, 57),
+        || diagnostics(&host, plane, &cp),
+    );
+    let [allow, _] = settled(&host, [ALLOW, DENY]);
+    assert_eq!(
+        kernel_counts(&host, plane, ALLOW_CHAIN),
+        want(20),
+        "{plane:?}: the kernel kept counting across the agent's restart\n{}",
+        diagnostics(&host, plane, &cp)
+    );
+    assert_eq!(
+        allow,
+        want(57),
+        "{plane:?}: nothing counted twice across the agent's restart\n{}",
+        diagnostics(&host, plane, &cp)
+    );
     eprintln!(
         "{plane:?}: agent counting {ready:?} after start; 37+5 flows in status {counted_after:?} \
          after sending; whole test {:?}",
