@@ -18,7 +18,6 @@ use calc_graph::graph::{CalcGraph, Update};
 
 use crate::args::{ExplainArgs, ExplainOutput};
 use crate::datastore;
-use crate::table::table;
 
 fn request(args: &ExplainArgs) -> Request {
     if let Some(e) = &args.endpoint {
@@ -83,45 +82,10 @@ fn ask_server(
 /// Said once, offline, instead of counters: a datastore holds none.
 const OFFLINE_HITS: &str = "\nhits: only from a running server (--server)\n";
 
-const HIT_HEADER: [&str; 6] = [
-    "DIRECTION",
-    "RULE",
-    "ACTION",
-    "PACKETS",
-    "BYTES",
-    "LAST-HIT",
-];
-const HIT_RIGHT: [bool; 6] = [false, true, false, true, true, false];
-
-/// A policy's rules with their hits, from its `/status/policies/NAME` answer, after a blank
-/// line: one line each, ingress then egress (the server's order), with the rule's direction
-/// and index, action, packets, bytes and last hit (`never`). A staged policy has no counters
-/// and says so; an answer without `rules` (an older server) adds nothing.
+/// A policy's rules with their hits, from its `/status/policies/NAME` answer (see
+/// [`crate::table::rule_hits`]; without the nodes, which explain does not show).
 fn hit_lines(status: &serde_json::Value) -> String {
-    let Some(rules) = status["rules"].as_array() else {
-        return String::new();
-    };
-    if status["phase"] == "Staged" {
-        return "\nstaged: not in the dataplane, no counters\n".into();
-    }
-    if rules.is_empty() {
-        return "\nno rules\n".into();
-    }
-    let rows: Vec<Vec<String>> = rules
-        .iter()
-        .map(|rule| {
-            let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
-            vec![
-                rule["direction"].as_str().unwrap_or_default().to_string(),
-                rule["index"].as_u64().unwrap_or_default().to_string(),
-                rule["action"].as_str().unwrap_or_default().to_string(),
-                num("packets"),
-                num("bytes"),
-                rule["last_hit"].as_str().unwrap_or("never").to_string(),
-            ]
-        })
-        .collect();
-    format!("\n{}", table(&HIT_HEADER, &rows, &HIT_RIGHT))
+    crate::table::rule_hits(status, false)
 }
 
 /// The hit lines of the policy `p` names, asked of the server that answered the explain

@@ -164,62 +164,8 @@ fn policy_detail(r: &serde_json::Value) -> String {
             &[false, false, false],
         ));
     }
-    out.push_str(&rule_lines(r));
+    out.push_str(&crate::table::rule_hits(r, true));
     out
-}
-
-const RULE_HEADER: [&str; 7] = [
-    "DIRECTION",
-    "RULE",
-    "ACTION",
-    "PACKETS",
-    "BYTES",
-    "LAST-HIT",
-    "NODES",
-];
-const RULE_RIGHT: [bool; 7] = [false, true, false, true, true, false, false];
-
-/// A single policy's rules (`rules` of `/status/policies/NAME`), after a blank line: one line
-/// each, ingress then egress, with its index, action, packets, bytes, last hit (`never`) and
-/// the nodes where it matched (`-`: none). A staged policy has no counters, and says so; a
-/// server too old to send the rules adds nothing.
-fn rule_lines(r: &serde_json::Value) -> String {
-    let Some(rules) = r["rules"].as_array() else {
-        return String::new();
-    };
-    if r["phase"] == "Staged" {
-        return "\nstaged: not in the dataplane, no counters\n".into();
-    }
-    if rules.is_empty() {
-        return "\nno rules\n".into();
-    }
-    let rows: Vec<Vec<String>> = rules
-        .iter()
-        .map(|rule| {
-            let text = |k: &str| rule[k].as_str().unwrap_or_default().to_string();
-            let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
-            let nodes: Vec<&str> = rule["nodes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(serde_json::Value::as_str)
-                .collect();
-            vec![
-                text("direction"),
-                rule["index"].as_u64().unwrap_or_default().to_string(),
-                text("action"),
-                num("packets"),
-                num("bytes"),
-                rule["last_hit"].as_str().unwrap_or("never").to_string(),
-                if nodes.is_empty() {
-                    "-".into()
-                } else {
-                    nodes.join(",")
-                },
-            ]
-        })
-        .collect();
-    format!("\n{}", table(&RULE_HEADER, &rows, &RULE_RIGHT))
 }
 
 /// `[NAMESPACE/]NAME`'s `/status/policies` path.

@@ -1,6 +1,7 @@
 //! Column-aligned text tables, as the admin commands (`status`, `policies`) print them: each
 //! column as wide as its widest cell, numbers right-aligned, two spaces between columns and no
-//! trailing spaces. Imports none of ours.
+//! trailing spaces; and the one rendering of a policy's per-rule hits that `status --policy`
+//! and `explain --policy` share. Imports none of ours.
 
 /// `header` and `rows` as a table; `right[i]` right-aligns column `i`.
 pub(crate) fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> String {
@@ -36,6 +37,69 @@ pub(crate) fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> St
         out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
     out
+}
+
+/// The header of [`rule_hits`]; `NODES` only when asked for.
+const RULE_HEADER: [&str; 7] = [
+    "DIRECTION",
+    "RULE",
+    "ACTION",
+    "PACKETS",
+    "BYTES",
+    "LAST-HIT",
+    "NODES",
+];
+const RULE_RIGHT: [bool; 7] = [false, true, false, true, true, false, false];
+
+/// A policy's rules with their hits (`rules` of a `/status/policies/NAME` answer), after a blank
+/// line: one line each, ingress then egress (the server's order), with the rule's direction and
+/// index, action, packets, bytes, last hit (`never`) and, with `nodes`, the nodes where it
+/// matched (`-`: none). A staged policy has no counters and says so; an answer without `rules`
+/// (an older server) adds nothing.
+pub(crate) fn rule_hits(status: &serde_json::Value, nodes: bool) -> String {
+    let Some(rules) = status["rules"].as_array() else {
+        return String::new();
+    };
+    if status["phase"] == "Staged" {
+        return "\nstaged: not in the dataplane, no counters\n".into();
+    }
+    if rules.is_empty() {
+        return "\nno rules\n".into();
+    }
+    let columns = if nodes { 7 } else { 6 };
+    let rows: Vec<Vec<String>> = rules
+        .iter()
+        .map(|rule| {
+            let text = |k: &str| rule[k].as_str().unwrap_or_default().to_string();
+            let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
+            let mut row = vec![
+                text("direction"),
+                rule["index"].as_u64().unwrap_or_default().to_string(),
+                text("action"),
+                num("packets"),
+                num("bytes"),
+                rule["last_hit"].as_str().unwrap_or("never").to_string(),
+            ];
+            if nodes {
+                let names: Vec<&str> = rule["nodes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(serde_json::Value::as_str)
+                    .collect();
+                row.push(if names.is_empty() {
+                    "-".into()
+                } else {
+                    names.join(",")
+                });
+            }
+            row
+        })
+        .collect();
+    format!(
+        "\n{}",
+        table(&RULE_HEADER[..columns], &rows, &RULE_RIGHT[..columns])
+    )
 }
 
 #[cfg(test)]
