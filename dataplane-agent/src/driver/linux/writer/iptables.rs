@@ -164,10 +164,6 @@ impl KernelWriter for IptablesWriter {
         tables.rule_count()
     }
 
-    fn counts_rules(&self) -> bool {
-        true
-    }
-
     /// One `-save -c` per family: the kernel's exact per-rule counters, for both backends.
     fn read_counts(
         &mut self,

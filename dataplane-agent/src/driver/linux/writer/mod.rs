@@ -111,19 +111,13 @@ pub(crate) trait KernelWriter: Send {
         at: RuleAt<'_>,
     ) -> Option<RuleId>;
 
-    /// Whether [`KernelWriter::read_counts`] reads the kernel's counters.
-    fn counts_rules(&self) -> bool {
-        false
-    }
-
-    /// The counters of every rule of ours that carries a rule id, as the kernel holds them now.
+    /// The counters of every rule of ours whose counter is its rule's (see `Rule::counts`), as
+    /// the kernel holds them now.
     fn read_counts(
         &mut self,
-        _runner: &mut dyn CommandRunner,
-        _tables: &Tables,
-    ) -> Result<Vec<LineCount>, DriverError> {
-        Ok(Vec::new())
-    }
+        runner: &mut dyn CommandRunner,
+        tables: &Tables,
+    ) -> Result<Vec<LineCount>, DriverError>;
 
     /// What the last nftables write did (zero for any other writer).
     fn nft_stats(&self) -> NftStats {

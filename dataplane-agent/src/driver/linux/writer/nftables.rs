@@ -154,10 +154,6 @@ impl KernelWriter for NftWriter {
         tables.get(v, t)?.chain(c)?.rules.get(i)?.id.clone()
     }
 
-    fn counts_rules(&self) -> bool {
-        true
-    }
-
     fn read_counts(
         &mut self,
         runner: &mut dyn CommandRunner,
