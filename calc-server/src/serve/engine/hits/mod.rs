@@ -1,6 +1,10 @@
 //! Policy hit counters: the packets and bytes each rule the server sent a node has decided on
 //! that node, as its agent reports them (`RuleStats`, capability `stats`; docs/proto.md).
 //!
+//! This module holds the counting state ([`Hits`]) and report intake; the classification of
+//! unused rules lives in [`unused`], the on-disk form in [`saved`]. Callers outside use the
+//! re-exports here and never name the submodules.
+//!
 //! Contract:
 //! - [`parse`] turns an agent's untrusted `RuleStats` into typed [`Hit`]s, or refuses the whole
 //!   report ([`Malformed`]: more than [`MAX_HITS_PER_REPORT`] hits, a reference without the id
@@ -17,28 +21,22 @@
 //! - Entries are bounded by the rules sent to each node. Counters outlive their node's stream
 //!   (history); [`Hits::prune`] drops those of a policy, profile or tier gone from the datastore
 //!   and folds those of a node gone from the datastore into one entry per rule, so totals stay.
-//! - Persistence: [`Hits::saved`] copies the counters, observation times and totals by action
-//!   into a [`SavedHits`] document (versioned JSON, [`SAVED_VERSION`]) that `serve` writes to
-//!   disk off the engine; [`Hits::restore`] takes one back at start. What a stream was sent is
-//!   never saved (streams do not outlive the process). Restored entries of policies, profiles,
-//!   tiers and nodes gone from the datastore are pruned like any others.
 //! - Observation: per policy and profile, [`Hits`] records when each of its rules was first in
 //!   force on a node whose stream reports stats: the receive time of the first
 //!   `DataplaneApplied` that covers a message carrying that rule ([`Hits::applied`]; a rule
 //!   queued but never applied is not observed). Only the first time is kept: a later gap (the
-//!   node's agent gone) is not subtracted. [`Hits::unused`] classifies rules against a window
-//!   from this and the last hits: a rule hit within the window is used; one observed for at
-//!   least the window and not hit within it is unused; any other is not yet known
-//!   ([`rule_use`], [`policy_use`]). Staged policies are never observed.
+//!   node's agent gone) is not subtracted. Staged policies are never observed. [`unused`]
+//!   classifies rules from this and the last hits.
 //! - Per-policy totals by action ([`Hits::series`], the Prometheus counters): each accepted hit
 //!   is added under the action its rule has in the datastore's current version of the policy
 //!   when the report arrives, so the totals only grow until the policy leaves the datastore.
+//! - Persistence ([`saved`]): what survives a restart, and nothing about streams.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use calc_graph::graph::{CalcGraph, SpanItem};
 use calc_graph::model::{Kind, ResourceKey};
@@ -46,6 +44,13 @@ use felix_proto as pb;
 use pb::rule_ref::Kind as RefKind;
 use pb::to_dataplane::Payload;
 use serde::{Deserialize, Serialize};
+
+mod saved;
+mod unused;
+
+pub(crate) use saved::{SAVED_VERSION, SavedHits};
+pub(super) use unused::Candidate;
+pub(crate) use unused::UnusedPolicy;
 
 /// Most hits one `RuleStats` may carry.
 pub(crate) const MAX_HITS_PER_REPORT: usize = 4096;
@@ -178,60 +183,6 @@ pub(super) fn rule_action(
     rules_now(graph, owner)?.action(egress, index as usize)
 }
 
-/// How a rule fared within a window (see [`rule_use`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RuleUse {
-    /// A packet matched it within the window.
-    Used,
-    /// Observed for at least the whole window, and no packet matched it within.
-    Unused,
-    /// Not observed for the whole window (or never), and not hit within it: no verdict.
-    NotYetKnown,
-}
-
-/// A rule's use within the `window` before `now` (`None`: its whole observed history), from its
-/// last hit on any node and the time it was first in force on a node that reports stats
-/// (`since`). A hit before the window does not make the rule used within it.
-pub(crate) fn rule_use(
-    last_hit: Option<SystemTime>,
-    since: Option<SystemTime>,
-    now: SystemTime,
-    window: Option<Duration>,
-) -> RuleUse {
-    let Some(window) = window else {
-        return match (last_hit, since) {
-            (Some(_), _) => RuleUse::Used,
-            (None, Some(_)) => RuleUse::Unused,
-            (None, None) => RuleUse::NotYetKnown,
-        };
-    };
-    let from = now.checked_sub(window).unwrap_or(SystemTime::UNIX_EPOCH);
-    if last_hit.is_some_and(|l| l >= from) {
-        RuleUse::Used
-    } else if since.is_some_and(|s| s <= from) {
-        RuleUse::Unused
-    } else {
-        RuleUse::NotYetKnown
-    }
-}
-
-/// What `policies --unused` says of a policy whose rules fared so (`None`: nothing to report:
-/// every rule known is used, or it has no rules). One used rule makes it in use, with any
-/// unused ones listed (`partly-unused`); with none used, one rule not yet known makes the
-/// whole policy not yet known, never unused.
-pub(crate) fn policy_use(rules: &[RuleUse]) -> Option<&'static str> {
-    let any = |u: RuleUse| rules.contains(&u);
-    if rules.is_empty() {
-        None
-    } else if any(RuleUse::Used) {
-        any(RuleUse::Unused).then_some("partly-unused")
-    } else if any(RuleUse::NotYetKnown) {
-        Some("not-yet-known")
-    } else {
-        Some("unused")
-    }
-}
-
 /// One rule of one policy or profile with its counters (the single-policy status answer).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct RuleHits {
@@ -248,46 +199,6 @@ pub(crate) struct RuleHits {
     /// The nodes where it matched something, sorted; `(departed)` for nodes gone from the
     /// datastore, whose counts are folded.
     pub nodes: Vec<String>,
-}
-
-/// One rule in a `/status/unused` answer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct UnusedRule {
-    pub direction: String,
-    pub index: u32,
-    pub action: String,
-    /// Its last hit, before the window (`None`: never).
-    pub last_hit: Option<String>,
-}
-
-/// One policy or profile in a `/status/unused` answer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct UnusedPolicy {
-    /// `namespace/name` or `name` (a profile's name).
-    pub policy: String,
-    pub kind: String,
-    /// Empty for a profile.
-    pub tier: String,
-    /// `unused`, `partly-unused` or `not-yet-known` ([`policy_use`]).
-    pub state: String,
-    /// When it was first in force on a node that reports stats (RFC 3339 UTC), and how long
-    /// ago; `None` (null) when never.
-    pub observed_since: Option<String>,
-    pub observed_seconds: Option<u64>,
-    /// Its rules, both directions.
-    pub rule_count: u32,
-    /// The rules no packet matched within the window, observed for all of it.
-    pub unused_rules: Vec<UnusedRule>,
-    /// The rules neither hit within the window nor observed for all of it.
-    pub not_yet_known_rules: Vec<UnusedRule>,
-}
-
-/// A policy or profile `policies --unused` considers: in force somewhere, not staged.
-pub(super) struct Candidate {
-    pub owner: Owner,
-    pub policy: String,
-    pub kind: String,
-    pub tier: String,
 }
 
 /// One per-policy Prometheus series pair (packets and bytes) of one action.
@@ -986,93 +897,6 @@ impl Hits {
         out
     }
 
-    /// Of the `candidates` (policies and profiles in force somewhere, not staged), those with
-    /// rules no packet matched within the `window` before `now` (`None`: all recorded history),
-    /// and those not observed long enough to tell ([`rule_use`], [`policy_use`]), by state,
-    /// then policies before profiles, tier, name and kind. A candidate without rules matches
-    /// nothing itself and is left out.
-    pub(super) fn unused(
-        &self,
-        graph: &CalcGraph,
-        candidates: Vec<Candidate>,
-        now: SystemTime,
-        window: Option<Duration>,
-    ) -> Vec<UnusedPolicy> {
-        let mut out = Vec::new();
-        for c in candidates {
-            let Some(rules) = rules_now(graph, &c.owner) else {
-                continue;
-            };
-            let mut last: HashMap<(bool, u32), SystemTime> = HashMap::new();
-            for ((_, egress, index), n) in self.counts.get(&c.owner).into_iter().flatten() {
-                let l = last.entry((*egress, *index)).or_insert(n.last);
-                *l = (*l).max(n.last);
-            }
-            let seen = self.owner_sig(&c.owner).and_then(|s| self.seen.get(&s));
-            let (mut uses, mut unused_rules, mut not_yet_known_rules) =
-                (Vec::new(), Vec::new(), Vec::new());
-            for egress in [false, true] {
-                for index in 0..rules.len(egress) {
-                    let since = seen.and_then(|s| s.since[usize::from(egress)].get(index).copied());
-                    let action = rules.action(egress, index).unwrap_or(Action::Deny);
-                    let index = index as u32;
-                    let last_hit = last.get(&(egress, index)).copied();
-                    let u = rule_use(last_hit, since, now, window);
-                    uses.push(u);
-                    let rule = UnusedRule {
-                        direction: direction(egress).into(),
-                        index,
-                        action: action.as_str().into(),
-                        last_hit: last_hit.map(common::rfc3339_utc),
-                    };
-                    match u {
-                        RuleUse::Used => {}
-                        RuleUse::Unused => unused_rules.push(rule),
-                        RuleUse::NotYetKnown => not_yet_known_rules.push(rule),
-                    }
-                }
-            }
-            let Some(state) = policy_use(&uses) else {
-                continue;
-            };
-            let first = seen.and_then(Seen::first);
-            out.push(UnusedPolicy {
-                policy: c.policy,
-                kind: c.kind,
-                tier: c.tier,
-                state: state.into(),
-                observed_since: first.map(common::rfc3339_utc),
-                observed_seconds: first
-                    .map(|f| now.duration_since(f).unwrap_or_default().as_secs()),
-                rule_count: uses.len() as u32,
-                unused_rules,
-                not_yet_known_rules,
-            });
-        }
-        let rank = |s: &str| match s {
-            "unused" => 0,
-            "partly-unused" => 1,
-            _ => 2,
-        };
-        out.sort_by(|a, b| {
-            (
-                rank(&a.state),
-                a.kind == "Profile",
-                &a.tier,
-                &a.policy,
-                &a.kind,
-            )
-                .cmp(&(
-                    rank(&b.state),
-                    b.kind == "Profile",
-                    &b.tier,
-                    &b.policy,
-                    &b.kind,
-                ))
-        });
-        out
-    }
-
     /// The per-policy Prometheus series: for each policy and profile in the datastore that was
     /// in force on a node that reports stats, or was hit, one per action its rules have now or
     /// had when hit, with the packets and bytes filed under it. Staged policies have none.
@@ -1201,177 +1025,6 @@ impl Hits {
     }
 }
 
-/// The version of [`SavedHits`] this build writes and reads.
-pub(crate) const SAVED_VERSION: u32 = 1;
-
-/// Milliseconds since the Unix epoch (how [`SavedHits`] spells times).
-fn to_ms(t: SystemTime) -> u64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-fn from_ms(ms: u64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
-}
-
-/// One rule's counters on one node, as saved.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SavedCount {
-    pub owner: Owner,
-    /// `None` (null): the folded departed nodes.
-    pub node: Option<String>,
-    pub egress: bool,
-    pub index: u32,
-    pub packets: u64,
-    pub bytes: u64,
-    /// Receive times of the first and last report with a hit, in ms since the Unix epoch.
-    pub first_ms: u64,
-    pub last_ms: u64,
-}
-
-/// What is known of one policy or profile beyond its counters, as saved.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SavedSeen {
-    pub owner: Owner,
-    /// When each ingress and egress rule was first in force on a node that reports stats, in
-    /// ms since the Unix epoch, by index.
-    pub ingress_since_ms: Vec<u64>,
-    pub egress_since_ms: Vec<u64>,
-    /// Packets and bytes by action: allow, deny, pass, log.
-    pub by_action: [(u64, u64); 4],
-}
-
-/// The hit counters as `serve` keeps them on disk: see the module documentation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SavedHits {
-    /// [`SAVED_VERSION`]; a reader refuses any other.
-    pub version: u32,
-    pub counts: Vec<SavedCount>,
-    pub seen: Vec<SavedSeen>,
-}
-
-/// Whether a saved owner is one an agent's report could have named ([`parse`]'s checks): a
-/// damaged or foreign file cannot put anything else in memory.
-fn valid_owner(owner: &Owner) -> bool {
-    match owner {
-        Owner::Policy {
-            kind,
-            namespace,
-            name,
-        } => {
-            Kind::from_name(kind).is_some_and(Kind::is_policy)
-                && (namespace.is_empty() || calc_graph::model::validate::is_label(namespace))
-                && is_id(name)
-        }
-        Owner::Profile(id) | Owner::EndOfTier(id) => is_id(id),
-        Owner::NoProfileMatched | Owner::DefaultAction | Owner::Failsafe => true,
-    }
-}
-
-impl Hits {
-    /// A copy of what survives a restart (see [`SavedHits`]), sorted so that equal state
-    /// saves equal bytes.
-    pub(super) fn saved(&self) -> SavedHits {
-        let mut counts: Vec<SavedCount> = self
-            .counts
-            .iter()
-            .flat_map(|(owner, rules)| {
-                rules.iter().map(|((node, egress, index), c)| SavedCount {
-                    owner: owner.clone(),
-                    node: node.as_deref().map(str::to_string),
-                    egress: *egress,
-                    index: *index,
-                    packets: c.packets,
-                    bytes: c.bytes,
-                    first_ms: to_ms(c.first),
-                    last_ms: to_ms(c.last),
-                })
-            })
-            .collect();
-        counts.sort_by(|a, b| {
-            (&a.owner, &a.node, a.egress, a.index).cmp(&(&b.owner, &b.node, b.egress, b.index))
-        });
-        let mut seen: Vec<SavedSeen> = self
-            .seen
-            .values()
-            .map(|s| SavedSeen {
-                owner: s.owner.clone(),
-                ingress_since_ms: s.since[0].iter().copied().map(to_ms).collect(),
-                egress_since_ms: s.since[1].iter().copied().map(to_ms).collect(),
-                by_action: s.by_action,
-            })
-            .collect();
-        seen.sort_by(|a, b| a.owner.cmp(&b.owner));
-        SavedHits {
-            version: SAVED_VERSION,
-            counts,
-            seen,
-        }
-    }
-
-    /// Adds a saved document's counters and observation to what is held (at start: nothing).
-    /// Entries with an owner no report could name, a node that is no id, or an owner that has
-    /// no rules but a non-zero index are skipped; returns how many.
-    pub(super) fn restore(&mut self, saved: SavedHits) -> usize {
-        let mut skipped = 0;
-        for c in saved.counts {
-            if !valid_owner(&c.owner)
-                || c.node.as_deref().is_some_and(|n| !is_id(n))
-                || (!c.owner.has_rules() && c.index != 0)
-            {
-                skipped += 1;
-                continue;
-            }
-            let node = c.node.map(|n| match self.names.get(n.as_str()) {
-                Some(n) => n.clone(),
-                None => {
-                    let n: Arc<str> = Arc::from(n);
-                    self.names.insert(n.clone());
-                    n
-                }
-            });
-            let counts = Counts {
-                packets: c.packets,
-                bytes: c.bytes,
-                first: from_ms(c.first_ms),
-                last: from_ms(c.last_ms),
-            };
-            let rules = self.counts.entry(c.owner).or_default();
-            match rules.entry((node, c.egress, c.index)) {
-                std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().merge(counts),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(counts);
-                }
-            }
-        }
-        for s in saved.seen {
-            let Some(sig) = self.owner_sig(&s.owner).filter(|_| valid_owner(&s.owner)) else {
-                skipped += 1;
-                continue;
-            };
-            let seen = self
-                .seen
-                .entry(sig)
-                .or_insert_with(|| Seen::new(s.owner.clone()));
-            for (since, saved) in seen
-                .since
-                .iter_mut()
-                .zip([s.ingress_since_ms, s.egress_since_ms])
-            {
-                if since.is_empty() {
-                    *since = saved.into_iter().map(from_ms).collect();
-                }
-            }
-            for (t, (p, b)) in seen.by_action.iter_mut().zip(s.by_action) {
-                t.0 = t.0.saturating_add(p);
-                t.1 = t.1.saturating_add(b);
-            }
-        }
-        self.entries = self.counts.values().map(HashMap::len).sum();
-        skipped
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1382,11 +1035,11 @@ mod tests {
         None
     }
 
-    fn at(secs: u64) -> SystemTime {
+    pub(super) fn at(secs: u64) -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + secs)
     }
 
-    fn policy_id(name: &str) -> pb::PolicyId {
+    pub(super) fn policy_id(name: &str) -> pb::PolicyId {
         pb::PolicyId {
             name: name.into(),
             namespace: "shop".into(),
@@ -1394,7 +1047,7 @@ mod tests {
         }
     }
 
-    fn policy_owner(name: &str) -> Owner {
+    pub(super) fn policy_owner(name: &str) -> Owner {
         Owner::Policy {
             kind: "NetworkPolicy".into(),
             namespace: "shop".into(),
@@ -1414,7 +1067,7 @@ mod tests {
     }
 
     /// An ActivePolicyUpdate for `shop/NAME` in `tier`, with that many rules each way.
-    fn policy_update(
+    pub(super) fn policy_update(
         id: pb::PolicyId,
         tier: &str,
         inbound: usize,
@@ -1441,7 +1094,7 @@ mod tests {
         }))
     }
 
-    fn hit(owner: Owner, egress: bool, index: u32, packets: u64, bytes: u64) -> Hit {
+    pub(super) fn hit(owner: Owner, egress: bool, index: u32, packets: u64, bytes: u64) -> Hit {
         Hit {
             owner,
             egress,
@@ -1453,7 +1106,7 @@ mod tests {
 
     /// Two stats-reporting nodes, both sent `shop/web` (2 inbound, 1 outbound rules, tier
     /// `default`) and profile `kns.shop` (1 inbound rule).
-    fn two_nodes() -> Hits {
+    pub(super) fn two_nodes() -> Hits {
         let mut h = Hits::default();
         for (node, conn) in [("node-a", 1), ("node-b", 2)] {
             h.connected(node, conn, true);
@@ -2001,81 +1654,6 @@ mod tests {
         );
     }
 
-    const DAY: Duration = Duration::from_secs(86_400);
-
-    /// The window decides: a rule hit within it is used; one observed for at least the window
-    /// and not hit within it is unused, even if it was hit before the window; one observed for
-    /// less is not yet known. Without a window, its whole observed history counts.
-    #[test]
-    fn a_rule_is_used_unused_or_not_yet_known_within_the_window() {
-        let now = at(30 * 86_400);
-        let days_ago = |d: u32| now - DAY * d;
-        let week = Some(7 * DAY);
-        // Observed 10 days, hit 2 days ago: used within a week.
-        assert_eq!(
-            rule_use(Some(days_ago(2)), Some(days_ago(10)), now, week),
-            RuleUse::Used
-        );
-        // Observed 10 days, never hit: unused within a week, and over its whole history.
-        assert_eq!(
-            rule_use(None, Some(days_ago(10)), now, week),
-            RuleUse::Unused
-        );
-        assert_eq!(
-            rule_use(None, Some(days_ago(10)), now, None),
-            RuleUse::Unused
-        );
-        // Hit 9 days ago, outside the week: unused within it; used over its whole history.
-        assert_eq!(
-            rule_use(Some(days_ago(9)), Some(days_ago(10)), now, week),
-            RuleUse::Unused
-        );
-        assert_eq!(
-            rule_use(Some(days_ago(9)), Some(days_ago(10)), now, None),
-            RuleUse::Used
-        );
-        // Observed 3 days (less than the window), never hit: not yet known, never unused…
-        assert_eq!(
-            rule_use(None, Some(days_ago(3)), now, week),
-            RuleUse::NotYetKnown
-        );
-        // …unless the window is shorter than what was observed.
-        assert_eq!(
-            rule_use(None, Some(days_ago(3)), now, Some(DAY)),
-            RuleUse::Unused
-        );
-        // Observed exactly the window: known.
-        assert_eq!(
-            rule_use(None, Some(days_ago(7)), now, week),
-            RuleUse::Unused
-        );
-        // Hit within the window although observed less than it: used.
-        assert_eq!(
-            rule_use(Some(days_ago(1)), Some(days_ago(3)), now, week),
-            RuleUse::Used
-        );
-        // Never observed: not yet known, whatever the window.
-        assert_eq!(rule_use(None, None, now, week), RuleUse::NotYetKnown);
-        assert_eq!(rule_use(None, None, now, None), RuleUse::NotYetKnown);
-        // A window longer than the clock's history.
-        assert_eq!(
-            rule_use(None, Some(days_ago(10)), now, Some(Duration::MAX)),
-            RuleUse::NotYetKnown
-        );
-    }
-
-    #[test]
-    fn a_policy_is_unused_only_when_every_rule_is_known_unused() {
-        use RuleUse::{NotYetKnown as N, Unused as U, Used};
-        assert_eq!(policy_use(&[U, U]), Some("unused"));
-        assert_eq!(policy_use(&[U, N]), Some("not-yet-known"));
-        assert_eq!(policy_use(&[N]), Some("not-yet-known"));
-        assert_eq!(policy_use(&[Used, U, N]), Some("partly-unused"));
-        assert_eq!(policy_use(&[Used, N]), None);
-        assert_eq!(policy_use(&[Used]), None);
-        assert_eq!(policy_use(&[]), None, "no rules: nothing to say");
-    }
-
     fn applied_msgs() -> Vec<pb::ToDataplane> {
         vec![
             policy_update(policy_id("web"), "default", 2, 1),
@@ -2189,115 +1767,5 @@ mod tests {
         assert_eq!(h.totals(&web).packets, 11, "the rule counters have all");
         assert!(seen.first().is_none(), "hit, but not observed as applied");
         assert_eq!(h.seen.len(), 1);
-    }
-    /// The saved document holds the counters (per node, folded departed nodes, verdicts),
-    /// observation times and totals by action; restored into a fresh `Hits` (new hash keys)
-    /// it reads the same, through JSON, and no stream is assumed.
-    #[test]
-    fn saved_counters_restore_the_same_state() {
-        let mut h = two_nodes();
-        let web = policy_owner("web");
-        let allow = |_: &Owner, _: bool, _: u32| Some(Action::Allow);
-        h.add(
-            "node-a",
-            1,
-            vec![
-                hit(web.clone(), false, 1, 3, 300),
-                hit(Owner::Failsafe, true, 0, 2, 120),
-            ],
-            at(10),
-            allow,
-        );
-        h.add(
-            "node-b",
-            2,
-            vec![hit(web.clone(), true, 0, 5, 500)],
-            at(20),
-            allow,
-        );
-        assert!(h.applied("node-a", 1, 3, at(5)));
-        assert!(h.take_changed());
-        assert!(!h.take_changed(), "taken");
-        let saved = h.saved();
-        assert_eq!(saved.version, SAVED_VERSION);
-        assert_eq!(saved.counts.len(), 3);
-        assert_eq!(saved.seen.len(), 2);
-        assert_eq!(h.saved(), saved, "the same state saves the same document");
-
-        let json = serde_json::to_string(&saved).unwrap();
-        let back: SavedHits = serde_json::from_str(&json).unwrap();
-        let mut r = Hits::default();
-        assert_eq!(r.restore(back), 0);
-        assert_eq!(r.saved(), saved);
-        assert_eq!(r.entries(), h.entries());
-        assert_eq!(r.totals(&web), h.totals(&web));
-        assert_eq!(
-            r.rule(&web, Some("node-b"), true, 0),
-            h.rule(&web, Some("node-b"), true, 0)
-        );
-        let sig = r.policy_sig("NetworkPolicy", "shop", "web");
-        assert_eq!(r.seen[&sig].since, [vec![at(5); 2], vec![at(5)]]);
-        assert_eq!(r.seen[&sig].by_action[Action::Allow as usize], (8, 800));
-        assert!(r.sent.is_empty(), "streams do not outlive the process");
-        assert!(!r.take_changed(), "restoring is no change to save");
-        // A report after the restart adds to the restored counters.
-        r.connected("node-a", 7, true);
-        r.queued(
-            "node-a",
-            2,
-            &[policy_update(policy_id("web"), "default", 2, 1)],
-        );
-        r.add(
-            "node-a",
-            7,
-            vec![hit(web.clone(), false, 1, 1, 100)],
-            at(30),
-            allow,
-        );
-        let c = r.rule(&web, Some("node-a"), false, 1).unwrap();
-        assert_eq!(
-            (c.packets, c.bytes, c.first, c.last),
-            (4, 400, at(10), at(30))
-        );
-    }
-
-    /// Entries no report could have made are skipped, not loaded.
-    #[test]
-    fn restoring_skips_entries_with_invalid_names() {
-        let count = |owner: Owner, node: Option<&str>, index: u32| SavedCount {
-            owner,
-            node: node.map(str::to_string),
-            egress: false,
-            index,
-            packets: 1,
-            bytes: 1,
-            first_ms: 0,
-            last_ms: 0,
-        };
-        let bad_kind = Owner::Policy {
-            kind: "WorkloadEndpoint".into(),
-            namespace: String::new(),
-            name: "web".into(),
-        };
-        let saved = SavedHits {
-            version: SAVED_VERSION,
-            counts: vec![
-                count(policy_owner("web"), Some("node-a"), 0),
-                count(bad_kind.clone(), Some("node-a"), 0),
-                count(Owner::Profile("a b".into()), None, 0),
-                count(policy_owner("web"), Some(&"n".repeat(300)), 0),
-                count(Owner::Failsafe, None, 3),
-            ],
-            seen: vec![SavedSeen {
-                owner: bad_kind,
-                ingress_since_ms: vec![1],
-                egress_since_ms: vec![],
-                by_action: [(0, 0); 4],
-            }],
-        };
-        let mut h = Hits::default();
-        assert_eq!(h.restore(saved), 5);
-        assert_eq!(h.entries(), 1);
-        assert!(h.seen.is_empty());
     }
 }
