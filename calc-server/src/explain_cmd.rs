@@ -11,7 +11,7 @@
 use std::process::ExitCode;
 
 use calc_graph::explain::{
-    EndpointPolicies, Explanation, PolicyReach, Query, Request, render_endpoint_text,
+    EndpointPolicies, Explanation, PolicyReach, Query, Request, RuleLine, render_endpoint_text,
     render_policy_text, render_text,
 };
 use calc_graph::graph::{CalcGraph, Update};
@@ -79,18 +79,50 @@ fn ask_server(
     Ok(value)
 }
 
-/// Said once, offline, instead of counters: a datastore holds none.
+/// Said once, offline, after the rules: a datastore holds no counters.
 const OFFLINE_HITS: &str = "\nhits: only from a running server (--server)\n";
 
-/// A policy's rules with their hits, from its `/status/policies/NAME` answer (see
-/// [`crate::table::rule_hits`]; without the nodes, which explain does not show).
-fn hit_lines(status: &serde_json::Value) -> String {
-    crate::table::rule_hits(status, false)
+/// A policy's rules, each with its text and, from the server's `/status/policies/NAME` answer
+/// (`status`; `None` offline), its hits (see [`crate::table::rule_hits`]; without the nodes,
+/// which explain does not show). A rule the status does not list keeps its text alone.
+fn hit_lines(reach: &PolicyReach, status: Option<&serde_json::Value>) -> String {
+    let counted = |line: &RuleLine| {
+        status
+            .and_then(|s| s["rules"].as_array())
+            .and_then(|rules| {
+                rules.iter().find(|r| {
+                    r["direction"] == serde_json::json!(line.direction)
+                        && r["index"].as_u64() == Some(u64::from(line.index))
+                })
+            })
+            .cloned()
+    };
+    let rules: Vec<serde_json::Value> = reach
+        .rules
+        .iter()
+        .map(|line| {
+            let mut row = counted(line).unwrap_or_else(|| {
+                serde_json::json!({"direction": line.direction, "index": line.index,
+                                   "action": line.action})
+            });
+            row["text"] = line.text.clone().into();
+            row
+        })
+        .collect();
+    let mut answer = serde_json::json!({ "rules": rules });
+    match status {
+        Some(status) if reach.rules.is_empty() => crate::table::rule_hits(status, false),
+        Some(status) => {
+            answer["phase"] = status["phase"].clone();
+            crate::table::rule_hits(&answer, false)
+        }
+        None => crate::table::rule_hits(&answer, false),
+    }
 }
 
-/// The hit lines of the policy `p` names, asked of the server that answered the explain
-/// question (by its kind and name, so that the same policy is counted); a server that cannot
-/// say is noted in one line rather than failing the answer already given.
+/// The rule lines of the policy `p` names with the hits of the server that answered the explain
+/// question (asked by its kind and name, so that the same policy is counted); a server that
+/// cannot say is noted in one line after the rules rather than failing the answer already given.
 fn server_hits(addr: &str, client: &crate::args::AdminClientArgs, p: &PolicyReach) -> String {
     let path = format!(
         "/status/policies/{}",
@@ -100,8 +132,8 @@ fn server_hits(addr: &str, client: &crate::args::AdminClientArgs, p: &PolicyReac
         serde_json::from_str::<serde_json::Value>(&body).map_err(anyhow::Error::from)
     });
     match answer {
-        Ok(status) => hit_lines(&status),
-        Err(e) => format!("\nhits: unavailable ({e:#})\n"),
+        Ok(status) => hit_lines(p, Some(&status)),
+        Err(e) => format!("{}\nhits: unavailable ({e:#})\n", hit_lines(p, None)),
     }
 }
 
@@ -153,7 +185,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
                 let reach = serde_json::from_value::<PolicyReach>(answer)?;
                 let hits = match &args.server {
                     Some(addr) => server_hits(addr, &args.client, &reach),
-                    None => OFFLINE_HITS.to_string(),
+                    None => hit_lines(&reach, None) + OFFLINE_HITS,
                 };
                 render_policy_text(&reach) + &hits
             }
@@ -171,6 +203,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use calc_graph::explain::Dir;
 
     #[test]
     fn queries_reach_the_admin_endpoint_escaped() {
@@ -191,10 +224,42 @@ mod tests {
         );
     }
 
-    /// One line per rule with its packets, bytes and last hit (`never`), ingress then egress;
-    /// a staged policy says it has no counters; an older server's answer adds nothing.
+    fn reach(rules: &[(Dir, u32, &str, &str)]) -> PolicyReach {
+        PolicyReach {
+            policy: "shop/allow-api-from-web".into(),
+            kind: "NetworkPolicy".into(),
+            tier: "default".into(),
+            selector: "app == 'api'".into(),
+            types: vec![Dir::Ingress, Dir::Egress],
+            endpoints: vec![],
+            nodes: vec![],
+            rules: rules
+                .iter()
+                .map(|&(direction, index, action, text)| RuleLine {
+                    direction,
+                    index,
+                    action: action.into(),
+                    text: text.into(),
+                })
+                .collect(),
+        }
+    }
+
+    /// One line per rule with its packets, bytes and last hit (`never`) beside its text,
+    /// ingress then egress; a staged policy says it has no counters and still lists its
+    /// rules; offline, the rules alone; an older server's answer adds nothing.
     #[test]
-    fn a_policy_ends_with_its_rules_hits() {
+    fn a_policy_ends_with_its_rules_hits_beside_their_text() {
+        let p = reach(&[
+            (
+                Dir::Ingress,
+                0,
+                "allow",
+                r#"allow tcp from selector "app == 'web'""#,
+            ),
+            (Dir::Ingress, 1, "deny", "deny"),
+            (Dir::Egress, 0, "pass", "pass"),
+        ]);
         let status = serde_json::json!({
             "policy": "shop/allow-api-from-web", "phase": "Realized",
             "rules": [
@@ -205,29 +270,46 @@ mod tests {
                 {"direction": "egress", "index": 0, "action": "pass", "packets": 0,
                  "bytes": 0, "last_hit": null, "nodes": []}]});
         assert_eq!(
-            hit_lines(&status),
+            hit_lines(&p, Some(&status)),
             "
-DIRECTION  RULE  ACTION  PACKETS  BYTES  LAST-HIT
-ingress       0  allow     18342  99000  2026-11-24T10:04:10Z
-ingress       1  deny          0      0  never
-egress        0  pass          0      0  never
+DIRECTION  RULE  ACTION  PACKETS  BYTES  LAST-HIT              TEXT
+ingress       0  allow     18342  99000  2026-11-24T10:04:10Z  allow tcp from selector \"app == 'web'\"
+ingress       1  deny          0      0  never                 deny
+egress        0  pass          0      0  never                 pass
 "
         );
         let staged = serde_json::json!({"phase": "Staged", "rules": [
             {"direction": "ingress", "index": 0, "action": "deny", "packets": null,
              "bytes": null, "last_hit": null, "nodes": []}]});
+        let one = reach(&[(Dir::Ingress, 0, "deny", "deny udp")]);
         assert_eq!(
-            hit_lines(&staged),
-            "\nstaged: not in the dataplane, no counters\n"
+            hit_lines(&one, Some(&staged)),
+            "
+staged: not in the dataplane, no counters
+
+DIRECTION  RULE  ACTION  TEXT
+ingress       0  deny    deny udp
+"
         );
         assert_eq!(
-            hit_lines(&serde_json::json!({"phase": "Realized", "rules": []})),
+            hit_lines(&one, None) + OFFLINE_HITS,
+            "
+DIRECTION  RULE  ACTION  TEXT
+ingress       0  deny    deny udp
+
+hits: only from a running server (--server)
+"
+        );
+        assert_eq!(
+            hit_lines(
+                &reach(&[]),
+                Some(&serde_json::json!({"phase": "Realized", "rules": []}))
+            ),
             "\nno rules\n"
         );
-        assert_eq!(hit_lines(&serde_json::json!({"phase": "Realized"})), "");
         assert_eq!(
-            OFFLINE_HITS,
-            "\nhits: only from a running server (--server)\n"
+            hit_lines(&reach(&[]), Some(&serde_json::json!({"phase": "Realized"}))),
+            ""
         );
     }
 }

@@ -39,67 +39,84 @@ pub(crate) fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> St
     out
 }
 
-/// The header of [`rule_hits`]; `NODES` only when asked for.
-const RULE_HEADER: [&str; 7] = [
-    "DIRECTION",
-    "RULE",
-    "ACTION",
-    "PACKETS",
-    "BYTES",
-    "LAST-HIT",
-    "NODES",
+/// The columns of [`rule_hits`], in order, and whether each aligns right.
+const RULE_COLUMNS: [(&str, bool); 8] = [
+    ("DIRECTION", false),
+    ("RULE", true),
+    ("ACTION", false),
+    ("PACKETS", true),
+    ("BYTES", true),
+    ("LAST-HIT", false),
+    ("NODES", false),
+    ("TEXT", false),
 ];
-const RULE_RIGHT: [bool; 7] = [false, true, false, true, true, false, false];
 
 /// A policy's rules with their hits (`rules` of a `/status/policies/NAME` answer), after a blank
 /// line: one line each, ingress then egress (the server's order), with the rule's direction and
-/// index, action, packets, bytes, last hit (`never`) and, with `nodes`, the nodes where it
-/// matched (`-`: none). A staged policy has no counters and says so; an answer without `rules`
+/// index, action, packets, bytes, last hit (`never`), with `nodes` the nodes where it matched
+/// (`-`: none), and the rule's text when the rules carry one (`text`, which `explain` adds).
+/// Rules without counters (a staged policy, which is not in the dataplane; or rules listed
+/// offline) show no counter columns, and a staged policy says why; an answer without `rules`
 /// (an older server) adds nothing.
 pub(crate) fn rule_hits(status: &serde_json::Value, nodes: bool) -> String {
     let Some(rules) = status["rules"].as_array() else {
         return String::new();
     };
-    if status["phase"] == "Staged" {
-        return "\nstaged: not in the dataplane, no counters\n".into();
-    }
+    let staged = status["phase"] == "Staged";
+    let note = if staged {
+        "\nstaged: not in the dataplane, no counters\n"
+    } else {
+        ""
+    };
     if rules.is_empty() {
-        return "\nno rules\n".into();
+        return format!("{note}\nno rules\n");
     }
-    let columns = if nodes { 7 } else { 6 };
+    let texts = rules.iter().any(|r| r.get("text").is_some());
+    if staged && !texts {
+        return note.into();
+    }
+    let counters = !staged && rules.iter().any(|r| r.get("packets").is_some());
+    let shown: Vec<usize> = (0..RULE_COLUMNS.len())
+        .filter(|&c| match c {
+            3..=5 => counters,
+            6 => counters && nodes,
+            7 => texts,
+            _ => true,
+        })
+        .collect();
     let rows: Vec<Vec<String>> = rules
         .iter()
         .map(|rule| {
             let text = |k: &str| rule[k].as_str().unwrap_or_default().to_string();
             let num = |k: &str| rule[k].as_u64().map_or("-".into(), |n| n.to_string());
-            let mut row = vec![
-                text("direction"),
-                rule["index"].as_u64().unwrap_or_default().to_string(),
-                text("action"),
-                num("packets"),
-                num("bytes"),
-                rule["last_hit"].as_str().unwrap_or("never").to_string(),
-            ];
-            if nodes {
-                let names: Vec<&str> = rule["nodes"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(serde_json::Value::as_str)
-                    .collect();
-                row.push(if names.is_empty() {
-                    "-".into()
-                } else {
-                    names.join(",")
-                });
-            }
-            row
+            let cell = |c: usize| match c {
+                0 => text("direction"),
+                1 => rule["index"].as_u64().unwrap_or_default().to_string(),
+                2 => text("action"),
+                3 => num("packets"),
+                4 => num("bytes"),
+                5 => rule["last_hit"].as_str().unwrap_or("never").to_string(),
+                6 => {
+                    let names: Vec<&str> = rule["nodes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(serde_json::Value::as_str)
+                        .collect();
+                    if names.is_empty() {
+                        "-".into()
+                    } else {
+                        names.join(",")
+                    }
+                }
+                _ => text("text"),
+            };
+            shown.iter().map(|&c| cell(c)).collect()
         })
         .collect();
-    format!(
-        "\n{}",
-        table(&RULE_HEADER[..columns], &rows, &RULE_RIGHT[..columns])
-    )
+    let header: Vec<&str> = shown.iter().map(|&c| RULE_COLUMNS[c].0).collect();
+    let right: Vec<bool> = shown.iter().map(|&c| RULE_COLUMNS[c].1).collect();
+    format!("{note}\n{}", table(&header, &rows, &right))
 }
 
 #[cfg(test)]

@@ -159,6 +159,17 @@ impl<'g> Ask<'g> {
             types,
             endpoints,
             nodes,
+            rules: [(Dir::Ingress, &p.inbound), (Dir::Egress, &p.outbound)]
+                .into_iter()
+                .flat_map(|(direction, rules)| {
+                    rules.iter().enumerate().map(move |(i, r)| super::RuleLine {
+                        direction,
+                        index: u32::try_from(i).unwrap_or(u32::MAX),
+                        action: super::rules::action_name(&r.action).to_ascii_lowercase(),
+                        text: super::rule_text::rule_text(r),
+                    })
+                })
+                .collect(),
         })
     }
 }

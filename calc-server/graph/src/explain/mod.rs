@@ -17,6 +17,7 @@
 mod listing;
 mod path;
 mod render;
+pub mod rule_text;
 pub mod rules;
 #[cfg(test)]
 mod tests;
@@ -279,6 +280,20 @@ pub struct PolicyReach {
     /// Nodes where it is active (it selects an endpoint there, or it is hinted to be needed
     /// everywhere), sorted.
     pub nodes: Vec<String>,
+    /// Its rules, ingress then egress, each with its text ([`rule_text::rule_text`]); absent
+    /// from an older server's answer.
+    #[serde(default)]
+    pub rules: Vec<RuleLine>,
+}
+
+/// One rule of a policy as `explain --policy` lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleLine {
+    pub direction: Dir,
+    pub index: u32,
+    /// `allow`, `deny`, `pass` or `log`.
+    pub action: String,
+    pub text: String,
 }
 
 /// An explain query, as the CLI and `/explain` take it.
