@@ -1,5 +1,6 @@
 //! FelixConfiguration values both ends read the same way: the agent programs them, and
-//! calc-server's explain reasons about what the agent programmed.
+//! calc-server's explain reasons about what the agent programmed (and its hit counters about
+//! which nodes count).
 //!
 //! Contract: pure parsing; an invalid value is a [`FailsafeError`] naming the entry, never a
 //! partial list (the agent then keeps what it had, so a reader must not guess from half a value).
@@ -85,6 +86,55 @@ pub fn parse_failsafes(v: &str) -> Result<Vec<Failsafe>, FailsafeError> {
     t.split(',').map(|s| s.trim().parse()).collect()
 }
 
+/// The FelixConfiguration setting that carries feature gates (`Name=value,Name=value`).
+pub const FEATURE_GATES: &str = "FeatureGates";
+
+/// Our gate in [`FEATURE_GATES`]: `PolicyHitCounters=Disabled` turns the reading of rule hit
+/// counters off (per node with a `node.<name>` FelixConfiguration). It lives in FeatureGates,
+/// a free-form field of Calico's own schema, so that a Kubernetes API server that prunes
+/// unknown fields from Calico's CRDs keeps it.
+pub const POLICY_HIT_COUNTERS: &str = "PolicyHitCounters";
+
+/// Why a feature gate's value is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum GateError {
+    #[error("{0:?} is not Name=value")]
+    NotNameValue(String),
+    #[error("{name}={value:?}: expected Enabled or Disabled")]
+    Value { name: String, value: String },
+}
+
+/// Whether rule hit counters are read under `gates` (the FeatureGates value; absent: on).
+/// Gate names and values are case-insensitive; `true`/`false` are taken too; other gates are
+/// Felix's and are left alone (Felix ignores gates it does not know, and so do we).
+pub fn hit_counters_enabled(gates: Option<&str>) -> Result<bool, GateError> {
+    let mut enabled = true;
+    for item in gates
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|i| !i.is_empty())
+    {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| GateError::NotNameValue(item.to_owned()))?;
+        if !name.trim().eq_ignore_ascii_case(POLICY_HIT_COUNTERS) {
+            continue;
+        }
+        enabled = match value.trim().to_ascii_lowercase().as_str() {
+            "enabled" | "true" => true,
+            "disabled" | "false" => false,
+            _ => {
+                return Err(GateError::Value {
+                    name: POLICY_HIT_COUNTERS.to_owned(),
+                    value: value.trim().to_owned(),
+                });
+            }
+        };
+    }
+    Ok(enabled)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +175,30 @@ mod tests {
                 protocol: "udp".into(),
                 port: 53
             }
+        );
+    }
+
+    #[test]
+    fn the_hit_counter_gate_is_on_unless_disabled() {
+        assert!(hit_counters_enabled(None).unwrap());
+        assert!(hit_counters_enabled(Some("")).unwrap());
+        assert!(
+            hit_counters_enabled(Some("BPFConnectTimeLoadBalancingWorkaround=enabled")).unwrap()
+        );
+        assert!(!hit_counters_enabled(Some("Foo=x, policyhitcounters=Disabled")).unwrap());
+        assert!(!hit_counters_enabled(Some("PolicyHitCounters=false")).unwrap());
+        assert!(hit_counters_enabled(Some("PolicyHitCounters=Enabled")).unwrap());
+        assert_eq!(
+            hit_counters_enabled(Some("PolicyHitCounters=off"))
+                .unwrap_err()
+                .to_string(),
+            "PolicyHitCounters=\"off\": expected Enabled or Disabled"
+        );
+        assert_eq!(
+            hit_counters_enabled(Some("PolicyHitCounters"))
+                .unwrap_err()
+                .to_string(),
+            "\"PolicyHitCounters\" is not Name=value"
         );
     }
 }

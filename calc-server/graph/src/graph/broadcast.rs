@@ -95,6 +95,15 @@ impl Broadcast {
         }
     }
 
+    /// One Felix setting as `node` is sent it: the node's FelixConfiguration over the global.
+    pub(super) fn setting(&self, node: &str, key: &str) -> Option<&str> {
+        self.felix_config
+            .get(&format!("node.{node}"))
+            .and_then(|c| c.get(key))
+            .or_else(|| self.felix_config.get("default").and_then(|c| c.get(key)))
+            .map(String::as_str)
+    }
+
     /// The configuration `node` is sent: the global FelixConfiguration, overlaid by the node's.
     pub(super) fn config_for(&self, node: &str) -> pb::ConfigUpdate {
         let global = self

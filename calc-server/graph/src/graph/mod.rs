@@ -132,6 +132,12 @@ impl CalcGraph {
         }
     }
 
+    /// One Felix setting (by its Felix name, `FeatureGates`) as `node` is sent it: the node's
+    /// `node.<name>` FelixConfiguration over the global `default` one.
+    pub fn felix_setting(&self, node: &str, key: &str) -> Option<&str> {
+        self.broadcast.setting(node, key)
+    }
+
     /// Applies one update. On `Err`, nothing changed.
     pub fn apply(&mut self, update: Update) -> Result<(), Rejection> {
         match update {

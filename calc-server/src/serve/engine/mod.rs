@@ -790,6 +790,15 @@ impl Engine {
         let span = tracing::debug_span!("datastore_batch", updates = updates.len());
         let _enter = span.enter();
         self.metrics.updates_processed.inc_by(updates.len() as u64);
+        let felix_config = updates.iter().any(|u| {
+            let kind = match u {
+                Update::Apply(r) => Some(r.kind()),
+                Update::ApplyValid(v) => Some(v.resource().kind()),
+                Update::Delete(key) => Some(key.kind),
+                Update::InSync => None,
+            };
+            kind == Some(calc_graph::model::Kind::FelixConfiguration)
+        });
         for u in updates {
             if matches!(u, Update::InSync) {
                 self.metrics.datastore_syncs.inc();
@@ -799,6 +808,22 @@ impl Engine {
                 tracing::warn!(error = %rejection, "rejected datastore object; the last good version stays");
             }
         }
+        if felix_config {
+            let nodes: Vec<String> = self.conns.keys().cloned().collect();
+            for node in nodes {
+                self.hits
+                    .set_counting(&node, self.counts_hits_on(&node), self.wall);
+            }
+        }
+    }
+
+    /// Whether `node`'s agent reads its rule counters, by the FeatureGates it is sent (a value
+    /// the agent refuses leaves its default, on).
+    fn counts_hits_on(&self, node: &str) -> bool {
+        let gates = self
+            .graph
+            .felix_setting(node, calico_names::felix_config::FEATURE_GATES);
+        calico_names::felix_config::hit_counters_enabled(gates).unwrap_or(true)
     }
 
     fn connect(&mut self, node: String, agent_version: &str, conn: Conn) -> Result<(), Refusal> {
@@ -830,6 +855,8 @@ impl Engine {
         self.realization
             .connected(&node, conn.id, conn.reports_applied);
         self.hits.connected(&node, conn.id, conn.reports_stats);
+        self.hits
+            .set_counting(&node, self.counts_hits_on(&node), self.wall);
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());
         self.conns.insert(node, conn);

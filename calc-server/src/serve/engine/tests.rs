@@ -1211,6 +1211,51 @@ fn policies_no_stats_node_holds_are_not_yet_known() {
     }
 }
 
+fn node_gates(node: &str, gates: &str) -> Update {
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "FelixConfiguration",
+        "metadata": {"name": format!("node.{node}")},
+        "spec": {"featureGates": gates},
+    }))
+}
+
+/// A node whose FelixConfiguration turns its counters off (FeatureGates
+/// `PolicyHitCounters=Disabled`) observes nothing: what is in force only there stays not yet
+/// known. Turned on again, what it holds is observed from then on.
+#[test]
+fn a_node_with_its_counters_off_observes_nothing_until_they_are_on() {
+    let mut h = Harness::new(LIMITS);
+    h.engine.set_wall(Some(day(0)));
+    let mut updates = cluster();
+    updates.push(node_gates("node-a", "PolicyHitCounters=Disabled"));
+    h.datastore(updates);
+    let a = h.connect_stats("node-a");
+    h.ack("node-a", &a, None);
+    h.engine.set_wall(Some(day(100)));
+    assert_eq!(
+        unused_summary(&h.unused(Some(7))),
+        [("web".into(), "not-yet-known".into(), vec![], None)]
+    );
+    // The gate is lifted on day 100: observed from then.
+    h.datastore(vec![node_gates("node-a", "PolicyHitCounters=Enabled")]);
+    h.ack("node-a", &a, None);
+    h.engine.set_wall(Some(day(108)));
+    assert_eq!(
+        unused_summary(&h.unused(Some(7))),
+        [(
+            "web".into(),
+            "unused".into(),
+            vec!["ingress/0".to_string()],
+            Some(8)
+        )]
+    );
+    // Off again: what was observed stays observed.
+    h.datastore(vec![node_gates("node-a", "PolicyHitCounters=false")]);
+    h.engine.set_wall(Some(day(120)));
+    assert_eq!(unused_summary(&h.unused(Some(7)))[0].3, Some(20));
+    drop(a);
+}
+
 /// A single policy's answer has its rules, ingress then egress, with their counts and the
 /// nodes where they matched; a staged policy's rules have no counts.
 #[test]

@@ -19,6 +19,7 @@ pub(crate) const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
 pub(crate) const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
 pub(crate) const LOG_PREFIX: &str = "LogPrefix";
 pub(crate) const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
+pub(crate) use calico_names::felix_config::FEATURE_GATES;
 
 /// The settings [`effective`] applies.
 pub(crate) const APPLIED: &[&str] = &[
@@ -28,6 +29,7 @@ pub(crate) const APPLIED: &[&str] = &[
     FAILSAFE_OUTBOUND,
     LOG_PREFIX,
     FEATURE_DETECT_OVERRIDE,
+    FEATURE_GATES,
 ];
 
 /// The datastore's settings this agent does not act on, each group sorted: those it has no use
@@ -109,6 +111,12 @@ pub(crate) fn effective(
             Err(e) => problems.push(format!(
                 "FelixConfiguration {FEATURE_DETECT_OVERRIDE}={v:?}: {e}"
             )),
+        }
+    }
+    if let Some(v) = take(FEATURE_GATES) {
+        match calico_names::felix_config::hit_counters_enabled(Some(v)) {
+            Ok(on) => out.hit_counters = on,
+            Err(e) => problems.push(format!("FelixConfiguration {FEATURE_GATES}={v:?}: {e}")),
         }
     }
     if let Some(v) = take(LOG_PREFIX) {
@@ -256,5 +264,27 @@ mod tests {
         let e = parse_feature_overrides("MASQRandom=true").unwrap_err();
         assert!(e.contains("unknown feature \"MASQRandom\""), "{e}");
         assert!(parse_feature_overrides("MASQFullyRandom").is_err());
+    }
+
+    #[test]
+    fn the_hit_counter_gate_comes_from_feature_gates() {
+        let base = LinuxOptions::default();
+        assert!(base.hit_counters);
+        let ds = map(&[(
+            "FeatureGates",
+            "SomeFelixGate=on,PolicyHitCounters=Disabled",
+        )]);
+        let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert!(!o.hit_counters);
+        let ds = map(&[("FeatureGates", "PolicyHitCounters=sometimes")]);
+        let (o, problems) = effective(&base, &BTreeSet::new(), &ds);
+        assert!(o.hit_counters, "a bad value keeps the default");
+        assert_eq!(
+            problems,
+            [
+                "FelixConfiguration FeatureGates=\"PolicyHitCounters=sometimes\": PolicyHitCounters=\"sometimes\": expected Enabled or Disabled"
+            ]
+        );
     }
 }

@@ -133,6 +133,18 @@ impl ConfigManager {
         self.opts.statics = next.statics;
         self.opts.render = next.render;
         self.opts.masq_fully_random = next.masq_fully_random;
+        if next.hit_counters != self.opts.hit_counters {
+            info!(
+                hit_counters = next.hit_counters,
+                "FeatureGates PolicyHitCounters applied: rule hit counters are {}",
+                if next.hit_counters {
+                    "read"
+                } else {
+                    "not read"
+                }
+            );
+            self.opts.hit_counters = next.hit_counters;
+        }
         if statics_changed {
             self.statics_dirty = true;
         }

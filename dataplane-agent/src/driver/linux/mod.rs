@@ -113,6 +113,8 @@ pub struct LinuxOptions {
     pub masq_fully_random: Option<bool>,
     /// Program nftables (`table ip calico`, native sets) instead of iptables and ipsets.
     pub nftables: bool,
+    /// Read the rules' hit counters (FeatureGates `PolicyHitCounters`; on unless disabled).
+    pub hit_counters: bool,
 }
 
 impl Default for LinuxOptions {
@@ -129,6 +131,7 @@ impl Default for LinuxOptions {
             pinned: Default::default(),
             masq_fully_random: None,
             nftables: false,
+            hit_counters: true,
         }
     }
 }
@@ -426,6 +429,12 @@ impl Driver for LinuxDriver {
     /// Reads the kernel's counters through the writer and reports, by rule of the stream, what
     /// moved (see [`hits`]). A policy no longer held when its counters are read is left out.
     fn collect_hits(&mut self) -> Result<Vec<felix_proto::RuleHits>, DriverError> {
+        if !self.config.opts().hit_counters {
+            // Off per FelixConfiguration: nothing is read. Turned on again, the first read is
+            // a baseline, so what passed while it was off is not reported as a burst.
+            self.hits = hits::HitTracker::default();
+            return Ok(Vec::new());
+        }
         let counts = self
             .writer
             .read_counts(self.runner.as_mut(), &self.tables)?;

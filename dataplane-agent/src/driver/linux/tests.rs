@@ -1638,3 +1638,49 @@ fn rule_counters_are_reported_as_deltas_by_stream_rule() {
         "the verdict line counted: {verdict}"
     );
 }
+
+/// FeatureGates `PolicyHitCounters=Disabled` (per node, from the server's FelixConfiguration)
+/// stops the reading; turned on again, the first read is a new baseline, so what passed while
+/// it was off is never reported.
+#[test]
+fn the_hit_counter_gate_turns_collection_off_and_on() {
+    let (mut d, k) = driver();
+    d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+        id: Some(pol_id()),
+        policy: Some(Policy {
+            inbound_rules: vec![Rule {
+                action: "allow".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+    })));
+    d.on_update(&wep("caliweb"));
+    d.apply().unwrap();
+    let chain = rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &pol_id());
+    let allow = k
+        .lock()
+        .chain_rules(IpVersion::V4, "filter", &chain)
+        .into_iter()
+        .find(|r| r.contains("MARK --set"))
+        .expect("the rule's line");
+    assert!(d.collect_hits().unwrap().is_empty(), "baseline");
+    k.lock().hit(IpVersion::V4, &chain, &allow, 7, 700);
+    assert_eq!(d.collect_hits().unwrap().len(), 1);
+
+    d.on_update(&config(&[("FeatureGates", "PolicyHitCounters=Disabled")]));
+    d.apply().unwrap();
+    k.lock().hit(IpVersion::V4, &chain, &allow, 50, 5_000);
+    assert!(d.collect_hits().unwrap().is_empty(), "off: nothing read");
+
+    d.on_update(&config(&[("FeatureGates", "PolicyHitCounters=Enabled")]));
+    d.apply().unwrap();
+    assert!(
+        d.collect_hits().unwrap().is_empty(),
+        "on again: a new baseline, the 50 packets seen while off are not reported"
+    );
+    k.lock().hit(IpVersion::V4, &chain, &allow, 3, 300);
+    let hits = d.collect_hits().unwrap();
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    assert_eq!((hits[0].packets, hits[0].bytes), (3, 300));
+}

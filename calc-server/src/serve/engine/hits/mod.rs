@@ -453,6 +453,11 @@ struct Sent {
     /// with no more rules waits for nothing the earlier one does not, and is not queued (so a
     /// stream whose applies keep failing holds at most a few entries per policy).
     pending_most: HashMap<Sig, (u32, u32)>,
+    /// Whether the node reads its counters now (FeatureGates `PolicyHitCounters`): a node that
+    /// does not read them observes nothing, since no hit of its could ever arrive.
+    paused: bool,
+    /// Updates applied while paused, observed when the node counts again (if still held).
+    deferred: Vec<Pending>,
 }
 
 impl Sent {
@@ -579,6 +584,34 @@ impl Hits {
         }
     }
 
+    /// Whether `node`'s agent reads its counters now (its FeatureGates), as of `at`. While it
+    /// does not, what its stream applies is not observed (no hit of it could arrive, so a rule
+    /// in force only there is not yet known rather than unused); when it reads them again,
+    /// what it applied meanwhile and still holds is observed from `at`.
+    pub(super) fn set_counting(&mut self, node: &str, on: bool, at: SystemTime) {
+        let Some(s) = self.sent.get_mut(node) else {
+            return;
+        };
+        if s.paused != on {
+            return;
+        }
+        s.paused = !on;
+        if !on {
+            return;
+        }
+        let mut new = false;
+        for p in std::mem::take(&mut s.deferred) {
+            if s.policies.contains_key(&p.sig) || s.profiles.contains_key(&p.sig) {
+                new |= self
+                    .seen
+                    .entry(p.sig)
+                    .or_insert_with(|| Seen::new(p.owner))
+                    .observe(p.rules, at);
+            }
+        }
+        self.changed |= new;
+    }
+
     /// The node's stream is gone; its counters stay.
     pub(super) fn disconnected(&mut self, node: &str) {
         self.sent.remove(node);
@@ -694,6 +727,10 @@ impl Hits {
         let mut new = false;
         while s.pending.front().is_some_and(|p| p.seq <= applied) {
             let p = s.pending.pop_front().expect("checked");
+            if s.paused {
+                s.deferred.push(p);
+                continue;
+            }
             new |= self
                 .seen
                 .entry(p.sig)
