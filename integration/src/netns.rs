@@ -744,6 +744,13 @@ pub struct ControlPlane {
     pub driver: Driver,
     pub agent_extra: Vec<String>,
     restarts: usize,
+    /// The file datastore's directory.
+    dir: PathBuf,
+    /// The server's `--listen` address, which the agents dial.
+    pub listen: String,
+    /// More flags of `calc-server serve`, kept across [`Self::restart_server`].
+    pub server_extra: Vec<String>,
+    server_starts: usize,
 }
 
 impl ControlPlane {
@@ -759,24 +766,24 @@ impl ControlPlane {
         node: &str,
         agent_extra: &[&str],
     ) -> ControlPlane {
+        Self::start_with_server(driver, host, dir, node, agent_extra, "127.0.0.1:50051", &[])
+    }
+
+    /// [`Self::start_with_driver`] with the server listening for agents on `listen` (an
+    /// address of `host` that agents in other namespaces reach, see [`link_nodes`]) and more
+    /// `calc-server serve` flags.
+    pub fn start_with_server(
+        driver: Driver,
+        host: &Netns,
+        dir: &Path,
+        node: &str,
+        agent_extra: &[&str],
+        listen: &str,
+        server_extra: &[&str],
+    ) -> ControlPlane {
         let server_log = dir.with_extension("server.log");
-        let server = host.spawn(
-            &binary("calc-server"),
-            &[
-                "serve",
-                "--file-dir",
-                dir.to_str().expect("UTF-8 path"),
-                "--listen",
-                "127.0.0.1:50051",
-                "--admin-listen",
-                "127.0.0.1:9099",
-                "--file-poll-interval",
-                "100ms",
-                "--status-interval",
-                "100ms",
-            ],
-            &server_log,
-        );
+        let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let server = spawn_server(host, dir, listen, &owned(server_extra), &server_log);
         let mut cp = ControlPlane {
             server,
             agent: None,
@@ -784,23 +791,73 @@ impl ControlPlane {
             server_log,
             node: node.to_owned(),
             driver,
-            agent_extra: agent_extra.iter().map(|s| (*s).to_owned()).collect(),
+            agent_extra: owned(agent_extra),
             restarts: 0,
+            dir: dir.to_owned(),
+            listen: listen.to_owned(),
+            server_extra: owned(server_extra),
+            server_starts: 1,
         };
         cp.start_agent(host);
         cp
     }
 
+    /// Restarts calc-server with the same directories and flags (its log goes to a new file),
+    /// stopped as [`Self::stop_server`] says. The agents stay and reconnect.
+    pub fn restart_server(&mut self, host: &Netns, graceful: bool) {
+        self.stop_server(graceful);
+        self.start_server(host);
+    }
+
+    /// Stops calc-server: `graceful` as an operator would (SIGTERM, waiting up to 10 s for it
+    /// to exit), otherwise killed (SIGKILL, as in a crash). [`Self::start_server`] starts it
+    /// again.
+    pub fn stop_server(&mut self, graceful: bool) {
+        if graceful {
+            crate::send_signal(self.server.id(), "TERM");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.server.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+
+    /// Starts calc-server again after [`Self::stop_server`], with the same directories and
+    /// flags ([`Self::server_extra`]); its log goes to a new file.
+    pub fn start_server(&mut self, host: &Netns) {
+        self.server_log = self
+            .dir
+            .with_extension(format!("server{}.log", self.server_starts));
+        self.server_starts += 1;
+        self.server = spawn_server(
+            host,
+            &self.dir,
+            &self.listen,
+            &self.server_extra,
+            &self.server_log,
+        );
+    }
+
+    pub fn server_log_text(&self) -> String {
+        std::fs::read_to_string(&self.server_log).unwrap_or_default()
+    }
+
     /// (Re)starts the agent; its log goes to a new file per start.
     pub fn start_agent(&mut self, host: &Netns) {
         if self.restarts > 0 {
-            let s = self.agent_log.to_string_lossy().replace(".agent.log", "");
-            self.agent_log = PathBuf::from(format!("{s}.agent{}.log", self.restarts));
+            self.agent_log = self
+                .dir
+                .with_extension(format!("agent{}.log", self.restarts));
         }
         self.restarts += 1;
         let mut args = agent_args(
             self.driver,
-            "127.0.0.1:50051",
+            &self.listen,
             &self.node,
             "info,dataplane_agent::driver::linux=debug",
         );
@@ -840,18 +897,113 @@ impl ControlPlane {
 
     /// Waits until the agent has reported its dataplane in sync.
     pub fn wait_programmed(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if self.agent_log_text().contains("dataplane in sync") {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        wait_in_sync(&self.agent_log, &self.server_log);
+    }
+}
+
+/// Starts `calc-server serve` on the file datastore in `dir` inside `host`: agents on
+/// `listen`, the admin endpoint on `127.0.0.1:9099`.
+fn spawn_server(host: &Netns, dir: &Path, listen: &str, extra: &[String], log: &Path) -> Child {
+    let mut args = vec![
+        "serve",
+        "--file-dir",
+        dir.to_str().expect("UTF-8 path"),
+        "--listen",
+        listen,
+        "--admin-listen",
+        "127.0.0.1:9099",
+        "--file-poll-interval",
+        "100ms",
+        "--status-interval",
+        "100ms",
+    ];
+    args.extend(extra.iter().map(String::as_str));
+    host.spawn(&binary("calc-server"), &args, log)
+}
+
+/// Waits (up to 30 s) until the agent logging to `agent_log` has reported its dataplane in
+/// sync; the panic shows both logs.
+fn wait_in_sync(agent_log: &Path, server_log: &Path) {
+    let text = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if text(agent_log).contains("dataplane in sync") {
+            return;
         }
-        panic!(
-            "agent never programmed the dataplane; agent log:\n{}\nserver log:\n{}",
-            self.agent_log_text(),
-            std::fs::read_to_string(&self.server_log).unwrap_or_default()
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!(
+        "agent never programmed the dataplane; agent log ({}):\n{}\nserver log:\n{}",
+        agent_log.display(),
+        text(agent_log),
+        text(server_log)
+    );
+}
+
+/// Links two host namespaces (two nodes) by a veth pair, `node0` in `a` (10.253.0.1/30) and
+/// `node1` in `b` (10.253.0.2/30), and returns those two addresses: a calc-server in `a`
+/// listening on the first serves an agent in `b`.
+pub fn link_nodes(a: &Netns, b: &Netns) -> (String, String) {
+    a.exec(&[
+        "ip", "link", "add", "node0", "type", "veth", "peer", "name", "node1", "netns", &b.name,
+    ]);
+    a.exec(&["ip", "addr", "add", "10.253.0.1/30", "dev", "node0"]);
+    b.exec(&["ip", "addr", "add", "10.253.0.2/30", "dev", "node1"]);
+    a.exec(&["ip", "link", "set", "node0", "up"]);
+    b.exec(&["ip", "link", "set", "node1", "up"]);
+    ("10.253.0.1".to_owned(), "10.253.0.2".to_owned())
+}
+
+/// One more node's agent, in its own host namespace, dialing a [`ControlPlane`]'s server (see
+/// [`link_nodes`]); killed on drop.
+pub struct NodeAgent {
+    pub child: Option<Child>,
+    pub log: PathBuf,
+    pub node: String,
+}
+
+impl NodeAgent {
+    /// Starts `dataplane-agent --driver <driver> --node <node> --server <server> extra…` in
+    /// `host`, logging to `log`.
+    pub fn start(
+        host: &Netns,
+        driver: Driver,
+        server: &str,
+        node: &str,
+        extra: &[&str],
+        log: &Path,
+    ) -> NodeAgent {
+        let mut args = agent_args(
+            driver,
+            server,
+            node,
+            "info,dataplane_agent::driver::linux=debug",
         );
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        NodeAgent {
+            child: Some(host.spawn(&binary("dataplane-agent"), &args, log)),
+            log: log.to_owned(),
+            node: node.to_owned(),
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until this agent has reported its dataplane in sync (`server_log` for the panic).
+    pub fn wait_programmed(&self, server_log: &Path) {
+        wait_in_sync(&self.log, server_log);
+    }
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.child.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
     }
 }
 

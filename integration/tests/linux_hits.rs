@@ -13,9 +13,17 @@
 //! agent then restarts (the kernel keeps its counters): 10 more bring HITS to 57, the 10 it
 //! had already reported not counted again.
 //!
-//! One node only: the namespace fixtures (`integration::netns::ControlPlane`) run one agent
-//! beside its calc-server, so the sum over several nodes is left to the calc-server's unit
-//! tests.
+//! Then, with the same policies and flows, each count checked against the kernel's counters:
+//! - two nodes (`node-a`, `node-b`: a host namespace, an agent and two workloads each; the
+//!   server in node-a's namespace, node-b's agent dialing it over a link between the two), for
+//!   the iptables driver (nft backend) and the nftables driver: status is the sum of the two
+//!   kernels' counters, and `/status/policies/NAME` and `status --policy` name both nodes;
+//! - calc-server restarts (`--hits-save-interval 1h`, then `200ms`), with flows while it is
+//!   down: a graceful stop saves everything to `_hits.json`; a `kill -9` loses exactly what
+//!   agents reported after the last save (operations.md, "Policy hit counters": agents do not
+//!   send it again), while what the kernel counted while no server ran is reported to the next;
+//! - a driver switch, `linux` → `nftables` → `linux` (each removes the other's rules once its
+//!   own are in place): the sum of what each dataplane counted, nothing lost or counted twice.
 //!
 //! Needs root, iptables (nft and legacy), ipset, nc, ping and nft: the tests are `#[ignore]`d
 //! with that reason and `make test` runs them; a missing tool fails the test
@@ -25,8 +33,8 @@ use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
 use integration::netns::{
-    ControlPlane, Driver, Ipt, Netns, Workload, namespace_profile, wait_until, wep_manifest,
-    write_manifest,
+    ControlPlane, Driver, Ipt, Netns, NodeAgent, Workload, link_nodes, namespace_profile,
+    wait_until, wep_manifest, write_manifest,
 };
 
 /// What programs the node: the iptables driver on one backend, or the nftables driver.
@@ -562,4 +570,681 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
          after sending; whole test {:?}",
         started.elapsed()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two nodes, a calc-server restart and a driver switch: the same policies and flows, the same
+// comparison with the kernel's counters, summed over the nodes and dataplanes that counted.
+
+/// A node's two workloads (`client-<n>` and `server-<n>`, ns `prod`) on `host`, addresses
+/// 10.65.`subnet`.1 and .2; their WorkloadEndpoint manifests for `node`.
+fn node_workloads(host: &Netns, node: &str, subnet: u8) -> (Workload, Workload, String) {
+    let client = Workload::attach(
+        host,
+        "cali0client001",
+        &format!("10.65.{subnet}.1"),
+        &format!("fd00:65:{subnet}::1"),
+    );
+    let server = Workload::attach(
+        host,
+        "cali0server002",
+        &format!("10.65.{subnet}.2"),
+        &format!("fd00:65:{subnet}::2"),
+    );
+    let suffix = node.trim_start_matches("node-");
+    let mut manifests = String::new();
+    for (w, app) in [(&client, "client"), (&server, "server")] {
+        manifests.push_str(
+            &wep_manifest(node, "prod", &format!("{app}-{suffix}"), &w.iface)
+                .label("app", app)
+                .calico_labels()
+                .ipv4(&w.ipv4)
+                .ipv6(&w.ipv6)
+                .render(),
+        );
+    }
+    (client, server, manifests)
+}
+
+/// The profile's hits in status (0 while none).
+fn profile_hits(admin: &Netns) -> u64 {
+    hits_of(&policy_rows(admin), "kns.prod").map_or(0, |(h, _)| h)
+}
+
+/// Sends a datagram from `client` to its node (its profile allows it), on a new flow each
+/// poll from `sports`, until the profile's hits in status (read in `admin`) pass what they
+/// were: the agent of `client`'s node is connected, past its baseline read and reporting.
+fn warm_up(
+    admin: &Netns,
+    client: &Workload,
+    sports: std::ops::Range<u16>,
+    what: &str,
+    diag: impl FnOnce() -> String,
+) {
+    let before = profile_hits(admin);
+    let mut sports = sports;
+    wait_until(
+        what,
+        Duration::from_secs(30),
+        || {
+            let sport = sports.next().expect("a warm-up source port");
+            send_flows(client, "10.254.0.1", 9, sport..sport + 1);
+            policy_rows_if_up(admin)
+                .is_some_and(|rows| hits_of(&rows, "kns.prod").is_some_and(|(h, _)| h > before))
+        },
+        diag,
+    );
+}
+
+/// [`policy_rows`], or `None` while the admin endpoint does not answer (a server restarting).
+fn policy_rows_if_up(host: &Netns) -> Option<Vec<serde_json::Value>> {
+    let out = in_netns(host, || {
+        integration::http_get("127.0.0.1:9099", "/status/policies")
+    })?;
+    match out {
+        (200, body) => serde_json::from_str(&body).ok(),
+        _ => None,
+    }
+}
+
+/// `/status/policies/<name>` (one policy, with its `rules`) as JSON.
+fn policy_detail(host: &Netns, name: &str) -> serde_json::Value {
+    let path = format!("/status/policies/{name}");
+    let (code, body) = in_netns(host, move || integration::http_get("127.0.0.1:9099", &path))
+        .expect("the admin endpoint answers");
+    assert_eq!(code, 200, "/status/policies/{name}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status/policies/{name}: {e}\n{body}"))
+}
+
+/// Sends `allowed` and `denied` new flows from `client` to `server` (source ports from
+/// `base` and `base + 1000`) and waits until `receiver` has all the allowed ones (`expected`
+/// in total on that receiver).
+fn traffic(
+    client: &Workload,
+    server: &Workload,
+    receiver: &Receiver,
+    base: u16,
+    (allowed, denied): (u16, u16),
+    expected: u64,
+    diag: impl FnOnce() -> String,
+) {
+    send_flows(client, &server.ipv4, ALLOWED_PORT, base..base + allowed);
+    send_flows(
+        client,
+        &server.ipv4,
+        DENIED_PORT,
+        base + 1000..base + 1000 + denied,
+    );
+    wait_until(
+        &format!("{} received {expected} allowed datagrams", server.ipv4),
+        Duration::from_secs(10),
+        || receiver.received().0 == expected,
+        || format!("received {:?}\n{}", receiver.received(), diag()),
+    );
+}
+
+/// Waits until status shows at least `allow` and `deny` packets for the two policies, then
+/// returns their settled (packets, bytes).
+fn counted(admin: &Netns, allow: u64, deny: u64, diag: impl FnOnce() -> String) -> [(u64, u64); 2] {
+    wait_until(
+        &format!("status shows at least {allow} hits for udp-allow and {deny} for udp-deny"),
+        Duration::from_secs(20),
+        || {
+            policy_rows_if_up(admin)
+                .is_some_and(|rows| at_least(&rows, ALLOW, allow) && at_least(&rows, DENY, deny))
+        },
+        diag,
+    );
+    settled(admin, [ALLOW, DENY])
+}
+
+fn add(a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
+    (a.0 + b.0, a.1 + b.1)
+}
+
+fn want(n: u64) -> (u64, u64) {
+    (n, n * PACKET_BYTES)
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn two_nodes_sum_their_kernel_counters_nft() {
+    two_nodes_sum_their_kernel_counters(Plane::Iptables(Ipt::Nft));
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn two_nodes_sum_their_kernel_counters_nftables_driver() {
+    two_nodes_sum_their_kernel_counters(Plane::Nftables);
+}
+
+/// The agent flags of `plane`: its driver, and `--iptables-backend` with a 200 ms stats
+/// interval.
+fn plane_flags(plane: Plane) -> (Driver, [&'static str; 4]) {
+    match plane {
+        Plane::Iptables(ipt) => (
+            Driver::Linux,
+            [
+                "--iptables-backend",
+                ipt.name(),
+                "--stats-interval",
+                "200ms",
+            ],
+        ),
+        Plane::Nftables => (
+            Driver::Nftables,
+            ["--iptables-backend", "auto", "--stats-interval", "200ms"],
+        ),
+    }
+}
+
+/// Two nodes (`node-a`, `node-b`), each a host namespace with an agent and a client and a
+/// server workload; one calc-server in node-a's namespace, which node-b's agent dials over a
+/// link between the two. 37 allowed and 5 denied flows on node-a, 23 and 3 on node-b: status
+/// shows 60 and 8, the sum of the two kernels' counters, and each policy's rule lists both
+/// nodes.
+fn two_nodes_sum_their_kernel_counters(plane: Plane) {
+    integration::netns::require();
+    let started = Instant::now();
+    let host_a = Netns::new("host");
+    host_a.make_host();
+    let host_b = Netns::new("host");
+    host_b.make_host();
+    let (addr_a, _) = link_nodes(&host_a, &host_b);
+    let listen = format!("{addr_a}:50051");
+    let (client_a, server_a, weps_a) = node_workloads(&host_a, "node-a", 0);
+    let (client_b, server_b, weps_b) = node_workloads(&host_b, "node-b", 1);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifest(
+        dir.path(),
+        "workloads.yaml",
+        &format!("{}{weps_a}{weps_b}", namespace_profile("prod", "prod")),
+    );
+    write_manifest(dir.path(), "policies.yaml", &policies(false));
+    let (driver, flags) = plane_flags(plane);
+    let cp = ControlPlane::start_with_server(
+        driver,
+        &host_a,
+        dir.path(),
+        "node-a",
+        &flags,
+        &listen,
+        &[],
+    );
+    let agent_b = NodeAgent::start(
+        &host_b,
+        driver,
+        &listen,
+        "node-b",
+        &flags,
+        &dir.path().with_extension("agent-b.log"),
+    );
+    cp.wait_programmed();
+    agent_b.wait_programmed(&cp.server_log);
+    let diag = || {
+        format!(
+            "{}\nnode-b kernel:\n{}\nnode-b agent log:\n{}",
+            diagnostics(&host_a, plane, &cp),
+            kernel_listing(&host_b, plane),
+            agent_b.log_text()
+        )
+    };
+    let receiver_a = Receiver::start(&server_a);
+    let receiver_b = Receiver::start(&server_b);
+    warm_up(
+        &host_a,
+        &client_a,
+        30000..31000,
+        "node-a's agent reports",
+        diag,
+    );
+    warm_up(
+        &host_a,
+        &client_b,
+        30000..31000,
+        "node-b's agent reports",
+        diag,
+    );
+    let ready = started.elapsed();
+    assert_eq!(
+        [ALLOW, DENY].map(|n| hits_of(&policy_rows(&host_a), n)),
+        [Some((0, 0)); 2],
+        "{plane:?}: nothing reached the policies yet\n{}",
+        diag()
+    );
+
+    traffic(&client_a, &server_a, &receiver_a, 40000, (37, 5), 37, diag);
+    traffic(&client_b, &server_b, &receiver_b, 40000, (23, 3), 23, diag);
+    let [allow, deny] = counted(&host_a, 60, 8, diag);
+    let kernel_a = [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host_a, plane, c));
+    let kernel_b = [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host_b, plane, c));
+    assert_eq!(
+        (kernel_a, kernel_b),
+        ([want(37), want(5)], [want(23), want(3)]),
+        "{plane:?}: each node's kernel counted its own flows once\n{}",
+        diag()
+    );
+    assert_eq!(
+        [allow, deny],
+        [add(kernel_a[0], kernel_b[0]), add(kernel_a[1], kernel_b[1])],
+        "{plane:?}: status is the sum of the two nodes' kernel counters\n{}",
+        diag()
+    );
+    assert_eq!(receiver_a.received(), (37, 0));
+    assert_eq!(receiver_b.received(), (23, 0));
+
+    // One policy's rules: the ingress rule's packets and bytes over both nodes, and both nodes
+    // named.
+    for (name, total) in [(ALLOW, allow), (DENY, deny)] {
+        let detail = policy_detail(&host_a, name);
+        let rules = detail["rules"].as_array().expect("rules");
+        let ingress: Vec<_> = rules
+            .iter()
+            .filter(|r| r["direction"] == "ingress")
+            .collect();
+        assert_eq!(ingress.len(), 1, "{name}: {detail:#}");
+        let r = ingress[0];
+        assert_eq!(
+            (
+                r["index"].as_u64(),
+                r["packets"].as_u64(),
+                r["bytes"].as_u64()
+            ),
+            (Some(0), Some(total.0), Some(total.1)),
+            "{plane:?}: {name}'s rule counts both nodes: {detail:#}"
+        );
+        assert_eq!(
+            r["nodes"],
+            serde_json::json!(["node-a", "node-b"]),
+            "{plane:?}: {name}'s rule fired on both nodes: {detail:#}"
+        );
+        assert!(r["last_hit"].is_string(), "{detail:#}");
+    }
+    // And the table an operator reads.
+    let bin = integration::binary("calc-server");
+    let table = host_a.exec(&[
+        bin.to_str().expect("UTF-8 path"),
+        "status",
+        "--server",
+        "127.0.0.1:9099",
+        "--policy",
+        ALLOW,
+    ]);
+    let line: Vec<&str> = table
+        .lines()
+        .find(|l| l.starts_with("ingress "))
+        .unwrap_or_else(|| panic!("no ingress rule line:\n{table}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        [line[1], line[2], line[3], line[4], line[6]],
+        [
+            "0",
+            "allow",
+            "60",
+            &(60 * PACKET_BYTES).to_string(),
+            "node-a,node-b"
+        ],
+        "{plane:?}:\n{table}"
+    );
+    eprintln!(
+        "{plane:?}: two nodes counting {ready:?} after start; whole test {:?}",
+        started.elapsed()
+    );
+}
+
+/// What `<dir>/status/_hits.json` (the server's saved counters) holds for policy `name`
+/// (`NAMESPACE/NAME`), summed over its rules and nodes: (packets, bytes); (0, 0) when the
+/// file or the policy's entries are absent.
+fn saved_hits(dir: &std::path::Path, name: &str) -> (u64, u64) {
+    let Ok(text) = std::fs::read_to_string(dir.join("status").join("_hits.json")) else {
+        return (0, 0);
+    };
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("_hits.json is JSON");
+    let (ns, policy) = name.split_once('/').expect("NAMESPACE/NAME");
+    doc["counts"]
+        .as_array()
+        .expect("counts")
+        .iter()
+        .filter(|c| {
+            c["owner"]["policy"]["namespace"] == ns && c["owner"]["policy"]["name"] == policy
+        })
+        .fold((0, 0), |acc, c| {
+            add(
+                acc,
+                (
+                    c["packets"].as_u64().expect("packets"),
+                    c["bytes"].as_u64().expect("bytes"),
+                ),
+            )
+        })
+}
+
+/// Waits until a (re)started server answers and shows (packets, bytes) `allow` and `deny` for
+/// the two policies (what it loaded from `_hits.json`), then that they hold still.
+fn restored(host: &Netns, allow: (u64, u64), deny: (u64, u64), diag: impl FnOnce() -> String) {
+    wait_until(
+        "the restarted server answers with the counts it loaded",
+        Duration::from_secs(20),
+        || {
+            policy_rows_if_up(host).is_some_and(|rows| {
+                hits_of(&rows, ALLOW) == Some(allow) && hits_of(&rows, DENY) == Some(deny)
+            })
+        },
+        diag,
+    );
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn calc_server_restarts_keep_what_was_saved() {
+    integration::netns::require();
+    let started = Instant::now();
+    let plane = Plane::Iptables(Ipt::Nft);
+    let host = Netns::new("host");
+    host.make_host();
+    let (client, server, weps) = node_workloads(&host, NODE, 0);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifest(
+        dir.path(),
+        "workloads.yaml",
+        &format!("{}{weps}", namespace_profile("prod", "prod")),
+    );
+    write_manifest(dir.path(), "policies.yaml", &policies(false));
+    let (driver, flags) = plane_flags(plane);
+    // A save interval longer than the test: after a start's first save (its first change),
+    // only a graceful shutdown saves.
+    let mut cp = ControlPlane::start_with_server(
+        driver,
+        &host,
+        dir.path(),
+        NODE,
+        &flags,
+        "127.0.0.1:50051",
+        &["--hits-save-interval", "1h"],
+    );
+    cp.wait_programmed();
+    let receiver = Receiver::start(&server);
+    let kernel = |host: &Netns| [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(host, plane, c));
+    macro_rules! diag {
+        () => {
+            || {
+                format!(
+                    "{}\nserver log:\n{}\n_hits.json:\n{}",
+                    diagnostics(&host, plane, &cp),
+                    cp.server_log_text(),
+                    std::fs::read_to_string(dir.path().join("status/_hits.json"))
+                        .unwrap_or_default()
+                )
+            }
+        };
+    }
+    warm_up(&host, &client, 30000..30200, "the agent reports", diag!());
+    // The agent's "stream ended" lines: it noticed its server gone (no read of the counters
+    // before it connects again).
+    let stream_ends = |cp: &ControlPlane| cp.agent_log_text().matches("stream ended").count();
+    let wait_agent_noticed = |cp: &ControlPlane, before: usize| {
+        wait_until(
+            "the agent notices its server gone",
+            Duration::from_secs(10),
+            || stream_ends(cp) > before,
+            || cp.agent_log_text(),
+        );
+    };
+    let file = |dir: &std::path::Path| [saved_hits(dir, ALLOW), saved_hits(dir, DENY)];
+
+    // 37 + 5 flows, reported; a graceful stop saves them.
+    traffic(&client, &server, &receiver, 40000, (37, 5), 37, diag!());
+    let counts = counted(&host, 37, 5, diag!());
+    assert_eq!(kernel(&host), [want(37), want(5)], "{}", diag!()());
+    assert_eq!(counts, kernel(&host), "{}", diag!()());
+    let ends = stream_ends(&cp);
+    cp.stop_server(true);
+    assert_eq!(
+        file(dir.path()),
+        counts,
+        "a graceful shutdown saves every count it was sent\n{}",
+        diag!()()
+    );
+    // 10 + 2 flows while no server runs: the kernel counts them, the agent reads them after it
+    // reconnects (its previous read was before the stop) and reports them to the new server.
+    wait_agent_noticed(&cp, ends);
+    traffic(&client, &server, &receiver, 40100, (10, 2), 47, diag!());
+    cp.start_server(&host);
+    let counts = counted(&host, 47, 7, diag!());
+    assert_eq!(
+        kernel(&host),
+        [want(47), want(7)],
+        "the resync after the server's restart does not rewrite the chains (counters kept)\n{}",
+        diag!()()
+    );
+    assert_eq!(
+        counts,
+        kernel(&host),
+        "across a graceful restart of calc-server, with traffic while it was down: nothing \
+         lost, nothing counted twice\n{}",
+        diag!()()
+    );
+    warm_up(
+        &host,
+        &client,
+        30200..30400,
+        "the agent reports to the new server",
+        diag!(),
+    );
+
+    // kill -9. The file holds what the first save of this server wrote (at its first change,
+    // the 10 + 2 flows of the downtime: 47 + 7; the next save is an hour away). 10 + 2 flows
+    // reported after it are lost with the process: the docs (operations.md, "Policy hit
+    // counters") say agents do not send again what they reported. 5 + 1 flows while no
+    // server runs are the agent's to report to the next one.
+    traffic(&client, &server, &receiver, 40200, (10, 2), 57, diag!());
+    let reported = counted(&host, 57, 9, diag!());
+    assert_eq!(reported, kernel(&host), "{}", diag!()());
+    let saved = file(dir.path());
+    assert_eq!(
+        saved,
+        [want(47), want(7)],
+        "the file holds the counts of this server's first save, before the last 10 + 2 \
+         flows\n{}",
+        diag!()()
+    );
+    let ends = stream_ends(&cp);
+    cp.stop_server(false);
+    wait_agent_noticed(&cp, ends);
+    traffic(&client, &server, &receiver, 40300, (5, 1), 62, diag!());
+    cp.start_server(&host);
+    let counts = counted(&host, 52, 8, diag!());
+    let k = kernel(&host);
+    assert_eq!(k, [want(62), want(10)], "{}", diag!()());
+    let lost = [want(10), want(2)];
+    assert_eq!(
+        counts,
+        [
+            (k[0].0 - lost[0].0, k[0].1 - lost[0].1),
+            (k[1].0 - lost[1].0, k[1].1 - lost[1].1)
+        ],
+        "after a crash of calc-server: the kernel's counts less exactly what was reported \
+         after the last save (not sent again); what the kernel counted while no server ran \
+         is reported; nothing counted twice\n{}",
+        diag!()()
+    );
+
+    // A short save interval: what was reported before a crash survives it once saved.
+    warm_up(
+        &host,
+        &client,
+        30400..30600,
+        "the agent reports after the crash",
+        diag!(),
+    );
+    cp.server_extra = vec!["--hits-save-interval".into(), "200ms".into()];
+    cp.restart_server(&host, true);
+    restored(&host, counts[0], counts[1], diag!());
+    warm_up(
+        &host,
+        &client,
+        30600..30800,
+        "the agent reports (save every 200ms)",
+        diag!(),
+    );
+    traffic(&client, &server, &receiver, 40400, (10, 2), 72, diag!());
+    let counts = counted(&host, 62, 10, diag!());
+    wait_until(
+        "the periodic save writes the 10 + 2 flows",
+        Duration::from_secs(5),
+        || file(dir.path()) == counts,
+        diag!(),
+    );
+    cp.restart_server(&host, false);
+    restored(&host, counts[0], counts[1], diag!());
+    let k = kernel(&host);
+    assert_eq!(k, [want(72), want(12)], "{}", diag!()());
+    assert_eq!(
+        counts,
+        [want(62), want(10)],
+        "a crash after a save loses nothing more than the earlier crash did\n{}",
+        diag!()()
+    );
+    assert_eq!(receiver.received(), (72, 0));
+    eprintln!("calc-server restarts: whole test {:?}", started.elapsed());
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc, ping): `make test` runs it"]
+fn a_driver_switch_counts_each_dataplane_once() {
+    integration::netns::require();
+    let started = Instant::now();
+    let iptables = Plane::Iptables(Ipt::Nft);
+    let host = Netns::new("host");
+    host.make_host();
+    let (client, server, weps) = node_workloads(&host, NODE, 0);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifest(
+        dir.path(),
+        "workloads.yaml",
+        &format!("{}{weps}", namespace_profile("prod", "prod")),
+    );
+    write_manifest(dir.path(), "policies.yaml", &policies(false));
+    let (driver, flags) = plane_flags(iptables);
+    let mut cp = ControlPlane::start_with_driver(driver, &host, dir.path(), NODE, &flags);
+    cp.wait_programmed();
+    let receiver = Receiver::start(&server);
+    let kernel = |plane: Plane| [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host, plane, c));
+    let diag = |cp: &ControlPlane| {
+        format!(
+            "{}\nnft:\n{}",
+            diagnostics(&host, iptables, cp),
+            kernel_listing(&host, Plane::Nftables)
+        )
+    };
+    let iptables_chain = || {
+        host.exec(&["iptables-nft-save", "-t", "filter"])
+            .lines()
+            .any(|l| l.starts_with(&format!("-A {ALLOW_CHAIN} ")))
+    };
+    let nft_table = || integration::netns::nft_list(&host, "ip").contains("table ip calico");
+    warm_up(
+        &host,
+        &client,
+        30000..30200,
+        "the linux agent reports",
+        || diag(&cp),
+    );
+
+    // linux: 37 + 5.
+    traffic(&client, &server, &receiver, 40000, (37, 5), 37, || {
+        diag(&cp)
+    });
+    let counts = counted(&host, 37, 5, || diag(&cp));
+    let by_iptables = kernel(iptables);
+    assert_eq!(by_iptables, [want(37), want(5)], "{}", diag(&cp));
+    assert_eq!(counts, by_iptables, "{}", diag(&cp));
+
+    // Switch to nftables: it programs its table, then removes the linux driver's chains.
+    cp.stop_agent();
+    assert_eq!(
+        kernel(iptables),
+        by_iptables,
+        "nothing moved after the agent stopped"
+    );
+    let (driver, flags) = plane_flags(Plane::Nftables);
+    cp.driver = driver;
+    cp.agent_extra = flags.iter().map(|s| (*s).to_owned()).collect();
+    cp.start_agent(&host);
+    cp.wait_programmed();
+    wait_until(
+        "the nftables driver removes the linux driver's chains",
+        Duration::from_secs(20),
+        || nft_table() && !iptables_chain(),
+        || diag(&cp),
+    );
+    warm_up(
+        &host,
+        &client,
+        30200..30400,
+        "the nftables agent reports",
+        || diag(&cp),
+    );
+    traffic(&client, &server, &receiver, 40100, (10, 2), 47, || {
+        diag(&cp)
+    });
+    let counts = counted(&host, 47, 7, || diag(&cp));
+    let by_nft = kernel(Plane::Nftables);
+    assert_eq!(by_nft, [want(10), want(2)], "{}", diag(&cp));
+    assert_eq!(
+        counts,
+        [
+            add(by_iptables[0], by_nft[0]),
+            add(by_iptables[1], by_nft[1])
+        ],
+        "linux then nftables: what iptables counted plus what nftables counted\n{}",
+        diag(&cp)
+    );
+
+    // And back to linux: it rewrites its chains (counting from zero) and deletes the table.
+    cp.stop_agent();
+    assert_eq!(
+        kernel(Plane::Nftables),
+        by_nft,
+        "nothing moved after the agent stopped"
+    );
+    let (driver, flags) = plane_flags(iptables);
+    cp.driver = driver;
+    cp.agent_extra = flags.iter().map(|s| (*s).to_owned()).collect();
+    cp.start_agent(&host);
+    cp.wait_programmed();
+    wait_until(
+        "the linux driver deletes the nftables driver's table",
+        Duration::from_secs(20),
+        || iptables_chain() && !nft_table(),
+        || diag(&cp),
+    );
+    warm_up(
+        &host,
+        &client,
+        30400..30600,
+        "the linux agent reports again",
+        || diag(&cp),
+    );
+    traffic(&client, &server, &receiver, 40200, (10, 2), 57, || {
+        diag(&cp)
+    });
+    let counts = counted(&host, 57, 9, || diag(&cp));
+    let by_iptables_again = kernel(iptables);
+    assert_eq!(
+        by_iptables_again,
+        [want(10), want(2)],
+        "the linux driver's new chains count from zero\n{}",
+        diag(&cp)
+    );
+    let total = |i: usize| add(add(by_iptables[i], by_nft[i]), by_iptables_again[i]);
+    assert_eq!(
+        counts,
+        [total(0), total(1)],
+        "linux, nftables, linux: the sum of the three dataplanes' counters\n{}",
+        diag(&cp)
+    );
+    assert_eq!(receiver.received(), (57, 0));
+    eprintln!("driver switches: whole test {:?}", started.elapsed());
 }
