@@ -210,9 +210,9 @@ pub struct ServeArgs {
     /// How often changed endpoint status is written to the datastore.
     #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_interval: Duration,
-    /// File datastore: how often changed policy hit counters are saved to `_hits.json` in the
-    /// status directory (also once at shutdown), so a restart keeps them. No status directory:
-    /// not saved.
+    /// How often changed policy hit counters are saved (also once at shutdown), so a restart
+    /// keeps them: file datastore to `_hits.json` in the status directory (none without one),
+    /// etcd under `/calico/calc-server/v1/hits/`. Kubernetes: not saved.
     #[arg(long, env = "CALC_SERVER_HITS_SAVE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub hits_save_interval: Duration,
     /// etcd watch and status settings (for `--datastore-type etcdv3`).

@@ -10,16 +10,17 @@
 //! with UNAVAILABLE through the engine, the remaining tasks are cancelled and awaited (at most
 //! [`SHUTDOWN_TIMEOUT`]), then the process exits 0.
 //! `listener` accepts connections (mutual TLS, handshake timeout, connection limit) and
-//! `metrics` holds what `/metrics` shows. With the file datastore and a status directory,
-//! `hits_file` loads the policy hit counters at start and a `hits_writer` task saves the copies
-//! the engine hands over; on shutdown it is awaited (at most [`SHUTDOWN_TIMEOUT`]) after the
-//! engine, so the last copy is on disk before the process exits.
+//! `metrics` holds what `/metrics` shows. Where the datastore gives a place (the file
+//! datastore's status directory, etcd), the `hits_store` task reads the saved policy hit
+//! counters into the engine and saves the copies it hands over; on shutdown it is awaited (at
+//! most [`SHUTDOWN_TIMEOUT`]) after the engine, so the last copy is stored before the process
+//! exits.
 
 mod admin;
 mod admin_access;
 mod admin_server;
 mod engine;
-mod hits_file;
+mod hits_store;
 pub mod listener;
 pub mod metrics;
 mod service;
@@ -104,26 +105,23 @@ async fn serve_with(
         tasks,
     )
     .await?;
-    let hits_writer = hits_file::path(&args).map(|path| {
-        match hits_file::load(&path) {
-            Ok(None) => {}
-            Ok(Some(saved)) => {
-                let skipped = engine.restore_hits(saved);
-                tracing::info!(file = %path.display(), "policy hit counters restored");
-                if skipped > 0 {
-                    tracing::warn!(file = %path.display(), skipped, "saved policy hit counters with invalid names were skipped");
-                }
-            }
-            Err(reason) => {
-                tracing::warn!(file = %path.display(), %reason, "cannot load the saved policy hit counters; they start from zero");
-            }
+    let hits_writer = match hits_store::Store::for_args(&args) {
+        Some(store) => {
+            let copies = engine.save_hits_every(args.hits_save_interval);
+            Some(tasks.spawn(
+                tracing::info_span!("hits_store"),
+                hits_store::run(store, engine_tx.clone(), copies),
+            ))
         }
-        let saved = engine.save_hits_every(args.hits_save_interval);
-        tasks.spawn(
-            tracing::info_span!("hits_writer"),
-            hits_file::writer(path, saved),
-        )
-    });
+        None => {
+            if args.datastore.datastore_type == crate::args::DatastoreType::Kubernetes {
+                tracing::info!(
+                    "policy hit counters are kept in memory only with the Kubernetes datastore: a restart starts them from zero"
+                );
+            }
+            None
+        }
+    };
     let engine_task = tasks.spawn(
         tracing::info_span!("engine"),
         engine::run(engine, engine_rx, datastore_rx),

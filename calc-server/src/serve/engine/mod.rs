@@ -35,9 +35,12 @@
 //! - With a place to keep them ([`Engine::save_hits_every`]), the hit counters are copied
 //!   ([`SavedHits`]) at most once per save interval when they changed, and once more in the
 //!   step that shuts down, and handed to the writer task through a `watch` channel (latest
-//!   wins): the engine never waits on a disk. [`Engine::restore_hits`] loads them at start.
-//!   Counters are pruned only once the datastore is in sync, so restored ones are not dropped
-//!   before their policies are known.
+//!   wins): the engine never waits on a disk or a datastore. What was saved before comes in
+//!   through [`Engine::restore_hits`] (`Input::RestoreHits`), whenever the store could be read:
+//!   it is merged into what was counted meanwhile (counts add up, observation times take the
+//!   earliest), and no copy is handed over before it, so a store is never overwritten by a
+//!   server that has not read it. Counters are pruned only once the datastore is in sync, so
+//!   restored ones are not dropped before their policies are known.
 
 mod hits;
 mod realization;
@@ -46,7 +49,8 @@ mod run;
 mod tests;
 
 pub(crate) use hits::{
-    Hit, PolicySeries, SAVED_VERSION, SavedHits, UnusedPolicy, parse as parse_rule_stats,
+    Hit, PolicySeries, SAVED_VERSION, SavedCount, SavedHits, SavedSeen, UnusedPolicy,
+    parse as parse_rule_stats,
 };
 pub(crate) use realization::{FindError, PolicyRealization};
 
@@ -312,6 +316,8 @@ pub(super) enum Input {
         window: Option<std::time::Duration>,
         reply: oneshot::Sender<Vec<UnusedPolicy>>,
     },
+    /// The hit counters saved by an earlier server (empty: none), to merge into these.
+    RestoreHits(SavedHits),
     /// Close every stream (server shutting down).
     Shutdown,
 }
@@ -337,6 +343,9 @@ struct HitsSave {
     last: Option<std::time::Instant>,
     /// They changed since they were last handed over.
     due: bool,
+    /// The saved counters were merged in ([`Engine::restore_hits`]): nothing is handed over
+    /// before, so that the store is never overwritten by a copy that lacks them.
+    restored: bool,
 }
 
 /// What one step did.
@@ -458,16 +467,23 @@ impl Engine {
             every,
             last: None,
             due: false,
+            restored: false,
         });
         rx
     }
 
-    /// Loads saved hit counters (at start, before any input); returns how many entries were
-    /// skipped as invalid. Those of what is no longer in the datastore are pruned once it is in
-    /// sync.
+    /// Merges saved hit counters into those counted so far (see the module documentation);
+    /// returns how many entries were skipped as invalid. Those of what is no longer in the
+    /// datastore are pruned once it is in sync. From now on copies are handed over to be saved.
     pub(super) fn restore_hits(&mut self, saved: SavedHits) -> usize {
+        let counted_before = self.hits.entries() > 0;
         let skipped = self.hits.restore(saved);
         self.hits.take_changed();
+        if let Some(save) = &mut self.hits_save {
+            // What this server counted before the merge is not in the store yet.
+            save.due |= counted_before;
+            save.restored = true;
+        }
         self.hits_prune_due = true;
         self.hit_series_dirty = true;
         self.metrics
@@ -479,7 +495,7 @@ impl Engine {
     /// Whether changed hit counters wait for their save interval: the driver wakes to save
     /// them even without input.
     pub(super) fn wants_save_tick(&self) -> bool {
-        self.hits_save.as_ref().is_some_and(|s| s.due)
+        self.hits_save.as_ref().is_some_and(|s| s.due && s.restored)
     }
 
     /// Whether the driver should step periodically even without input: to notice drained
@@ -580,6 +596,7 @@ impl Engine {
         };
         save.due |= self.hits.take_changed();
         if !save.due
+            || !save.restored
             || (!stopping
                 && save
                     .last
@@ -776,6 +793,15 @@ impl Engine {
                 let _enter = span.enter();
                 // The asker may have given up: nothing to tell then.
                 let _ = reply.send(self.graph.answer(&request));
+            }
+            Input::RestoreHits(saved) => {
+                let skipped = self.restore_hits(saved);
+                if skipped > 0 {
+                    tracing::warn!(
+                        skipped,
+                        "saved policy hit counters with invalid names were skipped"
+                    );
+                }
             }
             Input::Shutdown => return true,
         }

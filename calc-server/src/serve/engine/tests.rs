@@ -1390,6 +1390,16 @@ fn saved_hit_counters_survive_a_restart() {
     let a = h.connect_stats("node-a");
     assert!(saved.borrow().is_none(), "nothing counted yet");
     h.hits("node-a", &a, vec![web_hit(false, 0, 3, 300)], 10);
+    assert!(
+        saved.borrow().is_none(),
+        "nothing is handed over before the store was read"
+    );
+    // The store held nothing (a first start): what was counted is handed over at once.
+    h.engine.step([Input::RestoreHits(super::SavedHits {
+        version: super::SAVED_VERSION,
+        counts: vec![],
+        seen: vec![],
+    })]);
     let first = saved
         .borrow()
         .clone()
@@ -1431,4 +1441,38 @@ fn saved_hit_counters_survive_a_restart() {
         (Some(4), Some(400), Some("2027-01-15T08:00:20Z"))
     );
     assert_eq!(h.metric("calc_server_rule_stats_entries"), "1");
+}
+
+/// A store read late (it was unreachable at start) is merged into what was counted meanwhile:
+/// counts add up, and the merged state is what is handed over next.
+#[test]
+fn saved_counters_read_late_add_to_those_counted_meanwhile() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let a = h.connect_stats("node-a");
+    h.hits("node-a", &a, vec![web_hit(false, 0, 3, 300)], 10);
+    let mut earlier = h.engine.hits.saved();
+    earlier.counts[0].packets = 40;
+    earlier.counts[0].bytes = 4_000;
+
+    let mut h = Harness::new(LIMITS);
+    let saved = h
+        .engine
+        .save_hits_every(std::time::Duration::from_secs(3600));
+    h.datastore(cluster());
+    let a = h.connect_stats("node-a");
+    h.hits("node-a", &a, vec![web_hit(false, 0, 2, 200)], 30);
+    assert!(saved.borrow().is_none());
+    h.engine.step([Input::RestoreHits(earlier)]);
+    let row = h.row("web", "GlobalNetworkPolicy");
+    assert_eq!((row.hits, row.bytes), (Some(42), Some(4_200)));
+    let handed = saved
+        .borrow()
+        .clone()
+        .expect("the merged state is handed over");
+    assert_eq!(
+        (handed.counts[0].packets, handed.counts[0].bytes),
+        (42, 4_200)
+    );
+    drop(a);
 }

@@ -1,30 +1,26 @@
-//! Where `serve` keeps the policy hit counters across a restart: `_hits.json` in the file
-//! datastore's status directory (`--status-dir`; none without one, nor for etcd or Kubernetes).
-//! The name cannot be a node's status file (`<node>.json`): a node name has no `_`.
+//! The file datastore's store of the hit counters: `_hits.json` in its status directory
+//! (`--status-dir`; none without one). The name cannot be a node's status file
+//! (`<node>.json`): a node name has no `_`.
 //!
 //! The document is the engine's [`SavedHits`] as JSON (`{"version": 1, "counts": […], "seen":
-//! […]}`). [`writer`] takes each copy the engine hands over (at most once per
-//! `--hits-save-interval` when changed, and at shutdown) and writes it off the engine: to a
-//! temporary file in the same directory, synced, then renamed, so a crash leaves the old
-//! document or the new one, never half of one. [`load`] reads it at start, bounded by
-//! [`MAX_BYTES`]; a missing file is a first start, and a document that is too large,
-//! unparsable or of another version is refused with its reason (the caller logs it and starts
-//! from zero): never fatal.
+//! […]}`). [`write_atomic`] writes a copy to a temporary file in the same directory, synced,
+//! then renamed, so a crash leaves the old document or the new one, never half of one.
+//! [`load`] reads it, bounded by [`MAX_BYTES`]; a missing file is a first start, and a document
+//! that is too large, unparsable or of another version is refused with its reason (the caller
+//! logs it and starts from zero): never fatal. [`parse`] also reads each part of the etcd
+//! store.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use tokio::sync::watch;
-
-use super::engine::{SAVED_VERSION, SavedHits};
 use crate::args::{DatastoreType, ServeArgs};
+use crate::serve::engine::{SAVED_VERSION, SavedHits};
 
 /// The document's name in the status directory.
-pub(super) const FILE_NAME: &str = "_hits.json";
+pub(crate) const FILE_NAME: &str = "_hits.json";
 
 /// Largest document read or written.
-pub(super) const MAX_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_BYTES: u64 = 64 << 20;
 
 /// Where `args`' server keeps its hit counters (`None`: nowhere; they live in memory only).
 pub(super) fn path(args: &ServeArgs) -> Option<PathBuf> {
@@ -42,7 +38,7 @@ pub(super) fn path(args: &ServeArgs) -> Option<PathBuf> {
 
 /// Why a saved document is refused.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum LoadError {
+pub(crate) enum LoadError {
     #[error("cannot read it: {0}")]
     Read(#[source] std::io::Error),
     #[error("it is larger than {MAX_BYTES} bytes")]
@@ -73,7 +69,7 @@ pub(super) fn load(path: &Path) -> Result<Option<SavedHits>, LoadError> {
 }
 
 /// A document's bytes, checked: JSON, its version, then its shape.
-fn parse(body: &[u8]) -> Result<SavedHits, LoadError> {
+pub(super) fn parse(body: &[u8]) -> Result<SavedHits, LoadError> {
     #[derive(serde::Deserialize)]
     struct Head {
         version: u32,
@@ -86,7 +82,7 @@ fn parse(body: &[u8]) -> Result<SavedHits, LoadError> {
 }
 
 /// Writes `doc` to `path` atomically (temporary file in the same directory, synced, renamed).
-fn write_atomic(path: &Path, doc: &SavedHits) -> std::io::Result<()> {
+pub(super) fn write_atomic(path: &Path, doc: &SavedHits) -> std::io::Result<()> {
     let body = serde_json::to_vec(doc).map_err(std::io::Error::other)?;
     if body.len() as u64 > MAX_BYTES {
         return Err(std::io::Error::other(format!(
@@ -106,42 +102,11 @@ fn write_atomic(path: &Path, doc: &SavedHits) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// Writes each copy of the counters the engine hands over until it is gone (after its last,
-/// at shutdown). A failing write is logged once when it starts failing and once when it
-/// recovers; the next copy is a whole document again.
-pub(super) async fn writer(path: PathBuf, mut rx: watch::Receiver<Option<Arc<SavedHits>>>) {
-    let mut failing = false;
-    while rx.changed().await.is_ok() {
-        let Some(doc) = rx.borrow_and_update().clone() else {
-            continue;
-        };
-        let to = path.clone();
-        let result = tokio::task::spawn_blocking(move || write_atomic(&to, &doc))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-        match result {
-            Err(error) => {
-                if !failing {
-                    tracing::error!(%error, file = %path.display(),
-                        "cannot save the policy hit counters; a restart would start them from \
-                         what was last saved (retrying with the next change)");
-                }
-                failing = true;
-            }
-            Ok(()) if failing => {
-                failing = false;
-                tracing::info!(file = %path.display(), "saving the policy hit counters again");
-            }
-            Ok(()) => {}
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn doc() -> SavedHits {
+    pub(crate) fn doc() -> SavedHits {
         serde_json::from_value(serde_json::json!({
             "version": 1,
             "counts": [{
@@ -199,20 +164,5 @@ mod tests {
             refused(&big),
             format!("it is larger than {MAX_BYTES} bytes")
         );
-    }
-
-    #[tokio::test]
-    async fn the_writer_saves_the_last_copy_before_the_engine_goes() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(FILE_NAME);
-        let (tx, rx) = watch::channel(None);
-        let task = tokio::spawn(writer(path.clone(), rx));
-        let mut last = doc();
-        last.counts[0].packets = 99;
-        tx.send(Some(Arc::new(doc()))).unwrap();
-        tx.send(Some(Arc::new(last.clone()))).unwrap();
-        drop(tx);
-        task.await.unwrap();
-        assert_eq!(load(&path).unwrap(), Some(last));
     }
 }

@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 mod saved;
 mod unused;
 
-pub(crate) use saved::{SAVED_VERSION, SavedHits};
+pub(crate) use saved::{SAVED_VERSION, SavedCount, SavedHits, SavedSeen};
 pub(super) use unused::Candidate;
 pub(crate) use unused::UnusedPolicy;
 

@@ -1,11 +1,14 @@
-//! Persistence of the hit counters: the document `serve` keeps on disk across a restart.
+//! Persistence of the hit counters: the document `serve` keeps across a restart (in the status
+//! directory, or in etcd as parts).
 //!
 //! Contract:
 //! - [`Hits::saved`] copies the counters, observation times and totals by action into a
 //!   [`SavedHits`] (versioned JSON, [`SAVED_VERSION`]), sorted so that equal state saves equal
 //!   bytes; `serve` writes it off the engine. What a stream was sent is never saved (streams
 //!   do not outlive the process). Times are milliseconds since the Unix epoch.
-//! - [`Hits::restore`] adds one back at start. The file is untrusted: entries with an owner no
+//! - [`Hits::restore`] merges one into what is counted (counts and totals add up, each rule's
+//!   observation time is the earlier of the two), whenever the store could be read: before
+//!   the first report or after some. The document is untrusted: entries with an owner no
 //!   agent report could name, a node that is no id, or a verdict with a rule index are
 //!   skipped and counted. Restored entries of policies, profiles, tiers and nodes gone from the
 //!   datastore are pruned like any others.
@@ -176,8 +179,12 @@ impl Hits {
                 .iter_mut()
                 .zip([s.ingress_since_ms, s.egress_since_ms])
             {
-                if since.is_empty() {
-                    *since = saved.into_iter().map(from_ms).collect();
+                // Each rule's earliest observation, here or in the saved copy.
+                for (i, t) in saved.into_iter().map(from_ms).enumerate() {
+                    match since.get_mut(i) {
+                        Some(s) => *s = (*s).min(t),
+                        None => since.push(t),
+                    }
                 }
             }
             for (t, (p, b)) in seen.by_action.iter_mut().zip(s.by_action) {
