@@ -116,6 +116,10 @@ pub struct KubeServeArgs {
     /// sent; 0 disables). Watches already re-list on 410 Gone and after errors.
     #[arg(long, env = "CALC_SERVER_KUBE_RESYNC_INTERVAL", default_value = "30m", value_parser = parse_duration)]
     pub kube_resync_interval: Duration,
+    /// Namespace of the ConfigMaps that keep the policy hit counters across a restart
+    /// (default: the client's namespace, the pod's own in a cluster).
+    #[arg(long, env = "CALC_SERVER_HITS_NAMESPACE")]
+    pub hits_namespace: Option<String>,
 }
 
 impl KubeArgs {
@@ -212,7 +216,8 @@ pub struct ServeArgs {
     pub status_interval: Duration,
     /// How often changed policy hit counters are saved (also once at shutdown), so a restart
     /// keeps them: file datastore to `_hits.json` in the status directory (none without one),
-    /// etcd under `/calico/calc-server/v1/hits/`. Kubernetes: not saved.
+    /// etcd under `/calico/calc-server/v1/hits/`, Kubernetes as ConfigMaps labelled
+    /// `calc-server.projectcalico.org/hits=v1` (see --hits-namespace).
     #[arg(long, env = "CALC_SERVER_HITS_SAVE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub hits_save_interval: Duration,
     /// etcd watch and status settings (for `--datastore-type etcdv3`).

@@ -105,23 +105,13 @@ async fn serve_with(
         tasks,
     )
     .await?;
-    let hits_writer = match hits_store::Store::for_args(&args) {
-        Some(store) => {
-            let copies = engine.save_hits_every(args.hits_save_interval);
-            Some(tasks.spawn(
-                tracing::info_span!("hits_store"),
-                hits_store::run(store, engine_tx.clone(), copies),
-            ))
-        }
-        None => {
-            if args.datastore.datastore_type == crate::args::DatastoreType::Kubernetes {
-                tracing::info!(
-                    "policy hit counters are kept in memory only with the Kubernetes datastore: a restart starts them from zero"
-                );
-            }
-            None
-        }
-    };
+    let hits_writer = hits_store::Store::for_args(&args).map(|store| {
+        let copies = engine.save_hits_every(args.hits_save_interval);
+        tasks.spawn(
+            tracing::info_span!("hits_store"),
+            hits_store::run(store, engine_tx.clone(), copies),
+        )
+    });
     let engine_task = tasks.spawn(
         tracing::info_span!("engine"),
         engine::run(engine, engine_rx, datastore_rx),

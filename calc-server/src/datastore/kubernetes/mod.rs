@@ -129,21 +129,23 @@ mod tests {
         let text = std::fs::read_to_string(path).expect("read the RBAC manifest");
         // Our own manifest's shape: `- apiGroups: ["g"]`, then `resources:` items, then verbs.
         let mut granted: Vec<(String, String)> = Vec::new();
+        let mut pending: Vec<(String, String)> = Vec::new();
         let mut group = None;
         for line in text.lines().map(str::trim) {
             if let Some(g) = line.strip_prefix("- apiGroups: [") {
                 group = Some(g.trim_end_matches(']').trim_matches('"').to_string());
             } else if let (Some(g), Some(list)) = (&group, line.strip_prefix("resources: [")) {
                 for res in list.trim_end_matches(']').split(',') {
-                    granted.push((g.clone(), res.trim().trim_matches('"').to_string()));
+                    pending.push((g.clone(), res.trim().trim_matches('"').to_string()));
                 }
             } else if let (Some(g), Some(res)) = (&group, line.strip_prefix("- ")) {
-                granted.push((g.clone(), res.to_string()));
+                pending.push((g.clone(), res.to_string()));
             } else if line.starts_with("verbs:") {
-                assert!(
-                    line.contains("\"list\"") && line.contains("\"watch\""),
-                    "{line}"
-                );
+                // Only a rule that may list and watch counts for a watched collection.
+                if line.contains("\"list\"") && line.contains("\"watch\"") {
+                    granted.append(&mut pending);
+                }
+                pending.clear();
                 group = None;
             }
         }
@@ -154,5 +156,12 @@ mod tests {
                 "{path} does not grant list/watch on {source}"
             );
         }
+        // The hit counters' ConfigMaps: in the server's namespace only, never cluster-wide.
+        assert!(
+            text.contains("kind: Role\n")
+                && text.contains("resources: [\"configmaps\"]")
+                && text.contains("verbs: [\"list\", \"create\", \"patch\", \"delete\"]"),
+            "{path} grants the hit counters' ConfigMaps"
+        );
     }
 }

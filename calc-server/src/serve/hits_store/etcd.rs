@@ -81,18 +81,7 @@ impl EtcdStore {
 
     /// Writes what changed in `doc` since the parts were last read or written here.
     pub(crate) async fn write(&mut self, doc: &SavedHits) -> anyhow::Result<()> {
-        let now = parts::split(doc);
-        let mut ops: Vec<(String, Option<Vec<u8>>)> = now
-            .iter()
-            .filter(|(name, body)| self.known.get(*name) != Some(*body))
-            .map(|(name, body)| (name.clone(), Some(body.clone())))
-            .collect();
-        ops.extend(
-            self.known
-                .keys()
-                .filter(|name| !now.contains_key(*name))
-                .map(|name| (name.clone(), None)),
-        );
+        let ops = parts::changes(&self.known, &parts::split(doc));
         if ops.is_empty() {
             return Ok(());
         }

@@ -1,7 +1,7 @@
 //! Where `serve` keeps the policy hit counters across a restart and a fail-over, by datastore:
 //! - the file datastore: `_hits.json` in the status directory ([`file`]; none without one);
 //! - etcd: parts under [`etcd::PREFIX`] in the same etcd ([`etcd`], [`parts`]);
-//! - Kubernetes: nowhere yet (the counters live in memory only; said at start).
+//! - Kubernetes: the same parts as labelled ConfigMaps in the server's namespace ([`kube`]).
 //!
 //! Contract ([`run`]): the store is read first, retried while it cannot be reached (a store
 //! that answers with a damaged document is not retried: what it held is named and left out),
@@ -13,6 +13,7 @@
 
 pub(super) mod etcd;
 pub(super) mod file;
+pub(super) mod kube;
 pub(super) mod parts;
 
 use std::path::PathBuf;
@@ -30,6 +31,7 @@ use crate::args::{DatastoreType, ServeArgs};
 pub(super) enum Store {
     File(PathBuf),
     Etcd(Box<etcd::EtcdStore>),
+    Kube(Box<kube::KubeStore>),
 }
 
 /// Why a store could not be read.
@@ -51,7 +53,10 @@ impl Store {
             DatastoreType::Etcdv3 => Some(Store::Etcd(Box::new(etcd::EtcdStore::new(
                 args.datastore.etcd.clone(),
             )))),
-            DatastoreType::Kubernetes => None,
+            DatastoreType::Kubernetes => Some(Store::Kube(Box::new(kube::KubeStore::new(
+                args.datastore.kube.clone(),
+                args.kube.hits_namespace.clone(),
+            )))),
         }
     }
 
@@ -60,6 +65,7 @@ impl Store {
         match self {
             Store::File(path) => path.display().to_string(),
             Store::Etcd(_) => format!("etcd {}", etcd::PREFIX),
+            Store::Kube(store) => store.describe(),
         }
     }
 
@@ -74,6 +80,7 @@ impl Store {
                     .map_err(LoadError::Refused)
             }
             Store::Etcd(store) => store.load().await.map_err(LoadError::Unreachable),
+            Store::Kube(store) => store.load().await.map_err(LoadError::Unreachable),
         }
     }
 
@@ -85,6 +92,7 @@ impl Store {
                 Ok(())
             }
             Store::Etcd(store) => store.write(&doc).await,
+            Store::Kube(store) => store.write(&doc).await,
         }
     }
 }

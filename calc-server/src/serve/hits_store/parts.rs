@@ -103,6 +103,27 @@ pub(crate) fn split(doc: &SavedHits) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// What brings a store that holds `known` to `now`: a put for each part whose bytes differ,
+/// a delete (`None`) for each known part that `now` no longer has. Parts the store may hold
+/// but that are not `known` (another replica's) are left alone.
+pub(crate) fn changes(
+    known: &BTreeMap<String, Vec<u8>>,
+    now: &BTreeMap<String, Vec<u8>>,
+) -> Vec<(String, Option<Vec<u8>>)> {
+    let mut ops: Vec<(String, Option<Vec<u8>>)> = now
+        .iter()
+        .filter(|(name, body)| known.get(*name) != Some(*body))
+        .map(|(name, body)| (name.clone(), Some(body.clone())))
+        .collect();
+    ops.extend(
+        known
+            .keys()
+            .filter(|name| !now.contains_key(*name))
+            .map(|name| (name.clone(), None)),
+    );
+    ops
+}
+
 /// The document the parts hold together, and one line per part left out (see the module
 /// documentation).
 pub(crate) fn join<'a>(
@@ -230,7 +251,8 @@ mod tests {
         assert_eq!(split(&d), parts, "equal state, equal parts");
     }
 
-    /// One node's new counts rewrite that node's parts only.
+    /// One node's new counts rewrite that node's parts only; a node folded into the departed
+    /// ones deletes its parts; parts nobody here knew of are left alone.
     #[test]
     fn a_change_on_one_node_touches_its_parts_only() {
         let d = doc(3, 10);
@@ -241,8 +263,28 @@ mod tests {
             }
         }
         let (a, b) = (split(&d), split(&changed));
-        let differ: Vec<&String> = a.keys().filter(|k| a.get(*k) != b.get(*k)).collect();
-        assert_eq!(differ, ["counts/node-2/0"]);
+        let names = |ops: Vec<(String, Option<Vec<u8>>)>| -> Vec<(String, bool)> {
+            ops.into_iter().map(|(n, b)| (n, b.is_some())).collect()
+        };
+        assert_eq!(names(changes(&a, &b)), [("counts/node-2/0".into(), true)]);
+        assert!(changes(&b, &b).is_empty());
+        let mut folded = changed.clone();
+        for c in folded.counts.iter_mut() {
+            if c.node.as_deref() == Some("node-2") {
+                c.node = None;
+                c.index = 1;
+            }
+        }
+        let mut known = b.clone();
+        known.remove("counts/node-1/0");
+        assert_eq!(
+            names(changes(&known, &split(&folded))),
+            [
+                ("counts/node-1/0".into(), true),
+                ("departed/0".into(), true),
+                ("counts/node-2/0".into(), false)
+            ]
+        );
     }
 
     /// A damaged part is named and left out; an entry found twice (an old part a crash left

@@ -1,0 +1,194 @@
+//! The Kubernetes store of the hit counters: each [`part`](super::parts) of the saved document
+//! is a ConfigMap in the server's namespace (`--hits-namespace`, else the client's default: the
+//! pod's own namespace in a cluster), named `calc-server-hits-<hash of the part name>`, with the
+//! label [`LABEL`]`=v1`, the part's name in the annotation [`PART_ANNOTATION`] and the document
+//! in `data["hits.json"]`.
+//!
+//! Contract: as the etcd store ([`super::etcd`]): [`KubeStore::load`] lists the labelled
+//! ConfigMaps and joins their parts (a ConfigMap without the annotation or the data is named and
+//! left out); [`KubeStore::write`] applies (server-side apply, field manager `calc-server`) only
+//! the parts whose bytes changed since this server last read or wrote them and deletes only
+//! those it knew that are gone. A part is at most 256 KiB, well under a ConfigMap's 1 MiB. A
+//! failed call leaves what it did not do to the next copy.
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams,
+};
+
+use super::parts;
+use crate::args::KubeArgs;
+use crate::serve::engine::SavedHits;
+
+/// The label every part carries (value `v1`), by which they are listed.
+pub(crate) const LABEL: &str = "calc-server.projectcalico.org/hits";
+/// The annotation holding the part's name.
+pub(crate) const PART_ANNOTATION: &str = "calc-server.projectcalico.org/part";
+/// The data key holding the part's document.
+const DATA_KEY: &str = "hits.json";
+
+fn config_maps() -> ApiResource {
+    ApiResource {
+        group: String::new(),
+        version: "v1".into(),
+        api_version: "v1".into(),
+        kind: "ConfigMap".into(),
+        plural: "configmaps".into(),
+    }
+}
+
+/// `calc-server-hits-<16 hex digits>`: a valid object name whatever the part's name holds.
+pub(crate) fn object_name(part: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in part.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("calc-server-hits-{h:016x}")
+}
+
+pub(crate) struct KubeStore {
+    args: KubeArgs,
+    namespace: Option<String>,
+    api: Option<Api<DynamicObject>>,
+    /// The parts as this server last read or wrote them, by name.
+    known: BTreeMap<String, Vec<u8>>,
+}
+
+impl KubeStore {
+    pub(crate) fn new(args: KubeArgs, namespace: Option<String>) -> KubeStore {
+        KubeStore {
+            args,
+            namespace,
+            api: None,
+            known: BTreeMap::new(),
+        }
+    }
+
+    /// Where the parts live, for logs.
+    pub(crate) fn describe(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("ConfigMaps {LABEL}=v1 in namespace {ns}"),
+            None => format!("ConfigMaps {LABEL}=v1 in the client's namespace"),
+        }
+    }
+
+    async fn api(&mut self) -> anyhow::Result<Api<DynamicObject>> {
+        if let Some(api) = &self.api {
+            return Ok(api.clone());
+        }
+        let client = crate::datastore::kubernetes::client(&self.args).await?;
+        let ns = self
+            .namespace
+            .clone()
+            .unwrap_or_else(|| client.default_namespace().to_string());
+        let api = Api::namespaced_with(client, &ns, &config_maps());
+        self.api = Some(api.clone());
+        Ok(api)
+    }
+
+    /// The saved document (`None`: no parts, a first start). `Err`: the API did not answer.
+    pub(crate) async fn load(&mut self) -> anyhow::Result<Option<SavedHits>> {
+        let api = self.api().await?;
+        let list = api
+            .list(&ListParams::default().labels(&format!("{LABEL}=v1")))
+            .await
+            .context("listing the saved hit counters")?;
+        let mut found = BTreeMap::new();
+        for cm in list.items {
+            let object = cm.metadata.name.clone().unwrap_or_default();
+            let part = cm
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(PART_ANNOTATION))
+                .cloned();
+            let body = cm.data["data"][DATA_KEY].as_str().map(str::to_owned);
+            match (part, body) {
+                (Some(part), Some(body)) if object_name(&part) == object => {
+                    found.insert(part, body.into_bytes());
+                }
+                _ => tracing::warn!(
+                    configmap = %object,
+                    "a ConfigMap labelled as saved policy hit counters has no part name matching its \
+                     name or no {DATA_KEY}; left out"
+                ),
+            }
+        }
+        if found.is_empty() {
+            return Ok(None);
+        }
+        let (doc, problems) = parts::join(found.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
+        for problem in problems {
+            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
+        }
+        self.known = found;
+        Ok(Some(doc))
+    }
+
+    /// Writes what changed in `doc` since the parts were last read or written here.
+    pub(crate) async fn write(&mut self, doc: &SavedHits) -> anyhow::Result<()> {
+        let ops = parts::changes(&self.known, &parts::split(doc));
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let api = self.api().await?;
+        let apply = PatchParams::apply("calc-server").force();
+        for (part, body) in ops {
+            let name = object_name(&part);
+            match &body {
+                Some(b) => {
+                    let mut object = DynamicObject::new(&name, &config_maps());
+                    object.metadata = ObjectMeta {
+                        name: Some(name.clone()),
+                        labels: Some([(LABEL.to_string(), "v1".to_string())].into()),
+                        annotations: Some([(PART_ANNOTATION.to_string(), part.clone())].into()),
+                        ..ObjectMeta::default()
+                    };
+                    object.data = serde_json::json!({
+                        "data": { DATA_KEY: String::from_utf8_lossy(b) }
+                    });
+                    api.patch(&name, &apply, &Patch::Apply(&object))
+                        .await
+                        .with_context(|| format!("saving ConfigMap {name} (part {part})"))?;
+                }
+                None => match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.is_not_found() => {}
+                    Err(e) => {
+                        return Err(e)
+                            .with_context(|| format!("deleting ConfigMap {name} (part {part})"));
+                    }
+                },
+            }
+            match body {
+                Some(b) => self.known.insert(part, b),
+                None => self.known.remove(&part),
+            };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Object names are valid DNS labels whatever the part name holds, and distinct per part.
+    #[test]
+    fn object_names_are_valid_and_distinct() {
+        let a = object_name("counts/node-1/0");
+        let b = object_name("counts/node-1/1");
+        assert_ne!(a, b);
+        for n in [a, b, object_name("counts/a%2fb\u{7}/0")] {
+            assert!(n.len() <= 63, "{n}");
+            assert!(
+                n.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                "{n}"
+            );
+        }
+    }
+}
