@@ -541,6 +541,11 @@ pub struct StatusArgs {
     /// egress): its action, packets, bytes, last hit and the nodes where it matched.
     #[arg(long, env = "CALC_SERVER_STATUS_POLICY")]
     pub policy: Option<String>,
+    /// One line per verdict of the dataplane's own that counted packets (a tier's end, no
+    /// profile matched, the default action of forwarded traffic, failsafe ports) and direction:
+    /// VERDICT TIER DIRECTION ACTION PACKETS BYTES LAST-HIT NODES, from the agents' hit counts.
+    #[arg(long, env = "CALC_SERVER_STATUS_VERDICTS", conflicts_with_all = ["policy", "policies"])]
+    pub verdicts: bool,
 }
 
 // `calc-server policies`.

@@ -1,6 +1,7 @@
 //! `calc-server status --server ADDR`: asks a running server's admin endpoint for its nodes and
 //! prints them as a table (or the raw JSON); with `--policies` / `--policy NAME`, where policies
-//! are in force.
+//! are in force and what their rules matched; with `--verdicts`, what the dataplane's own
+//! verdicts (a tier's end …) counted.
 //!
 //! The request itself (HTTP or HTTPS, client certificate, token) is `crate::admin_client`.
 
@@ -168,6 +169,53 @@ fn policy_detail(r: &serde_json::Value) -> String {
     out
 }
 
+const VERDICT_HEADER: [&str; 8] = [
+    "VERDICT",
+    "TIER",
+    "DIRECTION",
+    "ACTION",
+    "PACKETS",
+    "BYTES",
+    "LAST-HIT",
+    "NODES",
+];
+const VERDICT_RIGHT: [bool; 8] = [false, false, false, false, true, true, false, false];
+
+/// `/status/verdicts` as a table: `-` for a verdict without a tier; a server that counted no
+/// verdict says so instead of printing an empty table.
+fn verdict_table(rows: &[serde_json::Value]) -> String {
+    if rows.is_empty() {
+        return "no verdict of the dataplane's own has counted a packet yet\n".into();
+    }
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let text = |k: &str| r[k].as_str().unwrap_or("-").to_string();
+            let nodes: Vec<&str> = r["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(serde_json::Value::as_str)
+                .collect();
+            vec![
+                text("verdict"),
+                text("tier"),
+                text("direction"),
+                text("action"),
+                r["packets"].as_u64().unwrap_or_default().to_string(),
+                r["bytes"].as_u64().unwrap_or_default().to_string(),
+                r["last_hit"].as_str().unwrap_or("never").to_string(),
+                if nodes.is_empty() {
+                    "-".into()
+                } else {
+                    nodes.join(",")
+                },
+            ]
+        })
+        .collect();
+    table(&VERDICT_HEADER, &cells, &VERDICT_RIGHT)
+}
+
 /// `[NAMESPACE/]NAME`'s `/status/policies` path.
 fn policy_path(name: &str) -> String {
     format!("/status/policies/{}", url_escape(name))
@@ -175,6 +223,7 @@ fn policy_path(name: &str) -> String {
 
 pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     let path = match (&args.policy, args.policies) {
+        _ if args.verdicts => "/status/verdicts".to_string(),
         (Some(name), _) => policy_path(name),
         (None, true) => "/status/policies".to_string(),
         (None, false) => "/status".to_string(),
@@ -183,6 +232,10 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     let text = if args.json {
         format!("{body}\n")
+    } else if args.verdicts {
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&body).context("decoding /status/verdicts")?;
+        verdict_table(&rows)
     } else if args.policy.is_some() {
         policy_detail(&serde_json::from_str(&body).context("decoding the policy's status")?)
     } else if args.policies {
@@ -205,6 +258,30 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<ExitCode> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn verdicts_print_one_line_each() {
+        let rows = [
+            json!({"verdict": "end-of-tier", "tier": "security", "direction": "ingress",
+                   "action": "deny", "packets": 1204, "bytes": 96320,
+                   "last_hit": "2026-11-24T10:04:10Z", "nodes": ["node-1", "node-2"]}),
+            json!({"verdict": "failsafe", "tier": null, "direction": "ingress",
+                   "action": "allow", "packets": 3, "bytes": 180, "last_hit": null,
+                   "nodes": []}),
+        ];
+        assert_eq!(
+            verdict_table(&rows),
+            "\
+VERDICT      TIER      DIRECTION  ACTION  PACKETS  BYTES  LAST-HIT              NODES
+end-of-tier  security  ingress    deny       1204  96320  2026-11-24T10:04:10Z  node-1,node-2
+failsafe     -         ingress    allow         3    180  never                 -
+"
+        );
+        assert_eq!(
+            verdict_table(&[]),
+            "no verdict of the dataplane's own has counted a packet yet\n"
+        );
+    }
 
     #[test]
     fn columns_line_up_whatever_the_widths() {

@@ -16,12 +16,13 @@ use integration::https::{self, Client};
 use integration::{Agent, Server, binary, example_datastore, free_port, http_get, metric};
 
 /// The paths that show the cluster's policy, endpoints or nodes.
-const SENSITIVE: [&str; 8] = [
+const SENSITIVE: [&str; 9] = [
     "/status",
     "/status/datastore",
     "/status/policies",
     "/status/policies/block-threat-feed",
     "/status/unused?since=3600",
+    "/status/verdicts",
     "/explain?policy=block-threat-feed",
     "/explain?endpoint=shop/web-1",
     "/explain?from=shop/web-1&to=shop/api-1&port=8080",

@@ -4,6 +4,8 @@
 //! policy is in force, from the engine's realization tracking, with hit counts; one policy's
 //! per rule), `/status/unused[?since=SECONDS]` (JSON: the policies and profiles in force whose
 //! rules nothing matched within the window, and those not observed long enough to tell),
+//! `/status/verdicts` (JSON: the dataplane's own verdicts, a tier's end and so on, that counted
+//! packets),
 //! `/liveness`, `/readiness` (200
 //! once the datastore is loaded, 503 before; the body names the invalid objects that have no
 //! last good version, a degraded condition that does not take the server out of service),
@@ -13,7 +15,7 @@
 //!
 //! Access: the probes and `/metrics` are open; every other path passes [`AdminAccess`] first
 //! (401/403 otherwise). Cost: questions to the engine (`/explain`, `/status/policies…`,
-//! `/status/unused`) hold
+//! `/status/unused`, `/status/verdicts`) hold
 //! one of `--admin-max-concurrent-queries` slots until the engine answers (429 when none is
 //! free), wait at most `--admin-query-timeout` (503), and no JSON answer above
 //! `--admin-max-response-bytes` is sent (413): a flood of questions queues at most that many
@@ -340,6 +342,13 @@ async fn unused(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Respo
     }
 }
 
+async fn verdicts(State(s): State<AdminState>) -> Response {
+    match ask(&s, |reply| super::engine::Input::Verdicts { reply }).await {
+        Ok(rows) => json_answer(&s, StatusCode::OK, &rows),
+        Err(answer) => answer,
+    }
+}
+
 async fn policies(State(s): State<AdminState>) -> Response {
     realization(&s, None).await
 }
@@ -396,6 +405,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/status/policies", get(policies))
         .route("/status/policies/{*name}", get(policy))
         .route("/status/unused", get(unused))
+        .route("/status/verdicts", get(verdicts))
         .route("/explain", get(explain))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
     axum::Router::new()

@@ -49,7 +49,7 @@ mod run;
 mod tests;
 
 pub(crate) use hits::{
-    Hit, PolicySeries, SAVED_VERSION, SavedCount, SavedHits, SavedSeen, UnusedPolicy,
+    Hit, PolicySeries, SAVED_VERSION, SavedCount, SavedHits, SavedSeen, UnusedPolicy, VerdictHits,
     parse as parse_rule_stats,
 };
 pub(crate) use realization::{FindError, PolicyRealization};
@@ -315,6 +315,10 @@ pub(super) enum Input {
     Unused {
         window: Option<std::time::Duration>,
         reply: oneshot::Sender<Vec<UnusedPolicy>>,
+    },
+    /// The dataplane's own verdicts that counted something (`/status/verdicts`).
+    Verdicts {
+        reply: oneshot::Sender<Vec<VerdictHits>>,
     },
     /// The hit counters saved by an earlier server (empty: none), to merge into these.
     RestoreHits(SavedHits),
@@ -787,6 +791,9 @@ impl Engine {
             }
             Input::Unused { window, reply } => {
                 let _ = reply.send(self.unused(window));
+            }
+            Input::Verdicts { reply } => {
+                let _ = reply.send(self.hits.verdicts());
             }
             Input::Explain { request, reply } => {
                 let span = tracing::debug_span!("explain");

@@ -47,10 +47,12 @@ use serde::{Deserialize, Serialize};
 
 mod saved;
 mod unused;
+mod verdicts;
 
 pub(crate) use saved::{SAVED_VERSION, SavedCount, SavedHits, SavedSeen};
 pub(super) use unused::Candidate;
 pub(crate) use unused::UnusedPolicy;
+pub(crate) use verdicts::VerdictHits;
 
 /// Most hits one `RuleStats` may carry.
 pub(crate) const MAX_HITS_PER_REPORT: usize = 4096;
