@@ -211,6 +211,11 @@ pub struct ServeArgs {
     /// Accept agents for nodes the datastore does not know (they get config and InSync only).
     #[arg(long, env = "CALC_SERVER_ALLOW_UNKNOWN_NODES")]
     pub allow_unknown_nodes: bool,
+    /// Export the per-policy hit totals on /metrics (`calc_server_policy_hits_*`, labelled with
+    /// tier, policy, kind and action). /metrics is open to whoever reaches the admin port; set
+    /// false to keep policy names off it (the admin /status paths still show the counts).
+    #[arg(long, env = "CALC_SERVER_POLICY_HIT_METRICS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub policy_hit_metrics: bool,
     /// How often changed endpoint status is written to the datastore.
     #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_interval: Duration,

@@ -126,6 +126,8 @@ struct Live {
     realization: Mutex<BTreeMap<String, (u64, u64, u64)>>,
     /// Per policy and profile and action: packets and bytes its rules matched, on every node.
     policy_hits: Mutex<Vec<PolicySeries>>,
+    /// `--policy-hit-metrics=false`: the series are not exported.
+    policy_hits_hidden: std::sync::atomic::AtomicBool,
     rejections: Arc<Rejections>,
     /// What the datastore adapter reports as unusable.
     unusable: Arc<Unusable>,
@@ -244,9 +246,25 @@ impl Metrics {
         *self.live.realization.lock() = tiers;
     }
 
-    /// The per-policy hit totals, as the engine last published them (sorted).
+    /// The per-policy hit totals, as the engine last published them (sorted); nothing once
+    /// [`Metrics::hide_policy_hits`] was called.
     pub(crate) fn set_policy_hits(&self, series: Vec<PolicySeries>) {
+        if self
+            .live
+            .policy_hits_hidden
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
         *self.live.policy_hits.lock() = series;
+    }
+
+    /// Keeps the per-policy hit totals (and so policy names) off `/metrics`.
+    pub(crate) fn hide_policy_hits(&self) {
+        self.live
+            .policy_hits_hidden
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.live.policy_hits.lock().clear();
     }
 
     pub fn agent_connected(
@@ -488,6 +506,31 @@ mod tests {
             let value = line.rsplit(' ').next().unwrap();
             assert!(value.parse::<f64>().is_ok(), "{line}");
         }
+    }
+
+    /// `--policy-hit-metrics=false` keeps policy names off `/metrics`, whatever the engine
+    /// publishes afterwards.
+    #[test]
+    fn policy_hit_series_can_be_kept_off_metrics() {
+        let m = Metrics::default();
+        let series = || {
+            vec![PolicySeries {
+                tier: "security".into(),
+                policy: "block-threat-feed".into(),
+                kind: "GlobalNetworkPolicy".into(),
+                action: "deny",
+                packets: 7,
+                bytes: 700,
+            }]
+        };
+        m.set_policy_hits(series());
+        assert!(m.render(true).contains(
+            "calc_server_policy_hits_packets_total{tier=\"security\",policy=\"block-threat-feed\",kind=\"GlobalNetworkPolicy\",action=\"deny\"} 7\n"
+        ));
+        m.hide_policy_hits();
+        m.set_policy_hits(series());
+        let text = m.render(true);
+        assert!(!text.contains("block-threat-feed"), "{text}");
     }
 
     /// `/metrics` with 5,000 agents connected: one lag series each, whole and well-formed. It

@@ -83,6 +83,9 @@ async fn serve_with(
 ) -> anyhow::Result<ExitCode> {
     let board = Arc::new(status::Board::default());
     let metrics = Arc::new(metrics::Metrics::default());
+    if !args.policy_hit_metrics {
+        metrics.hide_policy_hits();
+    }
     let ready = Arc::new(AtomicBool::new(false));
     let (engine_tx, engine_rx) = mpsc::channel(1024);
     let (sink, datastore_rx): (crate::datastore::Sink, _) = mpsc::channel(64);
