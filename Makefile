@@ -1,7 +1,7 @@
 # The two commands a new user runs: `make demo` and `make test`. See README.md.
 CARGO ?= cargo
 
-.PHONY: deps build test demo bench bench-calc bench-sync lint fmt clean fresh-check images demo-containers
+.PHONY: deps build test demo bench bench-calc bench-sync bench-stats lint fmt clean fresh-check images demo-containers
 
 ## deps: install the missing system packages (idempotent; apt-get update first), then check that
 ## every tool and file the build and the tests read is present (scripts/deps.sh lists them)
@@ -47,6 +47,11 @@ bench-calc: deps
 ## bench-sync: only the 1,000-agent Sync benchmark: prints `sync 1000 agents: in sync … s, rss above idle … MiB`
 bench-sync: deps
 	./scripts/bench.sh sync
+
+## bench-stats: the same 1,000 agents each sending a RuleStats report every second: prints
+## `stats 1000 agents: reports … /s, cpu … % of a core (… µs/report, … ns/hit), rss above in-sync … MiB, entries …`
+bench-stats: deps
+	./scripts/bench.sh stats
 
 ## lint: formatting and clippy, warnings are errors
 lint: deps

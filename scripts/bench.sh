@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
-#   scripts/bench.sh [all|calc|sync]   (make bench, make bench-calc, make bench-sync)
-# calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream.
+#   scripts/bench.sh [all|calc|sync|stats]   (make bench, make bench-calc, make bench-sync, make bench-stats)
+# calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream;
+# stats: the same 1,000 agents reporting rule stats every second (STATS_SECONDS, default 20).
 # all adds the churn, the Linux driver and the label flip to the kernel (the last two as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-case "$MODE" in all|calc|sync) ;; *) echo "usage: $0 [all|calc|sync]" >&2; exit 2 ;; esac
+case "$MODE" in all|calc|sync|stats) ;; *) echo "usage: $0 [all|calc|sync|stats]" >&2; exit 2 ;; esac
 cargo build --release -p calc-server -p bench-tools -p calc-graph --benches --bins >/dev/null 2>&1 || cargo build --release -p calc-server -p bench-tools
 BIN=./target/release/calc-server
 BENCH=./target/release/calc-bench
@@ -24,7 +25,7 @@ run() { # name nodes eps policies namespaces
   echo; echo "== calculation graph: $2 nodes x $3 endpoints, $4 policies, $5 namespaces"
   "$BENCH" bench --file-dir "$dir" | tee "$WORK/$1.out"
 }
-if [ "$MODE" != sync ]; then
+if [ "$MODE" = all ] || [ "$MODE" = calc ]; then
   run c10k 100 100 1000 100
   run c100k 100 1000 1000 100
   a=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c10k.out")
@@ -34,21 +35,32 @@ if [ "$MODE" != sync ]; then
 fi
 [ "$MODE" = calc ] && exit 0
 
-echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
-"$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
 PORT=${BENCH_GRPC_PORT:-50771}
-"$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
-  --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/serve.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null' EXIT
-for _ in $(seq 100); do
-  "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
-  sleep 0.1
-done
-"$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20 \
-  --admin "127.0.0.1:$((PORT + 1))"
-[ "$MODE" = sync ] && exit 0
-kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+SERVER=
+trap '[ -n "$SERVER" ] && kill $SERVER 2>/dev/null' EXIT
+"$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
+sync_bench() { # extra bench-sync flags
+  "$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
+    --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/serve.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 100); do
+    "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  "$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20 \
+    --admin "127.0.0.1:$((PORT + 1))" "$@"
+  kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+  SERVER=
+}
+if [ "$MODE" != stats ]; then
+  echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
+  sync_bench
+fi
+if [ "$MODE" != sync ]; then
+  echo; echo "== Rule stats: the same 1000 agents each report every rule they were sent, once a second"
+  sync_bench --stats-period 1s --stats-seconds "${STATS_SECONDS:-20}"
+fi
+[ "$MODE" = all ] || exit 0
 
 echo; echo "== Churn: 100 agents on the 10k cluster, label flips and policy edits at increasing rates"
 CPORT=$((PORT + 2))

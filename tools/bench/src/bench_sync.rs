@@ -4,10 +4,18 @@
 //! received InSync, then edits the datastore (a global policy every node runs) and measures how
 //! long the change takes to reach each agent. Reads the server's resident memory from /proc
 //! when given its pid. Measures; does not judge (docs/benchmarks.md).
+//!
+//! With `--stats-period`, the agents also offer the `stats` capability and, once the changes
+//! are timed, send every period a `RuleStats` report with small random deltas for the rules
+//! of the policies and profiles their stream was sent (up to `--stats-max-hits`). The server's
+//! CPU time (`/proc/<pid>/stat`) is read over an idle window and over `--stats-seconds` of
+//! reporting; the bench fails unless the server accepted every report and refused nothing.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -55,6 +63,110 @@ pub struct BenchSyncArgs {
     /// the marker policy `Realized` on every node (`/status/policies/bench-sync-marker`).
     #[arg(long, env = "BENCH_SYNC_ADMIN")]
     pub admin: Option<String>,
+    /// Measure rule stats reporting: agents offer `stats` and, after the changes, each sends a
+    /// `RuleStats` report this often (a real agent's default is 10s). Needs --admin and
+    /// --server-pid. Off when not given.
+    #[arg(long, env = "BENCH_SYNC_STATS_PERIOD", value_parser = common::duration::parse_duration)]
+    pub stats_period: Option<Duration>,
+    /// How long the server's CPU time is measured while the agents report (after one period
+    /// of warm-up); the same time capped at 10 s is measured before, with no reports.
+    #[arg(long, env = "BENCH_SYNC_STATS_SECONDS", default_value_t = 20)]
+    pub stats_seconds: u64,
+    /// Most hits per report: each agent reports every rule it was sent, up to this many.
+    #[arg(long, env = "BENCH_SYNC_STATS_MAX_HITS", default_value_t = 4096)]
+    pub stats_max_hits: usize,
+}
+
+/// The stats phase, shared by the coordinator and the simulated agents.
+pub(crate) struct StatsPlan {
+    period: Duration,
+    max_hits: usize,
+    /// Agents report while this is set.
+    on: AtomicBool,
+    /// Reports and hits sent so far, by all agents.
+    reports: AtomicU64,
+    hits: AtomicU64,
+}
+
+/// A policy `(kind, namespace, name)` or a profile `("", "", name)` the stream sent, with
+/// its inbound and outbound rule counts.
+type SentRules = HashMap<(String, String, String), (u32, u32)>;
+
+/// A `RuleStats` with a small random delta for each sent rule, up to `max` hits.
+fn rule_stats(sent: &SentRules, max: usize, rng: &mut u64) -> pb::RuleStats {
+    let mut hits = Vec::new();
+    'all: for ((kind, namespace, name), &(inbound, outbound)) in sent {
+        for (egress, n) in [(false, inbound), (true, outbound)] {
+            for index in 0..n {
+                if hits.len() == max {
+                    break 'all;
+                }
+                let (policy, profile, k) = if kind.is_empty() {
+                    let p = pb::ProfileId { name: name.clone() };
+                    (None, Some(p), pb::rule_ref::Kind::ProfileRule)
+                } else {
+                    let p = pb::PolicyId {
+                        kind: kind.clone(),
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                    };
+                    (Some(p), None, pb::rule_ref::Kind::PolicyRule)
+                };
+                let packets = 1 + next(rng) % 100;
+                hits.push(pb::RuleHits {
+                    rule: Some(pb::RuleRef {
+                        kind: k as i32,
+                        policy,
+                        profile,
+                        egress,
+                        index,
+                        ..Default::default()
+                    }),
+                    packets,
+                    bytes: packets * (64 + next(rng) % 1400),
+                });
+            }
+        }
+    }
+    pb::RuleStats { hits }
+}
+
+/// xorshift64: enough randomness for deltas and phases, no dependency.
+fn next(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+/// The server's CPU time (user + system, all threads) from `/proc/<pid>/stat`, in seconds.
+fn cpu_of(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command's closing parenthesis start at field 3; utime and stime are
+    // fields 14 and 15, in clock ticks (USER_HZ, 100 on Linux).
+    let f: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("/proc/<pid>/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    Ok(ticks as f64 / 100.0)
+}
+
+/// The sum of a metric's series (all labels) in the server's `/metrics`.
+async fn metric(admin: &str, name: &str) -> anyhow::Result<f64> {
+    let text = admin_get(admin, "/metrics").await?;
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    anyhow::ensure!(!values.is_empty(), "the server's /metrics has no {name}");
+    Ok(values.iter().sum())
 }
 
 fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
@@ -120,6 +232,7 @@ pub(crate) async fn agent(
     url: String,
     node: String,
     report_applied: bool,
+    stats: Option<Arc<StatsPlan>>,
     events: mpsc::UnboundedSender<Event>,
 ) {
     let run = async {
@@ -127,21 +240,59 @@ pub(crate) async fn agent(
             .await
             .map_err(|e| e.to_string())?
             .max_decoding_message_size(usize::MAX);
-        let capabilities = if report_applied {
-            vec!["applied".into()]
-        } else {
-            vec![]
-        };
+        let mut capabilities: Vec<String> = vec![];
+        if report_applied {
+            capabilities.push("applied".into());
+        }
+        if stats.is_some() {
+            capabilities.push("stats".into());
+        }
         let (tx, mut stream) = open_sync(&mut client, node, "bench-sync", capabilities).await?;
         let mut in_sync = false;
         // Reports go only to a server that echoed the capability in its hello.
         let mut server_takes_reports = false;
+        let mut server_takes_stats = false;
         let mut report_seq = 1;
-        while let Some(m) = stream.next().await {
-            let m = m.map_err(|e| e.to_string())?;
+        let mut sent = SentRules::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+        // Each agent reports at its own phase of the period, as agents started apart would.
+        let period = stats
+            .as_ref()
+            .map_or(Duration::from_secs(3600), |s| s.period);
+        let phase = period.mul_f64((next(&mut rng) % 1000) as f64 / 1000.0);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + phase, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let m = tokio::select! {
+                m = stream.next() => match m {
+                    Some(m) => m.map_err(|e| e.to_string())?,
+                    None => break,
+                },
+                _ = tick.tick(), if stats.is_some() => {
+                    let Some(plan) = &stats else { continue };
+                    if in_sync && server_takes_stats && plan.on.load(Ordering::Relaxed) {
+                        let report = rule_stats(&sent, plan.max_hits, &mut rng);
+                        let n = report.hits.len() as u64;
+                        report_seq += 1;
+                        tx.send(pb::FromDataplane {
+                            sequence_number: report_seq,
+                            payload: Some(pb::from_dataplane::Payload::RuleStats(report)),
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                        plan.reports.fetch_add(1, Ordering::Relaxed);
+                        plan.hits.fetch_add(n, Ordering::Relaxed);
+                    }
+                    continue;
+                }
+            };
             let seq = m.sequence_number;
             if let Some(To::ServerHello(h)) = &m.payload {
                 server_takes_reports = h.capabilities.iter().any(|c| c == "applied");
+                server_takes_stats = h.capabilities.iter().any(|c| c == "stats");
+            }
+            if stats.is_some() {
+                track_rules(&mut sent, &m.payload);
             }
             match m.payload {
                 Some(To::InSync(_)) => {
@@ -186,6 +337,43 @@ pub(crate) async fn agent(
     };
     if let Err(e) = run.await {
         let _ = events.send(Event::Failed(i, e));
+    }
+}
+
+/// Keeps `sent` to the policies and profiles (and their rule counts) the stream holds; staged
+/// policies are left out (never programmed, so they decide nothing).
+fn track_rules(sent: &mut SentRules, payload: &Option<To>) {
+    let policy_key = |id: &Option<pb::PolicyId>| {
+        let id = id.clone().unwrap_or_default();
+        (id.kind, id.namespace, id.name)
+    };
+    let profile_key = |id: &Option<pb::ProfileId>| {
+        let name = id.as_ref().map_or(String::new(), |p| p.name.clone());
+        (String::new(), String::new(), name)
+    };
+    match payload {
+        Some(To::ActivePolicyUpdate(u)) => {
+            let key = policy_key(&u.id);
+            let rules = u.policy.as_ref().map_or((0, 0), |p| {
+                (p.inbound_rules.len() as u32, p.outbound_rules.len() as u32)
+            });
+            if !key.0.starts_with("Staged") {
+                sent.insert(key, rules);
+            }
+        }
+        Some(To::ActivePolicyRemove(r)) => {
+            sent.remove(&policy_key(&r.id));
+        }
+        Some(To::ActiveProfileUpdate(u)) => {
+            let rules = u.profile.as_ref().map_or((0, 0), |p| {
+                (p.inbound_rules.len() as u32, p.outbound_rules.len() as u32)
+            });
+            sent.insert(profile_key(&u.id), rules);
+        }
+        Some(To::ActiveProfileRemove(r)) => {
+            sent.remove(&profile_key(&r.id));
+        }
+        _ => {}
     }
 }
 
@@ -258,6 +446,15 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = rss_of(args.server_pid);
 
+    let plan = args.stats_period.map(|period| {
+        Arc::new(StatsPlan {
+            period,
+            max_hits: args.stats_max_hits,
+            on: AtomicBool::new(false),
+            reports: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+        })
+    });
     let (etx, mut erx) = mpsc::unbounded_channel();
     let start = Instant::now();
     for i in 0..args.nodes {
@@ -266,6 +463,7 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
             args.server.clone(),
             format!("{}{i}", args.node_prefix),
             args.report_applied,
+            plan.clone(),
             etx.clone(),
         ));
     }
@@ -367,7 +565,109 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
             pct(&lat_realized, 0.99)
         );
     }
+    if let Some(plan) = plan {
+        stats_phase(&args, &plan).await?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Measures the server while every agent reports rule stats each period.
+async fn stats_phase(args: &BenchSyncArgs, plan: &StatsPlan) -> anyhow::Result<()> {
+    let (Some(admin), Some(pid)) = (args.admin.as_deref(), args.server_pid) else {
+        anyhow::bail!("--stats-period needs --admin and --server-pid");
+    };
+    const REPORTS: &str = "calc_server_rule_stats_reports_total";
+    const REFUSED: &str = "calc_server_rule_stats_refused_total";
+    // Let the marker policy's removal reach every agent before anyone reports.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (reports0, refused0) = (metric(admin, REPORTS).await?, metric(admin, REFUSED).await?);
+    let window = Duration::from_secs(args.stats_seconds);
+
+    // The server with every agent in sync and nothing reported.
+    let idle_wall = window.min(Duration::from_secs(10));
+    let (c0, t0) = (cpu_of(pid)?, Instant::now());
+    tokio::time::sleep(idle_wall).await;
+    let idle_cpu = (cpu_of(pid)? - c0) / t0.elapsed().as_secs_f64();
+    let rss_in_sync = rss_of(Some(pid)).map_or(0, |r| r.0);
+
+    plan.on.store(true, Ordering::Relaxed);
+    // One period of warm-up: every agent's first report creates the server's entries.
+    tokio::time::sleep(plan.period).await;
+    let snap = || {
+        (
+            cpu_of(pid),
+            Instant::now(),
+            plan.reports.load(Ordering::Relaxed),
+            plan.hits.load(Ordering::Relaxed),
+        )
+    };
+    let (c0, t0, r0, h0) = snap();
+    tokio::time::sleep(window).await;
+    let (c1, t1, r1, h1) = snap();
+    plan.on.store(false, Ordering::Relaxed);
+    let wall = (t1 - t0).as_secs_f64();
+    let cpu = c1? - c0?;
+    let (reports, hits) = ((r1 - r0) as f64, (h1 - h0) as f64);
+
+    // Every report sent must be accepted, and no hit refused.
+    let sent = plan.reports.load(Ordering::Relaxed) as f64;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let accepted = loop {
+        let accepted = metric(admin, REPORTS).await? - reports0;
+        if accepted >= sent || Instant::now() > deadline {
+            break accepted;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let refused = metric(admin, REFUSED).await? - refused0;
+    anyhow::ensure!(
+        accepted == sent && refused == 0.0,
+        "the server accepted {accepted} of {sent} reports and refused {refused} (hits or reports; {REFUSED})"
+    );
+    // Let the engine apply what it received before reading its memory and entries.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_after = rss_of(Some(pid)).map_or(0, |r| r.0);
+    let entries = metric(admin, "calc_server_rule_stats_entries").await?;
+
+    let period = plan.period.as_secs_f64();
+    let busy = cpu / wall;
+    println!(
+        "rule stats: {} agents, one report each every {period} s, {:.0} hits per report, {} reports ({} hits) over {wall:.1} s after {period} s of warm-up, {sent} reports in all accepted, none refused",
+        args.nodes,
+        hits / reports.max(1.0),
+        reports,
+        hits,
+    );
+    println!(
+        "server CPU: idle with all agents in sync {:.1} % of a core, while reporting {:.1} % ({:.1}x idle); above idle {:.0} µs per report, {:.0} ns per hit",
+        idle_cpu * 100.0,
+        busy * 100.0,
+        busy / idle_cpu.max(1e-9),
+        (busy - idle_cpu) * wall / reports.max(1.0) * 1e6,
+        (busy - idle_cpu) * wall / hits.max(1.0) * 1e9,
+    );
+    println!(
+        "scaled to one report every 10 s: {:.0} reports/s, {:.1} % of a core ({:.1} % above idle)",
+        reports / wall * period / 10.0,
+        (idle_cpu + (busy - idle_cpu) * period / 10.0) * 100.0,
+        (busy - idle_cpu) * period / 10.0 * 100.0
+    );
+    println!(
+        "server RSS: all agents in sync, before any report {:.1} MiB; after reporting {:.1} MiB",
+        mib(rss_in_sync),
+        mib(rss_after)
+    );
+    // The contract line scripts read (`make bench-stats`).
+    println!(
+        "stats {} agents: reports {:.0} /s, cpu {:.1} % of a core ({:.0} µs/report, {:.0} ns/hit), rss above in-sync {:.1} MiB, entries {entries}",
+        args.nodes,
+        reports / wall,
+        busy * 100.0,
+        cpu / reports.max(1.0) * 1e6,
+        cpu / hits.max(1.0) * 1e9,
+        (rss_after as f64 - rss_in_sync as f64) / (1024.0 * 1024.0),
+    );
+    Ok(())
 }
 
 /// Polls the admin endpoint until the marker policy is realized on `nodes` nodes.

@@ -123,7 +123,14 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
 
     let (etx, mut erx) = mpsc::unbounded_channel();
     for i in 0..args.nodes {
-        tokio::spawn(agent(i, args.server.clone(), node(i), true, etx.clone()));
+        tokio::spawn(agent(
+            i,
+            args.server.clone(),
+            node(i),
+            true,
+            None,
+            etx.clone(),
+        ));
     }
     // Everyone in sync with the churn objects in place.
     let mut in_sync = 0;
