@@ -110,9 +110,10 @@ async fn serve_with(
     .await?;
     let hits_writer = hits_store::Store::for_args(&args).map(|store| {
         let copies = engine.save_hits_every(args.hits_save_interval);
+        let reloads = store.reloads_nodes().then(|| engine.reload_node_hits());
         tasks.spawn(
             tracing::info_span!("hits_store"),
-            hits_store::run(store, engine_tx.clone(), copies),
+            hits_store::run(store, engine_tx.clone(), copies, reloads),
         )
     });
     let engine_task = tasks.spawn(

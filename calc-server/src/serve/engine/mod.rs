@@ -322,6 +322,13 @@ pub(super) enum Input {
     },
     /// The hit counters saved by an earlier server (empty: none), to merge into these.
     RestoreHits(SavedHits),
+    /// `node`'s counters as the store held them after its stream `conn` connected (asked for
+    /// through [`Engine::reload_node_hits`]), to merge into these.
+    NodeHits {
+        node: String,
+        conn: u64,
+        counts: Vec<SavedCount>,
+    },
     /// Close every stream (server shutting down).
     Shutdown,
 }
@@ -342,7 +349,11 @@ pub(super) struct Limits {
 
 /// Where the hit counters go to be saved, and when they last went.
 struct HitsSave {
-    tx: tokio::sync::watch::Sender<Option<Arc<SavedHits>>>,
+    tx: tokio::sync::watch::Sender<Option<SaveCopy>>,
+    /// Where a connecting node's stored counters are asked for (stores that can answer).
+    reload: Option<mpsc::UnboundedSender<(String, u64)>>,
+    /// `Input::NodeHits` answers merged so far.
+    reloads: u64,
     every: std::time::Duration,
     last: Option<std::time::Instant>,
     /// They changed since they were last handed over.
@@ -350,6 +361,14 @@ struct HitsSave {
     /// The saved counters were merged in ([`Engine::restore_hits`]): nothing is handed over
     /// before, so that the store is never overwritten by a copy that lacks them.
     restored: bool,
+}
+
+/// A copy of the hit counters to save, and how many `Input::NodeHits` answers it includes
+/// (the store writes no copy that lacks an answer it gave: see `serve::hits_store`).
+#[derive(Clone, Debug)]
+pub(crate) struct SaveCopy {
+    pub doc: Arc<SavedHits>,
+    pub reloads: u64,
 }
 
 /// What one step did.
@@ -464,7 +483,7 @@ impl Engine {
     pub(super) fn save_hits_every(
         &mut self,
         every: std::time::Duration,
-    ) -> tokio::sync::watch::Receiver<Option<Arc<SavedHits>>> {
+    ) -> tokio::sync::watch::Receiver<Option<SaveCopy>> {
         let (tx, rx) = tokio::sync::watch::channel(None);
         self.hits_save = Some(HitsSave {
             tx,
@@ -472,7 +491,20 @@ impl Engine {
             last: None,
             due: false,
             restored: false,
+            reload: None,
+            reloads: 0,
         });
+        rx
+    }
+
+    /// From now on, each stats-reporting node that connects has its stored counters asked for
+    /// on the returned channel (node, connection); the answer comes back as `Input::NodeHits`
+    /// (see `hits::reload`). Needs [`Engine::save_hits_every`] first.
+    pub(super) fn reload_node_hits(&mut self) -> mpsc::UnboundedReceiver<(String, u64)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(save) = &mut self.hits_save {
+            save.reload = Some(tx);
+        }
         rx
     }
 
@@ -611,7 +643,10 @@ impl Engine {
         save.due = false;
         save.last = Some(self.now);
         // The writer may be gone (shutting down): nothing to do then.
-        let _ = save.tx.send(Some(Arc::new(self.hits.saved())));
+        let _ = save.tx.send(Some(SaveCopy {
+            doc: Arc::new(self.hits.saved()),
+            reloads: save.reloads,
+        }));
     }
 
     /// Publishes the per-policy hit totals to the metrics, at most once a second and only
@@ -801,6 +836,20 @@ impl Engine {
                 // The asker may have given up: nothing to tell then.
                 let _ = reply.send(self.graph.answer(&request));
             }
+            Input::NodeHits { node, conn, counts } => {
+                let skipped = self.hits.reloaded(&node, conn, counts);
+                if skipped > 0 {
+                    tracing::warn!(%node, skipped, "stored policy hit counters with invalid names were skipped");
+                }
+                if let Some(save) = &mut self.hits_save {
+                    save.reloads += 1;
+                    save.due = true;
+                }
+                self.hit_series_dirty = true;
+                self.metrics
+                    .rule_stats_entries
+                    .set(self.hits.entries() as i64);
+            }
             Input::RestoreHits(saved) => {
                 let skipped = self.restore_hits(saved);
                 if skipped > 0 {
@@ -890,6 +939,12 @@ impl Engine {
         self.hits.connected(&node, conn.id, conn.reports_stats);
         self.hits
             .set_counting(&node, self.counts_hits_on(&node), self.wall);
+        if conn.reports_stats
+            && let Some(reload) = self.hits_save.as_ref().and_then(|s| s.reload.as_ref())
+        {
+            self.hits.reload_started(&node, conn.id);
+            let _ = reload.send((node.clone(), conn.id));
+        }
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());
         self.conns.insert(node, conn);

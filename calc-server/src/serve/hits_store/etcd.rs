@@ -19,7 +19,7 @@ use etcd_client::{Client, GetOptions, Txn, TxnOp};
 use super::parts;
 use crate::args::EtcdArgs;
 use crate::datastore::etcd::{connect, watcher};
-use crate::serve::engine::SavedHits;
+use crate::serve::engine::{SavedCount, SavedHits};
 
 /// Where the parts live: under Calico's prefix, which a Calico etcd user may write.
 pub(crate) const PREFIX: &str = "/calico/calc-server/v1/hits/";
@@ -77,6 +77,36 @@ impl EtcdStore {
         }
         self.known = found;
         Ok(Some(doc))
+    }
+
+    /// `node`'s counts as etcd holds them now (its `counts/<node>/` parts); what this server
+    /// knows of those parts becomes what it read.
+    pub(crate) async fn load_node(&mut self, node: &str) -> anyhow::Result<Vec<SavedCount>> {
+        let client = self.client().await?;
+        let group = parts::node_group(node);
+        let prefix = format!("{PREFIX}{group}/");
+        let resp = watcher::kv_client(&client)
+            .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .inspect_err(|_| self.client = None)
+            .with_context(|| format!("reading the saved hit counters of node {node}"))?;
+        self.known
+            .retain(|name, _| !name.starts_with(&format!("{group}/")));
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            let name = key.strip_prefix(PREFIX).unwrap_or(&key).to_string();
+            self.known.insert(name, kv.value().to_vec());
+        }
+        let (doc, problems) = parts::join(
+            self.known
+                .iter()
+                .filter(|(name, _)| name.starts_with(&format!("{group}/")))
+                .map(|(k, v)| (k.as_str(), v.as_slice())),
+        );
+        for problem in problems {
+            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
+        }
+        Ok(doc.counts)
     }
 
     /// Writes what changed in `doc` since the parts were last read or written here.

@@ -2,7 +2,7 @@
 //! is a ConfigMap in the server's namespace (`--hits-namespace`, else the client's default: the
 //! pod's own namespace in a cluster), named `calc-server-hits-<hash of the part name>`, with the
 //! label [`LABEL`]`=v1`, the part's name in the annotation [`PART_ANNOTATION`] and the document
-//! in `data["hits.json"]`.
+//! in `data["hits.json"]`; the label [`GROUP_LABEL`] lets one node's parts be listed alone.
 //!
 //! Contract: as the etcd store ([`super::etcd`]): [`KubeStore::load`] lists the labelled
 //! ConfigMaps and joins their parts (a ConfigMap without the annotation or the data is named and
@@ -20,14 +20,31 @@ use kube::api::{
 
 use super::parts;
 use crate::args::KubeArgs;
-use crate::serve::engine::SavedHits;
+use crate::serve::engine::{SavedCount, SavedHits};
 
 /// The label every part carries (value `v1`), by which they are listed.
 pub(crate) const LABEL: &str = "calc-server.projectcalico.org/hits";
+/// The label naming the part's group (a hash of its name without `/<i>`: one node's counts
+/// are one group), by which one node's parts are listed.
+pub(crate) const GROUP_LABEL: &str = "calc-server.projectcalico.org/hits-group";
 /// The annotation holding the part's name.
 pub(crate) const PART_ANNOTATION: &str = "calc-server.projectcalico.org/part";
 /// The data key holding the part's document.
 const DATA_KEY: &str = "hits.json";
+
+/// Longest one API call may take: the kube client retries 429/503/504 by itself, for minutes;
+/// past this the store's own retry (and its warning) takes over.
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `call`, or an error once [`CALL_TIMEOUT`] has passed.
+async fn bounded<T>(
+    what: &str,
+    call: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> anyhow::Result<Result<T, kube::Error>> {
+    tokio::time::timeout(CALL_TIMEOUT, call)
+        .await
+        .map_err(|_| anyhow::anyhow!("{what}: no answer within {CALL_TIMEOUT:?}"))
+}
 
 fn config_maps() -> ApiResource {
     ApiResource {
@@ -39,14 +56,24 @@ fn config_maps() -> ApiResource {
     }
 }
 
-/// `calc-server-hits-<16 hex digits>`: a valid object name whatever the part's name holds.
-pub(crate) fn object_name(part: &str) -> String {
+fn fnv(text: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in part.bytes() {
+    for b in text.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("calc-server-hits-{h:016x}")
+    h
+}
+
+/// `calc-server-hits-<16 hex digits>`: a valid object name whatever the part's name holds.
+pub(crate) fn object_name(part: &str) -> String {
+    format!("calc-server-hits-{:016x}", fnv(part))
+}
+
+/// The [`GROUP_LABEL`] value of a part (`counts/node-1/0` → the hash of `counts/node-1`).
+fn group_label(part: &str) -> String {
+    let group = part.rsplit_once('/').map_or(part, |(g, _)| g);
+    format!("{:016x}", fnv(group))
 }
 
 pub(crate) struct KubeStore {
@@ -89,13 +116,16 @@ impl KubeStore {
         Ok(api)
     }
 
-    /// The saved document (`None`: no parts, a first start). `Err`: the API did not answer.
-    pub(crate) async fn load(&mut self) -> anyhow::Result<Option<SavedHits>> {
+    /// The parts the ConfigMaps `selector` selects hold, by part name (those whose name,
+    /// annotation or data is amiss are logged and left out).
+    async fn list(&mut self, selector: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
         let api = self.api().await?;
-        let list = api
-            .list(&ListParams::default().labels(&format!("{LABEL}=v1")))
-            .await
-            .context("listing the saved hit counters")?;
+        let list = bounded(
+            "listing the saved hit counters",
+            api.list(&ListParams::default().labels(selector)),
+        )
+        .await?
+        .context("listing the saved hit counters")?;
         let mut found = BTreeMap::new();
         for cm in list.items {
             let object = cm.metadata.name.clone().unwrap_or_default();
@@ -117,6 +147,12 @@ impl KubeStore {
                 ),
             }
         }
+        Ok(found)
+    }
+
+    /// The saved document (`None`: no parts, a first start). `Err`: the API did not answer.
+    pub(crate) async fn load(&mut self) -> anyhow::Result<Option<SavedHits>> {
+        let found = self.list(&format!("{LABEL}=v1")).await?;
         if found.is_empty() {
             return Ok(None);
         }
@@ -126,6 +162,32 @@ impl KubeStore {
         }
         self.known = found;
         Ok(Some(doc))
+    }
+
+    /// `node`'s counts as the ConfigMaps hold them now; what this server knows of its parts
+    /// becomes what it read.
+    pub(crate) async fn load_node(&mut self, node: &str) -> anyhow::Result<Vec<SavedCount>> {
+        let group = parts::node_group(node);
+        let found = self
+            .list(&format!(
+                "{LABEL}=v1,{GROUP_LABEL}={}",
+                group_label(&format!("{group}/0"))
+            ))
+            .await?;
+        let mine = |name: &str| name.starts_with(&format!("{group}/"));
+        self.known.retain(|name, _| !mine(name));
+        self.known
+            .extend(found.into_iter().filter(|(name, _)| mine(name)));
+        let (doc, problems) = parts::join(
+            self.known
+                .iter()
+                .filter(|(name, _)| mine(name))
+                .map(|(k, v)| (k.as_str(), v.as_slice())),
+        );
+        for problem in problems {
+            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
+        }
+        Ok(doc.counts)
     }
 
     /// Writes what changed in `doc` since the parts were last read or written here.
@@ -143,18 +205,32 @@ impl KubeStore {
                     let mut object = DynamicObject::new(&name, &config_maps());
                     object.metadata = ObjectMeta {
                         name: Some(name.clone()),
-                        labels: Some([(LABEL.to_string(), "v1".to_string())].into()),
+                        labels: Some(
+                            [
+                                (LABEL.to_string(), "v1".to_string()),
+                                (GROUP_LABEL.to_string(), group_label(&part)),
+                            ]
+                            .into(),
+                        ),
                         annotations: Some([(PART_ANNOTATION.to_string(), part.clone())].into()),
                         ..ObjectMeta::default()
                     };
                     object.data = serde_json::json!({
                         "data": { DATA_KEY: String::from_utf8_lossy(b) }
                     });
-                    api.patch(&name, &apply, &Patch::Apply(&object))
-                        .await
-                        .with_context(|| format!("saving ConfigMap {name} (part {part})"))?;
+                    bounded(
+                        "saving the hit counters",
+                        api.patch(&name, &apply, &Patch::Apply(&object)),
+                    )
+                    .await?
+                    .with_context(|| format!("saving ConfigMap {name} (part {part})"))?;
                 }
-                None => match api.delete(&name, &DeleteParams::default()).await {
+                None => match bounded(
+                    "deleting a hit counters part",
+                    api.delete(&name, &DeleteParams::default()),
+                )
+                .await?
+                {
                     Ok(_) => {}
                     Err(kube::Error::Api(s)) if s.is_not_found() => {}
                     Err(e) => {

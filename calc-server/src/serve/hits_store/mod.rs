@@ -10,6 +10,14 @@
 //! (the latest wins; a failed write is logged once and retried with the next copy). So a
 //! store is never overwritten by a server that has not read it. The last copy comes as the
 //! engine stops; the serve task awaits this one after the engine.
+//!
+//! Fail-over: the etcd and Kubernetes stores are shared by replicas, and a node's agent may
+//! move from one to another. When one connects here, the engine asks for that node's stored
+//! counts ([`Store::load_node`]); they go back as `Input::NodeHits`, and the engine merges
+//! them (`hits::reload`). Requests are served before copies, and a copy made before the
+//! engine merged every answer sent is not written, so a stale view of a node that moved here
+//! never replaces what the replica it left saved. A node whose counts cannot be read is
+//! answered with none (logged): the view held here stands.
 
 pub(super) mod etcd;
 pub(super) mod file;
@@ -22,7 +30,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use super::engine::{Input, SAVED_VERSION, SavedHits};
+use super::engine::{Input, SAVED_VERSION, SaveCopy, SavedCount, SavedHits};
 #[cfg(test)]
 use crate::args::EtcdArgs;
 use crate::args::{DatastoreType, ServeArgs};
@@ -84,6 +92,20 @@ impl Store {
         }
     }
 
+    /// Whether [`Store::load_node`] answers (a store replicas share).
+    pub(super) fn reloads_nodes(&self) -> bool {
+        !matches!(self, Store::File(_))
+    }
+
+    /// `node`'s counts as the store holds them now.
+    async fn load_node(&mut self, node: &str) -> anyhow::Result<Vec<SavedCount>> {
+        match self {
+            Store::File(_) => Ok(Vec::new()),
+            Store::Etcd(store) => store.load_node(node).await,
+            Store::Kube(store) => store.load_node(node).await,
+        }
+    }
+
     async fn write(&mut self, doc: Arc<SavedHits>) -> anyhow::Result<()> {
         match self {
             Store::File(path) => {
@@ -101,12 +123,13 @@ impl Store {
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Reads the store into the engine, then writes each copy the engine hands over, until the
-/// engine is gone (see the module documentation).
+/// Reads the store into the engine, then writes each copy the engine hands over and answers
+/// each node the engine asks for, until the engine is gone (see the module documentation).
 pub(super) async fn run(
     mut store: Store,
     engine: mpsc::Sender<Input>,
-    mut copies: watch::Receiver<Option<Arc<SavedHits>>>,
+    mut copies: watch::Receiver<Option<SaveCopy>>,
+    mut reloads: Option<mpsc::UnboundedReceiver<(String, u64)>>,
 ) {
     let name = store.describe();
     let mut delay = RETRY_FIRST;
@@ -148,24 +171,57 @@ pub(super) async fn run(
         return;
     }
     let mut failing = false;
-    while copies.changed().await.is_ok() {
-        let Some(doc) = copies.borrow_and_update().clone() else {
-            continue;
+    // `Input::NodeHits` answers sent: a copy that has not merged them all is not written.
+    let mut answered: u64 = 0;
+    loop {
+        let request = async {
+            match reloads.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
         };
-        match store.write(doc).await {
-            Err(error) => {
-                if !failing {
-                    tracing::error!(error = %format!("{error:#}"), store = %name,
-                        "cannot save the policy hit counters; a restart would start them from \
-                         what was last saved (retrying with the next change)");
+        tokio::select! {
+            biased;
+            Some((node, conn)) = request => {
+                let counts = match store.load_node(&node).await {
+                    Ok(counts) => counts,
+                    Err(error) => {
+                        tracing::warn!(%node, store = %name, error = %format!("{error:#}"),
+                            "cannot read the node's stored policy hit counters; the counts held here stand");
+                        Vec::new()
+                    }
+                };
+                if engine.send(Input::NodeHits { node, conn, counts }).await.is_err() {
+                    return;
                 }
-                failing = true;
+                answered += 1;
             }
-            Ok(()) if failing => {
-                failing = false;
-                tracing::info!(store = %name, "saving the policy hit counters again");
+            changed = copies.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let Some(copy) = copies.borrow_and_update().clone() else {
+                    continue;
+                };
+                if copy.reloads < answered {
+                    continue;
+                }
+                match store.write(copy.doc).await {
+                    Err(error) => {
+                        if !failing {
+                            tracing::error!(error = %format!("{error:#}"), store = %name,
+                                "cannot save the policy hit counters; a restart would start them from \
+                                 what was last saved (retrying with the next change)");
+                        }
+                        failing = true;
+                    }
+                    Ok(()) if failing => {
+                        failing = false;
+                        tracing::info!(store = %name, "saving the policy hit counters again");
+                    }
+                    Ok(()) => {}
+                }
             }
-            Ok(()) => {}
         }
     }
 }
@@ -183,15 +239,21 @@ mod tests {
         file::write_atomic(&path, &file::tests::doc()).unwrap();
         let (engine, mut inputs) = mpsc::channel(4);
         let (tx, rx) = watch::channel(None);
-        let task = tokio::spawn(run(Store::File(path.clone()), engine, rx));
+        let task = tokio::spawn(run(Store::File(path.clone()), engine, rx, None));
         match inputs.recv().await {
             Some(Input::RestoreHits(saved)) => assert_eq!(saved, file::tests::doc()),
             _ => panic!("the saved counters go to the engine first"),
         }
         let mut last = file::tests::doc();
         last.counts[0].packets = 99;
-        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
-        tx.send(Some(Arc::new(last.clone()))).unwrap();
+        let copy = |doc| {
+            Some(SaveCopy {
+                doc: Arc::new(doc),
+                reloads: 0,
+            })
+        };
+        tx.send(copy(file::tests::doc())).unwrap();
+        tx.send(copy(last.clone())).unwrap();
         drop(tx);
         task.await.unwrap();
         assert_eq!(file::load(&path).unwrap(), Some(last));
@@ -214,8 +276,13 @@ mod tests {
             Store::Etcd(Box::new(etcd::EtcdStore::new(args))),
             engine,
             rx,
+            None,
         ));
-        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
+        tx.send(Some(SaveCopy {
+            doc: Arc::new(file::tests::doc()),
+            reloads: 0,
+        }))
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(1200)).await;
         assert!(inputs.try_recv().is_err(), "nothing was read");
         drop(inputs);
@@ -224,5 +291,44 @@ mod tests {
             .await
             .expect("the task ends once the engine is gone")
             .unwrap();
+    }
+
+    /// A node's stored counts are answered before any copy is written, and a copy made before
+    /// the engine merged that answer is not written.
+    #[tokio::test]
+    async fn copies_without_a_nodes_answer_are_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(file::FILE_NAME);
+        let (engine, mut inputs) = mpsc::channel(4);
+        let (tx, rx) = watch::channel(None);
+        let (ask, asks) = mpsc::unbounded_channel();
+        let task = tokio::spawn(run(Store::File(path.clone()), engine, rx, Some(asks)));
+        assert!(matches!(inputs.recv().await, Some(Input::RestoreHits(_))));
+        ask.send(("node-a".to_string(), 7)).unwrap();
+        match inputs.recv().await {
+            Some(Input::NodeHits { node, conn, counts }) => {
+                assert_eq!((node.as_str(), conn, counts.len()), ("node-a", 7, 0));
+            }
+            _ => panic!("the node's stored counts are answered"),
+        }
+        tx.send(Some(SaveCopy {
+            doc: Arc::new(file::tests::doc()),
+            reloads: 0,
+        }))
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            file::load(&path).unwrap(),
+            None,
+            "made before the answer: not written"
+        );
+        tx.send(Some(SaveCopy {
+            doc: Arc::new(file::tests::doc()),
+            reloads: 1,
+        }))
+        .unwrap();
+        drop(tx);
+        task.await.unwrap();
+        assert_eq!(file::load(&path).unwrap(), Some(file::tests::doc()));
     }
 }

@@ -30,6 +30,11 @@ fn escape(node: &str) -> String {
     node.replace('%', "%25").replace('/', "%2f")
 }
 
+/// The group (part name prefix, without the trailing `/`) of `node`'s counts.
+pub(crate) fn node_group(node: &str) -> String {
+    format!("counts/{}", escape(node))
+}
+
 /// FNV-1a: stable across builds and platforms (the std hasher is not).
 fn bucket(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -92,7 +97,7 @@ pub(crate) fn split(doc: &SavedHits) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
     for (node, items) in &by_node {
         let group = match node {
-            Some(n) => format!("counts/{}", escape(n)),
+            Some(n) => node_group(n),
             None => "departed".to_string(),
         };
         cut(&group, "counts", items, &mut out);

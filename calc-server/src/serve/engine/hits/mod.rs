@@ -45,6 +45,7 @@ use pb::rule_ref::Kind as RefKind;
 use pb::to_dataplane::Payload;
 use serde::{Deserialize, Serialize};
 
+mod reload;
 mod saved;
 mod unused;
 mod verdicts;
@@ -544,6 +545,8 @@ pub(super) struct Hits {
     seen: HashMap<Sig, Seen>,
     /// Something [`Hits::saved`] copies changed since [`Hits::take_changed`] last said so.
     changed: bool,
+    /// Per node whose stored counts are being re-read: what its new stream added since.
+    since_connect: HashMap<String, reload::SinceConnect>,
 }
 
 impl Hits {
@@ -849,6 +852,9 @@ impl Hits {
                     let t = &mut seen.by_action[a as usize];
                     t.0 = t.0.saturating_add(h.packets);
                     t.1 = t.1.saturating_add(h.bytes);
+                }
+                if let Some(since) = self.since_connect.get_mut(node) {
+                    since.add(conn, (h.owner.clone(), h.egress, index), h.packets, h.bytes);
                 }
                 let rules = self.counts.entry(h.owner).or_default();
                 match rules.entry((Some(name.clone()), h.egress, index)) {

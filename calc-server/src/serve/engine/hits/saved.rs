@@ -31,7 +31,7 @@ fn to_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-fn from_ms(ms: u64) -> SystemTime {
+pub(super) fn from_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 
@@ -73,7 +73,7 @@ pub(crate) struct SavedHits {
 
 /// Whether a saved owner is one an agent's report could have named ([`parse`]'s checks): a
 /// damaged or foreign file cannot put anything else in memory.
-fn valid_owner(owner: &Owner) -> bool {
+pub(super) fn valid_owner(owner: &Owner) -> bool {
     match owner {
         Owner::Policy {
             kind,
