@@ -520,3 +520,58 @@ async fn hits_namespace_chooses_where_they_are_kept() {
     let log = server.log_text();
     assert_eq!(store_complaints(&log), Vec::<&str>::new(), "{log}");
 }
+
+/// Two replicas share the ConfigMaps. node1's agent reports 37 to the first, then moves to
+/// the second (started before those were saved: its own view of node1 is empty), which
+/// carries on from the saved 37 and saves 42; back on the first (whose view is the stale 37),
+/// it carries on from 42. Every state the part was given goes up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
+    let fake = cluster();
+    let (work_a, work_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start_server(&fake, work_a.path(), &[]);
+    let b = start_server(&fake, work_b.path(), &[]);
+    wait_until("both replicas ready", Duration::from_secs(10), || {
+        shown(&a) == (Some(0), Some(0)) && shown(&b) == (Some(0), Some(0))
+    });
+
+    let mut agent = Agent::connect(&a.grpc).await;
+    report_and_see(&mut agent, &a, 37, 37).await;
+    wait_saved(&fake, "default", 37);
+    drop(agent);
+
+    let mut agent = Agent::connect(&b.grpc).await;
+    wait_until(
+        "the second replica re-read node1's saved 37",
+        Duration::from_secs(10),
+        || shown(&b) == (Some(37), Some(37)),
+    );
+    report_and_see(&mut agent, &b, 5, 42).await;
+    wait_saved(&fake, "default", 42);
+    drop(agent);
+
+    let mut agent = Agent::connect(&a.grpc).await;
+    wait_until(
+        "the first replica re-read node1's saved 42",
+        Duration::from_secs(10),
+        || shown(&a) == (Some(42), Some(42)),
+    );
+    report_and_see(&mut agent, &a, 1, 43).await;
+    wait_saved(&fake, "default", 43);
+
+    let history: Vec<(Option<u64>, Option<u64>)> = fake
+        .config_map_history("default", &object_name(&part_name()))
+        .iter()
+        .map(|s| packets_in(&part_doc(s.as_ref().expect("never deleted"))))
+        .collect();
+    assert!(
+        history
+            .windows(2)
+            .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1),
+        "the part never went down: {history:?}"
+    );
+    for server in [&a, &b] {
+        let log = server.log_text();
+        assert_eq!(store_complaints(&log), Vec::<&str>::new(), "{log}");
+    }
+}

@@ -349,11 +349,14 @@ pub(super) struct Limits {
 
 /// Where the hit counters go to be saved, and when they last went.
 struct HitsSave {
-    tx: tokio::sync::watch::Sender<Option<SaveCopy>>,
+    tx: tokio::sync::watch::Sender<Option<Arc<SavedHits>>>,
     /// Where a connecting node's stored counters are asked for (stores that can answer).
     reload: Option<mpsc::UnboundedSender<(String, u64)>>,
-    /// `Input::NodeHits` answers merged so far.
-    reloads: u64,
+    /// Nodes' stored counters asked for, and `Input::NodeHits` answers merged: while one is
+    /// outstanding no copy is handed over, so that a stale view of a node that moved here is
+    /// never saved over what the replica it left saved.
+    asked: u64,
+    answered: u64,
     every: std::time::Duration,
     last: Option<std::time::Instant>,
     /// They changed since they were last handed over.
@@ -361,14 +364,6 @@ struct HitsSave {
     /// The saved counters were merged in ([`Engine::restore_hits`]): nothing is handed over
     /// before, so that the store is never overwritten by a copy that lacks them.
     restored: bool,
-}
-
-/// A copy of the hit counters to save, and how many `Input::NodeHits` answers it includes
-/// (the store writes no copy that lacks an answer it gave: see `serve::hits_store`).
-#[derive(Clone, Debug)]
-pub(crate) struct SaveCopy {
-    pub doc: Arc<SavedHits>,
-    pub reloads: u64,
 }
 
 /// What one step did.
@@ -483,7 +478,7 @@ impl Engine {
     pub(super) fn save_hits_every(
         &mut self,
         every: std::time::Duration,
-    ) -> tokio::sync::watch::Receiver<Option<SaveCopy>> {
+    ) -> tokio::sync::watch::Receiver<Option<Arc<SavedHits>>> {
         let (tx, rx) = tokio::sync::watch::channel(None);
         self.hits_save = Some(HitsSave {
             tx,
@@ -492,7 +487,8 @@ impl Engine {
             due: false,
             restored: false,
             reload: None,
-            reloads: 0,
+            asked: 0,
+            answered: 0,
         });
         rx
     }
@@ -633,6 +629,7 @@ impl Engine {
         save.due |= self.hits.take_changed();
         if !save.due
             || !save.restored
+            || save.answered < save.asked
             || (!stopping
                 && save
                     .last
@@ -643,10 +640,7 @@ impl Engine {
         save.due = false;
         save.last = Some(self.now);
         // The writer may be gone (shutting down): nothing to do then.
-        let _ = save.tx.send(Some(SaveCopy {
-            doc: Arc::new(self.hits.saved()),
-            reloads: save.reloads,
-        }));
+        let _ = save.tx.send(Some(Arc::new(self.hits.saved())));
     }
 
     /// Publishes the per-policy hit totals to the metrics, at most once a second and only
@@ -842,7 +836,7 @@ impl Engine {
                     tracing::warn!(%node, skipped, "stored policy hit counters with invalid names were skipped");
                 }
                 if let Some(save) = &mut self.hits_save {
-                    save.reloads += 1;
+                    save.answered += 1;
                     save.due = true;
                 }
                 self.hit_series_dirty = true;
@@ -940,10 +934,12 @@ impl Engine {
         self.hits
             .set_counting(&node, self.counts_hits_on(&node), self.wall);
         if conn.reports_stats
-            && let Some(reload) = self.hits_save.as_ref().and_then(|s| s.reload.as_ref())
+            && let Some(save) = self.hits_save.as_mut()
+            && let Some(reload) = &save.reload
+            && reload.send((node.clone(), conn.id)).is_ok()
         {
             self.hits.reload_started(&node, conn.id);
-            let _ = reload.send((node.clone(), conn.id));
+            save.asked += 1;
         }
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());

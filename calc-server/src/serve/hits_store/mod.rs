@@ -14,10 +14,10 @@
 //! Fail-over: the etcd and Kubernetes stores are shared by replicas, and a node's agent may
 //! move from one to another. When one connects here, the engine asks for that node's stored
 //! counts ([`Store::load_node`]); they go back as `Input::NodeHits`, and the engine merges
-//! them (`hits::reload`). Requests are served before copies, and a copy made before the
-//! engine merged every answer sent is not written, so a stale view of a node that moved here
-//! never replaces what the replica it left saved. A node whose counts cannot be read is
-//! answered with none (logged): the view held here stands.
+//! them (`hits::reload`); the engine hands over no copy while an answer is outstanding, so a
+//! stale view of a node that moved here never replaces what the replica it left saved. Every
+//! request is answered: a node whose counts cannot be read with none (logged), and the view
+//! held here stands.
 
 pub(super) mod etcd;
 pub(super) mod file;
@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use super::engine::{Input, SAVED_VERSION, SaveCopy, SavedCount, SavedHits};
+use super::engine::{Input, SAVED_VERSION, SavedCount, SavedHits};
 #[cfg(test)]
 use crate::args::EtcdArgs;
 use crate::args::{DatastoreType, ServeArgs};
@@ -128,7 +128,7 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 pub(super) async fn run(
     mut store: Store,
     engine: mpsc::Sender<Input>,
-    mut copies: watch::Receiver<Option<SaveCopy>>,
+    mut copies: watch::Receiver<Option<Arc<SavedHits>>>,
     mut reloads: Option<mpsc::UnboundedReceiver<(String, u64)>>,
 ) {
     let name = store.describe();
@@ -171,8 +171,6 @@ pub(super) async fn run(
         return;
     }
     let mut failing = false;
-    // `Input::NodeHits` answers sent: a copy that has not merged them all is not written.
-    let mut answered: u64 = 0;
     loop {
         let request = async {
             match reloads.as_mut() {
@@ -194,19 +192,15 @@ pub(super) async fn run(
                 if engine.send(Input::NodeHits { node, conn, counts }).await.is_err() {
                     return;
                 }
-                answered += 1;
             }
             changed = copies.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                let Some(copy) = copies.borrow_and_update().clone() else {
+                let Some(doc) = copies.borrow_and_update().clone() else {
                     continue;
                 };
-                if copy.reloads < answered {
-                    continue;
-                }
-                match store.write(copy.doc).await {
+                match store.write(doc).await {
                     Err(error) => {
                         if !failing {
                             tracing::error!(error = %format!("{error:#}"), store = %name,
@@ -246,14 +240,8 @@ mod tests {
         }
         let mut last = file::tests::doc();
         last.counts[0].packets = 99;
-        let copy = |doc| {
-            Some(SaveCopy {
-                doc: Arc::new(doc),
-                reloads: 0,
-            })
-        };
-        tx.send(copy(file::tests::doc())).unwrap();
-        tx.send(copy(last.clone())).unwrap();
+        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
+        tx.send(Some(Arc::new(last.clone()))).unwrap();
         drop(tx);
         task.await.unwrap();
         assert_eq!(file::load(&path).unwrap(), Some(last));
@@ -278,11 +266,7 @@ mod tests {
             rx,
             None,
         ));
-        tx.send(Some(SaveCopy {
-            doc: Arc::new(file::tests::doc()),
-            reloads: 0,
-        }))
-        .unwrap();
+        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
         tokio::time::sleep(Duration::from_millis(1200)).await;
         assert!(inputs.try_recv().is_err(), "nothing was read");
         drop(inputs);
@@ -293,10 +277,9 @@ mod tests {
             .unwrap();
     }
 
-    /// A node's stored counts are answered before any copy is written, and a copy made before
-    /// the engine merged that answer is not written.
+    /// Each node the engine asks for is answered, with what the store holds of it.
     #[tokio::test]
-    async fn copies_without_a_nodes_answer_are_not_written() {
+    async fn each_node_asked_for_is_answered() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(file::FILE_NAME);
         let (engine, mut inputs) = mpsc::channel(4);
@@ -311,24 +294,7 @@ mod tests {
             }
             _ => panic!("the node's stored counts are answered"),
         }
-        tx.send(Some(SaveCopy {
-            doc: Arc::new(file::tests::doc()),
-            reloads: 0,
-        }))
-        .unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(
-            file::load(&path).unwrap(),
-            None,
-            "made before the answer: not written"
-        );
-        tx.send(Some(SaveCopy {
-            doc: Arc::new(file::tests::doc()),
-            reloads: 1,
-        }))
-        .unwrap();
         drop(tx);
         task.await.unwrap();
-        assert_eq!(file::load(&path).unwrap(), Some(file::tests::doc()));
     }
 }
