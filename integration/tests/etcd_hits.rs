@@ -490,3 +490,51 @@ async fn a_server_that_reads_the_store_late_adds_to_it() {
         .collect();
     assert_eq!(values, [Some(100), Some(105)]);
 }
+
+/// Two replicas on one etcd. node-1's agent reports 37 to the first, moves to the second
+/// (started before they were saved), which carries on from the saved 37 to 42, and back to the
+/// first (whose own view is the stale 37), which carries on from 42 to 43.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs etcd: `make test` installs it and runs this"]
+async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
+    let etcd = Etcd::start();
+    seed(&etcd);
+    let (work_a, work_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start_server(&etcd, work_a.path(), "200ms");
+    let b = start_server(&etcd, work_b.path(), "200ms");
+    let shows = |server: &Server, n: u64| {
+        hits_of(server, "NetworkPolicy", AF) == Some(n)
+            && hits_of(server, "Profile", "kns.prod") == Some(n)
+    };
+    wait_until("both replicas ready", Duration::from_secs(10), || {
+        shows(&a, 0) && shows(&b, 0)
+    });
+
+    let mut agent = Agent::connect(&a.grpc, NODE).await;
+    report_and_see(&mut agent, &a, 37, 37).await;
+    wait_saved(&etcd, 37);
+    drop(agent);
+
+    let mut agent = Agent::connect(&b.grpc, NODE).await;
+    wait_until(
+        "the second replica re-read node-1's saved 37",
+        Duration::from_secs(10),
+        || shows(&b, 37),
+    );
+    report_and_see(&mut agent, &b, 5, 42).await;
+    wait_saved(&etcd, 42);
+    drop(agent);
+
+    let mut agent = Agent::connect(&a.grpc, NODE).await;
+    wait_until(
+        "the first replica re-read node-1's saved 42",
+        Duration::from_secs(10),
+        || shows(&a, 42),
+    );
+    report_and_see(&mut agent, &a, 1, 43).await;
+    wait_saved(&etcd, 43);
+    for server in [&a, &b] {
+        let log = server.log_text();
+        assert_eq!(store_complaints(&log), Vec::<&str>::new(), "{log}");
+    }
+}
