@@ -8,6 +8,12 @@
 //! status --policies` must show HITS 37 and 5, equal to what the kernel's own counters of those
 //! rules say (`iptables-save -c`, or `nft list chain` for the nftables driver: the policy
 //! chains' rules that set the accept and drop marks).
+//! 11 new flows to a port neither policy names (5003) fall off the end of tier `default` and
+//! are dropped: `/status/verdicts` (and `status --verdicts`) shows end-of-tier, tier `default`,
+//! ingress, with exactly 11 packets, equal to the kernel's counter of the server endpoint's
+//! "Drop if no policies passed packet" line. The client's egress profile (`kns.prod`, no
+//! policy selects the client's egress) decides every new flow of the client: with 13 more to
+//! the node, its status row and rule move by exactly 11 + 13, as its kernel lines do.
 //! A second rule then rewrites the allow policy's chain (its kernel counters start again from
 //! zero); 10 more datagrams must bring its HITS to 47, nothing counted twice or lost. The
 //! agent then restarts (the kernel keeps its counters): 10 more bring HITS to 57, the 10 it
@@ -52,6 +58,14 @@ const DENY: &str = "prod/udp-deny";
 /// The policies' inbound chains (`cali-pi-` + kind/namespace/name).
 const ALLOW_CHAIN: &str = "cali-pi-np/prod/udp-allow";
 const DENY_CHAIN: &str = "cali-pi-np/prod/udp-deny";
+/// The namespace profile of both workloads, its status row, and its inbound and outbound
+/// chains.
+const PROFILE: &str = "kns.prod";
+const PROFILE_IN_CHAIN: &str = "cali-pri-kns.prod";
+const PROFILE_OUT_CHAIN: &str = "cali-pro-kns.prod";
+/// A port of the server that neither policy names: its flows fall off the end of tier
+/// `default` and are dropped there.
+const UNMATCHED_PORT: u16 = 5003;
 /// The UDP payload of every datagram (the kernel counts IP packets: 20 + 8 + 16 bytes each).
 const PAYLOAD: &[u8] = b"policy-hit-count";
 const PACKET_BYTES: u64 = 20 + 8 + PAYLOAD.len() as u64;
@@ -252,59 +266,166 @@ fn settled<const N: usize>(host: &Netns, names: [&str; N]) -> [(u64, u64); N] {
 /// The kernel's counters of a policy chain's rules that carry its verdicts: the rules that set
 /// the accept (0x10000) or drop mark, one per proto rule, each counting every packet the rule
 /// matched once (the `-j RETURN` / `-j DROP` gated on the mark would count the same packets
-/// again). Summed over those rules, as (packets, bytes), from `iptables-save -c` (IPv4).
+/// again). Summed over those rules, as (packets, bytes), from `iptables-save -c` (IPv4), or
+/// `nft list chain` for the nftables driver.
 fn kernel_counts(host: &Netns, plane: Plane, chain: &str) -> (u64, u64) {
-    let ipt = match plane {
-        Plane::Iptables(ipt) => ipt,
-        Plane::Nftables => return nft_counts(host, chain),
-    };
-    let save = host.exec(&[&ipt.tool(4, "save"), "-c", "-t", "filter"]);
-    let prefix = format!("-A {chain} ");
-    let mut total = (0, 0);
-    let mut found = false;
-    for line in save.lines() {
-        let Some((counts, rule)) = line.strip_prefix('[').and_then(|l| l.split_once("] ")) else {
-            continue;
-        };
-        if !rule.starts_with(&prefix) || !rule.contains("-j MARK --set-xmark") {
-            continue;
-        }
-        let (p, b) = counts.split_once(':').expect("[packets:bytes]");
-        total.0 += p.parse::<u64>().expect("packets");
-        total.1 += b.parse::<u64>().expect("bytes");
-        found = true;
-    }
-    assert!(found, "no verdict-mark rule in {chain}:\n{save}");
+    let (total, found) = line_counts(host, plane, 4, chain, |rule| match plane {
+        Plane::Iptables(_) => rule.contains("-j MARK --set-xmark"),
+        Plane::Nftables => rule.contains("meta mark set"),
+    });
+    assert!(found > 0, "{plane:?}: no verdict-mark rule in {chain}");
     total
 }
 
-/// The same under the nftables driver: the rules of `filter-<chain>` in `table ip calico` that
-/// set the accept or drop mark, from their `counter` statements.
-fn nft_counts(host: &Netns, chain: &str) -> (u64, u64) {
-    let listing = host.exec(&[
-        "nft",
-        "list",
-        "chain",
-        "ip",
-        "calico",
-        &format!("filter-{chain}"),
-    ]);
+/// The kernel's counters of the rules of `chain` (IPv4 or IPv6, `family` 4 or 6) that
+/// `select` picks, summed as (packets, bytes), with how many rules it picked (0 when the chain
+/// is absent). iptables: `<tool>-save -c` lines `[p:b] -A <chain> …`; nftables: the rules of
+/// `filter-<chain>` in `table ip[6] calico`, from their `counter` statements.
+fn line_counts(
+    host: &Netns,
+    plane: Plane,
+    family: u8,
+    chain: &str,
+    select: impl Fn(&str) -> bool,
+) -> ((u64, u64), usize) {
     let mut total = (0, 0);
-    let mut found = false;
-    for line in listing.lines().filter(|l| l.contains("meta mark set")) {
-        let Some((_, rest)) = line.split_once("counter packets ") else {
-            continue;
-        };
-        let mut words = rest.split_whitespace();
-        let p: u64 = words.next().and_then(|w| w.parse().ok()).expect("packets");
-        assert_eq!(words.next(), Some("bytes"), "{line}");
-        let b: u64 = words.next().and_then(|w| w.parse().ok()).expect("bytes");
-        total.0 += p;
-        total.1 += b;
-        found = true;
+    let mut found = 0;
+    let mut add_line = |p: &str, b: &str, line: &str| {
+        total.0 += p
+            .parse::<u64>()
+            .unwrap_or_else(|e| panic!("packets: {e}: {line}"));
+        total.1 += b
+            .parse::<u64>()
+            .unwrap_or_else(|e| panic!("bytes: {e}: {line}"));
+        found += 1;
+    };
+    match plane {
+        Plane::Iptables(ipt) => {
+            let save = host.exec(&[&ipt.tool(family, "save"), "-c", "-t", "filter"]);
+            let prefix = format!("-A {chain} ");
+            for line in save.lines() {
+                let Some((counts, rule)) = line.strip_prefix('[').and_then(|l| l.split_once("] "))
+                else {
+                    continue;
+                };
+                if !rule.starts_with(&prefix) || !select(rule) {
+                    continue;
+                }
+                let (p, b) = counts.split_once(':').expect("[packets:bytes]");
+                add_line(p, b, line);
+            }
+        }
+        Plane::Nftables => {
+            let table = if family == 6 { "ip6" } else { "ip" };
+            let chains = host.exec(&["nft", "list", "table", table, "calico"]);
+            if !chains.contains(&format!("chain filter-{chain} {{")) {
+                return (total, 0);
+            }
+            let listing = host.exec(&[
+                "nft",
+                "list",
+                "chain",
+                table,
+                "calico",
+                &format!("filter-{chain}"),
+            ]);
+            for line in listing.lines().filter(|l| select(l)) {
+                let Some((_, rest)) = line.split_once("counter packets ") else {
+                    continue;
+                };
+                let mut words = rest.split_whitespace();
+                let p = words.next().expect("packets");
+                assert_eq!(words.next(), Some("bytes"), "{line}");
+                let b = words.next().expect("bytes");
+                add_line(p, b, line);
+            }
+        }
     }
-    assert!(found, "no verdict-mark rule in filter-{chain}:\n{listing}");
+    (total, found)
+}
+
+/// The kernel's counter of the line that drops what falls off the end of the server
+/// endpoint's tier (the one line of its `cali-tw-<iface>` chain commented "Drop if no
+/// policies passed packet", IPv4): the line the agent counts as the tier's end.
+fn end_of_tier_counts(host: &Netns, plane: Plane, iface: &str) -> (u64, u64) {
+    let chain = format!("cali-tw-{iface}");
+    let (total, found) = line_counts(host, plane, 4, &chain, |rule| {
+        rule.contains("Drop if no policies passed packet")
+            && match plane {
+                Plane::Iptables(_) => rule.ends_with("-j DROP"),
+                Plane::Nftables => rule.contains(" drop comment \""),
+            }
+    });
+    assert_eq!(
+        found,
+        1,
+        "{plane:?}: one end-of-tier drop line in {chain}:\n{}",
+        kernel_listing(host, plane)
+    );
     total
+}
+
+/// The kernel's counters of the profile `kns.prod`'s verdict lines (the rules of its inbound
+/// and outbound chains that set the accept mark), IPv4 and IPv6: everything its status row
+/// sums.
+fn profile_kernel_counts(host: &Netns, plane: Plane) -> (u64, u64) {
+    let mut total = (0, 0);
+    let mut found = 0;
+    for family in [4, 6] {
+        for chain in [PROFILE_IN_CHAIN, PROFILE_OUT_CHAIN] {
+            let (t, n) = line_counts(host, plane, family, chain, |rule| match plane {
+                Plane::Iptables(_) => rule.contains("-j MARK --set-xmark"),
+                Plane::Nftables => rule.contains("meta mark set"),
+            });
+            total = add(total, t);
+            found += n;
+        }
+    }
+    assert!(
+        found >= 2,
+        "{plane:?}: the profile's allow lines:\n{}",
+        kernel_listing(host, plane)
+    );
+    total
+}
+
+/// (packets, bytes) of `kns.prod`'s egress rule 0 in `/status/policies/kns.prod`, (0, 0) while
+/// it counted nothing.
+fn profile_egress_rule(host: &Netns) -> (u64, u64) {
+    let detail = policy_detail(host, PROFILE);
+    let rules = detail["rules"].as_array().expect("rules");
+    let egress: Vec<_> = rules
+        .iter()
+        .filter(|r| r["direction"] == "egress" && r["index"] == 0)
+        .collect();
+    assert_eq!(egress.len(), 1, "{PROFILE}: {detail:#}");
+    (
+        egress[0]["packets"].as_u64().expect("packets"),
+        egress[0]["bytes"].as_u64().expect("bytes"),
+    )
+}
+
+/// `/status/verdicts` as JSON (the dataplane's own verdicts that counted something).
+fn verdict_rows(host: &Netns) -> Vec<serde_json::Value> {
+    let (code, body) = in_netns(host, || {
+        integration::http_get("127.0.0.1:9099", "/status/verdicts")
+    })
+    .expect("the admin endpoint answers");
+    assert_eq!(code, 200, "/status/verdicts: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status/verdicts: {e}\n{body}"))
+}
+
+/// (packets, bytes) of the end-of-tier row of tier `default`, ingress; `None` while absent.
+fn end_of_tier_hits(rows: &[serde_json::Value]) -> Option<(u64, u64)> {
+    let mut matching = rows.iter().filter(|r| {
+        r["verdict"] == "end-of-tier" && r["tier"] == "default" && r["direction"] == "ingress"
+    });
+    let r = matching.next()?;
+    assert!(
+        matching.next().is_none(),
+        "one row per tier and direction: {rows:?}"
+    );
+    Some((r["packets"].as_u64()?, r["bytes"].as_u64()?))
 }
 
 /// The ruleset as the plane's own tool prints it, counters included.
@@ -416,7 +537,8 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
         diag,
     );
     let counted_after = sent_at.elapsed();
-    let [allow, deny] = settled(&host, [ALLOW, DENY]);
+    let [allow, deny, profile_before] = settled(&host, [ALLOW, DENY, PROFILE]);
+    let profile_kernel_before = profile_kernel_counts(&host, plane);
     let kernel = [ALLOW_CHAIN, DENY_CHAIN].map(|c| kernel_counts(&host, plane, c));
     assert_eq!(
         kernel,
@@ -465,6 +587,136 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
             "LAST-HIT: {table}"
         );
     }
+
+    // The dataplane's own verdict and a profile, exactly. 11 new flows to a port neither
+    // policy names fall off the end of tier `default` (its policies select the server) and are
+    // dropped there; 13 new flows from the client to the node reach no policy. The client's
+    // egress has no policy: its profile decides every new flow it sends, the 11 as well as
+    // the 13 (and, before, the warm-up and the 37 + 5). The end-of-tier line has counted
+    // nothing yet (the server got nothing but 5001 and 5002), so its row must show exactly
+    // the 11, as its kernel line does; the profile's counters (status, and the kernel's lines)
+    // already hold the warm-up, so both must move by exactly 11 + 13.
+    assert_eq!(
+        end_of_tier_counts(&host, plane, &server.iface),
+        (0, 0),
+        "{plane:?}: nothing fell off the end of tier default yet\n{}",
+        diag()
+    );
+    assert_eq!(
+        end_of_tier_hits(&verdict_rows(&host)),
+        None,
+        "{plane:?}: no end-of-tier row before any flow fell off the tier\n{}",
+        diag()
+    );
+    let profile_rule_before = profile_egress_rule(&host);
+    const DROPPED: u64 = 11;
+    const PROFILED: u64 = 13;
+    send_flows(
+        &client,
+        &server.ipv4,
+        UNMATCHED_PORT,
+        42000..42000 + DROPPED as u16,
+    );
+    send_flows(&client, "10.254.0.1", 9, 33000..33000 + PROFILED as u16);
+    wait_until(
+        "status shows every flow: 11 end-of-tier drops and 24 more profile hits",
+        Duration::from_secs(20),
+        || {
+            end_of_tier_hits(&verdict_rows(&host)).is_some_and(|(p, _)| p >= DROPPED)
+                && at_least(
+                    &policy_rows(&host),
+                    PROFILE,
+                    profile_before.0 + PROFILED + DROPPED,
+                )
+        },
+        diag,
+    );
+    let verdict_of = |rows: Vec<serde_json::Value>| {
+        end_of_tier_hits(&rows).unwrap_or_else(|| panic!("no end-of-tier row: {rows:#?}"))
+    };
+    // One second with no change (see `settled`) for the profile and the policies, the
+    // end-of-tier row the same before and after it.
+    let dropped = verdict_of(verdict_rows(&host));
+    let [allow_now, deny_now, profile_after] = settled(&host, [ALLOW, DENY, PROFILE]);
+    assert_eq!(
+        verdict_of(verdict_rows(&host)),
+        dropped,
+        "{plane:?}: the end-of-tier row still moving with no traffic"
+    );
+    let kernel_dropped = end_of_tier_counts(&host, plane, &server.iface);
+    assert_eq!(
+        kernel_dropped,
+        want(DROPPED),
+        "{plane:?}: the kernel's end-of-tier line counted each unmatched flow once\n{}",
+        diag()
+    );
+    assert_eq!(
+        dropped,
+        kernel_dropped,
+        "{plane:?}: /status/verdicts end-of-tier (tier default, ingress) against the kernel's \
+         counter of its line\n{}",
+        diag()
+    );
+    let profile_kernel_after = profile_kernel_counts(&host, plane);
+    let delta = |a: (u64, u64), b: (u64, u64)| (a.0 - b.0, a.1 - b.1);
+    let profile_kernel = delta(profile_kernel_after, profile_kernel_before);
+    assert_eq!(
+        profile_kernel,
+        want(DROPPED + PROFILED),
+        "{plane:?}: the kernel's profile lines counted each new flow of the client once (before \
+         {profile_kernel_before:?}, after {profile_kernel_after:?})\n{}",
+        diag()
+    );
+    assert_eq!(
+        delta(profile_after, profile_before),
+        profile_kernel,
+        "{plane:?}: {PROFILE} in status (before {profile_before:?}, after {profile_after:?}) \
+         moved as its kernel lines did\n{}",
+        diag()
+    );
+    assert_eq!(
+        delta(profile_egress_rule(&host), profile_rule_before),
+        want(DROPPED + PROFILED),
+        "{plane:?}: /status/policies/{PROFILE}: its egress rule 0 moved by the 11 + 13\n{}",
+        diag()
+    );
+    assert_eq!(
+        [allow_now, deny_now],
+        [allow, deny],
+        "{plane:?}: neither policy counted those flows"
+    );
+    assert_eq!(receiver.received(), (37, 0));
+    let verdicts = host.exec(&[
+        bin.to_str().expect("UTF-8 path"),
+        "status",
+        "--server",
+        "127.0.0.1:9099",
+        "--verdicts",
+    ]);
+    let line: Vec<&str> = verdicts
+        .lines()
+        .find(|l| l.starts_with("end-of-tier "))
+        .unwrap_or_else(|| panic!("no end-of-tier line:\n{verdicts}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        line,
+        [
+            "end-of-tier",
+            "default",
+            "ingress",
+            "deny",
+            &DROPPED.to_string(),
+            &(DROPPED * PACKET_BYTES).to_string(),
+            line[6],
+            NODE
+        ],
+        "{plane:?}:\n{verdicts}"
+    );
+    assert!(
+        line[6].ends_with('Z') && line[6].contains('T'),
+        "LAST-HIT: {verdicts}"
+    );
 
     // A second rule rewrites udp-allow's chain: the kernel's counters of its rules start again
     // from zero. The 37 already reported stay; the next 10 flows add 10.
