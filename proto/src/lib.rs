@@ -20,6 +20,23 @@ pub mod felix {
 
 pub use felix::*;
 
+/// Goldmane's flow API (package `goldmane`, `goldmane.proto`): Calico's flow aggregator's
+/// messages, names and numbers, and its `Flows`, `FlowCollector` and `Statistics` services with
+/// the `grpc` feature. Not served yet; see `docs/proto.md`.
+///
+/// With the `json` feature: serde in the proto3 JSON mapping, except that field names are kept as
+/// written in the schema (`start_time`, `enforced_policies`, `Key`), which is what Goldmane's own
+/// JSON (its Go types' tags) uses. Deserialising accepts the lowerCamelCase names too.
+pub mod goldmane {
+    include!(concat!(env!("OUT_DIR"), "/goldmane.rs"));
+    #[cfg(feature = "json")]
+    include!(concat!(env!("OUT_DIR"), "/goldmane.serde.rs"));
+
+    /// The encoded `FileDescriptorSet` of `goldmane.proto`, for reflection and tests.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/goldmane_descriptor.bin"));
+}
+
 #[cfg(feature = "grpc")]
 pub mod framed;
 
