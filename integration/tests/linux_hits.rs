@@ -66,6 +66,10 @@ const PROFILE_OUT_CHAIN: &str = "cali-pro-kns.prod";
 /// A port of the server that neither policy names: its flows fall off the end of tier
 /// `default` and are dropped there.
 const UNMATCHED_PORT: u16 = 5003;
+/// TCP port `tcp-allow` opens on the server.
+const TCP_PORT: u16 = 5004;
+const TCP_ALLOW: &str = "prod/tcp-allow";
+const TCP_CHAIN: &str = "cali-pi-np/prod/tcp-allow";
 /// The UDP payload of every datagram (the kernel counts IP packets: 20 + 8 + 16 bytes each).
 const PAYLOAD: &[u8] = b"policy-hit-count";
 const PACKET_BYTES: u64 = 20 + 8 + PAYLOAD.len() as u64;
@@ -123,6 +127,21 @@ spec:
     destination:
       ports: [{ALLOWED_PORT}]
 {extra}---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {{name: tcp-allow, namespace: prod}}
+spec:
+  order: 15
+  selector: app == 'server'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source:
+      selector: app == 'client'
+    destination:
+      ports: [{TCP_PORT}]
+---
 apiVersion: projectcalico.org/v3
 kind: NetworkPolicy
 metadata: {{name: udp-deny, namespace: prod}}
@@ -459,7 +478,7 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
     let host = Netns::new("host");
     host.make_host();
     let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
-    let server = Workload::attach(&host, "cali0server002", "10.65.0.2", "fd00:65::2");
+    let mut server = Workload::attach(&host, "cali0server002", "10.65.0.2", "fd00:65::2");
     let dir = tempfile::tempdir().expect("temp dir");
     let mut manifests = namespace_profile("prod", "prod");
     for (w, app) in [(&client, "client"), (&server, "server")] {
@@ -716,6 +735,40 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
     assert!(
         line[6].ends_with('Z') && line[6].contains('T'),
         "LAST-HIT: {verdicts}"
+    );
+
+    // TCP connections: the policy's rule sees each connection's first packet only (the rest
+    // is accepted as established before any policy), so 7 connections are 7 packets there.
+    const CONNECTIONS: u64 = 7;
+    server.listen(TCP_PORT);
+    assert_eq!(hits_of(&policy_rows(&host), TCP_ALLOW), Some((0, 0)));
+    for _ in 0..CONNECTIONS {
+        assert!(
+            client.connects(&server.ipv4, TCP_PORT),
+            "{plane:?}: tcp-allow lets the client connect\n{}",
+            diag()
+        );
+    }
+    wait_until(
+        "status shows the 7 TCP connections on tcp-allow",
+        Duration::from_secs(20),
+        || at_least(&policy_rows(&host), TCP_ALLOW, CONNECTIONS),
+        diag,
+    );
+    let [tcp] = settled(&host, [TCP_ALLOW]);
+    let tcp_kernel = kernel_counts(&host, plane, TCP_CHAIN);
+    assert_eq!(
+        tcp_kernel.0,
+        CONNECTIONS,
+        "{plane:?}: the kernel counted each connection's first packet once on tcp-allow's rule\n{}",
+        diag()
+    );
+    assert_eq!(
+        tcp,
+        tcp_kernel,
+        "{plane:?}: (packets, bytes) of tcp-allow in status against the kernel's counter of its \
+         rule\n{}",
+        diag()
     );
 
     // A second rule rewrites udp-allow's chain: the kernel's counters of its rules start again
