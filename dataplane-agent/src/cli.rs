@@ -206,6 +206,14 @@ pub struct Cli {
     )]
     pub log_prefix: String,
 
+    /// linux and nftables drivers: flow logs. Every rule that decides a packet (policy and
+    /// profile allow, deny and pass rules, each tier's end, the no-profile drop) also sends it
+    /// to NFLOG (group 1 inbound, 2 outbound) with Felix's prefix naming the rule. Off by
+    /// default, as in Calico; when not given, FelixConfiguration `FlowLogsGoldmaneServer`
+    /// (non-empty) turns it on. Collecting and streaming the flows is not done yet.
+    #[arg(long, env = "DATAPLANE_AGENT_FLOW_LOGS", value_name = "BOOL", default_value = "false", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub flow_logs: bool,
+
     /// linux driver: force features instead of detecting them, in Felix's form
     /// (`MASQFullyRandom=false`; Felix's other names are accepted and have no effect here).
     /// `MASQFullyRandom` is detected as iptables 1.6.2+ on Linux 3.14+.
@@ -539,6 +547,7 @@ impl Cli {
             .flat_map(|s| server_addresses(s))
             .collect();
         opts.render.log_prefix = self.log_prefix.clone();
+        opts.render.flow_logs = self.flow_logs;
         opts.masq_fully_random =
             crate::driver::linux::config::parse_feature_overrides(&self.feature_detect_override)
                 .map_err(FlagError::FeatureDetectOverride)?;
@@ -567,6 +576,7 @@ pub fn pinned_felix_settings(
         ("failsafe-outbound-host-ports", felix::FAILSAFE_OUTBOUND),
         ("log-prefix", felix::LOG_PREFIX),
         ("feature-detect-override", felix::FEATURE_DETECT_OVERRIDE),
+        ("flow-logs", felix::FLOW_LOGS_GOLDMANE_SERVER),
     ]
     .iter()
     .filter(|(flag, _)| explicit_flags.contains(*flag))

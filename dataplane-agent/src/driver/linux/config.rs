@@ -19,6 +19,9 @@ pub(crate) const FAILSAFE_INBOUND: &str = "FailsafeInboundHostPorts";
 pub(crate) const FAILSAFE_OUTBOUND: &str = "FailsafeOutboundHostPorts";
 pub(crate) const LOG_PREFIX: &str = "LogPrefix";
 pub(crate) const FEATURE_DETECT_OVERRIDE: &str = "FeatureDetectOverride";
+/// Felix renders its NFLOG rules when this names a Goldmane server; so does this agent when
+/// it is non-empty (the flow records themselves are the calc-server's business).
+pub(crate) const FLOW_LOGS_GOLDMANE_SERVER: &str = "FlowLogsGoldmaneServer";
 pub(crate) use calico_names::felix_config::FEATURE_GATES;
 
 /// The settings [`effective`] applies.
@@ -30,6 +33,7 @@ pub(crate) const APPLIED: &[&str] = &[
     LOG_PREFIX,
     FEATURE_DETECT_OVERRIDE,
     FEATURE_GATES,
+    FLOW_LOGS_GOLDMANE_SERVER,
 ];
 
 /// The datastore's settings this agent does not act on, each group sorted: those it has no use
@@ -118,6 +122,9 @@ pub(crate) fn effective(
             Ok(on) => out.hit_counters = on,
             Err(e) => problems.push(format!("FelixConfiguration {FEATURE_GATES}={v:?}: {e}")),
         }
+    }
+    if let Some(v) = take(FLOW_LOGS_GOLDMANE_SERVER) {
+        out.render.flow_logs = !v.trim().is_empty();
     }
     if let Some(v) = take(LOG_PREFIX) {
         match validate::log_prefix(v) {

@@ -37,8 +37,10 @@ pub(crate) struct ConfigManager {
 pub(crate) struct ConfigChanges {
     /// The workload interface prefixes in force changed: every endpoint must be checked again.
     pub prefixes: bool,
-    /// The log prefix changed: every policy and profile renders differently.
+    /// The log prefix or flow logs changed: every policy and profile renders differently.
     pub render: bool,
+    /// Flow logs changed: every endpoint chain renders differently too.
+    pub endpoints: bool,
 }
 
 impl ConfigManager {
@@ -119,12 +121,15 @@ impl ConfigManager {
             || next.statics.failsafe_in != self.opts.statics.failsafe_in
             || next.statics.failsafe_out != self.opts.statics.failsafe_out
             || next.masq_fully_random != self.opts.masq_fully_random;
-        let render_changed = next.render.log_prefix != self.opts.render.log_prefix;
+        let flow_logs_changed = next.render.flow_logs != self.opts.render.flow_logs;
+        let render_changed =
+            next.render.log_prefix != self.opts.render.log_prefix || flow_logs_changed;
         if statics_changed || render_changed {
             info!(
                 endpoint_to_host = ?next.statics.endpoint_to_host,
                 prefixes = ?next.statics.workload_prefixes,
                 log_prefix = %next.render.log_prefix,
+                flow_logs = next.render.flow_logs,
                 "datastore settings applied"
             );
         }
@@ -151,6 +156,7 @@ impl ConfigManager {
         ConfigChanges {
             prefixes: prefixes_changed,
             render: render_changed,
+            endpoints: flow_logs_changed,
         }
     }
 

@@ -158,6 +158,12 @@ impl EndpointManager {
         self.dispatch_dirty = true;
     }
 
+    /// Every endpoint's chains must be rendered again (a setting they depend on changed).
+    pub(crate) fn dirty_all(&mut self) {
+        self.dirty_weps.extend(self.weps.keys().cloned());
+        self.dirty_heps.extend(self.heps.keys().cloned());
+    }
+
     /// Renders the endpoints that changed, then the dispatch chains if the interfaces may
     /// have.
     pub(crate) fn apply(&mut self, tables: &mut Tables, opts: &LinuxOptions) {

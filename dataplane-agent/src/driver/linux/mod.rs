@@ -296,6 +296,9 @@ impl LinuxDriver {
         if changes.render {
             self.policy.dirty_all();
         }
+        if changes.endpoints {
+            self.endpoints.dirty_all();
+        }
         if self.random_fully_supported.is_none() {
             let release = self.routes.kernel_release();
             self.random_fully_supported = Some(

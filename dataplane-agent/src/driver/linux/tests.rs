@@ -1684,3 +1684,83 @@ fn the_hit_counter_gate_turns_collection_off_and_on() {
     assert_eq!(hits.len(), 1, "{hits:?}");
     assert_eq!((hits[0].packets, hits[0].bytes), (3, 300));
 }
+
+/// FelixConfiguration `FlowLogsGoldmaneServer` turns flow logs on (no flag pins it here): the
+/// policy and the endpoint chains are rendered again with their NFLOG lines (Felix's groups
+/// and prefixes), and the hit counters still count each packet once, on the match line.
+#[test]
+fn flow_logs_from_the_datastore_add_nflog_lines_counted_nowhere() {
+    use felix_proto::rule_ref::Kind;
+
+    let (mut d, k) = driver();
+    d.on_update(&msg(Payload::ActivePolicyUpdate(ActivePolicyUpdate {
+        id: Some(pol_id()),
+        policy: Some(Policy {
+            inbound_rules: vec![Rule {
+                action: "allow".into(),
+                protocol: Some(felix_proto::Protocol {
+                    number_or_name: Some(felix_proto::protocol::NumberOrName::Name("udp".into())),
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+    })));
+    d.on_update(&wep("caliweb"));
+    d.apply().unwrap();
+    let chain = rules::policy_chain_name(rules::POLICY_INBOUND_PFX, &pol_id());
+    let ep_chain = rules::endpoint_chain_name(rules::endpoint::WORKLOAD_TO_PFX, "caliweb");
+    let nflog_lines = |k: &Arc<Mutex<FakeKernel>>, c: &str| -> Vec<String> {
+        k.lock()
+            .chain_rules(IpVersion::V4, "filter", c)
+            .into_iter()
+            .filter(|r| r.contains("NFLOG"))
+            .collect()
+    };
+    assert!(nflog_lines(&k, &chain).is_empty(), "off by default");
+    assert!(nflog_lines(&k, &ep_chain).is_empty(), "off by default");
+
+    d.on_update(&config(&[(
+        "FlowLogsGoldmaneServer",
+        "goldmane.calico-system:7443",
+    )]));
+    d.apply().unwrap();
+    let pol_id_str = rules::policy_id_string(&pol_id());
+    let pol_lines = nflog_lines(&k, &chain);
+    assert_eq!(pol_lines.len(), 1, "{pol_lines:?}");
+    assert!(
+        pol_lines[0].contains(&format!(
+            "--nflog-group 1 --nflog-prefix \"API0|{pol_id_str}\" --nflog-size 80"
+        )),
+        "{pol_lines:?}"
+    );
+    let ep_lines = nflog_lines(&k, &ep_chain);
+    assert_eq!(ep_lines.len(), 2, "{ep_lines:?}");
+    assert!(ep_lines[0].contains("--nflog-group 1 --nflog-prefix \"DPI|default\""));
+    assert!(ep_lines[1].contains("--nflog-group 1 --nflog-prefix DRI "));
+
+    // Counted once: the match line counts, the NFLOG line behind it does not.
+    assert!(d.collect_hits().unwrap().is_empty(), "baseline");
+    k.lock().hit(IpVersion::V4, &chain, "MARK --set", 9, 900);
+    k.lock().hit(IpVersion::V4, &chain, "NFLOG", 9, 900);
+    k.lock()
+        .hit(IpVersion::V4, &ep_chain, "DPI|default", 4, 400);
+    let hits = d.collect_hits().unwrap();
+    let policy_hits: Vec<_> = hits
+        .iter()
+        .filter(|h| h.rule.as_ref().unwrap().kind() == Kind::PolicyRule)
+        .collect();
+    assert_eq!(policy_hits.len(), 1, "{hits:?}");
+    assert_eq!((policy_hits[0].packets, policy_hits[0].bytes), (9, 900));
+    assert_eq!(
+        hits.len(),
+        1,
+        "the end-of-tier NFLOG line counts nothing: {hits:?}"
+    );
+
+    // Turned off again: the chains are as before.
+    d.on_update(&config(&[]));
+    d.apply().unwrap();
+    assert!(nflog_lines(&k, &chain).is_empty());
+    assert!(nflog_lines(&k, &ep_chain).is_empty());
+}

@@ -404,6 +404,20 @@ impl Exprs {
                     attr(o, 5, &LOG_LEVEL_NOTICE.to_be_bytes());
                 });
             }
+            Action::Nflog { group, prefix } => {
+                let prefix = render::string_content(prefix);
+                // NFTA_LOG_GROUP, NFTA_LOG_PREFIX, NFTA_LOG_SNAPLEN: what `nft` sends for
+                // `log prefix "…" group N snaplen 80`.
+                self.expr("log", |o| {
+                    attr(o, 1, &group.to_be_bytes());
+                    attr(o, 2, &cstr(&prefix));
+                    attr(
+                        o,
+                        3,
+                        &crate::driver::linux::rules::nflog::SNAPLEN.to_be_bytes(),
+                    );
+                });
+            }
             Action::NoTrack => self.expr("notrack", |_| {}),
             Action::Masquerade { fully_random } => self.expr("masq", |o| {
                 if *fully_random {

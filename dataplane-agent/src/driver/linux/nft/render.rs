@@ -287,6 +287,12 @@ fn action(out: &mut String, a: &Action, table: &str) {
             "counter log prefix {} level notice",
             string(&format!("{prefix}: "))
         ),
+        Action::Nflog { group, prefix } => write!(
+            out,
+            "counter log prefix {} group {group} snaplen {}",
+            string(prefix),
+            crate::driver::linux::rules::nflog::SNAPLEN
+        ),
         Action::NoTrack => write!(out, "counter notrack"),
         Action::Masquerade { fully_random } => {
             if *fully_random {

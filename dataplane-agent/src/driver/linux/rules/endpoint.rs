@@ -9,6 +9,7 @@
 
 use felix_proto::TierInfo;
 
+use super::nflog::{self, Verdict};
 use super::policy::RenderConfig;
 use super::{
     Action, Chain, Match, POLICY_INBOUND_PFX, POLICY_OUTBOUND_PFX, PROFILE_INBOUND_PFX,
@@ -286,8 +287,33 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
                     .comment("Return if policy accepted"),
             );
         }
-        let end_of_tier_drop = matches!(s.kind, Kind::Normal | Kind::Forward)
-            && !tier.default_action.eq_ignore_ascii_case("pass");
+        let decides = matches!(s.kind, Kind::Normal | Kind::Forward);
+        let end_of_tier_drop = decides && !tier.default_action.eq_ignore_ascii_case("pass");
+        if decides && cfg.flow_logs {
+            // Felix logs the tier's end either way: its drop, or (default action Pass) the
+            // pass to the next tier.
+            let verdict = if end_of_tier_drop {
+                Verdict::Deny
+            } else {
+                Verdict::Pass
+            };
+            let line = Rule::new(
+                Match::new().mark_clear(marks::PASS),
+                Action::Nflog {
+                    group: nflog::group(s.dir),
+                    prefix: nflog::end_of_tier(verdict, s.dir, &tier.name),
+                },
+            )
+            .uncounted();
+            rules.push(if end_of_tier_drop {
+                line.with_id(RuleId::EndOfTier {
+                    tier: tier.name.clone(),
+                    direction: s.dir,
+                })
+            } else {
+                line
+            });
+        }
         if end_of_tier_drop {
             rules.push(
                 Rule::new(Match::new().mark_clear(marks::PASS), cfg.deny.clone())
@@ -316,6 +342,16 @@ fn render(cfg: &RenderConfig, s: Spec<'_>) -> Chain {
             rules.push(
                 Rule::new(Match::new().mark_set(marks::ACCEPT), Action::Return)
                     .comment("Return if profile accepted"),
+            );
+        }
+        if cfg.flow_logs {
+            rules.push(
+                Rule::always(Action::Nflog {
+                    group: nflog::group(s.dir),
+                    prefix: nflog::no_profile_matched(s.dir),
+                })
+                .uncounted()
+                .with_id(RuleId::NoProfileMatched { direction: s.dir }),
             );
         }
         rules.push(

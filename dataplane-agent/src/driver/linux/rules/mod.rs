@@ -9,6 +9,7 @@
 //! read-back, which kernel rules are already right (only that writer computes it).
 
 pub(crate) mod endpoint;
+pub(crate) mod nflog;
 pub(crate) mod policy;
 pub(crate) mod quote;
 pub(crate) mod static_chains;
@@ -85,6 +86,12 @@ pub enum Action {
     Log {
         prefix: String,
     },
+    /// Sends the packet to NFLOG `group` tagged with `prefix` (flow logs; [`nflog`]) and goes
+    /// on to the next rule.
+    Nflog {
+        group: u16,
+        prefix: String,
+    },
     NoTrack,
     /// Source NAT to the outgoing interface's address; `--random-fully` (random source ports,
     /// fewer conntrack clashes under load) where iptables and the kernel support it.
@@ -120,6 +127,14 @@ impl Action {
                     out,
                     "--jump LOG --log-prefix {} --log-level 5",
                     quote::arg(&prefix)
+                );
+            }
+            Action::Nflog { group, prefix } => {
+                let _ = write!(
+                    out,
+                    "--jump NFLOG --nflog-group {group} --nflog-prefix {} --nflog-size {}",
+                    quote::arg(prefix),
+                    nflog::SNAPLEN
                 );
             }
             Action::NoTrack => out.push_str("--jump NOTRACK"),

@@ -9,6 +9,7 @@
 use felix_proto::{PortRange, Protocol, Rule as ProtoRule, protocol, rule};
 
 use super::endpoint::Direction;
+use super::nflog::{self, Verdict};
 use super::{
     Action, Chain, IpVersion, Match, POLICY_INBOUND_PFX, POLICY_OUTBOUND_PFX, PROFILE_INBOUND_PFX,
     PROFILE_OUTBOUND_PFX, Rule, RuleId, ipset_name, marks, policy_chain_name, policy_id_string,
@@ -22,6 +23,9 @@ pub struct RenderConfig {
     pub log_prefix: String,
     /// The action for `deny` and for the end-of-tier and no-profile drops.
     pub deny: Action,
+    /// Flow logs: every rule that decides a packet (allow, deny, pass, the end-of-tier and
+    /// no-profile verdicts) also sends it to NFLOG, tagged as Felix tags it ([`nflog`]).
+    pub flow_logs: bool,
 }
 
 impl Default for RenderConfig {
@@ -29,6 +33,7 @@ impl Default for RenderConfig {
         Self {
             log_prefix: "calico-packet".to_owned(),
             deny: Action::Drop,
+            flow_logs: false,
         }
     }
 }
@@ -44,6 +49,17 @@ pub(crate) fn policy_chains(
         format!("{} {}", id.kind, id.name)
     } else {
         format!("{} {}/{}", id.kind, id.namespace, id.name)
+    };
+    // Felix does not log untracked policy's verdicts to NFLOG (the cost on an untracked path).
+    let untracked_cfg;
+    let cfg = if policy.untracked && cfg.flow_logs {
+        untracked_cfg = RenderConfig {
+            flow_logs: false,
+            ..cfg.clone()
+        };
+        &untracked_cfg
+    } else {
+        cfg
     };
     let key = policy_id_string(id);
     let rule_id = |direction| {
@@ -129,11 +145,11 @@ pub(crate) fn render_rules(
     let mut out: Vec<Rule> = Vec::new();
     for (i, r) in rules.iter().enumerate() {
         let id = rule_id(u32::try_from(i).unwrap_or(u32::MAX));
-        out.extend(
-            render_rule(cfg, r, v)
-                .into_iter()
-                .map(|rule| rule.with_id(id.clone())),
-        );
+        let mut rendered = render_rule(cfg, r, v);
+        if cfg.flow_logs {
+            add_nflog(&mut rendered, r, &id);
+        }
+        out.extend(rendered.into_iter().map(|rule| rule.with_id(id.clone())));
     }
     while out.last().is_some_and(|r| r.action == Action::Return) {
         out.pop();
@@ -147,6 +163,45 @@ pub(crate) fn render_rules(
         out[0].comments.insert(0, chain_comment.to_owned());
     }
     out
+}
+
+/// What a proto rule's action decides, and the mark its first line sets: `None` for `log`,
+/// which decides nothing. An unknown action renders as deny ([`combine_with_action`]).
+fn verdict_of(action: &str) -> Option<(Verdict, u32)> {
+    match action {
+        "" | "allow" => Some((Verdict::Allow, marks::ACCEPT)),
+        "next-tier" | "pass" => Some((Verdict::Pass, marks::PASS)),
+        "log" => None,
+        _ => Some((Verdict::Deny, marks::DROP)),
+    }
+}
+
+/// Flow logs: puts the NFLOG line between a rule's `match → set mark` line and its verdict,
+/// gated on the same mark, as Felix does. It is not counted (the hit counter stays on the
+/// match line) but carries the rule's id like the other lines.
+fn add_nflog(rendered: &mut Vec<Rule>, r: &ProtoRule, id: &RuleId) {
+    let Some((verdict, mark)) = verdict_of(&r.action) else {
+        return;
+    };
+    let (Some(prefix), Some(verdict_line)) = (nflog::for_rule(id, verdict), rendered.last()) else {
+        return;
+    };
+    let direction = match id {
+        RuleId::Policy { direction, .. } | RuleId::Profile { direction, .. } => *direction,
+        _ => return,
+    };
+    let mut line = Rule::new(
+        Match::new().mark_set(mark),
+        Action::Nflog {
+            group: nflog::group(direction),
+            prefix,
+        },
+    )
+    .uncounted();
+    // Annotations ride on every line of the rule, this one too.
+    line.comments = verdict_line.comments.clone();
+    let at = rendered.len() - 1;
+    rendered.insert(at, line);
 }
 
 /// The family-filtered copy of a rule, or `None` when the rule cannot apply to this family
@@ -756,5 +811,103 @@ mod tests {
             "an empty chain keeps one commented no-op"
         );
         assert_eq!(outb.rules[0].action, Action::Return);
+    }
+
+    /// Flow logs on: each deciding rule gets an NFLOG line between its mark and its verdict,
+    /// uncounted, with Felix's group and prefix; `log` rules and untracked policies get none.
+    /// Golden in both syntaxes (iptables-restore and nft).
+    #[test]
+    fn flow_logs_put_an_nflog_line_before_each_verdict() {
+        let cfg = RenderConfig {
+            flow_logs: true,
+            ..RenderConfig::default()
+        };
+        let id = PolicyId {
+            name: "default.web".into(),
+            namespace: "prod".into(),
+            kind: "NetworkPolicy".into(),
+        };
+        let rule = |action: &str| ProtoRule {
+            action: action.into(),
+            protocol: tcp(),
+            ..Default::default()
+        };
+        let pol = felix_proto::Policy {
+            inbound_rules: vec![rule("log"), rule("deny"), rule("pass"), rule("allow")],
+            outbound_rules: vec![rule("allow")],
+            ..Default::default()
+        };
+        let [inb, outb] = policy_chains(&cfg, &id, &pol, IpVersion::V4);
+        assert_eq!(
+            lines(&inb.rules),
+            [
+                "-A c -m comment --comment \"NetworkPolicy prod/default.web ingress\" --protocol tcp --jump LOG --log-prefix \"calico-packet: \" --log-level 5",
+                "-A c --protocol tcp --jump MARK --set-mark 0x40000/0x40000",
+                "-A c -m mark --mark 0x40000/0x40000 --jump NFLOG --nflog-group 1 --nflog-prefix \"DPI1|np/prod/default.web\" --nflog-size 80",
+                "-A c -m mark --mark 0x40000/0x40000 --jump DROP",
+                "-A c --protocol tcp --jump MARK --set-mark 0x20000/0x20000",
+                "-A c -m mark --mark 0x20000/0x20000 --jump NFLOG --nflog-group 1 --nflog-prefix \"PPI2|np/prod/default.web\" --nflog-size 80",
+                "-A c -m mark --mark 0x20000/0x20000 --jump RETURN",
+                "-A c --protocol tcp --jump MARK --set-mark 0x10000/0x10000",
+                "-A c -m mark --mark 0x10000/0x10000 --jump NFLOG --nflog-group 1 --nflog-prefix \"API3|np/prod/default.web\" --nflog-size 80",
+            ]
+        );
+        // Only the match lines count; the NFLOG lines carry the rule's id.
+        let counted: Vec<_> = inb.rules.iter().filter_map(Rule::counted_id).collect();
+        assert_eq!(counted.len(), 4, "log, deny, pass, allow: one line each");
+        let nflog: Vec<_> = inb
+            .rules
+            .iter()
+            .filter(|r| matches!(r.action, Action::Nflog { .. }))
+            .collect();
+        assert!(nflog.iter().all(|r| !r.counts && r.id.is_some()));
+        assert_eq!(
+            lines(&outb.rules)[1],
+            "-A c -m mark --mark 0x10000/0x10000 --jump NFLOG --nflog-group 2 --nflog-prefix \"APE0|np/prod/default.web\" --nflog-size 80"
+        );
+        // The same line in nft syntax.
+        assert_eq!(
+            crate::driver::linux::nft::render::rule_bodies(&outb.rules[1], "filter", IpVersion::V4),
+            [
+                "meta mark & 0x00010000 == 0x00010000 counter log prefix \"APE0|np/prod/default.web\" group 2 snaplen 80"
+            ]
+        );
+
+        // Off: byte-identical to what was rendered before flow logs existed.
+        let [off, _] = policy_chains(&RenderConfig::default(), &id, &pol, IpVersion::V4);
+        assert!(
+            off.rules
+                .iter()
+                .all(|r| !matches!(r.action, Action::Nflog { .. }))
+        );
+        assert_eq!(off.rules.len(), inb.rules.len() - 3);
+
+        // Untracked policy: no NFLOG, as Felix.
+        let untracked = felix_proto::Policy {
+            untracked: true,
+            ..pol.clone()
+        };
+        let [inb, _] = policy_chains(&cfg, &id, &untracked, IpVersion::V4);
+        assert!(
+            inb.rules
+                .iter()
+                .all(|r| !matches!(r.action, Action::Nflog { .. }))
+        );
+
+        // Profiles: owner R, the profile's name.
+        let prof = felix_proto::Profile {
+            inbound_rules: vec![rule("allow"), rule("deny")],
+            ..Default::default()
+        };
+        let [inb, _] = profile_chains(&cfg, "kns.prod", &prof, IpVersion::V4);
+        let prefixes: Vec<_> = inb
+            .rules
+            .iter()
+            .filter_map(|r| match &r.action {
+                Action::Nflog { group, prefix } => Some((*group, prefix.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(prefixes, [(1, "ARI0|kns.prod"), (1, "DRI1|kns.prod")]);
     }
 }
