@@ -11,6 +11,8 @@
 //! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
 //!   admin endpoint; [`compute`], [`explain_cmd`], [`status_cmd`], [`policies_cmd`] and
 //!   [`offline`]: the other commands;
+//! - [`flows`]: the flow aggregator's store (Goldmane's queries over 15 s buckets), pure; not
+//!   wired yet;
 //!
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
@@ -20,6 +22,7 @@ pub mod args;
 pub mod compute;
 pub mod datastore;
 pub mod explain_cmd;
+pub mod flows;
 pub mod offline;
 mod pem;
 pub mod policies_cmd;
