@@ -39,8 +39,11 @@
 //!   through [`Engine::restore_hits`] (`Input::RestoreHits`), whenever the store could be read:
 //!   it is merged into what was counted meanwhile (counts add up, observation times take the
 //!   earliest), and no copy is handed over before it, so a store is never overwritten by a
-//!   server that has not read it. Counters are pruned only once the datastore is in sync, so
-//!   restored ones are not dropped before their policies are known.
+//!   server that has not read it. With a shared store, a connecting node's saved counts are
+//!   asked for and merged the same way (`Input::NodeHits`, see `hits::reload`); until then
+//!   each copy ([`SaveCopy`]) names the node, whose parts the writer leaves alone. Counters are
+//!   pruned only once the datastore is in sync, so restored ones are not dropped before their
+//!   policies are known.
 
 mod hits;
 mod realization;
@@ -323,11 +326,12 @@ pub(super) enum Input {
     /// The hit counters saved by an earlier server (empty: none), to merge into these.
     RestoreHits(SavedHits),
     /// `node`'s counters as the store held them after its stream `conn` connected (asked for
-    /// through [`Engine::reload_node_hits`]), to merge into these.
+    /// through [`Engine::reload_node_hits`]), to merge into these; `None`: the store could not
+    /// be read (asked again at the next save).
     NodeHits {
         node: String,
         conn: u64,
-        counts: Vec<SavedCount>,
+        counts: Option<Vec<SavedCount>>,
     },
     /// Close every stream (server shutting down).
     Shutdown,
@@ -349,14 +353,9 @@ pub(super) struct Limits {
 
 /// Where the hit counters go to be saved, and when they last went.
 struct HitsSave {
-    tx: tokio::sync::watch::Sender<Option<Arc<SavedHits>>>,
+    tx: tokio::sync::watch::Sender<Option<SaveCopy>>,
     /// Where a connecting node's stored counters are asked for (stores that can answer).
     reload: Option<mpsc::UnboundedSender<(String, u64)>>,
-    /// Nodes' stored counters asked for, and `Input::NodeHits` answers merged: while one is
-    /// outstanding no copy is handed over, so that a stale view of a node that moved here is
-    /// never saved over what the replica it left saved.
-    asked: u64,
-    answered: u64,
     every: std::time::Duration,
     last: Option<std::time::Instant>,
     /// They changed since they were last handed over.
@@ -364,6 +363,15 @@ struct HitsSave {
     /// The saved counters were merged in ([`Engine::restore_hits`]): nothing is handed over
     /// before, so that the store is never overwritten by a copy that lacks them.
     restored: bool,
+}
+
+/// A copy of the hit counters to save, and the nodes whose parts must be left as the store
+/// has them: their saved counts are not merged here yet (`hits::reload`), so this server's view
+/// of them may be stale.
+#[derive(Clone, Debug)]
+pub(crate) struct SaveCopy {
+    pub doc: Arc<SavedHits>,
+    pub skip: Vec<String>,
 }
 
 /// What one step did.
@@ -478,7 +486,7 @@ impl Engine {
     pub(super) fn save_hits_every(
         &mut self,
         every: std::time::Duration,
-    ) -> tokio::sync::watch::Receiver<Option<Arc<SavedHits>>> {
+    ) -> tokio::sync::watch::Receiver<Option<SaveCopy>> {
         let (tx, rx) = tokio::sync::watch::channel(None);
         self.hits_save = Some(HitsSave {
             tx,
@@ -487,8 +495,6 @@ impl Engine {
             due: false,
             restored: false,
             reload: None,
-            asked: 0,
-            answered: 0,
         });
         rx
     }
@@ -629,7 +635,6 @@ impl Engine {
         save.due |= self.hits.take_changed();
         if !save.due
             || !save.restored
-            || save.answered < save.asked
             || (!stopping
                 && save
                     .last
@@ -639,8 +644,17 @@ impl Engine {
         }
         save.due = false;
         save.last = Some(self.now);
+        // Nodes whose read failed are asked again, at most once per save.
+        if let Some(reload) = &save.reload {
+            for ask in self.hits.take_reasks() {
+                let _ = reload.send(ask);
+            }
+        }
         // The writer may be gone (shutting down): nothing to do then.
-        let _ = save.tx.send(Some(Arc::new(self.hits.saved())));
+        let _ = save.tx.send(Some(SaveCopy {
+            doc: Arc::new(self.hits.saved()),
+            skip: self.hits.unverified(),
+        }));
     }
 
     /// Publishes the per-policy hit totals to the metrics, at most once a second and only
@@ -836,7 +850,6 @@ impl Engine {
                     tracing::warn!(%node, skipped, "stored policy hit counters with invalid names were skipped");
                 }
                 if let Some(save) = &mut self.hits_save {
-                    save.answered += 1;
                     save.due = true;
                 }
                 self.hit_series_dirty = true;
@@ -939,7 +952,6 @@ impl Engine {
             && reload.send((node.clone(), conn.id)).is_ok()
         {
             self.hits.reload_started(&node, conn.id);
-            save.asked += 1;
         }
         self.metrics
             .agent_connected(&node, conn.id, conn.queued.clone(), conn.taken.clone());

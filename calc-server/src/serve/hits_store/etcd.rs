@@ -71,12 +71,7 @@ impl EtcdStore {
         if found.is_empty() {
             return Ok(None);
         }
-        let (doc, problems) = parts::join(found.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
-        for problem in problems {
-            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
-        }
-        self.known = found;
-        Ok(Some(doc))
+        Ok(Some(parts::absorb(&mut self.known, found, None)))
     }
 
     /// `node`'s counts as etcd holds them now (its `counts/<node>/` parts); what this server
@@ -90,28 +85,19 @@ impl EtcdStore {
             .await
             .inspect_err(|_| self.client = None)
             .with_context(|| format!("reading the saved hit counters of node {node}"))?;
-        self.known
-            .retain(|name, _| !name.starts_with(&format!("{group}/")));
+        let mut found = BTreeMap::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key());
             let name = key.strip_prefix(PREFIX).unwrap_or(&key).to_string();
-            self.known.insert(name, kv.value().to_vec());
+            found.insert(name, kv.value().to_vec());
         }
-        let (doc, problems) = parts::join(
-            self.known
-                .iter()
-                .filter(|(name, _)| name.starts_with(&format!("{group}/")))
-                .map(|(k, v)| (k.as_str(), v.as_slice())),
-        );
-        for problem in problems {
-            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
-        }
-        Ok(doc.counts)
+        Ok(parts::absorb(&mut self.known, found, Some(&group)).counts)
     }
 
-    /// Writes what changed in `doc` since the parts were last read or written here.
-    pub(crate) async fn write(&mut self, doc: &SavedHits) -> anyhow::Result<()> {
-        let ops = parts::changes(&self.known, &parts::split(doc));
+    /// Writes what changed in `doc` since the parts were last read or written here, leaving
+    /// the parts of the nodes in `skip` as they are.
+    pub(crate) async fn write(&mut self, doc: &SavedHits, skip: &[String]) -> anyhow::Result<()> {
+        let ops = parts::changes(&self.known, &parts::split(doc), skip);
         if ops.is_empty() {
             return Ok(());
         }

@@ -36,6 +36,9 @@ const DATA_KEY: &str = "hits.json";
 /// past this the store's own retry (and its warning) takes over.
 const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// ConfigMaps per list call.
+const PAGE: u32 = 200;
+
 /// `call`, or an error once [`CALL_TIMEOUT`] has passed.
 async fn bounded<T>(
     what: &str,
@@ -120,14 +123,25 @@ impl KubeStore {
     /// annotation or data is amiss are logged and left out).
     async fn list(&mut self, selector: &str) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
         let api = self.api().await?;
-        let list = bounded(
-            "listing the saved hit counters",
-            api.list(&ListParams::default().labels(selector)),
-        )
-        .await?
-        .context("listing the saved hit counters")?;
+        // In pages, each call bounded: a large store is read however long it takes in all.
+        let mut items = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut params = ListParams::default().labels(selector).limit(PAGE);
+            if let Some(t) = &token {
+                params = params.continue_token(t);
+            }
+            let page = bounded("listing the saved hit counters", api.list(&params))
+                .await?
+                .context("listing the saved hit counters")?;
+            items.extend(page.items);
+            token = page.metadata.continue_.filter(|t| !t.is_empty());
+            if token.is_none() {
+                break;
+            }
+        }
         let mut found = BTreeMap::new();
-        for cm in list.items {
+        for cm in items {
             let object = cm.metadata.name.clone().unwrap_or_default();
             let part = cm
                 .metadata
@@ -156,12 +170,7 @@ impl KubeStore {
         if found.is_empty() {
             return Ok(None);
         }
-        let (doc, problems) = parts::join(found.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
-        for problem in problems {
-            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
-        }
-        self.known = found;
-        Ok(Some(doc))
+        Ok(Some(parts::absorb(&mut self.known, found, None)))
     }
 
     /// `node`'s counts as the ConfigMaps hold them now; what this server knows of its parts
@@ -174,25 +183,13 @@ impl KubeStore {
                 group_label(&format!("{group}/0"))
             ))
             .await?;
-        let mine = |name: &str| name.starts_with(&format!("{group}/"));
-        self.known.retain(|name, _| !mine(name));
-        self.known
-            .extend(found.into_iter().filter(|(name, _)| mine(name)));
-        let (doc, problems) = parts::join(
-            self.known
-                .iter()
-                .filter(|(name, _)| mine(name))
-                .map(|(k, v)| (k.as_str(), v.as_slice())),
-        );
-        for problem in problems {
-            tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
-        }
-        Ok(doc.counts)
+        Ok(parts::absorb(&mut self.known, found, Some(&group)).counts)
     }
 
-    /// Writes what changed in `doc` since the parts were last read or written here.
-    pub(crate) async fn write(&mut self, doc: &SavedHits) -> anyhow::Result<()> {
-        let ops = parts::changes(&self.known, &parts::split(doc));
+    /// Writes what changed in `doc` since the parts were last read or written here, leaving
+    /// the parts of the nodes in `skip` as they are.
+    pub(crate) async fn write(&mut self, doc: &SavedHits, skip: &[String]) -> anyhow::Result<()> {
+        let ops = parts::changes(&self.known, &parts::split(doc), skip);
         if ops.is_empty() {
             return Ok(());
         }

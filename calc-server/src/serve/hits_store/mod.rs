@@ -14,10 +14,11 @@
 //! Fail-over: the etcd and Kubernetes stores are shared by replicas, and a node's agent may
 //! move from one to another. When one connects here, the engine asks for that node's stored
 //! counts ([`Store::load_node`]); they go back as `Input::NodeHits`, and the engine merges
-//! them (`hits::reload`); the engine hands over no copy while an answer is outstanding, so a
-//! stale view of a node that moved here never replaces what the replica it left saved. Every
-//! request is answered: a node whose counts cannot be read with none (logged), and the view
-//! held here stands.
+//! them (`hits::reload`). Until then the node is unverified: each copy names the unverified
+//! nodes, and their parts are neither written nor deleted, so a stale view of a node that moved
+//! here never replaces what the replica it left saved. Requests queued for one node are served
+//! once, for its latest stream; a read that fails is answered `None` and asked again by the
+//! engine at its next save.
 
 pub(super) mod etcd;
 pub(super) mod file;
@@ -25,12 +26,11 @@ pub(super) mod kube;
 pub(super) mod parts;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use super::engine::{Input, SAVED_VERSION, SavedCount, SavedHits};
+use super::engine::{Input, SAVED_VERSION, SaveCopy, SavedCount, SavedHits};
 #[cfg(test)]
 use crate::args::EtcdArgs;
 use crate::args::{DatastoreType, ServeArgs};
@@ -106,15 +106,17 @@ impl Store {
         }
     }
 
-    async fn write(&mut self, doc: Arc<SavedHits>) -> anyhow::Result<()> {
+    /// Saves `copy`, leaving the parts of its unverified nodes as they are.
+    async fn write(&mut self, copy: SaveCopy) -> anyhow::Result<()> {
         match self {
+            // Not shared between replicas: there is nothing to re-read, hence nothing to skip.
             Store::File(path) => {
                 let to = path.clone();
-                tokio::task::spawn_blocking(move || file::write_atomic(&to, &doc)).await??;
+                tokio::task::spawn_blocking(move || file::write_atomic(&to, &copy.doc)).await??;
                 Ok(())
             }
-            Store::Etcd(store) => store.write(&doc).await,
-            Store::Kube(store) => store.write(&doc).await,
+            Store::Etcd(store) => store.write(&copy.doc, &copy.skip).await,
+            Store::Kube(store) => store.write(&copy.doc, &copy.skip).await,
         }
     }
 }
@@ -128,7 +130,7 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 pub(super) async fn run(
     mut store: Store,
     engine: mpsc::Sender<Input>,
-    mut copies: watch::Receiver<Option<Arc<SavedHits>>>,
+    mut copies: watch::Receiver<Option<SaveCopy>>,
     mut reloads: Option<mpsc::UnboundedReceiver<(String, u64)>>,
 ) {
     let name = store.describe();
@@ -180,27 +182,37 @@ pub(super) async fn run(
         };
         tokio::select! {
             biased;
-            Some((node, conn)) = request => {
-                let counts = match store.load_node(&node).await {
-                    Ok(counts) => counts,
-                    Err(error) => {
-                        tracing::warn!(%node, store = %name, error = %format!("{error:#}"),
-                            "cannot read the node's stored policy hit counters; the counts held here stand");
-                        Vec::new()
+            Some(first) = request => {
+                // Everything queued now, one read per node, for its latest stream.
+                let mut latest: std::collections::BTreeMap<String, u64> = [first].into();
+                if let Some(rx) = reloads.as_mut() {
+                    while let Ok((node, conn)) = rx.try_recv() {
+                        latest.insert(node, conn);
                     }
-                };
-                if engine.send(Input::NodeHits { node, conn, counts }).await.is_err() {
-                    return;
+                }
+                for (node, conn) in latest {
+                    let counts = match store.load_node(&node).await {
+                        Ok(counts) => Some(counts),
+                        Err(error) => {
+                            tracing::warn!(%node, store = %name, error = %format!("{error:#}"),
+                                "cannot read the node's saved policy hit counters; its parts are \
+                                 left as they are until they can be read (asked again)");
+                            None
+                        }
+                    };
+                    if engine.send(Input::NodeHits { node, conn, counts }).await.is_err() {
+                        return;
+                    }
                 }
             }
             changed = copies.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                let Some(doc) = copies.borrow_and_update().clone() else {
+                let Some(copy) = copies.borrow_and_update().clone() else {
                     continue;
                 };
-                match store.write(doc).await {
+                match store.write(copy).await {
                     Err(error) => {
                         if !failing {
                             tracing::error!(error = %format!("{error:#}"), store = %name,
@@ -223,6 +235,14 @@ pub(super) async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    fn copy(doc: SavedHits) -> Option<SaveCopy> {
+        Some(SaveCopy {
+            doc: Arc::new(doc),
+            skip: Vec::new(),
+        })
+    }
 
     /// The saved document reaches the engine before anything is written; then each copy is
     /// written, the last one as the engine goes.
@@ -240,8 +260,8 @@ mod tests {
         }
         let mut last = file::tests::doc();
         last.counts[0].packets = 99;
-        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
-        tx.send(Some(Arc::new(last.clone()))).unwrap();
+        tx.send(copy(file::tests::doc())).unwrap();
+        tx.send(copy(last.clone())).unwrap();
         drop(tx);
         task.await.unwrap();
         assert_eq!(file::load(&path).unwrap(), Some(last));
@@ -266,7 +286,7 @@ mod tests {
             rx,
             None,
         ));
-        tx.send(Some(Arc::new(file::tests::doc()))).unwrap();
+        tx.send(copy(file::tests::doc())).unwrap();
         tokio::time::sleep(Duration::from_millis(1200)).await;
         assert!(inputs.try_recv().is_err(), "nothing was read");
         drop(inputs);
@@ -277,24 +297,38 @@ mod tests {
             .unwrap();
     }
 
-    /// Each node the engine asks for is answered, with what the store holds of it.
+    /// Each node the engine asks for is answered, once per node for its latest stream.
     #[tokio::test]
-    async fn each_node_asked_for_is_answered() {
+    async fn each_node_asked_for_is_answered_once_for_its_latest_stream() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(file::FILE_NAME);
-        let (engine, mut inputs) = mpsc::channel(4);
+        let (engine, mut inputs) = mpsc::channel(8);
         let (tx, rx) = watch::channel(None);
         let (ask, asks) = mpsc::unbounded_channel();
+        // Queued before the store is read: served after the restore.
+        ask.send(("node-a".to_string(), 7)).unwrap();
+        ask.send(("node-a".to_string(), 8)).unwrap();
+        ask.send(("node-b".to_string(), 9)).unwrap();
         let task = tokio::spawn(run(Store::File(path.clone()), engine, rx, Some(asks)));
         assert!(matches!(inputs.recv().await, Some(Input::RestoreHits(_))));
-        ask.send(("node-a".to_string(), 7)).unwrap();
-        match inputs.recv().await {
-            Some(Input::NodeHits { node, conn, counts }) => {
-                assert_eq!((node.as_str(), conn, counts.len()), ("node-a", 7, 0));
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            match inputs.recv().await {
+                Some(Input::NodeHits { node, conn, counts }) => {
+                    answers.push((node, conn, counts.map(|c| c.len())));
+                }
+                _ => panic!("the nodes' stored counts are answered"),
             }
-            _ => panic!("the node's stored counts are answered"),
         }
+        assert_eq!(
+            answers,
+            [
+                ("node-a".to_string(), 8, Some(0)),
+                ("node-b".to_string(), 9, Some(0))
+            ]
+        );
         drop(tx);
         task.await.unwrap();
+        assert!(inputs.try_recv().is_err(), "one answer per node");
     }
 }

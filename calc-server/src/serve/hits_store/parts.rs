@@ -9,7 +9,8 @@
 //!   Equal state gives equal parts, byte for byte. Node names in part names are escaped (`%`,
 //!   `/`) as in Calico's etcd keys.
 //! - [`join`] reads parts back, each checked as a whole document ([`super::file::parse`]): a
-//!   part that is refused is named with its reason and left out, the others are kept. Parts
+//!   part that is refused is named with its reason and left out (and not counted as known, so
+//!   a save never deletes it), the others are kept, up to [`PARTS_MAX_BYTES`] in all. Parts
 //!   are written one by one, so after a crash a group may hold an entry twice (an old part not
 //!   yet deleted): the same rule on the same node, or the same owner, is kept once, with the
 //!   larger count (counters only grow).
@@ -21,6 +22,9 @@ use crate::serve::engine::{SAVED_VERSION, SavedCount, SavedHits, SavedSeen};
 /// Largest part written: below etcd's default request limit (1.5 MiB) with room for a few
 /// parts in one transaction.
 pub(crate) const PART_BYTES: usize = 256 << 10;
+
+/// Most bytes of parts read in all (a hostile or runaway store cannot take the memory).
+pub(crate) const PARTS_MAX_BYTES: u64 = 1 << 30;
 
 /// How many groups the observations are spread over.
 pub(crate) const SEEN_BUCKETS: u64 = 16;
@@ -110,40 +114,74 @@ pub(crate) fn split(doc: &SavedHits) -> BTreeMap<String, Vec<u8>> {
 
 /// What brings a store that holds `known` to `now`: a put for each part whose bytes differ,
 /// a delete (`None`) for each known part that `now` no longer has. Parts the store may hold
-/// but that are not `known` (another replica's) are left alone.
+/// but that are not `known` (another replica's, or refused when read) are left alone, and so
+/// are the parts of the nodes in `skip` (their saved counts are not merged here yet).
 pub(crate) fn changes(
     known: &BTreeMap<String, Vec<u8>>,
     now: &BTreeMap<String, Vec<u8>>,
+    skip: &[String],
 ) -> Vec<(String, Option<Vec<u8>>)> {
+    let skipped: Vec<String> = skip.iter().map(|n| format!("{}/", node_group(n))).collect();
+    let free = |name: &str| !skipped.iter().any(|g| name.starts_with(g.as_str()));
     let mut ops: Vec<(String, Option<Vec<u8>>)> = now
         .iter()
-        .filter(|(name, body)| known.get(*name) != Some(*body))
+        .filter(|(name, body)| free(name) && known.get(*name) != Some(*body))
         .map(|(name, body)| (name.clone(), Some(body.clone())))
         .collect();
     ops.extend(
         known
             .keys()
-            .filter(|name| !now.contains_key(*name))
+            .filter(|name| free(name) && !now.contains_key(*name))
             .map(|name| (name.clone(), None)),
     );
     ops
 }
 
-/// The document the parts hold together, and one line per part left out (see the module
-/// documentation).
-pub(crate) fn join<'a>(
-    parts: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-) -> (SavedHits, Vec<String>) {
+/// What [`join`] read: the document, one line per part left out, and the names of the parts
+/// taken (the only ones a save may then replace or delete).
+#[derive(Debug)]
+pub(crate) struct Joined {
+    pub doc: SavedHits,
+    pub problems: Vec<String>,
+    pub taken: Vec<String>,
+}
+
+/// Reads `found` (every part, or with `group` only the parts of that group) into `known`:
+/// the parts taken replace what was known of them (of that group, or all); those left out are
+/// logged and forgotten, so that no save replaces or deletes them. Returns the document.
+pub(crate) fn absorb(
+    known: &mut BTreeMap<String, Vec<u8>>,
+    found: BTreeMap<String, Vec<u8>>,
+    group: Option<&str>,
+) -> SavedHits {
+    let inside = |name: &str| group.is_none_or(|g| name.starts_with(&format!("{g}/")));
+    let joined = join(
+        found
+            .iter()
+            .filter(|(name, _)| inside(name))
+            .map(|(k, v)| (k.as_str(), v.as_slice())),
+    );
+    for problem in &joined.problems {
+        tracing::warn!(%problem, "a part of the saved policy hit counters is left out");
+    }
+    known.retain(|name, _| !inside(name));
+    let taken: std::collections::BTreeSet<&String> = joined.taken.iter().collect();
+    known.extend(found.into_iter().filter(|(name, _)| taken.contains(name)));
+    joined.doc
+}
+
+/// The document the parts hold together (see the module documentation).
+pub(crate) fn join<'a>(parts: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Joined {
     let mut problems = Vec::new();
+    let mut taken = Vec::new();
     let mut counts: HashMap<String, SavedCount> = HashMap::new();
     let mut seen: HashMap<String, SavedSeen> = HashMap::new();
     let mut total: u64 = 0;
     for (name, body) in parts {
         total += body.len() as u64;
-        if total > super::file::MAX_BYTES {
+        if total > PARTS_MAX_BYTES {
             problems.push(format!(
-                "part {name:?} and those after it: the parts take more than {} bytes",
-                super::file::MAX_BYTES
+                "part {name:?} and those after it: the parts take more than {PARTS_MAX_BYTES} bytes"
             ));
             break;
         }
@@ -154,6 +192,7 @@ pub(crate) fn join<'a>(
                 continue;
             }
         };
+        taken.push(name.to_string());
         for c in doc.counts {
             let key = serde_json::to_string(&(&c.owner, &c.node, c.egress, c.index))
                 .expect("plain data serializes");
@@ -179,14 +218,15 @@ pub(crate) fn join<'a>(
     counts.sort_by(|a, b| a.0.cmp(&b.0));
     let mut seen: Vec<(String, SavedSeen)> = seen.into_iter().collect();
     seen.sort_by(|a, b| a.0.cmp(&b.0));
-    (
-        SavedHits {
+    Joined {
+        doc: SavedHits {
             version: SAVED_VERSION,
             counts: counts.into_iter().map(|(_, c)| c).collect(),
             seen: seen.into_iter().map(|(_, s)| s).collect(),
         },
         problems,
-    )
+        taken,
+    }
 }
 
 #[cfg(test)]
@@ -250,9 +290,10 @@ mod tests {
             "2,000 counts of a node take more than one part"
         );
         assert!(parts.keys().any(|k| k.starts_with("seen/")));
-        let (back, problems) = join(parts.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
-        assert!(problems.is_empty(), "{problems:?}");
-        assert_eq!(sorted(back), sorted(d.clone()));
+        let joined = join(parts.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
+        assert!(joined.problems.is_empty(), "{:?}", joined.problems);
+        assert_eq!(joined.taken.len(), parts.len());
+        assert_eq!(sorted(joined.doc), sorted(d.clone()));
         assert_eq!(split(&d), parts, "equal state, equal parts");
     }
 
@@ -271,8 +312,15 @@ mod tests {
         let names = |ops: Vec<(String, Option<Vec<u8>>)>| -> Vec<(String, bool)> {
             ops.into_iter().map(|(n, b)| (n, b.is_some())).collect()
         };
-        assert_eq!(names(changes(&a, &b)), [("counts/node-2/0".into(), true)]);
-        assert!(changes(&b, &b).is_empty());
+        assert_eq!(
+            names(changes(&a, &b, &[])),
+            [("counts/node-2/0".into(), true)]
+        );
+        assert!(changes(&b, &b, &[]).is_empty());
+        assert!(
+            changes(&a, &b, &["node-2".into()]).is_empty(),
+            "an unverified node's parts are left alone"
+        );
         let mut folded = changed.clone();
         for c in folded.counts.iter_mut() {
             if c.node.as_deref() == Some("node-2") {
@@ -283,7 +331,7 @@ mod tests {
         let mut known = b.clone();
         known.remove("counts/node-1/0");
         assert_eq!(
-            names(changes(&known, &split(&folded))),
+            names(changes(&known, &split(&folded), &[])),
             [
                 ("counts/node-1/0".into(), true),
                 ("departed/0".into(), true),
@@ -305,11 +353,22 @@ mod tests {
         parts.insert("counts/node-1/0".into(), newer.into_bytes());
         parts.insert("counts/node-1/1".into(), old);
         parts.insert("seen/0/7".into(), b"{broken".to_vec());
-        let (back, problems) = join(parts.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
+        let joined = join(parts.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
+        let (back, problems) = (joined.doc, joined.problems);
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(
             problems[0].starts_with("part \"seen/0/7\": not a hit counters document"),
             "{problems:?}"
+        );
+        // The refused part is not known: a save neither replaces nor deletes it.
+        let mut known = BTreeMap::new();
+        absorb(&mut known, parts.clone(), None);
+        assert!(!known.contains_key("seen/0/7"));
+        assert_eq!(known.len(), parts.len() - 1);
+        assert!(
+            changes(&known, &BTreeMap::new(), &[])
+                .iter()
+                .all(|(name, _)| name != "seen/0/7")
         );
         assert_eq!(back.counts.len(), d.counts.len());
         let web0 = back

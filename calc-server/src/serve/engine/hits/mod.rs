@@ -1041,7 +1041,10 @@ impl Hits {
         self.seen.retain(|_, s| keep(&s.owner));
         let mut changed = before != (self.counts.len(), self.seen.len());
         let known: HashSet<String> = graph.known_nodes().into_iter().collect();
-        let departed = |n: &str| !known.contains(n) && !connected(n);
+        // A node whose saved counts are not merged yet is not folded: its view here may be
+        // stale (see `reload`); it is folded once they are.
+        let unverified = &self.since_connect;
+        let departed = |n: &str| !known.contains(n) && !connected(n) && !unverified.contains_key(n);
         for rules in self.counts.values_mut() {
             let gone: Vec<Slot> = rules
                 .keys()
