@@ -21,11 +21,12 @@ const TABLE: &str = include_str!("../../testdata/proto_field_numbers.json");
 const META_KEYS: [&str; 3] = ["source", "field_types", "reserved"];
 
 /// Our additions to Calico's messages: (message, field, number).
-const OUR_ADDITIONS: [(&str, &str, i32); 4] = [
+const OUR_ADDITIONS: [(&str, &str, i32); 5] = [
     ("ToDataplane", "server_hello", 1000),
     ("FromDataplane", "agent_hello", 1000),
     ("FromDataplane", "dataplane_applied", 1001),
     ("FromDataplane", "rule_stats", 1002),
+    ("FromDataplane", "flow_report", 1003),
 ];
 
 struct Schema {

@@ -144,6 +144,15 @@ fn impossible_applied(a: &pb::DataplaneApplied, last_sent: u64) -> Option<String
     }
 }
 
+/// A report of a feature no stream of this server has negotiated: why it is refused.
+fn unnegotiated_report(m: &pb::FromDataplane) -> Option<String> {
+    matches!(m.payload, Some(FromPayload::FlowReport(_))).then(|| {
+        "FlowReport on a stream without the \"flows\" capability (this server takes no flow \
+         reports yet)"
+            .to_string()
+    })
+}
+
 /// Longest text field accepted in a report (a status is `up`/`down`/`error`, a timestamp is
 /// RFC 3339): anything longer is refused, not stored and served back from `/status`.
 const MAX_REPORT_TEXT: usize = 64;
@@ -458,6 +467,10 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                                 })
                                 .await;
                         }
+                        if let Some(why) = unnegotiated_report(&m) {
+                            tracing::warn!(reason = %why, "refused a report");
+                            break Some((why.clone(), Status::invalid_argument(why)));
+                        }
                         if let Some(FromPayload::RuleStats(stats)) = &m.payload {
                             let at = SystemTime::now();
                             match rule_stats(stats, reports_stats) {
@@ -577,6 +590,26 @@ mod tests {
         assert_eq!(offered(&["stats"]), ["stats"]);
         assert!(offered(&["statistics", "stats:v2"]).is_empty());
         assert!(offered(&[]).is_empty());
+    }
+
+    #[test]
+    fn flow_reports_are_refused_until_the_server_takes_them() {
+        let report = |payload| pb::FromDataplane {
+            sequence_number: 2,
+            payload: Some(payload),
+        };
+        assert_eq!(
+            unnegotiated_report(&report(FromPayload::FlowReport(pb::FlowReport::default())))
+                .as_deref(),
+            Some(
+                "FlowReport on a stream without the \"flows\" capability (this server takes no \
+                 flow reports yet)"
+            )
+        );
+        assert_eq!(
+            unnegotiated_report(&report(FromPayload::RuleStats(pb::RuleStats::default()))),
+            None
+        );
     }
 
     #[test]
