@@ -6,6 +6,7 @@
 //! * [`message`] — the typed boundary: each `ToDataplane` converted once into a [`message::Message`]
 //!   with typed keys, or refused as [`message::InvalidMessage`].
 //! * [`driver`] — the driver trait and the drivers (`dry-run`, `linux`).
+//! * [`flows`] — flow logs: NFLOG events and conntrack aggregated per connection and interval.
 //! * [`cli`] — the command line (with [`config_file`] beneath flags and environment).
 //! * [`tls`] — mutual TLS to the calc-server; [`admin`] — health and metrics.
 //!
@@ -14,6 +15,7 @@
 pub mod admin;
 pub mod cli;
 pub mod driver;
+pub mod flows;
 pub mod message;
 pub mod session;
 pub mod tls;
