@@ -147,6 +147,10 @@ pub const CAPABILITY_APPLIED: &str = "applied";
 /// the driver counts what its rules decide and `stats_interval` is set.
 pub const CAPABILITY_STATS: &str = "stats";
 
+/// The capability token for `FlowReport`s (docs/proto.md, "Capabilities"): offered when the
+/// driver collects flows ([`Driver::collects_flows`]) and `flows_interval` is set.
+pub const CAPABILITY_FLOWS: &str = "flows";
+
 /// Most rules in one `RuleStats` (the server refuses more); a longer list goes in several.
 pub const MAX_HITS_PER_REPORT: usize = 4096;
 
@@ -170,6 +174,9 @@ pub struct SessionConfig {
     pub heartbeat_interval: Duration,
     /// How often to read the rules' counters and send what moved (`RuleStats`); `None`: never.
     pub stats_interval: Option<Duration>,
+    /// How often to ask the driver for the flow records of closed 15-second intervals and send
+    /// them (`FlowReport`); `None`: never.
+    pub flows_interval: Option<Duration>,
     /// Shortest reconnect (and apply retry) delay.
     pub reconnect_min_delay: Duration,
     /// Longest reconnect (and apply retry) delay.
@@ -222,6 +229,7 @@ impl SessionConfig {
             capabilities: Vec::new(),
             heartbeat_interval: Duration::from_secs(5),
             stats_interval: Some(Duration::from_secs(10)),
+            flows_interval: Some(Duration::from_secs(5)),
             reconnect_min_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
@@ -600,6 +608,10 @@ struct AgentState {
     last_snapshot_bytes: Option<u64>,
     /// Streams cut at the snapshot bound since the last complete snapshot.
     snapshot_cuts: u32,
+    /// The flow reports of the last interval sent (records only), sent again on the next
+    /// stream: the protocol has no acknowledgement, and the server keeps one record per
+    /// (interval, connection, reporter).
+    last_flows: Vec<felix_proto::FlowReport>,
 }
 
 impl AgentState {
@@ -614,6 +626,7 @@ impl AgentState {
             metrics: config.metrics.clone(),
             last_snapshot_bytes: None,
             snapshot_cuts: 0,
+            last_flows: Vec::new(),
         }
     }
 }
@@ -660,6 +673,8 @@ struct StreamState {
     applied_seq: u64,
     /// The last `DataplaneApplied` sent on this stream, so an identical one is not resent.
     last_applied_report: Option<DataplaneApplied>,
+    /// The previous stream's last flow interval was sent again on this one.
+    flows_resent: bool,
 }
 
 /// `e` and its `source()` chain on one line, each cause once (wrappers often repeat their
@@ -708,12 +723,15 @@ fn short_error(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// The tokens for `AgentHello.capabilities`: the built-in ones (`stats` when this agent will
-/// send them), then the configured ones, each once.
-fn offered_capabilities(configured: &[String], stats: bool) -> Vec<String> {
+/// The tokens for `AgentHello.capabilities`: the built-in ones (`stats` and `flows` when this
+/// agent will send them), then the configured ones, each once.
+fn offered_capabilities(configured: &[String], stats: bool, flows: bool) -> Vec<String> {
     let mut out = vec![CAPABILITY_APPLIED.to_owned()];
     if stats {
         out.push(CAPABILITY_STATS.to_owned());
+    }
+    if flows {
+        out.push(CAPABILITY_FLOWS.to_owned());
     }
     for c in configured {
         if !out.contains(c) {
@@ -864,6 +882,7 @@ async fn stream_inner<D: Driver>(
         capabilities: offered_capabilities(
             &config.capabilities,
             config.stats_interval.is_some() && driver.counts_hits(),
+            config.flows_interval.is_some() && driver.collects_flows(),
         ),
     }));
     // A server that accepts the connection but never answers must not hold the agent.
@@ -938,6 +957,9 @@ async fn stream_inner<D: Driver>(
     let stats_every = config.stats_interval.filter(|_| {
         driver.counts_hits() && hello.capabilities.iter().any(|c| c == CAPABILITY_STATS)
     });
+    let flows_every = config.flows_interval.filter(|_| {
+        driver.collects_flows() && hello.capabilities.iter().any(|c| c == CAPABILITY_FLOWS)
+    });
     // The snapshot's deadline runs from the hello: a server that keeps the stream busy (or
     // idle) without ever finishing its snapshot is left.
     let snapshot_deadline = tokio::time::sleep(config.snapshot_timeout);
@@ -970,6 +992,7 @@ async fn stream_inner<D: Driver>(
         handled_seq: 0,
         applied_seq: 0,
         last_applied_report: None,
+        flows_resent: false,
     };
     // The first tick is immediate: a heartbeat right after the hello, then one per interval.
     let mut heartbeat =
@@ -989,6 +1012,11 @@ async fn stream_inner<D: Driver>(
     let mut stats =
         tokio::time::interval_at(tokio::time::Instant::now() + stats_period, stats_period);
     stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The connections the rules decided, when the server takes them.
+    let flows_period = flows_every.unwrap_or(Duration::from_secs(3600));
+    let mut flows =
+        tokio::time::interval_at(tokio::time::Instant::now() + flows_period, flows_period);
+    flows.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         let retry_at = st.retry_at;
@@ -1081,6 +1109,11 @@ async fn stream_inner<D: Driver>(
                     report_hits(&mut st, driver);
                 }
             }
+            _ = flows.tick(), if flows_every.is_some() => {
+                if st.in_sync && agent.ever_in_sync {
+                    report_flows(&mut st, driver, agent);
+                }
+            }
             _ = refresh.tick(), if refresh_every.is_some() => {
                 if st.in_sync && agent.ever_in_sync {
                     debug!("periodic dataplane refresh");
@@ -1118,6 +1151,69 @@ fn report_hits<D: Driver>(st: &mut StreamState, driver: &mut D) {
         Err(error) => {
             warn!(error = %error_chain(&error), "could not read the rules' counters; the next read covers this interval")
         }
+    }
+}
+
+/// Sends the flow records of the intervals the driver closed since the last call, one
+/// `FlowReport` per interval (at most [`crate::flows::MAX_RECORDS_PER_REPORT`] records each),
+/// after sending the previous stream's last interval again, once per stream (records only: its
+/// dropped count was sent). The last interval sent is kept for the next stream. A failed
+/// collection is logged; the driver keeps its records for the next call.
+fn report_flows<D: Driver>(st: &mut StreamState, driver: &mut D, agent: &mut AgentState) {
+    if !st.flows_resent {
+        st.flows_resent = true;
+        for report in &agent.last_flows {
+            st.out.send(Report::FlowReport(report.clone()));
+        }
+        if !agent.last_flows.is_empty() {
+            debug!(
+                reports = agent.last_flows.len(),
+                "flow records of the last interval sent again"
+            );
+        }
+    }
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let reports = match run_blocking(|| driver.collect_flows(now)) {
+        Ok(r) => r,
+        Err(error) => {
+            warn!(error = %error_chain(&error), "could not collect flow records");
+            return;
+        }
+    };
+    if reports.is_empty() {
+        return;
+    }
+    let records: usize = reports.iter().map(|r| r.records.len()).sum();
+    let dropped: u64 = reports.iter().map(|r| r.dropped).sum();
+    debug!(
+        reports = reports.len(),
+        records, dropped, "flow records sent"
+    );
+    if dropped > 0 {
+        warn!(
+            dropped,
+            "flow records dropped by the agent (caps on connections or queue)"
+        );
+    }
+    // The last interval with records: what a new stream gets again.
+    let last = reports
+        .iter()
+        .filter_map(|r| r.records.first().map(|x| x.interval_start))
+        .max();
+    if let Some(last) = last {
+        agent.last_flows = reports
+            .iter()
+            .filter(|r| r.records.first().is_some_and(|x| x.interval_start == last))
+            .map(|r| felix_proto::FlowReport {
+                records: r.records.clone(),
+                dropped: 0,
+            })
+            .collect();
+    }
+    for report in reports {
+        st.out.send(Report::FlowReport(report));
     }
 }
 
@@ -1620,16 +1716,21 @@ mod tests {
 
     #[test]
     fn the_agent_always_offers_applied() {
-        assert_eq!(offered_capabilities(&[], false), ["applied"]);
+        assert_eq!(offered_capabilities(&[], false, false), ["applied"]);
         assert_eq!(
-            offered_capabilities(&["x-test".to_owned(), "applied".to_owned()], false),
+            offered_capabilities(&["x-test".to_owned(), "applied".to_owned()], false, false),
             ["applied", "x-test"],
             "configured ones kept, each once"
         );
         assert_eq!(
-            offered_capabilities(&["stats".to_owned()], true),
+            offered_capabilities(&["stats".to_owned()], true, false),
             ["applied", "stats"],
             "stats when the driver counts, once"
+        );
+        assert_eq!(
+            offered_capabilities(&["flows".to_owned()], true, true),
+            ["applied", "stats", "flows"],
+            "flows when the driver collects them, once"
         );
     }
 

@@ -98,6 +98,22 @@ pub trait Driver: Send {
         Ok(Vec::new())
     }
 
+    /// Whether this driver can collect flow logs ([`Driver::collect_flows`]): it has an NFLOG
+    /// and conntrack source. Whether flow logs are on is the driver's own setting (the flag or
+    /// FelixConfiguration, which may change while a stream is up); while they are off,
+    /// `collect_flows` returns nothing.
+    fn collects_flows(&self) -> bool {
+        false
+    }
+
+    /// The flow records of the 15-second intervals closed by `now` (Unix seconds), one
+    /// `FlowReport` per interval, oldest first, with what the driver dropped since the previous
+    /// call (see [`crate::flows`]). What is returned is forgotten by the driver: the session
+    /// keeps the last interval's records to send again after a reconnect.
+    fn collect_flows(&mut self, _now: i64) -> Result<Vec<felix_proto::FlowReport>, DriverError> {
+        Ok(Vec::new())
+    }
+
     /// What is programmed, by stream object, with Calico's chain names (the admin endpoint's
     /// `/programmed`; see [`programmed`]). Read after each successful apply, and only while
     /// that endpoint is served. `None`: the driver cannot say.
@@ -157,6 +173,12 @@ impl<D: Driver + ?Sized> Driver for Box<D> {
     }
     fn collect_hits(&mut self) -> Result<Vec<felix_proto::RuleHits>, DriverError> {
         (**self).collect_hits()
+    }
+    fn collects_flows(&self) -> bool {
+        (**self).collects_flows()
+    }
+    fn collect_flows(&mut self, now: i64) -> Result<Vec<felix_proto::FlowReport>, DriverError> {
+        (**self).collect_flows(now)
     }
 }
 

@@ -17,8 +17,9 @@
 //! What a record holds, per (interval, connection, side):
 //! * `trace`: each (rule, action) logged for the connection, in the order first logged; the
 //!   rule is resolved by the caller (`resolve`: prefix → `RuleRef`; [`parse_prefix`] reads an
-//!   unhashed prefix, [`PrefixIndex`] holds the hashed ones). A prefix it cannot resolve keeps
-//!   its action with no rule. `allowed`: the last action is `allow`.
+//!   unhashed prefix, [`PrefixIndex`] holds the hashed ones). A prefix it cannot resolve (a
+//!   policy removed since) counts for `allowed` but is left out of the trace, and counted.
+//!   `allowed`: the last action logged is `allow`. At most [`MAX_TRACE`] hits.
 //! * Packets and bytes: for an allowed connection, what conntrack counted in the interval
 //!   (differences of its cumulative counters), `_in` being what the side's endpoint received
 //!   (the original direction on the destination's side, the reply on the source's); for a
@@ -55,6 +56,10 @@ pub const INTERVAL_SECS: i64 = 15;
 pub const GROUP_INBOUND: u16 = 1;
 /// NFLOG group of outbound verdicts (this node's endpoint is the source).
 pub const GROUP_OUTBOUND: u16 = 2;
+/// Most hits in one record's trace (the server refuses more; a packet meets one rule per tier).
+pub const MAX_TRACE: usize = 64;
+/// Most records in one report (the server takes up to 4096).
+pub const MAX_RECORDS_PER_REPORT: usize = 1000;
 /// A prefix of this length was hashed (`rules::nflog`): only a reverse map can name its rule.
 pub const HASHED_PREFIX_LEN: usize = 63;
 
@@ -284,6 +289,8 @@ pub struct FlowAggregator {
     dropped: u64,
     /// Dropped since start.
     dropped_total: u64,
+    /// Logged packets whose prefix named no rule held, since start.
+    unresolved_total: u64,
 }
 
 impl FlowAggregator {
@@ -295,6 +302,7 @@ impl FlowAggregator {
             queue: VecDeque::new(),
             dropped: 0,
             dropped_total: 0,
+            unresolved_total: 0,
         }
     }
 
@@ -313,13 +321,18 @@ impl FlowAggregator {
         self.dropped_total
     }
 
+    /// Logged packets whose prefix named no rule held, since start.
+    pub fn unresolved_total(&self) -> u64 {
+        self.unresolved_total
+    }
+
     fn drop_one(&mut self) {
         self.dropped += 1;
         self.dropped_total += 1;
     }
 
-    /// A packet a rule logged at `now`. `resolve` names the rule of a prefix (`None`: the hit
-    /// keeps its action without a rule). A prefix without a known action or a group other than
+    /// A packet a rule logged at `now`. `resolve` names the rule of a prefix (`None`: the
+    /// action counts, the trace goes without it). A prefix without a known action or a group other than
     /// 1 and 2 is ignored.
     pub fn on_nflog(
         &mut self,
@@ -352,12 +365,19 @@ impl FlowAggregator {
             conn.started += 1;
         }
         conn.last_active = at;
-        let hit = FlowRuleHit {
-            rule: resolve(ev.prefix),
-            action: action.as_str().to_owned(),
-        };
-        if !conn.trace.contains(&hit) {
-            conn.trace.push(hit);
+        match resolve(ev.prefix) {
+            Some(rule) => {
+                let hit = FlowRuleHit {
+                    rule: Some(rule),
+                    action: action.as_str().to_owned(),
+                };
+                if conn.trace.len() < MAX_TRACE && !conn.trace.contains(&hit) {
+                    conn.trace.push(hit);
+                }
+            }
+            // A rule no longer held (the server refuses a hit without one): the action still
+            // counts, the trace goes without it.
+            None => self.unresolved_total += 1,
         }
         match action {
             Action::Allow => conn.allowed = true,

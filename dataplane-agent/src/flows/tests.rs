@@ -277,7 +277,7 @@ fn conntrack_entries_of_unlogged_connections_are_ignored() {
 }
 
 #[test]
-fn unknown_groups_and_prefixes_are_ignored_and_unresolved_rules_keep_the_action() {
+fn unknown_groups_and_prefixes_are_ignored_and_unresolved_rules_only_decide() {
     let mut a = FlowAggregator::new(settings());
     log(&mut a, 0, 3, "API0|x", conn(), 60);
     log(&mut a, 0, 1, "XPI0|x", conn(), 60);
@@ -293,14 +293,9 @@ fn unknown_groups_and_prefixes_are_ignored_and_unresolved_rules_keep_the_action(
         |_| None,
     );
     let r = &a.take_reports(15, 100)[0].records[0];
-    assert_eq!(
-        r.trace,
-        vec![FlowRuleHit {
-            rule: None,
-            action: "deny".into()
-        }]
-    );
+    assert_eq!(r.trace, vec![]);
     assert!(!r.allowed);
+    assert_eq!(a.unresolved_total(), 1);
 }
 
 #[test]
@@ -483,4 +478,16 @@ fn the_index_names_hashed_prefixes_as_the_renderer_wrote_them() {
         idx.lookup("DPI88|gnp/_unknownhashxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx_RSTUVWXYZ0"),
         None
     );
+}
+
+#[test]
+fn a_trace_is_bounded_and_repeats_are_kept_once() {
+    let mut a = FlowAggregator::new(settings());
+    for i in 0..70 {
+        log(&mut a, 0, 1, &format!("PPI|tier{i}"), conn(), 60);
+        log(&mut a, 0, 1, &format!("PPI|tier{i}"), conn(), 60);
+    }
+    let r = &a.take_reports(15, 100)[0].records[0];
+    assert_eq!(r.trace.len(), MAX_TRACE);
+    assert_eq!(r.trace[63], hit("PPI|tier63", "pass"));
 }
