@@ -216,6 +216,17 @@ pub struct ServeArgs {
     /// false to keep policy names off it (the admin /status paths still show the counts).
     #[arg(long, env = "CALC_SERVER_POLICY_HIT_METRICS", default_value_t = true, action = clap::ArgAction::Set)]
     pub policy_hit_metrics: bool,
+    /// Flow logs (issue 42): offer the `flows` capability to agents, name and keep the flow
+    /// records they send (15 s buckets, about an hour) and serve them on the admin endpoint's
+    /// `/flows` and `calc-server flows`. Off by default, as in Calico.
+    #[arg(long, env = "CALC_SERVER_FLOW_LOGS")]
+    pub flow_logs: bool,
+    /// The most flow keys kept (source, destination, port, protocol, reporter, action and
+    /// trace); a record of a new key beyond it is dropped and counted
+    /// (`calc_server_flow_reports_refused_total{reason="key_cap"}`). Four times as many records
+    /// are remembered to drop re-sent ones.
+    #[arg(long, env = "CALC_SERVER_FLOW_MAX_KEYS", default_value_t = 100_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub flow_max_keys: usize,
     /// How often changed endpoint status is written to the datastore.
     #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_interval: Duration,
@@ -581,6 +592,75 @@ pub struct PoliciesArgs {
         default_value = "table"
     )]
     pub output: ListOutput,
+}
+
+// `calc-server flows`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct FlowsArgs {
+    /// The server's admin address (`--admin-listen` of serve), as host:port, http://host:port
+    /// or https://host:port (a server with --tls-*). Not the gRPC address (`--listen`).
+    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
+    pub server: String,
+    /// TLS and token for an admin endpoint that requires them.
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+    /// Only flows of this window back from now (e.g. `10m`, `1h`; units d, h, m, s). Default:
+    /// all the server keeps (about an hour).
+    #[arg(long, env = "CALC_SERVER_FLOWS_SINCE", value_name = "DURATION", value_parser = parse_window)]
+    pub since: Option<Duration>,
+    /// Only flows with this action.
+    #[arg(long, env = "CALC_SERVER_FLOWS_ACTION", value_enum)]
+    pub action: Option<FlowAction>,
+    /// Only flows with a side in this namespace.
+    #[arg(long, env = "CALC_SERVER_FLOWS_NAMESPACE", value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Only flows with a side of this name (a pod, host endpoint, network set, `pub` or `pvt`).
+    #[arg(long, env = "CALC_SERVER_FLOWS_NAME")]
+    pub name: Option<String>,
+    /// Only flows whose trace has a hit of this policy ([KIND:][NAMESPACE/]NAME, e.g.
+    /// `gnp:deny-all` or `shop/web`).
+    #[arg(
+        long,
+        env = "CALC_SERVER_FLOWS_POLICY",
+        value_name = "[KIND:][NS/]NAME"
+    )]
+    pub policy: Option<String>,
+    /// Only flows to this destination port.
+    #[arg(long, env = "CALC_SERVER_FLOWS_PORT", value_name = "N")]
+    pub port: Option<u16>,
+    /// Output: one line per flow, or one JSON object per flow (proto3 JSON of Goldmane's
+    /// `Flow`: `Key.action`, `Key.policies.enforced_policies`, …).
+    #[arg(
+        long,
+        env = "CALC_SERVER_FLOWS_OUTPUT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub output: FlowsOutput,
+    /// With text output, print each flow's enforced and pending traces under it.
+    #[arg(long, env = "CALC_SERVER_FLOWS_TRACE")]
+    pub trace: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlowAction {
+    Allow,
+    Deny,
+}
+
+impl FlowAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FlowAction::Allow => "allow",
+            FlowAction::Deny => "deny",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlowsOutput {
+    Text,
+    Json,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

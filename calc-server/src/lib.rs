@@ -11,8 +11,8 @@
 //! - [`serve`]: the engine that owns the graph, the gRPC Sync service, the listener and the
 //!   admin endpoint; [`compute`], [`explain_cmd`], [`status_cmd`], [`policies_cmd`] and
 //!   [`offline`]: the other commands;
-//! - [`flows`]: the flow aggregator's store (Goldmane's queries over 15 s buckets), pure; not
-//!   wired yet;
+//! - [`flows`]: the flow aggregator's store (Goldmane's queries over 15 s buckets), pure; fed
+//!   by the engine (`serve --flow-logs`) and listed by [`flows_cmd`] through `/flows`;
 //!
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
@@ -23,6 +23,7 @@ pub mod compute;
 pub mod datastore;
 pub mod explain_cmd;
 pub mod flows;
+pub mod flows_cmd;
 pub mod offline;
 mod pem;
 pub mod policies_cmd;

@@ -11,8 +11,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use calc_server::args::{ComputeArgs, ExplainArgs, PoliciesArgs, ServeArgs, StatusArgs};
-use calc_server::{compute, explain_cmd, offline, policies_cmd, serve, status_cmd};
+use calc_server::args::{ComputeArgs, ExplainArgs, FlowsArgs, PoliciesArgs, ServeArgs, StatusArgs};
+use calc_server::{compute, explain_cmd, flows_cmd, offline, policies_cmd, serve, status_cmd};
 use clap::{Parser, Subcommand};
 use common::LogFormat;
 
@@ -73,6 +73,10 @@ enum Command {
         override_usage = "calc-server policies [OPTIONS] --unused [--since <DURATION>] [--output <OUTPUT>]"
     )]
     Policies(PoliciesArgs),
+    /// List the flows a running server aggregated from its agents' flow logs (serve
+    /// --flow-logs): one line per flow with both sides, port, action, packets and bytes and
+    /// the rule that decided (--trace: the whole trace).
+    Flows(FlowsArgs),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(&args),
         Command::Status(args) => status_cmd::run(&args),
         Command::Policies(args) => policies_cmd::run(&args),
+        Command::Flows(args) => flows_cmd::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }

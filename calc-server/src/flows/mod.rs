@@ -1,7 +1,9 @@
 //! The flow aggregator's store (issue 42): flow records from the agents, already named, kept in
 //! 15-second buckets for about an hour and queried as Calico's Goldmane answers its `Flows.List`,
-//! `Flows.FilterHints` and `Statistics.List`. **Not wired yet**: nothing feeds it and no listener
-//! serves it; this is the pure part, with no IO, no clock and no async. Every call takes `now`
+//! `Flows.FilterHints` and `Statistics.List`. Fed by the serving engine with the agents' named
+//! records (`serve::engine::flows`, `serve --flow-logs`) and listed on the admin endpoint's
+//! `/flows`; no Goldmane gRPC listener serves it yet. This is the pure part, with no IO, no
+//! clock and no async. Every call takes `now`
 //! (seconds since the Unix epoch) from its caller.
 //!
 //! Records and answers are the generated Goldmane types (`felix_proto::goldmane`), so the wire
@@ -68,8 +70,8 @@
 //! - Validation: every refusal is a [`InvalidRequest`] naming the field and the value; lists
 //!   and strings in requests are bounded ([`limits`]).
 //!
-//! Not done here: de-duplication of records re-sent after a reconnect (the ingest layer's job),
-//! `Flows.Stream`, and the wiring to the agents and to a listener.
+//! Not done here: de-duplication of records re-sent after a reconnect (the ingest layer's job,
+//! `serve::engine::flows`), `Flows.Stream`, and a gRPC listener.
 
 mod query;
 mod store;

@@ -35,6 +35,7 @@ use tokio::sync::Semaphore;
 use super::admin_access::{AdminAccess, Caller, Refusal};
 use super::metrics::{LastGoodHealth, Metrics};
 use super::status::Board;
+use calc_graph::untrusted::Untrusted;
 
 /// What one request may cost.
 #[derive(Clone)]
@@ -357,6 +358,131 @@ async fn policy(State(s): State<AdminState>, Path(name): Path<String>) -> Respon
     realization(&s, Some(name)).await
 }
 
+/// Reads `/flows`' query into a Goldmane `FlowListRequest`. Parameters (each list parameter
+/// may repeat; values of one parameter are alternatives, parameters are combined):
+/// `start_time_gte`, `start_time_lt` (Unix seconds; negative: relative to now), `page`,
+/// `page_size`, `aggregation_interval` (a multiple of 15 s), `sort_by` (`time`, `dest_name`,
+/// `dest_namespace`, `dest_type`, `source_name`, `source_namespace`, `source_type`),
+/// `source_name`, `source_namespace`, `dest_name`, `dest_namespace`, `protocol` (exact),
+/// `dest_port`, `action` (`allow`, `deny`, `pass`), `policy` (`[KIND:][NAMESPACE/]NAME`, a
+/// hit of the enforced or pending trace).
+pub(super) fn flow_request(query: &str) -> Result<crate::flows::FlowListRequest, String> {
+    use crate::flows::goldmane::{self, Filter, MatchType, PolicyMatch, StringMatch};
+    let mut req = crate::flows::FlowListRequest::default();
+    let mut filter = Filter::default();
+    let mut filtered = false;
+    for pair in query.split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let k =
+            percent_decode(k).ok_or_else(|| ParamsError::InvalidEscape(k.into()).to_string())?;
+        let v =
+            percent_decode(v).ok_or_else(|| ParamsError::InvalidEscape(k.clone()).to_string())?;
+        let int = |v: &str| {
+            v.parse::<i64>()
+                .map_err(|_| format!("parameter {k}: not a whole number"))
+        };
+        let exact = |v: String| StringMatch {
+            value: v,
+            r#type: MatchType::Exact as i32,
+        };
+        match k.as_str() {
+            "start_time_gte" => req.start_time_gte = int(&v)?,
+            "start_time_lt" => req.start_time_lt = int(&v)?,
+            "page" => req.page = int(&v)?,
+            "page_size" => req.page_size = int(&v)?,
+            "aggregation_interval" => req.aggregation_interval = int(&v)?,
+            "sort_by" => {
+                let by = match v.as_str() {
+                    "time" => goldmane::SortBy::Time,
+                    "dest_name" => goldmane::SortBy::DestName,
+                    "dest_namespace" => goldmane::SortBy::DestNamespace,
+                    "dest_type" => goldmane::SortBy::DestType,
+                    "source_name" => goldmane::SortBy::SourceName,
+                    "source_namespace" => goldmane::SortBy::SourceNamespace,
+                    "source_type" => goldmane::SortBy::SourceType,
+                    _ => {
+                        return Err(format!(
+                            "parameter sort_by: unknown sort {:?}",
+                            Untrusted(&v)
+                        ));
+                    }
+                };
+                req.sort_by
+                    .push(goldmane::SortOption { sort_by: by as i32 });
+            }
+            "source_name" => filter.source_names.push(exact(v)),
+            "source_namespace" => filter.source_namespaces.push(exact(v)),
+            "dest_name" => filter.dest_names.push(exact(v)),
+            "dest_namespace" => filter.dest_namespaces.push(exact(v)),
+            "protocol" => filter.protocols.push(exact(v)),
+            "dest_port" => filter
+                .dest_ports
+                .push(goldmane::PortMatch { port: int(&v)? }),
+            "action" => filter.actions.push(match v.as_str() {
+                "allow" => goldmane::Action::Allow,
+                "deny" => goldmane::Action::Deny,
+                "pass" => goldmane::Action::Pass,
+                _ => return Err("parameter action: allow, deny or pass".into()),
+            } as i32),
+            "policy" => {
+                let (kind, rest) = match v.split_once(':') {
+                    Some((kind, rest)) => {
+                        let k = calc_graph::model::Kind::policy_by_name(kind).ok_or_else(|| {
+                            format!(
+                                "parameter policy: unknown policy kind {:?}",
+                                Untrusted(kind)
+                            )
+                        })?;
+                        (Some(k), rest)
+                    }
+                    None => (None, v.as_str()),
+                };
+                let (namespace, name) = rest.split_once('/').unwrap_or(("", rest));
+                let (kind, name) = match kind {
+                    Some(k) => {
+                        let (g, n) = super::engine::policy_kind(k, name, "");
+                        (g as i32, n)
+                    }
+                    None => (0, name.to_string()),
+                };
+                filter.policies.push(PolicyMatch {
+                    kind,
+                    namespace: namespace.to_string(),
+                    name,
+                    ..Default::default()
+                });
+            }
+            _ => return Err(ParamsError::Unknown(k).to_string()),
+        }
+        filtered = true;
+    }
+    if filtered && filter != Filter::default() {
+        req.filter = Some(filter);
+    }
+    Ok(req)
+}
+
+async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    let request = match flow_request(query.as_deref().unwrap_or_default()) {
+        Ok(r) => r,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+    };
+    match ask(&s, |reply| super::engine::Input::FlowList {
+        request,
+        reply,
+    })
+    .await
+    {
+        Ok(Some(Ok(result))) => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(None) => json_error(
+            StatusCode::NOT_FOUND,
+            "flow logs are off (serve --flow-logs)".into(),
+        ),
+        Err(answer) => answer,
+    }
+}
+
 /// The access check in front of every sensitive path.
 async fn guard(State(s): State<AdminState>, req: Request, next: Next) -> Response {
     let caller = req
@@ -407,6 +533,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/status/unused", get(unused))
         .route("/status/verdicts", get(verdicts))
         .route("/explain", get(explain))
+        .route("/flows", get(flows))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
     axum::Router::new()
         .route("/liveness", get(|| async { "alive\n" }))
@@ -419,6 +546,46 @@ pub(super) fn router(state: AdminState) -> axum::Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flow_parameters_make_a_goldmane_request() {
+        use crate::flows::goldmane::{Action, PolicyKind};
+        let req = flow_request(
+            "start_time_gte=-600&action=deny&dest_port=80&policy=gnp:security.guard&policy=shop/web&dest_namespace=shop&sort_by=dest_name",
+        )
+        .unwrap();
+        assert_eq!(req.start_time_gte, -600);
+        assert_eq!(req.sort_by.len(), 1);
+        let f = req.filter.unwrap();
+        assert_eq!(f.actions, [Action::Deny as i32]);
+        assert_eq!(f.dest_ports[0].port, 80);
+        assert_eq!(f.dest_namespaces[0].value, "shop");
+        assert_eq!(
+            (f.policies[0].kind, f.policies[0].name.as_str()),
+            (PolicyKind::GlobalNetworkPolicy as i32, "security.guard")
+        );
+        assert_eq!(
+            (
+                f.policies[1].kind,
+                f.policies[1].namespace.as_str(),
+                f.policies[1].name.as_str()
+            ),
+            (0, "shop", "web")
+        );
+        assert!(flow_request("").unwrap().filter.is_none());
+        assert_eq!(
+            flow_request("action=drop").unwrap_err(),
+            "parameter action: allow, deny or pass"
+        );
+        assert_eq!(
+            flow_request("page=x").unwrap_err(),
+            "parameter page: not a whole number"
+        );
+        assert_eq!(
+            flow_request("nope=1").unwrap_err(),
+            "unknown parameter \"nope\""
+        );
+    }
 
     #[test]
     fn explain_parameters_name_what_is_wrong() {

@@ -82,6 +82,29 @@ pub const RULE_STATS_REFUSAL_REASONS: [&str; 7] = [
     "staged",
 ];
 
+/// Why flow reports or records were refused (`calc_server_flow_reports_refused_total`). A
+/// whole report, counted once, ending the stream: `too_many_records`, `malformed` (an address
+/// that is not an IP, an interval not a multiple of 15 s, a port or protocol out of range, a
+/// trace too long or with an invalid reference or action), `not_negotiated` (a `FlowReport`
+/// on a stream without the `flows` capability). One record dropped from an accepted report,
+/// counted per record: `stale_stream`, `foreign` (its reporting side is no endpoint of the
+/// reporting node), `duplicate` (already received: a re-send after a reconnect), `dedup_cap`
+/// (too many records remembered for de-duplication), `key_cap` (a new flow key beyond
+/// `--flow-max-keys`), `too_old`, `in_future` (outside the hour of buckets kept), `invalid`.
+pub const FLOW_REFUSAL_REASONS: [&str; 11] = [
+    "too_many_records",
+    "malformed",
+    "not_negotiated",
+    "stale_stream",
+    "foreign",
+    "duplicate",
+    "dedup_cap",
+    "key_cap",
+    "too_old",
+    "in_future",
+    "invalid",
+];
+
 #[derive(Debug)]
 pub struct Metrics {
     /// Every metric below, and [`Live`].
@@ -114,6 +137,14 @@ pub struct Metrics {
     rule_stats_refused: Vec<Counter>,
     /// Policy hit counter entries the engine holds (per node and rule).
     pub rule_stats_entries: Gauge,
+    /// Flow reports and records refused, by reason (see [`FLOW_REFUSAL_REASONS`]).
+    flow_reports_refused: Vec<Counter>,
+    /// Flow records stored.
+    pub flow_records: Counter,
+    /// Flow records the agents say they dropped (their queue was full).
+    pub flow_records_dropped_by_agents: Counter,
+    /// Flow keys the store holds.
+    pub flow_keys: Gauge,
     /// What is read when scraped.
     live: Arc<Live>,
 }
@@ -216,6 +247,29 @@ impl Default for Metrics {
             "Policy hit counter entries held (one per node and rule that was hit)",
             rule_stats_entries.clone(),
         );
+        let flow_reports_refused = writer::counters_by_label(
+            &mut registry,
+            "calc_server_flow_reports_refused",
+            "Flow reports refused whole (too_many_records, malformed, not_negotiated: the stream ends) and flow records dropped (stale_stream, foreign, duplicate, dedup_cap, key_cap, too_old, in_future, invalid), by reason",
+            "reason",
+            &FLOW_REFUSAL_REASONS,
+        );
+        let flow_records = counter(
+            &mut registry,
+            "calc_server_flow_records",
+            "Flow records from agents named and stored",
+        );
+        let flow_records_dropped_by_agents = counter(
+            &mut registry,
+            "calc_server_flow_records_dropped_by_agents",
+            "Flow records the agents report they dropped before sending",
+        );
+        let flow_keys = Gauge::default();
+        registry.register(
+            "calc_server_flow_keys",
+            "Flow keys the flow store holds",
+            flow_keys.clone(),
+        );
         let live = Arc::new(Live::default());
         registry.register_collector(Box::new(live.clone()));
         Metrics {
@@ -234,6 +288,10 @@ impl Default for Metrics {
             rule_stats_reports,
             rule_stats_refused,
             rule_stats_entries,
+            flow_reports_refused,
+            flow_records,
+            flow_records_dropped_by_agents,
+            flow_keys,
             live,
         }
     }
@@ -314,6 +372,14 @@ impl Metrics {
     pub fn rule_stats_refused(&self, reason: &str, n: u64) {
         if let Some(i) = RULE_STATS_REFUSAL_REASONS.iter().position(|r| *r == reason) {
             self.rule_stats_refused[i].inc_by(n);
+        }
+    }
+
+    /// Counts `n` refused flow reports or records; `reason` is one of
+    /// [`FLOW_REFUSAL_REASONS`].
+    pub fn flow_reports_refused(&self, reason: &str, n: u64) {
+        if let Some(i) = FLOW_REFUSAL_REASONS.iter().position(|r| *r == reason) {
+            self.flow_reports_refused[i].inc_by(n);
         }
     }
 

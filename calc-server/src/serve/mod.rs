@@ -100,6 +100,9 @@ async fn serve_with(
         ready.clone(),
         metrics.clone(),
     );
+    if args.flow_logs {
+        engine.enable_flows(args.flow_max_keys, args.flow_max_keys.saturating_mul(4));
+    }
     let source = crate::datastore::start_adapter(
         &args,
         board.clone(),
@@ -154,6 +157,7 @@ async fn serve_with(
 
     let service = service::SyncService {
         engine: engine_tx.clone(),
+        flow_logs: args.flow_logs,
         board,
         hello_timeout: args.hello_timeout,
         next_id: AtomicU64::new(1),

@@ -16,6 +16,14 @@
 //! or any report on a stream that did not negotiate the capability ends the stream with
 //! INVALID_ARGUMENT (counted in `calc_server_rule_stats_refused_total`). A valid one goes to
 //! the engine with its receive time, which adds only what this node's stream was sent.
+//!
+//! Flow records (`FlowReport`, capability [`FLOWS`], offered only with `--flow-logs`) are
+//! untrusted too: a report on a stream that did not negotiate the capability, with more
+//! records than a report may carry, or with a record that does not parse (an address that is
+//! not an IP, an interval not a multiple of 15 s, a port or protocol out of range, a trace too
+//! long or with an invalid reference or action) ends the stream with INVALID_ARGUMENT (counted
+//! in `calc_server_flow_reports_refused_total`). A valid one goes to the engine, which keeps
+//! only records whose reporting side is one of the node's own endpoints.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -34,7 +42,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::engine::{CloseReason, Conn, Hit, Input, Out, Refusal, parse_rule_stats};
+use super::engine::{
+    CloseReason, Conn, FlowBatch, Hit, Input, Out, Refusal, parse_flow_report, parse_rule_stats,
+};
 use super::listener::PeerInfo;
 use super::metrics::Metrics;
 use super::status::Board;
@@ -46,10 +56,15 @@ pub(super) const APPLIED: &str = "applied";
 /// The capability token for `RuleStats` reports (docs/proto.md, "Capabilities").
 pub(super) const STATS: &str = "stats";
 
-/// The capabilities the server lists in its hello: those of its own the agent offered.
-fn agreed_capabilities(offered: &[String]) -> Vec<String> {
+/// The capability token for `FlowReport`s (docs/proto.md, "Capabilities").
+pub(super) const FLOWS: &str = "flows";
+
+/// The capabilities the server lists in its hello: those of its own (`flows` only with flow
+/// logs on) the agent offered.
+fn agreed_capabilities(offered: &[String], flow_logs: bool) -> Vec<String> {
     [APPLIED, STATS]
         .into_iter()
+        .chain(flow_logs.then_some(FLOWS))
         .filter(|c| offered.iter().any(|o| o == c))
         .map(str::to_string)
         .collect()
@@ -79,8 +94,27 @@ fn rule_stats(stats: &pb::RuleStats, negotiated: bool) -> Result<Vec<Hit>, Refus
     })
 }
 
+/// The records of a `FlowReport` on a stream that negotiated `flows` (or not), or why the
+/// report ends the stream: (the metric's reason, why).
+fn flow_report(report: &pb::FlowReport, negotiated: bool) -> Result<FlowBatch, RefusedStats> {
+    if !negotiated {
+        return Err(RefusedStats {
+            reason: "not_negotiated",
+            why: format!(
+                "FlowReport on a stream without the {FLOWS:?} capability (the server runs without --flow-logs, or the AgentHello did not offer it)"
+            ),
+        });
+    }
+    parse_flow_report(report).map_err(|e| RefusedStats {
+        reason: e.reason(),
+        why: e.to_string(),
+    })
+}
+
 pub(super) struct SyncService {
     pub engine: mpsc::Sender<Input>,
+    /// Offer the `flows` capability (`--flow-logs`).
+    pub flow_logs: bool,
     pub board: Arc<Board>,
     pub hello_timeout: Duration,
     pub next_id: AtomicU64,
@@ -142,15 +176,6 @@ fn impossible_applied(a: &pb::DataplaneApplied, last_sent: u64) -> Option<String
     } else {
         None
     }
-}
-
-/// A report of a feature no stream of this server has negotiated: why it is refused.
-fn unnegotiated_report(m: &pb::FromDataplane) -> Option<String> {
-    matches!(m.payload, Some(FromPayload::FlowReport(_))).then(|| {
-        "FlowReport on a stream without the \"flows\" capability (this server takes no flow \
-         reports yet)"
-            .to_string()
-    })
 }
 
 /// Longest text field accepted in a report (a status is `up`/`down`/`error`, a timestamp is
@@ -381,9 +406,10 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
             ));
         }
         let node = hello.node_name.clone();
-        let capabilities = agreed_capabilities(&hello.capabilities);
+        let capabilities = agreed_capabilities(&hello.capabilities, self.flow_logs);
         let reports_applied = capabilities.iter().any(|c| c == APPLIED);
         let reports_stats = capabilities.iter().any(|c| c == STATS);
+        let reports_flows = capabilities.iter().any(|c| c == FLOWS);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -467,9 +493,28 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                                 })
                                 .await;
                         }
-                        if let Some(why) = unnegotiated_report(&m) {
-                            tracing::warn!(reason = %why, "refused a report");
-                            break Some((why.clone(), Status::invalid_argument(why)));
+                        if let Some(FromPayload::FlowReport(report)) = &m.payload {
+                            let at = SystemTime::now();
+                            match flow_report(report, reports_flows) {
+                                Ok(batch) => {
+                                    let _ = engine
+                                        .send(Input::Flows {
+                                            node: reader_node.clone(),
+                                            id,
+                                            batch,
+                                            at,
+                                        })
+                                        .await;
+                                }
+                                Err(refused) => {
+                                    metrics.flow_reports_refused(refused.reason, 1);
+                                    tracing::warn!(reason = %refused.why, "refused a report");
+                                    break Some((
+                                        refused.why.clone(),
+                                        Status::invalid_argument(refused.why),
+                                    ));
+                                }
+                            }
                         }
                         if let Some(FromPayload::RuleStats(stats)) = &m.payload {
                             let at = SystemTime::now();
@@ -581,8 +626,9 @@ mod tests {
 
     #[test]
     fn the_server_agrees_only_to_its_own_capabilities_the_agent_offered() {
-        let offered =
-            |c: &[&str]| agreed_capabilities(&c.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let offered = |c: &[&str]| {
+            agreed_capabilities(&c.iter().map(|s| s.to_string()).collect::<Vec<_>>(), false)
+        };
         assert_eq!(
             offered(&["stats", "x-future", "applied"]),
             ["applied", "stats"]
@@ -590,25 +636,99 @@ mod tests {
         assert_eq!(offered(&["stats"]), ["stats"]);
         assert!(offered(&["statistics", "stats:v2"]).is_empty());
         assert!(offered(&[]).is_empty());
+        let all = ["applied", "flows", "stats"].map(String::from);
+        assert_eq!(
+            agreed_capabilities(&all, true),
+            ["applied", "stats", "flows"]
+        );
+        assert_eq!(agreed_capabilities(&all, false), ["applied", "stats"]);
+    }
+
+    fn flow_record(src: &str, dst: &str) -> pb::FlowRecord {
+        pb::FlowRecord {
+            interval_start: 1_800_000_000,
+            source_ip: src.into(),
+            dest_ip: dst.into(),
+            source_port: 40_000,
+            dest_port: 80,
+            protocol: 6,
+            reporter_dest: true,
+            trace: vec![pb::FlowRuleHit {
+                rule: policy_hit("web").rule,
+                action: "allow".into(),
+            }],
+            allowed: true,
+            packets_in: 3,
+            ..Default::default()
+        }
     }
 
     #[test]
-    fn flow_reports_are_refused_until_the_server_takes_them() {
-        let report = |payload| pb::FromDataplane {
-            sequence_number: 2,
-            payload: Some(payload),
+    fn flow_reports_are_refused_unless_negotiated_and_well_formed() {
+        let report = |records: Vec<pb::FlowRecord>| pb::FlowReport {
+            records,
+            dropped: 2,
         };
+        let ok = report(vec![flow_record("10.0.0.1", "10.0.0.2")]);
+        let batch = flow_report(&ok, true).unwrap();
+        assert_eq!((batch.records.len(), batch.agent_dropped), (1, 2));
+        assert_eq!(batch.records[0].dst_port, 80);
+        let refused = flow_report(&ok, false).unwrap_err();
+        assert_eq!(refused.reason, "not_negotiated");
+        assert!(refused.why.contains("\"flows\" capability"), "{refused:?}");
+
+        let too_many = report(vec![flow_record("10.0.0.1", "10.0.0.2"); 4097]);
+        let refused = flow_report(&too_many, true).unwrap_err();
         assert_eq!(
-            unnegotiated_report(&report(FromPayload::FlowReport(pb::FlowReport::default())))
-                .as_deref(),
-            Some(
-                "FlowReport on a stream without the \"flows\" capability (this server takes no \
-                 flow reports yet)"
+            (refused.reason, refused.why.as_str()),
+            (
+                "too_many_records",
+                "FlowReport carries 4097 records, more than 4096"
             )
         );
+        let why = |f: &dyn Fn(&mut pb::FlowRecord)| {
+            let mut r = flow_record("10.0.0.1", "10.0.0.2");
+            f(&mut r);
+            let refused = flow_report(&report(vec![flow_record("10.0.0.1", "10.0.0.2"), r]), true)
+                .unwrap_err();
+            assert_eq!(refused.reason, "malformed");
+            refused.why
+        };
         assert_eq!(
-            unnegotiated_report(&report(FromPayload::RuleStats(pb::RuleStats::default()))),
-            None
+            why(&|r| r.source_ip = "10.0.0.300".into()),
+            "FlowReport.records[1].source_ip: not an IP address"
+        );
+        assert_eq!(
+            why(&|r| r.dest_ip = "x".repeat(65)),
+            "FlowReport.records[1].dest_ip: longer than 64 bytes"
+        );
+        assert_eq!(
+            why(&|r| r.dest_ip = "fd00::1".into()),
+            "FlowReport.records[1].dest_ip: not of the source's IP version"
+        );
+        assert_eq!(
+            why(&|r| r.interval_start += 1),
+            "FlowReport.records[1].interval_start: not a non-negative multiple of 15 seconds"
+        );
+        assert_eq!(
+            why(&|r| r.dest_port = 65_536),
+            "FlowReport.records[1].dest_port: above 65535"
+        );
+        assert_eq!(
+            why(&|r| r.protocol = 256),
+            "FlowReport.records[1].protocol: above 255"
+        );
+        assert_eq!(
+            why(&|r| r.trace = vec![r.trace[0].clone(); 65]),
+            "FlowReport.records[1].trace: 65 hits, more than 64"
+        );
+        assert_eq!(
+            why(&|r| r.trace[0].action = "drop".into()),
+            "FlowReport.records[1].trace: hits[0].action is not allow, deny or pass"
+        );
+        assert_eq!(
+            why(&|r| r.trace[0].rule = policy_hit("").rule),
+            "FlowReport.records[1].trace: hits[0] is a POLICY_RULE without its policy"
         );
     }
 
@@ -665,6 +785,7 @@ mod tests {
         });
         let service = SyncService {
             engine: engine_tx,
+            flow_logs: false,
             board,
             hello_timeout: Duration::from_secs(5),
             next_id: AtomicU64::new(1),

@@ -45,12 +45,14 @@
 //!   pruned only once the datastore is in sync, so restored ones are not dropped before their
 //!   policies are known.
 
+mod flows;
 mod hits;
 mod realization;
 mod run;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use flows::{FlowBatch, parse as parse_flow_report, policy_kind};
 pub(crate) use hits::{
     Hit, PolicySeries, SAVED_VERSION, SavedCount, SavedHits, SavedSeen, UnusedPolicy, VerdictHits,
     parse as parse_rule_stats,
@@ -307,6 +309,21 @@ pub(super) enum Input {
         hits: Vec<Hit>,
         at: std::time::SystemTime,
     },
+    /// Stream `id` of `node` reports flow records (checked by [`parse_flow_report`]), received
+    /// at `at`: named and stored when flow logs are on ([`Engine::enable_flows`]).
+    Flows {
+        node: String,
+        id: u64,
+        batch: FlowBatch,
+        at: std::time::SystemTime,
+    },
+    /// A Goldmane `Flows.List` over the flow store (`None`: flow logs are off).
+    FlowList {
+        request: crate::flows::FlowListRequest,
+        reply: oneshot::Sender<
+            Option<Result<crate::flows::FlowListResult, crate::flows::InvalidRequest>>,
+        >,
+    },
     /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
     /// nodes and its rules' hit counts.
     Realization {
@@ -410,6 +427,8 @@ pub(super) struct Engine {
     hit_series_published: Option<std::time::Instant>,
     /// Where the hit counters are handed to be saved (`None`: they are not).
     hits_save: Option<HitsSave>,
+    /// Flow logs: the flow store and what was received (`None`: off).
+    flows: Option<flows::FlowIngest>,
     /// When the per-tier realization gauges were last summed.
     realization_summed: Option<std::time::Instant>,
     /// When the current step started.
@@ -449,12 +468,19 @@ impl Engine {
             hit_series_dirty: false,
             hit_series_published: None,
             hits_save: None,
+            flows: None,
             realization_summed: None,
             now: std::time::Instant::now(),
             wall: std::time::SystemTime::now(),
             #[cfg(test)]
             wall_override: None,
         }
+    }
+
+    /// Turns flow logs on: a flow store of at most `max_keys` keys, remembering at most
+    /// `max_seen` records for de-duplication.
+    pub(super) fn enable_flows(&mut self, max_keys: usize, max_seen: usize) {
+        self.flows = Some(flows::FlowIngest::new(max_keys, max_seen));
     }
 
     /// Sizes nodes' backlog bounds with `sizing` (tests use small ones).
@@ -820,6 +846,39 @@ impl Engine {
                     .rule_stats_entries
                     .set(self.hits.entries() as i64);
             }
+            Input::Flows {
+                node,
+                id,
+                batch,
+                at,
+            } => {
+                let n = batch.records.len() as u64;
+                self.metrics
+                    .flow_records_dropped_by_agents
+                    .inc_by(batch.agent_dropped);
+                let Some(flows) = &mut self.flows else {
+                    self.metrics.flow_reports_refused("not_negotiated", n);
+                    return false;
+                };
+                if self.conns.get(&node).is_none_or(|c| c.id != id) {
+                    self.metrics.flow_reports_refused("stale_stream", n);
+                    return false;
+                }
+                let now = unix_seconds(at);
+                let dropped = flows.add(self.graph.view(), &node, batch.records, now);
+                let refused: u64 = dropped.values().sum();
+                for (reason, k) in dropped {
+                    tracing::debug!(%node, conn = id, reason, records = k, "dropped flow records");
+                    self.metrics.flow_reports_refused(reason, k);
+                }
+                self.metrics.flow_records.inc_by(n - refused);
+                self.metrics.flow_keys.set(flows.store.num_keys() as i64);
+            }
+            Input::FlowList { request, reply } => {
+                let now = unix_seconds(self.wall);
+                let answer = self.flows.as_mut().map(|f| f.store.list(&request, now));
+                let _ = reply.send(answer);
+            }
             Input::Realization { only, reply } => {
                 let per_rule = only.is_some();
                 let mut answer = match only {
@@ -1047,4 +1106,10 @@ impl Engine {
             }
         }
     }
+}
+
+/// Seconds since the Unix epoch (zero before it).
+fn unix_seconds(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }

@@ -1,0 +1,219 @@
+//! `calc-server flows --server ADMIN [--since 10m] [--action allow|deny] [--namespace NS]
+//! [--name NAME] [--policy [KIND:][NS/]NAME] [--port N] [--output text|json] [--trace]`: asks a
+//! running server's admin endpoint (`/flows`) for the flows it aggregated and prints one line
+//! per flow (both sides, port, action, packets and bytes, the deciding rule), or one JSON
+//! object per flow in the proto3 JSON mapping of Goldmane's `Flow`.
+//!
+//! The window, action, port and policy go to the server as `/flows` parameters; `--namespace`
+//! and `--name` select a flow when either side has them, so they are applied here (Goldmane's
+//! filter has a list per side, combined with "and").
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use crate::admin_client::get;
+use crate::args::{FlowsArgs, FlowsOutput};
+use crate::table::table;
+
+const HEADER: [&str; 9] = [
+    "START", "SOURCE", "DEST", "PORT", "ACTION", "REPORTER", "PACKETS", "BYTES", "RULE",
+];
+const RIGHT: [bool; 9] = [false, false, false, true, false, false, true, true, false];
+
+/// Escapes a query value (unreserved characters kept).
+fn escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The `/flows` path for the arguments.
+pub(crate) fn path(args: &FlowsArgs) -> String {
+    let mut q = Vec::new();
+    if let Some(since) = args.since {
+        let secs = since.as_secs() + u64::from(since.subsec_nanos() > 0);
+        q.push(format!("start_time_gte=-{secs}"));
+    }
+    if let Some(a) = &args.action {
+        q.push(format!("action={}", a.as_str()));
+    }
+    if let Some(p) = args.port {
+        q.push(format!("dest_port={p}"));
+    }
+    if let Some(p) = &args.policy {
+        q.push(format!("policy={}", escape(p)));
+    }
+    if q.is_empty() {
+        "/flows".into()
+    } else {
+        format!("/flows?{}", q.join("&"))
+    }
+}
+
+fn text(v: &Value) -> &str {
+    v.as_str().unwrap_or("")
+}
+
+/// A count as proto3 JSON writes it (a string) or a number.
+fn count(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        _ => "0".into(),
+    }
+}
+
+/// `namespace/name` (or the name alone), with its type when not a workload.
+fn side(key: &Value, prefix: &str) -> String {
+    let name = text(&key[format!("{prefix}_name")]);
+    let ns = text(&key[format!("{prefix}_namespace")]);
+    let ty = text(&key[format!("{prefix}_type")]);
+    let base = if ns.is_empty() {
+        name.to_string()
+    } else {
+        format!("{ns}/{name}")
+    };
+    match ty {
+        "WorkloadEndpoint" | "" => base,
+        "HostEndpoint" => format!("hep:{base}"),
+        "NetworkSet" => format!("netset:{base}"),
+        _ => format!("net:{base}"),
+    }
+}
+
+/// One hit of a trace: `TIER KIND NS/NAME rule N ACTION`; an end of tier names its trigger.
+pub(crate) fn hit(h: &Value) -> String {
+    let kind = text(&h["kind"]);
+    let action = text(&h["action"]).to_lowercase();
+    let tier = text(&h["tier"]);
+    let named = |h: &Value| {
+        let ns = text(&h["namespace"]);
+        let name = text(&h["name"]);
+        if ns.is_empty() {
+            name.to_string()
+        } else {
+            format!("{ns}/{name}")
+        }
+    };
+    if kind == "EndOfTier" {
+        let trigger = &h["trigger"];
+        if trigger.is_object() {
+            format!(
+                "{tier} end-of-tier {action} (after {} {})",
+                text(&trigger["kind"]),
+                named(trigger)
+            )
+        } else {
+            format!("{tier} end-of-tier {action}")
+        }
+    } else {
+        format!(
+            "{tier} {kind} {} rule {} {action}",
+            named(h),
+            count(&h["rule_index"])
+        )
+    }
+}
+
+fn flow_matches(flow: &Value, args: &FlowsArgs) -> bool {
+    let key = &flow["Key"];
+    let either = |field: &str, want: &str| {
+        text(&key[format!("source_{field}")]) == want || text(&key[format!("dest_{field}")]) == want
+    };
+    args.namespace
+        .as_deref()
+        .is_none_or(|ns| either("namespace", ns))
+        && args.name.as_deref().is_none_or(|n| either("name", n))
+}
+
+/// The rows (and, with `trace`, the traces under each) of a `/flows` answer.
+pub(crate) fn render(answer: &Value, args: &FlowsArgs) -> String {
+    let flows: Vec<&Value> = answer["flows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| &r["flow"])
+        .filter(|f| flow_matches(f, args))
+        .collect();
+    let row = |f: &Value| {
+        let key = &f["Key"];
+        let enforced = key["policies"]["enforced_policies"].as_array();
+        let start = count(&f["start_time"])
+            .parse::<u64>()
+            .map(|s| {
+                common::time::rfc3339_utc(std::time::UNIX_EPOCH + std::time::Duration::from_secs(s))
+            })
+            .unwrap_or_default();
+        vec![
+            start,
+            side(key, "source"),
+            side(key, "dest"),
+            format!("{}/{}", text(&key["proto"]), count(&key["dest_port"])),
+            text(&key["action"]).to_lowercase(),
+            match text(&key["reporter"]) {
+                "Dst" => "dst".into(),
+                "Src" => "src".into(),
+                other => other.to_string(),
+            },
+            format!("{}/{}", count(&f["packets_in"]), count(&f["packets_out"])),
+            format!("{}/{}", count(&f["bytes_in"]), count(&f["bytes_out"])),
+            enforced
+                .and_then(|e| e.last())
+                .map_or_else(|| "-".to_string(), hit),
+        ]
+    };
+    if !args.trace {
+        let rows: Vec<Vec<String>> = flows.iter().map(|f| row(f)).collect();
+        return table(&HEADER, &rows, &RIGHT);
+    }
+    let mut out = String::new();
+    for f in flows {
+        out.push_str(&row(f).join("  "));
+        out.push('\n');
+        for (label, field) in [
+            ("enforced", "enforced_policies"),
+            ("pending", "pending_policies"),
+        ] {
+            let hits = f["Key"]["policies"][field]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if hits.is_empty() {
+                out.push_str(&format!("  {label}: -\n"));
+            }
+            for (i, h) in hits.iter().enumerate() {
+                out.push_str(&format!("  {label} {i}: {}\n", hit(h)));
+            }
+        }
+    }
+    out
+}
+
+pub fn run(args: &FlowsArgs) -> anyhow::Result<ExitCode> {
+    let body = get(&args.server, &path(args), &args.client)?;
+    let answer: Value = serde_json::from_str(&body).context("decoding /flows")?;
+    let text = match args.output {
+        FlowsOutput::Json => answer["flows"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| &r["flow"])
+            .filter(|f| flow_matches(f, args))
+            .map(|f| format!("{f}\n"))
+            .collect(),
+        FlowsOutput::Text => render(&answer, args),
+    };
+    // `flows | head` closes stdout early: not an error.
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(ExitCode::SUCCESS),
+    }
+}

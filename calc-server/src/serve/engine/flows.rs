@@ -1,0 +1,987 @@
+//! Flow records from the agents (issue 42, capability `flows`): checked ([`parse`], by the
+//! stream, before anything reaches the engine), then named from the graph and put in the flow
+//! store ([`crate::flows::FlowStore`]) keyed as Calico's Goldmane keys them ([`FlowIngest`]).
+//!
+//! Naming each side of a record (pure, from the graph as it is when the record arrives):
+//! - an address of a workload endpoint: its pod's name (the part of the workload id after the
+//!   namespace; Calico aggregates by the pod's `generateName` followed by `*`, which our model
+//!   does not keep, so each pod is its own name), its namespace, its effective labels
+//!   (`key=value`), type `WorkloadEndpoint`;
+//! - an address of a host endpoint: its name, type `HostEndpoint`;
+//! - an address in a NetworkSet or GlobalNetworkSet: that set's name and namespace (the longest
+//!   matching prefix wins; ties by key), type `NetworkSet`;
+//! - otherwise `pvt` for a private address (10/8, 172.16/12, 192.168/16, fc00::/7, as Go's
+//!   `IP.IsPrivate`, which Calico uses) and `pub` for any other, type `Network`.
+//!
+//! The reporting side (the destination when `reporter_dest`, else the source) must be an
+//! endpoint of the reporting node: a record that is not is dropped and counted (`foreign`), so
+//! one node cannot forge another's flows. When an address belongs to several endpoints, the
+//! reporting node's own comes first, then the smallest key.
+//!
+//! The enforced trace: each hit becomes a Goldmane `PolicyHit` in trace order; `policy_index`
+//! is the hit's position in the trace. Kinds: Calico NetworkPolicy → `CalicoNetworkPolicy`, a
+//! Kubernetes NetworkPolicy (`knp.default.<name>`) → `NetworkPolicy` named `<name>`,
+//! GlobalNetworkPolicy → `GlobalNetworkPolicy`, the network-policy-api kinds →
+//! `ClusterNetworkPolicyAdminTier` or `…BaselineTier` by tier, a profile rule → `Profile` (tier
+//! `__PROFILE__`). A policy's tier is the graph's. An end-of-tier hit is `EndOfTier` with the
+//! tier, and its `trigger` is the first policy of that tier earlier in the trace or, when none
+//! is, the first policy of that tier in the reporting endpoint's tier list for that direction
+//! (ingress for a destination report). A no-profile-matched drop is `EndOfTier` of tier
+//! `__PROFILE__` without a trigger. Failsafe and default-action verdicts are left out of the
+//! trace (they decide no policy). The pending trace is left empty (not computed yet).
+//!
+//! De-duplication: one record per (interval, 5-tuple, reporting node and side); a record seen
+//! again (an agent re-sending after a reconnect) is dropped and counted (`duplicate`). What is
+//! remembered is bounded ([`FlowIngest::new`]'s `max_seen`; beyond it: `dedup_cap`) and
+//! forgotten with the buckets.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+
+use calc_graph::convert::EndpointKind;
+use calc_graph::graph::{EndpointView, GraphView};
+use calc_graph::model::{Kind, ResourceKey};
+use felix_proto as pb;
+use felix_proto::goldmane::{
+    self, Action as GAction, EndpointType, FlowKey, PolicyHit, PolicyKind, PolicyTrace, Reporter,
+};
+use pb::to_dataplane::Payload;
+
+use super::hits::{self, Owner};
+use crate::flows::{BUCKET_SECONDS, FlowStore, Refused};
+
+/// Most records one `FlowReport` may carry.
+pub(crate) const MAX_RECORDS_PER_REPORT: usize = 4096;
+/// Longest address text accepted (an IPv6 address with an IPv4 tail is 45 bytes).
+const MAX_IP_TEXT: usize = 64;
+/// The tier Calico's flow logs give profile rules.
+const PROFILE_TIER: &str = "__PROFILE__";
+
+/// What a rule did to a flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HitAction {
+    Allow,
+    Deny,
+    Pass,
+}
+
+/// One checked hit of a record's trace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TraceHit {
+    pub owner: Owner,
+    pub egress: bool,
+    pub index: u32,
+    pub action: HitAction,
+}
+
+/// One checked flow record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct FlowIn {
+    pub interval: i64,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    pub reporter_dest: bool,
+    pub allowed: bool,
+    pub trace: Vec<TraceHit>,
+    pub packets_in: i64,
+    pub packets_out: i64,
+    pub bytes_in: i64,
+    pub bytes_out: i64,
+    pub started: i64,
+    pub completed: i64,
+    pub live: i64,
+}
+
+/// A checked report: its records and what the agent says it dropped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct FlowBatch {
+    pub records: Vec<FlowIn>,
+    pub agent_dropped: u64,
+}
+
+/// Why a whole `FlowReport` is refused (the stream ends with INVALID_ARGUMENT). The messages
+/// name fields and positions, never the agent's text.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Malformed {
+    #[error("FlowReport carries {0} records, more than {MAX_RECORDS_PER_REPORT}")]
+    TooManyRecords(usize),
+    #[error("FlowReport.records[{at}].{field}: {why}")]
+    Field {
+        at: usize,
+        field: &'static str,
+        why: &'static str,
+    },
+    #[error("FlowReport.records[{at}].trace: {why}")]
+    Trace { at: usize, why: String },
+}
+
+impl Malformed {
+    /// The `calc_server_flow_reports_refused_total` reason.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            Malformed::TooManyRecords(_) => "too_many_records",
+            _ => "malformed",
+        }
+    }
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Checks a `FlowReport`: bounded, every address an IP, every interval a multiple of 15 s,
+/// ports and protocol in range, every trace bounded and every hit a well-formed reference
+/// (as `RuleStats` hits are checked) with an action of `allow`, `deny` or `pass`.
+pub(crate) fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
+    if report.records.len() > MAX_RECORDS_PER_REPORT {
+        return Err(Malformed::TooManyRecords(report.records.len()));
+    }
+    let mut records = Vec::with_capacity(report.records.len());
+    for (at, r) in report.records.iter().enumerate() {
+        let field = |field, why| Malformed::Field { at, field, why };
+        let ip = |s: &str, name| {
+            if s.len() > MAX_IP_TEXT {
+                return Err(field(name, "longer than 64 bytes"));
+            }
+            s.parse::<IpAddr>()
+                .map_err(|_| field(name, "not an IP address"))
+        };
+        let src = ip(&r.source_ip, "source_ip")?;
+        let dst = ip(&r.dest_ip, "dest_ip")?;
+        if src.is_ipv4() != dst.is_ipv4() {
+            return Err(field("dest_ip", "not of the source's IP version"));
+        }
+        if r.interval_start < 0 || r.interval_start % BUCKET_SECONDS != 0 {
+            return Err(field(
+                "interval_start",
+                "not a non-negative multiple of 15 seconds",
+            ));
+        }
+        let port = |p: u32, name| u16::try_from(p).map_err(|_| field(name, "above 65535"));
+        let src_port = port(r.source_port, "source_port")?;
+        let dst_port = port(r.dest_port, "dest_port")?;
+        let proto = u8::try_from(r.protocol).map_err(|_| field("protocol", "above 255"))?;
+        if r.trace.len() > crate::flows::limits::MAX_HITS {
+            return Err(Malformed::Trace {
+                at,
+                why: format!(
+                    "{} hits, more than {}",
+                    r.trace.len(),
+                    crate::flows::limits::MAX_HITS
+                ),
+            });
+        }
+        // The references are checked as a RuleStats report's are.
+        let refs = pb::RuleStats {
+            hits: r
+                .trace
+                .iter()
+                .map(|h| pb::RuleHits {
+                    rule: h.rule.clone(),
+                    packets: 0,
+                    bytes: 0,
+                })
+                .collect(),
+        };
+        let parsed = hits::parse(&refs).map_err(|e| Malformed::Trace {
+            at,
+            why: e.to_string().replace("RuleStats.hits", "hits"),
+        })?;
+        let mut trace = Vec::with_capacity(parsed.len());
+        for (i, (h, raw)) in parsed.into_iter().zip(&r.trace).enumerate() {
+            let action = match raw.action.as_str() {
+                "allow" => HitAction::Allow,
+                "deny" => HitAction::Deny,
+                "pass" => HitAction::Pass,
+                _ => {
+                    return Err(Malformed::Trace {
+                        at,
+                        why: format!("hits[{i}].action is not allow, deny or pass"),
+                    });
+                }
+            };
+            trace.push(TraceHit {
+                owner: h.owner,
+                egress: h.egress,
+                index: h.index,
+                action,
+            });
+        }
+        records.push(FlowIn {
+            interval: r.interval_start,
+            src,
+            dst,
+            src_port,
+            dst_port,
+            proto,
+            reporter_dest: r.reporter_dest,
+            allowed: r.allowed,
+            trace,
+            packets_in: to_i64(r.packets_in),
+            packets_out: to_i64(r.packets_out),
+            bytes_in: to_i64(r.bytes_in),
+            bytes_out: to_i64(r.bytes_out),
+            started: i64::from(r.connections_started),
+            completed: i64::from(r.connections_completed),
+            live: i64::from(r.connections_live),
+        });
+    }
+    Ok(FlowBatch {
+        records,
+        agent_dropped: report.dropped,
+    })
+}
+
+/// One side of a flow, named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Side {
+    pub name: String,
+    pub namespace: String,
+    pub kind: EndpointType,
+    pub labels: Vec<String>,
+}
+
+/// Whether Go's `IP.IsPrivate` holds: RFC 1918 and RFC 4193 addresses.
+pub(crate) fn is_private(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            o[0] == 10 || (o[0] == 172 && (o[1] & 0xf0) == 16) || (o[0] == 192 && o[1] == 168)
+        }
+        IpAddr::V6(v6) => (v6.segments()[0] & 0xfe00) == 0xfc00,
+    }
+}
+
+/// The prefix length of `cidr` when it contains `ip`.
+fn contains(cidr: &str, ip: IpAddr) -> Option<u8> {
+    let (addr, len) = cidr.split_once('/').unwrap_or((cidr, ""));
+    let net: IpAddr = addr.parse().ok()?;
+    let max = if net.is_ipv4() { 32 } else { 128 };
+    let len: u8 = if len.is_empty() {
+        max
+    } else {
+        len.parse().ok()?
+    };
+    let bits = |a: IpAddr| -> Option<u128> {
+        match a {
+            IpAddr::V4(v) => Some(u128::from(u32::from(v))),
+            IpAddr::V6(v) => Some(u128::from(v)),
+        }
+    };
+    if net.is_ipv4() != ip.is_ipv4() || len > max {
+        return None;
+    }
+    let shift = u32::from(max - len);
+    let (n, i) = (bits(net)?, bits(ip)?);
+    let same = if shift >= 128 {
+        true
+    } else {
+        (n >> shift) == (i >> shift)
+    };
+    same.then_some(len)
+}
+
+fn endpoint_side(e: EndpointView<'_>) -> Side {
+    let labels = e
+        .labels()
+        .unwrap_or_default()
+        .into_iter()
+        .take(crate::flows::limits::MAX_LABELS)
+        .map(|(k, v)| format!("{k}={v}"))
+        .filter(|l| l.len() <= crate::flows::limits::MAX_LABEL)
+        .collect();
+    match &e.model().kind {
+        EndpointKind::Workload { workload_id, .. } => Side {
+            name: workload_id
+                .rsplit_once('/')
+                .map_or(workload_id.as_str(), |(_, pod)| pod)
+                .to_string(),
+            namespace: e.key().namespace.clone().unwrap_or_default(),
+            kind: EndpointType::WorkloadEndpoint,
+            labels,
+        },
+        EndpointKind::Host { .. } => Side {
+            name: e.key().name.clone(),
+            namespace: String::new(),
+            kind: EndpointType::HostEndpoint,
+            labels,
+        },
+    }
+}
+
+/// The endpoint holding `ip`: `node`'s own first, then the smallest key.
+fn endpoint_with_ip<'g>(
+    view: GraphView<'g>,
+    ip: IpAddr,
+    node: Option<&str>,
+) -> Option<EndpointView<'g>> {
+    view.endpoints_with_ip(ip).min_by(|a, b| {
+        let own = |e: &EndpointView<'_>| node != Some(e.node());
+        (own(a), a.key()).cmp(&(own(b), b.key()))
+    })
+}
+
+/// Names an address that is not the reporting side's: an endpoint, a network set, else
+/// `pub`/`pvt`.
+pub(crate) fn name_ip(view: GraphView<'_>, ip: IpAddr) -> Side {
+    if let Some(e) = endpoint_with_ip(view, ip, None) {
+        return endpoint_side(e);
+    }
+    let best = view
+        .network_sets()
+        .filter_map(|(k, nets)| {
+            nets.iter()
+                .filter_map(|n| contains(n, ip))
+                .max()
+                .map(|len| (len, k))
+        })
+        .max_by(|(la, ka), (lb, kb)| la.cmp(lb).then_with(|| kb.cmp(ka)));
+    if let Some((_, k)) = best {
+        return Side {
+            name: k.name.clone(),
+            namespace: k.namespace.clone().unwrap_or_default(),
+            kind: EndpointType::NetworkSet,
+            labels: Vec::new(),
+        };
+    }
+    Side {
+        name: if is_private(ip) { "pvt" } else { "pub" }.to_string(),
+        namespace: String::new(),
+        kind: EndpointType::Network,
+        labels: Vec::new(),
+    }
+}
+
+fn action(a: HitAction) -> GAction {
+    match a {
+        HitAction::Allow => GAction::Allow,
+        HitAction::Deny => GAction::Deny,
+        HitAction::Pass => GAction::Pass,
+    }
+}
+
+/// A policy's Goldmane kind, and its name as Calico's flow logs show it.
+pub(crate) fn policy_kind(kind: Kind, name: &str, tier: &str) -> (PolicyKind, String) {
+    match kind {
+        Kind::NetworkPolicy => match name.strip_prefix("knp.default.") {
+            Some(k8s) => (PolicyKind::NetworkPolicy, k8s.to_string()),
+            None => (PolicyKind::CalicoNetworkPolicy, name.to_string()),
+        },
+        Kind::GlobalNetworkPolicy => (PolicyKind::GlobalNetworkPolicy, name.to_string()),
+        Kind::StagedNetworkPolicy => (PolicyKind::StagedNetworkPolicy, name.to_string()),
+        Kind::StagedGlobalNetworkPolicy => {
+            (PolicyKind::StagedGlobalNetworkPolicy, name.to_string())
+        }
+        Kind::StagedKubernetesNetworkPolicy => {
+            (PolicyKind::StagedKubernetesNetworkPolicy, name.to_string())
+        }
+        Kind::ClusterNetworkPolicy
+        | Kind::AdminNetworkPolicy
+        | Kind::BaselineAdminNetworkPolicy
+            if tier.contains("baseline") =>
+        {
+            (
+                PolicyKind::ClusterNetworkPolicyBaselineTier,
+                name.to_string(),
+            )
+        }
+        Kind::ClusterNetworkPolicy
+        | Kind::AdminNetworkPolicy
+        | Kind::BaselineAdminNetworkPolicy => {
+            (PolicyKind::ClusterNetworkPolicyAdminTier, name.to_string())
+        }
+        _ => (PolicyKind::KindUnspecified, name.to_string()),
+    }
+}
+
+/// The Goldmane hit of a policy, without its indexes.
+fn policy_hit(view: GraphView<'_>, kind: &str, namespace: &str, name: &str) -> PolicyHit {
+    let kind = Kind::from_name(kind).unwrap_or(Kind::NetworkPolicy);
+    let ns = (!namespace.is_empty()).then_some(namespace);
+    let tier = view
+        .policy(&ResourceKey::new(kind, ns, name))
+        .map(|p| p.model().tier.clone())
+        .unwrap_or_default();
+    let (gkind, gname) = policy_kind(kind, name, &tier);
+    PolicyHit {
+        kind: gkind as i32,
+        namespace: namespace.to_string(),
+        name: gname,
+        tier,
+        ..Default::default()
+    }
+}
+
+/// The first policy of `tier` in the endpoint's tier list for that direction.
+fn first_of_tier(
+    view: GraphView<'_>,
+    e: Option<EndpointView<'_>>,
+    tier: &str,
+    egress: bool,
+) -> Option<PolicyHit> {
+    let tiers = match e?.update()? {
+        Payload::WorkloadEndpointUpdate(u) => u.endpoint?.tiers,
+        Payload::HostEndpointUpdate(u) => u.endpoint?.tiers,
+        _ => return None,
+    };
+    let t = tiers.into_iter().find(|t| t.name == tier)?;
+    let id = if egress {
+        t.egress_policies.into_iter().next()
+    } else {
+        t.ingress_policies.into_iter().next()
+    }?;
+    Some(policy_hit(view, &id.kind, &id.namespace, &id.name))
+}
+
+/// The enforced trace of a record as Goldmane hits.
+pub(crate) fn enforced(
+    view: GraphView<'_>,
+    reporter: Option<EndpointView<'_>>,
+    trace: &[TraceHit],
+) -> Vec<PolicyHit> {
+    let mut out: Vec<PolicyHit> = Vec::with_capacity(trace.len());
+    for (i, h) in trace.iter().enumerate() {
+        let mut hit = match &h.owner {
+            Owner::Policy {
+                kind,
+                namespace,
+                name,
+            } => PolicyHit {
+                rule_index: i64::from(h.index),
+                ..policy_hit(view, kind, namespace, name)
+            },
+            Owner::Profile(name) => PolicyHit {
+                kind: PolicyKind::Profile as i32,
+                name: name.clone(),
+                tier: PROFILE_TIER.to_string(),
+                rule_index: i64::from(h.index),
+                ..Default::default()
+            },
+            Owner::EndOfTier(tier) => {
+                let trigger = out
+                    .iter()
+                    .find(|p| p.tier == *tier && p.kind != PolicyKind::EndOfTier as i32)
+                    .map(|p| PolicyHit {
+                        trigger: None,
+                        ..p.clone()
+                    })
+                    .or_else(|| first_of_tier(view, reporter, tier, h.egress));
+                PolicyHit {
+                    kind: PolicyKind::EndOfTier as i32,
+                    tier: tier.clone(),
+                    trigger: trigger.map(Box::new),
+                    ..Default::default()
+                }
+            }
+            Owner::NoProfileMatched => PolicyHit {
+                kind: PolicyKind::EndOfTier as i32,
+                tier: PROFILE_TIER.to_string(),
+                ..Default::default()
+            },
+            Owner::DefaultAction | Owner::Failsafe => continue,
+        };
+        hit.action = action(h.action) as i32;
+        hit.policy_index = i as i64;
+        out.push(hit);
+    }
+    out
+}
+
+/// The protocol's name as Calico's flow logs write it, else its number.
+pub(crate) fn proto_name(p: u8) -> String {
+    match p {
+        1 => "icmp".into(),
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        58 => "icmp6".into(),
+        132 => "sctp".into(),
+        n => n.to_string(),
+    }
+}
+
+/// The de-duplication key: interval, 5-tuple, reporting node and side.
+type Seen = (String, IpAddr, IpAddr, u16, u16, u8, bool);
+
+/// The flow store and what was already received.
+pub(crate) struct FlowIngest {
+    pub(crate) store: FlowStore,
+    seen: BTreeMap<i64, HashSet<Seen>>,
+    seen_count: usize,
+    max_seen: usize,
+}
+
+/// Why a record was dropped: the `calc_server_flow_reports_refused_total` reason.
+pub(crate) fn refused_reason(r: &Refused) -> &'static str {
+    match r {
+        Refused::KeyCap { .. } => "key_cap",
+        Refused::TooOld { .. } => "too_old",
+        Refused::InFuture { .. } => "in_future",
+        Refused::Invalid { .. } => "invalid",
+    }
+}
+
+impl FlowIngest {
+    /// A store of at most `max_keys` flow keys; at most `max_seen` records remembered for
+    /// de-duplication.
+    pub(crate) fn new(max_keys: usize, max_seen: usize) -> FlowIngest {
+        FlowIngest {
+            store: FlowStore::new(max_keys, 0),
+            seen: BTreeMap::new(),
+            seen_count: 0,
+            max_seen,
+        }
+    }
+
+    fn forget_old(&mut self, now: i64) {
+        let oldest = self.store.oldest_bucket(now);
+        while let Some(entry) = self.seen.first_entry() {
+            if *entry.key() >= oldest {
+                break;
+            }
+            self.seen_count -= entry.get().len();
+            entry.remove();
+        }
+    }
+
+    /// Names `node`'s records and stores them at `now` (Unix seconds); returns what was
+    /// dropped, by reason.
+    pub(crate) fn add(
+        &mut self,
+        view: GraphView<'_>,
+        node: &str,
+        records: Vec<FlowIn>,
+        now: i64,
+    ) -> BTreeMap<&'static str, u64> {
+        self.forget_old(now);
+        let mut dropped = BTreeMap::new();
+        for r in records {
+            let (own_ip, other_ip) = if r.reporter_dest {
+                (r.dst, r.src)
+            } else {
+                (r.src, r.dst)
+            };
+            let Some(own) = endpoint_with_ip(view, own_ip, Some(node)).filter(|e| e.node() == node)
+            else {
+                *dropped.entry("foreign").or_default() += 1;
+                continue;
+            };
+            let seen: Seen = (
+                node.to_string(),
+                r.src,
+                r.dst,
+                r.src_port,
+                r.dst_port,
+                r.proto,
+                r.reporter_dest,
+            );
+            if self
+                .seen
+                .get(&r.interval)
+                .is_some_and(|s| s.contains(&seen))
+            {
+                *dropped.entry("duplicate").or_default() += 1;
+                continue;
+            }
+            if self.seen_count >= self.max_seen {
+                *dropped.entry("dedup_cap").or_default() += 1;
+                continue;
+            }
+            let own_side = endpoint_side(own);
+            let other_side = name_ip(view, other_ip);
+            let (src, dst) = if r.reporter_dest {
+                (other_side, own_side)
+            } else {
+                (own_side, other_side)
+            };
+            let record = goldmane::Flow {
+                key: Some(FlowKey {
+                    source_name: src.name,
+                    source_namespace: src.namespace,
+                    source_type: src.kind as i32,
+                    dest_name: dst.name,
+                    dest_namespace: dst.namespace,
+                    dest_type: dst.kind as i32,
+                    dest_port: i64::from(r.dst_port),
+                    proto: proto_name(r.proto),
+                    reporter: if r.reporter_dest {
+                        Reporter::Dst
+                    } else {
+                        Reporter::Src
+                    } as i32,
+                    action: if r.allowed {
+                        GAction::Allow
+                    } else {
+                        GAction::Deny
+                    } as i32,
+                    policies: Some(PolicyTrace {
+                        enforced_policies: enforced(view, Some(own), &r.trace),
+                        pending_policies: Vec::new(),
+                    }),
+                    ..Default::default()
+                }),
+                start_time: r.interval,
+                end_time: r.interval + BUCKET_SECONDS,
+                source_labels: src.labels,
+                dest_labels: dst.labels,
+                packets_in: r.packets_in,
+                packets_out: r.packets_out,
+                bytes_in: r.bytes_in,
+                bytes_out: r.bytes_out,
+                num_connections_started: r.started,
+                num_connections_completed: r.completed,
+                num_connections_live: r.live,
+            };
+            match self.store.insert(&record, now) {
+                Ok(()) => {
+                    self.seen.entry(r.interval).or_default().insert(seen);
+                    self.seen_count += 1;
+                }
+                Err(e) => *dropped.entry(refused_reason(&e)).or_default() += 1,
+            }
+        }
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use calc_graph::graph::{CalcGraph, Update};
+    use calc_graph::manifest::{Outcome, decode_and_validate};
+    use serde_json::json;
+
+    fn apply(g: &mut CalcGraph, value: serde_json::Value) {
+        match decode_and_validate(value) {
+            Outcome::Valid(_, res) => g.apply(Update::ApplyValid(res)).unwrap(),
+            _ => panic!("test object must be valid"),
+        }
+    }
+
+    /// node-a: pod shop/web-1 (10.0.0.1) and host endpoint a-eth0 (192.168.1.1); node-b: pod
+    /// shop/db-1 (10.0.0.2); a NetworkSet shop/partners (203.0.113.0/24) inside a
+    /// GlobalNetworkSet wide (203.0.0.0/16); tier security with a policy selecting web.
+    fn graph() -> CalcGraph {
+        let mut g = CalcGraph::new();
+        for (node, pod, ip) in [
+            ("node-a", "web-1", "10.0.0.1"),
+            ("node-b", "db-1", "10.0.0.2"),
+        ] {
+            apply(
+                &mut g,
+                json!({
+                    "apiVersion": "projectcalico.org/v3", "kind": "WorkloadEndpoint",
+                    "metadata": {
+                        "name": format!("{}-k8s-{}-eth0", node.replace('-', "--"), pod.replace('-', "--")),
+                        "namespace": "shop",
+                        "labels": {"app": pod.split('-').next().unwrap(), "projectcalico.org/namespace": "shop"},
+                    },
+                    "spec": {
+                        "orchestrator": "k8s", "node": node, "pod": pod, "endpoint": "eth0",
+                        "interfaceName": format!("cali{pod}"), "ipNetworks": [format!("{ip}/32")],
+                    },
+                }),
+            );
+        }
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "HostEndpoint",
+                "metadata": {"name": "a-eth0", "labels": {"host": "a"}},
+                "spec": {"node": "node-a", "interfaceName": "eth0", "expectedIPs": ["192.168.1.1"]},
+            }),
+        );
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "NetworkSet",
+                "metadata": {"name": "partners", "namespace": "shop"},
+                "spec": {"nets": ["203.0.113.0/24"]},
+            }),
+        );
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkSet",
+                "metadata": {"name": "wide"},
+                "spec": {"nets": ["203.0.0.0/16"]},
+            }),
+        );
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "Tier",
+                "metadata": {"name": "security"}, "spec": {"order": 10},
+            }),
+        );
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+                "metadata": {"name": "security.guard"},
+                "spec": {"tier": "security", "selector": "app == 'web'",
+                         "ingress": [{"action": "Pass", "protocol": "TCP"}]},
+            }),
+        );
+        g.apply(Update::InSync).unwrap();
+        g
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn each_side_is_named_from_the_graph() {
+        let g = graph();
+        let v = g.view();
+        let side = |a: &str| {
+            let s = name_ip(v, ip(a));
+            (s.name, s.namespace, s.kind, s.labels)
+        };
+        assert_eq!(
+            side("10.0.0.2"),
+            (
+                "db-1".into(),
+                "shop".into(),
+                EndpointType::WorkloadEndpoint,
+                vec![
+                    "app=db".to_string(),
+                    "projectcalico.org/namespace=shop".into(),
+                    "projectcalico.org/orchestrator=k8s".into()
+                ]
+            )
+        );
+        assert_eq!(side("192.168.1.1").0.., "a-eth0".to_string()..);
+        assert_eq!(
+            name_ip(v, ip("192.168.1.1")).kind,
+            EndpointType::HostEndpoint
+        );
+        // The longest prefix wins: the namespaced /24 over the global /16.
+        assert_eq!(side("203.0.113.9").0, "partners");
+        assert_eq!(
+            (side("203.0.113.9").1, side("203.0.113.9").2),
+            ("shop".into(), EndpointType::NetworkSet)
+        );
+        assert_eq!(side("203.0.7.7").0, "wide");
+        assert_eq!(
+            (side("8.8.8.8").0, side("8.8.8.8").2),
+            ("pub".into(), EndpointType::Network)
+        );
+        for private in [
+            "10.9.9.9",
+            "172.16.0.1",
+            "172.31.255.255",
+            "192.168.7.7",
+            "fd00::1",
+        ] {
+            assert_eq!(side(private).0, "pvt", "{private}");
+        }
+        for public in ["172.32.0.1", "11.0.0.1", "2001:db8::1", "fe80::1"] {
+            assert_eq!(side(public).0, "pub", "{public}");
+        }
+    }
+
+    fn record(src: &str, dst: &str, reporter_dest: bool, trace: Vec<TraceHit>) -> FlowIn {
+        FlowIn {
+            interval: 1_800_000_000,
+            src: ip(src),
+            dst: ip(dst),
+            src_port: 40_000,
+            dst_port: 80,
+            proto: 6,
+            reporter_dest,
+            allowed: false,
+            trace,
+            packets_in: 3,
+            packets_out: 0,
+            bytes_in: 180,
+            bytes_out: 0,
+            started: 1,
+            completed: 0,
+            live: 1,
+        }
+    }
+
+    fn guard(action: HitAction) -> TraceHit {
+        TraceHit {
+            owner: Owner::Policy {
+                kind: "GlobalNetworkPolicy".into(),
+                namespace: String::new(),
+                name: "security.guard".into(),
+            },
+            egress: false,
+            index: 0,
+            action,
+        }
+    }
+
+    fn end_of_tier(tier: &str) -> TraceHit {
+        TraceHit {
+            owner: Owner::EndOfTier(tier.into()),
+            egress: false,
+            index: 0,
+            action: HitAction::Deny,
+        }
+    }
+
+    #[test]
+    fn the_trace_names_tiers_kinds_indexes_and_end_of_tier_triggers() {
+        let g = graph();
+        let v = g.view();
+        let web = endpoint_with_ip(v, ip("10.0.0.1"), Some("node-a"));
+        let guard_hit = PolicyHit {
+            kind: PolicyKind::GlobalNetworkPolicy as i32,
+            name: "security.guard".into(),
+            tier: "security".into(),
+            action: GAction::Pass as i32,
+            ..Default::default()
+        };
+        let hits = enforced(
+            v,
+            web,
+            &[
+                guard(HitAction::Pass),
+                end_of_tier("default"),
+                TraceHit {
+                    owner: Owner::Profile("kns.shop".into()),
+                    egress: false,
+                    index: 2,
+                    action: HitAction::Allow,
+                },
+            ],
+        );
+        assert_eq!(hits.len(), 3);
+        assert_eq!(hits[0], guard_hit);
+        // No policy of tier default in the trace or selecting web: no trigger.
+        assert_eq!(
+            hits[1],
+            PolicyHit {
+                kind: PolicyKind::EndOfTier as i32,
+                tier: "default".into(),
+                action: GAction::Deny as i32,
+                policy_index: 1,
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            hits[2],
+            PolicyHit {
+                kind: PolicyKind::Profile as i32,
+                name: "kns.shop".into(),
+                tier: "__PROFILE__".into(),
+                action: GAction::Allow as i32,
+                policy_index: 2,
+                rule_index: 2,
+                ..Default::default()
+            }
+        );
+        // The trigger of an end of tier: the tier's policy earlier in the trace, else the
+        // first of the tier selecting the endpoint.
+        let after = enforced(v, web, &[guard(HitAction::Deny), end_of_tier("security")]);
+        let from_graph = enforced(v, web, &[end_of_tier("security")]);
+        let trigger = Some(Box::new(PolicyHit {
+            action: GAction::Deny as i32,
+            ..guard_hit.clone()
+        }));
+        assert_eq!(after[1].trigger, trigger);
+        assert_eq!(
+            from_graph[0].trigger,
+            Some(Box::new(PolicyHit {
+                action: 0,
+                ..guard_hit
+            }))
+        );
+        assert_eq!(
+            policy_kind(Kind::NetworkPolicy, "knp.default.db", "default"),
+            (PolicyKind::NetworkPolicy, "db".into())
+        );
+        assert_eq!(
+            policy_kind(Kind::NetworkPolicy, "db", "default"),
+            (PolicyKind::CalicoNetworkPolicy, "db".into())
+        );
+    }
+
+    #[test]
+    fn a_node_reports_only_its_own_side_and_once_per_interval() {
+        let g = graph();
+        let mut ingest = FlowIngest::new(100, 100);
+        let now = 1_800_000_000 + 20;
+        let inbound = record(
+            "203.0.113.9",
+            "10.0.0.1",
+            true,
+            vec![guard(HitAction::Deny)],
+        );
+        let dropped = ingest.add(g.view(), "node-a", vec![inbound.clone()], now);
+        assert!(dropped.is_empty(), "{dropped:?}");
+        // node-b may not report web-1's side, nor a side that is no endpoint.
+        let dropped = ingest.add(
+            g.view(),
+            "node-b",
+            vec![inbound.clone(), record("10.0.0.2", "8.8.8.8", true, vec![])],
+            now,
+        );
+        assert_eq!(dropped, BTreeMap::from([("foreign", 2)]));
+        // The same record again (a re-send after a reconnect) counts once.
+        let dropped = ingest.add(g.view(), "node-a", vec![inbound.clone()], now);
+        assert_eq!(dropped, BTreeMap::from([("duplicate", 1)]));
+        // The source's own report is another record of the same interval.
+        let outbound = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        assert!(
+            ingest
+                .add(g.view(), "node-b", vec![outbound], now)
+                .is_empty()
+        );
+        let list = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), now)
+            .unwrap();
+        assert_eq!(list.flows.len(), 2);
+        let key = |i: usize| list.flows[i].flow.as_ref().unwrap().key.clone().unwrap();
+        let keys = [key(0), key(1)];
+        let denied = keys
+            .iter()
+            .find(|k| k.reporter == Reporter::Dst as i32)
+            .unwrap();
+        assert_eq!(
+            (
+                denied.source_name.as_str(),
+                denied.source_namespace.as_str(),
+                denied.source_type,
+                denied.dest_name.as_str(),
+                denied.dest_port,
+                denied.proto.as_str(),
+                denied.action,
+            ),
+            (
+                "partners",
+                "shop",
+                EndpointType::NetworkSet as i32,
+                "web-1",
+                80,
+                "tcp",
+                GAction::Deny as i32
+            )
+        );
+        let f = list
+            .flows
+            .iter()
+            .map(|r| r.flow.as_ref().unwrap())
+            .find(|f| f.key.as_ref().unwrap().reporter == Reporter::Dst as i32)
+            .unwrap();
+        assert_eq!((f.packets_in, f.bytes_in), (3, 180));
+        // Records remembered are bounded.
+        let mut small = FlowIngest::new(100, 1);
+        let two = vec![
+            record("203.0.113.9", "10.0.0.1", true, vec![]),
+            record("203.0.113.8", "10.0.0.1", true, vec![]),
+        ];
+        assert_eq!(
+            small.add(g.view(), "node-a", two, now),
+            BTreeMap::from([("dedup_cap", 1)])
+        );
+    }
+}
