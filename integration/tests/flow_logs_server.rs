@@ -1,0 +1,492 @@
+//! Flow logs on the calc-server (issue 42), end to end: `calc-server serve --flow-logs` on a
+//! small file datastore, raw gRPC clients standing in for two nodes' agents: they offer
+//! `flows`, read their snapshot, and send `FlowReport`s. Asserted with exact values: the admin
+//! `/flows` answer (names, namespaces, types, labels, port, action, counters, the enforced
+//! trace with an end-of-tier trigger), `calc-server flows` in text, `--trace` and JSON, a
+//! record whose reporting side is another node's endpoint refused and counted, a re-sent
+//! interval not counted twice, a malformed report ending the stream, and a server without
+//! `--flow-logs` not agreeing to `flows`.
+//!
+//! Nothing to install; a missing or stale binary fails.
+
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use felix_proto as pb;
+use felix_proto::calc_server_client::CalcServerClient;
+use integration::{Server, binary, http_get, metric};
+use pb::from_dataplane::Payload as From;
+use pb::to_dataplane::Payload as To;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+
+const CLUSTER: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: Tier
+metadata: {name: security}
+spec: {order: 100, defaultAction: Deny}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: security.guard}
+spec:
+  tier: security
+  order: 10
+  selector: app == 'db'
+  ingress:
+  - action: Pass
+    protocol: TCP
+    source: {selector: app == 'web'}
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: db-allow, namespace: shop}
+spec:
+  selector: app == 'db'
+  ingress:
+  - action: Allow
+    protocol: TCP
+    destination: {ports: [5432]}
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkSet
+metadata: {name: partners, namespace: shop}
+spec: {nets: [203.0.113.0/24]}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--1-k8s-web--1-eth0
+  namespace: shop
+  labels: {app: web, projectcalico.org/namespace: shop, projectcalico.org/orchestrator: k8s}
+spec:
+  orchestrator: k8s
+  node: node-1
+  pod: web-1
+  endpoint: eth0
+  interfaceName: caliweb1
+  ipNetworks: [10.65.1.10/32]
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata:
+  name: node--2-k8s-db--1-eth0
+  namespace: shop
+  labels: {app: db, projectcalico.org/namespace: shop, projectcalico.org/orchestrator: k8s}
+spec:
+  orchestrator: k8s
+  node: node-2
+  pod: db-1
+  endpoint: eth0
+  interfaceName: calidb1
+  ipNetworks: [10.65.2.20/32]
+"#;
+
+fn datastore() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("cluster.yaml"), CLUSTER).expect("write");
+    dir
+}
+
+struct Agent {
+    tx: mpsc::Sender<pb::FromDataplane>,
+    rx: tonic::Streaming<pb::ToDataplane>,
+    out: u64,
+}
+
+impl Agent {
+    /// Says hello for `node` offering `flows`, reads the snapshot to InSync; returns the
+    /// capabilities the server agreed to.
+    async fn connect(url: &str, node: &str) -> (Agent, Vec<String>) {
+        let mut client = CalcServerClient::connect(url.to_string())
+            .await
+            .expect("connect");
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(pb::FromDataplane {
+            sequence_number: 1,
+            payload: Some(From::AgentHello(pb::AgentHello {
+                node_name: node.into(),
+                agent_version: "test".into(),
+                capabilities: vec!["flows".into()],
+            })),
+        })
+        .await
+        .unwrap();
+        let mut rx = client
+            .sync(ReceiverStream::new(rx))
+            .await
+            .expect("Sync")
+            .into_inner();
+        let mut agreed = Vec::new();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(10), rx.next())
+                .await
+                .expect("a message within 10 s")
+                .expect("stream open")
+                .expect("no error");
+            match m.payload.expect("payload") {
+                To::ServerHello(h) => agreed = h.capabilities,
+                To::InSync(_) => break,
+                _ => {}
+            }
+        }
+        (Agent { tx, rx, out: 1 }, agreed)
+    }
+
+    async fn send(&mut self, records: Vec<pb::FlowRecord>) {
+        self.out += 1;
+        self.tx
+            .send(pb::FromDataplane {
+                sequence_number: self.out,
+                payload: Some(From::FlowReport(pb::FlowReport {
+                    records,
+                    dropped: 0,
+                })),
+            })
+            .await
+            .expect("stream open");
+    }
+
+    /// The status the server ended the stream with (`None`: still open after 10 s).
+    async fn ended(&mut self) -> Option<tonic::Status> {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), self.rx.next()).await {
+                Err(_) => return None,
+                Ok(None) => return Some(tonic::Status::ok("")),
+                Ok(Some(Err(e))) => return Some(e),
+                Ok(Some(Ok(_))) => {}
+            }
+        }
+    }
+}
+
+fn policy_rule(kind: &str, ns: &str, name: &str, index: u32, action: &str) -> pb::FlowRuleHit {
+    pb::FlowRuleHit {
+        rule: Some(pb::RuleRef {
+            kind: pb::rule_ref::Kind::PolicyRule as i32,
+            policy: Some(pb::PolicyId {
+                name: name.into(),
+                namespace: ns.into(),
+                kind: kind.into(),
+            }),
+            index,
+            ..Default::default()
+        }),
+        action: action.into(),
+    }
+}
+
+fn end_of_tier(tier: &str) -> pb::FlowRuleHit {
+    pb::FlowRuleHit {
+        rule: Some(pb::RuleRef {
+            kind: pb::rule_ref::Kind::EndOfTier as i32,
+            tier: tier.into(),
+            ..Default::default()
+        }),
+        action: "deny".into(),
+    }
+}
+
+/// The interval that ended most recently (well inside the hour the server keeps).
+fn interval() -> i64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    now - now % 15 - 15
+}
+
+/// web-1 → db-1:5432, allowed (security.guard passes, db-allow rule 0 allows), as db-1's
+/// node reports it.
+fn allowed(at: i64) -> pb::FlowRecord {
+    pb::FlowRecord {
+        interval_start: at,
+        source_ip: "10.65.1.10".into(),
+        dest_ip: "10.65.2.20".into(),
+        source_port: 40_000,
+        dest_port: 5432,
+        protocol: 6,
+        reporter_dest: true,
+        trace: vec![
+            policy_rule("GlobalNetworkPolicy", "", "security.guard", 0, "pass"),
+            policy_rule("NetworkPolicy", "shop", "db-allow", 0, "allow"),
+        ],
+        allowed: true,
+        packets_in: 10,
+        packets_out: 8,
+        bytes_in: 1000,
+        bytes_out: 800,
+        connections_started: 1,
+        connections_completed: 1,
+        connections_live: 0,
+    }
+}
+
+/// partners (203.0.113.9) → db-1:22, denied at the end of tier security.
+fn denied(at: i64) -> pb::FlowRecord {
+    pb::FlowRecord {
+        interval_start: at,
+        source_ip: "203.0.113.9".into(),
+        dest_ip: "10.65.2.20".into(),
+        source_port: 50_000,
+        dest_port: 22,
+        protocol: 6,
+        reporter_dest: true,
+        trace: vec![end_of_tier("security")],
+        allowed: false,
+        packets_in: 2,
+        bytes_in: 120,
+        connections_started: 1,
+        ..Default::default()
+    }
+}
+
+fn flows(server: &Server, query: &str) -> Value {
+    let (code, body) = http_get(&server.admin, &format!("/flows{query}")).expect("admin answers");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).expect("JSON")
+}
+
+fn wait_flows(server: &Server, n: usize) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = flows(server, "");
+        if v["flows"].as_array().map_or(0, Vec::len) == n {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "never {n} flows: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn refused(server: &Server, reason: &str) -> f64 {
+    let (_, text) = http_get(&server.admin, "/metrics").expect("metrics");
+    metric(
+        &text,
+        &format!("calc_server_flow_reports_refused_total{{reason=\"{reason}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+fn cli(server: &Server, args: &[&str]) -> String {
+    let out = Command::new(binary("calc-server"))
+        .args(["flows", "--server", &server.admin])
+        .args(args)
+        .output()
+        .expect("run calc-server flows");
+    assert!(
+        out.status.success(),
+        "flows {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn flow_reports_are_named_counted_once_and_listed() {
+    let dir = datastore();
+    let server = Server::start(dir.path(), &["--flow-logs"]);
+    let (mut node2, agreed) = Agent::connect(&server.grpc, "node-2").await;
+    assert_eq!(agreed, ["flows"]);
+    let (mut node1, _) = Agent::connect(&server.grpc, "node-1").await;
+    let at = interval();
+
+    node2.send(vec![allowed(at), denied(at)]).await;
+    // The same interval again, as after a reconnect: not counted twice.
+    node2.send(vec![allowed(at)]).await;
+    // node-1 may not report db-1's side (a forgery); its own side of web-1 is fine.
+    node1
+        .send(vec![
+            denied(at),
+            pb::FlowRecord {
+                reporter_dest: false,
+                trace: vec![],
+                ..allowed(at)
+            },
+        ])
+        .await;
+    let v = wait_flows(&server, 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while refused(&server, "duplicate") < 1.0 || refused(&server, "foreign") < 1.0 {
+        assert!(Instant::now() < deadline, "refusals never counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(refused(&server, "duplicate"), 1.0);
+    assert_eq!(refused(&server, "foreign"), 1.0);
+
+    let all: Vec<&Value> = v["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["flow"])
+        .collect();
+    let find = |port: &str, reporter: &str| {
+        *all.iter()
+            .find(|f| f["Key"]["dest_port"] == port && f["Key"]["reporter"] == reporter)
+            .unwrap_or_else(|| panic!("no flow to {port} reported by {reporter}: {v}"))
+    };
+    let allowed_dst = find("5432", "Dst");
+    assert_eq!(
+        allowed_dst["Key"],
+        json!({
+            "source_name": "web-1", "source_namespace": "shop", "source_type": "WorkloadEndpoint",
+            "dest_name": "db-1", "dest_namespace": "shop", "dest_type": "WorkloadEndpoint",
+            "dest_port": "5432", "proto": "tcp", "reporter": "Dst", "action": "Allow",
+            "policies": {"enforced_policies": [
+                {"kind": "GlobalNetworkPolicy", "name": "security.guard", "tier": "security",
+                 "action": "Pass"},
+                {"kind": "CalicoNetworkPolicy", "namespace": "shop", "name": "db-allow",
+                 "tier": "default", "action": "Allow", "policy_index": "1"},
+            ]},
+        })
+    );
+    assert_eq!(allowed_dst["start_time"], at.to_string());
+    assert_eq!(allowed_dst["end_time"], (at + 15).to_string());
+    assert_eq!(
+        (
+            &allowed_dst["packets_in"],
+            &allowed_dst["packets_out"],
+            &allowed_dst["bytes_in"],
+            &allowed_dst["bytes_out"],
+            &allowed_dst["num_connections_started"],
+            &allowed_dst["num_connections_completed"],
+        ),
+        (
+            &json!("10"),
+            &json!("8"),
+            &json!("1000"),
+            &json!("800"),
+            &json!("1"),
+            &json!("1")
+        ),
+        "counted once: {allowed_dst}"
+    );
+    assert_eq!(
+        allowed_dst["source_labels"],
+        json!([
+            "app=web",
+            "projectcalico.org/namespace=shop",
+            "projectcalico.org/orchestrator=k8s"
+        ])
+    );
+    let denied_dst = find("22", "Dst");
+    assert_eq!(denied_dst["Key"]["source_name"], "partners");
+    assert_eq!(denied_dst["Key"]["source_namespace"], "shop");
+    assert_eq!(denied_dst["Key"]["source_type"], "NetworkSet");
+    assert_eq!(denied_dst["Key"]["action"], "Deny");
+    assert_eq!(
+        denied_dst["Key"]["policies"]["enforced_policies"],
+        json!([{"kind": "EndOfTier", "tier": "security", "action": "Deny",
+                "trigger": {"kind": "GlobalNetworkPolicy", "name": "security.guard",
+                            "tier": "security"}}])
+    );
+    let from_web = find("5432", "Src");
+    assert_eq!(from_web["Key"]["source_name"], "web-1");
+    assert_eq!(from_web["Key"]["dest_name"], "db-1");
+
+    // Filters as query parameters.
+    let denies = flows(&server, "?action=deny");
+    assert_eq!(denies["flows"].as_array().unwrap().len(), 1, "{denies}");
+    let by_policy = flows(&server, "?policy=np:shop/db-allow");
+    assert_eq!(
+        by_policy["flows"].as_array().unwrap().len(),
+        1,
+        "{by_policy}"
+    );
+
+    // The CLI: one line per flow, the deciding rule last.
+    let text = cli(&server, &["--action", "deny", "--since", "10m"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    let cells: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(
+        cells[1..],
+        [
+            "netset:shop/partners",
+            "shop/db-1",
+            "tcp/22",
+            "deny",
+            "dst",
+            "2/0",
+            "120/0",
+            "security",
+            "end-of-tier",
+            "deny",
+            "(after",
+            "GlobalNetworkPolicy",
+            "security.guard)"
+        ],
+        "{text}"
+    );
+    let text = cli(&server, &["--port", "5432", "--name", "db-1", "--trace"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 7, "two flows of db-1 on 5432: {text}");
+    // The two flows come in the order they were stored (same time): find each one's block.
+    let dst = lines
+        .iter()
+        .position(|l| l.contains("  dst  "))
+        .expect("the destination's flow");
+    assert_eq!(
+        lines[dst + 1..dst + 4],
+        [
+            "  enforced 0: security GlobalNetworkPolicy security.guard rule 0 pass",
+            "  enforced 1: default CalicoNetworkPolicy shop/db-allow rule 0 allow",
+            "  pending: -",
+        ],
+        "{text}"
+    );
+    let src = lines
+        .iter()
+        .position(|l| l.contains("  src  "))
+        .expect("the source's flow");
+    assert!(lines[src].ends_with("  1000/800  -"), "{text}");
+    assert_eq!(
+        lines[src + 1..src + 3],
+        ["  enforced: -", "  pending: -"],
+        "{text}"
+    );
+    let json_out = cli(&server, &["--namespace", "shop", "--output", "json"]);
+    let objects: Vec<Value> = json_out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(objects.len(), 3);
+    assert!(objects.iter().all(|o| o["Key"]["action"].is_string()));
+
+    // A malformed report ends the stream with INVALID_ARGUMENT and is counted.
+    node1
+        .send(vec![pb::FlowRecord {
+            interval_start: at + 1,
+            ..allowed(at)
+        }])
+        .await;
+    let status = node1.ended().await.expect("the stream ends");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("interval_start"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(refused(&server, "malformed"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_flow_logs_the_server_takes_no_flow_reports() {
+    let dir = datastore();
+    let server = Server::start(dir.path(), &[]);
+    let (mut agent, agreed) = Agent::connect(&server.grpc, "node-2").await;
+    assert!(agreed.is_empty(), "{agreed:?}");
+    agent.send(vec![allowed(interval())]).await;
+    let status = agent.ended().await.expect("the stream ends");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("\"flows\" capability"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(refused(&server, "not_negotiated"), 1.0);
+    let (code, body) = http_get(&server.admin, "/flows").expect("admin answers");
+    assert_eq!(code, 404, "{body}");
+}
