@@ -217,6 +217,9 @@ pub enum DriverError {
     /// Reading the nftables rules' counters failed (nothing was reported).
     #[error("nftables rule counters not read")]
     NftCounters(#[source] linux::nft::NftError),
+    /// Reading the flow-log events (NFLOG, conntrack) failed; the next read goes on.
+    #[error("flow-log events not read")]
+    Flows(#[source] std::io::Error),
     /// The nftables transaction (or the read-back before it) failed; nothing of it applied.
     #[error("nftables")]
     Nftables(#[source] linux::nft::NftError),

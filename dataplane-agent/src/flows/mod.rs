@@ -47,6 +47,7 @@ use felix_proto::{FlowRecord, FlowReport, FlowRuleHit, RuleRef};
 
 use crate::driver::linux::{Direction, RuleId};
 
+pub mod source;
 #[cfg(test)]
 mod tests;
 
@@ -89,7 +90,7 @@ pub struct NflogEvent<'a> {
 }
 
 /// One conntrack entry as seen: counters are cumulative over the entry's life.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CtObservation {
     pub orig: Tuple,
     pub reply: Tuple,
@@ -393,6 +394,33 @@ impl FlowAggregator {
                 }
             }
             Action::Pass => {}
+        }
+    }
+
+    /// One event of a [`source::FlowSource`], at its own time.
+    pub fn on_event(
+        &mut self,
+        ev: &source::FlowEvent,
+        resolve: impl FnOnce(&str) -> Option<RuleRef>,
+    ) {
+        match ev {
+            source::FlowEvent::Nflog {
+                at,
+                group,
+                prefix,
+                tuple,
+                len,
+            } => self.on_nflog(
+                *at,
+                &NflogEvent {
+                    group: *group,
+                    prefix,
+                    tuple: *tuple,
+                    len: *len,
+                },
+                resolve,
+            ),
+            source::FlowEvent::Conntrack { at, entry } => self.on_conntrack(*at, entry),
         }
     }
 

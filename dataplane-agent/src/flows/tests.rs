@@ -1,3 +1,5 @@
+//! The flow aggregator: exact records for each input, bounds and prefix parsing.
+
 use std::net::{IpAddr, Ipv4Addr};
 
 use super::*;

@@ -88,6 +88,8 @@ use self::runner::CommandRunner;
 use self::sysctl::Sysctl;
 use self::writer::{IptablesWriter, KernelWriter, NftWriter};
 use super::{Driver, DriverError, EndpointStatuses, WorkloadEndpointKey};
+use crate::flows::source::FlowSource;
+use crate::flows::{FlowAggregator, FlowSettings, MAX_RECORDS_PER_REPORT, PrefixIndex};
 use crate::message::Message;
 
 /// Settings of the Linux driver.
@@ -175,6 +177,18 @@ pub struct LinuxDriver {
     apply_failed: bool,
     /// The kernel's counters at the last collection (`collect_hits`).
     hits: hits::HitTracker,
+    /// Flow logs: where the kernel's NFLOG and conntrack events come from, and what they
+    /// add up to (`collect_flows`); `None` until a source is given.
+    flows: Option<FlowCollector>,
+}
+
+/// Flow-log collection of the Linux driver (see [`crate::flows`]).
+struct FlowCollector {
+    source: Box<dyn FlowSource>,
+    settings: FlowSettings,
+    agg: FlowAggregator,
+    /// Hashed NFLOG prefix → rule, from the rules as rendered; rebuilt after each apply.
+    index: Option<PrefixIndex>,
 }
 
 impl LinuxDriver {
@@ -237,7 +251,35 @@ impl LinuxDriver {
             config: ConfigManager::new(opts),
             apply_failed: false,
             hits: hits::HitTracker::default(),
+            flows: None,
         }
+    }
+
+    /// Collects flow logs from `source` (the driver then offers them: `collects_flows`),
+    /// within `settings`. Whether they are collected is the flow-logs setting (the flag or
+    /// FelixConfiguration `FlowLogsGoldmaneServer`).
+    pub fn set_flow_source(&mut self, source: Box<dyn FlowSource>, settings: FlowSettings) {
+        self.flows = Some(FlowCollector {
+            source,
+            settings,
+            agg: FlowAggregator::new(settings),
+            index: None,
+        });
+    }
+
+    /// The hashed NFLOG prefixes of the rules as rendered, with the rule each names.
+    fn prefix_index(&self) -> PrefixIndex {
+        let mut idx = PrefixIndex::default();
+        for table in self.tables.iter() {
+            for (_, chain) in table.chains() {
+                for r in &chain.rules {
+                    if let (rules::Action::Nflog { prefix, .. }, Some(id)) = (&r.action, &r.id) {
+                        idx.insert(prefix.clone(), id.clone());
+                    }
+                }
+            }
+        }
+        idx
     }
 
     /// What the last apply of the nftables driver wrote (zero for the iptables driver).
@@ -372,6 +414,9 @@ impl Driver for LinuxDriver {
             Ok(()) => {
                 self.apply_failed = false;
                 self.endpoints.mark_programmed();
+                if let Some(f) = &mut self.flows {
+                    f.index = None;
+                }
                 Ok(())
             }
             Err(e) => {
@@ -456,6 +501,45 @@ impl Driver for LinuxDriver {
                 })
             })
             .collect())
+    }
+
+    fn collects_flows(&self) -> bool {
+        self.flows.is_some()
+    }
+
+    /// Reads the source's events, names each logged rule (its prefix, parsed or looked up in
+    /// the rules as rendered, as the stream names it) and hands the closed intervals' records
+    /// over. While flow logs are off the events are read and discarded, and what was held is
+    /// forgotten.
+    fn collect_flows(&mut self, now: i64) -> Result<Vec<felix_proto::FlowReport>, DriverError> {
+        let on = self.config.opts().render.flow_logs;
+        let index = match &self.flows {
+            Some(f) if on && f.index.is_none() => Some(self.prefix_index()),
+            _ => None,
+        };
+        let Some(f) = &mut self.flows else {
+            return Ok(Vec::new());
+        };
+        let mut events = Vec::new();
+        f.source.read(&mut events).map_err(DriverError::Flows)?;
+        if !on {
+            if f.agg.tracked() > 0 || f.agg.queued() > 0 {
+                f.agg = FlowAggregator::new(f.settings);
+            }
+            return Ok(Vec::new());
+        }
+        if index.is_some() {
+            f.index = index;
+        }
+        let index = f.index.get_or_insert_with(PrefixIndex::default);
+        let policies = self.policy.policy_ids();
+        for ev in &events {
+            f.agg.on_event(ev, |prefix| {
+                let (_, id) = index.lookup(prefix)?;
+                rule_ref(&id, &policies)
+            });
+        }
+        Ok(f.agg.take_reports(now, MAX_RECORDS_PER_REPORT))
     }
 
     fn refresh_interval(&self) -> Option<Duration> {

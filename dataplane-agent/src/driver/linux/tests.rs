@@ -1764,3 +1764,5 @@ fn flow_logs_from_the_datastore_add_nflog_lines_counted_nowhere() {
     assert!(nflog_lines(&k, &chain).is_empty());
     assert!(nflog_lines(&k, &ep_chain).is_empty());
 }
+
+mod flows;
