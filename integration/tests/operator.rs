@@ -51,11 +51,12 @@ fn every_flag_and_env_var_is_documented() {
     let operations = doc("operations.md");
     // The bench tools share the global flags documented with the operator commands.
     let benchmarks = doc("benchmarks.md") + &operations;
-    let commands: [(&str, &[&str], &str, &str); 18] = [
+    let commands: [(&str, &[&str], &str, &str); 19] = [
         ("calc-server", &[], "operations.md", &operations),
         ("calc-server", &["serve"], "operations.md", &operations),
         ("calc-server", &["status"], "operations.md", &operations),
         ("calc-server", &["policies"], "operations.md", &operations),
+        ("calc-server", &["flows"], "operations.md", &operations),
         ("calc-server", &["compute"], "operations.md", &operations),
         ("calc-server", &["explain"], "operations.md", &operations),
         ("calc-server", &["validate"], "operations.md", &operations),
