@@ -41,6 +41,18 @@ spec:
     source: {selector: app == 'web'}
 ---
 apiVersion: projectcalico.org/v3
+kind: StagedGlobalNetworkPolicy
+metadata: {name: security.trial}
+spec:
+  tier: security
+  order: 1
+  selector: app == 'db'
+  ingress:
+  - action: Deny
+    protocol: TCP
+    destination: {ports: [5432]}
+---
+apiVersion: projectcalico.org/v3
 kind: NetworkPolicy
 metadata: {name: db-allow, namespace: shop}
 spec:
@@ -49,6 +61,13 @@ spec:
   - action: Allow
     protocol: TCP
     destination: {ports: [5432]}
+---
+apiVersion: projectcalico.org/v3
+kind: Profile
+metadata: {name: kns.shop}
+spec:
+  ingress: [{action: Allow}]
+  egress: [{action: Allow}]
 ---
 apiVersion: projectcalico.org/v3
 kind: NetworkSet
@@ -68,6 +87,7 @@ spec:
   endpoint: eth0
   interfaceName: caliweb1
   ipNetworks: [10.65.1.10/32]
+  profiles: [kns.shop]
 ---
 apiVersion: projectcalico.org/v3
 kind: WorkloadEndpoint
@@ -82,6 +102,7 @@ spec:
   endpoint: eth0
   interfaceName: calidb1
   ipNetworks: [10.65.2.20/32]
+  profiles: [kns.shop]
 "#;
 
 fn datastore() -> tempfile::TempDir {
@@ -302,7 +323,17 @@ async fn flow_reports_are_named_counted_once_and_listed() {
             denied(at),
             pb::FlowRecord {
                 reporter_dest: false,
-                trace: vec![],
+                trace: vec![pb::FlowRuleHit {
+                    rule: Some(pb::RuleRef {
+                        kind: pb::rule_ref::Kind::ProfileRule as i32,
+                        profile: Some(pb::ProfileId {
+                            name: "kns.shop".into(),
+                        }),
+                        egress: true,
+                        ..Default::default()
+                    }),
+                    action: "allow".into(),
+                }],
                 ..allowed(at)
             },
         ])
@@ -339,6 +370,11 @@ async fn flow_reports_are_named_counted_once_and_listed() {
                  "action": "Pass"},
                 {"kind": "CalicoNetworkPolicy", "namespace": "shop", "name": "db-allow",
                  "tier": "default", "action": "Allow", "policy_index": "1"},
+            ],
+            // The staged policy, enforced, would deny it.
+            "pending_policies": [
+                {"kind": "StagedGlobalNetworkPolicy", "name": "security.trial",
+                 "tier": "security", "action": "Deny"},
             ]},
         })
     );
@@ -380,6 +416,13 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         denied_dst["Key"]["policies"]["enforced_policies"],
         json!([{"kind": "EndOfTier", "tier": "security", "action": "Deny",
                 "trigger": {"kind": "GlobalNetworkPolicy", "name": "security.guard",
+                            "tier": "security"}}])
+    );
+    // Pending, the staged policy is the first of the tier to select db-1: it triggers.
+    assert_eq!(
+        denied_dst["Key"]["policies"]["pending_policies"],
+        json!([{"kind": "EndOfTier", "tier": "security", "action": "Deny",
+                "trigger": {"kind": "StagedGlobalNetworkPolicy", "name": "security.trial",
                             "tier": "security"}}])
     );
     let from_web = find("5432", "Src");
@@ -433,7 +476,7 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         [
             "  enforced 0: security GlobalNetworkPolicy security.guard rule 0 pass",
             "  enforced 1: default CalicoNetworkPolicy shop/db-allow rule 0 allow",
-            "  pending: -",
+            "  pending 0: security StagedGlobalNetworkPolicy security.trial rule 0 deny",
         ],
         "{text}"
     );
@@ -441,10 +484,16 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         .iter()
         .position(|l| l.contains("  src  "))
         .expect("the source's flow");
-    assert!(lines[src].ends_with("  1000/800  -"), "{text}");
+    assert!(
+        lines[src].ends_with("  1000/800  __PROFILE__ Profile kns.shop rule 0 allow"),
+        "{text}"
+    );
     assert_eq!(
         lines[src + 1..src + 3],
-        ["  enforced: -", "  pending: -"],
+        [
+            "  enforced 0: __PROFILE__ Profile kns.shop rule 0 allow",
+            "  pending 0: __PROFILE__ Profile kns.shop rule 0 allow"
+        ],
         "{text}"
     );
     let json_out = cli(&server, &["--namespace", "shop", "--output", "json"]);

@@ -25,10 +25,16 @@
 //! `ClusterNetworkPolicyAdminTier` or `…BaselineTier` by tier, a profile rule → `Profile` (tier
 //! `__PROFILE__`). A policy's tier is the graph's. An end-of-tier hit is `EndOfTier` with the
 //! tier, and its `trigger` is the first policy of that tier earlier in the trace or, when none
-//! is, the first policy of that tier in the reporting endpoint's tier list for that direction
-//! (ingress for a destination report). A no-profile-matched drop is `EndOfTier` of tier
+//! is, the first enforced (not staged) policy of that tier in the reporting endpoint's tier
+//! list for that direction (ingress for a destination report). A no-profile-matched drop is `EndOfTier` of tier
 //! `__PROFILE__` without a trigger. Failsafe and default-action verdicts are left out of the
-//! trace (they decide no policy). The pending trace is left empty (not computed yet).
+//! trace (they decide no policy).
+//!
+//! The pending trace ([`pending`]): the reporting side's walk with staged policies enforced,
+//! from explain (`calc_graph::explain`), converted the same way (an end of tier's trigger: the
+//! tier's policy earlier in the trace, else the first of the tier selecting the endpoint,
+//! staged ones included). Empty when no staged policy applies on the path. It is the graph's
+//! evaluation of the record's first packet (5-tuple), not of what the node's dataplane did.
 //!
 //! De-duplication: one record per (interval, 5-tuple, reporting node and side); a record seen
 //! again (an agent re-sending after a reconnect) is dropped and counted (`duplicate`). What is
@@ -39,7 +45,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use calc_graph::convert::EndpointKind;
-use calc_graph::graph::{EndpointView, GraphView};
+use calc_graph::explain;
+use calc_graph::graph::{CalcGraph, EndpointView, GraphView};
 use calc_graph::model::{Kind, ResourceKey};
 use felix_proto as pb;
 use felix_proto::goldmane::{
@@ -415,12 +422,14 @@ fn policy_hit(view: GraphView<'_>, kind: &str, namespace: &str, name: &str) -> P
     }
 }
 
-/// The first policy of `tier` in the endpoint's tier list for that direction.
+/// The first policy of `tier` in the endpoint's tier list for that direction (staged ones
+/// only with `staged`: the lists carry them, but they are not enforced).
 fn first_of_tier(
     view: GraphView<'_>,
     e: Option<EndpointView<'_>>,
     tier: &str,
     egress: bool,
+    staged: bool,
 ) -> Option<PolicyHit> {
     let tiers = match e?.update()? {
         Payload::WorkloadEndpointUpdate(u) => u.endpoint?.tiers,
@@ -428,11 +437,14 @@ fn first_of_tier(
         _ => return None,
     };
     let t = tiers.into_iter().find(|t| t.name == tier)?;
-    let id = if egress {
-        t.egress_policies.into_iter().next()
+    let ids = if egress {
+        t.egress_policies
     } else {
-        t.ingress_policies.into_iter().next()
-    }?;
+        t.ingress_policies
+    };
+    let id = ids
+        .into_iter()
+        .find(|id| staged || !Kind::from_name(&id.kind).is_some_and(Kind::is_staged))?;
     Some(policy_hit(view, &id.kind, &id.namespace, &id.name))
 }
 
@@ -468,7 +480,7 @@ pub(crate) fn enforced(
                         trigger: None,
                         ..p.clone()
                     })
-                    .or_else(|| first_of_tier(view, reporter, tier, h.egress));
+                    .or_else(|| first_of_tier(view, reporter, tier, h.egress, false));
                 PolicyHit {
                     kind: PolicyKind::EndOfTier as i32,
                     tier: tier.clone(),
@@ -486,6 +498,120 @@ pub(crate) fn enforced(
         hit.action = action(h.action) as i32;
         hit.policy_index = i as i64;
         out.push(hit);
+    }
+    out
+}
+
+/// The pending trace of a record: the walk of its reporting side with staged policies
+/// enforced, as explain computes it (`calc_graph::explain`'s pending verdict), in Goldmane
+/// hits. Empty when no staged policy applies on the path (explain then has no pending verdict)
+/// or when explain cannot place the packet.
+pub(crate) fn pending(
+    graph: &CalcGraph,
+    reporter: Option<EndpointView<'_>>,
+    r: &FlowIn,
+) -> Vec<PolicyHit> {
+    let ports = matches!(r.proto, 6 | 17 | 132);
+    let query = explain::Query {
+        from: r.src.to_string(),
+        to: r.dst.to_string(),
+        protocol: Some(r.proto.to_string()),
+        port: ports.then(|| r.dst_port.to_string()),
+        source_port: ports.then(|| r.src_port.to_string()),
+    };
+    let Ok(answer) = graph.explain(&query) else {
+        return Vec::new();
+    };
+    let Some(pending) = answer.pending else {
+        return Vec::new();
+    };
+    let side = if r.reporter_dest {
+        pending.ingress
+    } else {
+        pending.egress
+    };
+    let view = graph.view();
+    let action_of = |a: &str| match a {
+        "Allow" | "allow" => Some(GAction::Allow),
+        "Pass" | "pass" => Some(GAction::Pass),
+        "Deny" | "deny" => Some(GAction::Deny),
+        _ => None,
+    };
+    let mut out: Vec<PolicyHit> = Vec::new();
+    let mut first_selected: Vec<(String, PolicyHit)> = Vec::new();
+    for step in &side.steps {
+        let mut hit = match (&step.policy, &step.profile, &step.rule) {
+            (Some(label), _, rule) => {
+                let (namespace, name) = label.split_once('/').unwrap_or(("", label));
+                let kind = step.kind.as_deref().unwrap_or_default();
+                let base = policy_hit(view, kind, namespace, name);
+                if step.selected == Some(true)
+                    && let Some(tier) = &step.tier
+                    && !first_selected.iter().any(|(t, _)| t == tier)
+                {
+                    first_selected.push((tier.clone(), base.clone()));
+                }
+                let Some(rule) = rule else { continue };
+                let Some(a) = action_of(&rule.action) else {
+                    continue;
+                };
+                PolicyHit {
+                    action: a as i32,
+                    rule_index: rule.index as i64,
+                    ..base
+                }
+            }
+            (None, Some(profile), Some(rule)) => {
+                let Some(a) = action_of(&rule.action) else {
+                    continue;
+                };
+                PolicyHit {
+                    kind: PolicyKind::Profile as i32,
+                    name: profile.clone(),
+                    tier: PROFILE_TIER.to_string(),
+                    action: a as i32,
+                    rule_index: rule.index as i64,
+                    ..Default::default()
+                }
+            }
+            (None, None, _) if step.outcome.starts_with("end of tier (") => {
+                let tier = step.tier.clone().unwrap_or_default();
+                let trigger = out
+                    .iter()
+                    .find(|p| p.tier == tier && p.kind != PolicyKind::EndOfTier as i32)
+                    .map(|p| PolicyHit {
+                        trigger: None,
+                        ..p.clone()
+                    })
+                    .or_else(|| {
+                        first_selected
+                            .iter()
+                            .find(|(t, _)| *t == tier)
+                            .map(|(_, h)| h.clone())
+                    })
+                    .or_else(|| first_of_tier(view, reporter, &tier, !r.reporter_dest, true));
+                PolicyHit {
+                    kind: PolicyKind::EndOfTier as i32,
+                    tier,
+                    action: GAction::Deny as i32,
+                    trigger: trigger.map(Box::new),
+                    ..Default::default()
+                }
+            }
+            // "deny: no profile matched", "deny: no policy and no profile".
+            (None, None, _) if step.outcome.starts_with("deny: no ") => PolicyHit {
+                kind: PolicyKind::EndOfTier as i32,
+                tier: PROFILE_TIER.to_string(),
+                action: GAction::Deny as i32,
+                ..Default::default()
+            },
+            _ => continue,
+        };
+        hit.policy_index = out.len() as i64;
+        out.push(hit);
+        if out.len() >= crate::flows::limits::MAX_HITS {
+            break;
+        }
     }
     out
 }
@@ -550,12 +676,15 @@ impl FlowIngest {
     /// dropped, by reason.
     pub(crate) fn add(
         &mut self,
-        view: GraphView<'_>,
+        graph: &CalcGraph,
         node: &str,
         records: Vec<FlowIn>,
         now: i64,
     ) -> BTreeMap<&'static str, u64> {
         self.forget_old(now);
+        let view = graph.view();
+        // Explain runs only when a staged policy exists at all.
+        let staged = view.policies().any(|p| p.key().kind.is_staged());
         let mut dropped = BTreeMap::new();
         for r in records {
             let (own_ip, other_ip) = if r.reporter_dest {
@@ -618,7 +747,11 @@ impl FlowIngest {
                     } as i32,
                     policies: Some(PolicyTrace {
                         enforced_policies: enforced(view, Some(own), &r.trace),
-                        pending_policies: Vec::new(),
+                        pending_policies: if staged {
+                            pending(graph, Some(own), &r)
+                        } else {
+                            Vec::new()
+                        },
                     }),
                     ..Default::default()
                 }),
@@ -727,6 +860,92 @@ mod tests {
         );
         g.apply(Update::InSync).unwrap();
         g
+    }
+
+    /// [`graph`] with a staged policy in tier security denying TCP to web on port 80.
+    fn with_staged() -> CalcGraph {
+        let mut g = graph();
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "StagedGlobalNetworkPolicy",
+                "metadata": {"name": "security.trial"},
+                "spec": {"tier": "security", "order": 1, "selector": "app == 'web'",
+                         "ingress": [{"action": "Deny", "protocol": "TCP",
+                                      "destination": {"ports": [80]}}]},
+            }),
+        );
+        g
+    }
+
+    #[test]
+    fn the_pending_trace_enforces_staged_policies() {
+        let g = with_staged();
+        let web = endpoint_with_ip(g.view(), ip("10.0.0.1"), Some("node-a"));
+        let r = record(
+            "203.0.113.9",
+            "10.0.0.1",
+            true,
+            vec![guard(HitAction::Pass)],
+        );
+        assert_eq!(
+            pending(&g, web, &r),
+            [PolicyHit {
+                kind: PolicyKind::StagedGlobalNetworkPolicy as i32,
+                name: "security.trial".into(),
+                tier: "security".into(),
+                action: GAction::Deny as i32,
+                ..Default::default()
+            }]
+        );
+        // Port 81: the staged policy does not match; guard passes; web has no policy in
+        // another tier and no profile: the final drop.
+        let other = FlowIn {
+            dst_port: 81,
+            ..r.clone()
+        };
+        let hits = pending(&g, web, &other);
+        assert_eq!(
+            hits.iter()
+                .map(|h| (
+                    h.kind,
+                    h.name.as_str(),
+                    h.tier.as_str(),
+                    h.action,
+                    h.policy_index
+                ))
+                .collect::<Vec<_>>(),
+            [
+                (
+                    PolicyKind::GlobalNetworkPolicy as i32,
+                    "security.guard",
+                    "security",
+                    GAction::Pass as i32,
+                    0
+                ),
+                (
+                    PolicyKind::EndOfTier as i32,
+                    "",
+                    "__PROFILE__",
+                    GAction::Deny as i32,
+                    1
+                ),
+            ],
+            "{hits:?}"
+        );
+        // Without a staged policy there is no pending trace.
+        assert!(pending(&graph(), web, &r).is_empty());
+        // Stored with the record.
+        let mut ingest = FlowIngest::new(100, 100);
+        assert!(ingest.add(&g, "node-a", vec![r], 1_800_000_020).is_empty());
+        let list = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), 1_800_000_020)
+            .unwrap();
+        let key = list.flows[0].flow.as_ref().unwrap().key.as_ref().unwrap();
+        let trace = key.policies.as_ref().unwrap();
+        assert_eq!(trace.pending_policies.len(), 1);
+        assert_eq!(trace.enforced_policies.len(), 1);
     }
 
     fn ip(s: &str) -> IpAddr {
@@ -915,26 +1134,22 @@ mod tests {
             true,
             vec![guard(HitAction::Deny)],
         );
-        let dropped = ingest.add(g.view(), "node-a", vec![inbound.clone()], now);
+        let dropped = ingest.add(&g, "node-a", vec![inbound.clone()], now);
         assert!(dropped.is_empty(), "{dropped:?}");
         // node-b may not report web-1's side, nor a side that is no endpoint.
         let dropped = ingest.add(
-            g.view(),
+            &g,
             "node-b",
             vec![inbound.clone(), record("10.0.0.2", "8.8.8.8", true, vec![])],
             now,
         );
         assert_eq!(dropped, BTreeMap::from([("foreign", 2)]));
         // The same record again (a re-send after a reconnect) counts once.
-        let dropped = ingest.add(g.view(), "node-a", vec![inbound.clone()], now);
+        let dropped = ingest.add(&g, "node-a", vec![inbound.clone()], now);
         assert_eq!(dropped, BTreeMap::from([("duplicate", 1)]));
         // The source's own report is another record of the same interval.
         let outbound = record("10.0.0.2", "10.0.0.1", false, vec![]);
-        assert!(
-            ingest
-                .add(g.view(), "node-b", vec![outbound], now)
-                .is_empty()
-        );
+        assert!(ingest.add(&g, "node-b", vec![outbound], now).is_empty());
         let list = ingest
             .store
             .list(&crate::flows::FlowListRequest::default(), now)
@@ -980,7 +1195,7 @@ mod tests {
             record("203.0.113.8", "10.0.0.1", true, vec![]),
         ];
         assert_eq!(
-            small.add(g.view(), "node-a", two, now),
+            small.add(&g, "node-a", two, now),
             BTreeMap::from([("dedup_cap", 1)])
         );
     }
