@@ -865,7 +865,7 @@ impl Engine {
                     return false;
                 }
                 let now = unix_seconds(at);
-                let dropped = flows.add(self.graph.view(), &node, batch.records, now);
+                let dropped = flows.add(&self.graph, &node, batch.records, now);
                 let refused: u64 = dropped.values().sum();
                 for (reason, k) in dropped {
                     tracing::debug!(%node, conn = id, reason, records = k, "dropped flow records");
