@@ -293,10 +293,13 @@ pub fn build(kind: DriverKind, options: &DriverOptions) -> anyhow::Result<Box<dy
             }
             let mut opts = options.linux.clone();
             opts.nftables = kind == DriverKind::Nftables;
-            Ok(Box::new(LinuxDriver::new(
-                opts,
-                Box::new(linux::runner::SystemRunner),
-            )))
+            let mut d = LinuxDriver::new(opts, Box::new(linux::runner::SystemRunner));
+            // Read only while flow logs are on (the flag or FelixConfiguration).
+            d.set_flow_source(
+                Box::<linux::flow_source::KernelFlowSource>::default(),
+                crate::flows::FlowSettings::default(),
+            );
+            Ok(Box::new(d))
         }
     }
 }

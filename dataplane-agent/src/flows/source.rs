@@ -1,7 +1,7 @@
 //! The seam between flow aggregation and the kernel: a [`FlowSource`] hands over what NFLOG
 //! delivered and what conntrack reported since the last read, each event stamped with its
-//! time. The reader of the kernel's NFLOG groups and conntrack table is not written yet;
-//! [`MemorySource`] is the in-memory one tests feed.
+//! time: `driver::linux::flow_source::KernelFlowSource` reads the kernel's NFLOG groups and
+//! conntrack table; [`MemorySource`] is the in-memory one tests feed.
 
 use std::sync::Arc;
 
@@ -33,6 +33,9 @@ pub enum FlowEvent {
 pub trait FlowSource: Send {
     /// Appends the events since the last call to `out`, oldest first, without blocking.
     fn read(&mut self, out: &mut Vec<FlowEvent>) -> std::io::Result<()>;
+
+    /// Stops listening (flow logs turned off); the next `read` starts again.
+    fn close(&mut self) {}
 }
 
 /// Events pushed by a test (clones share the queue).

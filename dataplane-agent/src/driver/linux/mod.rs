@@ -30,6 +30,7 @@ pub(crate) mod desired;
 pub(crate) mod endpoint_mgr;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fake;
+pub mod flow_source;
 pub(crate) mod hits;
 pub(crate) mod interfaces;
 pub(crate) mod ipsets;
@@ -509,8 +510,8 @@ impl Driver for LinuxDriver {
 
     /// Reads the source's events, names each logged rule (its prefix, parsed or looked up in
     /// the rules as rendered, as the stream names it) and hands the closed intervals' records
-    /// over. While flow logs are off the events are read and discarded, and what was held is
-    /// forgotten.
+    /// over. While flow logs are off the source is closed (nothing is read) and what was held
+    /// is forgotten.
     fn collect_flows(&mut self, now: i64) -> Result<Vec<felix_proto::FlowReport>, DriverError> {
         let on = self.config.opts().render.flow_logs;
         let index = match &self.flows {
@@ -520,14 +521,15 @@ impl Driver for LinuxDriver {
         let Some(f) = &mut self.flows else {
             return Ok(Vec::new());
         };
-        let mut events = Vec::new();
-        f.source.read(&mut events).map_err(DriverError::Flows)?;
         if !on {
+            f.source.close();
             if f.agg.tracked() > 0 || f.agg.queued() > 0 {
                 f.agg = FlowAggregator::new(f.settings);
             }
             return Ok(Vec::new());
         }
+        let mut events = Vec::new();
+        f.source.read(&mut events).map_err(DriverError::Flows)?;
         if index.is_some() {
             f.index = index;
         }

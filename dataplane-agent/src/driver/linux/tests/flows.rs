@@ -208,9 +208,10 @@ fn the_end_of_a_tier_is_named_by_parsing_its_prefix() {
 }
 
 #[test]
-fn with_flow_logs_off_events_are_read_and_forgotten() {
+fn with_flow_logs_off_nothing_is_kept() {
     let (mut d, source) = flow_logs_on();
     source.push(nflog_event(T0, "DPI|default".into()));
+    assert!(d.collect_flows(T0 + 1).unwrap().is_empty(), "open interval");
     d.on_update(&config(&[]));
     d.apply().unwrap();
     assert!(d.collect_flows(T0 + 15).unwrap().is_empty());
