@@ -640,6 +640,10 @@ pub struct FlowsArgs {
     /// With text output, print each flow's enforced and pending traces under it.
     #[arg(long, env = "CALC_SERVER_FLOWS_TRACE")]
     pub trace: bool,
+    /// Keep listing: one line per flow and 15-second interval, each printed once about 15 s
+    /// after its interval closes (the server is polled every 5 s), until interrupted.
+    #[arg(long, env = "CALC_SERVER_FLOWS_FOLLOW")]
+    pub follow: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

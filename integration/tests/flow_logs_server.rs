@@ -439,6 +439,17 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         "{by_policy}"
     );
 
+    // Filter hints, as Whisker's backend serves them.
+    let (code, body) =
+        http_get(&server.admin, "/flows-filter-hints?type=source_name").expect("admin answers");
+    assert_eq!(code, 200, "{body}");
+    let hints: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(
+        hints["hints"],
+        json!([{"value": "partners"}, {"value": "web-1"}]),
+        "{hints}"
+    );
+
     // The CLI: one line per flow, the deciding rule last.
     let text = cli(&server, &["--action", "deny", "--since", "10m"]);
     let lines: Vec<&str> = text.lines().collect();
@@ -538,4 +549,48 @@ async fn without_flow_logs_the_server_takes_no_flow_reports() {
     assert_eq!(refused(&server, "not_negotiated"), 1.0);
     let (code, body) = http_get(&server.admin, "/flows").expect("admin answers");
     assert_eq!(code, 404, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn follow_prints_closed_intervals_as_they_come() {
+    use std::io::BufRead;
+    let dir = datastore();
+    let server = Server::start(dir.path(), &["--flow-logs"]);
+    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    // Two intervals that closed well before now.
+    let old = interval() - 30;
+    node2.send(vec![allowed(old - 15), allowed(old)]).await;
+    wait_flows(&server, 1);
+    let mut child = Command::new(binary("calc-server"))
+        .args(["flows", "--server", &server.admin, "--follow"])
+        .args(["--output", "json", "--port", "5432"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run calc-server flows --follow");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if tx.send(line.expect("UTF-8")).is_err() {
+                return;
+            }
+        }
+    });
+    let mut starts = Vec::new();
+    for _ in 0..2 {
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a flow within 10 s");
+        let f: Value = serde_json::from_str(&line).expect("JSON");
+        assert_eq!(f["Key"]["dest_name"], "db-1");
+        starts.push(f["start_time"].as_str().unwrap().to_string());
+    }
+    // One line per interval, oldest first, each once.
+    assert_eq!(starts, [(old - 15).to_string(), old.to_string()]);
+    assert!(
+        rx.recv_timeout(Duration::from_secs(6)).is_err(),
+        "printed once"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -462,6 +462,67 @@ pub(super) fn flow_request(query: &str) -> Result<crate::flows::FlowListRequest,
     Ok(req)
 }
 
+/// Reads `/flows-filter-hints`' query: `type` (`source_name`, `dest_name`,
+/// `source_namespace`, `dest_namespace`, `policy_tier`, `policy_name`; required), then the
+/// window, paging and filter parameters of [`flow_request`].
+pub(super) fn hints_request(query: &str) -> Result<crate::flows::FilterHintsRequest, String> {
+    use crate::flows::goldmane::FilterType;
+    let mut kind = None;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|s| !s.is_empty()) {
+        match pair.split_once('=') {
+            Some(("type", v)) => {
+                kind = Some(match v {
+                    "source_name" => FilterType::SourceName,
+                    "dest_name" => FilterType::DestName,
+                    "source_namespace" => FilterType::SourceNamespace,
+                    "dest_namespace" => FilterType::DestNamespace,
+                    "policy_tier" => FilterType::PolicyTier,
+                    "policy_name" => FilterType::PolicyName,
+                    _ => {
+                        return Err("parameter type: source_name, dest_name, source_namespace, dest_namespace, policy_tier or policy_name".into());
+                    }
+                })
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let kind = kind.ok_or("parameter type is required")?;
+    let list = flow_request(&rest.join("&"))?;
+    if !list.sort_by.is_empty() || list.aggregation_interval != 0 {
+        return Err("sort_by and aggregation_interval do not apply to filter hints".into());
+    }
+    Ok(crate::flows::FilterHintsRequest {
+        r#type: kind as i32,
+        filter: list.filter,
+        start_time_gte: list.start_time_gte,
+        start_time_lt: list.start_time_lt,
+        page: list.page,
+        page_size: list.page_size,
+    })
+}
+
+async fn flow_hints(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    let request = match hints_request(query.as_deref().unwrap_or_default()) {
+        Ok(r) => r,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+    };
+    match ask(&s, |reply| super::engine::Input::FlowHints {
+        request,
+        reply,
+    })
+    .await
+    {
+        Ok(Some(Ok(result))) => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(None) => json_error(
+            StatusCode::NOT_FOUND,
+            "flow logs are off (serve --flow-logs)".into(),
+        ),
+        Err(answer) => answer,
+    }
+}
+
 async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
     let request = match flow_request(query.as_deref().unwrap_or_default()) {
         Ok(r) => r,
@@ -534,6 +595,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/status/verdicts", get(verdicts))
         .route("/explain", get(explain))
         .route("/flows", get(flows))
+        .route("/flows-filter-hints", get(flow_hints))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
     axum::Router::new()
         .route("/liveness", get(|| async { "alive\n" }))
@@ -585,6 +647,18 @@ mod tests {
             flow_request("nope=1").unwrap_err(),
             "unknown parameter \"nope\""
         );
+    }
+
+    #[test]
+    fn filter_hint_parameters_need_a_type() {
+        use crate::flows::goldmane::FilterType;
+        let req = hints_request("type=dest_namespace&action=deny&page_size=5").unwrap();
+        assert_eq!(req.r#type, FilterType::DestNamespace as i32);
+        assert_eq!(req.page_size, 5);
+        assert_eq!(req.filter.unwrap().actions.len(), 1);
+        assert_eq!(hints_request("").unwrap_err(), "parameter type is required");
+        assert!(hints_request("type=pods").is_err());
+        assert!(hints_request("type=dest_name&sort_by=time").is_err());
     }
 
     #[test]

@@ -324,6 +324,13 @@ pub(super) enum Input {
             Option<Result<crate::flows::FlowListResult, crate::flows::InvalidRequest>>,
         >,
     },
+    /// A Goldmane `Flows.FilterHints` over the flow store (`None`: flow logs are off).
+    FlowHints {
+        request: crate::flows::FilterHintsRequest,
+        reply: oneshot::Sender<
+            Option<Result<crate::flows::FilterHintsResult, crate::flows::InvalidRequest>>,
+        >,
+    },
     /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
     /// nodes and its rules' hit counts.
     Realization {
@@ -877,6 +884,14 @@ impl Engine {
             Input::FlowList { request, reply } => {
                 let now = unix_seconds(self.wall);
                 let answer = self.flows.as_mut().map(|f| f.store.list(&request, now));
+                let _ = reply.send(answer);
+            }
+            Input::FlowHints { request, reply } => {
+                let now = unix_seconds(self.wall);
+                let answer = self
+                    .flows
+                    .as_mut()
+                    .map(|f| f.store.filter_hints(&request, now));
                 let _ = reply.send(answer);
             }
             Input::Realization { only, reply } => {
