@@ -1,0 +1,168 @@
+//! Flow records from a real kernel, end to end: `calc-server serve --flow-logs` and an agent
+//! with `--flow-logs` (iptables on its nft backend, and the nftables driver) in one node's
+//! namespace; a client workload opens a TCP connection to web through the allow rule of
+//! `np/prod/web-allow`. The agent reads the NFLOG packet and conntrack's counters, aggregates
+//! them into the 15 s interval and sends it; the server's `calc-server flows --output json`
+//! then holds the flow reported by the destination: action Allow, the enforced trace naming the
+//! policy, packets and bytes both ways, one connection started. A connection to a port no rule
+//! allows is reported denied by the tier's end.
+//!
+//! Needs root, iptables, ipset, nc and nft: `#[ignore]`d with that reason and run by
+//! `make test`.
+
+use std::time::{Duration, Instant};
+
+use integration::binary;
+use integration::netns::{
+    ControlPlane, Driver, Netns, Workload, namespace_profile, wep_manifest, write_manifest,
+};
+use serde_json::Value;
+
+const NODE: &str = "node-a";
+
+const POLICY: &str = "apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: web-allow, namespace: prod}
+spec:
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source: {selector: app == 'client'}
+    destination: {ports: [8080]}
+";
+
+/// The flows the server holds, one JSON object each.
+fn flows(host: &Netns) -> Vec<Value> {
+    let cli = binary("calc-server");
+    let out = host.exec(&[
+        cli.to_str().expect("utf-8 path"),
+        "flows",
+        "--server",
+        "127.0.0.1:9099",
+        "--output",
+        "json",
+    ]);
+    out.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+fn key(f: &Value) -> &Value {
+    if f["Key"].is_object() {
+        &f["Key"]
+    } else {
+        &f["key"]
+    }
+}
+
+/// The flow to `port` reported by the destination's node, once the server has it.
+fn wait_flow(host: &Netns, cp: &ControlPlane, port: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let all = flows(host);
+        if let Some(f) = all
+            .iter()
+            .find(|f| key(f)["dest_port"] == port && key(f)["reporter"] == "Dst")
+        {
+            return f.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no flow to {port} reported by Dst; flows: {all:?}\nagent:\n{}\nserver:\n{}",
+            cp.agent_log_text(),
+            cp.server_log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn as_u64(v: &Value) -> u64 {
+    v.as_u64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn flow_records(driver: Driver, backend: &str) {
+    integration::netns::require();
+    let host = Netns::new("host");
+    host.make_host();
+    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
+    let mut web = Workload::attach(&host, "cali0web00002", "10.65.0.2", "fd00:65::2");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut manifests = namespace_profile("prod", "prod");
+    for (w, app) in [(&client, "client"), (&web, "web")] {
+        manifests.push_str(
+            &wep_manifest(NODE, "prod", app, &w.iface)
+                .label("app", app)
+                .calico_labels()
+                .ipv4(&w.ipv4)
+                .ipv6(&w.ipv6)
+                .render(),
+        );
+    }
+    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    write_manifest(dir.path(), "policy.yaml", POLICY);
+    let cp = ControlPlane::start_with_server(
+        driver,
+        &host,
+        dir.path(),
+        NODE,
+        &["--flow-logs", "--iptables-backend", backend],
+        "127.0.0.1:50051",
+        &["--flow-logs"],
+    );
+    cp.wait_programmed();
+    web.listen(8080);
+    web.listen(9090);
+    // The NFLOG rules are programmed with the policy; give the agent's first read (which
+    // binds the NFLOG groups) a flow period to happen.
+    std::thread::sleep(Duration::from_secs(6));
+    assert!(
+        client.connects(&web.ipv4, 8080),
+        "8080 is allowed\n{}",
+        cp.agent_log_text()
+    );
+    assert!(!client.connects(&web.ipv4, 9090), "9090 is not");
+
+    let allowed = wait_flow(&host, &cp, "8080");
+    let k = key(&allowed);
+    assert_eq!(k["action"], "Allow", "{allowed}");
+    assert_eq!(k["source_name"], "client", "{allowed}");
+    assert_eq!(k["dest_name"], "web", "{allowed}");
+    assert_eq!(k["proto"], "tcp", "{allowed}");
+    let enforced = k["policies"]["enforced_policies"]
+        .as_array()
+        .unwrap_or_else(|| panic!("an enforced trace: {allowed}"));
+    assert_eq!(enforced.len(), 1, "{allowed}");
+    assert_eq!(enforced[0]["name"], "web-allow", "{allowed}");
+    assert_eq!(enforced[0]["namespace"], "prod", "{allowed}");
+    assert_eq!(enforced[0]["action"], "Allow", "{allowed}");
+    // nc -z: the handshake and the close; the destination received the SYN, its ACK and the
+    // FIN (at least), each of at least 40 bytes, and answered.
+    assert!(as_u64(&allowed["packets_in"]) >= 2, "{allowed}");
+    assert!(as_u64(&allowed["bytes_in"]) >= 2 * 40, "{allowed}");
+    assert!(as_u64(&allowed["packets_out"]) >= 1, "{allowed}");
+    assert_eq!(as_u64(&allowed["num_connections_started"]), 1, "{allowed}");
+
+    let denied = wait_flow(&host, &cp, "9090");
+    let k = key(&denied);
+    assert_eq!(k["action"], "Deny", "{denied}");
+    let enforced = k["policies"]["enforced_policies"].as_array().unwrap();
+    assert_eq!(enforced.last().unwrap()["kind"], "EndOfTier", "{denied}");
+    assert_eq!(enforced.last().unwrap()["tier"], "default", "{denied}");
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc): `make test` runs it"]
+fn flow_records_iptables_nft() {
+    flow_records(Driver::Linux, "nft");
+}
+
+#[test]
+#[ignore = "needs root and the namespace tools (ip, iptables, ipset, nft, nc): `make test` runs it"]
+fn flow_records_nftables_driver() {
+    flow_records(Driver::Nftables, "auto");
+}
