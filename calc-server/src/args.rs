@@ -342,7 +342,7 @@ pub struct AdminArgs {
     /// changes (a rotated Secret). Without --tls-* the token crosses the network in clear text.
     #[arg(long, env = "CALC_SERVER_ADMIN_TOKEN_FILE", value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
-    /// Most `/explain`, `/status/policies` and `/status/unused` questions the engine works on
+    /// Most `/explain`, `/status/…`, `/flows` and Goldmane gRPC questions the engine works on
     /// at once; more are answered 429 at once, so the admin endpoint cannot starve the engine.
     #[arg(
         long,

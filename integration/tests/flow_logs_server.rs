@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use felix_proto as pb;
 use felix_proto::calc_server_client::CalcServerClient;
+use felix_proto::goldmane as gm;
 use integration::{Server, binary, http_get, metric};
 use pb::from_dataplane::Payload as From;
 use pb::to_dataplane::Payload as To;
@@ -449,6 +450,73 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         json!([{"value": "partners"}, {"value": "web-1"}]),
         "{hints}"
     );
+
+    // Goldmane's gRPC API on the admin endpoint, as a client generated from its schema
+    // calls it.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.admin))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the admin endpoint");
+    let mut goldmane = gm::flows_client::FlowsClient::new(channel.clone());
+    let listed = goldmane
+        .list(gm::FlowListRequest {
+            filter: Some(gm::Filter {
+                actions: vec![gm::Action::Deny as i32],
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("Flows.List")
+        .into_inner();
+    assert_eq!(listed.flows.len(), 1);
+    let key = listed.flows[0].flow.as_ref().unwrap().key.clone().unwrap();
+    assert_eq!(
+        (
+            key.source_name.as_str(),
+            key.dest_name.as_str(),
+            key.dest_port
+        ),
+        ("partners", "db-1", 22)
+    );
+    let hints = goldmane
+        .filter_hints(gm::FilterHintsRequest {
+            r#type: gm::FilterType::DestName as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("Flows.FilterHints")
+        .into_inner();
+    assert_eq!(
+        hints
+            .hints
+            .iter()
+            .map(|h| h.value.as_str())
+            .collect::<Vec<_>>(),
+        ["db-1"]
+    );
+    let mut stats = gm::statistics_client::StatisticsClient::new(channel)
+        .list(gm::StatisticsRequest {
+            r#type: gm::StatisticType::PacketCount as i32,
+            group_by: gm::StatisticsGroupBy::Policy as i32,
+            policy_match: Some(gm::PolicyMatch {
+                name: "db-allow".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("Statistics.List")
+        .into_inner();
+    let first = stats.next().await.expect("one result").expect("no error");
+    assert_eq!(first.policy.as_ref().unwrap().name, "db-allow");
+    // db-1's ingress report: 10 packets in, 8 out, allowed by db-allow.
+    assert_eq!(
+        (first.allowed_in.clone(), first.allowed_out.clone()),
+        (vec![10], vec![8])
+    );
+    assert!(stats.next().await.is_none());
 
     // The CLI: one line per flow, the deciding rule last.
     let text = cli(&server, &["--action", "deny", "--since", "10m"]);

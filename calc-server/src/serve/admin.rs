@@ -179,7 +179,7 @@ fn json_answer(s: &AdminState, status: StatusCode, value: &impl serde::Serialize
 /// when the engine does not answer in time; 429 when every query slot is taken. The slot is
 /// held until the engine has answered, even when the caller stopped waiting, so the engine
 /// never has more than the cap of questions queued.
-async fn ask<T: Send + 'static>(
+pub(super) async fn ask<T: Send + 'static>(
     s: &AdminState,
     make: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> super::engine::Input,
 ) -> Result<T, Response> {
@@ -596,6 +596,22 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/explain", get(explain))
         .route("/flows", get(flows))
         .route("/flows-filter-hints", get(flow_hints))
+        .route_service(
+            "/goldmane.Flows/{*method}",
+            crate::flows::goldmane::flows_server::FlowsServer::new(
+                super::goldmane_api::GoldmaneApi {
+                    state: state.clone(),
+                },
+            ),
+        )
+        .route_service(
+            "/goldmane.Statistics/{*method}",
+            crate::flows::goldmane::statistics_server::StatisticsServer::new(
+                super::goldmane_api::GoldmaneApi {
+                    state: state.clone(),
+                },
+            ),
+        )
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard));
     axum::Router::new()
         .route("/liveness", get(|| async { "alive\n" }))

@@ -20,6 +20,7 @@ mod admin;
 mod admin_access;
 mod admin_server;
 mod engine;
+mod goldmane_api;
 mod hits_store;
 pub mod listener;
 pub mod metrics;

@@ -331,6 +331,13 @@ pub(super) enum Input {
             Option<Result<crate::flows::FilterHintsResult, crate::flows::InvalidRequest>>,
         >,
     },
+    /// A Goldmane `Statistics.List` over the flow store (`None`: flow logs are off).
+    FlowStats {
+        request: crate::flows::StatisticsRequest,
+        reply: oneshot::Sender<
+            Option<Result<Vec<crate::flows::StatisticsResult>, crate::flows::InvalidRequest>>,
+        >,
+    },
     /// Where policies are in force: all of them, or one (`[NAMESPACE/]NAME`) with its lagging
     /// nodes and its rules' hit counts.
     Realization {
@@ -892,6 +899,14 @@ impl Engine {
                     .flows
                     .as_mut()
                     .map(|f| f.store.filter_hints(&request, now));
+                let _ = reply.send(answer);
+            }
+            Input::FlowStats { request, reply } => {
+                let now = unix_seconds(self.wall);
+                let answer = self
+                    .flows
+                    .as_mut()
+                    .map(|f| f.store.statistics(&request, now));
                 let _ = reply.send(answer);
             }
             Input::Realization { only, reply } => {
