@@ -227,6 +227,11 @@ pub struct ServeArgs {
     /// are remembered to drop re-sent ones.
     #[arg(long, env = "CALC_SERVER_FLOW_MAX_KEYS", default_value_t = 100_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub flow_max_keys: usize,
+    /// The most flow records one agent's stream may send per second, with 15 seconds' worth
+    /// of burst (an agent sends an interval's records at once); records beyond are dropped and
+    /// counted (`calc_server_flow_reports_refused_total{reason="rate"}`).
+    #[arg(long, env = "CALC_SERVER_FLOW_MAX_RECORDS_PER_SECOND", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub flow_max_records_per_second: u32,
     /// How often changed endpoint status is written to the datastore.
     #[arg(long, env = "CALC_SERVER_STATUS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_interval: Duration,

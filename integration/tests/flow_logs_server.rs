@@ -662,3 +662,32 @@ async fn follow_prints_closed_intervals_as_they_come() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_sends_at_most_its_rate_of_records() {
+    let dir = datastore();
+    // One record a second: 15 of burst.
+    let server = Server::start(
+        dir.path(),
+        &["--flow-logs", "--flow-max-records-per-second", "1"],
+    );
+    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    let at = interval();
+    let records: Vec<pb::FlowRecord> = (0..20)
+        .map(|i| pb::FlowRecord {
+            source_port: 40_000 + i,
+            ..allowed(at)
+        })
+        .collect();
+    node2.send(records).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while refused(&server, "rate") < 5.0 {
+        assert!(Instant::now() < deadline, "rate refusals never counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The 15 kept are one flow key (ports other than the destination's are not in it).
+    let v = wait_flows(&server, 1);
+    assert_eq!(v["flows"][0]["flow"]["packets_in"], "150", "{v}");
+    assert_eq!(refused(&server, "rate"), 5.0);
+    assert!(node2.ended().await.is_none(), "the stream stays open");
+}

@@ -87,14 +87,16 @@ pub const RULE_STATS_REFUSAL_REASONS: [&str; 7] = [
 /// that is not an IP, an interval not a multiple of 15 s, a port or protocol out of range, a
 /// trace too long or with an invalid reference or action), `not_negotiated` (a `FlowReport`
 /// on a stream without the `flows` capability). One record dropped from an accepted report,
-/// counted per record: `stale_stream`, `foreign` (its reporting side is no endpoint of the
+/// counted per record: `rate` (beyond `--flow-max-records-per-second` on its stream),
+/// `stale_stream`, `foreign` (its reporting side is no endpoint of the
 /// reporting node), `duplicate` (already received: a re-send after a reconnect), `dedup_cap`
 /// (too many records remembered for de-duplication), `key_cap` (a new flow key beyond
 /// `--flow-max-keys`), `too_old`, `in_future` (outside the hour of buckets kept), `invalid`.
-pub const FLOW_REFUSAL_REASONS: [&str; 11] = [
+pub const FLOW_REFUSAL_REASONS: [&str; 12] = [
     "too_many_records",
     "malformed",
     "not_negotiated",
+    "rate",
     "stale_stream",
     "foreign",
     "duplicate",
@@ -250,7 +252,7 @@ impl Default for Metrics {
         let flow_reports_refused = writer::counters_by_label(
             &mut registry,
             "calc_server_flow_reports_refused",
-            "Flow reports refused whole (too_many_records, malformed, not_negotiated: the stream ends) and flow records dropped (stale_stream, foreign, duplicate, dedup_cap, key_cap, too_old, in_future, invalid), by reason",
+            "Flow reports refused whole (too_many_records, malformed, not_negotiated: the stream ends) and flow records dropped (rate, stale_stream, foreign, duplicate, dedup_cap, key_cap, too_old, in_future, invalid), by reason",
             "reason",
             &FLOW_REFUSAL_REASONS,
         );

@@ -159,6 +159,7 @@ async fn serve_with(
     let service = service::SyncService {
         engine: engine_tx.clone(),
         flow_logs: args.flow_logs,
+        flow_rate: args.flow_max_records_per_second,
         board,
         hello_timeout: args.hello_timeout,
         next_id: AtomicU64::new(1),

@@ -111,10 +111,42 @@ fn flow_report(report: &pb::FlowReport, negotiated: bool) -> Result<FlowBatch, R
     })
 }
 
+/// A per-stream bound on flow records: a token bucket refilled at `rate` records a second,
+/// holding at most 15 seconds' worth (agents send an interval's records at once).
+#[derive(Debug)]
+struct FlowRate {
+    rate: f64,
+    tokens: f64,
+    last: std::time::Instant,
+}
+
+impl FlowRate {
+    fn new(rate: u32, now: std::time::Instant) -> FlowRate {
+        let rate = f64::from(rate);
+        FlowRate {
+            rate,
+            tokens: rate * 15.0,
+            last: now,
+        }
+    }
+
+    /// How many of `n` records may pass at `now` (the rest are dropped).
+    fn take(&mut self, n: usize, now: std::time::Instant) -> usize {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.rate * 15.0);
+        let allowed = (self.tokens.floor() as usize).min(n);
+        self.tokens -= allowed as f64;
+        allowed
+    }
+}
+
 pub(super) struct SyncService {
     pub engine: mpsc::Sender<Input>,
     /// Offer the `flows` capability (`--flow-logs`).
     pub flow_logs: bool,
+    /// Flow records one stream may send per second (`--flow-max-records-per-second`).
+    pub flow_rate: u32,
     pub board: Arc<Board>,
     pub hello_timeout: Duration,
     pub next_id: AtomicU64,
@@ -410,6 +442,7 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
         let reports_applied = capabilities.iter().any(|c| c == APPLIED);
         let reports_stats = capabilities.iter().any(|c| c == STATS);
         let reports_flows = capabilities.iter().any(|c| c == FLOWS);
+        let mut flow_rate = FlowRate::new(self.flow_rate, std::time::Instant::now());
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("agent", %node, conn = id);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -496,7 +529,14 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                         if let Some(FromPayload::FlowReport(report)) = &m.payload {
                             let at = SystemTime::now();
                             match flow_report(report, reports_flows) {
-                                Ok(batch) => {
+                                Ok(mut batch) => {
+                                    let n = batch.records.len();
+                                    let kept = flow_rate.take(n, std::time::Instant::now());
+                                    if kept < n {
+                                        batch.records.truncate(kept);
+                                        metrics.flow_reports_refused("rate", (n - kept) as u64);
+                                        tracing::debug!(dropped = n - kept, "flow records beyond --flow-max-records-per-second dropped");
+                                    }
                                     let _ = engine
                                         .send(Input::Flows {
                                             node: reader_node.clone(),
@@ -733,6 +773,18 @@ mod tests {
     }
 
     #[test]
+    fn flow_records_are_bounded_per_second_with_fifteen_seconds_of_burst() {
+        let t0 = std::time::Instant::now();
+        let mut rate = FlowRate::new(10, t0);
+        assert_eq!(rate.take(100, t0), 100);
+        assert_eq!(rate.take(100, t0), 50, "150 records of burst");
+        assert_eq!(rate.take(10, t0), 0);
+        assert_eq!(rate.take(100, t0 + Duration::from_secs(2)), 20);
+        // Refilled to the burst at most.
+        assert_eq!(rate.take(1000, t0 + Duration::from_secs(600)), 150);
+    }
+
+    #[test]
     fn rule_stats_are_refused_with_a_reason_for_the_metric() {
         let ok = pb::RuleStats {
             hits: vec![policy_hit("web")],
@@ -786,6 +838,7 @@ mod tests {
         let service = SyncService {
             engine: engine_tx,
             flow_logs: false,
+            flow_rate: 1000,
             board,
             hello_timeout: Duration::from_secs(5),
             next_id: AtomicU64::new(1),
