@@ -210,9 +210,21 @@ pub struct Cli {
     /// profile allow, deny and pass rules, each tier's end, the no-profile drop) also sends it
     /// to NFLOG (group 1 inbound, 2 outbound) with Felix's prefix naming the rule. Off by
     /// default, as in Calico; when not given, FelixConfiguration `FlowLogsGoldmaneServer`
-    /// (non-empty) turns it on. Collecting and streaming the flows is not done yet.
+    /// (non-empty) turns it on. The agent then reads those groups and conntrack and sends flow
+    /// records to a calc-server that takes them (capability `flows`).
     #[arg(long, env = "DATAPLANE_AGENT_FLOW_LOGS", value_name = "BOOL", default_value = "false", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub flow_logs: bool,
+
+    /// Flow logs: the most connections tracked at once (both sides of a connection between two
+    /// local endpoints count twice); a new one beyond is not tracked and counted as dropped.
+    /// Twice as many records wait to be sent at most, the oldest dropped first.
+    #[arg(long, env = "DATAPLANE_AGENT_FLOW_MAX_CONNECTIONS", value_name = "N", default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub flow_max_connections: u64,
+
+    /// Flow logs: how often to send the records of the 15-second intervals closed since the last
+    /// send (and read NFLOG and conntrack); 0 sends none and does not offer `flows`.
+    #[arg(long, env = "DATAPLANE_AGENT_FLOWS_INTERVAL", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub flows_interval: Duration,
 
     /// linux driver: force features instead of detecting them, in Felix's form
     /// (`MASQFullyRandom=false`; Felix's other names are accepted and have no effect here).
@@ -392,6 +404,7 @@ impl Cli {
         let mut config = SessionConfig::new(servers, self.node.trim());
         config.heartbeat_interval = self.heartbeat_interval;
         config.stats_interval = (!self.stats_interval.is_zero()).then_some(self.stats_interval);
+        config.flows_interval = (!self.flows_interval.is_zero()).then_some(self.flows_interval);
         config.reconnect_min_delay = self.reconnect_min_delay;
         config.reconnect_max_delay = self.reconnect_max_delay;
         config.max_recv_bytes = usize::try_from(self.max_recv_bytes).unwrap_or(usize::MAX);
@@ -548,6 +561,12 @@ impl Cli {
             .collect();
         opts.render.log_prefix = self.log_prefix.clone();
         opts.render.flow_logs = self.flow_logs;
+        let max = usize::try_from(self.flow_max_connections).unwrap_or(usize::MAX);
+        opts.flows = crate::flows::FlowSettings {
+            max_connections: max,
+            max_queued_records: max.saturating_mul(2),
+            ..crate::flows::FlowSettings::default()
+        };
         opts.masq_fully_random =
             crate::driver::linux::config::parse_feature_overrides(&self.feature_detect_override)
                 .map_err(FlagError::FeatureDetectOverride)?;

@@ -293,11 +293,14 @@ pub fn build(kind: DriverKind, options: &DriverOptions) -> anyhow::Result<Box<dy
             }
             let mut opts = options.linux.clone();
             opts.nftables = kind == DriverKind::Nftables;
+            let flows = opts.flows;
             let mut d = LinuxDriver::new(opts, Box::new(linux::runner::SystemRunner));
             // Read only while flow logs are on (the flag or FelixConfiguration).
             d.set_flow_source(
-                Box::<linux::flow_source::KernelFlowSource>::default(),
-                crate::flows::FlowSettings::default(),
+                Box::new(linux::flow_source::KernelFlowSource::new(
+                    flows.max_connections.saturating_mul(4),
+                )),
+                flows,
             );
             Ok(Box::new(d))
         }

@@ -335,17 +335,40 @@ fn request_ack(s: &mut Socket, req: &[u8], buf: &mut [u8]) -> io::Result<()> {
 }
 
 /// Reads NFLOG groups 1 and 2 and the conntrack table of the agent's network namespace.
-#[derive(Default)]
 pub struct KernelFlowSource {
     nflog: Option<Socket>,
     buf: Vec<u8>,
-    /// The previous dump: policy tuple → the entry as last seen.
+    /// The previous dump: (orig, reply) → the entry as last seen.
     last_dump: HashMap<(Tuple, Tuple), CtObservation>,
+    /// The most entries of a dump remembered until the next (an entry not remembered that goes
+    /// away is not seen completing: its connection expires as idle instead).
+    max_remembered: usize,
+    /// The previous dump had more entries than were remembered: an entry not remembered may
+    /// be an old one, so it is not called new.
+    last_truncated: bool,
     /// NFLOG packets lost to a full socket buffer since start.
     pub overruns: u64,
 }
 
+impl Default for KernelFlowSource {
+    /// Remembers 200 000 entries (4 × the default connection cap).
+    fn default() -> Self {
+        Self::new(200_000)
+    }
+}
+
 impl KernelFlowSource {
+    pub fn new(max_remembered: usize) -> Self {
+        Self {
+            nflog: None,
+            buf: Vec::new(),
+            last_dump: HashMap::new(),
+            max_remembered,
+            last_truncated: false,
+            overruns: 0,
+        }
+    }
+
     /// Binds the NFLOG groups (copying [`COPY_RANGE`] bytes of each packet) and turns
     /// conntrack accounting on.
     fn open(&mut self) -> io::Result<()> {
@@ -377,6 +400,7 @@ impl KernelFlowSource {
     pub fn close(&mut self) {
         self.nflog = None;
         self.last_dump.clear();
+        self.last_truncated = false;
     }
 
     fn read_nflog(&mut self, out: &mut Vec<FlowEvent>) -> io::Result<()> {
@@ -448,23 +472,31 @@ impl KernelFlowSource {
         let at = now_secs();
         let mut dump = self.dump_ct(AF_INET)?;
         dump.extend(self.dump_ct(AF_INET6)?);
-        let mut next = HashMap::with_capacity(dump.len());
+        self.diff_dump(at, dump, out);
+        Ok(())
+    }
+
+    /// The events of one dump against the previous one: every entry (new when the previous
+    /// dump did not have it), then the entries gone since, destroyed with their last counters.
+    fn diff_dump(&mut self, at: i64, dump: Vec<CtObservation>, out: &mut Vec<FlowEvent>) {
+        let truncated = dump.len() > self.max_remembered;
+        let mut next = HashMap::with_capacity(dump.len().min(self.max_remembered));
         for mut e in dump {
             let key = (e.orig, e.reply);
-            e.new = !self.last_dump.contains_key(&key);
+            let known = self.last_dump.remove(&key).is_some();
+            e.new = !known && !self.last_truncated;
             out.push(FlowEvent::Conntrack { at, entry: e });
             e.new = false;
-            next.insert(key, e);
-        }
-        // Gone since the previous dump: completed, with the counters last seen.
-        for (key, mut e) in std::mem::take(&mut self.last_dump) {
-            if !next.contains_key(&key) {
-                e.destroyed = true;
-                out.push(FlowEvent::Conntrack { at, entry: e });
+            if next.len() < self.max_remembered {
+                next.insert(key, e);
             }
         }
-        self.last_dump = next;
-        Ok(())
+        // What is left was not in this dump: completed, with the counters last seen.
+        for (_, mut e) in std::mem::replace(&mut self.last_dump, next) {
+            e.destroyed = true;
+            out.push(FlowEvent::Conntrack { at, entry: e });
+        }
+        self.last_truncated = truncated;
     }
 }
 
@@ -773,6 +805,75 @@ mod tests {
         assert_eq!((r.connections_started, r.connections_live), (1, 1));
         drop(client);
         drop(server);
+    }
+
+    #[test]
+    fn dumps_are_diffed_into_new_seen_and_destroyed_within_the_memory_bound() {
+        let entry = |port: u16, packets: u64| {
+            let t = |a: [u8; 4], b: [u8; 4], sp, dp| Tuple {
+                src: IpAddr::V4(a.into()),
+                dst: IpAddr::V4(b.into()),
+                src_port: sp,
+                dst_port: dp,
+                protocol: 6,
+            };
+            CtObservation {
+                orig: t([10, 0, 0, 1], [10, 0, 0, 2], port, 80),
+                reply: t([10, 0, 0, 2], [10, 0, 0, 1], 80, port),
+                orig_packets: packets,
+                orig_bytes: packets * 100,
+                reply_packets: 0,
+                reply_bytes: 0,
+                new: false,
+                destroyed: false,
+            }
+        };
+        let seen = |out: &[FlowEvent]| -> Vec<(u16, u64, bool, bool)> {
+            out.iter()
+                .map(|e| match e {
+                    FlowEvent::Conntrack { entry: c, .. } => {
+                        (c.orig.src_port, c.orig_packets, c.new, c.destroyed)
+                    }
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        let mut src = KernelFlowSource::new(2);
+        let mut out = Vec::new();
+        src.diff_dump(0, vec![entry(1, 1), entry(2, 1)], &mut out);
+        assert_eq!(seen(&out), [(1, 1, true, false), (2, 1, true, false)]);
+        out.clear();
+        // 1 goes on, 2 is gone, 3 is new.
+        src.diff_dump(5, vec![entry(1, 4), entry(3, 1)], &mut out);
+        assert_eq!(
+            seen(&out),
+            [
+                (1, 4, false, false),
+                (3, 1, true, false),
+                (2, 1, false, true)
+            ]
+        );
+        out.clear();
+        // Over the bound (2): 5 is not remembered, and not taken for gone or new later.
+        src.diff_dump(10, vec![entry(1, 5), entry(3, 2), entry(5, 1)], &mut out);
+        assert_eq!(
+            seen(&out),
+            [
+                (1, 5, false, false),
+                (3, 2, false, false),
+                (5, 1, true, false)
+            ]
+        );
+        out.clear();
+        src.diff_dump(15, vec![entry(1, 6), entry(3, 3), entry(5, 2)], &mut out);
+        assert_eq!(
+            seen(&out),
+            [
+                (1, 6, false, false),
+                (3, 3, false, false),
+                (5, 2, false, false)
+            ]
+        );
     }
 
     #[test]

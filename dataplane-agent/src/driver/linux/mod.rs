@@ -118,6 +118,8 @@ pub struct LinuxOptions {
     pub nftables: bool,
     /// Read the rules' hit counters (FeatureGates `PolicyHitCounters`; on unless disabled).
     pub hit_counters: bool,
+    /// Bounds of flow-log collection (used when a flow source is set).
+    pub flows: FlowSettings,
 }
 
 impl Default for LinuxOptions {
@@ -135,6 +137,7 @@ impl Default for LinuxOptions {
             masq_fully_random: None,
             nftables: false,
             hit_counters: true,
+            flows: FlowSettings::default(),
         }
     }
 }
