@@ -661,6 +661,39 @@ async fn follow_prints_closed_intervals_as_they_come() {
     );
     let _ = child.kill();
     let _ = child.wait();
+
+    // Goldmane's Flows.Stream: the same two intervals, oldest first, then nothing new.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.admin))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the admin endpoint");
+    let mut stream = gm::flows_client::FlowsClient::new(channel)
+        .stream(gm::FlowStreamRequest {
+            start_time_gte: -600,
+            ..Default::default()
+        })
+        .await
+        .expect("Flows.Stream")
+        .into_inner();
+    let mut starts = Vec::new();
+    for _ in 0..2 {
+        let r = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("a flow within 10 s")
+            .expect("stream open")
+            .expect("no error");
+        let f = r.flow.unwrap();
+        assert_eq!(f.key.unwrap().dest_name, "db-1");
+        starts.push(f.start_time);
+    }
+    assert_eq!(starts, [old - 15, old]);
+    assert!(
+        tokio::time::timeout(Duration::from_secs(6), stream.next())
+            .await
+            .is_err(),
+        "each interval sent once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,10 +1,16 @@
 //! Calico Goldmane's gRPC query API over the flow store (issue 42), served on the admin
-//! endpoint behind its access check: `goldmane.Flows` (`List`, `FilterHints`; `Stream` answers
-//! UNIMPLEMENTED) and `goldmane.Statistics` (`List`), with Goldmane's own package, messages and
-//! numbers (`felix_proto::goldmane`), so a client generated from Goldmane's schema works. Each
-//! call is one question to the engine, bounded as the admin JSON paths are
+//! endpoint behind its access check: `goldmane.Flows` (`List`, `Stream`, `FilterHints`) and
+//! `goldmane.Statistics` (`List`), with Goldmane's own package, messages and numbers
+//! (`felix_proto::goldmane`), so a client generated from Goldmane's schema works. Each call (and
+//! each poll of a `Stream`) is one question to the engine, bounded as the admin JSON paths are
 //! (`--admin-max-concurrent-queries`, `--admin-query-timeout`). `FlowCollector` is not served:
 //! flows come from the agents' Sync streams.
+//!
+//! `Stream`: the flows of the window from `start_time_gte` (as `List` reads it), one per key
+//! and aggregation interval (15 s when zero), each sent once its interval closed 15 s ago (the
+//! agents send an interval once it closes), oldest first; then the same every 5 s, as new
+//! intervals close, until the client goes. A record arriving later for an interval already
+//! sent is not sent again.
 
 use std::pin::Pin;
 
@@ -50,6 +56,32 @@ fn answered<T>(
     }
 }
 
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// The flows whose interval ended at least 15 s before `now` and that were not sent yet
+/// (remembered in `sent` by id and start), oldest first.
+fn closed(
+    flows: Vec<FlowResult>,
+    sent: &mut std::collections::HashSet<(i64, i64)>,
+    now: i64,
+) -> Vec<FlowResult> {
+    let mut out: Vec<FlowResult> = flows
+        .into_iter()
+        .filter(|r| {
+            r.flow.as_ref().is_some_and(|f| {
+                f.end_time + crate::flows::BUCKET_SECONDS <= now
+                    && sent.insert((r.id, f.start_time))
+            })
+        })
+        .collect();
+    out.sort_by_key(|r| (r.flow.as_ref().map_or(0, |f| f.start_time), r.id));
+    out
+}
+
 type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
@@ -67,11 +99,60 @@ impl flows_server::Flows for GoldmaneApi {
 
     async fn stream(
         &self,
-        _request: Request<FlowStreamRequest>,
+        request: Request<FlowStreamRequest>,
     ) -> Result<Response<Self::StreamStream>, Status> {
-        Err(Status::unimplemented(
-            "Flows.Stream is not served yet: poll Flows.List with aggregation_interval 15",
-        ))
+        let req = request.into_inner();
+        let interval = if req.aggregation_interval == 0 {
+            crate::flows::BUCKET_SECONDS
+        } else {
+            req.aggregation_interval
+        };
+        let list = move || FlowListRequest {
+            start_time_gte: req.start_time_gte,
+            filter: req.filter.clone(),
+            aggregation_interval: interval,
+            ..Default::default()
+        };
+        // The first poll answers the call itself: an invalid request is refused at once.
+        let state = self.state.clone();
+        let first = {
+            let request = list();
+            answered(ask(&state, |reply| Input::FlowList { request, reply }).await)?
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(async move {
+            let mut sent = std::collections::HashSet::new();
+            let mut answer = Ok(first);
+            loop {
+                if let Ok(result) = answer {
+                    let now = unix_now();
+                    for r in closed(result.flows, &mut sent, now) {
+                        if tx.send(Ok(r)).await.is_err() {
+                            return;
+                        }
+                    }
+                    sent.retain(|(_, start)| *start > now - 4_000);
+                }
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+                }
+                let request = list();
+                answer = answered(ask(&state, |reply| Input::FlowList { request, reply }).await);
+                if let Err(status) = &answer
+                    && matches!(
+                        status.code(),
+                        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
+                    )
+                {
+                    let _ = tx.send(Err(status.clone())).await;
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn filter_hints(
