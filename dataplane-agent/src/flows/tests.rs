@@ -493,3 +493,50 @@ fn a_trace_is_bounded_and_repeats_are_kept_once() {
     assert_eq!(r.trace.len(), MAX_TRACE);
     assert_eq!(r.trace[63], hit("PPI|tier63", "pass"));
 }
+
+#[test]
+fn a_flood_of_new_connections_stays_within_the_caps_and_is_counted() {
+    let mut a = FlowAggregator::new(FlowSettings {
+        max_connections: 1000,
+        max_queued_records: 1500,
+        idle_intervals: 1,
+    });
+    // 20 000 new connections in each of three intervals (ports wrap: distinct sources).
+    let mut logged = 0u64;
+    for interval in 0..3i64 {
+        for i in 0..20_000u32 {
+            let src = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i + 20_000 * interval as u32));
+            log(
+                &mut a,
+                interval * 15,
+                1,
+                "DPI|default",
+                tcp(src, 1, SERVER, 80),
+                60,
+            );
+            logged += 1;
+            assert!(a.tracked() <= 1000);
+        }
+    }
+    let reports = a.take_reports(45, MAX_RECORDS_PER_REPORT);
+    let records: u64 = reports.iter().map(|r| r.records.len() as u64).sum();
+    let dropped: u64 = reports.iter().map(|r| r.dropped).sum();
+    // At most 1000 tracked per interval; the queue keeps the newest 1500 records.
+    assert_eq!(records, 1500);
+    assert_eq!(dropped, logged - 1500);
+    assert!(
+        reports
+            .iter()
+            .all(|r| r.records.len() <= MAX_RECORDS_PER_REPORT)
+    );
+    assert_eq!(
+        reports
+            .last()
+            .unwrap()
+            .records
+            .last()
+            .unwrap()
+            .interval_start,
+        30
+    );
+}
