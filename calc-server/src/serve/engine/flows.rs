@@ -41,7 +41,7 @@
 //! remembered is bounded ([`FlowIngest::new`]'s `max_seen`; beyond it: `dedup_cap`) and
 //! forgotten with the buckets.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 
 use calc_graph::convert::EndpointKind;
@@ -685,6 +685,9 @@ impl FlowIngest {
         let view = graph.view();
         // Explain runs only when a staged policy exists at all.
         let staged = view.policies().any(|p| p.key().kind.is_staged());
+        // Names found once per report: its records share few addresses.
+        let mut own_of: HashMap<IpAddr, Option<(EndpointView<'_>, Side)>> = HashMap::new();
+        let mut named: HashMap<IpAddr, Side> = HashMap::new();
         let mut dropped = BTreeMap::new();
         for r in records {
             let (own_ip, other_ip) = if r.reporter_dest {
@@ -692,8 +695,12 @@ impl FlowIngest {
             } else {
                 (r.src, r.dst)
             };
-            let Some(own) = endpoint_with_ip(view, own_ip, Some(node)).filter(|e| e.node() == node)
-            else {
+            let own = own_of.entry(own_ip).or_insert_with(|| {
+                endpoint_with_ip(view, own_ip, Some(node))
+                    .filter(|e| e.node() == node)
+                    .map(|e| (e, endpoint_side(e)))
+            });
+            let Some((own, own_side)) = own.clone() else {
                 *dropped.entry("foreign").or_default() += 1;
                 continue;
             };
@@ -718,8 +725,10 @@ impl FlowIngest {
                 *dropped.entry("dedup_cap").or_default() += 1;
                 continue;
             }
-            let own_side = endpoint_side(own);
-            let other_side = name_ip(view, other_ip);
+            let other_side = named
+                .entry(other_ip)
+                .or_insert_with(|| name_ip(view, other_ip))
+                .clone();
             let (src, dst) = if r.reporter_dest {
                 (other_side, own_side)
             } else {
