@@ -662,6 +662,40 @@ async fn follow_prints_closed_intervals_as_they_come() {
     let _ = child.kill();
     let _ = child.wait();
 
+    // /flows?watch=true: server-sent events, one per flow and interval.
+    {
+        use std::io::{Read, Write};
+        let mut sock = std::net::TcpStream::connect(&server.admin).expect("connect");
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        write!(
+            sock,
+            "GET /flows?watch=true&dest_port=5432 HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        while seen.matches("data: ").count() < 2 {
+            let n = sock.read(&mut buf).expect("events within 10 s");
+            assert!(n > 0, "closed early: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+        assert!(seen.contains("content-type: text/event-stream"), "{seen}");
+        let events: Vec<Value> = seen
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|d| serde_json::from_str(d).expect("JSON"))
+            .collect();
+        assert_eq!(
+            events
+                .iter()
+                .map(|e| e["flow"]["start_time"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>(),
+            [(old - 15).to_string(), old.to_string()]
+        );
+    }
+
     // Goldmane's Flows.Stream: the same two intervals, oldest first, then nothing new.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.admin))
         .unwrap()

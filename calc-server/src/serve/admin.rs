@@ -523,11 +523,71 @@ async fn flow_hints(State(s): State<AdminState>, RawQuery(query): RawQuery) -> R
     }
 }
 
+/// `/flows?watch=true`: server-sent events, one `data:` line per flow (the proto3 JSON of a
+/// Goldmane `FlowResult`) and interval, each once its interval closed (see
+/// `goldmane_api::follow`); an error ends the stream with an `event: error` whose data is
+/// `{"error": …}`.
+async fn watch_flows(s: AdminState, mut request: crate::flows::FlowListRequest) -> Response {
+    use tokio_stream::StreamExt;
+    if request.aggregation_interval == 0 {
+        request.aggregation_interval = crate::flows::BUCKET_SECONDS;
+    }
+    let rx = match super::goldmane_api::follow(s, request).await {
+        Ok(rx) => rx,
+        Err(status) => {
+            let code = match status.code() {
+                tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
+                tonic::Code::FailedPrecondition => StatusCode::NOT_FOUND,
+                tonic::Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+                _ => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            return json_error(code, status.message().to_string());
+        }
+    };
+    let events = tokio_stream::wrappers::ReceiverStream::new(rx).map(|item| {
+        let text = match item {
+            Ok(r) => format!(
+                "data: {}\n\n",
+                serde_json::to_string(&r).unwrap_or_default()
+            ),
+            Err(status) => format!(
+                "event: error\ndata: {}\n\n",
+                serde_json::json!({"error": status.message()})
+            ),
+        };
+        Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(text))
+    });
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(events),
+    )
+        .into_response()
+}
+
 async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
-    let request = match flow_request(query.as_deref().unwrap_or_default()) {
+    let query = query.unwrap_or_default();
+    let mut watch = false;
+    let rest: Vec<&str> = query
+        .split('&')
+        .filter(|p| match *p {
+            "watch=true" => {
+                watch = true;
+                false
+            }
+            "watch=false" => false,
+            _ => true,
+        })
+        .collect();
+    let request = match flow_request(&rest.join("&")) {
         Ok(r) => r,
         Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
     };
+    if watch {
+        return watch_flows(s, request).await;
+    }
     match ask(&s, |reply| super::engine::Input::FlowList {
         request,
         reply,

@@ -56,6 +56,52 @@ fn answered<T>(
     }
 }
 
+/// Follows the flows `list` selects (its `aggregation_interval` set): each flow and interval
+/// once its interval closed 15 s ago, oldest first, polling every 5 s until the receiver is
+/// dropped. The first poll answers the call: an invalid request (or flow logs off) is refused
+/// at once.
+pub(super) async fn follow(
+    state: AdminState,
+    list: FlowListRequest,
+) -> Result<tokio::sync::mpsc::Receiver<Result<FlowResult, Status>>, Status> {
+    let first = {
+        let request = list.clone();
+        answered(ask(&state, |reply| Input::FlowList { request, reply }).await)?
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    tokio::spawn(async move {
+        let mut sent = std::collections::HashSet::new();
+        let mut answer = Ok(first);
+        loop {
+            if let Ok(result) = answer {
+                let now = unix_now();
+                for r in closed(result.flows, &mut sent, now) {
+                    if tx.send(Ok(r)).await.is_err() {
+                        return;
+                    }
+                }
+                sent.retain(|(_, start)| *start > now - 4_000);
+            }
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+            }
+            let request = list.clone();
+            answer = answered(ask(&state, |reply| Input::FlowList { request, reply }).await);
+            if let Err(status) = &answer
+                && matches!(
+                    status.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
+                )
+            {
+                let _ = tx.send(Err(status.clone())).await;
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
 fn unix_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -107,49 +153,16 @@ impl flows_server::Flows for GoldmaneApi {
         } else {
             req.aggregation_interval
         };
-        let list = move || FlowListRequest {
-            start_time_gte: req.start_time_gte,
-            filter: req.filter.clone(),
-            aggregation_interval: interval,
-            ..Default::default()
-        };
-        // The first poll answers the call itself: an invalid request is refused at once.
-        let state = self.state.clone();
-        let first = {
-            let request = list();
-            answered(ask(&state, |reply| Input::FlowList { request, reply }).await)?
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        tokio::spawn(async move {
-            let mut sent = std::collections::HashSet::new();
-            let mut answer = Ok(first);
-            loop {
-                if let Ok(result) = answer {
-                    let now = unix_now();
-                    for r in closed(result.flows, &mut sent, now) {
-                        if tx.send(Ok(r)).await.is_err() {
-                            return;
-                        }
-                    }
-                    sent.retain(|(_, start)| *start > now - 4_000);
-                }
-                tokio::select! {
-                    _ = tx.closed() => return,
-                    _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
-                }
-                let request = list();
-                answer = answered(ask(&state, |reply| Input::FlowList { request, reply }).await);
-                if let Err(status) = &answer
-                    && matches!(
-                        status.code(),
-                        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
-                    )
-                {
-                    let _ = tx.send(Err(status.clone())).await;
-                    return;
-                }
-            }
-        });
+        let rx = follow(
+            self.state.clone(),
+            FlowListRequest {
+                start_time_gte: req.start_time_gte,
+                filter: req.filter,
+                aggregation_interval: interval,
+                ..Default::default()
+            },
+        )
+        .await?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
