@@ -962,6 +962,9 @@ impl Engine {
 
     fn apply(&mut self, updates: Vec<Update>) {
         self.datastore_changed = true;
+        if let Some(flows) = &mut self.flows {
+            flows.graph_changed();
+        }
         self.hits_prune_due = true;
         // A policy's tier or rules' actions may have changed.
         self.hit_series_dirty = true;
