@@ -227,6 +227,17 @@ pub struct ServeArgs {
     /// are remembered to drop re-sent ones.
     #[arg(long, env = "CALC_SERVER_FLOW_MAX_KEYS", default_value_t = 100_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub flow_max_keys: usize,
+    /// Serve Calico Goldmane's gRPC API (`goldmane.Flows`, `goldmane.Statistics`) on a
+    /// listener of its own too, with the admin endpoint's TLS and access rules (it is always
+    /// served on the admin endpoint). Needs --flow-logs; without admin authentication only a
+    /// loopback address is accepted.
+    #[arg(
+        long,
+        env = "CALC_SERVER_FLOWS_LISTEN",
+        value_name = "ADDR",
+        requires = "flow_logs"
+    )]
+    pub flows_listen: Option<SocketAddr>,
     /// The most flow records one agent's stream may send per second, with 15 seconds' worth
     /// of burst (an agent sends an interval's records at once); records beyond are dropped and
     /// counted (`calc_server_flow_reports_refused_total{reason="rate"}`).

@@ -758,3 +758,42 @@ async fn a_stream_sends_at_most_its_rate_of_records() {
     assert_eq!(refused(&server, "rate"), 5.0);
     assert!(node2.ended().await.is_none(), "the stream stays open");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn goldmanes_api_has_a_listener_of_its_own_on_request() {
+    let dir = datastore();
+    let port = integration::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::start(dir.path(), &["--flow-logs", "--flows-listen", &listen]);
+    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    node2.send(vec![allowed(interval())]).await;
+    wait_flows(&server, 1);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to --flows-listen");
+    let listed = gm::flows_client::FlowsClient::new(channel)
+        .list(gm::FlowListRequest::default())
+        .await
+        .expect("Flows.List")
+        .into_inner();
+    assert_eq!(listed.flows.len(), 1);
+    // Only Goldmane's services there.
+    let (code, _) = http_get(&listen, "/status").expect("answers");
+    assert_eq!(code, 404);
+
+    // Not on a non-loopback address without admin authentication.
+    let out = Command::new(binary("calc-server"))
+        .args(["serve", "--file-dir", dir.path().to_str().unwrap()])
+        .args(["--flow-logs", "--flows-listen", "0.0.0.0:0"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .output()
+        .expect("run calc-server serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--flows-listen 0.0.0.0:0 is not a loopback address"),
+        "{err}"
+    );
+}

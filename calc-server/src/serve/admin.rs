@@ -644,6 +644,29 @@ async fn guard(State(s): State<AdminState>, req: Request, next: Next) -> Respons
     }
 }
 
+/// Goldmane's gRPC services alone, behind [`guard`] (`--flows-listen`).
+pub(super) fn goldmane_router(state: AdminState) -> axum::Router {
+    axum::Router::new()
+        .route_service(
+            "/goldmane.Flows/{*method}",
+            crate::flows::goldmane::flows_server::FlowsServer::new(
+                super::goldmane_api::GoldmaneApi {
+                    state: state.clone(),
+                },
+            ),
+        )
+        .route_service(
+            "/goldmane.Statistics/{*method}",
+            crate::flows::goldmane::statistics_server::StatisticsServer::new(
+                super::goldmane_api::GoldmaneApi {
+                    state: state.clone(),
+                },
+            ),
+        )
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard))
+        .with_state(state)
+}
+
 /// The paths and their access: probes and metrics open, the rest behind [`guard`].
 pub(super) fn router(state: AdminState) -> axum::Router {
     let sensitive = axum::Router::new()

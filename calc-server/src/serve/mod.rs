@@ -63,6 +63,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         admin_tls.is_some(),
         args.listener.identity_source(),
     )?;
+    if let Some(listen) = args.flows_listen {
+        anyhow::ensure!(
+            args.admin.authenticates() || listen.ip().is_loopback(),
+            "--flows-listen {listen} is not a loopback address and the admin endpoint has no \
+             authentication: anyone who reaches it could read every flow. Set \
+             --admin-token-file, or TLS with --admin-allowed-cn, --admin-allowed-uri-san or \
+             --admin-ca-file; or listen on 127.0.0.1 (see docs/tls.md, \"Who can read what\")"
+        );
+    }
     // Every task below is spawned through this: spans, one cancellation, a bounded wait.
     let tasks = Tasks::new();
     let result = serve_with(args, tls, (admin_tls, access), &tasks).await;
@@ -129,7 +138,7 @@ async fn serve_with(
         .await
         .with_context(|| format!("binding the admin endpoint {}", args.admin_listen))?;
     let admin_scheme = if admin_tls.is_some() { "https" } else { "http" };
-    let admin_router = admin::router(admin::AdminState {
+    let admin_state = admin::AdminState {
         board: board.clone(),
         ready,
         metrics: metrics.clone(),
@@ -142,7 +151,25 @@ async fn serve_with(
             query_timeout: args.admin.admin_query_timeout,
             max_response_bytes: args.admin.admin_max_response_bytes,
         },
-    });
+    };
+    let admin_router = admin::router(admin_state.clone());
+    if let Some(listen) = args.flows_listen {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding the flows endpoint {listen}"))?;
+        let server = admin_server::AdminServer {
+            listener,
+            tls: admin_tls.clone(),
+            router: admin::goldmane_router(admin_state),
+            max_connections: usize::from(args.admin.admin_max_connections),
+            handshake_timeout: args.listener.tls_handshake_timeout,
+            metrics: metrics.clone(),
+        };
+        tasks.spawn(
+            tracing::info_span!("flows", listen = %listen),
+            server.run(tasks.clone()),
+        );
+    }
     let admin_server = admin_server::AdminServer {
         listener: admin,
         tls: admin_tls,
