@@ -1,10 +1,10 @@
 //! The flow aggregator's store (issue 42): flow records from the agents, already named, kept in
 //! 15-second buckets for about an hour and queried as Calico's Goldmane answers its `Flows.List`,
 //! `Flows.FilterHints` and `Statistics.List`. Fed by the serving engine with the agents' named
-//! records (`serve::engine::flows`, `serve --flow-logs`) and listed on the admin endpoint's
-//! `/flows`; no Goldmane gRPC listener serves it yet. This is the pure part, with no IO, no
-//! clock and no async. Every call takes `now`
-//! (seconds since the Unix epoch) from its caller.
+//! records (`serve::engine::flows`, `serve --flow-logs`), listed as JSON on the admin endpoint
+//! (`/flows`, `/flows-filter-hints`) and through Goldmane's gRPC services
+//! (`serve::goldmane_api`). This is the pure part, with no IO, no clock and no async. Every
+//! call takes `now` (seconds since the Unix epoch) from its caller.
 //!
 //! Records and answers are the generated Goldmane types (`felix_proto::goldmane`), so the wire
 //! API is a thin layer on top. A record ([`FlowRecord`]) is a `goldmane::Flow` whose `start_time`
@@ -71,7 +71,7 @@
 //!   and strings in requests are bounded ([`limits`]).
 //!
 //! Not done here: de-duplication of records re-sent after a reconnect (the ingest layer's job,
-//! `serve::engine::flows`), `Flows.Stream`, and a gRPC listener.
+//! `serve::engine::flows`), and `Flows.Stream` (polled over `list` by `serve::goldmane_api`).
 
 mod query;
 mod store;
