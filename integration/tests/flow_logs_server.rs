@@ -430,6 +430,27 @@ async fn flow_reports_are_named_counted_once_and_listed() {
     assert_eq!(from_web["Key"]["source_name"], "web-1");
     assert_eq!(from_web["Key"]["dest_name"], "db-1");
 
+    // The staged policy's hit counts come from the pending traces: the allowed flow its rule
+    // would deny, 10 + 8 packets, 1000 + 800 bytes.
+    let (code, body) = http_get(&server.admin, "/status/policies").expect("admin answers");
+    assert_eq!(code, 200, "{body}");
+    let rows: Value = serde_json::from_str(&body).expect("JSON");
+    let trial = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["policy"] == "security.trial")
+        .unwrap_or_else(|| panic!("no row for security.trial: {rows}"));
+    assert_eq!(
+        (&trial["kind"], &trial["hits"], &trial["bytes"]),
+        (
+            &json!("StagedGlobalNetworkPolicy"),
+            &json!(18),
+            &json!(1800)
+        ),
+        "{trial}"
+    );
+
     // Filters as query parameters.
     let denies = flows(&server, "?action=deny");
     assert_eq!(denies["flows"].as_array().unwrap().len(), 1, "{denies}");

@@ -695,6 +695,25 @@ pub(crate) fn proto_name(p: u8) -> String {
     }
 }
 
+/// What the pending traces say a staged policy decided.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StagedHits {
+    pub packets: u64,
+    pub bytes: u64,
+    /// End of the latest interval counted (Unix seconds).
+    pub last: i64,
+}
+
+/// The staged kind a pending hit names, as the graph spells it.
+fn staged_kind(kind: i32) -> Option<&'static str> {
+    match PolicyKind::try_from(kind).ok()? {
+        PolicyKind::StagedNetworkPolicy => Some("StagedNetworkPolicy"),
+        PolicyKind::StagedGlobalNetworkPolicy => Some("StagedGlobalNetworkPolicy"),
+        PolicyKind::StagedKubernetesNetworkPolicy => Some("StagedKubernetesNetworkPolicy"),
+        _ => None,
+    }
+}
+
 /// The de-duplication key: interval, 5-tuple, reporting node and side.
 type Seen = (String, IpAddr, IpAddr, u16, u16, u8, bool);
 
@@ -702,6 +721,9 @@ type Seen = (String, IpAddr, IpAddr, u16, u16, u8, bool);
 pub(crate) struct FlowIngest {
     pub(crate) store: FlowStore,
     index: IpIndex,
+    /// Per staged policy (kind, namespace, name): the packets and bytes of the flows its rules
+    /// decided in their pending traces, and the end of the latest such interval (Unix seconds).
+    staged_hits: HashMap<(String, String, String), StagedHits>,
     seen: BTreeMap<i64, HashSet<Seen>>,
     seen_count: usize,
     max_seen: usize,
@@ -724,6 +746,7 @@ impl FlowIngest {
         FlowIngest {
             store: FlowStore::new(max_keys, 0),
             index: IpIndex::default(),
+            staged_hits: HashMap::new(),
             seen: BTreeMap::new(),
             seen_count: 0,
             max_seen,
@@ -733,6 +756,14 @@ impl FlowIngest {
     /// The datastore changed: endpoints' addresses are looked up afresh.
     pub(crate) fn graph_changed(&mut self) {
         self.index.built = false;
+    }
+
+    /// What the pending traces say a staged policy (its kind as the graph spells it) decided.
+    pub(crate) fn staged_hits(&self, kind: &str, namespace: &str, name: &str) -> StagedHits {
+        self.staged_hits
+            .get(&(kind.to_string(), namespace.to_string(), name.to_string()))
+            .copied()
+            .unwrap_or_default()
     }
 
     fn forget_old(&mut self, now: i64) {
@@ -757,6 +788,15 @@ impl FlowIngest {
     ) -> BTreeMap<&'static str, u64> {
         self.forget_old(now);
         let view = graph.view();
+        if !self.index.built {
+            // Forget the counts of staged policies that are gone.
+            self.staged_hits.retain(|(kind, ns, name), _| {
+                Kind::from_name(kind).is_some_and(|k| {
+                    view.policy(&ResourceKey::new(k, (!ns.is_empty()).then_some(ns), name))
+                        .is_some()
+                })
+            });
+        }
         self.index.build(view);
         let index = &self.index;
         // Explain runs only when a staged policy exists at all.
@@ -858,6 +898,29 @@ impl FlowIngest {
                 Ok(()) => {
                     self.seen.entry(r.interval).or_default().insert(seen);
                     self.seen_count += 1;
+                    let pending = record
+                        .key
+                        .as_ref()
+                        .and_then(|k| k.policies.as_ref())
+                        .map_or(&[][..], |t| &t.pending_policies[..]);
+                    let mut counted = HashSet::new();
+                    for h in pending {
+                        let Some(kind) = staged_kind(h.kind) else {
+                            continue;
+                        };
+                        let key = (kind.to_string(), h.namespace.clone(), h.name.clone());
+                        if !counted.insert(key.clone()) {
+                            continue;
+                        }
+                        let e = self.staged_hits.entry(key).or_default();
+                        e.packets = e.packets.saturating_add(
+                            (record.packets_in.saturating_add(record.packets_out)) as u64,
+                        );
+                        e.bytes = e.bytes.saturating_add(
+                            (record.bytes_in.saturating_add(record.bytes_out)) as u64,
+                        );
+                        e.last = e.last.max(record.end_time);
+                    }
                 }
                 Err(e) => *dropped.entry(refused_reason(&e)).or_default() += 1,
             }
@@ -1033,6 +1096,19 @@ mod tests {
         let trace = key.policies.as_ref().unwrap();
         assert_eq!(trace.pending_policies.len(), 1);
         assert_eq!(trace.enforced_policies.len(), 1);
+        // The staged policy's hits: the record's packets and bytes, in and out.
+        assert_eq!(
+            ingest.staged_hits("StagedGlobalNetworkPolicy", "", "security.trial"),
+            StagedHits {
+                packets: 3,
+                bytes: 180,
+                last: 1_800_000_015
+            }
+        );
+        assert_eq!(
+            ingest.staged_hits("StagedGlobalNetworkPolicy", "", "other"),
+            StagedHits::default()
+        );
     }
 
     fn ip(s: &str) -> IpAddr {

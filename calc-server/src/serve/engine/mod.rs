@@ -727,8 +727,9 @@ impl Engine {
         }
     }
 
-    /// The policies' and profiles' hit counts, on realization rows (none for a staged policy:
-    /// it has no rules in any dataplane); with `per_rule` (a single policy's answer), its
+    /// The policies' and profiles' hit counts, on realization rows (a staged policy has no
+    /// rules in any dataplane: its counts come from the flows' pending traces, with flow logs
+    /// on, else none); with `per_rule` (a single policy's answer), its
     /// rules with theirs.
     fn with_hits(&self, rows: &mut [PolicyRealization], per_rule: bool) {
         for r in rows {
@@ -738,6 +739,25 @@ impl Engine {
                 r.rules = Some(self.hits.rules(&self.graph, &owner, staged));
             }
             if staged {
+                // From the flows' pending traces, when flow logs are on.
+                if let (
+                    Some(flows),
+                    hits::Owner::Policy {
+                        kind,
+                        namespace,
+                        name,
+                    },
+                ) = (&self.flows, &owner)
+                {
+                    let t = flows.staged_hits(kind, namespace, name);
+                    r.hits = Some(t.packets);
+                    r.bytes = Some(t.bytes);
+                    r.last_hit = (t.last > 0).then(|| {
+                        common::rfc3339_utc(
+                            std::time::UNIX_EPOCH + std::time::Duration::from_secs(t.last as u64),
+                        )
+                    });
+                }
                 continue;
             }
             let t = self.hits.totals(&owner);
