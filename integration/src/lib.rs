@@ -15,6 +15,7 @@ use std::time::SystemTime;
 
 pub mod netns;
 pub mod scripted;
+pub mod stats_agent;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {

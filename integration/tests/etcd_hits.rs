@@ -10,15 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use felix_proto as pb;
-use felix_proto::calc_server_client::CalcServerClient;
+use integration::stats_agent::StatsAgent;
 use integration::{Etcd, Server, binary, free_port, http_get, send_signal};
-use pb::from_dataplane::Payload as From;
-use pb::to_dataplane::Payload as To;
 use serde_json::Value;
-use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
 
 const P: &str = "/calico/resources/v3/projectcalico.org";
 const HITS: &str = "/calico/calc-server/v1/hits/";
@@ -146,126 +140,26 @@ fn saved_rule0(etcd: &Etcd, node: &str, owner_has: &str) -> Option<(u64, u64)> {
 
 // ---- the raw agent.
 
-struct Agent {
-    tx: mpsc::Sender<pb::FromDataplane>,
-    rx: tonic::Streaming<pb::ToDataplane>,
-    out: u64,
-    policy: pb::PolicyId,
-    policy_rules: usize,
-    profile: String,
-}
-
-impl Agent {
-    /// Says hello for `node` offering `stats`, reads the snapshot to InSync and learns
-    /// allow-frontend's id and rule count and the kns.prod profile from it.
-    async fn connect(url: &str, node: &str) -> Agent {
-        let mut client = CalcServerClient::connect(url.to_string())
-            .await
-            .expect("connect");
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(From::AgentHello(pb::AgentHello {
-                node_name: node.into(),
-                agent_version: "test".into(),
-                capabilities: vec!["stats".into()],
-            })),
-        })
-        .await
-        .unwrap();
-        let mut rx = client
-            .sync(ReceiverStream::new(rx))
-            .await
-            .expect("Sync")
-            .into_inner();
-        let (mut policy, mut policy_rules, mut profile) = (None, 0, None);
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(10), rx.next())
-                .await
-                .expect("a message within 10 s")
-                .expect("stream open")
-                .expect("no error");
-            match m.payload.expect("payload") {
-                To::ServerHello(h) => assert_eq!(h.capabilities, ["stats"], "stats agreed"),
-                To::ActivePolicyUpdate(u) if u.id.as_ref().unwrap().name == "allow-frontend" => {
-                    policy_rules = u.policy.as_ref().unwrap().inbound_rules.len();
-                    policy = u.id;
-                }
-                To::ActiveProfileUpdate(u) if u.id.as_ref().unwrap().name == "kns.prod" => {
-                    assert_eq!(u.profile.unwrap().inbound_rules.len(), 1);
-                    profile = Some(u.id.unwrap().name);
-                }
-                To::InSync(_) => break,
-                _ => {}
-            }
-        }
-        assert_eq!(policy_rules, 1, "allow-frontend has one ingress rule");
-        Agent {
-            tx,
-            rx,
-            out: 1,
-            policy: policy.expect("allow-frontend in the snapshot"),
-            policy_rules,
-            profile: profile.expect("kns.prod in the snapshot"),
-        }
-    }
-
-    /// Reports `packets` (and 100 bytes each) on ingress rule 0 of allow-frontend and the
-    /// same on ingress rule 0 of kns.prod.
-    async fn report(&mut self, packets: u64) {
-        assert!(self.policy_rules > 0);
-        let hit = |kind: pb::rule_ref::Kind, policy, profile| pb::RuleHits {
-            rule: Some(pb::RuleRef {
-                kind: kind as i32,
-                policy,
-                profile,
-                tier: String::new(),
-                egress: false,
-                index: 0,
-            }),
-            packets,
-            bytes: packets * 100,
-        };
-        self.out += 1;
-        self.tx
-            .send(pb::FromDataplane {
-                sequence_number: self.out,
-                payload: Some(From::RuleStats(pb::RuleStats {
-                    hits: vec![
-                        hit(
-                            pb::rule_ref::Kind::PolicyRule,
-                            Some(self.policy.clone()),
-                            None,
-                        ),
-                        hit(
-                            pb::rule_ref::Kind::ProfileRule,
-                            None,
-                            Some(pb::ProfileId {
-                                name: self.profile.clone(),
-                            }),
-                        ),
-                    ],
-                })),
-            })
-            .await
-            .expect("stream open");
-    }
-
-    /// Whether the server ended the stream (drains what it sends meanwhile).
-    async fn ended(&mut self) -> bool {
-        loop {
-            match tokio::time::timeout(Duration::from_secs(10), self.rx.next()).await {
-                Err(_) => return false,
-                Ok(None | Some(Err(_))) => return true,
-                Ok(Some(Ok(_))) => {}
-            }
-        }
-    }
+/// node-1's agent: offers `stats` and reads a snapshot that carries allow-frontend (one
+/// ingress rule) and kns.prod (one ingress rule).
+async fn connect(url: &str, node: &str) -> StatsAgent {
+    let agent = StatsAgent::connect(url, node, &["stats"]).await;
+    assert_eq!(agent.agreed, ["stats"], "stats agreed");
+    assert_eq!(
+        agent
+            .policies
+            .get("allow-frontend")
+            .map(|(_, rules)| *rules),
+        Some(1),
+        "allow-frontend has one ingress rule"
+    );
+    assert_eq!(agent.profiles.get("kns.prod"), Some(&1));
+    agent
 }
 
 /// Reports `packets` and waits until the server counted `total` on both owners.
-async fn report_and_see(agent: &mut Agent, server: &Server, packets: u64, total: u64) {
-    agent.report(packets).await;
+async fn report_and_see(agent: &mut StatsAgent, server: &Server, packets: u64, total: u64) {
+    agent.report("allow-frontend", "kns.prod", packets).await;
     wait_until(
         &format!("{total} hits on allow-frontend and kns.prod"),
         Duration::from_secs(10),
@@ -298,7 +192,7 @@ async fn hits_are_saved_in_etcd_and_survive_a_graceful_restart() {
     let work = tempfile::tempdir().unwrap();
     seed(&etcd);
     let mut server = start_server(&etcd, work.path(), "200ms");
-    let mut agent = Agent::connect(&server.grpc, NODE).await;
+    let mut agent = connect(&server.grpc, NODE).await;
     report_and_see(&mut agent, &server, 37, 37).await;
     let row = policy_row(&server, "NetworkPolicy", AF);
     assert_eq!(row["bytes"], 3700, "{row}");
@@ -319,7 +213,7 @@ async fn hits_are_saved_in_etcd_and_survive_a_graceful_restart() {
         hits_of(&server, "NetworkPolicy", AF) == Some(37)
             && hits_of(&server, "Profile", "kns.prod") == Some(37)
     });
-    let mut agent = Agent::connect(&server.grpc, NODE).await;
+    let mut agent = connect(&server.grpc, NODE).await;
     report_and_see(&mut agent, &server, 5, 42).await;
     wait_saved(&etcd, 42);
     let log = server.log_text();
@@ -336,7 +230,7 @@ async fn a_killed_server_loses_only_what_came_after_the_last_save() {
     seed(&etcd);
     // Saves at most every 5 s: a report right after a save stays unsaved that long.
     let mut server = start_server(&etcd, work.path(), "5s");
-    let mut agent = Agent::connect(&server.grpc, NODE).await;
+    let mut agent = connect(&server.grpc, NODE).await;
     report_and_see(&mut agent, &server, 37, 37).await;
     wait_saved(&etcd, 37);
     report_and_see(&mut agent, &server, 11, 48).await;
@@ -356,7 +250,7 @@ async fn a_killed_server_loses_only_what_came_after_the_last_save() {
         hits_of(&server, "NetworkPolicy", AF) == Some(37)
             && hits_of(&server, "Profile", "kns.prod") == Some(37)
     });
-    let mut agent = Agent::connect(&server.grpc, NODE).await;
+    let mut agent = connect(&server.grpc, NODE).await;
     report_and_see(&mut agent, &server, 5, 42).await;
     wait_saved(&etcd, 42);
     let log = server.log_text();
@@ -451,8 +345,8 @@ async fn a_server_that_reads_the_store_late_adds_to_it() {
     wait_until("ready once etcd is back", Duration::from_secs(20), || {
         http_get(&server.admin, "/readiness").is_some_and(|(code, _)| code == 200)
     });
-    let mut agent = Agent::connect(&server.grpc, NODE).await;
-    agent.report(5).await;
+    let mut agent = connect(&server.grpc, NODE).await;
+    agent.report("allow-frontend", "kns.prod", 5).await;
     let mut seen = Vec::new();
     wait_until("100 + 5 counted", Duration::from_secs(30), || {
         let now = (
@@ -510,12 +404,12 @@ async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
         shows(&a, 0) && shows(&b, 0)
     });
 
-    let mut agent = Agent::connect(&a.grpc, NODE).await;
+    let mut agent = connect(&a.grpc, NODE).await;
     report_and_see(&mut agent, &a, 37, 37).await;
     wait_saved(&etcd, 37);
     drop(agent);
 
-    let mut agent = Agent::connect(&b.grpc, NODE).await;
+    let mut agent = connect(&b.grpc, NODE).await;
     wait_until(
         "the second replica re-read node-1's saved 37",
         Duration::from_secs(10),
@@ -525,7 +419,7 @@ async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
     wait_saved(&etcd, 42);
     drop(agent);
 
-    let mut agent = Agent::connect(&a.grpc, NODE).await;
+    let mut agent = connect(&a.grpc, NODE).await;
     wait_until(
         "the first replica re-read node-1's saved 42",
         Duration::from_secs(10),

@@ -15,18 +15,12 @@
 
 use std::time::{Duration, Instant};
 
-use felix_proto as pb;
-use felix_proto::calc_server_client::CalcServerClient;
 use integration::fake_kube::{
     CRDS, FakeKube, NAMESPACES, NETWORK_POLICIES, NODES, PODS, SERVICE_ACCOUNTS,
 };
+use integration::stats_agent::StatsAgent;
 use integration::{Server, free_port, http_get, send_signal};
-use pb::from_dataplane::Payload as From;
-use pb::to_dataplane::Payload as To;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
 
 const NODE: &str = "node1";
 /// The label, annotation and data key of a saved part (docs/operations.md).
@@ -254,120 +248,30 @@ fn saved_part(packets: u64) -> Value {
 
 // ---- the raw agent.
 
-struct Agent {
-    tx: mpsc::Sender<pb::FromDataplane>,
-    _rx: tonic::Streaming<pb::ToDataplane>,
-    out: u64,
-    policy: pb::PolicyId,
-    profile: String,
-}
-
-impl Agent {
-    /// Says hello for node1 offering `stats` and `applied`, reads the snapshot to InSync and
-    /// learns allow-frontend's id and the kns.default profile from it.
-    async fn connect(url: &str) -> Agent {
-        let mut client = CalcServerClient::connect(url.to_string())
-            .await
-            .expect("connect");
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(From::AgentHello(pb::AgentHello {
-                node_name: NODE.into(),
-                agent_version: "test".into(),
-                capabilities: vec!["stats".into(), "applied".into()],
-            })),
-        })
-        .await
-        .unwrap();
-        let mut rx = client
-            .sync(ReceiverStream::new(rx))
-            .await
-            .expect("Sync")
-            .into_inner();
-        let (mut policy, mut profile) = (None, None);
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(10), rx.next())
-                .await
-                .expect("a message within 10 s")
-                .expect("stream open")
-                .expect("no error");
-            match m.payload.expect("payload") {
-                To::ServerHello(h) => {
-                    assert!(
-                        h.capabilities.iter().any(|c| c == "stats"),
-                        "stats agreed: {:?}",
-                        h.capabilities
-                    );
-                }
-                To::ActivePolicyUpdate(u) if u.id.as_ref().unwrap().name == POLICY => {
-                    assert_eq!(
-                        u.policy.as_ref().unwrap().inbound_rules.len(),
-                        1,
-                        "allow-frontend has one ingress rule"
-                    );
-                    policy = u.id;
-                }
-                To::ActiveProfileUpdate(u) if u.id.as_ref().unwrap().name == PROFILE => {
-                    profile = Some(u.id.unwrap().name);
-                }
-                To::InSync(_) => break,
-                _ => {}
-            }
-        }
-        Agent {
-            tx,
-            _rx: rx,
-            out: 1,
-            policy: policy.unwrap_or_else(|| panic!("{POLICY} in the snapshot")),
-            profile: profile.unwrap_or_else(|| panic!("{PROFILE} in the snapshot")),
-        }
-    }
-
-    /// Reports `packets` (100 bytes each) on ingress rule 0 of allow-frontend and of the
-    /// profile.
-    async fn report(&mut self, packets: u64) {
-        let hit = |kind: pb::rule_ref::Kind, policy, profile| pb::RuleHits {
-            rule: Some(pb::RuleRef {
-                kind: kind as i32,
-                policy,
-                profile,
-                tier: String::new(),
-                egress: false,
-                index: 0,
-            }),
-            packets,
-            bytes: packets * 100,
-        };
-        self.out += 1;
-        self.tx
-            .send(pb::FromDataplane {
-                sequence_number: self.out,
-                payload: Some(From::RuleStats(pb::RuleStats {
-                    hits: vec![
-                        hit(
-                            pb::rule_ref::Kind::PolicyRule,
-                            Some(self.policy.clone()),
-                            None,
-                        ),
-                        hit(
-                            pb::rule_ref::Kind::ProfileRule,
-                            None,
-                            Some(pb::ProfileId {
-                                name: self.profile.clone(),
-                            }),
-                        ),
-                    ],
-                })),
-            })
-            .await
-            .expect("stream open");
-    }
+/// node1's agent: offers `stats` and `applied` and reads a snapshot that carries
+/// allow-frontend (one ingress rule) and the kns.default profile.
+async fn connect(url: &str) -> StatsAgent {
+    let agent = StatsAgent::connect(url, NODE, &["stats", "applied"]).await;
+    assert!(
+        agent.agreed.iter().any(|c| c == "stats"),
+        "stats agreed: {:?}",
+        agent.agreed
+    );
+    assert_eq!(
+        agent.policies.get(POLICY).map(|(_, rules)| *rules),
+        Some(1),
+        "allow-frontend has one ingress rule"
+    );
+    assert!(
+        agent.profiles.contains_key(PROFILE),
+        "{PROFILE} in the snapshot"
+    );
+    agent
 }
 
 /// Reports `packets` and waits until the server shows `total` on both owners.
-async fn report_and_see(agent: &mut Agent, server: &Server, packets: u64, total: u64) {
-    agent.report(packets).await;
+async fn report_and_see(agent: &mut StatsAgent, server: &Server, packets: u64, total: u64) {
+    agent.report(POLICY, PROFILE, packets).await;
     wait_until(
         &format!("{total} hits on allow-frontend and {PROFILE}"),
         Duration::from_secs(10),
@@ -385,7 +289,7 @@ async fn hits_are_saved_in_config_maps_and_survive_a_graceful_restart() {
     let fake = cluster();
     let work = tempfile::tempdir().unwrap();
     let mut server = start_server(&fake, work.path(), &[]);
-    let mut agent = Agent::connect(&server.grpc).await;
+    let mut agent = connect(&server.grpc).await;
     report_and_see(&mut agent, &server, 37, 37).await;
     let row = policy_row(&server, "NetworkPolicy", "allow-frontend");
     assert_eq!(row["bytes"], 3700, "{row}");
@@ -423,7 +327,7 @@ async fn hits_are_saved_in_config_maps_and_survive_a_graceful_restart() {
     wait_until("37 restored", Duration::from_secs(10), || {
         shown(&server) == (Some(37), Some(37))
     });
-    let mut agent = Agent::connect(&server.grpc).await;
+    let mut agent = connect(&server.grpc).await;
     report_and_see(&mut agent, &server, 5, 42).await;
     wait_saved(&fake, "default", 42);
     let log = server.log_text();
@@ -470,7 +374,7 @@ async fn a_server_that_reads_its_config_maps_late_adds_to_them() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut agent = Agent::connect(&server.grpc).await;
+    let mut agent = connect(&server.grpc).await;
     report_and_see(&mut agent, &server, 5, 5).await;
     // Retries come 0.5, 1.5, 3.5 s after the first attempt: recovering at about 2.5 s leaves
     // the server counting for a while without its saved counters (and a save interval of
@@ -513,7 +417,7 @@ async fn hits_namespace_chooses_where_they_are_kept() {
     let fake = cluster();
     let work = tempfile::tempdir().unwrap();
     let server = start_server(&fake, work.path(), &["--hits-namespace", "other"]);
-    let mut agent = Agent::connect(&server.grpc).await;
+    let mut agent = connect(&server.grpc).await;
     report_and_see(&mut agent, &server, 7, 7).await;
     wait_saved(&fake, "other", 7);
     assert_eq!(fake.config_maps("default"), Vec::<Value>::new());
@@ -535,12 +439,12 @@ async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
         shown(&a) == (Some(0), Some(0)) && shown(&b) == (Some(0), Some(0))
     });
 
-    let mut agent = Agent::connect(&a.grpc).await;
+    let mut agent = connect(&a.grpc).await;
     report_and_see(&mut agent, &a, 37, 37).await;
     wait_saved(&fake, "default", 37);
     drop(agent);
 
-    let mut agent = Agent::connect(&b.grpc).await;
+    let mut agent = connect(&b.grpc).await;
     wait_until(
         "the second replica re-read node1's saved 37",
         Duration::from_secs(10),
@@ -550,7 +454,7 @@ async fn a_node_that_fails_over_carries_on_from_what_was_saved() {
     wait_saved(&fake, "default", 42);
     drop(agent);
 
-    let mut agent = Agent::connect(&a.grpc).await;
+    let mut agent = connect(&a.grpc).await;
     wait_until(
         "the first replica re-read node1's saved 42",
         Duration::from_secs(10),
