@@ -59,24 +59,18 @@ fn config_maps() -> ApiResource {
     }
 }
 
-fn fnv(text: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 /// `calc-server-hits-<16 hex digits>`: a valid object name whatever the part's name holds.
 pub(crate) fn object_name(part: &str) -> String {
-    format!("calc-server-hits-{:016x}", fnv(part))
+    format!(
+        "calc-server-hits-{:016x}",
+        parts::stable_hash(part.as_bytes())
+    )
 }
 
 /// The [`GROUP_LABEL`] value of a part (`counts/node-1/0` → the hash of `counts/node-1`).
 fn group_label(part: &str) -> String {
     let group = part.rsplit_once('/').map_or(part, |(g, _)| g);
-    format!("{:016x}", fnv(group))
+    format!("{:016x}", parts::stable_hash(group.as_bytes()))
 }
 
 pub(crate) struct KubeStore {

@@ -39,14 +39,20 @@ pub(crate) fn node_group(node: &str) -> String {
     format!("counts/{}", escape(node))
 }
 
-/// FNV-1a: stable across builds and platforms (the std hasher is not).
-fn bucket(bytes: &[u8]) -> u64 {
+/// FNV-1a of `bytes`: stable across builds and platforms (the std hasher is not), so equal
+/// names hash alike in every replica and release. Bucket and object names are made with it.
+pub(crate) fn stable_hash(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    h % SEEN_BUCKETS
+    h
+}
+
+/// The observation bucket of an owner (its JSON).
+fn bucket(bytes: &[u8]) -> u64 {
+    stable_hash(bytes) % SEEN_BUCKETS
 }
 
 /// Cuts `items` (already JSON) into documents of at most [`PART_BYTES`], named `group/<i>`;
