@@ -457,6 +457,9 @@ pub enum EndpointKind {
     Workload {
         orchestrator_id: String,
         workload_id: String,
+        /// The pod's `generateName` when it is a valid name prefix, else empty (flow logs
+        /// aggregate a workload under it; it reaches no dataplane).
+        generate_name: String,
         endpoint_id: String,
         interface_name: String,
         mac: String,
@@ -513,6 +516,15 @@ fn named_ports(ports: &[crate::model::EndpointPort]) -> Vec<NamedPort> {
             })
         })
         .collect()
+}
+
+/// Whether `s` can be the start of a Kubernetes object name: 1–253 characters of lower-case
+/// letters, digits, `-` and `.` (a `generateName`, whose tail may be a `-`).
+fn is_name_prefix(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
 fn split_nets(nets: &[String]) -> (Vec<String>, Vec<String>) {
@@ -579,6 +591,12 @@ pub fn convert_workload_endpoint(
         kind: EndpointKind::Workload {
             orchestrator_id: parts[1].clone(),
             workload_id: format!("{ns}/{}", parts[2]),
+            generate_name: meta
+                .generate_name
+                .as_deref()
+                .filter(|g| is_name_prefix(g))
+                .unwrap_or_default()
+                .to_string(),
             endpoint_id: parts[3].clone(),
             interface_name: spec.interface_name.clone(),
             mac: spec.mac.clone(),
@@ -751,6 +769,7 @@ mod tests {
         let meta = ObjectMeta {
             name: "node--1-k8s-web--1-eth0".into(),
             namespace: Some("shop".into()),
+            generate_name: Some("web-5d9f8-".into()),
             labels: [("app", "web"), ("pcns.x", "y"), ("pcsa.z", "w")]
                 .into_iter()
                 .map(|(a, b)| (a.into(), b.into()))
@@ -777,8 +796,10 @@ mod tests {
                 workload_id,
                 orchestrator_id,
                 endpoint_id,
+                generate_name,
                 ..
             } => {
+                assert_eq!(generate_name, "web-5d9f8-");
                 assert_eq!(
                     (
                         orchestrator_id.as_str(),
@@ -790,6 +811,15 @@ mod tests {
             }
             _ => panic!(),
         }
+        // A generateName that is no name prefix is dropped, the endpoint kept.
+        let odd = ObjectMeta {
+            generate_name: Some("Web_\u{1b}[2J-".into()),
+            ..meta.clone()
+        };
+        let ep = convert_workload_endpoint(&odd, &spec).unwrap().unwrap();
+        assert!(
+            matches!(&ep.kind, EndpointKind::Workload { generate_name, .. } if generate_name.is_empty())
+        );
         let no_ips = WorkloadEndpointSpec {
             node: "node-1".into(),
             ..Default::default()

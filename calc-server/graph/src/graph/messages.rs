@@ -120,6 +120,7 @@ impl CalcGraph {
                 ipv4_nat,
                 ipv6_nat,
                 allow_spoofed_source_prefixes,
+                generate_name: _,
             } => {
                 let nat = |v: &Vec<(String, String)>| {
                     v.iter()

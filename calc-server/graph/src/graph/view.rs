@@ -130,6 +130,14 @@ impl<'g> GraphView<'g> {
             .filter_map(move |(k, item)| g.items.netsets.get(item).map(|ns| (&**k, &ns.nets[..])))
     }
 
+    /// A NetworkSet's or GlobalNetworkSet's labels (flow logs show them for an address the
+    /// set names).
+    pub fn network_set_labels(self, key: &ResourceKey) -> Option<BTreeMap<String, String>> {
+        let item = self.g.items.item_of.get(key)?;
+        self.g.items.netsets.get(item)?;
+        self.g.index.effective_labels(*item)
+    }
+
     /// Every policy (staged ones included), in no particular order.
     pub fn policies(self) -> impl Iterator<Item = PolicyView<'g>> + 'g {
         self.g

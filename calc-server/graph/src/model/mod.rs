@@ -338,6 +338,10 @@ pub struct ObjectMeta {
     pub name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// The prefix Kubernetes made the name from (a pod's `generateName`, which Calico's
+    /// WorkloadEndpoints carry over): flow logs name a workload by it, followed by `*`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generate_name: Option<String>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]

@@ -223,6 +223,7 @@ impl Converter {
             "metadata": {
                 "name": workload_endpoint_name(node, name),
                 "namespace": ns,
+                "generateName": meta.generate_name,
                 "labels": labels,
             },
             "spec": {

@@ -3,15 +3,16 @@
 //! store ([`crate::flows::FlowStore`]) keyed as Calico's Goldmane keys them ([`FlowIngest`]).
 //!
 //! Naming each side of a record (pure, from the graph as it is when the record arrives):
-//! - an address of a workload endpoint: its pod's name (the part of the workload id after the
-//!   namespace; Calico aggregates by the pod's `generateName` followed by `*`, which our model
-//!   does not keep, so each pod is its own name), its namespace, its effective labels
-//!   (`key=value`), type `WorkloadEndpoint`;
-//! - an address of a host endpoint: its name, type `HostEndpoint`;
-//! - an address in a NetworkSet or GlobalNetworkSet: that set's name and namespace (the longest
-//!   matching prefix wins; ties by key), type `NetworkSet`;
-//! - otherwise `pvt` for a private address (10/8, 172.16/12, 192.168/16, fc00::/7, as Go's
-//!   `IP.IsPrivate`, which Calico uses) and `pub` for any other, type `Network`.
+//! - an address of a workload endpoint: its pod's `generateName` followed by `*` (Calico's
+//!   aggregate, so every replica of a Deployment is one name), or the pod's name when it has
+//!   none; its namespace; its effective labels (`key=value`, without Calico's own
+//!   `projectcalico.org/…` labels); type `WorkloadEndpoint`;
+//! - an address of a host endpoint: its node's name (as Felix's aggregated name), namespace
+//!   `-`, type `HostEndpoint`;
+//! - an address in a NetworkSet or GlobalNetworkSet: that set's name, namespace (`-` for a
+//!   global one) and labels (the longest matching prefix wins; ties by key), type `NetworkSet`;
+//! - otherwise `pvt` for an address in 10/8, 172.16/12 or 192.168/16 and `pub` for any other
+//!   (IPv6 included, as Felix), namespace `-`, type `Network`.
 //!
 //! The reporting side (the destination when `reporter_dest`, else the source) must be an
 //! endpoint of the reporting node: a record that is not is dropped and counted (`foreign`), so
@@ -251,15 +252,33 @@ pub(crate) struct Side {
     pub labels: Vec<String>,
 }
 
-/// Whether Go's `IP.IsPrivate` holds: RFC 1918 and RFC 4193 addresses.
+/// Whether Felix counts `ip` as private (`pvt`): the three RFC 1918 IPv4 blocks only; every
+/// other address, IPv6 ones included, is public (`pub`).
 pub(crate) fn is_private(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
             let o = v4.octets();
             o[0] == 10 || (o[0] == 172 && (o[1] & 0xf0) == 16) || (o[0] == 192 && o[1] == 168)
         }
-        IpAddr::V6(v6) => (v6.segments()[0] & 0xfe00) == 0xfc00,
+        IpAddr::V6(_) => false,
     }
+}
+
+/// The namespace Calico's flow logs give what has none (a host endpoint, a global network
+/// set, an address no endpoint or set holds).
+pub(crate) const NO_NAMESPACE: &str = "-";
+
+/// Labels as flow logs show them: `key=value`, without Calico's own `projectcalico.org/…`
+/// labels, bounded.
+fn flow_labels(labels: Option<BTreeMap<String, String>>) -> Vec<String> {
+    labels
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("projectcalico.org/"))
+        .take(crate::flows::limits::MAX_LABELS)
+        .map(|(k, v)| format!("{k}={v}"))
+        .filter(|l| l.len() <= crate::flows::limits::MAX_LABEL)
+        .collect()
 }
 
 /// The prefix length of `cidr` when it contains `ip`.
@@ -292,27 +311,28 @@ fn contains(cidr: &str, ip: IpAddr) -> Option<u8> {
 }
 
 fn endpoint_side(e: EndpointView<'_>) -> Side {
-    let labels = e
-        .labels()
-        .unwrap_or_default()
-        .into_iter()
-        .take(crate::flows::limits::MAX_LABELS)
-        .map(|(k, v)| format!("{k}={v}"))
-        .filter(|l| l.len() <= crate::flows::limits::MAX_LABEL)
-        .collect();
+    let labels = flow_labels(e.labels());
     match &e.model().kind {
-        EndpointKind::Workload { workload_id, .. } => Side {
-            name: workload_id
-                .rsplit_once('/')
-                .map_or(workload_id.as_str(), |(_, pod)| pod)
-                .to_string(),
+        EndpointKind::Workload {
+            workload_id,
+            generate_name,
+            ..
+        } => Side {
+            name: if generate_name.is_empty() {
+                workload_id
+                    .rsplit_once('/')
+                    .map_or(workload_id.as_str(), |(_, pod)| pod)
+                    .to_string()
+            } else {
+                format!("{generate_name}*")
+            },
             namespace: e.key().namespace.clone().unwrap_or_default(),
             kind: EndpointType::WorkloadEndpoint,
             labels,
         },
         EndpointKind::Host { .. } => Side {
-            name: e.key().name.clone(),
-            namespace: String::new(),
+            name: e.node().to_string(),
+            namespace: NO_NAMESPACE.to_string(),
             kind: EndpointType::HostEndpoint,
             labels,
         },
@@ -416,14 +436,17 @@ fn name_ip_with(view: GraphView<'_>, endpoint: Option<EndpointView<'_>>, ip: IpA
     if let Some((_, k)) = best {
         return Side {
             name: k.name.clone(),
-            namespace: k.namespace.clone().unwrap_or_default(),
+            namespace: k
+                .namespace
+                .clone()
+                .unwrap_or_else(|| NO_NAMESPACE.to_string()),
             kind: EndpointType::NetworkSet,
-            labels: Vec::new(),
+            labels: flow_labels(view.network_set_labels(k)),
         };
     }
     Side {
         name: if is_private(ip) { "pvt" } else { "pub" }.to_string(),
-        namespace: String::new(),
+        namespace: NO_NAMESPACE.to_string(),
         kind: EndpointType::Network,
         labels: Vec::new(),
     }
@@ -960,6 +983,7 @@ mod tests {
                         "name": format!("{}-k8s-{}-eth0", node.replace('-', "--"), pod.replace('-', "--")),
                         "namespace": "shop",
                         "labels": {"app": pod.split('-').next().unwrap(), "projectcalico.org/namespace": "shop"},
+                        "generateName": if pod == "db-1" { Some("db-") } else { None },
                     },
                     "spec": {
                         "orchestrator": "k8s", "node": node, "pod": pod, "endpoint": "eth0",
@@ -980,7 +1004,7 @@ mod tests {
             &mut g,
             json!({
                 "apiVersion": "projectcalico.org/v3", "kind": "NetworkSet",
-                "metadata": {"name": "partners", "namespace": "shop"},
+                "metadata": {"name": "partners", "namespace": "shop", "labels": {"kind": "partner"}},
                 "spec": {"nets": ["203.0.113.0/24"]},
             }),
         );
@@ -1126,42 +1150,58 @@ mod tests {
         assert_eq!(
             side("10.0.0.2"),
             (
-                "db-1".into(),
+                // A pod made from a generateName is named by it, as Calico aggregates replicas;
+                // Calico's own labels are left out.
+                "db-*".into(),
                 "shop".into(),
                 EndpointType::WorkloadEndpoint,
-                vec![
-                    "app=db".to_string(),
-                    "projectcalico.org/namespace=shop".into(),
-                    "projectcalico.org/orchestrator=k8s".into()
-                ]
+                vec!["app=db".to_string()]
             )
         );
-        assert_eq!(side("192.168.1.1").0.., "a-eth0".to_string()..);
         assert_eq!(
-            name_ip(v, ip("192.168.1.1")).kind,
-            EndpointType::HostEndpoint
+            side("10.0.0.1").0,
+            "web-1",
+            "no generateName: the pod's name"
         );
-        // The longest prefix wins: the namespaced /24 over the global /16.
-        assert_eq!(side("203.0.113.9").0, "partners");
+        // A host endpoint is named by its node, in no namespace.
         assert_eq!(
-            (side("203.0.113.9").1, side("203.0.113.9").2),
-            ("shop".into(), EndpointType::NetworkSet)
+            side("192.168.1.1"),
+            (
+                "node-a".into(),
+                "-".into(),
+                EndpointType::HostEndpoint,
+                vec!["host=a".to_string()]
+            )
         );
-        assert_eq!(side("203.0.7.7").0, "wide");
+        // The longest prefix wins: the namespaced /24 over the global /16; a set's labels.
         assert_eq!(
-            (side("8.8.8.8").0, side("8.8.8.8").2),
-            ("pub".into(), EndpointType::Network)
+            side("203.0.113.9"),
+            (
+                "partners".into(),
+                "shop".into(),
+                EndpointType::NetworkSet,
+                vec!["kind=partner".to_string()]
+            )
         );
-        for private in [
-            "10.9.9.9",
-            "172.16.0.1",
-            "172.31.255.255",
-            "192.168.7.7",
-            "fd00::1",
-        ] {
+        assert_eq!(
+            (side("203.0.7.7").0, side("203.0.7.7").1),
+            ("wide".into(), "-".into())
+        );
+        assert_eq!(
+            side("8.8.8.8"),
+            ("pub".into(), "-".into(), EndpointType::Network, vec![])
+        );
+        for private in ["10.9.9.9", "172.16.0.1", "172.31.255.255", "192.168.7.7"] {
             assert_eq!(side(private).0, "pvt", "{private}");
         }
-        for public in ["172.32.0.1", "11.0.0.1", "2001:db8::1", "fe80::1"] {
+        // Felix's private blocks are IPv4 only: a unique local IPv6 address is public.
+        for public in [
+            "172.32.0.1",
+            "11.0.0.1",
+            "2001:db8::1",
+            "fe80::1",
+            "fd00::1",
+        ] {
             assert_eq!(side(public).0, "pub", "{public}");
         }
         // The index answers as the scan does.

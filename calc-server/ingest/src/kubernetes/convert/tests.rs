@@ -153,6 +153,21 @@ fn a_pod_becomes_the_workload_endpoint_calico_stores() {
 }
 
 #[test]
+fn a_pods_generate_name_is_kept_for_flow_logs() {
+    let r = applied(
+        Source::Pod,
+        pod(
+            json!({"name": "nginx-5d8f-x7k2q", "generateName": "nginx-5d8f-"}),
+            json!({}),
+            running("10.65.0.6"),
+        ),
+    );
+    assert_eq!(wep(&r).0.generate_name.as_deref(), Some("nginx-5d8f-"));
+    let r = applied(Source::Pod, pod(json!({}), json!({}), running("10.65.0.7")));
+    assert_eq!(wep(&r).0.generate_name, None);
+}
+
+#[test]
 fn pod_ips_come_from_status_then_annotations() {
     let dual = applied(
         Source::Pod,
