@@ -37,7 +37,7 @@ fn escape(s: &str) -> String {
 
 /// The `/flows` path for the arguments.
 pub(crate) fn path(args: &FlowsArgs) -> String {
-    let mut q = Vec::new();
+    let mut q = vec!["format=goldmane".to_string()];
     if args.follow {
         q.push("aggregation_interval=15".to_string());
     }
@@ -54,11 +54,7 @@ pub(crate) fn path(args: &FlowsArgs) -> String {
     if let Some(p) = &args.policy {
         q.push(format!("policy={}", escape(p)));
     }
-    if q.is_empty() {
-        "/flows".into()
-    } else {
-        format!("/flows?{}", q.join("&"))
-    }
+    format!("/flows?{}", q.join("&"))
 }
 
 fn text(v: &Value) -> &str {
@@ -79,7 +75,7 @@ fn side(key: &Value, prefix: &str) -> String {
     let name = text(&key[format!("{prefix}_name")]);
     let ns = text(&key[format!("{prefix}_namespace")]);
     let ty = text(&key[format!("{prefix}_type")]);
-    let base = if ns.is_empty() {
+    let base = if ns.is_empty() || ns == "-" {
         name.to_string()
     } else {
         format!("{ns}/{name}")
@@ -100,7 +96,7 @@ pub(crate) fn hit(h: &Value) -> String {
     let named = |h: &Value| {
         let ns = text(&h["namespace"]);
         let name = text(&h["name"]);
-        if ns.is_empty() {
+        if ns.is_empty() || ns == "-" {
             name.to_string()
         } else {
             format!("{ns}/{name}")
@@ -310,7 +306,7 @@ mod tests {
 
     #[test]
     fn the_path_carries_the_servers_filters() {
-        assert_eq!(path(&args(&[])), "/flows");
+        assert_eq!(path(&args(&[])), "/flows?format=goldmane");
         assert_eq!(
             path(&args(&[
                 "--since",
@@ -324,9 +320,12 @@ mod tests {
                 "--namespace",
                 "shop"
             ])),
-            "/flows?start_time_gte=-600&action=deny&dest_port=80&policy=gnp%3Aa%20b"
+            "/flows?format=goldmane&start_time_gte=-600&action=deny&dest_port=80&policy=gnp%3Aa%20b"
         );
-        assert_eq!(path(&args(&["--follow"])), "/flows?aggregation_interval=15");
+        assert_eq!(
+            path(&args(&["--follow"])),
+            "/flows?format=goldmane&aggregation_interval=15"
+        );
     }
 
     #[test]

@@ -266,7 +266,8 @@ fn denied(at: i64) -> pb::FlowRecord {
 }
 
 fn flows(server: &Server, query: &str) -> Value {
-    let (code, body) = http_get(&server.admin, &format!("/flows{query}")).expect("admin answers");
+    let query = format!("/flows?format=goldmane{}", query.replacen('?', "&", 1));
+    let (code, body) = http_get(&server.admin, &query).expect("admin answers");
     assert_eq!(code, 200, "{body}");
     serde_json::from_str(&body).expect("JSON")
 }
@@ -400,14 +401,8 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         ),
         "counted once: {allowed_dst}"
     );
-    assert_eq!(
-        allowed_dst["source_labels"],
-        json!([
-            "app=web",
-            "projectcalico.org/namespace=shop",
-            "projectcalico.org/orchestrator=k8s"
-        ])
-    );
+    // Calico's own labels are left out, as in Calico's flow logs.
+    assert_eq!(allowed_dst["source_labels"], json!(["app=web"]));
     let denied_dst = find("22", "Dst");
     assert_eq!(denied_dst["Key"]["source_name"], "partners");
     assert_eq!(denied_dst["Key"]["source_namespace"], "shop");
@@ -461,16 +456,68 @@ async fn flow_reports_are_named_counted_once_and_listed() {
         "{by_policy}"
     );
 
-    // Filter hints, as Whisker's backend serves them.
-    let (code, body) =
-        http_get(&server.admin, "/flows-filter-hints?type=source_name").expect("admin answers");
+    // The flows as Whisker's backend serves them, with Whisker's filter parameter.
+    let whisker = |path: &str| -> Value {
+        let (code, body) = http_get(&server.admin, path).expect("admin answers");
+        assert_eq!(code, 200, "{path}: {body}");
+        serde_json::from_str(&body).expect("JSON")
+    };
+    let denied = whisker(
+        "/flows?filters=%7B%22actions%22%3A%5B%22Deny%22%5D%7D&sortBy=DestName&startTimeGte=-3600",
+    );
+    assert_eq!(
+        denied["total"],
+        json!({"totalPages": 1, "totalResults": 1}),
+        "{denied}"
+    );
+    let w = &denied["items"][0];
+    assert_eq!(
+        (&w["source_name"], &w["source_namespace"], &w["dest_name"]),
+        (&json!("partners"), &json!("shop"), &json!("db-1")),
+        "{w}"
+    );
+    assert_eq!(
+        (
+            &w["action"],
+            &w["reporter"],
+            &w["protocol"],
+            &w["dest_port"]
+        ),
+        (&json!("Deny"), &json!("Dst"), &json!("tcp"), &json!(22)),
+        "{w}"
+    );
+    assert_eq!(
+        w["policies"]["enforced"][0]["trigger"]["name"], "security.guard",
+        "{w}"
+    );
+    assert!(
+        w["start_time"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{w}"
+    );
+    // A filter Whisker's backend does not know is refused, naming it.
+    let (code, body) = http_get(&server.admin, "/flows?filters=%7B%22colour%22%3A%5B%5D%7D")
+        .expect("admin answers");
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("colour"), "{body}");
+
+    // Filter hints, as Whisker's backend serves them (its type names, and ours).
+    for kind in ["SourceName", "source_name"] {
+        let hints = whisker(&format!("/flows-filter-hints?type={kind}"));
+        assert_eq!(
+            hints["items"],
+            json!([{"value": "partners"}, {"value": "web-1"}]),
+            "{hints}"
+        );
+        assert_eq!(hints["total"]["totalResults"], 2, "{hints}");
+    }
+    let (code, body) = http_get(
+        &server.admin,
+        "/flows-filter-hints?type=SourceName&format=goldmane",
+    )
+    .expect("admin answers");
     assert_eq!(code, 200, "{body}");
     let hints: Value = serde_json::from_str(&body).expect("JSON");
-    assert_eq!(
-        hints["hints"],
-        json!([{"value": "partners"}, {"value": "web-1"}]),
-        "{hints}"
-    );
+    assert_eq!(hints["hints"].as_array().map(Vec::len), Some(2), "{hints}");
 
     // Goldmane's gRPC API on the admin endpoint, as a client generated from its schema
     // calls it.
@@ -683,7 +730,8 @@ async fn follow_prints_closed_intervals_as_they_come() {
     let _ = child.kill();
     let _ = child.wait();
 
-    // /flows?watch=true: server-sent events, one per flow and interval.
+    // /flows?watch=true: server-sent events, one per flow and interval, each a flow as
+    // Whisker's backend writes it.
     {
         use std::io::{Read, Write};
         let mut sock = std::net::TcpStream::connect(&server.admin).expect("connect");
@@ -708,12 +756,19 @@ async fn follow_prints_closed_intervals_as_they_come() {
             .filter_map(|l| l.strip_prefix("data: "))
             .map(|d| serde_json::from_str(d).expect("JSON"))
             .collect();
-        assert_eq!(
+        let starts: Vec<&str> = events
+            .iter()
+            .map(|e| e["start_time"].as_str().expect("an RFC 3339 start"))
+            .collect();
+        assert!(
+            starts.len() == 2 && starts[0] < starts[1],
+            "two intervals, oldest first: {seen}"
+        );
+        assert!(
             events
                 .iter()
-                .map(|e| e["flow"]["start_time"].as_str().unwrap().to_string())
-                .collect::<Vec<_>>(),
-            [(old - 15).to_string(), old.to_string()]
+                .all(|e| e["dest_name"] == "db-1" && e["dest_port"] == 5432),
+            "{seen}"
         );
     }
 

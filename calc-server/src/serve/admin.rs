@@ -365,7 +365,8 @@ async fn policy(State(s): State<AdminState>, Path(name): Path<String>) -> Respon
 /// `dest_namespace`, `dest_type`, `source_name`, `source_namespace`, `source_type`),
 /// `source_name`, `source_namespace`, `dest_name`, `dest_namespace`, `protocol` (exact),
 /// `dest_port`, `action` (`allow`, `deny`, `pass`), `policy` (`[KIND:][NAMESPACE/]NAME`, a
-/// hit of the enforced or pending trace).
+/// hit of the enforced or pending trace); and Whisker's (`startTimeGte`, `startTimeLt`,
+/// `sortBy`, `filters`, `pageSize`: [`super::whisker`]).
 pub(super) fn flow_request(query: &str) -> Result<crate::flows::FlowListRequest, String> {
     use crate::flows::goldmane::{self, Filter, MatchType, PolicyMatch, StringMatch};
     let mut req = crate::flows::FlowListRequest::default();
@@ -386,10 +387,12 @@ pub(super) fn flow_request(query: &str) -> Result<crate::flows::FlowListRequest,
             r#type: MatchType::Exact as i32,
         };
         match k.as_str() {
-            "start_time_gte" => req.start_time_gte = int(&v)?,
-            "start_time_lt" => req.start_time_lt = int(&v)?,
+            "start_time_gte" | "startTimeGte" => req.start_time_gte = int(&v)?,
+            "start_time_lt" | "startTimeLt" => req.start_time_lt = int(&v)?,
             "page" => req.page = int(&v)?,
-            "page_size" => req.page_size = int(&v)?,
+            "page_size" | "pageSize" => req.page_size = int(&v)?,
+            "sortBy" => req.sort_by.push(super::whisker::sort_option(&v)?),
+            "filters" => super::whisker::merge(&mut filter, super::whisker::filters(&v)?),
             "aggregation_interval" => req.aggregation_interval = int(&v)?,
             "sort_by" => {
                 let by = match v.as_str() {
@@ -463,8 +466,9 @@ pub(super) fn flow_request(query: &str) -> Result<crate::flows::FlowListRequest,
 }
 
 /// Reads `/flows-filter-hints`' query: `type` (`source_name`, `dest_name`,
-/// `source_namespace`, `dest_namespace`, `policy_tier`, `policy_name`; required), then the
-/// window, paging and filter parameters of [`flow_request`].
+/// `source_namespace`, `dest_namespace`, `policy_tier`, `policy_name`, or Whisker's
+/// `SourceName`, …; required), then the window, paging and filter parameters of
+/// [`flow_request`].
 pub(super) fn hints_request(query: &str) -> Result<crate::flows::FilterHintsRequest, String> {
     use crate::flows::goldmane::FilterType;
     let mut kind = None;
@@ -479,9 +483,10 @@ pub(super) fn hints_request(query: &str) -> Result<crate::flows::FilterHintsRequ
                     "dest_namespace" => FilterType::DestNamespace,
                     "policy_tier" => FilterType::PolicyTier,
                     "policy_name" => FilterType::PolicyName,
-                    _ => {
-                        return Err("parameter type: source_name, dest_name, source_namespace, dest_namespace, policy_tier or policy_name".into());
-                    }
+                    // Whisker's names: SourceName, DestNamespace, PolicyTier, …
+                    _ => super::whisker::filter_type(v).ok_or(
+                        "parameter type: source_name, dest_name, source_namespace, dest_namespace, policy_tier or policy_name (or Whisker's SourceName, DestName, …)",
+                    )?,
                 })
             }
             _ => rest.push(pair),
@@ -503,17 +508,29 @@ pub(super) fn hints_request(query: &str) -> Result<crate::flows::FilterHintsRequ
 }
 
 async fn flow_hints(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
-    let request = match hints_request(query.as_deref().unwrap_or_default()) {
-        Ok(r) => r,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
-    };
+    let (goldmane, request) =
+        match answer_options(&query.unwrap_or_default()).and_then(|(watch, goldmane, rest)| {
+            if watch {
+                return Err("filter hints cannot be watched".into());
+            }
+            Ok((goldmane, hints_request(&rest)?))
+        }) {
+            Ok(r) => r,
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+        };
+    let kind = request.r#type;
     match ask(&s, |reply| super::engine::Input::FlowHints {
         request,
         reply,
     })
     .await
     {
-        Ok(Some(Ok(result))) => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Ok(result))) if goldmane => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Ok(result))) => json_answer(
+            &s,
+            StatusCode::OK,
+            &super::whisker::hint_list(&result, kind),
+        ),
         Ok(Some(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
         Ok(None) => json_error(
             StatusCode::NOT_FOUND,
@@ -523,11 +540,15 @@ async fn flow_hints(State(s): State<AdminState>, RawQuery(query): RawQuery) -> R
     }
 }
 
-/// `/flows?watch=true`: server-sent events, one `data:` line per flow (the proto3 JSON of a
-/// Goldmane `FlowResult`) and interval, each once its interval closed (see
-/// `goldmane_api::follow`); an error ends the stream with an `event: error` whose data is
-/// `{"error": …}`.
-async fn watch_flows(s: AdminState, mut request: crate::flows::FlowListRequest) -> Response {
+/// `/flows?watch=true`: server-sent events, one `data:` line per flow (as Whisker's backend
+/// writes a flow, or with `goldmane` the proto3 JSON of a Goldmane `FlowResult`) and
+/// interval, each once its interval closed (see `goldmane_api::follow`); an error ends the
+/// stream with an `event: error` whose data is `{"error": …}`.
+async fn watch_flows(
+    s: AdminState,
+    mut request: crate::flows::FlowListRequest,
+    goldmane: bool,
+) -> Response {
     use tokio_stream::StreamExt;
     if request.aggregation_interval == 0 {
         request.aggregation_interval = crate::flows::BUCKET_SECONDS;
@@ -544,11 +565,18 @@ async fn watch_flows(s: AdminState, mut request: crate::flows::FlowListRequest) 
             return json_error(code, status.message().to_string());
         }
     };
-    let events = tokio_stream::wrappers::ReceiverStream::new(rx).map(|item| {
+    let events = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |item| {
         let text = match item {
-            Ok(r) => format!(
+            Ok(r) if goldmane => format!(
                 "data: {}\n\n",
                 serde_json::to_string(&r).unwrap_or_default()
+            ),
+            Ok(r) => format!(
+                "data: {}\n\n",
+                r.flow
+                    .as_ref()
+                    .map(super::whisker::flow)
+                    .unwrap_or_default()
             ),
             Err(status) => format!(
                 "event: error\ndata: {}\n\n",
@@ -567,26 +595,37 @@ async fn watch_flows(s: AdminState, mut request: crate::flows::FlowListRequest) 
         .into_response()
 }
 
-async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
-    let query = query.unwrap_or_default();
-    let mut watch = false;
-    let rest: Vec<&str> = query
-        .split('&')
-        .filter(|p| match *p {
-            "watch=true" => {
-                watch = true;
-                false
+/// The `/flows` and `/flows-filter-hints` options that are not part of the question: `watch`
+/// and `format` (`whisker`, the default, or `goldmane`). Returns the rest of the query.
+fn answer_options(query: &str) -> Result<(bool, bool, String), String> {
+    let (mut watch, mut goldmane) = (false, false);
+    let mut rest = Vec::new();
+    for p in query.split('&').filter(|p| !p.is_empty()) {
+        match p {
+            "watch=true" => watch = true,
+            "watch=false" => {}
+            "format=goldmane" => goldmane = true,
+            "format=whisker" => goldmane = false,
+            _ if p.starts_with("format=") => {
+                return Err("parameter format: whisker or goldmane".into());
             }
-            "watch=false" => false,
-            _ => true,
-        })
-        .collect();
-    let request = match flow_request(&rest.join("&")) {
+            _ => rest.push(p),
+        }
+    }
+    Ok((watch, goldmane, rest.join("&")))
+}
+
+async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    let (watch, goldmane, rest) = match answer_options(&query.unwrap_or_default()) {
+        Ok(o) => o,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
+    };
+    let request = match flow_request(&rest) {
         Ok(r) => r,
         Err(e) => return json_error(StatusCode::BAD_REQUEST, e),
     };
     if watch {
-        return watch_flows(s, request).await;
+        return watch_flows(s, request, goldmane).await;
     }
     match ask(&s, |reply| super::engine::Input::FlowList {
         request,
@@ -594,7 +633,10 @@ async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Respon
     })
     .await
     {
-        Ok(Some(Ok(result))) => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Ok(result))) if goldmane => json_answer(&s, StatusCode::OK, &result),
+        Ok(Some(Ok(result))) => {
+            json_answer(&s, StatusCode::OK, &super::whisker::flow_list(&result))
+        }
         Ok(Some(Err(e))) => json_error(StatusCode::BAD_REQUEST, e.to_string()),
         Ok(None) => json_error(
             StatusCode::NOT_FOUND,

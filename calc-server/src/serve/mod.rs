@@ -25,6 +25,7 @@ mod hits_store;
 pub mod listener;
 pub mod metrics;
 mod service;
+mod whisker;
 /// The status board lives at the top (`crate::status`): the datastore's status writers read it.
 pub use crate::status;
 
