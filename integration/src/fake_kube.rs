@@ -45,6 +45,7 @@ pub const SERVICE_ACCOUNTS: &str = "/api/v1/serviceaccounts";
 pub const NODES: &str = "/api/v1/nodes";
 pub const NETWORK_POLICIES: &str = "/apis/networking.k8s.io/v1/networkpolicies";
 pub const ENDPOINT_SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+pub const SERVICES: &str = "/api/v1/services";
 
 /// Collections of the network-policy-api kinds (served only after [`FakeKube::serve`]).
 pub const CLUSTER_NETWORK_POLICIES: &str =
@@ -147,6 +148,7 @@ impl FakeKube {
             (NODES, "v1", "Node"),
             (NETWORK_POLICIES, "networking.k8s.io/v1", "NetworkPolicy"),
             (ENDPOINT_SLICES, "discovery.k8s.io/v1", "EndpointSlice"),
+            (SERVICES, "v1", "Service"),
         ] {
             collections.insert(
                 path.to_string(),

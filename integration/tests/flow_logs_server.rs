@@ -104,6 +104,13 @@ spec:
   interfaceName: calidb1
   ipNetworks: [10.65.2.20/32]
   profiles: [kns.shop]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{name: pg, port: 5432, targetPort: 5432}]
 "#;
 
 fn datastore() -> tempfile::TempDir {
@@ -243,6 +250,9 @@ fn allowed(at: i64) -> pb::FlowRecord {
         connections_started: 1,
         connections_completed: 1,
         connections_live: 0,
+        // db-1's node saw no translation.
+        original_dest_ip: String::new(),
+        original_dest_port: 0,
     }
 }
 
@@ -336,6 +346,9 @@ async fn flow_reports_are_named_counted_once_and_listed() {
                     }),
                     action: "allow".into(),
                 }],
+                // web-1 dialled the Service db; its node translated that to db-1.
+                original_dest_ip: "10.96.0.20".into(),
+                original_dest_port: 5432,
                 ..allowed(at)
             },
         ])
@@ -367,6 +380,9 @@ async fn flow_reports_are_named_counted_once_and_listed() {
             "source_name": "web-1", "source_namespace": "shop", "source_type": "WorkloadEndpoint",
             "dest_name": "db-1", "dest_namespace": "shop", "dest_type": "WorkloadEndpoint",
             "dest_port": "5432", "proto": "tcp", "reporter": "Dst", "action": "Allow",
+            // Sent before the source's report, which names the Service: not joined.
+            "dest_service_name": "-", "dest_service_namespace": "-",
+            "dest_service_port_name": "-",
             "policies": {"enforced_policies": [
                 {"kind": "GlobalNetworkPolicy", "name": "security.guard", "tier": "security",
                  "action": "Pass"},
@@ -424,6 +440,17 @@ async fn flow_reports_are_named_counted_once_and_listed() {
     let from_web = find("5432", "Src");
     assert_eq!(from_web["Key"]["source_name"], "web-1");
     assert_eq!(from_web["Key"]["dest_name"], "db-1");
+    // The address web-1 dialled names the destination Service.
+    assert_eq!(
+        (
+            &from_web["Key"]["dest_service_name"],
+            &from_web["Key"]["dest_service_namespace"],
+            &from_web["Key"]["dest_service_port_name"],
+            &from_web["Key"]["dest_service_port"]
+        ),
+        (&json!("db"), &json!("shop"), &json!("pg"), &json!("5432")),
+        "{from_web}"
+    );
 
     // The staged policy's hit counts come from the pending traces: the allowed flow its rule
     // would deny, 10 + 8 packets, 1000 + 800 bytes.

@@ -31,6 +31,13 @@ spec:
     protocol: TCP
     source: {selector: app == 'client'}
     destination: {ports: [8080]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: prod}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, targetPort: 8080}]
 ";
 
 /// The flows the server holds, one JSON object each.
@@ -60,18 +67,29 @@ fn key(f: &Value) -> &Value {
 
 /// The flow to `port` reported by the destination's node, once the server has it.
 fn wait_flow(host: &Netns, cp: &ControlPlane, port: &str) -> Value {
+    wait_flow_where(host, cp, port, "Dst", |_| true)
+}
+
+/// The flow to `port` reported by `reporter` for which `also` holds, once the server has it.
+fn wait_flow_where(
+    host: &Netns,
+    cp: &ControlPlane,
+    port: &str,
+    reporter: &str,
+    also: impl Fn(&Value) -> bool,
+) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let all = flows(host);
         if let Some(f) = all
             .iter()
-            .find(|f| key(f)["dest_port"] == port && key(f)["reporter"] == "Dst")
+            .find(|f| key(f)["dest_port"] == port && key(f)["reporter"] == reporter && also(f))
         {
             return f.clone();
         }
         assert!(
             Instant::now() < deadline,
-            "no flow to {port} reported by Dst; flows: {all:?}\nagent:\n{}\nserver:\n{}",
+            "no flow to {port} reported by {reporter}; flows: {all:?}\nagent:\n{}\nserver:\n{}",
             cp.agent_log_text(),
             cp.server_log_text()
         );
@@ -146,6 +164,48 @@ fn flow_records(driver: Driver, backend: &str) {
     assert!(as_u64(&allowed["bytes_in"]) >= 2 * 40, "{allowed}");
     assert!(as_u64(&allowed["packets_out"]) >= 1, "{allowed}");
     assert_eq!(as_u64(&allowed["num_connections_started"]), 1, "{allowed}");
+
+    // Through the Service's cluster IP, translated on the node as kube-proxy would: the flow
+    // names the Service, from what conntrack says the client addressed.
+    host.exec(&["nft", "add", "table", "ip", "svcnat"]);
+    host.exec(&[
+        "nft",
+        "add chain ip svcnat pre { type nat hook prerouting priority -100 ; }",
+    ]);
+    host.exec(&[
+        "nft",
+        "add rule ip svcnat pre ip daddr 10.96.0.10 tcp dport 80 dnat to 10.65.0.2:8080",
+    ]);
+    assert!(
+        client.connects("10.96.0.10", 80),
+        "the Service's address leads to web:8080"
+    );
+    for reporter in ["Src", "Dst"] {
+        let via = wait_flow_where(&host, &cp, "8080", reporter, |f| {
+            key(f)["dest_service_name"] == "web"
+        });
+        let k = key(&via);
+        assert_eq!(
+            (
+                &k["dest_service_namespace"],
+                &k["dest_service_port_name"],
+                &k["dest_service_port"],
+                &k["dest_name"]
+            ),
+            (
+                &serde_json::json!("prod"),
+                &serde_json::json!("http"),
+                &serde_json::json!("80"),
+                &serde_json::json!("web")
+            ),
+            "{via}"
+        );
+    }
+    assert_eq!(
+        key(&allowed)["dest_service_name"],
+        "-",
+        "the direct connection names no Service: {allowed}"
+    );
 
     let denied = wait_flow(&host, &cp, "9090");
     let k = key(&denied);

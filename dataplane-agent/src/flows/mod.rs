@@ -25,6 +25,8 @@
 //!   (the original direction on the destination's side, the reply on the source's); for a
 //!   denied one, each denied packet logged (received on the destination's side, sent on the
 //!   source's): no conntrack entry survives a drop.
+//! * `original_dest_ip`/`_port`: the destination the client addressed, once a conntrack
+//!   entry shows it translated (DNAT to a Service's backend); it names the destination service.
 //! * `connections_started`: 1 in the interval the connection was first logged (again if its
 //!   tuple is reused after it completed); `connections_completed`: 1 in the interval conntrack
 //!   destroyed it; `connections_live`: 1 when allowed and still open at the interval's end.
@@ -105,6 +107,13 @@ pub struct CtObservation {
 }
 
 impl CtObservation {
+    /// The destination the client addressed when it was translated (DNAT: the original
+    /// direction's destination is not where the reply comes from), else `None`.
+    pub fn original_dest(&self) -> Option<(IpAddr, u16)> {
+        (self.orig.dst != self.reply.src || self.orig.dst_port != self.reply.src_port)
+            .then_some((self.orig.dst, self.orig.dst_port))
+    }
+
     /// The tuple the policy saw: the original source, the destination after DNAT.
     pub fn policy_tuple(&self) -> Tuple {
         Tuple {
@@ -268,6 +277,8 @@ struct Conn {
     closed: bool,
     /// The interval of the last event.
     last_active: i64,
+    /// The destination the client addressed, when conntrack showed it translated (DNAT).
+    original_dest: Option<(IpAddr, u16)>,
     // This interval's counts.
     packets_in: u64,
     packets_out: u64,
@@ -461,6 +472,9 @@ impl FlowAggregator {
             conn.bytes_out += out.1;
             conn.ct_last = Some(counters);
             conn.last_active = at;
+            if let Some(d) = ct.original_dest() {
+                conn.original_dest = Some(d);
+            }
             if ct.destroyed {
                 conn.closed = true;
                 conn.completed += 1;
@@ -518,6 +532,11 @@ impl FlowAggregator {
                         connections_started: c.started,
                         connections_completed: c.completed,
                         connections_live: u32::from(live),
+                        original_dest_ip: c
+                            .original_dest
+                            .map(|(ip, _)| ip.to_string())
+                            .unwrap_or_default(),
+                        original_dest_port: c.original_dest.map_or(0, |(_, p)| u32::from(p)),
                     },
                 );
             }

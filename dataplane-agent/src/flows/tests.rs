@@ -119,6 +119,9 @@ fn an_allowed_connection_is_traced_counted_and_completed() {
         connections_started: started,
         connections_completed: completed,
         connections_live: live,
+        // Not translated: no original destination.
+        original_dest_ip: String::new(),
+        original_dest_port: 0,
     };
     assert_eq!(
         reports[0],
@@ -171,6 +174,13 @@ fn both_sides_on_one_node_give_two_records_and_dnat_is_seen_through() {
     assert_eq!(recs[0].dest_port, 80);
     assert_eq!((recs[0].packets_out, recs[0].packets_in), (2, 1));
     assert_eq!((recs[1].packets_in, recs[1].packets_out), (2, 1));
+    // Both carry what the client addressed: it names the destination service.
+    for r in recs {
+        assert_eq!(
+            (r.original_dest_ip.as_str(), r.original_dest_port),
+            ("10.96.0.10", 8080)
+        );
+    }
 }
 
 #[test]
@@ -199,6 +209,8 @@ fn a_denied_connection_counts_its_logged_packets_and_is_never_live() {
             connections_started: 1,
             connections_completed: 0,
             connections_live: 0,
+            original_dest_ip: String::new(),
+            original_dest_port: 0,
         }]
     );
     // Another retransmission in the next interval: the same connection, not a new start.

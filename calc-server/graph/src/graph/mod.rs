@@ -31,6 +31,7 @@
 //! `messages` builds the protobuf payloads; `view` answers read-only queries.
 
 mod broadcast;
+mod frontends;
 mod ids;
 mod indexes;
 mod ipsets;
@@ -54,6 +55,7 @@ use crate::policy_resolver::TierMeta;
 use crate::rule_scanner;
 
 use broadcast::Broadcast;
+pub use frontends::ServicePortRef;
 use ids::Ids;
 use ipsets::IpSets;
 use items::Items;
@@ -201,6 +203,7 @@ impl CalcGraph {
             Kind::Node => self.broadcast.remove_node(&key.name),
             Kind::ClusterInformation => {}
             Kind::EndpointSlice => self.remove_slice(&key),
+            Kind::Service => self.services.remove_frontends(&key),
         }
     }
 
@@ -282,6 +285,10 @@ impl CalcGraph {
             Resource::ClusterInformation(..) => Ok(()),
             Resource::EndpointSlice(m, s) => {
                 self.set_slice(key, m, s);
+                Ok(())
+            }
+            Resource::Service(_, s) => {
+                self.services.set_frontends(key, s);
                 Ok(())
             }
         }

@@ -31,6 +31,18 @@ pub(super) struct Services {
     pub(super) service_slices: FxHashMap<Name, FxHashSet<Key>>,
     /// Per Service, the ids of its defined IP sets (with and without ports).
     pub(super) service_sets: FxHashMap<Name, Vec<Name>>,
+    /// The Services by the addresses and ports clients reach them at (flow logs only).
+    pub(super) frontends: super::frontends::Frontends,
+}
+
+impl Services {
+    pub(super) fn set_frontends(&mut self, key: Key, spec: &crate::model::ServiceSpec) {
+        self.frontends.set(key, spec);
+    }
+
+    pub(super) fn remove_frontends(&mut self, key: &Key) {
+        self.frontends.remove(key);
+    }
 }
 
 /// What one EndpointSlice contributes to its Service's sets.

@@ -130,6 +130,22 @@ impl<'g> GraphView<'g> {
             .filter_map(move |(k, item)| g.items.netsets.get(item).map(|ns| (&**k, &ns.nets[..])))
     }
 
+    /// The Service port reached at `ip`:`port` over IP protocol `proto` (a cluster or
+    /// external IP of a Service; flow logs' destination service).
+    pub fn service_at(
+        self,
+        ip: std::net::IpAddr,
+        port: u16,
+        proto: u8,
+    ) -> Option<&'g super::ServicePortRef> {
+        self.g.services.frontends.at(ip, port, proto)
+    }
+
+    /// The Service port a node port leads to.
+    pub fn node_port_service(self, port: u16, proto: u8) -> Option<&'g super::ServicePortRef> {
+        self.g.services.frontends.node_port(port, proto)
+    }
+
     /// A NetworkSet's or GlobalNetworkSet's labels (flow logs show them for an address the
     /// set names).
     pub fn network_set_labels(self, key: &ResourceKey) -> Option<BTreeMap<String, String>> {

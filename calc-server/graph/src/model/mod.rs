@@ -41,6 +41,8 @@ pub const LABEL_ORCHESTRATOR: &str = "projectcalico.org/orchestrator";
 pub const API_VERSION: &str = "projectcalico.org/v3";
 /// The API group and version of Kubernetes' EndpointSlices.
 pub const ENDPOINT_SLICE_API_VERSION: &str = "discovery.k8s.io/v1";
+/// The `apiVersion` of a Kubernetes Service.
+pub const SERVICE_API_VERSION: &str = "v1";
 /// The label naming the Service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
@@ -64,6 +66,9 @@ pub enum Kind {
     ClusterInformation,
     /// `discovery.k8s.io/v1` EndpointSlice: the addresses behind a rule's `services` match.
     EndpointSlice,
+    /// `v1` Service: its cluster and external IPs and ports, which name the destination
+    /// service of a flow (flow logs); no dataplane reads it.
+    Service,
     /// `policy.networking.k8s.io/v1alpha2` (see [`network_policy_api`]).
     ClusterNetworkPolicy,
     /// `policy.networking.k8s.io/v1alpha1`, as Calico 3.29–3.31 read it.
@@ -93,7 +98,7 @@ impl Kind {
 
     /// Kubernetes kinds the graph reads besides policies (not in [`Kind::ALL`]: no etcd
     /// plural of Calico's).
-    pub const KUBERNETES: [Kind; 1] = [Kind::EndpointSlice];
+    pub const KUBERNETES: [Kind; 2] = [Kind::EndpointSlice, Kind::Service];
 
     /// The Kubernetes network-policy-api kinds (`policy.networking.k8s.io`): not Calico
     /// resources (no etcd plural), read from the Kubernetes API and from manifests.
@@ -121,6 +126,7 @@ impl Kind {
             Kind::Node => "Node",
             Kind::ClusterInformation => "ClusterInformation",
             Kind::EndpointSlice => "EndpointSlice",
+            Kind::Service => "Service",
             Kind::ClusterNetworkPolicy => "ClusterNetworkPolicy",
             Kind::AdminNetworkPolicy => "AdminNetworkPolicy",
             Kind::BaselineAdminNetworkPolicy => "BaselineAdminNetworkPolicy",
@@ -144,6 +150,7 @@ impl Kind {
                 network_policy_api::ANP_API_VERSION
             }
             Kind::EndpointSlice => ENDPOINT_SLICE_API_VERSION,
+            Kind::Service => SERVICE_API_VERSION,
             _ => API_VERSION,
         }
     }
@@ -168,6 +175,7 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::ClusterInformation => "clusterinformations",
             Kind::EndpointSlice => "endpointslices",
+            Kind::Service => "services",
             Kind::ClusterNetworkPolicy => "clusternetworkpolicies",
             Kind::AdminNetworkPolicy => "adminnetworkpolicies",
             Kind::BaselineAdminNetworkPolicy => "baselineadminnetworkpolicies",
@@ -183,6 +191,7 @@ impl Kind {
                 | Kind::WorkloadEndpoint
                 | Kind::NetworkSet
                 | Kind::EndpointSlice
+                | Kind::Service
         )
     }
 
@@ -263,9 +272,9 @@ pub const IGNORED_KINDS: &[&str] = &[
     "LiveMigration",
 ];
 
-/// Kubernetes kinds (with their `apiVersion`) accepted and skipped like [`IGNORED_KINDS`]:
-/// Felix derives a Service's members from its EndpointSlices alone.
-pub const IGNORED_KUBERNETES_KINDS: &[(&str, &str)] = &[("Service", "v1")];
+/// Kubernetes kinds (with their `apiVersion`) accepted and skipped like [`IGNORED_KINDS`]
+/// (none at present: a Service is read, for flow logs).
+pub const IGNORED_KUBERNETES_KINDS: &[(&str, &str)] = &[];
 
 /// The `apiVersion` an object of kind `kind` must carry (Calico's for every Calico kind and
 /// for a kind not known at all).
@@ -612,6 +621,46 @@ pub struct SlicePort {
     pub port: Option<i64>,
 }
 
+/// The parts of a `v1` Service that name a flow's destination service, as Felix's service
+/// cache reads them: the addresses it is reached at and its ports. Other fields are ignored.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct ServiceSpec {
+    /// `None` for a headless Service.
+    #[serde(rename = "clusterIP", skip_serializing_if = "String::is_empty")]
+    pub cluster_ip: String,
+    #[serde(
+        rename = "clusterIPs",
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub cluster_ips: Vec<String>,
+    #[serde(
+        rename = "externalIPs",
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub external_ips: Vec<String>,
+    #[serde(
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub ports: Vec<ServicePort>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct ServicePort {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    /// `TCP` (the default), `UDP` or `SCTP`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub protocol: String,
+    pub port: i64,
+    #[serde(rename = "nodePort", skip_serializing_if = "Option::is_none")]
+    pub node_port: Option<i64>,
+}
+
 /// A JSON `null` (which Kubernetes writes for some empty lists) read as the default.
 fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
 where
@@ -638,6 +687,7 @@ pub enum Resource {
     Node(ObjectMeta, NodeSpec),
     ClusterInformation(ObjectMeta, ClusterInformationSpec),
     EndpointSlice(ObjectMeta, EndpointSliceSpec),
+    Service(ObjectMeta, ServiceSpec),
 }
 
 /// Why one object could not be decoded.
@@ -806,6 +856,7 @@ impl Resource {
                     Resource::ClusterInformation(meta, decode_at("spec", spec)?)
                 }
                 Kind::EndpointSlice => Resource::EndpointSlice(meta, decode_at("", spec)?),
+                Kind::Service => Resource::Service(meta, decode_at("spec", spec)?),
             })
         })()
         .map_err(|(p, m)| field_err(p, m))?;
@@ -857,6 +908,7 @@ impl Resource {
             Resource::Node(..) => Kind::Node,
             Resource::ClusterInformation(..) => Kind::ClusterInformation,
             Resource::EndpointSlice(..) => Kind::EndpointSlice,
+            Resource::Service(..) => Kind::Service,
         }
     }
 
@@ -882,7 +934,8 @@ impl Resource {
             | Resource::FelixConfiguration(m, _)
             | Resource::Node(m, _)
             | Resource::ClusterInformation(m, _)
-            | Resource::EndpointSlice(m, _) => m,
+            | Resource::EndpointSlice(m, _)
+            | Resource::Service(m, _) => m,
         }
     }
 
@@ -909,6 +962,7 @@ impl Resource {
             Resource::FelixConfiguration(_, s) => spec(s),
             Resource::Node(_, s) => spec(s),
             Resource::ClusterInformation(_, s) => spec(s),
+            Resource::Service(_, s) => spec(s),
             Resource::EndpointSlice(m, s) => {
                 // Kubernetes' shape: the fields beside the metadata, no `spec`.
                 let mut v = spec(s);
@@ -1227,13 +1281,36 @@ mod tests {
 
     #[test]
     fn each_kind_has_its_api_version() {
-        assert_eq!(
-            Resource::from_value(json!({"apiVersion": "v1", "kind": "Service",
+        // A Service is read for flow logs: the addresses and ports it is reached at; the
+        // fields it does not need (type, selector, …) are ignored.
+        let Ok(Decoded::Resource(key, Resource::Service(_, spec))) = Resource::from_value(
+            json!({"apiVersion": "v1", "kind": "Service",
                                         "metadata": {"name": "web", "namespace": "prod"},
-                                        "spec": {"ports": [{"port": 80}]}})),
-            Ok(Decoded::Ignored("Service".into(), "web".into())),
-            "Felix needs only a Service's slices"
+                                        "spec": {"type": "ClusterIP", "selector": {"app": "web"},
+                                                 "clusterIP": "10.96.0.10",
+                                                 "clusterIPs": ["10.96.0.10"], "externalIPs": null,
+                                                 "ports": [{"name": "http", "port": 80,
+                                                            "targetPort": 8080, "nodePort": 30080}]}}),
+        ) else {
+            panic!("a v1 Service decodes")
+        };
+        assert_eq!(key.to_string(), "Service prod/web");
+        assert_eq!(spec.cluster_ip, "10.96.0.10");
+        assert_eq!(
+            (
+                spec.ports[0].name.as_str(),
+                spec.ports[0].port,
+                spec.ports[0].node_port
+            ),
+            ("http", 80, Some(30080))
         );
+        assert!(matches!(
+            Resource::from_value(
+                json!({"apiVersion": "projectcalico.org/v3", "kind": "Service",
+                                        "metadata": {"name": "web"}})
+            ),
+            Err(DecodeError::ApiVersion { expected: "v1", .. })
+        ));
         assert_eq!(
             Resource::from_value(json!({"apiVersion": "projectcalico.org/v3",
                                         "kind": "EndpointSlice", "metadata": {"name": "x"}})),

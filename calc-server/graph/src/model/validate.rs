@@ -14,7 +14,8 @@ use ipnetwork::IpNetwork;
 use super::rule::{Action, EntityRule, IcmpFields, Port, Protocol, Rule};
 use super::{
     EndpointPort, EndpointSliceSpec, HostEndpointSpec, IpPoolSpec, Kind, NetworkSetSpec,
-    ObjectMeta, PolicySpec, ProfileSpec, Resource, ResourceKey, TierSpec, WorkloadEndpointSpec,
+    ObjectMeta, PolicySpec, ProfileSpec, Resource, ResourceKey, ServiceSpec, TierSpec,
+    WorkloadEndpointSpec,
 };
 use crate::selector;
 
@@ -148,6 +149,7 @@ pub fn validate(res: &Resource) -> Result<(), Invalid> {
         Resource::FelixConfiguration(_, spec) => v.felix_configuration(spec),
         Resource::ClusterInformation(..) => {}
         Resource::EndpointSlice(_, s) => v.endpoint_slice(s),
+        Resource::Service(_, s) => v.service(s),
     }
     if v.errors.is_empty() {
         Ok(())
@@ -1001,6 +1003,73 @@ impl Validator {
         }
     }
 
+    /// What Kubernetes checks of the fields flow logs read: addresses (`None` and empty
+    /// allowed: a headless Service), port numbers and protocols, and bounds on the lists.
+    fn service(&mut self, s: &ServiceSpec) {
+        const MAX_IPS: usize = 16;
+        const MAX_PORTS: usize = 256;
+        let ips = std::iter::once(("spec.clusterIP".to_string(), &s.cluster_ip))
+            .chain(
+                s.cluster_ips
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| (format!("spec.clusterIPs[{i}]"), a)),
+            )
+            .chain(
+                s.external_ips
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| (format!("spec.externalIPs[{i}]"), a)),
+            );
+        for (field, a) in ips {
+            if !a.is_empty() && a != "None" && a.parse::<IpAddr>().is_err() {
+                self.err(field, format!("{a:?} is not an IP address"));
+            }
+        }
+        for (field, n) in [
+            ("spec.clusterIPs", s.cluster_ips.len()),
+            ("spec.externalIPs", s.external_ips.len()),
+        ] {
+            if n > MAX_IPS {
+                self.err(field, format!("{n} addresses; at most {MAX_IPS} are read"));
+            }
+        }
+        if s.ports.len() > MAX_PORTS {
+            self.err(
+                "spec.ports",
+                format!("{} ports; at most {MAX_PORTS} are read", s.ports.len()),
+            );
+        }
+        for (i, p) in s.ports.iter().enumerate() {
+            if !(1..=65535).contains(&p.port) {
+                self.err(
+                    format!("spec.ports[{i}].port"),
+                    format!("invalid port {}: must be 1-65535", p.port),
+                );
+            }
+            if let Some(n) = p.node_port
+                && !(0..=65535).contains(&n)
+            {
+                self.err(
+                    format!("spec.ports[{i}].nodePort"),
+                    format!("invalid port {n}: must be 0-65535"),
+                );
+            }
+            if !matches!(p.protocol.as_str(), "" | "TCP" | "UDP" | "SCTP") {
+                self.err(
+                    format!("spec.ports[{i}].protocol"),
+                    format!("{:?}: TCP, UDP or SCTP", p.protocol),
+                );
+            }
+            if p.name.len() > 63 {
+                self.err(
+                    format!("spec.ports[{i}].name"),
+                    "longer than 63 characters".to_string(),
+                );
+            }
+        }
+    }
+
     fn ip_pool(&mut self, s: &IpPoolSpec) {
         let Some(net) = parse_cidr_or_ip(&s.cidr) else {
             self.err(
@@ -1532,6 +1601,28 @@ mod tests {
         );
         assert!(
             port_name("http").is_ok() && port_name("80").is_err() && port_name("a--b").is_err()
+        );
+    }
+
+    #[test]
+    fn service_fields_flow_logs_read_are_checked() {
+        let svc = |spec: serde_json::Value| {
+            check(json!({"apiVersion": "v1", "kind": "Service",
+                         "metadata": {"name": "web", "namespace": "shop"}, "spec": spec}))
+        };
+        assert!(svc(json!({"clusterIP": "None", "ports": [{"port": 80}]})).is_ok());
+        assert_eq!(
+            paths(svc(json!({
+                "clusterIP": "10.96.0.300", "externalIPs": ["x"],
+                "ports": [{"port": 0}, {"port": 53, "protocol": "QUIC", "nodePort": 70000}]
+            }))),
+            [
+                "spec.clusterIP",
+                "spec.externalIPs[0]",
+                "spec.ports[0].port",
+                "spec.ports[1].nodePort",
+                "spec.ports[1].protocol"
+            ]
         );
     }
 }

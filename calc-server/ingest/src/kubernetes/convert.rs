@@ -39,8 +39,8 @@ use std::fmt::Write as _;
 use calc_graph::manifest::{Rejection, decode_and_validate, decode_and_validate_strict};
 use calc_graph::model::kubernetes::{self, masked_cidr};
 use calc_graph::model::validate::{FieldError, parse_cidr_or_ip};
-use calc_graph::model::{API_VERSION, ENDPOINT_SLICE_API_VERSION, Kind};
-use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, ServiceAccount};
+use calc_graph::model::{API_VERSION, ENDPOINT_SLICE_API_VERSION, Kind, SERVICE_API_VERSION};
+use k8s_openapi::api::core::v1::{Container, Namespace, Node, Pod, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy as K8sNetworkPolicy;
 use serde_json::{Map, Value, json};
@@ -147,6 +147,7 @@ impl Converter {
                 typed::<K8sNetworkPolicy>(object).and_then(|np| k8s_network_policy(&np))
             }
             Source::EndpointSlice => typed::<EndpointSlice>(object).map(|s| endpoint_slice(&s)),
+            Source::Service => typed::<Service>(object).map(|s| service(&s)),
             Source::NetworkPolicyApi(kind) => network_policy_api(kind, object),
         };
         match result {
@@ -547,6 +548,36 @@ fn endpoint_slice(s: &EndpointSlice) -> Converted {
             "addressType": s.address_type,
             "endpoints": endpoints,
             "ports": ports,
+        }),
+        Vec::new(),
+    )
+}
+
+/// A Service as flow logs read it: where it is reached (cluster and external IPs, ports and
+/// node ports); its selector, type and the rest are not needed.
+fn service(s: &Service) -> Converted {
+    let meta = &s.metadata;
+    let spec = s.spec.clone().unwrap_or_default();
+    let ports: Vec<Value> = spec
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| json!({"name": p.name, "protocol": p.protocol, "port": p.port, "nodePort": p.node_port}))
+        .collect();
+    Converted::Value(
+        json!({
+            "kind": "Service",
+            "apiVersion": SERVICE_API_VERSION,
+            "metadata": {
+                "name": meta.name,
+                "namespace": meta.namespace.as_deref().unwrap_or("default"),
+            },
+            "spec": {
+                "clusterIP": spec.cluster_ip,
+                "clusterIPs": spec.cluster_ips,
+                "externalIPs": spec.external_ips,
+                "ports": ports,
+            },
         }),
         Vec::new(),
     )

@@ -41,6 +41,9 @@ pub enum Source {
     KubernetesNetworkPolicy,
     /// `discovery.k8s.io/v1` EndpointSlice: the members of rules' `services` matches.
     EndpointSlice,
+    /// `v1` Service: the frontends that name a flow's destination service (flow logs). A
+    /// cluster role without `services` (403) makes it an empty source, as a 404 does.
+    Service,
     /// A network-policy-api kind (`policy.networking.k8s.io`, [`Kind::NETWORK_POLICY_API`]):
     /// ClusterNetworkPolicy (`v1alpha2`), AdminNetworkPolicy and BaselineAdminNetworkPolicy
     /// (`v1alpha1`). A cluster without their CRDs answers 404: an empty source.
@@ -70,7 +73,7 @@ impl Collection {
 
 impl Source {
     /// Every source the adapter watches.
-    pub const ALL: [Source; 21] = [
+    pub const ALL: [Source; 22] = [
         Source::Crd(Kind::Tier),
         Source::Crd(Kind::GlobalNetworkPolicy),
         Source::Crd(Kind::NetworkPolicy),
@@ -88,6 +91,7 @@ impl Source {
         Source::Node,
         Source::KubernetesNetworkPolicy,
         Source::EndpointSlice,
+        Source::Service,
         Source::NetworkPolicyApi(Kind::ClusterNetworkPolicy),
         Source::NetworkPolicyApi(Kind::AdminNetworkPolicy),
         Source::NetworkPolicyApi(Kind::BaselineAdminNetworkPolicy),
@@ -101,7 +105,8 @@ impl Source {
             Source::Pod
             | Source::ServiceAccount
             | Source::KubernetesNetworkPolicy
-            | Source::EndpointSlice => true,
+            | Source::EndpointSlice
+            | Source::Service => true,
             Source::Namespace | Source::Node | Source::NetworkPolicyApi(_) => false,
         }
     }
@@ -121,6 +126,7 @@ impl Source {
                 "networkpolicies",
             ),
             Source::EndpointSlice => ("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
+            Source::Service => ("", "v1", "Service", "services"),
             Source::NetworkPolicyApi(kind) => {
                 let version = kind.api_version();
                 let version = version.rsplit_once('/').map_or(version, |(_, v)| v);

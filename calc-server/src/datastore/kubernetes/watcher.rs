@@ -96,6 +96,14 @@ async fn watch_source(
                 {
                     Report::Absent
                 }
+                // Services only name flows' destination services: a cluster role granted
+                // before they were read must not keep the server out of sync.
+                Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(status))))
+                    if source == Source::Service && status.is_forbidden() =>
+                {
+                    tracing::warn!(%source, "not allowed to list services (grant list and watch on services): flows name no destination service");
+                    Report::Absent
+                }
                 Some(Err(e)) => {
                     let gone = matches!(&e, watcher::Error::WatchError(s) if s.code == 410);
                     Report::Error {

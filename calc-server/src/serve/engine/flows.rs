@@ -14,6 +14,14 @@
 //! - otherwise `pvt` for an address in 10/8, 172.16/12 or 192.168/16 and `pub` for any other
 //!   (IPv6 included, as Felix), namespace `-`, type `Network`.
 //!
+//! The destination service (as Felix): when the record carries what the client addressed
+//! (`original_dest`: the connection was translated), the Service port whose cluster or
+//! external IP and port that is, else the one whose node port it is; `-` (port 0) when none.
+//! Joined: a destination report without one (its node saw the connection already translated)
+//! takes the service a source report of the same connection (5-tuple after DNAT) named in the
+//! same interval or a neighbouring one, if that report arrived first. What is remembered for
+//! this is bounded by `max_seen` too and forgotten with the buckets.
+//!
 //! The reporting side (the destination when `reporter_dest`, else the source) must be an
 //! endpoint of the reporting node: a record that is not is dropped and counted (`foreign`), so
 //! one node cannot forge another's flows. When an address belongs to several endpoints, the
@@ -47,7 +55,7 @@ use std::net::IpAddr;
 
 use calc_graph::convert::EndpointKind;
 use calc_graph::explain;
-use calc_graph::graph::{CalcGraph, EndpointView, GraphView};
+use calc_graph::graph::{CalcGraph, EndpointView, GraphView, ServicePortRef};
 use calc_graph::model::{Kind, ResourceKey};
 use felix_proto as pb;
 use felix_proto::goldmane::{
@@ -101,6 +109,8 @@ pub(crate) struct FlowIn {
     pub started: i64,
     pub completed: i64,
     pub live: i64,
+    /// What the client addressed, when the connection was translated (DNAT).
+    pub original_dest: Option<(IpAddr, u16)>,
 }
 
 /// A checked report: its records and what the agent says it dropped.
@@ -172,6 +182,15 @@ pub(crate) fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
         let src_port = port(r.source_port, "source_port")?;
         let dst_port = port(r.dest_port, "dest_port")?;
         let proto = u8::try_from(r.protocol).map_err(|_| field("protocol", "above 255"))?;
+        let original_dest = if r.original_dest_ip.is_empty() {
+            None
+        } else {
+            let ip = ip(&r.original_dest_ip, "original_dest_ip")?;
+            if ip.is_ipv4() != dst.is_ipv4() {
+                return Err(field("original_dest_ip", "not of the record's IP version"));
+            }
+            Some((ip, port(r.original_dest_port, "original_dest_port")?))
+        };
         if r.trace.len() > crate::flows::limits::MAX_HITS {
             return Err(Malformed::Trace {
                 at,
@@ -235,6 +254,7 @@ pub(crate) fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
             started: i64::from(r.connections_started),
             completed: i64::from(r.connections_completed),
             live: i64::from(r.connections_live),
+            original_dest,
         });
     }
     Ok(FlowBatch {
@@ -740,6 +760,40 @@ fn staged_kind(kind: i32) -> Option<&'static str> {
 /// The de-duplication key: interval, 5-tuple, reporting node and side.
 type Seen = (String, IpAddr, IpAddr, u16, u16, u8, bool);
 
+/// A connection as both its sides report it: the 5-tuple after DNAT.
+type Conn = (IpAddr, IpAddr, u16, u16, u8);
+
+/// The Service port a record's destination names, as Felix looks it up: what the client
+/// addressed (only known when the connection was translated) as a cluster or external IP of
+/// a Service, else as a node port.
+fn dest_service(view: GraphView<'_>, r: &FlowIn) -> Option<ServicePortRef> {
+    let (ip, port) = r.original_dest?;
+    view.service_at(ip, port, r.proto)
+        .or_else(|| view.node_port_service(port, r.proto))
+        .cloned()
+}
+
+/// Fills a flow key's destination service as Calico's flow logs do: `-` for what is not
+/// known (no service, or a port without a name) and port 0.
+fn set_dest_service(key: &mut FlowKey, service: Option<&ServicePortRef>) {
+    let dash = || NO_NAMESPACE.to_string();
+    let or_dash = |s: &str| if s.is_empty() { dash() } else { s.to_string() };
+    match service {
+        Some(s) => {
+            key.dest_service_name = s.name.clone();
+            key.dest_service_namespace = s.namespace.clone();
+            key.dest_service_port_name = or_dash(&s.port_name);
+            key.dest_service_port = i64::from(s.port);
+        }
+        None => {
+            key.dest_service_name = dash();
+            key.dest_service_namespace = dash();
+            key.dest_service_port_name = dash();
+            key.dest_service_port = 0;
+        }
+    }
+}
+
 /// The flow store and what was already received.
 pub(crate) struct FlowIngest {
     pub(crate) store: FlowStore,
@@ -750,6 +804,10 @@ pub(crate) struct FlowIngest {
     seen: BTreeMap<i64, HashSet<Seen>>,
     seen_count: usize,
     max_seen: usize,
+    /// Per interval, the destination service source reports named, by connection: a
+    /// destination report of the same connection (whose node saw no translation) takes it.
+    joined: BTreeMap<i64, HashMap<Conn, ServicePortRef>>,
+    joined_count: usize,
 }
 
 /// Why a record was dropped: the `calc_server_flow_reports_refused_total` reason.
@@ -773,7 +831,21 @@ impl FlowIngest {
             seen: BTreeMap::new(),
             seen_count: 0,
             max_seen,
+            joined: BTreeMap::new(),
+            joined_count: 0,
         }
+    }
+
+    /// The service a source report of `conn` named in `interval` or the one either side of it
+    /// (two nodes' clocks may put one connection's reports in neighbouring intervals).
+    fn joined_service(&self, interval: i64, conn: &Conn) -> Option<&ServicePortRef> {
+        [
+            interval,
+            interval - BUCKET_SECONDS,
+            interval + BUCKET_SECONDS,
+        ]
+        .iter()
+        .find_map(|i| self.joined.get(i)?.get(conn))
     }
 
     /// The datastore changed: endpoints' addresses are looked up afresh.
@@ -796,6 +868,13 @@ impl FlowIngest {
                 break;
             }
             self.seen_count -= entry.get().len();
+            entry.remove();
+        }
+        while let Some(entry) = self.joined.first_entry() {
+            if *entry.key() >= oldest {
+                break;
+            }
+            self.joined_count -= entry.get().len();
             entry.remove();
         }
     }
@@ -875,7 +954,25 @@ impl FlowIngest {
             } else {
                 (own_side, other_side)
             };
-            let record = goldmane::Flow {
+            let conn: Conn = (r.src, r.dst, r.src_port, r.dst_port, r.proto);
+            let service = dest_service(view, &r).or_else(|| {
+                r.reporter_dest
+                    .then(|| self.joined_service(r.interval, &conn).cloned())
+                    .flatten()
+            });
+            if !r.reporter_dest
+                && let Some(svc) = &service
+                && self.joined_count < self.max_seen
+                && self
+                    .joined
+                    .entry(r.interval)
+                    .or_default()
+                    .insert(conn, svc.clone())
+                    .is_none()
+            {
+                self.joined_count += 1;
+            }
+            let mut record = goldmane::Flow {
                 key: Some(FlowKey {
                     source_name: src.name,
                     source_namespace: src.namespace,
@@ -917,6 +1014,9 @@ impl FlowIngest {
                 num_connections_completed: r.completed,
                 num_connections_live: r.live,
             };
+            if let Some(key) = record.key.as_mut() {
+                set_dest_service(key, service.as_ref());
+            }
             match self.store.insert(&record, now) {
                 Ok(()) => {
                     self.seen.entry(r.interval).or_default().insert(seen);
@@ -1283,6 +1383,7 @@ mod tests {
             started: 1,
             completed: 0,
             live: 1,
+            original_dest: None,
         }
     }
 
@@ -1520,6 +1621,111 @@ mod tests {
         assert_eq!(
             small.add(&g, "node-a", two, now),
             BTreeMap::from([("dedup_cap", 1)])
+        );
+    }
+
+    #[test]
+    fn the_destination_service_is_named_and_joined_to_the_destination_report() {
+        let mut g = graph();
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "web", "namespace": "shop"},
+                "spec": {"clusterIP": "10.96.0.10",
+                         "ports": [{"name": "http", "port": 8080, "nodePort": 30080},
+                                   {"port": 9090}]},
+            }),
+        );
+        let mut ingest = FlowIngest::new(100, 100);
+        let now = 1_800_000_000 + 20;
+        let service_of = |ingest: &mut FlowIngest, reporter: Reporter, port: i64| {
+            let list = ingest
+                .store
+                .list(&crate::flows::FlowListRequest::default(), now)
+                .unwrap();
+            list.flows
+                .iter()
+                .filter_map(|r| r.flow.as_ref()?.key.clone())
+                .find(|k| k.reporter == reporter as i32 && k.dest_port == port)
+                .map(|k| {
+                    (
+                        k.dest_service_name,
+                        k.dest_service_namespace,
+                        k.dest_service_port_name,
+                        k.dest_service_port,
+                    )
+                })
+                .unwrap_or_else(|| panic!("no {reporter:?} flow to port {port}"))
+        };
+        // db-1 (node-b) dialled the Service's cluster IP; the policy saw web-1:80.
+        let mut src = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        src.original_dest = Some((ip("10.96.0.10"), 8080));
+        assert!(ingest.add(&g, "node-b", vec![src], now).is_empty());
+        let web = (
+            "web".to_string(),
+            "shop".to_string(),
+            "http".to_string(),
+            8080,
+        );
+        assert_eq!(service_of(&mut ingest, Reporter::Src, 80), web);
+        // web-1's node saw no translation: its report of the same connection is joined.
+        let dst = record("10.0.0.2", "10.0.0.1", true, vec![]);
+        assert!(ingest.add(&g, "node-a", vec![dst], now).is_empty());
+        assert_eq!(service_of(&mut ingest, Reporter::Dst, 80), web);
+        // A node port leads to the Service too; a port without a name shows `-`.
+        let mut by_node_port = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        by_node_port.dst_port = 81;
+        by_node_port.original_dest = Some((ip("192.168.1.1"), 30080));
+        let mut unnamed = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        unnamed.dst_port = 82;
+        unnamed.original_dest = Some((ip("10.96.0.10"), 9090));
+        // Translated to somewhere that is no Service, and not translated at all: `-`.
+        let mut elsewhere = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        elsewhere.dst_port = 83;
+        elsewhere.original_dest = Some((ip("10.96.0.99"), 8080));
+        let mut plain = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        plain.dst_port = 84;
+        assert!(
+            ingest
+                .add(
+                    &g,
+                    "node-b",
+                    vec![by_node_port, unnamed, elsewhere, plain],
+                    now
+                )
+                .is_empty()
+        );
+        assert_eq!(service_of(&mut ingest, Reporter::Src, 81), web);
+        assert_eq!(
+            service_of(&mut ingest, Reporter::Src, 82),
+            ("web".into(), "shop".into(), "-".into(), 9090)
+        );
+        let none = ("-".to_string(), "-".to_string(), "-".to_string(), 0);
+        assert_eq!(service_of(&mut ingest, Reporter::Src, 83), none);
+        assert_eq!(service_of(&mut ingest, Reporter::Src, 84), none);
+        // Parsing: an original destination of the other IP version is refused.
+        let mut bad = pb::FlowRecord {
+            interval_start: 1_800_000_000,
+            source_ip: "10.0.0.2".into(),
+            dest_ip: "10.0.0.1".into(),
+            protocol: 6,
+            original_dest_ip: "fd00::1".into(),
+            ..Default::default()
+        };
+        let report = |r: &pb::FlowRecord| pb::FlowReport {
+            records: vec![r.clone()],
+            dropped: 0,
+        };
+        assert_eq!(
+            parse(&report(&bad)).unwrap_err().to_string(),
+            "FlowReport.records[0].original_dest_ip: not of the record's IP version"
+        );
+        bad.original_dest_ip = "10.96.0.10".into();
+        bad.original_dest_port = 8080;
+        assert_eq!(
+            parse(&report(&bad)).unwrap().records[0].original_dest,
+            Some((ip("10.96.0.10"), 8080))
         );
     }
 }

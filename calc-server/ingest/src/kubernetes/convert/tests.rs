@@ -805,6 +805,43 @@ fn bad_crds_are_rejected_with_the_reason() {
 }
 
 #[test]
+fn services_keep_where_they_are_reached() {
+    let r = applied(
+        Source::Service,
+        json!({
+            "metadata": {"name": "web", "namespace": "shop", "resourceVersion": "4",
+                         "labels": {"app": "web"}},
+            "spec": {"type": "NodePort", "selector": {"app": "web"}, "clusterIP": "10.96.0.10",
+                     "clusterIPs": ["10.96.0.10", "fd00:96::10"], "ipFamilies": ["IPv4", "IPv6"],
+                     "externalIPs": ["203.0.113.7"],
+                     "ports": [{"name": "http", "protocol": "TCP", "port": 80,
+                                "targetPort": 8080, "nodePort": 30080}]},
+            "status": {"loadBalancer": {}},
+        }),
+    );
+    assert_eq!(
+        r.key(),
+        ResourceKey::new(Kind::Service, Some("shop"), "web")
+    );
+    let Resource::Service(meta, s) = &r else {
+        panic!("{r:?}")
+    };
+    assert!(meta.labels.is_empty(), "only what flow logs read is kept");
+    assert_eq!(s.cluster_ip, "10.96.0.10");
+    assert_eq!(s.cluster_ips, ["10.96.0.10", "fd00:96::10"]);
+    assert_eq!(s.external_ips, ["203.0.113.7"]);
+    assert_eq!(
+        (
+            s.ports[0].name.as_str(),
+            s.ports[0].protocol.as_str(),
+            s.ports[0].port,
+            s.ports[0].node_port
+        ),
+        ("http", "TCP", 80, Some(30080))
+    );
+}
+
+#[test]
 fn endpoint_slices_keep_what_felix_reads() {
     let r = applied(
         Source::EndpointSlice,

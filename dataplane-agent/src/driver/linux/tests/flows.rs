@@ -181,6 +181,8 @@ fn logged_rules_are_named_as_the_stream_names_them_hashed_or_not() {
                 connections_started: 1,
                 connections_completed: 1,
                 connections_live: 0,
+                original_dest_ip: String::new(),
+                original_dest_port: 0,
             }],
             dropped: 0,
         }]
