@@ -12,6 +12,9 @@
 #   etcd, etcdctl                        the etcd datastore tests
 #   iptables(-nft/-legacy)-restore, ipset, ip, nft, nc, ping
 #                                        the Linux driver tests in network namespaces
+#   python3-grpcio, python3-protobuf, grpc_python_plugin
+#                                        the Goldmane client test (flow_logs_server.rs): stubs
+#                                        generated from goldmane.proto by another toolchain
 #   debootstrap, docker-compose          `make images` and the container tests (the Docker
 #                                        engine itself comes with the machine, not from here:
 #                                        without one, those tests skip unless CI is set)
@@ -22,6 +25,7 @@ PACKAGES=(
   etcd-server etcd-client
   iptables ipset iproute2 nftables
   netcat-openbsd iputils-ping
+  python3-grpcio python3-protobuf protobuf-compiler-grpc
   debootstrap docker-compose
 )
 
@@ -46,7 +50,7 @@ fi
 # Check what the build and the tests actually open, whatever installed it.
 problems=()
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
-for tool in cc protoc etcd etcdctl ip ipset nft nc ping debootstrap docker-compose \
+for tool in cc protoc grpc_python_plugin etcd etcdctl ip ipset nft nc ping debootstrap docker-compose \
   iptables-nft-restore iptables-nft-save ip6tables-nft-restore ip6tables-nft-save \
   iptables-legacy-restore iptables-legacy-save ip6tables-legacy-restore ip6tables-legacy-save; do
   have "$tool" || problems+=("command '$tool' not found")
@@ -56,6 +60,9 @@ for proto in descriptor struct timestamp duration empty any wrappers; do
   [ -f "$include/google/protobuf/$proto.proto" ] ||
     problems+=("$include/google/protobuf/$proto.proto not found (libprotobuf-dev ships it)")
 done
+# Debian's interpreter, whatever else is first on PATH: the Goldmane client test runs it.
+/usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null ||
+  problems+=("/usr/bin/python3 cannot import grpc and google.protobuf (python3-grpcio, python3-protobuf)")
 # nc must be the OpenBSD flavour: the tests use `nc -z -w 1` and `nc -l -k`.
 if have nc && ! nc -h 2>&1 | grep -q -- '-k'; then
   problems+=("nc is not netcat-openbsd (the tests need -k and -z)")
