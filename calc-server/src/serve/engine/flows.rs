@@ -42,8 +42,9 @@
 //! The pending trace ([`pending`]): the reporting side's walk with staged policies enforced,
 //! from explain (`calc_graph::explain`), converted the same way (an end of tier's trigger: the
 //! tier's policy earlier in the trace, else the first of the tier selecting the endpoint,
-//! staged ones included). Empty when no staged policy applies on the path. It is the graph's
-//! evaluation of the record's first packet (5-tuple), not of what the node's dataplane did.
+//! staged ones included). When no staged policy applies on the path it is the enforced trace
+//! itself, as Felix reports it. It is the graph's evaluation of the record's first packet
+//! (5-tuple), not of what the node's dataplane did.
 //!
 //! De-duplication: one record per (interval, 5-tuple, reporting node and side); a record seen
 //! again (an agent re-sending after a reconnect) is dropped and counted (`duplicate`). What is
@@ -992,13 +993,18 @@ impl FlowIngest {
                     } else {
                         GAction::Deny
                     } as i32,
-                    policies: Some(PolicyTrace {
-                        enforced_policies: enforced(view, Some(own), &r.trace),
-                        pending_policies: if staged {
-                            pending(graph, Some(own), &r)
-                        } else {
-                            Vec::new()
-                        },
+                    policies: Some({
+                        let enforced_policies = enforced(view, Some(own), &r.trace);
+                        // Without a staged policy on the path the pending walk is the enforced
+                        // one (Felix reports it so); explain runs only when one exists at all.
+                        let pending_policies = staged
+                            .then(|| pending(graph, Some(own), &r))
+                            .filter(|p| !p.is_empty())
+                            .unwrap_or_else(|| enforced_policies.clone());
+                        PolicyTrace {
+                            enforced_policies,
+                            pending_policies,
+                        }
                     }),
                     ..Default::default()
                 }),
