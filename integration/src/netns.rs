@@ -355,6 +355,19 @@ pub struct Netns {
 }
 
 impl Netns {
+    /// Runs `f` on a new thread that has entered this network namespace (`setns` changes only
+    /// the calling thread), returning what it returns.
+    pub fn run_in<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/var/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("namespace file");
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .expect("namespace thread")
+    }
+
     pub fn new(role: &str) -> Netns {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let name = format!("sf-{role}-{}-{n}", std::process::id());
@@ -1110,6 +1123,26 @@ pub fn expect_eventually(what: &str, probes: &[Probe<'_>], cp: &ControlPlane) {
     expect_verdicts(what, probes, Duration::from_secs(20), || {
         format!("agent log:\n{}", cp.agent_log_text())
     });
+}
+
+/// The flows a server holds (`calc-server flows --server ADMIN --output json`, run in
+/// `host`'s namespace), one Goldmane `Flow` each.
+pub fn flow_listing(host: &Netns, admin: &str) -> Vec<serde_json::Value> {
+    let cli = binary("calc-server");
+    let out = host.exec(&[
+        cli.to_str().expect("utf-8 path"),
+        "flows",
+        "--server",
+        admin,
+        "--output",
+        "json",
+    ]);
+    out.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("one JSON object per line: {e}: {l}"))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -180,18 +180,6 @@ fn flow_matrix_nftables_driver() {
     flow_matrix(Plane::Nftables);
 }
 
-/// Runs `f` on a new thread that has entered `ns`'s network namespace.
-fn in_netns<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/var/run/netns/{}", ns.name);
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("namespace file");
-        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-    .join()
-    .expect("namespace thread")
-}
-
 /// A TCP server inside a namespace: on each connection, reads the request to its end, answers
 /// [`REPLY`] and closes. Stopped on drop.
 struct Server {
@@ -263,7 +251,7 @@ impl Drop for Server {
 /// reads the reply to its end: whether the whole exchange happened.
 fn exchange(from: &Netns, to: &str, port: u16) -> Result<(), String> {
     let addr: SocketAddr = format!("{to}:{port}").parse().expect("address");
-    in_netns(from, move || {
+    from.run_in(move || {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
             .map_err(|e| format!("connect {addr}: {e}"))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))
@@ -279,26 +267,6 @@ fn exchange(from: &Netns, to: &str, port: u16) -> Result<(), String> {
         }
         Ok(())
     })
-}
-
-/// The flows the server holds, one JSON object each (`calc-server flows --output json`, in the
-/// server's namespace).
-fn flows(host: &Netns) -> Vec<Value> {
-    let cli = binary("calc-server");
-    let out = host.exec(&[
-        cli.to_str().expect("utf-8 path"),
-        "flows",
-        "--server",
-        "127.0.0.1:9099",
-        "--output",
-        "json",
-    ]);
-    out.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            serde_json::from_str(l).unwrap_or_else(|e| panic!("one JSON object per line: {e}: {l}"))
-        })
-        .collect()
 }
 
 /// The flow listing as an operator reads it, traces included (for failures).
@@ -344,6 +312,19 @@ fn find<'a>(
         "one flow per key over the window: {matching:#?}"
     );
     matching.first().copied()
+}
+
+/// A hit as (kind, name, namespace, tier, action, rule index).
+fn hit(h: &Value) -> (&str, &str, &str, &str, &str, u64) {
+    let text = |k: &str| h[k].as_str().unwrap_or("");
+    (
+        text("kind"),
+        text("name"),
+        text("namespace"),
+        text("tier"),
+        text("action"),
+        count(&h["rule_index"]),
+    )
 }
 
 fn enforced(f: &Value) -> &Vec<Value> {
@@ -526,7 +507,7 @@ fn flow_matrix(plane: Plane) {
         || {
             let _ = exchange(&client.ns, LOCKED_B, ALLOWED);
             wait_a_bit();
-            let all = flows(&host_a);
+            let all = integration::netns::flow_listing(&host_a, "127.0.0.1:9099");
             ["Src", "Dst"]
                 .iter()
                 .all(|r| find(&all, "client-a", "locked-b", ALLOWED, r).is_some())
@@ -584,7 +565,7 @@ fn flow_matrix(plane: Plane) {
         "every case's flow is listed, the allowed connection completed on both nodes",
         Duration::from_secs(90),
         || {
-            all = flows(&host_a);
+            all = integration::netns::flow_listing(&host_a, "127.0.0.1:9099");
             names
                 .iter()
                 .all(|(s, d, p, r)| find(&all, s, d, *p, r).is_some())
@@ -657,20 +638,13 @@ fn check_cases(plane: Plane, all: &[Value], kernel_a: [(u64, u64); 2], kernel_b:
     }
     let last = enforced(dst).last().expect("a hit");
     assert_eq!(
+        hit(last),
         (
-            &last["kind"],
-            &last["name"],
-            &last["namespace"],
-            &last["tier"],
-            &last["action"],
-            count(&last["rule_index"])
-        ),
-        (
-            &Value::from("CalicoNetworkPolicy"),
-            &Value::from("web-allow"),
-            &Value::from("prod"),
-            &Value::from("default"),
-            &Value::from("Allow"),
+            "CalicoNetworkPolicy",
+            "web-allow",
+            "prod",
+            "default",
+            "Allow",
             0
         ),
         "{dst:#}"
@@ -731,20 +705,13 @@ fn check_cases(plane: Plane, all: &[Value], kernel_a: [(u64, u64); 2], kernel_b:
     assert_eq!(f["Key"]["action"], "Deny", "{f:#}");
     let last = enforced(f).last().expect("a hit");
     assert_eq!(
+        hit(last),
         (
-            &last["kind"],
-            &last["name"],
-            &last["namespace"],
-            &last["tier"],
-            &last["action"],
-            count(&last["rule_index"])
-        ),
-        (
-            &Value::from("CalicoNetworkPolicy"),
-            &Value::from("web-deny"),
-            &Value::from("prod"),
-            &Value::from("default"),
-            &Value::from("Deny"),
+            "CalicoNetworkPolicy",
+            "web-deny",
+            "prod",
+            "default",
+            "Deny",
             1
         ),
         "{f:#}"
@@ -807,20 +774,13 @@ fn check_cases(plane: Plane, all: &[Value], kernel_a: [(u64, u64); 2], kernel_b:
         .unwrap_or_else(|| panic!("a pending trace: {f:#}"));
     let last = pending.last().expect("a pending hit");
     assert_eq!(
+        hit(last),
         (
-            &last["kind"],
-            &last["name"],
-            &last["namespace"],
-            &last["tier"],
-            &last["action"],
-            count(&last["rule_index"])
-        ),
-        (
-            &Value::from("StagedNetworkPolicy"),
-            &Value::from("web-trial"),
-            &Value::from("prod"),
-            &Value::from("default"),
-            &Value::from("Deny"),
+            "StagedNetworkPolicy",
+            "web-trial",
+            "prod",
+            "default",
+            "Deny",
             0
         ),
         "{f:#}"

@@ -12,7 +12,6 @@
 
 use std::time::{Duration, Instant};
 
-use integration::binary;
 use integration::netns::{
     ControlPlane, Driver, Netns, Workload, namespace_profile, wep_manifest, write_manifest,
 };
@@ -40,23 +39,6 @@ spec:
   ports: [{name: http, port: 80, targetPort: 8080}]
 ";
 
-/// The flows the server holds, one JSON object each.
-fn flows(host: &Netns) -> Vec<Value> {
-    let cli = binary("calc-server");
-    let out = host.exec(&[
-        cli.to_str().expect("utf-8 path"),
-        "flows",
-        "--server",
-        "127.0.0.1:9099",
-        "--output",
-        "json",
-    ]);
-    out.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-        .collect()
-}
-
 fn key(f: &Value) -> &Value {
     if f["Key"].is_object() {
         &f["Key"]
@@ -80,7 +62,7 @@ fn wait_flow_where(
 ) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let all = flows(host);
+        let all = integration::netns::flow_listing(host, "127.0.0.1:9099");
         if let Some(f) = all
             .iter()
             .find(|f| key(f)["dest_port"] == port && key(f)["reporter"] == reporter && also(f))

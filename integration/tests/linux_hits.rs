@@ -158,24 +158,11 @@ spec:
     )
 }
 
-/// Runs `f` on a new thread that has entered `ns`'s network namespace (`setns` changes only
-/// the calling thread), returning what it returns.
-fn in_netns<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/var/run/netns/{}", ns.name);
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("namespace file");
-        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-    .join()
-    .expect("namespace thread")
-}
-
 /// Sends one datagram from `from` to `to:port` for each source port in `sources`: a socket of
 /// its own per datagram, bound to that port, so that each is a new conntrack flow.
 fn send_flows(from: &Workload, to: &str, port: u16, sources: std::ops::Range<u16>) {
     let (src, dst) = (from.ipv4.clone(), to.to_owned());
-    in_netns(&from.ns, move || {
+    from.ns.run_in(move || {
         for sport in sources {
             let sock = UdpSocket::bind((src.as_str(), sport))
                 .unwrap_or_else(|e| panic!("bind {src}:{sport}: {e}"));
@@ -201,7 +188,7 @@ impl Receiver {
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         for (slot, port) in [ALLOWED_PORT, DENIED_PORT].into_iter().enumerate() {
             let (addr, counts, stop) = (server.ipv4.clone(), counts.clone(), stop.clone());
-            let sock = in_netns(&server.ns, move || {
+            let sock = server.ns.run_in(move || {
                 UdpSocket::bind((addr.as_str(), port)).expect("bind the server's port")
             });
             sock.set_read_timeout(Some(Duration::from_millis(100)))
@@ -426,10 +413,9 @@ fn profile_egress_rule(host: &Netns) -> (u64, u64) {
 
 /// `/status/verdicts` as JSON (the dataplane's own verdicts that counted something).
 fn verdict_rows(host: &Netns) -> Vec<serde_json::Value> {
-    let (code, body) = in_netns(host, || {
-        integration::http_get("127.0.0.1:9099", "/status/verdicts")
-    })
-    .expect("the admin endpoint answers");
+    let (code, body) = host
+        .run_in(|| integration::http_get("127.0.0.1:9099", "/status/verdicts"))
+        .expect("the admin endpoint answers");
     assert_eq!(code, 200, "/status/verdicts: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status/verdicts: {e}\n{body}"))
 }
@@ -460,7 +446,7 @@ fn diagnostics(host: &Netns, plane: Plane, cp: &ControlPlane) -> String {
     format!(
         "status rows:\n{}\nserver metrics:\n{}\nkernel ({plane:?}, counters):\n{}\nagent log:\n{}",
         serde_json::to_string_pretty(&policy_rows(host)).unwrap_or_default(),
-        in_netns(host, || integration::http_get("127.0.0.1:9099", "/metrics"))
+        host.run_in(|| integration::http_get("127.0.0.1:9099", "/metrics"))
             .map(|(_, body)| body)
             .unwrap_or_default()
             .lines()
@@ -943,9 +929,7 @@ fn warm_up(
 
 /// [`policy_rows`], or `None` while the admin endpoint does not answer (a server restarting).
 fn policy_rows_if_up(host: &Netns) -> Option<Vec<serde_json::Value>> {
-    let out = in_netns(host, || {
-        integration::http_get("127.0.0.1:9099", "/status/policies")
-    })?;
+    let out = host.run_in(|| integration::http_get("127.0.0.1:9099", "/status/policies"))?;
     match out {
         (200, body) => serde_json::from_str(&body).ok(),
         _ => None,
@@ -955,7 +939,8 @@ fn policy_rows_if_up(host: &Netns) -> Option<Vec<serde_json::Value>> {
 /// `/status/policies/<name>` (one policy, with its `rules`) as JSON.
 fn policy_detail(host: &Netns, name: &str) -> serde_json::Value {
     let path = format!("/status/policies/{name}");
-    let (code, body) = in_netns(host, move || integration::http_get("127.0.0.1:9099", &path))
+    let (code, body) = host
+        .run_in(move || integration::http_get("127.0.0.1:9099", &path))
         .expect("the admin endpoint answers");
     assert_eq!(code, 200, "/status/policies/{name}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status/policies/{name}: {e}\n{body}"))
