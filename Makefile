@@ -1,7 +1,7 @@
 # The two commands a new user runs: `make demo` and `make test`. See README.md.
 CARGO ?= cargo
 
-.PHONY: deps build test demo bench bench-calc bench-sync bench-stats lint fmt clean fresh-check images demo-containers
+.PHONY: deps build test demo bench bench-calc bench-sync bench-stats bench-flows lint fmt clean fresh-check images demo-containers
 
 ## deps: install the missing system packages (idempotent; apt-get update first), then check that
 ## every tool and file the build and the tests read is present (scripts/deps.sh lists them)
@@ -52,6 +52,14 @@ bench-sync: deps
 ## `stats 1000 agents: reports … /s, cpu … % of a core (… µs/report, … ns/hit), rss above in-sync … MiB, entries …`
 bench-stats: deps
 	./scripts/bench.sh stats
+
+## bench-flows: flow logs (issue 42): calc-server's ingest on one core and memory per flow key,
+## then (as root) the agent's CPU per 1,000 new connections/s: prints
+## `flows ingest: … µs/record, … records/s on one core, …x Goldmane's 13 µs/flow`,
+## `flows ingest instructions: … per record`, `flows memory: … bytes/key, … MiB at --flow-max-keys …`
+## and `agent flows: … CPU-ms/s per 1k conn/s with flow logs (… % of a core), … without`
+bench-flows: deps
+	./scripts/bench.sh flows
 
 ## lint: formatting and clippy, warnings are errors
 lint: deps

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
-#   scripts/bench.sh [all|calc|sync|stats]   (make bench, make bench-calc, make bench-sync, make bench-stats)
+#   scripts/bench.sh [all|calc|sync|stats|flows]   (make bench, make bench-calc, make bench-sync,
+#                                                   make bench-stats, make bench-flows)
 # calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream;
-# stats: the same 1,000 agents reporting rule stats every second (STATS_SECONDS, default 20).
+# stats: the same 1,000 agents reporting rule stats every second (STATS_SECONDS, default 20);
+# flows: flow logs: calc-server's ingest on one core (time and callgrind instructions per
+# record), memory per flow key, and the agent's CPU per 1,000 new connections/s (root).
 # all adds the churn, the Linux driver and the label flip to the kernel (the last two as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-case "$MODE" in all|calc|sync|stats) ;; *) echo "usage: $0 [all|calc|sync|stats]" >&2; exit 2 ;; esac
+case "$MODE" in all|calc|sync|stats|flows) ;; *) echo "usage: $0 [all|calc|sync|stats|flows]" >&2; exit 2 ;; esac
 cargo build --release -p calc-server -p bench-tools -p calc-graph --benches --bins >/dev/null 2>&1 || cargo build --release -p calc-server -p bench-tools
 BIN=./target/release/calc-server
 BENCH=./target/release/calc-bench
@@ -33,7 +36,34 @@ if [ "$MODE" = all ] || [ "$MODE" = calc ]; then
   echo; echo "(slope of the retained memory from 10k to 100k endpoints)"
   echo "memory per endpoint: $(( (b - a) / 90000 )) bytes"
 fi
-[ "$MODE" = calc ] && exit 0
+
+if [ "$MODE" = all ] || [ "$MODE" = flows ]; then
+  echo; echo "== Flow logs: calc-server ingest on one core (parse + FlowIngest::add) and memory per flow key"
+  "$BENCH" flows
+  echo; echo "== Flow logs: instructions per record (callgrind, the same records, one round)"
+  if command -v valgrind >/dev/null; then
+    cg() { # label records staged-records: instructions in ingest_all per record
+      valgrind --tool=callgrind --callgrind-out-file="$WORK/flows.callgrind" --collect-atstart=no \
+        --toggle-collect='*flows_bench::ingest_all*' "$BENCH" flows --records "$2" --staged-records "$3" \
+        --rounds 1 --memory-keys 0 >/dev/null 2>"$WORK/flows.callgrind.log"
+      local ir n=$(( $2 + $3 ))
+      ir=$(awk '/^(summary|totals):/ {print $2; exit}' "$WORK/flows.callgrind")
+      echo "$1: $(( ir / n )) per record ($ir for $n records)"
+    }
+    cg "flows ingest instructions" "${FLOWS_CALLGRIND_RECORDS:-20000}" 0
+    cg "flows ingest with staged policies instructions" 0 "${FLOWS_CALLGRIND_STAGED_RECORDS:-100}"
+  else
+    echo "skipped: valgrind is not installed"
+  fi
+  echo; echo "== Flow logs: the agent's CPU per 1,000 new connections/s (fresh network namespaces)"
+  if [ "$(id -u)" = 0 ]; then
+    cargo build --release -p calc-server -p dataplane-agent >/dev/null 2>&1
+    cargo bench -q -p bench-tools --bench agent_flows
+  else
+    echo "skipped: needs root (network namespaces, iptables, ipset)"
+  fi
+fi
+case "$MODE" in calc|flows) exit 0 ;; esac
 
 PORT=${BENCH_GRPC_PORT:-50771}
 SERVER=

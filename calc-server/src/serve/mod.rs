@@ -19,7 +19,8 @@
 mod admin;
 mod admin_access;
 mod admin_server;
-mod engine;
+#[doc(hidden)]
+pub mod engine;
 mod goldmane_api;
 mod hits_store;
 pub mod listener;

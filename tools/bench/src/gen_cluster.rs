@@ -181,7 +181,6 @@ pub fn run(args: &GenClusterArgs) -> anyhow::Result<GenStats> {
 ///
 /// # Panics
 /// If the arguments break the limits in the module documentation.
-#[cfg(test)]
 pub fn generate(args: &GenClusterArgs) -> Vec<Value> {
     if let Err(e) = check(args) {
         panic!("gen-cluster: {e:#}");

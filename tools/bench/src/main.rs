@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use bench_tools::{bench_sync, churn, flip_kernel, gen_cluster, graph_bench};
+use bench_tools::{bench_sync, churn, flip_kernel, flows_bench, gen_cluster, graph_bench};
 use clap::{Parser, Subcommand};
 
 /// The same allocator as calc-server, so the graph benchmarks measure what the server runs.
@@ -45,6 +45,9 @@ enum Command {
     /// address is in or out of the kernel IP set of an agent (Linux driver) in a fresh network
     /// namespace; the breakdown from the server's and the agent's logs.
     FlipKernel(flip_kernel::FlipKernelArgs),
+    /// calc-server's flow-log ingest (issue 42) on one core: records per second through
+    /// parse and the flow store, and memory per flow key.
+    Flows(flows_bench::FlowsBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::BenchSync(args) => bench_sync::run(&args),
         Command::Churn(args) => churn::run(&args),
         Command::FlipKernel(args) => flip_kernel::run(&args),
+        Command::Flows(args) => flows_bench::run(&args),
     };
     result.unwrap_or_else(|error| {
         eprintln!("error: {error:#}");

@@ -76,7 +76,7 @@ const PROFILE_TIER: &str = "__PROFILE__";
 
 /// What a rule did to a flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum HitAction {
+pub enum HitAction {
     Allow,
     Deny,
     Pass,
@@ -84,7 +84,7 @@ pub(crate) enum HitAction {
 
 /// One checked hit of a record's trace.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct TraceHit {
+pub struct TraceHit {
     pub owner: Owner,
     pub egress: bool,
     pub index: u32,
@@ -93,7 +93,7 @@ pub(crate) struct TraceHit {
 
 /// One checked flow record.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct FlowIn {
+pub struct FlowIn {
     pub interval: i64,
     pub src: IpAddr,
     pub dst: IpAddr,
@@ -116,7 +116,7 @@ pub(crate) struct FlowIn {
 
 /// A checked report: its records and what the agent says it dropped.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct FlowBatch {
+pub struct FlowBatch {
     pub records: Vec<FlowIn>,
     pub agent_dropped: u64,
 }
@@ -124,7 +124,7 @@ pub(crate) struct FlowBatch {
 /// Why a whole `FlowReport` is refused (the stream ends with INVALID_ARGUMENT). The messages
 /// name fields and positions, never the agent's text.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Malformed {
+pub enum Malformed {
     #[error("FlowReport carries {0} records, more than {MAX_RECORDS_PER_REPORT}")]
     TooManyRecords(usize),
     #[error("FlowReport.records[{at}].{field}: {why}")]
@@ -154,7 +154,7 @@ fn to_i64(v: u64) -> i64 {
 /// Checks a `FlowReport`: bounded, every address an IP, every interval a multiple of 15 s,
 /// ports and protocol in range, every trace bounded and every hit a well-formed reference
 /// (as `RuleStats` hits are checked) with an action of `allow`, `deny` or `pass`.
-pub(crate) fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
+pub fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
     if report.records.len() > MAX_RECORDS_PER_REPORT {
         return Err(Malformed::TooManyRecords(report.records.len()));
     }
@@ -796,8 +796,8 @@ fn set_dest_service(key: &mut FlowKey, service: Option<&ServicePortRef>) {
 }
 
 /// The flow store and what was already received.
-pub(crate) struct FlowIngest {
-    pub(crate) store: FlowStore,
+pub struct FlowIngest {
+    pub store: FlowStore,
     index: IpIndex,
     /// Per staged policy (kind, namespace, name): the packets and bytes of the flows its rules
     /// decided in their pending traces, and the end of the latest such interval (Unix seconds).
@@ -824,7 +824,7 @@ pub(crate) fn refused_reason(r: &Refused) -> &'static str {
 impl FlowIngest {
     /// A store of at most `max_keys` flow keys; at most `max_seen` records remembered for
     /// de-duplication.
-    pub(crate) fn new(max_keys: usize, max_seen: usize) -> FlowIngest {
+    pub fn new(max_keys: usize, max_seen: usize) -> FlowIngest {
         FlowIngest {
             store: FlowStore::new(max_keys, 0),
             index: IpIndex::default(),
@@ -882,7 +882,7 @@ impl FlowIngest {
 
     /// Names `node`'s records and stores them at `now` (Unix seconds); returns what was
     /// dropped, by reason.
-    pub(crate) fn add(
+    pub fn add(
         &mut self,
         graph: &CalcGraph,
         node: &str,

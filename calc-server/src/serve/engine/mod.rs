@@ -45,7 +45,8 @@
 //!   pruned only once the datastore is in sync, so restored ones are not dropped before their
 //!   policies are known.
 
-mod flows;
+#[doc(hidden)]
+pub mod flows;
 mod hits;
 mod realization;
 mod run;

@@ -65,7 +65,7 @@ pub(crate) const MAX_ID_BYTES: usize = 253;
 /// Whose rule (or which of the dataplane's own verdicts) a hit counts.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub(crate) enum Owner {
+pub enum Owner {
     /// A policy, by its `PolicyID` (namespace empty for a global kind).
     Policy {
         kind: String,
