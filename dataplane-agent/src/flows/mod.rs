@@ -63,6 +63,9 @@ pub const GROUP_OUTBOUND: u16 = 2;
 pub const MAX_TRACE: usize = 64;
 /// Most records in one report (the server takes up to 4096).
 pub const MAX_RECORDS_PER_REPORT: usize = 1000;
+/// Most encoded bytes of one report's records: well under the server's default limit on a
+/// message it decodes (`--max-recv-bytes`, 64 KiB), which ends the stream when exceeded.
+pub const MAX_REPORT_BYTES: usize = 32 * 1024;
 /// A prefix of this length was hashed (`rules::nflog`): only a reverse map can name its rule.
 pub const HASHED_PREFIX_LEN: usize = 63;
 
@@ -563,20 +566,35 @@ impl FlowAggregator {
     }
 
     /// The closed intervals' records as reports, one per interval, oldest first (at most
-    /// `max_records` records each: a larger interval goes in several), after closing what
+    /// `max_records` records and [`MAX_REPORT_BYTES`] encoded bytes each: a larger interval
+    /// goes in several), after closing what
     /// `now` closes. The dropped count goes with the first report (a report of its own when
     /// nothing is queued) and restarts. Empty when there is nothing to say.
     pub fn take_reports(&mut self, now: i64, max_records: usize) -> Vec<FlowReport> {
+        use felix_proto::prost::Message;
         self.advance(now);
         let max_records = max_records.max(1);
         let mut out: Vec<FlowReport> = Vec::new();
         let mut last_interval = None;
+        // The encoded size of the last report's records so far.
+        let mut bytes = 0;
         while let Some(r) = self.queue.pop_front() {
             let same = last_interval == Some(r.interval_start);
+            // A repeated field's entry: its tag, its length and itself.
+            let size = 1 + felix_proto::prost::length_delimiter_len(r.encoded_len())
+                + r.encoded_len();
             match out.last_mut() {
-                Some(rep) if same && rep.records.len() < max_records => rep.records.push(r),
+                Some(rep)
+                    if same
+                        && rep.records.len() < max_records
+                        && bytes + size <= MAX_REPORT_BYTES =>
+                {
+                    bytes += size;
+                    rep.records.push(r)
+                }
                 _ => {
                     last_interval = Some(r.interval_start);
+                    bytes = size;
                     out.push(FlowReport {
                         records: vec![r],
                         dropped: 0,

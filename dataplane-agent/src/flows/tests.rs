@@ -552,3 +552,38 @@ fn a_flood_of_new_connections_stays_within_the_caps_and_is_counted() {
         30
     );
 }
+
+#[test]
+fn a_busy_interval_is_split_into_reports_the_server_can_decode() {
+    use felix_proto::prost::Message;
+    let mut a = FlowAggregator::new(FlowSettings {
+        max_connections: 5000,
+        max_queued_records: 5000,
+        ..settings()
+    });
+    // 3,000 connections in one interval, as a load test makes: about 75 KB of records, more
+    // than the server's default 64 KiB per message.
+    for port in 0..3000u16 {
+        log(
+            &mut a,
+            0,
+            1,
+            "API0|np/prod/web",
+            tcp(CLIENT, 10_000 + port, SERVER, 80),
+            60,
+        );
+    }
+    let reports = a.take_reports(15, MAX_RECORDS_PER_REPORT);
+    let total: usize = reports.iter().map(|r| r.records.len()).sum();
+    assert_eq!(total, 3000, "every record sent");
+    assert!(reports.len() > 1);
+    for r in &reports {
+        // The report inside its FromDataplane wrapper: a few bytes more.
+        assert!(
+            r.encoded_len() + 16 <= 64 * 1024,
+            "{} bytes in one report",
+            r.encoded_len()
+        );
+        assert!(r.encoded_len() <= MAX_REPORT_BYTES);
+    }
+}
