@@ -76,6 +76,20 @@ impl Counters {
         }
     }
 
+    /// Adds a record of the same key in the same bucket (as [`Counters::add`] with its
+    /// counters, without copying its labels).
+    fn add_record(&mut self, r: &Flow) {
+        self.packets_in = self.packets_in.saturating_add(r.packets_in);
+        self.packets_out = self.packets_out.saturating_add(r.packets_out);
+        self.bytes_in = self.bytes_in.saturating_add(r.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(r.bytes_out);
+        self.started = self.started.saturating_add(r.num_connections_started);
+        self.completed = self.completed.saturating_add(r.num_connections_completed);
+        self.live = self.live.saturating_add(r.num_connections_live);
+        self.source_labels.retain(|l| r.source_labels.contains(l));
+        self.dest_labels.retain(|l| r.dest_labels.contains(l));
+    }
+
     /// Adds `other` (same key): counters sum, labels intersect. `live_sums` false keeps the
     /// later live count instead (adding buckets over time in a query).
     pub(super) fn add(&mut self, other: &Counters, live_sums: bool) {
@@ -239,12 +253,11 @@ impl FlowStore {
                 id
             }
         };
-        let counters = Counters::from_record(record);
         let bucket = self.buckets.entry(start).or_default();
         match bucket.get_mut(&id) {
-            Some(c) => c.add(&counters, true),
+            Some(c) => c.add_record(record),
             None => {
-                bucket.insert(id, counters);
+                bucket.insert(id, Counters::from_record(record));
                 if let Some(k) = self.keys.get_mut(&id) {
                     k.buckets += 1;
                 }

@@ -122,9 +122,15 @@ impl Sets for View<'_> {
     }
 
     fn has_ip(&self, id: &str, ip: IpAddr) -> bool {
+        // Members are canonical text, nearly all single addresses: look the address up, then
+        // parse only the wider nets (a set of a thousand endpoints is not parsed per rule).
+        let host = if ip.is_ipv4() { "/32" } else { "/128" };
+        if self.g.ipset_has_member(id, &format!("{ip}{host}")) {
+            return true;
+        }
         self.g
             .ipset_members(id)
-            .is_some_and(|mut members| members.any(|m| cidr_contains(m, ip)))
+            .is_some_and(|mut members| members.any(|m| !m.ends_with(host) && cidr_contains(m, ip)))
     }
 
     fn has_ip_port(&self, id: &str, ip: IpAddr, protocol: u8, port: u16) -> bool {

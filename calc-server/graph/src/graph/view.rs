@@ -187,6 +187,11 @@ impl<'g> GraphView<'g> {
 
     /// A profile's rules as the nodes are sent them; `None` when no Profile of that name
     /// exists (nodes are then sent [`crate::rule_scanner::missing_profile_rules`]).
+    /// Every profile's message, in no particular order.
+    pub fn profiles(self) -> impl Iterator<Item = &'g Arc<pb::Profile>> + 'g {
+        self.g.policies.profiles.values().map(|p| &p.message)
+    }
+
     pub fn profile(self, name: &str) -> Option<&'g Arc<pb::Profile>> {
         self.g.policies.profiles.get(name).map(|p| &p.message)
     }
@@ -199,6 +204,17 @@ impl<'g> GraphView<'g> {
 
     /// The members of an IP set (addresses, CIDRs or `addr,proto:port`), or `None` when no
     /// policy or profile defines it.
+    /// Whether IP set `id` holds `member` (its canonical text), without a scan.
+    pub fn ipset_has_member(self, id: &str, member: &str) -> bool {
+        let g = self.g;
+        g.ipsets.sets.get(id).is_some_and(|set| {
+            g.ipsets
+                .members
+                .existing(member)
+                .is_some_and(|m| set.members.contains_key(&m))
+        })
+    }
+
     pub fn ipset_members(self, id: &str) -> Option<impl Iterator<Item = &'g str> + 'g> {
         let g = self.g;
         let set = g.ipsets.sets.get(id)?;

@@ -46,6 +46,12 @@
 //! itself, as Felix reports it. It is the graph's evaluation of the record's first packet
 //! (5-tuple), not of what the node's dataplane did.
 //!
+//! Cost: what depends only on the graph is computed once per graph generation and kept until
+//! [`FlowIngest::graph_changed`]: the address index (endpoints' and network sets' nets parsed
+//! once), each address's name (per node for its own side; at most 100,000 addresses, then
+//! started again), and each pending trace (per node, by 5-tuple without the source port
+//! unless some rule matches source ports, and side; at most 100,000).
+//!
 //! De-duplication: one record per (interval, 5-tuple, reporting node and side); a record seen
 //! again (an agent re-sending after a reconnect) is dropped and counted (`duplicate`). What is
 //! remembered is bounded ([`FlowIngest::new`]'s `max_seen`; beyond it: `dedup_cap`) and
@@ -302,33 +308,46 @@ fn flow_labels(labels: Option<BTreeMap<String, String>>) -> Vec<String> {
         .collect()
 }
 
-/// The prefix length of `cidr` when it contains `ip`.
-fn contains(cidr: &str, ip: IpAddr) -> Option<u8> {
-    let (addr, len) = cidr.split_once('/').unwrap_or((cidr, ""));
-    let net: IpAddr = addr.parse().ok()?;
-    let max = if net.is_ipv4() { 32 } else { 128 };
-    let len: u8 = if len.is_empty() {
-        max
-    } else {
-        len.parse().ok()?
-    };
-    let bits = |a: IpAddr| -> Option<u128> {
-        match a {
-            IpAddr::V4(v) => Some(u128::from(u32::from(v))),
-            IpAddr::V6(v) => Some(u128::from(v)),
-        }
-    };
-    if net.is_ipv4() != ip.is_ipv4() || len > max {
-        return None;
+/// A network parsed once: its family, its address as bits, its prefix length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Net {
+    v4: bool,
+    bits: u128,
+    len: u8,
+}
+
+impl Net {
+    /// `a.b.c.d/n`, an IPv6 net, or a bare address (a /32 or /128).
+    fn parse(cidr: &str) -> Option<Net> {
+        let (addr, len) = cidr.split_once('/').unwrap_or((cidr, ""));
+        let ip: IpAddr = addr.parse().ok()?;
+        let max = if ip.is_ipv4() { 32 } else { 128 };
+        let len: u8 = if len.is_empty() {
+            max
+        } else {
+            len.parse().ok()?
+        };
+        (len <= max).then_some(Net {
+            v4: ip.is_ipv4(),
+            bits: bits(ip),
+            len,
+        })
     }
-    let shift = u32::from(max - len);
-    let (n, i) = (bits(net)?, bits(ip)?);
-    let same = if shift >= 128 {
-        true
-    } else {
-        (n >> shift) == (i >> shift)
-    };
-    same.then_some(len)
+
+    fn contains(self, ip: IpAddr) -> bool {
+        if self.v4 != ip.is_ipv4() {
+            return false;
+        }
+        let shift = u32::from(if self.v4 { 32 } else { 128 } - self.len);
+        shift >= 128 || (self.bits >> shift) == (bits(ip) >> shift)
+    }
+}
+
+fn bits(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v) => u128::from(u32::from(v)),
+        IpAddr::V6(v) => u128::from(v),
+    }
 }
 
 fn endpoint_side(e: EndpointView<'_>) -> Side {
@@ -366,7 +385,9 @@ fn endpoint_side(e: EndpointView<'_>) -> Side {
 #[derive(Default)]
 pub(crate) struct IpIndex {
     exact: HashMap<IpAddr, Vec<ResourceKey>>,
-    wide: Vec<(String, ResourceKey)>,
+    wide: Vec<(Net, ResourceKey)>,
+    /// Every (Global)NetworkSet's nets, parsed.
+    netsets: Vec<(Net, ResourceKey)>,
     built: bool,
 }
 
@@ -377,18 +398,27 @@ impl IpIndex {
         }
         self.exact.clear();
         self.wide.clear();
+        self.netsets.clear();
         for e in view.endpoints() {
             for net in e.nets() {
-                let (addr, len) = net.split_once('/').unwrap_or((net, ""));
-                let Ok(ip) = addr.parse::<IpAddr>() else {
+                let Some(n) = Net::parse(net) else {
                     continue;
                 };
-                let full = if ip.is_ipv4() { "32" } else { "128" };
-                if len.is_empty() || len == full {
+                if n.len == if n.v4 { 32 } else { 128 } {
+                    let ip = if n.v4 {
+                        IpAddr::from(std::net::Ipv4Addr::from(n.bits as u32))
+                    } else {
+                        IpAddr::from(std::net::Ipv6Addr::from(n.bits))
+                    };
                     self.exact.entry(ip).or_default().push(e.key().clone());
                 } else {
-                    self.wide.push((net.to_string(), e.key().clone()));
+                    self.wide.push((n, e.key().clone()));
                 }
+            }
+        }
+        for (k, nets) in view.network_sets() {
+            for n in nets.iter().filter_map(|n| Net::parse(n)) {
+                self.netsets.push((n, k.clone()));
             }
         }
         self.built = true;
@@ -403,7 +433,7 @@ impl IpIndex {
             .chain(
                 self.wide
                     .iter()
-                    .filter(move |(net, _)| contains(net, ip).is_some())
+                    .filter(move |(net, _)| net.contains(ip))
                     .map(|(_, k)| k),
             )
             .filter_map(move |k| view.endpoint(k))
@@ -437,22 +467,28 @@ fn pick<'g>(
 /// `pub`/`pvt` (by a scan of every endpoint).
 #[cfg(test)]
 pub(crate) fn name_ip(view: GraphView<'_>, ip: IpAddr) -> Side {
-    name_ip_with(view, endpoint_with_ip(view, ip, None), ip)
+    let mut index = IpIndex::default();
+    index.build(view);
+    name_ip_with(view, &index, endpoint_with_ip(view, ip, None), ip)
 }
 
-/// [`name_ip`] with the endpoint holding `ip` already looked up.
-fn name_ip_with(view: GraphView<'_>, endpoint: Option<EndpointView<'_>>, ip: IpAddr) -> Side {
+/// [`name_ip`] with the endpoint holding `ip` already looked up, and the network sets from
+/// the index.
+fn name_ip_with(
+    view: GraphView<'_>,
+    index: &IpIndex,
+    endpoint: Option<EndpointView<'_>>,
+    ip: IpAddr,
+) -> Side {
     if let Some(e) = endpoint {
         return endpoint_side(e);
     }
-    let best = view
-        .network_sets()
-        .filter_map(|(k, nets)| {
-            nets.iter()
-                .filter_map(|n| contains(n, ip))
-                .max()
-                .map(|len| (len, k))
-        })
+    // The longest prefix; between equals, the smallest key.
+    let best = index
+        .netsets
+        .iter()
+        .filter(|(n, _)| n.contains(ip))
+        .map(|(n, k)| (n.len, k))
         .max_by(|(la, ka), (lb, kb)| la.cmp(lb).then_with(|| kb.cmp(ka)));
     if let Some((_, k)) = best {
         return Side {
@@ -795,6 +831,35 @@ fn set_dest_service(key: &mut FlowKey, service: Option<&ServicePortRef>) {
     }
 }
 
+/// What a pending trace depends on besides the graph: the reporting node, the 5-tuple (the
+/// source port only when some rule matches source ports) and the reporting side.
+type PendingKey = (IpAddr, IpAddr, u8, u16, Option<u16>, bool);
+
+/// Most pending traces remembered until the graph changes (then all are forgotten).
+const MAX_PENDING_CACHED: usize = 100_000;
+/// Most addresses whose names are remembered (per node for its own side); beyond, the cache
+/// starts again: peers on the internet are many, and an agent may report any address.
+const MAX_NAMES_CACHED: usize = 100_000;
+
+/// Whether any rule of a policy or profile matches on source ports (then a pending trace
+/// depends on the source port too).
+fn rules_match_source_ports(view: GraphView<'_>) -> bool {
+    let any = |rules: &[pb::Rule]| {
+        rules.iter().any(|r| {
+            !r.src_ports.is_empty()
+                || !r.not_src_ports.is_empty()
+                || !r.src_named_port_ip_set_ids.is_empty()
+                || !r.not_src_named_port_ip_set_ids.is_empty()
+        })
+    };
+    view.policies().any(|p| {
+        let m = p.message();
+        any(&m.inbound_rules) || any(&m.outbound_rules)
+    }) || view
+        .profiles()
+        .any(|p| any(&p.inbound_rules) || any(&p.outbound_rules))
+}
+
 /// The flow store and what was already received.
 pub struct FlowIngest {
     pub store: FlowStore,
@@ -809,6 +874,17 @@ pub struct FlowIngest {
     /// destination report of the same connection (whose node saw no translation) takes it.
     joined: BTreeMap<i64, HashMap<Conn, ServicePortRef>>,
     joined_count: usize,
+    // Until the graph changes (cleared by `graph_changed`):
+    /// Per node, its own endpoint at an address (its key and named side), or none.
+    own_sides: HashMap<String, HashMap<IpAddr, Option<(ResourceKey, Side)>>>,
+    /// Addresses named as the other side of a flow.
+    sides: HashMap<IpAddr, Side>,
+    /// Per node, the pending traces computed.
+    pending: HashMap<String, HashMap<PendingKey, Vec<PolicyHit>>>,
+    pending_count: usize,
+    /// Whether explain is needed (a staged policy exists) and whether pending traces depend
+    /// on source ports; `None` until first needed.
+    staged: Option<(bool, bool)>,
 }
 
 /// Why a record was dropped: the `calc_server_flow_reports_refused_total` reason.
@@ -834,6 +910,11 @@ impl FlowIngest {
             max_seen,
             joined: BTreeMap::new(),
             joined_count: 0,
+            own_sides: HashMap::new(),
+            sides: HashMap::new(),
+            pending: HashMap::new(),
+            pending_count: 0,
+            staged: None,
         }
     }
 
@@ -852,6 +933,11 @@ impl FlowIngest {
     /// The datastore changed: endpoints' addresses are looked up afresh.
     pub(crate) fn graph_changed(&mut self) {
         self.index.built = false;
+        self.own_sides.clear();
+        self.sides.clear();
+        self.pending.clear();
+        self.pending_count = 0;
+        self.staged = None;
     }
 
     /// What the pending traces say a staged policy (its kind as the graph spells it) decided.
@@ -903,10 +989,19 @@ impl FlowIngest {
         self.index.build(view);
         let index = &self.index;
         // Explain runs only when a staged policy exists at all.
-        let staged = view.policies().any(|p| p.key().kind.is_staged());
-        // Names found once per report: its records share few addresses.
-        let mut own_of: HashMap<IpAddr, Option<(EndpointView<'_>, Side)>> = HashMap::new();
-        let mut named: HashMap<IpAddr, Side> = HashMap::new();
+        let (staged, by_source_port) = *self.staged.get_or_insert_with(|| {
+            let staged = view.policies().any(|p| p.key().kind.is_staged());
+            (staged, staged && rules_match_source_ports(view))
+        });
+        // The node's own caches, taken out while `self` is borrowed record by record.
+        let mut own_of = self.own_sides.remove(node).unwrap_or_default();
+        let mut pending_of = self.pending.remove(node).unwrap_or_default();
+        if own_of.len() > MAX_NAMES_CACHED {
+            own_of.clear();
+        }
+        if self.sides.len() > MAX_NAMES_CACHED {
+            self.sides.clear();
+        }
         let mut dropped = BTreeMap::new();
         for r in records {
             let (own_ip, other_ip) = if r.reporter_dest {
@@ -914,12 +1009,15 @@ impl FlowIngest {
             } else {
                 (r.src, r.dst)
             };
-            let own = own_of.entry(own_ip).or_insert_with(|| {
+            let own_entry = own_of.entry(own_ip).or_insert_with(|| {
                 pick(index.at(view, own_ip), Some(node))
                     .filter(|e| e.node() == node)
-                    .map(|e| (e, endpoint_side(e)))
+                    .map(|e| (e.key().clone(), endpoint_side(e)))
             });
-            let Some((own, own_side)) = own.clone() else {
+            let Some((own, own_side)) = own_entry
+                .as_ref()
+                .and_then(|(k, side)| Some((view.endpoint(k)?, side.clone())))
+            else {
                 *dropped.entry("foreign").or_default() += 1;
                 continue;
             };
@@ -944,10 +1042,11 @@ impl FlowIngest {
                 *dropped.entry("dedup_cap").or_default() += 1;
                 continue;
             }
-            let other_side = named
+            let other_side = self
+                .sides
                 .entry(other_ip)
                 .or_insert_with(|| {
-                    name_ip_with(view, pick(index.at(view, other_ip), None), other_ip)
+                    name_ip_with(view, index, pick(index.at(view, other_ip), None), other_ip)
                 })
                 .clone();
             let (src, dst) = if r.reporter_dest {
@@ -998,7 +1097,25 @@ impl FlowIngest {
                         // Without a staged policy on the path the pending walk is the enforced
                         // one (Felix reports it so); explain runs only when one exists at all.
                         let pending_policies = staged
-                            .then(|| pending(graph, Some(own), &r))
+                            .then(|| {
+                                let key: PendingKey = (
+                                    r.src,
+                                    r.dst,
+                                    r.proto,
+                                    r.dst_port,
+                                    by_source_port.then_some(r.src_port),
+                                    r.reporter_dest,
+                                );
+                                if let Some(hit) = pending_of.get(&key) {
+                                    return hit.clone();
+                                }
+                                let computed = pending(graph, Some(own), &r);
+                                if self.pending_count < MAX_PENDING_CACHED {
+                                    self.pending_count += 1;
+                                    pending_of.insert(key, computed.clone());
+                                }
+                                computed
+                            })
                             .filter(|p| !p.is_empty())
                             .unwrap_or_else(|| enforced_policies.clone());
                         PolicyTrace {
@@ -1054,6 +1171,8 @@ impl FlowIngest {
                 Err(e) => *dropped.entry(refused_reason(&e)).or_default() += 1,
             }
         }
+        self.own_sides.insert(node.to_string(), own_of);
+        self.pending.insert(node.to_string(), pending_of);
         dropped
     }
 }
@@ -1320,7 +1439,7 @@ mod tests {
             "203.0.113.9",
             "8.8.8.8",
         ] {
-            let indexed = name_ip_with(v, pick(index.at(v, ip(a)), None), ip(a));
+            let indexed = name_ip_with(v, &index, pick(index.at(v, ip(a)), None), ip(a));
             assert_eq!(indexed, name_ip(v, ip(a)), "{a}");
         }
     }
@@ -1733,5 +1852,22 @@ mod tests {
             parse(&report(&bad)).unwrap().records[0].original_dest,
             Some((ip("10.96.0.10"), 8080))
         );
+    }
+
+    #[test]
+    fn nets_are_parsed_once_and_matched_by_prefix() {
+        let net = |s: &str| Net::parse(s);
+        assert!(net("10.0.0.0/8").unwrap().contains(ip("10.9.9.9")));
+        assert!(!net("10.0.0.0/8").unwrap().contains(ip("11.0.0.1")));
+        assert!(net("0.0.0.0/0").unwrap().contains(ip("203.0.113.1")));
+        assert!(!net("0.0.0.0/0").unwrap().contains(ip("fd00::1")), "family");
+        assert!(net("::/0").unwrap().contains(ip("2001:db8::1")));
+        assert!(net("fd00::/8").unwrap().contains(ip("fd12::1")));
+        let host = net("10.0.0.1").unwrap();
+        assert_eq!(host.len, 32, "a bare address is a /32");
+        assert!(host.contains(ip("10.0.0.1")) && !host.contains(ip("10.0.0.2")));
+        for bad in ["10.0.0.0/33", "fd00::/129", "nope", "10.0.0.0/x", ""] {
+            assert_eq!(net(bad), None, "{bad}");
+        }
     }
 }
