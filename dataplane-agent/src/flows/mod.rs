@@ -581,8 +581,8 @@ impl FlowAggregator {
         while let Some(r) = self.queue.pop_front() {
             let same = last_interval == Some(r.interval_start);
             // A repeated field's entry: its tag, its length and itself.
-            let size = 1 + felix_proto::prost::length_delimiter_len(r.encoded_len())
-                + r.encoded_len();
+            let size =
+                1 + felix_proto::prost::length_delimiter_len(r.encoded_len()) + r.encoded_len();
             match out.last_mut() {
                 Some(rep)
                     if same
