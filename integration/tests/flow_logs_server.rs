@@ -332,6 +332,9 @@ async fn flow_reports_are_named_counted_once_and_listed() {
     node2.send(vec![allowed(at), denied(at)]).await;
     // The same interval again, as after a reconnect: not counted twice.
     node2.send(vec![allowed(at)]).await;
+    // Both of node-2's flows are stored before node-1's source report comes (so the
+    // destination report is not joined to the Service the source report names).
+    wait_flows(&server, 2);
     // node-1 may not report db-1's side (a forgery); its own side of web-1 is fine.
     node1
         .send(vec![
