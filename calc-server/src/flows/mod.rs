@@ -74,13 +74,16 @@
 //! `serve::engine::flows`), and `Flows.Stream` (polled over `list` by `serve::goldmane_api`).
 
 mod query;
-mod store;
+pub(crate) mod store;
 #[cfg(test)]
 mod tests;
 
 pub use felix_proto::goldmane;
 pub use query::InvalidRequest;
-pub use store::{BUCKET_SECONDS, DropCounts, FlowRecord, FlowStore, MIN_BUCKETS, Refused};
+pub use store::{
+    BUCKET_SECONDS, DropCounts, FlowRecord, FlowStore, Labels, MIN_BUCKETS, PreparedFlow, Refused,
+    Tally,
+};
 
 /// Re-exported so callers can name the answers without reaching into the proto crate.
 pub use goldmane::{

@@ -11,7 +11,7 @@ use felix_proto::goldmane::{
 };
 
 use super::limits::{MAX_FILTER_ITEMS, MAX_NAME, MAX_PAGE_SIZE, MAX_PROTO};
-use super::store::{BUCKET_SECONDS, Counters, FlowStore, shown};
+use super::store::{BUCKET_SECONDS, Counters, FastMap, FlowStore, shown};
 
 /// A request refused: which field, its value, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,7 +65,7 @@ impl FlowStore {
     fn buckets_in<'a>(
         &'a self,
         w: &Window,
-    ) -> impl Iterator<Item = (i64, &'a HashMap<i64, Counters>)> + 'a {
+    ) -> impl Iterator<Item = (i64, &'a FastMap<i64, Counters>)> + 'a {
         self.buckets.range(w.gte..w.lt).map(|(s, b)| (*s, b))
     }
 
@@ -73,7 +73,7 @@ impl FlowStore {
     fn selected(&self, filter: Option<&Filter>) -> HashMap<i64, bool> {
         self.keys
             .values()
-            .map(|k| (k.id, filter.is_none_or(|f| matches(f, &k.key))))
+            .map(|k| (k.id, filter.is_none_or(|f| matches(f, k.flow.key()))))
             .collect()
     }
 
@@ -145,7 +145,7 @@ impl FlowStore {
                 };
                 FlowResult {
                     id,
-                    flow: Some(to_flow(&self.keys[&id].key, &c, start_time, end_time)),
+                    flow: Some(to_flow(self.keys[&id].flow.key(), &c, start_time, end_time)),
                 }
             })
             .collect();
@@ -182,7 +182,7 @@ impl FlowStore {
         }
         let mut values: BTreeSet<String> = BTreeSet::new();
         for id in seen {
-            let k = &self.keys[&id].key;
+            let k = self.keys[&id].flow.key();
             let mut push = |v: &str| {
                 if !v.is_empty() {
                     values.insert(v.to_string());
@@ -237,7 +237,7 @@ impl FlowStore {
         let mut acc: BTreeMap<StatKey, BTreeMap<i64, [i64; 6]>> = BTreeMap::new();
         for (start, bucket) in self.buckets_in(&w) {
             for (id, c) in bucket {
-                let key = &self.keys[id].key;
+                let key = self.keys[id].flow.key();
                 let egress = key.reporter == Reporter::Src as i32;
                 let (v_in, v_out) = match stat {
                     StatisticType::PacketCount => (c.packets_in, c.packets_out),
@@ -440,8 +440,8 @@ fn to_flow(key: &FlowKey, c: &Counters, start_time: i64, end_time: i64) -> Flow 
         key: Some(key.clone()),
         start_time,
         end_time,
-        source_labels: c.source_labels.iter().cloned().collect(),
-        dest_labels: c.dest_labels.iter().cloned().collect(),
+        source_labels: c.source_labels.to_vec(),
+        dest_labels: c.dest_labels.to_vec(),
         packets_in: c.packets_in,
         packets_out: c.packets_out,
         bytes_in: c.bytes_in,

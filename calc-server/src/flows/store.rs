@@ -1,6 +1,8 @@
 //! The buckets, the keys they hold, and what was refused.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
+use std::sync::Arc;
 
 use felix_proto::goldmane::{self, Flow, FlowKey, PolicyHit};
 use felix_proto::prost::Message;
@@ -47,8 +49,79 @@ pub struct DropCounts {
     pub invalid: u64,
 }
 
+/// A map with a fast keyed hash (foldhash, seeded per process): the store's maps are looked up
+/// once or more per record, and SipHash cost more than the rest of an insert.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// A set with the same hash.
+pub(crate) type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+
+/// One side's labels (`key=value`), sorted and without duplicates. Shared: every record and
+/// bucket of a key that carries the same set points at one copy.
+pub type Labels = Arc<[String]>;
+
+/// Labels in the store's form: sorted, without duplicates.
+pub(crate) fn labels(mut l: Vec<String>) -> Labels {
+    l.sort_unstable();
+    l.dedup();
+    l.into()
+}
+
+/// The labels both sets hold (a copy only when they differ).
+fn intersect(a: &Labels, b: &Labels) -> Labels {
+    if Arc::ptr_eq(a, b) || a == b {
+        return a.clone();
+    }
+    a.iter()
+        .filter(|l| b.binary_search(l).is_ok())
+        .cloned()
+        .collect()
+}
+
+/// What one record counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub packets_in: i64,
+    pub packets_out: i64,
+    pub bytes_in: i64,
+    pub bytes_out: i64,
+    pub started: i64,
+    pub completed: i64,
+    pub live: i64,
+}
+
+impl Tally {
+    fn of(r: &Flow) -> Tally {
+        Tally {
+            packets_in: r.packets_in,
+            packets_out: r.packets_out,
+            bytes_in: r.bytes_in,
+            bytes_out: r.bytes_out,
+            started: r.num_connections_started,
+            completed: r.num_connections_completed,
+            live: r.num_connections_live,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Refused> {
+        for (field, v) in [
+            ("packets_in", self.packets_in),
+            ("packets_out", self.packets_out),
+            ("bytes_in", self.bytes_in),
+            ("bytes_out", self.bytes_out),
+            ("num_connections_started", self.started),
+            ("num_connections_completed", self.completed),
+            ("num_connections_live", self.live),
+        ] {
+            if v < 0 {
+                return Err(invalid(field, v, "negative"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The counters of one key in one bucket (or, in a query, over several buckets).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Counters {
     pub(super) packets_in: i64,
     pub(super) packets_out: i64,
@@ -57,37 +130,37 @@ pub(super) struct Counters {
     pub(super) started: i64,
     pub(super) completed: i64,
     pub(super) live: i64,
-    pub(super) source_labels: BTreeSet<String>,
-    pub(super) dest_labels: BTreeSet<String>,
+    pub(super) source_labels: Labels,
+    pub(super) dest_labels: Labels,
 }
 
 impl Counters {
-    fn from_record(r: &Flow) -> Self {
+    fn new(flow: &PreparedFlow, t: &Tally) -> Self {
         Counters {
-            packets_in: r.packets_in,
-            packets_out: r.packets_out,
-            bytes_in: r.bytes_in,
-            bytes_out: r.bytes_out,
-            started: r.num_connections_started,
-            completed: r.num_connections_completed,
-            live: r.num_connections_live,
-            source_labels: r.source_labels.iter().cloned().collect(),
-            dest_labels: r.dest_labels.iter().cloned().collect(),
+            packets_in: t.packets_in,
+            packets_out: t.packets_out,
+            bytes_in: t.bytes_in,
+            bytes_out: t.bytes_out,
+            started: t.started,
+            completed: t.completed,
+            live: t.live,
+            source_labels: flow.source_labels.clone(),
+            dest_labels: flow.dest_labels.clone(),
         }
     }
 
-    /// Adds a record of the same key in the same bucket (as [`Counters::add`] with its
-    /// counters, without copying its labels).
-    fn add_record(&mut self, r: &Flow) {
-        self.packets_in = self.packets_in.saturating_add(r.packets_in);
-        self.packets_out = self.packets_out.saturating_add(r.packets_out);
-        self.bytes_in = self.bytes_in.saturating_add(r.bytes_in);
-        self.bytes_out = self.bytes_out.saturating_add(r.bytes_out);
-        self.started = self.started.saturating_add(r.num_connections_started);
-        self.completed = self.completed.saturating_add(r.num_connections_completed);
-        self.live = self.live.saturating_add(r.num_connections_live);
-        self.source_labels.retain(|l| r.source_labels.contains(l));
-        self.dest_labels.retain(|l| r.dest_labels.contains(l));
+    /// Adds a record of the same key in the same bucket: counters sum (live ones too: each
+    /// record is one node's), labels intersect.
+    fn add_record(&mut self, flow: &PreparedFlow, t: &Tally) {
+        self.packets_in = self.packets_in.saturating_add(t.packets_in);
+        self.packets_out = self.packets_out.saturating_add(t.packets_out);
+        self.bytes_in = self.bytes_in.saturating_add(t.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(t.bytes_out);
+        self.started = self.started.saturating_add(t.started);
+        self.completed = self.completed.saturating_add(t.completed);
+        self.live = self.live.saturating_add(t.live);
+        self.source_labels = intersect(&self.source_labels, &flow.source_labels);
+        self.dest_labels = intersect(&self.dest_labels, &flow.dest_labels);
     }
 
     /// Adds `other` (same key): counters sum, labels intersect. `live_sums` false keeps the
@@ -104,16 +177,85 @@ impl Counters {
         } else {
             other.live
         };
-        self.source_labels
-            .retain(|l| other.source_labels.contains(l));
-        self.dest_labels.retain(|l| other.dest_labels.contains(l));
+        self.source_labels = intersect(&self.source_labels, &other.source_labels);
+        self.dest_labels = intersect(&self.dest_labels, &other.dest_labels);
+    }
+}
+
+/// A checked flow key with its labels, ready to be stored any number of times: validated and
+/// hashed once.
+#[derive(Debug)]
+pub struct PreparedFlow {
+    key: FlowKey,
+    /// The key's hash (its prost encoding, which is deterministic, under the process's seed).
+    hash: u64,
+    source_labels: Labels,
+    dest_labels: Labels,
+}
+
+/// The seed every key is hashed with: one per process, so hashes compare across stores.
+static KEY_HASH: std::sync::LazyLock<foldhash::fast::RandomState> =
+    std::sync::LazyLock::new(foldhash::fast::RandomState::default);
+
+impl PreparedFlow {
+    /// Checks a key and its labels (bounds, enum values; see the module doc).
+    pub fn new(
+        key: FlowKey,
+        source_labels: Labels,
+        dest_labels: Labels,
+    ) -> Result<Arc<PreparedFlow>, Refused> {
+        validate_key(&key)?;
+        for (field, labels) in [
+            ("source_labels", &source_labels),
+            ("dest_labels", &dest_labels),
+        ] {
+            if labels.len() > MAX_LABELS {
+                return Err(invalid(field, labels.len(), "too many labels"));
+            }
+            for l in labels.iter() {
+                check_str(field, l, MAX_LABEL)?;
+            }
+            if !labels.is_sorted_by(|a, b| a < b) {
+                return Err(invalid(field, labels.len(), "not sorted"));
+            }
+        }
+        Ok(Arc::new(PreparedFlow {
+            hash: KEY_HASH.hash_one(key.encode_to_vec()),
+            key,
+            source_labels,
+            dest_labels,
+        }))
+    }
+
+    pub fn key(&self) -> &FlowKey {
+        &self.key
+    }
+
+    /// The same key: the same allocation, or equal hashes and fields.
+    fn same_key(self: &Arc<Self>, other: &Arc<PreparedFlow>) -> bool {
+        Arc::ptr_eq(self, other) || (self.hash == other.hash && self.key == other.key)
+    }
+
+    /// Its labels, sharing `held`'s allocations where they are equal.
+    fn labels_like(&self, held: &PreparedFlow) -> (Labels, Labels) {
+        let pick = |mine: &Labels, theirs: &Labels| {
+            if mine == theirs {
+                theirs.clone()
+            } else {
+                mine.clone()
+            }
+        };
+        (
+            pick(&self.source_labels, &held.source_labels),
+            pick(&self.dest_labels, &held.dest_labels),
+        )
     }
 }
 
 /// A key held by the store.
 pub(super) struct KeyEntry {
     pub(super) id: i64,
-    pub(super) key: FlowKey,
+    pub(super) flow: Arc<PreparedFlow>,
     /// How many buckets hold a counter set of this key; at zero the key is forgotten.
     buckets: u32,
 }
@@ -122,12 +264,11 @@ pub(super) struct KeyEntry {
 pub struct FlowStore {
     max_keys: usize,
     num_buckets: usize,
-    /// Encoded key → id. prost's encoding of one message is deterministic, so equal keys give
-    /// equal bytes.
-    ids: HashMap<Vec<u8>, i64>,
-    pub(super) keys: HashMap<i64, KeyEntry>,
+    /// Key hash → the ids of the keys with that hash (nearly always one).
+    ids: FastMap<u64, Vec<i64>>,
+    pub(super) keys: FastMap<i64, KeyEntry>,
     /// Bucket start → counters per key id.
-    pub(super) buckets: BTreeMap<i64, HashMap<i64, Counters>>,
+    pub(super) buckets: BTreeMap<i64, FastMap<i64, Counters>>,
     next_id: i64,
     drops: DropCounts,
 }
@@ -144,8 +285,8 @@ impl FlowStore {
         FlowStore {
             max_keys,
             num_buckets: num_buckets.max(MIN_BUCKETS),
-            ids: HashMap::new(),
-            keys: HashMap::new(),
+            ids: FastMap::default(),
+            keys: FastMap::default(),
             buckets: BTreeMap::new(),
             next_id: 1,
             drops: DropCounts::default(),
@@ -192,7 +333,7 @@ impl FlowStore {
                     None => false,
                 };
                 if gone && let Some(k) = self.keys.remove(&id) {
-                    self.ids.remove(&k.key.encode_to_vec());
+                    self.forget_id(k.flow.hash, id);
                 }
             }
         }
@@ -200,40 +341,69 @@ impl FlowStore {
 
     /// Stores one record at `now`; a refusal is also counted in [`FlowStore::drops`].
     pub fn insert(&mut self, record: &FlowRecord, now: i64) -> Result<(), Refused> {
-        self.expire(now);
-        let result = self.try_insert(record, now);
-        if let Err(e) = &result {
-            let c = match e {
-                Refused::KeyCap { .. } => &mut self.drops.key_cap,
-                Refused::TooOld { .. } => &mut self.drops.too_old,
-                Refused::InFuture { .. } => &mut self.drops.in_future,
-                Refused::Invalid { .. } => &mut self.drops.invalid,
-            };
-            *c += 1;
+        let prepared = match record.key.clone() {
+            Some(key) => PreparedFlow::new(
+                key,
+                labels(record.source_labels.clone()),
+                labels(record.dest_labels.clone()),
+            ),
+            None => Err(invalid("Key", "none", "missing")),
+        };
+        match prepared {
+            Ok(flow) => self.insert_prepared(&flow, &Tally::of(record), record.start_time, now),
+            Err(e) => Err(self.refuse(e)),
         }
-        result
     }
 
-    fn try_insert(&mut self, record: &FlowRecord, now: i64) -> Result<(), Refused> {
-        validate_record(record)?;
-        let key = record.key.as_ref().expect("validated");
-        let start = bucket_start(record.start_time);
+    /// Stores what one record of `flow` counts in the bucket of `start_time`, at `now`; a
+    /// refusal is also counted in [`FlowStore::drops`].
+    pub fn insert_prepared(
+        &mut self,
+        flow: &Arc<PreparedFlow>,
+        tally: &Tally,
+        start_time: i64,
+        now: i64,
+    ) -> Result<(), Refused> {
+        self.expire(now);
+        self.try_insert(flow, tally, start_time, now)
+            .map_err(|e| self.refuse(e))
+    }
+
+    /// Counts a refusal in [`FlowStore::drops`] (also one decided before the store, such as a
+    /// key that failed [`PreparedFlow::new`]).
+    pub fn refuse(&mut self, e: Refused) -> Refused {
+        let c = match e {
+            Refused::KeyCap { .. } => &mut self.drops.key_cap,
+            Refused::TooOld { .. } => &mut self.drops.too_old,
+            Refused::InFuture { .. } => &mut self.drops.in_future,
+            Refused::Invalid { .. } => &mut self.drops.invalid,
+        };
+        *c += 1;
+        e
+    }
+
+    fn try_insert(
+        &mut self,
+        flow: &Arc<PreparedFlow>,
+        tally: &Tally,
+        start_time: i64,
+        now: i64,
+    ) -> Result<(), Refused> {
+        tally.validate()?;
+        let start = bucket_start(start_time);
         let oldest = self.oldest_bucket(now);
         let newest = Self::newest_bucket(now);
         if start < oldest {
-            return Err(Refused::TooOld {
-                start_time: record.start_time,
-                oldest,
-            });
+            return Err(Refused::TooOld { start_time, oldest });
         }
         if start > newest {
-            return Err(Refused::InFuture {
-                start_time: record.start_time,
-                newest,
-            });
+            return Err(Refused::InFuture { start_time, newest });
         }
-        let encoded = key.encode_to_vec();
-        let id = match self.ids.get(&encoded) {
+        let held = self.ids.get(&flow.hash).and_then(|ids| {
+            ids.iter()
+                .find(|id| self.keys.get(id).is_some_and(|k| k.flow.same_key(flow)))
+        });
+        let id = match held {
             Some(id) => *id,
             None => {
                 if self.keys.len() >= self.max_keys {
@@ -241,12 +411,12 @@ impl FlowStore {
                 }
                 let id = self.next_id;
                 self.next_id += 1;
-                self.ids.insert(encoded, id);
+                self.ids.entry(flow.hash).or_default().push(id);
                 self.keys.insert(
                     id,
                     KeyEntry {
                         id,
-                        key: key.clone(),
+                        flow: flow.clone(),
                         buckets: 0,
                     },
                 );
@@ -255,15 +425,26 @@ impl FlowStore {
         };
         let bucket = self.buckets.entry(start).or_default();
         match bucket.get_mut(&id) {
-            Some(c) => c.add_record(record),
+            Some(c) => c.add_record(flow, tally),
             None => {
-                bucket.insert(id, Counters::from_record(record));
+                let mut c = Counters::new(flow, tally);
                 if let Some(k) = self.keys.get_mut(&id) {
                     k.buckets += 1;
+                    (c.source_labels, c.dest_labels) = flow.labels_like(&k.flow);
                 }
+                bucket.insert(id, c);
             }
         }
         Ok(())
+    }
+
+    fn forget_id(&mut self, hash: u64, id: i64) {
+        if let Some(ids) = self.ids.get_mut(&hash) {
+            ids.retain(|i| *i != id);
+            if ids.is_empty() {
+                self.ids.remove(&hash);
+            }
+        }
     }
 }
 
@@ -326,10 +507,7 @@ fn check_hit(field: &'static str, h: &PolicyHit, depth: u32) -> Result<(), Refus
     Ok(())
 }
 
-fn validate_record(r: &Flow) -> Result<(), Refused> {
-    let Some(k) = &r.key else {
-        return Err(invalid("Key", "none", "missing"));
-    };
+fn validate_key(k: &FlowKey) -> Result<(), Refused> {
     for (field, s) in [
         ("Key.source_name", &k.source_name),
         ("Key.source_namespace", &k.source_namespace),
@@ -374,30 +552,6 @@ fn validate_record(r: &Flow) -> Result<(), Refused> {
             for h in hits {
                 check_hit(field, h, 0)?;
             }
-        }
-    }
-    for (field, labels) in [
-        ("source_labels", &r.source_labels),
-        ("dest_labels", &r.dest_labels),
-    ] {
-        if labels.len() > MAX_LABELS {
-            return Err(invalid(field, labels.len(), "too many labels"));
-        }
-        for l in labels {
-            check_str(field, l, MAX_LABEL)?;
-        }
-    }
-    for (field, v) in [
-        ("packets_in", r.packets_in),
-        ("packets_out", r.packets_out),
-        ("bytes_in", r.bytes_in),
-        ("bytes_out", r.bytes_out),
-        ("num_connections_started", r.num_connections_started),
-        ("num_connections_completed", r.num_connections_completed),
-        ("num_connections_live", r.num_connections_live),
-    ] {
-        if v < 0 {
-            return Err(invalid(field, v, "negative"));
         }
     }
     Ok(())

@@ -146,6 +146,55 @@ fn two_records_of_one_key_in_one_bucket_add_up_and_intersect_labels() {
 }
 
 #[test]
+fn a_key_held_in_many_buckets_shares_one_copy_of_its_labels() {
+    use std::sync::Arc;
+    let mut s = store();
+    let k = key("client-*", "server-*");
+    let labelled = |t| {
+        let mut r = rec(&k, t, 1);
+        r.source_labels = vec!["tier=web".into(), "app=client".into()];
+        r.dest_labels = vec!["app=server".into()];
+        r
+    };
+    // Records inserted as whole flows (each with its own copy of the labels), then the same
+    // key prepared once, as the ingest stores a conversation's records.
+    for b in 0..3 {
+        s.insert(&labelled(T0 + 15 * b), T0 + 40).unwrap();
+    }
+    let prepared = PreparedFlow::new(
+        k.clone(),
+        Labels::from(vec!["app=client".to_string(), "tier=web".to_string()]),
+        Labels::from(vec!["app=server".to_string()]),
+    )
+    .unwrap();
+    s.insert_prepared(&prepared, &Tally::default(), T0 + 45, T0 + 50)
+        .unwrap();
+    assert_eq!(s.num_keys(), 1);
+    let held: Vec<_> = s.buckets.values().flat_map(|b| b.values()).collect();
+    assert_eq!(held.len(), 4);
+    for c in &held {
+        assert!(Arc::ptr_eq(&c.source_labels, &held[0].source_labels));
+        assert!(Arc::ptr_eq(&c.dest_labels, &held[0].dest_labels));
+    }
+    // Listed sorted, whatever order a record gave them in.
+    let f = &list(&mut s, FlowListRequest::default())[0];
+    assert_eq!(f.source_labels, ["app=client", "tier=web"]);
+    // Unsorted labels are refused by name.
+    let unsorted = Labels::from(vec!["b=1".to_string(), "a=1".to_string()]);
+    let e = PreparedFlow::new(k.clone(), unsorted, Labels::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Refused::Invalid {
+                field: "source_labels",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
 fn records_of_different_keys_stay_apart() {
     let mut s = store();
     let k1 = key("a", "b");

@@ -16,6 +16,8 @@
 //! A named host endpoint's interface is not known to the server: on a forwarded path only the
 //! node's `*` endpoint is taken into account.
 
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -105,15 +107,32 @@ pub(super) struct View<'g> {
     keys: Rc<FxHashMap<(&'g str, &'g str, &'g str), &'g Key>>,
     /// The pending verdict: staged policies evaluated as if enforced.
     pending: bool,
+    /// The labels of the endpoints at each address asked about (a query asks about its two
+    /// addresses, once per rule that names a selector): looked up once.
+    labels_at: Rc<RefCell<Vec<(IpAddr, LabelsAt)>>>,
+}
+
+/// The labels of each endpoint at an address, in the graph's order (`None`: it has none).
+type LabelsAt = Rc<[Option<BTreeMap<String, String>>]>;
+
+impl View<'_> {
+    fn labels_at(&self, ip: IpAddr) -> LabelsAt {
+        if let Some((_, l)) = self.labels_at.borrow().iter().find(|(a, _)| *a == ip) {
+            return l.clone();
+        }
+        let l: LabelsAt = self.g.endpoints_with_ip(ip).map(|e| e.labels()).collect();
+        self.labels_at.borrow_mut().push((ip, l.clone()));
+        l
+    }
 }
 
 impl Sets for View<'_> {
     fn selects_endpoint(&self, selector: &crate::selector::Selector, ip: IpAddr) -> Option<bool> {
         let mut any = None;
-        for e in self.g.endpoints_with_ip(ip) {
-            let labels = e.labels()?;
+        for labels in self.labels_at(ip).iter() {
+            let labels = labels.as_ref()?;
             // An IP set holds the address if any endpoint there is selected.
-            if selector.evaluate(&labels) {
+            if selector.evaluate(labels) {
                 return Some(true);
             }
             any = Some(false);
@@ -220,6 +239,7 @@ impl View<'_> {
             all: self.all.clone(),
             keys: self.keys.clone(),
             pending: true,
+            labels_at: self.labels_at.clone(),
         }
     }
 
@@ -429,6 +449,7 @@ impl<'g> Ask<'g> {
             all: Rc::new(policy_resolver::resolve(refs, |t| g.tier(t))),
             keys: Rc::new(keys),
             pending: false,
+            labels_at: Rc::default(),
         }
     }
 

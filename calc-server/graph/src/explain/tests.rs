@@ -932,3 +932,36 @@ fn staged_policies_are_sent_with_their_kind_and_never_change_the_enforced_verdic
     assert_eq!(r.kind, "NetworkPolicy");
     assert!(g.explain_policy("frob:prod/web-http").is_err());
 }
+
+#[test]
+fn endpoints_are_found_by_address_whatever_its_spelling() {
+    // An IPv6 address written long-hand in the manifest, and a workload holding a /30.
+    let g = graph(
+        r#"
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node--a-k8s-v6-eth0, namespace: prod, labels: {app: v6}}
+spec: {orchestrator: k8s, node: node-a, pod: v6, endpoint: eth0, interfaceName: caliv6, ipNetworks: ["fd00:0:0::0:7/128"], profiles: [kns.prod]}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node--a-k8s-wide-eth0, namespace: prod, labels: {app: wide}}
+spec: {orchestrator: k8s, node: node-a, pod: wide, endpoint: eth0, interfaceName: caliwide, ipNetworks: [10.0.9.0/30], profiles: [kns.prod]}
+"#,
+    );
+    let v = g.view();
+    let pods = |ip: &str| -> Vec<String> {
+        let mut found: Vec<String> = v
+            .endpoints_with_ip(ip.parse().unwrap())
+            .map(|e| e.key().name.clone())
+            .collect();
+        found.sort();
+        found
+    };
+    assert_eq!(pods("fd00::7"), ["node--a-k8s-v6-eth0"]);
+    assert_eq!(pods("10.0.9.2"), ["node--a-k8s-wide-eth0"]);
+    assert_eq!(pods("10.0.9.4"), Vec::<String>::new());
+    assert_eq!(pods("10.0.0.1"), ["node--a-k8s-web-eth0"]);
+    // Not a prefix match on the text: 10.0.0.1 is not 10.0.0.10.
+    assert_eq!(pods("10.0.0.10"), Vec::<String>::new());
+}

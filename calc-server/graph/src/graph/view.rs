@@ -111,13 +111,24 @@ impl<'g> GraphView<'g> {
         })
     }
 
-    /// Every endpoint one of whose addresses contains `ip`.
+    /// Every endpoint one of whose addresses contains `ip`. The graph holds nets masked and
+    /// in their canonical text, so a single address (`/32`, `/128`: nearly every endpoint's)
+    /// is compared as text and only wider nets are parsed.
     pub fn endpoints_with_ip(
         self,
         ip: std::net::IpAddr,
     ) -> impl Iterator<Item = EndpointView<'g>> + 'g {
-        self.endpoints()
-            .filter(move |e| e.nets().iter().any(|n| cidr_contains(n, ip)))
+        let host = format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 });
+        self.endpoints().filter(move |e| {
+            e.nets().iter().any(|n| {
+                let single = n.ends_with("/128") || (n.ends_with("/32") && !n.contains(':'));
+                if single {
+                    **n == *host
+                } else {
+                    cidr_contains(n, ip)
+                }
+            })
+        })
     }
 
     /// Every network set (global or namespaced) with its CIDRs, masked and sorted.

@@ -49,16 +49,22 @@
 //! Cost: what depends only on the graph is computed once per graph generation and kept until
 //! [`FlowIngest::graph_changed`]: the address index (endpoints' and network sets' nets parsed
 //! once), each address's name (per node for its own side; at most 100,000 addresses, then
-//! started again), and each pending trace (per node, by 5-tuple without the source port
-//! unless some rule matches source ports, and side; at most 100,000).
+//! started again), each pending trace (per node, by 5-tuple without the source port unless
+//! some rule matches source ports, and side; at most 100,000), and each conversation's flow
+//! key (per node, by the record's fields that decide it: addresses, destination port,
+//! protocol, side, verdict, trace and service; at most 200,000 over all nodes, then all are
+//! started again). A record of a known conversation is thus a few map lookups and a counter
+//! update: its key is checked, hashed and shared with the store once ([`PreparedFlow`]), and
+//! its sides' labels are one shared copy per address.
 //!
 //! De-duplication: one record per (interval, 5-tuple, reporting node and side); a record seen
 //! again (an agent re-sending after a reconnect) is dropped and counted (`duplicate`). What is
 //! remembered is bounded ([`FlowIngest::new`]'s `max_seen`; beyond it: `dedup_cap`) and
 //! forgotten with the buckets.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use calc_graph::convert::EndpointKind;
 use calc_graph::explain;
@@ -66,11 +72,12 @@ use calc_graph::graph::{CalcGraph, EndpointView, GraphView, ServicePortRef};
 use calc_graph::model::{Kind, ResourceKey};
 use felix_proto as pb;
 use felix_proto::goldmane::{
-    self, Action as GAction, EndpointType, FlowKey, PolicyHit, PolicyKind, PolicyTrace, Reporter,
+    Action as GAction, EndpointType, FlowKey, PolicyHit, PolicyKind, PolicyTrace, Reporter,
 };
 use pb::to_dataplane::Payload;
 
 use super::hits::{self, Owner};
+use crate::flows::store::{FastMap, FastSet, Labels, PreparedFlow, Tally, labels};
 use crate::flows::{BUCKET_SECONDS, FlowStore, Refused};
 
 /// Most records one `FlowReport` may carry.
@@ -81,7 +88,7 @@ const MAX_IP_TEXT: usize = 64;
 const PROFILE_TIER: &str = "__PROFILE__";
 
 /// What a rule did to a flow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HitAction {
     Allow,
     Deny,
@@ -89,7 +96,7 @@ pub enum HitAction {
 }
 
 /// One checked hit of a record's trace.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TraceHit {
     pub owner: Owner,
     pub egress: bool,
@@ -276,7 +283,7 @@ pub(crate) struct Side {
     pub name: String,
     pub namespace: String,
     pub kind: EndpointType,
-    pub labels: Vec<String>,
+    pub labels: Labels,
 }
 
 /// Whether Felix counts `ip` as private (`pvt`): the three RFC 1918 IPv4 blocks only; every
@@ -297,15 +304,16 @@ pub(crate) const NO_NAMESPACE: &str = "-";
 
 /// Labels as flow logs show them: `key=value`, without Calico's own `projectcalico.org/…`
 /// labels, bounded.
-fn flow_labels(labels: Option<BTreeMap<String, String>>) -> Vec<String> {
-    labels
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|(k, _)| !k.starts_with("projectcalico.org/"))
-        .take(crate::flows::limits::MAX_LABELS)
-        .map(|(k, v)| format!("{k}={v}"))
-        .filter(|l| l.len() <= crate::flows::limits::MAX_LABEL)
-        .collect()
+fn flow_labels(l: Option<BTreeMap<String, String>>) -> Labels {
+    labels(
+        l.unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("projectcalico.org/"))
+            .take(crate::flows::limits::MAX_LABELS)
+            .map(|(k, v)| format!("{k}={v}"))
+            .filter(|l| l.len() <= crate::flows::limits::MAX_LABEL)
+            .collect(),
+    )
 }
 
 /// A network parsed once: its family, its address as bits, its prefix length.
@@ -505,7 +513,7 @@ fn name_ip_with(
         name: if is_private(ip) { "pvt" } else { "pub" }.to_string(),
         namespace: NO_NAMESPACE.to_string(),
         kind: EndpointType::Network,
-        labels: Vec::new(),
+        labels: Labels::default(),
     }
 }
 
@@ -794,8 +802,8 @@ fn staged_kind(kind: i32) -> Option<&'static str> {
     }
 }
 
-/// The de-duplication key: interval, 5-tuple, reporting node and side.
-type Seen = (String, IpAddr, IpAddr, u16, u16, u8, bool);
+/// The de-duplication key (per interval): reporting node (its number), 5-tuple and side.
+type Seen = (u32, IpAddr, IpAddr, u16, u16, u8, bool);
 
 /// A connection as both its sides report it: the 5-tuple after DNAT.
 type Conn = (IpAddr, IpAddr, u16, u16, u8);
@@ -860,28 +868,81 @@ fn rules_match_source_ports(view: GraphView<'_>) -> bool {
         .any(|p| any(&p.inbound_rules) || any(&p.outbound_rules))
 }
 
+/// One conversation of a node, as far as it decides the flow key: the reporting side's and
+/// the peer's addresses, the destination port, the source port only when some rule matches
+/// source ports (the pending trace may depend on it), protocol, side, verdict, trace and
+/// destination service. Records that agree on these get the same key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Conversation {
+    own: IpAddr,
+    other: IpAddr,
+    dst_port: u16,
+    src_port: Option<u16>,
+    proto: u8,
+    reporter_dest: bool,
+    allowed: bool,
+    trace: Vec<TraceHit>,
+    service: Option<ServicePortRef>,
+}
+
+/// A staged policy by kind (as the graph spells it), namespace and name.
+type StagedId = (String, String, String);
+
+/// What a conversation's records are stored as: the checked flow key with both sides'
+/// labels, and the staged policies its pending trace names (each once).
+#[derive(Debug)]
+struct Conversed {
+    flow: Arc<PreparedFlow>,
+    staged: Vec<StagedId>,
+}
+
+/// Most conversations whose keys are remembered, over all nodes (then all are forgotten).
+const MAX_CONVERSATIONS_CACHED: usize = 200_000;
+
+/// What is remembered for one node.
+#[derive(Default)]
+struct NodeCache {
+    /// The node's number in the de-duplication keys (kept for the server's life).
+    id: u32,
+    // Until the graph changes (cleared by `graph_changed`):
+    /// Its own endpoint at an address (its key and named side), or none.
+    own: FastMap<IpAddr, Option<(ResourceKey, Side)>>,
+    /// The pending traces computed.
+    pending: FastMap<PendingKey, Vec<PolicyHit>>,
+    /// Each conversation's key, or why it was refused.
+    conversations: FastMap<Conversation, Result<Arc<Conversed>, Refused>>,
+}
+
+impl NodeCache {
+    fn clear(&mut self) {
+        self.own.clear();
+        self.pending.clear();
+        self.conversations.clear();
+    }
+}
+
 /// The flow store and what was already received.
 pub struct FlowIngest {
     pub store: FlowStore,
     index: IpIndex,
     /// Per staged policy (kind, namespace, name): the packets and bytes of the flows its rules
     /// decided in their pending traces, and the end of the latest such interval (Unix seconds).
-    staged_hits: HashMap<(String, String, String), StagedHits>,
-    seen: BTreeMap<i64, HashSet<Seen>>,
+    staged_hits: HashMap<StagedId, StagedHits>,
+    seen: BTreeMap<i64, FastSet<Seen>>,
     seen_count: usize,
     max_seen: usize,
     /// Per interval, the destination service source reports named, by connection: a
     /// destination report of the same connection (whose node saw no translation) takes it.
-    joined: BTreeMap<i64, HashMap<Conn, ServicePortRef>>,
+    joined: BTreeMap<i64, FastMap<Conn, ServicePortRef>>,
     joined_count: usize,
-    // Until the graph changes (cleared by `graph_changed`):
-    /// Per node, its own endpoint at an address (its key and named side), or none.
-    own_sides: HashMap<String, HashMap<IpAddr, Option<(ResourceKey, Side)>>>,
-    /// Addresses named as the other side of a flow.
-    sides: HashMap<IpAddr, Side>,
-    /// Per node, the pending traces computed.
-    pending: HashMap<String, HashMap<PendingKey, Vec<PolicyHit>>>,
+    /// Per node, what is remembered of it.
+    nodes: HashMap<String, NodeCache>,
+    /// How many pending traces and conversations the node caches hold, over all nodes.
     pending_count: usize,
+    conversations_count: usize,
+    // Until the graph changes (cleared by `graph_changed`):
+    /// Addresses named as the other side of a flow.
+    sides: FastMap<IpAddr, Side>,
     /// Whether explain is needed (a staged policy exists) and whether pending traces depend
     /// on source ports; `None` until first needed.
     staged: Option<(bool, bool)>,
@@ -897,6 +958,96 @@ pub(crate) fn refused_reason(r: &Refused) -> &'static str {
     }
 }
 
+/// The Goldmane key of a conversation first seen (both sides named, both traces), checked.
+#[allow(clippy::too_many_arguments)]
+fn converse(
+    graph: &CalcGraph,
+    index: &IpIndex,
+    sides: &mut FastMap<IpAddr, Side>,
+    cache: &mut NodeCache,
+    pending_count: &mut usize,
+    (staged, by_source_port): (bool, bool),
+    own: (&ResourceKey, &Side),
+    c: &Conversation,
+    r: &FlowIn,
+) -> Result<Arc<Conversed>, Refused> {
+    let view = graph.view();
+    let own_endpoint = view.endpoint(own.0);
+    let other_side = sides
+        .entry(c.other)
+        .or_insert_with(|| name_ip_with(view, index, pick(index.at(view, c.other), None), c.other))
+        .clone();
+    let (src, dst) = if c.reporter_dest {
+        (other_side, own.1.clone())
+    } else {
+        (own.1.clone(), other_side)
+    };
+    let enforced_policies = enforced(view, own_endpoint, &c.trace);
+    // Without a staged policy on the path the pending walk is the enforced one (Felix reports
+    // it so); explain runs only when one exists at all.
+    let pending_policies = staged
+        .then(|| {
+            let key: PendingKey = (
+                r.src,
+                r.dst,
+                r.proto,
+                r.dst_port,
+                by_source_port.then_some(r.src_port),
+                r.reporter_dest,
+            );
+            if let Some(hit) = cache.pending.get(&key) {
+                return hit.clone();
+            }
+            let computed = pending(graph, own_endpoint, r);
+            if *pending_count < MAX_PENDING_CACHED {
+                *pending_count += 1;
+                cache.pending.insert(key, computed.clone());
+            }
+            computed
+        })
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| enforced_policies.clone());
+    let mut staged_ids: Vec<StagedId> = Vec::new();
+    for h in &pending_policies {
+        if let Some(kind) = staged_kind(h.kind) {
+            let id = (kind.to_string(), h.namespace.clone(), h.name.clone());
+            if !staged_ids.contains(&id) {
+                staged_ids.push(id);
+            }
+        }
+    }
+    let mut key = FlowKey {
+        source_name: src.name,
+        source_namespace: src.namespace,
+        source_type: src.kind as i32,
+        dest_name: dst.name,
+        dest_namespace: dst.namespace,
+        dest_type: dst.kind as i32,
+        dest_port: i64::from(c.dst_port),
+        proto: proto_name(c.proto),
+        reporter: if c.reporter_dest {
+            Reporter::Dst
+        } else {
+            Reporter::Src
+        } as i32,
+        action: if c.allowed {
+            GAction::Allow
+        } else {
+            GAction::Deny
+        } as i32,
+        policies: Some(PolicyTrace {
+            enforced_policies,
+            pending_policies,
+        }),
+        ..Default::default()
+    };
+    set_dest_service(&mut key, c.service.as_ref());
+    Ok(Arc::new(Conversed {
+        flow: PreparedFlow::new(key, src.labels, dst.labels)?,
+        staged: staged_ids,
+    }))
+}
+
 impl FlowIngest {
     /// A store of at most `max_keys` flow keys; at most `max_seen` records remembered for
     /// de-duplication.
@@ -910,10 +1061,10 @@ impl FlowIngest {
             max_seen,
             joined: BTreeMap::new(),
             joined_count: 0,
-            own_sides: HashMap::new(),
-            sides: HashMap::new(),
-            pending: HashMap::new(),
+            nodes: HashMap::new(),
             pending_count: 0,
+            conversations_count: 0,
+            sides: FastMap::default(),
             staged: None,
         }
     }
@@ -933,10 +1084,12 @@ impl FlowIngest {
     /// The datastore changed: endpoints' addresses are looked up afresh.
     pub(crate) fn graph_changed(&mut self) {
         self.index.built = false;
-        self.own_sides.clear();
+        for cache in self.nodes.values_mut() {
+            cache.clear();
+        }
         self.sides.clear();
-        self.pending.clear();
         self.pending_count = 0;
+        self.conversations_count = 0;
         self.staged = None;
     }
 
@@ -987,42 +1140,42 @@ impl FlowIngest {
             });
         }
         self.index.build(view);
-        let index = &self.index;
         // Explain runs only when a staged policy exists at all.
-        let (staged, by_source_port) = *self.staged.get_or_insert_with(|| {
+        let staged = *self.staged.get_or_insert_with(|| {
             let staged = view.policies().any(|p| p.key().kind.is_staged());
             (staged, staged && rules_match_source_ports(view))
         });
         // The node's own caches, taken out while `self` is borrowed record by record.
-        let mut own_of = self.own_sides.remove(node).unwrap_or_default();
-        let mut pending_of = self.pending.remove(node).unwrap_or_default();
-        if own_of.len() > MAX_NAMES_CACHED {
-            own_of.clear();
+        let next_id = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
+        let mut cache = self.nodes.remove(node).unwrap_or_else(|| NodeCache {
+            id: next_id,
+            ..NodeCache::default()
+        });
+        if cache.own.len() > MAX_NAMES_CACHED {
+            cache.own.clear();
         }
         if self.sides.len() > MAX_NAMES_CACHED {
             self.sides.clear();
         }
         let mut dropped = BTreeMap::new();
-        for r in records {
+        for mut r in records {
             let (own_ip, other_ip) = if r.reporter_dest {
                 (r.dst, r.src)
             } else {
                 (r.src, r.dst)
             };
-            let own_entry = own_of.entry(own_ip).or_insert_with(|| {
+            let index = &self.index;
+            let own_entry = cache.own.entry(own_ip).or_insert_with(|| {
                 pick(index.at(view, own_ip), Some(node))
                     .filter(|e| e.node() == node)
                     .map(|e| (e.key().clone(), endpoint_side(e)))
             });
-            let Some((own, own_side)) = own_entry
-                .as_ref()
-                .and_then(|(k, side)| Some((view.endpoint(k)?, side.clone())))
-            else {
+            let Some(own) = own_entry.as_ref() else {
                 *dropped.entry("foreign").or_default() += 1;
                 continue;
             };
             let seen: Seen = (
-                node.to_string(),
+                cache.id,
                 r.src,
                 r.dst,
                 r.src_port,
@@ -1042,18 +1195,6 @@ impl FlowIngest {
                 *dropped.entry("dedup_cap").or_default() += 1;
                 continue;
             }
-            let other_side = self
-                .sides
-                .entry(other_ip)
-                .or_insert_with(|| {
-                    name_ip_with(view, index, pick(index.at(view, other_ip), None), other_ip)
-                })
-                .clone();
-            let (src, dst) = if r.reporter_dest {
-                (other_side, own_side)
-            } else {
-                (own_side, other_side)
-            };
             let conn: Conn = (r.src, r.dst, r.src_port, r.dst_port, r.proto);
             let service = dest_service(view, &r).or_else(|| {
                 r.reporter_dest
@@ -1072,107 +1213,87 @@ impl FlowIngest {
             {
                 self.joined_count += 1;
             }
-            let mut record = goldmane::Flow {
-                key: Some(FlowKey {
-                    source_name: src.name,
-                    source_namespace: src.namespace,
-                    source_type: src.kind as i32,
-                    dest_name: dst.name,
-                    dest_namespace: dst.namespace,
-                    dest_type: dst.kind as i32,
-                    dest_port: i64::from(r.dst_port),
-                    proto: proto_name(r.proto),
-                    reporter: if r.reporter_dest {
-                        Reporter::Dst
-                    } else {
-                        Reporter::Src
-                    } as i32,
-                    action: if r.allowed {
-                        GAction::Allow
-                    } else {
-                        GAction::Deny
-                    } as i32,
-                    policies: Some({
-                        let enforced_policies = enforced(view, Some(own), &r.trace);
-                        // Without a staged policy on the path the pending walk is the enforced
-                        // one (Felix reports it so); explain runs only when one exists at all.
-                        let pending_policies = staged
-                            .then(|| {
-                                let key: PendingKey = (
-                                    r.src,
-                                    r.dst,
-                                    r.proto,
-                                    r.dst_port,
-                                    by_source_port.then_some(r.src_port),
-                                    r.reporter_dest,
-                                );
-                                if let Some(hit) = pending_of.get(&key) {
-                                    return hit.clone();
-                                }
-                                let computed = pending(graph, Some(own), &r);
-                                if self.pending_count < MAX_PENDING_CACHED {
-                                    self.pending_count += 1;
-                                    pending_of.insert(key, computed.clone());
-                                }
-                                computed
-                            })
-                            .filter(|p| !p.is_empty())
-                            .unwrap_or_else(|| enforced_policies.clone());
-                        PolicyTrace {
-                            enforced_policies,
-                            pending_policies,
+            let conversation = Conversation {
+                own: own_ip,
+                other: other_ip,
+                dst_port: r.dst_port,
+                src_port: staged.1.then_some(r.src_port),
+                proto: r.proto,
+                reporter_dest: r.reporter_dest,
+                allowed: r.allowed,
+                trace: std::mem::take(&mut r.trace),
+                service,
+            };
+            let conversed = match cache.conversations.get(&conversation) {
+                Some(c) => c.clone(),
+                None => {
+                    let (own_key, own_side) = (own.0.clone(), own.1.clone());
+                    let c = converse(
+                        graph,
+                        &self.index,
+                        &mut self.sides,
+                        &mut cache,
+                        &mut self.pending_count,
+                        staged,
+                        (&own_key, &own_side),
+                        &conversation,
+                        &r,
+                    );
+                    if self.conversations_count >= MAX_CONVERSATIONS_CACHED {
+                        for other in self.nodes.values_mut() {
+                            other.conversations.clear();
                         }
-                    }),
-                    ..Default::default()
-                }),
-                start_time: r.interval,
-                end_time: r.interval + BUCKET_SECONDS,
-                source_labels: src.labels,
-                dest_labels: dst.labels,
+                        cache.conversations.clear();
+                        self.conversations_count = 0;
+                    }
+                    self.conversations_count += 1;
+                    cache.conversations.insert(conversation, c.clone());
+                    c
+                }
+            };
+            let conversed = match conversed {
+                Ok(c) => c,
+                Err(e) => {
+                    let e = self.store.refuse(e);
+                    *dropped.entry(refused_reason(&e)).or_default() += 1;
+                    continue;
+                }
+            };
+            let tally = Tally {
                 packets_in: r.packets_in,
                 packets_out: r.packets_out,
                 bytes_in: r.bytes_in,
                 bytes_out: r.bytes_out,
-                num_connections_started: r.started,
-                num_connections_completed: r.completed,
-                num_connections_live: r.live,
+                started: r.started,
+                completed: r.completed,
+                live: r.live,
             };
-            if let Some(key) = record.key.as_mut() {
-                set_dest_service(key, service.as_ref());
-            }
-            match self.store.insert(&record, now) {
+            match self
+                .store
+                .insert_prepared(&conversed.flow, &tally, r.interval, now)
+            {
                 Ok(()) => {
                     self.seen.entry(r.interval).or_default().insert(seen);
                     self.seen_count += 1;
-                    let pending = record
-                        .key
-                        .as_ref()
-                        .and_then(|k| k.policies.as_ref())
-                        .map_or(&[][..], |t| &t.pending_policies[..]);
-                    let mut counted = HashSet::new();
-                    for h in pending {
-                        let Some(kind) = staged_kind(h.kind) else {
-                            continue;
+                    let end = r.interval + BUCKET_SECONDS;
+                    for id in &conversed.staged {
+                        let e = match self.staged_hits.get_mut(id) {
+                            Some(e) => e,
+                            None => self.staged_hits.entry(id.clone()).or_default(),
                         };
-                        let key = (kind.to_string(), h.namespace.clone(), h.name.clone());
-                        if !counted.insert(key.clone()) {
-                            continue;
-                        }
-                        let e = self.staged_hits.entry(key).or_default();
-                        e.packets = e.packets.saturating_add(
-                            (record.packets_in.saturating_add(record.packets_out)) as u64,
-                        );
-                        e.bytes = e.bytes.saturating_add(
-                            (record.bytes_in.saturating_add(record.bytes_out)) as u64,
-                        );
-                        e.last = e.last.max(record.end_time);
+                        e.packets = e
+                            .packets
+                            .saturating_add(r.packets_in.saturating_add(r.packets_out) as u64);
+                        e.bytes = e
+                            .bytes
+                            .saturating_add(r.bytes_in.saturating_add(r.bytes_out) as u64);
+                        e.last = e.last.max(end);
                     }
                 }
                 Err(e) => *dropped.entry(refused_reason(&e)).or_default() += 1,
             }
         }
-        self.own_sides.insert(node.to_string(), own_of);
-        self.pending.insert(node.to_string(), pending_of);
+        self.nodes.insert(node.to_string(), cache);
         dropped
     }
 }
@@ -1370,7 +1491,7 @@ mod tests {
         let v = g.view();
         let side = |a: &str| {
             let s = name_ip(v, ip(a));
-            (s.name, s.namespace, s.kind, s.labels)
+            (s.name, s.namespace, s.kind, s.labels.to_vec())
         };
         assert_eq!(
             side("10.0.0.2"),
@@ -1414,7 +1535,12 @@ mod tests {
         );
         assert_eq!(
             side("8.8.8.8"),
-            ("pub".into(), "-".into(), EndpointType::Network, vec![])
+            (
+                "pub".into(),
+                "-".into(),
+                EndpointType::Network,
+                Vec::<String>::new()
+            )
         );
         for private in ["10.9.9.9", "172.16.0.1", "172.31.255.255", "192.168.7.7"] {
             assert_eq!(side(private).0, "pvt", "{private}");
