@@ -240,10 +240,10 @@ impl FlowStore {
                 let key = self.keys[id].flow.key();
                 let egress = key.reporter == Reporter::Src as i32;
                 let (v_in, v_out) = match stat {
-                    StatisticType::PacketCount => (c.packets_in, c.packets_out),
-                    StatisticType::ByteCount => (c.bytes_in, c.bytes_out),
-                    StatisticType::LiveConnectionCount if egress => (0, c.live),
-                    StatisticType::LiveConnectionCount => (c.live, 0),
+                    StatisticType::PacketCount => (c.tally.packets_in, c.tally.packets_out),
+                    StatisticType::ByteCount => (c.tally.bytes_in, c.tally.bytes_out),
+                    StatisticType::LiveConnectionCount if egress => (0, c.tally.live),
+                    StatisticType::LiveConnectionCount => (c.tally.live, 0),
                 };
                 let mut counted: BTreeSet<(StatKey, usize)> = BTreeSet::new();
                 for hit in hits(key) {
@@ -442,13 +442,13 @@ fn to_flow(key: &FlowKey, c: &Counters, start_time: i64, end_time: i64) -> Flow 
         end_time,
         source_labels: c.source_labels.to_vec(),
         dest_labels: c.dest_labels.to_vec(),
-        packets_in: c.packets_in,
-        packets_out: c.packets_out,
-        bytes_in: c.bytes_in,
-        bytes_out: c.bytes_out,
-        num_connections_started: c.started,
-        num_connections_completed: c.completed,
-        num_connections_live: c.live,
+        packets_in: c.tally.packets_in,
+        packets_out: c.tally.packets_out,
+        bytes_in: c.tally.bytes_in,
+        bytes_out: c.tally.bytes_out,
+        num_connections_started: c.tally.started,
+        num_connections_completed: c.tally.completed,
+        num_connections_live: c.tally.live,
     }
 }
 

@@ -102,6 +102,22 @@ impl Tally {
         }
     }
 
+    /// Adds `other`: every counter sums, except the live connections when `live_sums` is
+    /// false (then `other`'s, the later, are kept).
+    fn add(&mut self, other: &Tally, live_sums: bool) {
+        self.packets_in = self.packets_in.saturating_add(other.packets_in);
+        self.packets_out = self.packets_out.saturating_add(other.packets_out);
+        self.bytes_in = self.bytes_in.saturating_add(other.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(other.bytes_out);
+        self.started = self.started.saturating_add(other.started);
+        self.completed = self.completed.saturating_add(other.completed);
+        self.live = if live_sums {
+            self.live.saturating_add(other.live)
+        } else {
+            other.live
+        };
+    }
+
     fn validate(&self) -> Result<(), Refused> {
         for (field, v) in [
             ("packets_in", self.packets_in),
@@ -123,13 +139,7 @@ impl Tally {
 /// The counters of one key in one bucket (or, in a query, over several buckets).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Counters {
-    pub(super) packets_in: i64,
-    pub(super) packets_out: i64,
-    pub(super) bytes_in: i64,
-    pub(super) bytes_out: i64,
-    pub(super) started: i64,
-    pub(super) completed: i64,
-    pub(super) live: i64,
+    pub(super) tally: Tally,
     pub(super) source_labels: Labels,
     pub(super) dest_labels: Labels,
 }
@@ -137,13 +147,7 @@ pub(super) struct Counters {
 impl Counters {
     fn new(flow: &PreparedFlow, t: &Tally) -> Self {
         Counters {
-            packets_in: t.packets_in,
-            packets_out: t.packets_out,
-            bytes_in: t.bytes_in,
-            bytes_out: t.bytes_out,
-            started: t.started,
-            completed: t.completed,
-            live: t.live,
+            tally: *t,
             source_labels: flow.source_labels.clone(),
             dest_labels: flow.dest_labels.clone(),
         }
@@ -152,13 +156,7 @@ impl Counters {
     /// Adds a record of the same key in the same bucket: counters sum (live ones too: each
     /// record is one node's), labels intersect.
     fn add_record(&mut self, flow: &PreparedFlow, t: &Tally) {
-        self.packets_in = self.packets_in.saturating_add(t.packets_in);
-        self.packets_out = self.packets_out.saturating_add(t.packets_out);
-        self.bytes_in = self.bytes_in.saturating_add(t.bytes_in);
-        self.bytes_out = self.bytes_out.saturating_add(t.bytes_out);
-        self.started = self.started.saturating_add(t.started);
-        self.completed = self.completed.saturating_add(t.completed);
-        self.live = self.live.saturating_add(t.live);
+        self.tally.add(t, true);
         self.source_labels = intersect(&self.source_labels, &flow.source_labels);
         self.dest_labels = intersect(&self.dest_labels, &flow.dest_labels);
     }
@@ -166,17 +164,7 @@ impl Counters {
     /// Adds `other` (same key): counters sum, labels intersect. `live_sums` false keeps the
     /// later live count instead (adding buckets over time in a query).
     pub(super) fn add(&mut self, other: &Counters, live_sums: bool) {
-        self.packets_in = self.packets_in.saturating_add(other.packets_in);
-        self.packets_out = self.packets_out.saturating_add(other.packets_out);
-        self.bytes_in = self.bytes_in.saturating_add(other.bytes_in);
-        self.bytes_out = self.bytes_out.saturating_add(other.bytes_out);
-        self.started = self.started.saturating_add(other.started);
-        self.completed = self.completed.saturating_add(other.completed);
-        self.live = if live_sums {
-            self.live.saturating_add(other.live)
-        } else {
-            other.live
-        };
+        self.tally.add(&other.tally, live_sums);
         self.source_labels = intersect(&self.source_labels, &other.source_labels);
         self.dest_labels = intersect(&self.dest_labels, &other.dest_labels);
     }

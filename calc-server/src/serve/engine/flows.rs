@@ -116,13 +116,8 @@ pub struct FlowIn {
     pub reporter_dest: bool,
     pub allowed: bool,
     pub trace: Vec<TraceHit>,
-    pub packets_in: i64,
-    pub packets_out: i64,
-    pub bytes_in: i64,
-    pub bytes_out: i64,
-    pub started: i64,
-    pub completed: i64,
-    pub live: i64,
+    /// Packets, bytes and connections.
+    pub tally: Tally,
     /// What the client addressed, when the connection was translated (DNAT).
     pub original_dest: Option<(IpAddr, u16)>,
 }
@@ -261,13 +256,15 @@ pub fn parse(report: &pb::FlowReport) -> Result<FlowBatch, Malformed> {
             reporter_dest: r.reporter_dest,
             allowed: r.allowed,
             trace,
-            packets_in: to_i64(r.packets_in),
-            packets_out: to_i64(r.packets_out),
-            bytes_in: to_i64(r.bytes_in),
-            bytes_out: to_i64(r.bytes_out),
-            started: i64::from(r.connections_started),
-            completed: i64::from(r.connections_completed),
-            live: i64::from(r.connections_live),
+            tally: Tally {
+                packets_in: to_i64(r.packets_in),
+                packets_out: to_i64(r.packets_out),
+                bytes_in: to_i64(r.bytes_in),
+                bytes_out: to_i64(r.bytes_out),
+                started: i64::from(r.connections_started),
+                completed: i64::from(r.connections_completed),
+                live: i64::from(r.connections_live),
+            },
             original_dest,
         });
     }
@@ -1259,18 +1256,10 @@ impl FlowIngest {
                     continue;
                 }
             };
-            let tally = Tally {
-                packets_in: r.packets_in,
-                packets_out: r.packets_out,
-                bytes_in: r.bytes_in,
-                bytes_out: r.bytes_out,
-                started: r.started,
-                completed: r.completed,
-                live: r.live,
-            };
+            let t = &r.tally;
             match self
                 .store
-                .insert_prepared(&conversed.flow, &tally, r.interval, now)
+                .insert_prepared(&conversed.flow, t, r.interval, now)
             {
                 Ok(()) => {
                     self.seen.entry(r.interval).or_default().insert(seen);
@@ -1283,10 +1272,10 @@ impl FlowIngest {
                         };
                         e.packets = e
                             .packets
-                            .saturating_add(r.packets_in.saturating_add(r.packets_out) as u64);
+                            .saturating_add(t.packets_in.saturating_add(t.packets_out) as u64);
                         e.bytes = e
                             .bytes
-                            .saturating_add(r.bytes_in.saturating_add(r.bytes_out) as u64);
+                            .saturating_add(t.bytes_in.saturating_add(t.bytes_out) as u64);
                         e.last = e.last.max(end);
                     }
                 }
@@ -1627,13 +1616,13 @@ mod tests {
             reporter_dest,
             allowed: false,
             trace,
-            packets_in: 3,
-            packets_out: 0,
-            bytes_in: 180,
-            bytes_out: 0,
-            started: 1,
-            completed: 0,
-            live: 1,
+            tally: Tally {
+                packets_in: 3,
+                bytes_in: 180,
+                started: 1,
+                live: 1,
+                ..Tally::default()
+            },
             original_dest: None,
         }
     }
