@@ -1,11 +1,10 @@
 //! The buckets, the keys they hold, and what was refused.
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use felix_proto::goldmane::{self, Flow, FlowKey, PolicyHit};
-use felix_proto::prost::Message;
+use felix_proto::goldmane::{self, Flow, FlowKey, PolicyHit, PolicyTrace};
 
 use super::limits::{MAX_HITS, MAX_LABEL, MAX_LABELS, MAX_NAME, MAX_PROTO};
 
@@ -175,7 +174,7 @@ impl Counters {
 #[derive(Debug)]
 pub struct PreparedFlow {
     key: FlowKey,
-    /// The key's hash (its prost encoding, which is deterministic, under the process's seed).
+    /// The key's hash (every field, under the process's seed).
     hash: u64,
     source_labels: Labels,
     dest_labels: Labels,
@@ -207,8 +206,10 @@ impl PreparedFlow {
                 return Err(invalid(field, labels.len(), "not sorted"));
             }
         }
+        let mut h = KEY_HASH.build_hasher();
+        hash_key(&key, &mut h);
         Ok(Arc::new(PreparedFlow {
-            hash: KEY_HASH.hash_one(key.encode_to_vec()),
+            hash: h.finish(),
             key,
             source_labels,
             dest_labels,
@@ -237,6 +238,81 @@ impl PreparedFlow {
             pick(&self.source_labels, &held.source_labels),
             pick(&self.dest_labels, &held.dest_labels),
         )
+    }
+}
+
+/// Feeds every field of a key to `h`, lists with their lengths (destructured, so that a
+/// field added to the proto cannot be left out silently).
+fn hash_key(k: &FlowKey, h: &mut impl Hasher) {
+    let FlowKey {
+        source_name,
+        source_namespace,
+        source_type,
+        dest_name,
+        dest_namespace,
+        dest_type,
+        dest_port,
+        dest_service_name,
+        dest_service_namespace,
+        dest_service_port_name,
+        dest_service_port,
+        proto,
+        reporter,
+        action,
+        policies,
+    } = k;
+    for s in [
+        source_name,
+        source_namespace,
+        dest_name,
+        dest_namespace,
+        dest_service_name,
+        dest_service_namespace,
+        dest_service_port_name,
+        proto,
+    ] {
+        s.hash(h);
+    }
+    for v in [*source_type, *dest_type, *reporter, *action] {
+        v.hash(h);
+    }
+    dest_port.hash(h);
+    dest_service_port.hash(h);
+    match policies {
+        None => h.write_u8(0),
+        Some(PolicyTrace {
+            enforced_policies,
+            pending_policies,
+        }) => {
+            h.write_u8(1);
+            for hits in [enforced_policies, pending_policies] {
+                h.write_usize(hits.len());
+                for hit in hits {
+                    hash_hit(hit, h);
+                }
+            }
+        }
+    }
+}
+
+fn hash_hit(p: &PolicyHit, h: &mut impl Hasher) {
+    let PolicyHit {
+        kind,
+        namespace,
+        name,
+        tier,
+        action,
+        policy_index,
+        rule_index,
+        trigger,
+    } = p;
+    (kind, namespace, name, tier, action, policy_index, rule_index).hash(h);
+    match trigger {
+        None => h.write_u8(0),
+        Some(t) => {
+            h.write_u8(1);
+            hash_hit(t, h);
+        }
     }
 }
 

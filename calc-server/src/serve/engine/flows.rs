@@ -574,28 +574,34 @@ fn policy_hit(view: GraphView<'_>, kind: &str, namespace: &str, name: &str) -> P
     }
 }
 
-/// The first policy of `tier` in the endpoint's tier list for that direction (staged ones
-/// only with `staged`: the lists carry them, but they are not enforced).
+/// An endpoint's tier lists (none for no endpoint).
+pub(crate) fn endpoint_tiers(e: Option<EndpointView<'_>>) -> Vec<pb::TierInfo> {
+    match e.and_then(|e| e.update()) {
+        Some(Payload::WorkloadEndpointUpdate(u)) => u.endpoint.map(|e| e.tiers),
+        Some(Payload::HostEndpointUpdate(u)) => u.endpoint.map(|e| e.tiers),
+        _ => None,
+    }
+    .unwrap_or_default()
+}
+
+/// The first policy of `tier` in an endpoint's tier lists ([`endpoint_tiers`]) for that
+/// direction (staged ones only with `staged`: the lists carry them, but they are not
+/// enforced).
 fn first_of_tier(
     view: GraphView<'_>,
-    e: Option<EndpointView<'_>>,
+    tiers: &[pb::TierInfo],
     tier: &str,
     egress: bool,
     staged: bool,
 ) -> Option<PolicyHit> {
-    let tiers = match e?.update()? {
-        Payload::WorkloadEndpointUpdate(u) => u.endpoint?.tiers,
-        Payload::HostEndpointUpdate(u) => u.endpoint?.tiers,
-        _ => return None,
-    };
-    let t = tiers.into_iter().find(|t| t.name == tier)?;
+    let t = tiers.iter().find(|t| t.name == tier)?;
     let ids = if egress {
-        t.egress_policies
+        &t.egress_policies
     } else {
-        t.ingress_policies
+        &t.ingress_policies
     };
     let id = ids
-        .into_iter()
+        .iter()
         .find(|id| staged || !Kind::from_name(&id.kind).is_some_and(Kind::is_staged))?;
     Some(policy_hit(view, &id.kind, &id.namespace, &id.name))
 }
@@ -603,7 +609,7 @@ fn first_of_tier(
 /// The enforced trace of a record as Goldmane hits.
 pub(crate) fn enforced(
     view: GraphView<'_>,
-    reporter: Option<EndpointView<'_>>,
+    reporter_tiers: &[pb::TierInfo],
     trace: &[TraceHit],
 ) -> Vec<PolicyHit> {
     let mut out: Vec<PolicyHit> = Vec::with_capacity(trace.len());
@@ -632,7 +638,7 @@ pub(crate) fn enforced(
                         trigger: None,
                         ..p.clone()
                     })
-                    .or_else(|| first_of_tier(view, reporter, tier, h.egress, false));
+                    .or_else(|| first_of_tier(view, reporter_tiers, tier, h.egress, false));
                 PolicyHit {
                     kind: PolicyKind::EndOfTier as i32,
                     tier: tier.clone(),
@@ -660,7 +666,7 @@ pub(crate) fn enforced(
 /// or when explain cannot place the packet.
 pub(crate) fn pending(
     graph: &CalcGraph,
-    reporter: Option<EndpointView<'_>>,
+    reporter_tiers: &[pb::TierInfo],
     r: &FlowIn,
 ) -> Vec<PolicyHit> {
     let ports = matches!(r.proto, 6 | 17 | 132);
@@ -741,7 +747,7 @@ pub(crate) fn pending(
                             .find(|(t, _)| *t == tier)
                             .map(|(_, h)| h.clone())
                     })
-                    .or_else(|| first_of_tier(view, reporter, &tier, !r.reporter_dest, true));
+                    .or_else(|| first_of_tier(view, reporter_tiers, &tier, !r.reporter_dest, true));
                 PolicyHit {
                     kind: PolicyKind::EndOfTier as i32,
                     tier,
@@ -904,6 +910,9 @@ struct NodeCache {
     // Until the graph changes (cleared by `graph_changed`):
     /// Its own endpoint at an address (its key and named side), or none.
     own: FastMap<IpAddr, Option<(ResourceKey, Side)>>,
+    /// The tier lists of its endpoint at an address (what an end of tier's trigger is read
+    /// from).
+    tiers: FastMap<IpAddr, Arc<[pb::TierInfo]>>,
     /// The pending traces computed.
     pending: FastMap<PendingKey, Vec<PolicyHit>>,
     /// Each conversation's key, or why it was refused.
@@ -913,6 +922,7 @@ struct NodeCache {
 impl NodeCache {
     fn clear(&mut self) {
         self.own.clear();
+        self.tiers.clear();
         self.pending.clear();
         self.conversations.clear();
     }
@@ -969,7 +979,11 @@ fn converse(
     r: &FlowIn,
 ) -> Result<Arc<Conversed>, Refused> {
     let view = graph.view();
-    let own_endpoint = view.endpoint(own.0);
+    let tiers = cache
+        .tiers
+        .entry(c.own)
+        .or_insert_with(|| endpoint_tiers(view.endpoint(own.0)).into())
+        .clone();
     let other_side = sides
         .entry(c.other)
         .or_insert_with(|| name_ip_with(view, index, pick(index.at(view, c.other), None), c.other))
@@ -979,7 +993,7 @@ fn converse(
     } else {
         (own.1.clone(), other_side)
     };
-    let enforced_policies = enforced(view, own_endpoint, &c.trace);
+    let enforced_policies = enforced(view, &tiers, &c.trace);
     // Without a staged policy on the path the pending walk is the enforced one (Felix reports
     // it so); explain runs only when one exists at all.
     let pending_policies = staged
@@ -995,7 +1009,7 @@ fn converse(
             if let Some(hit) = cache.pending.get(&key) {
                 return hit.clone();
             }
-            let computed = pending(graph, own_endpoint, r);
+            let computed = pending(graph, &tiers, r);
             if *pending_count < MAX_PENDING_CACHED {
                 *pending_count += 1;
                 cache.pending.insert(key, computed.clone());
@@ -1398,7 +1412,7 @@ mod tests {
             vec![guard(HitAction::Pass)],
         );
         assert_eq!(
-            pending(&g, web, &r),
+            pending(&g, &endpoint_tiers(web), &r),
             [PolicyHit {
                 kind: PolicyKind::StagedGlobalNetworkPolicy as i32,
                 name: "security.trial".into(),
@@ -1413,7 +1427,7 @@ mod tests {
             dst_port: 81,
             ..r.clone()
         };
-        let hits = pending(&g, web, &other);
+        let hits = pending(&g, &endpoint_tiers(web), &other);
         assert_eq!(
             hits.iter()
                 .map(|h| (
@@ -1443,7 +1457,7 @@ mod tests {
             "{hits:?}"
         );
         // Without a staged policy there is no pending trace.
-        assert!(pending(&graph(), web, &r).is_empty());
+        assert!(pending(&graph(), &endpoint_tiers(web), &r).is_empty());
         // Stored with the record.
         let mut ingest = FlowIngest::new(100, 100);
         assert!(ingest.add(&g, "node-a", vec![r], 1_800_000_020).is_empty());
@@ -1661,6 +1675,7 @@ mod tests {
             action: GAction::Pass as i32,
             ..Default::default()
         };
+        let web = &endpoint_tiers(web);
         let hits = enforced(
             v,
             web,
