@@ -306,7 +306,16 @@ fn hash_hit(p: &PolicyHit, h: &mut impl Hasher) {
         rule_index,
         trigger,
     } = p;
-    (kind, namespace, name, tier, action, policy_index, rule_index).hash(h);
+    (
+        kind,
+        namespace,
+        name,
+        tier,
+        action,
+        policy_index,
+        rule_index,
+    )
+        .hash(h);
     match trigger {
         None => h.write_u8(0),
         Some(t) => {

@@ -27,7 +27,23 @@ pub use render::{render_endpoint_text, render_policy_text, render_text};
 
 use crate::graph::CalcGraph;
 
+/// Explain for many queries over one state of the graph: the policy order and the labels at
+/// each address asked about are worked out once, not per query.
+pub struct Explainer<'g>(path::Ask<'g>);
+
+impl Explainer<'_> {
+    /// As [`CalcGraph::explain`].
+    pub fn explain(&self, q: &Query) -> Result<Explanation, QueryError> {
+        self.0.explain(q)
+    }
+}
+
 impl CalcGraph {
+    /// An [`Explainer`] for this state of the graph.
+    pub fn explainer(&self) -> Explainer<'_> {
+        Explainer(path::Ask::new(self.view()))
+    }
+
     /// Why traffic from `q.from` to `q.to` is allowed or denied.
     pub fn explain(&self, q: &Query) -> Result<Explanation, QueryError> {
         path::Ask::new(self.view()).explain(q)

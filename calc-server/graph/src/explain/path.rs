@@ -39,14 +39,19 @@ use crate::model::{Kind, ResourceKey};
 use crate::policy_resolver::{self, PolicyRef, ResolvedTiers};
 
 /// The graph's state as explain reads it: only through its query API.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct Ask<'g> {
     pub(super) g: GraphView<'g>,
+    /// The walk's view, built when first needed and kept for further queries.
+    view: std::cell::OnceCell<View<'g>>,
 }
 
 impl<'g> Ask<'g> {
     pub(super) fn new(g: GraphView<'g>) -> Self {
-        Ask { g }
+        Ask {
+            g,
+            view: std::cell::OnceCell::new(),
+        }
     }
 }
 
@@ -100,6 +105,7 @@ fn first_ip(nets: &[String]) -> Vec<IpAddr> {
 }
 
 /// The graph as the walk reads it, with every policy ordered once for the query.
+#[derive(Clone)]
 pub(super) struct View<'g> {
     g: GraphView<'g>,
     all: Rc<ResolvedTiers>,
@@ -425,7 +431,12 @@ impl<'g> Ask<'g> {
         })
     }
 
+    /// The walk's view (shared: built once per `Ask`).
     pub(super) fn view(&self) -> View<'g> {
+        self.view.get_or_init(|| self.build_view()).clone()
+    }
+
+    fn build_view(&self) -> View<'g> {
         let g = self.g;
         let refs: Vec<PolicyRef<'g>> = g
             .policies()

@@ -43,7 +43,10 @@
 //! from explain (`calc_graph::explain`), converted the same way (an end of tier's trigger: the
 //! tier's policy earlier in the trace, else the first of the tier selecting the endpoint,
 //! staged ones included). When no staged policy applies on the path it is the enforced trace
-//! itself, as Felix reports it. It is the graph's evaluation of the record's first packet
+//! itself, as Felix reports it; explain does not even run unless a staged policy selects the
+//! reporting endpoint or some host endpoint (whose pre-DNAT or forward policies any path may
+//! meet). The records of one report share one [`explain::Explainer`] (policy order worked out
+//! once). It is the graph's evaluation of the record's first packet
 //! (5-tuple), not of what the node's dataplane did.
 //!
 //! Cost: what depends only on the graph is computed once per graph generation and kept until
@@ -666,6 +669,7 @@ pub(crate) fn enforced(
 /// or when explain cannot place the packet.
 pub(crate) fn pending(
     graph: &CalcGraph,
+    explainer: &explain::Explainer<'_>,
     reporter_tiers: &[pb::TierInfo],
     r: &FlowIn,
 ) -> Vec<PolicyHit> {
@@ -677,7 +681,7 @@ pub(crate) fn pending(
         port: ports.then(|| r.dst_port.to_string()),
         source_port: ports.then(|| r.src_port.to_string()),
     };
-    let Ok(answer) = graph.explain(&query) else {
+    let Ok(answer) = explainer.explain(&query) else {
         return Vec::new();
     };
     let Some(pending) = answer.pending else {
@@ -911,8 +915,8 @@ struct NodeCache {
     /// Its own endpoint at an address (its key and named side), or none.
     own: FastMap<IpAddr, Option<(ResourceKey, Side)>>,
     /// The tier lists of its endpoint at an address (what an end of tier's trigger is read
-    /// from).
-    tiers: FastMap<IpAddr, Arc<[pb::TierInfo]>>,
+    /// from), and whether a staged policy selects that endpoint.
+    tiers: FastMap<IpAddr, (Arc<[pb::TierInfo]>, bool)>,
     /// The pending traces computed.
     pending: FastMap<PendingKey, Vec<PolicyHit>>,
     /// Each conversation's key, or why it was refused.
@@ -950,9 +954,8 @@ pub struct FlowIngest {
     // Until the graph changes (cleared by `graph_changed`):
     /// Addresses named as the other side of a flow.
     sides: FastMap<IpAddr, Side>,
-    /// Whether explain is needed (a staged policy exists) and whether pending traces depend
-    /// on source ports; `None` until first needed.
-    staged: Option<(bool, bool)>,
+    /// The staged policies; `None` until first needed.
+    staged: Option<StagedPolicies>,
 }
 
 /// Why a record was dropped: the `calc_server_flow_reports_refused_total` reason.
@@ -965,25 +968,68 @@ pub(crate) fn refused_reason(r: &Refused) -> &'static str {
     }
 }
 
+/// The staged policies of the graph, as the ingest needs them (once per graph generation).
+struct StagedPolicies {
+    keys: Vec<ResourceKey>,
+    /// Whether some rule matches source ports (then a pending trace depends on the source
+    /// port too).
+    by_source_port: bool,
+    /// Whether one selects a host endpoint (then any path may meet it, in a host's pre-DNAT or
+    /// forward policies).
+    on_host_endpoints: bool,
+}
+
+impl StagedPolicies {
+    fn of(view: GraphView<'_>) -> StagedPolicies {
+        let keys: Vec<ResourceKey> = view
+            .policies()
+            .filter(|p| p.key().kind.is_staged())
+            .map(|p| p.key().clone())
+            .collect();
+        let on_host_endpoints = view.endpoints().any(|e| {
+            matches!(e.model().kind, EndpointKind::Host { .. })
+                && keys.iter().any(|k| e.selected_by(k))
+        });
+        StagedPolicies {
+            by_source_port: !keys.is_empty() && rules_match_source_ports(view),
+            on_host_endpoints,
+            keys,
+        }
+    }
+}
+
+/// What naming a conversation reads and fills besides the node's cache.
+struct Naming<'a, 'g> {
+    graph: &'g CalcGraph,
+    index: &'a IpIndex,
+    sides: &'a mut FastMap<IpAddr, Side>,
+    pending_count: &'a mut usize,
+    staged: &'a StagedPolicies,
+    /// Explain over this graph state, made when a first pending trace is needed.
+    explainer: &'a std::cell::OnceCell<explain::Explainer<'g>>,
+}
+
 /// The Goldmane key of a conversation first seen (both sides named, both traces), checked.
-#[allow(clippy::too_many_arguments)]
 fn converse(
-    graph: &CalcGraph,
-    index: &IpIndex,
-    sides: &mut FastMap<IpAddr, Side>,
+    n: &mut Naming<'_, '_>,
     cache: &mut NodeCache,
-    pending_count: &mut usize,
-    (staged, by_source_port): (bool, bool),
     own: (&ResourceKey, &Side),
     c: &Conversation,
     r: &FlowIn,
 ) -> Result<Arc<Conversed>, Refused> {
+    let graph = n.graph;
+    let (index, staged) = (n.index, n.staged);
     let view = graph.view();
-    let tiers = cache
+    let (tiers, staged_selects) = cache
         .tiers
         .entry(c.own)
-        .or_insert_with(|| endpoint_tiers(view.endpoint(own.0)).into())
+        .or_insert_with(|| {
+            let e = view.endpoint(own.0);
+            let selects = e.is_some_and(|e| staged.keys.iter().any(|k| e.selected_by(k)));
+            (endpoint_tiers(e).into(), selects)
+        })
         .clone();
+    let sides = &mut *n.sides;
     let other_side = sides
         .entry(c.other)
         .or_insert_with(|| name_ip_with(view, index, pick(index.at(view, c.other), None), c.other))
@@ -995,23 +1041,25 @@ fn converse(
     };
     let enforced_policies = enforced(view, &tiers, &c.trace);
     // Without a staged policy on the path the pending walk is the enforced one (Felix reports
-    // it so); explain runs only when one exists at all.
-    let pending_policies = staged
+    // it so); explain runs only when one may be met: one selects the reporting endpoint, or
+    // some host endpoint.
+    let pending_policies = (staged_selects || staged.on_host_endpoints)
         .then(|| {
             let key: PendingKey = (
                 r.src,
                 r.dst,
                 r.proto,
                 r.dst_port,
-                by_source_port.then_some(r.src_port),
+                staged.by_source_port.then_some(r.src_port),
                 r.reporter_dest,
             );
             if let Some(hit) = cache.pending.get(&key) {
                 return hit.clone();
             }
-            let computed = pending(graph, &tiers, r);
-            if *pending_count < MAX_PENDING_CACHED {
-                *pending_count += 1;
+            let explainer = n.explainer.get_or_init(|| graph.explainer());
+            let computed = pending(graph, explainer, &tiers, r);
+            if *n.pending_count < MAX_PENDING_CACHED {
+                *n.pending_count += 1;
                 cache.pending.insert(key, computed.clone());
             }
             computed
@@ -1151,11 +1199,11 @@ impl FlowIngest {
             });
         }
         self.index.build(view);
-        // Explain runs only when a staged policy exists at all.
-        let staged = *self.staged.get_or_insert_with(|| {
-            let staged = view.policies().any(|p| p.key().kind.is_staged());
-            (staged, staged && rules_match_source_ports(view))
-        });
+        if self.staged.is_none() {
+            self.staged = Some(StagedPolicies::of(view));
+        }
+        let staged = self.staged.as_ref().expect("set above");
+        let explainer = std::cell::OnceCell::new();
         // The node's own caches, taken out while `self` is borrowed record by record.
         let next_id = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
         let mut cache = self.nodes.remove(node).unwrap_or_else(|| NodeCache {
@@ -1228,7 +1276,7 @@ impl FlowIngest {
                 own: own_ip,
                 other: other_ip,
                 dst_port: r.dst_port,
-                src_port: staged.1.then_some(r.src_port),
+                src_port: staged.by_source_port.then_some(r.src_port),
                 proto: r.proto,
                 reporter_dest: r.reporter_dest,
                 allowed: r.allowed,
@@ -1239,13 +1287,17 @@ impl FlowIngest {
                 Some(c) => c.clone(),
                 None => {
                     let (own_key, own_side) = (own.0.clone(), own.1.clone());
-                    let c = converse(
+                    let mut naming = Naming {
                         graph,
-                        &self.index,
-                        &mut self.sides,
-                        &mut cache,
-                        &mut self.pending_count,
+                        index: &self.index,
+                        sides: &mut self.sides,
+                        pending_count: &mut self.pending_count,
                         staged,
+                        explainer: &explainer,
+                    };
+                    let c = converse(
+                        &mut naming,
+                        &mut cache,
                         (&own_key, &own_side),
                         &conversation,
                         &r,
@@ -1402,6 +1454,41 @@ mod tests {
     }
 
     #[test]
+    fn explain_runs_only_where_a_staged_policy_may_be_met() {
+        let g = with_staged();
+        let staged = StagedPolicies::of(g.view());
+        assert_eq!(staged.keys.len(), 1);
+        assert!(!staged.on_host_endpoints && !staged.by_source_port);
+        // db (node-b) is not selected by the staged policy: its pending trace is its
+        // enforced one, as the agent reported it.
+        let r = record("10.0.0.1", "10.0.0.2", true, vec![guard(HitAction::Pass)]);
+        let mut ingest = FlowIngest::new(100, 100);
+        assert!(ingest.add(&g, "node-b", vec![r], 1_800_000_020).is_empty());
+        let list = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), 1_800_000_020)
+            .unwrap();
+        let key = list.flows[0].flow.as_ref().unwrap().key.as_ref().unwrap();
+        let trace = key.policies.as_ref().unwrap();
+        assert_eq!(trace.pending_policies, trace.enforced_policies);
+        assert_eq!(trace.enforced_policies[0].name, "security.guard");
+        // A staged policy selecting a host endpoint may be met on any path.
+        let mut g = with_staged();
+        apply(
+            &mut g,
+            json!({
+                "apiVersion": "projectcalico.org/v3", "kind": "StagedGlobalNetworkPolicy",
+                "metadata": {"name": "security.hosts"},
+                "spec": {"tier": "security", "order": 2, "selector": "host == 'a'",
+                         "applyOnForward": true, "ingress": [{"action": "Deny"}]},
+            }),
+        );
+        let staged = StagedPolicies::of(g.view());
+        assert_eq!(staged.keys.len(), 2);
+        assert!(staged.on_host_endpoints);
+    }
+
+    #[test]
     fn the_pending_trace_enforces_staged_policies() {
         let g = with_staged();
         let web = endpoint_with_ip(g.view(), ip("10.0.0.1"), Some("node-a"));
@@ -1412,7 +1499,7 @@ mod tests {
             vec![guard(HitAction::Pass)],
         );
         assert_eq!(
-            pending(&g, &endpoint_tiers(web), &r),
+            pending(&g, &g.explainer(), &endpoint_tiers(web), &r),
             [PolicyHit {
                 kind: PolicyKind::StagedGlobalNetworkPolicy as i32,
                 name: "security.trial".into(),
@@ -1427,7 +1514,7 @@ mod tests {
             dst_port: 81,
             ..r.clone()
         };
-        let hits = pending(&g, &endpoint_tiers(web), &other);
+        let hits = pending(&g, &g.explainer(), &endpoint_tiers(web), &other);
         assert_eq!(
             hits.iter()
                 .map(|h| (
@@ -1457,7 +1544,8 @@ mod tests {
             "{hits:?}"
         );
         // Without a staged policy there is no pending trace.
-        assert!(pending(&graph(), &endpoint_tiers(web), &r).is_empty());
+        let plain = graph();
+        assert!(pending(&plain, &plain.explainer(), &endpoint_tiers(web), &r).is_empty());
         // Stored with the record.
         let mut ingest = FlowIngest::new(100, 100);
         assert!(ingest.add(&g, "node-a", vec![r], 1_800_000_020).is_empty());
