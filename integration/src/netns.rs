@@ -605,6 +605,35 @@ impl Drop for Netns {
     }
 }
 
+/// The one-node set-up of the flow-log and hit tests: on `host`, a workload `client`
+/// (`cali0client001`, 10.65.0.1, fd00:65::1) and one named `app` (`iface`, 10.65.0.2,
+/// fd00:65::2), both in namespace `prod` of `node`, labelled `app=<name>` with Calico's own
+/// labels; their WorkloadEndpoints and the namespace's profile written to
+/// `dir/workloads.yaml`.
+pub fn client_and(
+    host: &Netns,
+    node: &str,
+    app: &str,
+    iface: &str,
+    dir: &Path,
+) -> (Workload, Workload) {
+    let client = Workload::attach(host, "cali0client001", "10.65.0.1", "fd00:65::1");
+    let other = Workload::attach(host, iface, "10.65.0.2", "fd00:65::2");
+    let mut manifests = namespace_profile("prod", "prod");
+    for (w, app) in [(&client, "client"), (&other, app)] {
+        manifests.push_str(
+            &wep_manifest(node, "prod", app, &w.iface)
+                .label("app", app)
+                .calico_labels()
+                .ipv4(&w.ipv4)
+                .ipv6(&w.ipv6)
+                .render(),
+        );
+    }
+    write_manifest(dir, "workloads.yaml", &manifests);
+    (client, other)
+}
+
 /// A workload: its own namespace, `eth0` inside, `iface` on the host.
 pub struct Workload {
     pub ns: Netns,

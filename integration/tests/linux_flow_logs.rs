@@ -8,10 +8,7 @@
 //! reason and run by `make test`; a missing tool fails the test (see
 //! `integration::netns::require`).
 
-use integration::netns::{
-    ControlPlane, Driver, Ipt, Netns, Workload, namespace_profile, nft_list, wep_manifest,
-    write_manifest,
-};
+use integration::netns::{ControlPlane, Driver, Ipt, Netns, client_and, nft_list, write_manifest};
 
 const NODE: &str = "node-a";
 
@@ -73,21 +70,8 @@ fn flow_log_rules(plane: Plane) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
-    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
-    let mut web = Workload::attach(&host, "cali0web00002", "10.65.0.2", "fd00:65::2");
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut manifests = namespace_profile("prod", "prod");
-    for (w, app) in [(&client, "client"), (&web, "web")] {
-        manifests.push_str(
-            &wep_manifest(NODE, "prod", app, &w.iface)
-                .label("app", app)
-                .calico_labels()
-                .ipv4(&w.ipv4)
-                .ipv6(&w.ipv6)
-                .render(),
-        );
-    }
-    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    let (client, mut web) = client_and(&host, NODE, "web", "cali0web00002", dir.path());
     write_manifest(dir.path(), "policy.yaml", POLICY);
     let (driver, backend) = match plane {
         Plane::Iptables(ipt) => (Driver::Linux, ipt.name()),

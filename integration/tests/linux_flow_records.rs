@@ -12,9 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use integration::netns::{
-    ControlPlane, Driver, Netns, Workload, namespace_profile, wep_manifest, write_manifest,
-};
+use integration::netns::{ControlPlane, Driver, Netns, client_and, write_manifest};
 use serde_json::Value;
 
 const NODE: &str = "node-a";
@@ -89,21 +87,8 @@ fn flow_records(driver: Driver, backend: &str) {
     integration::netns::require();
     let host = Netns::new("host");
     host.make_host();
-    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
-    let mut web = Workload::attach(&host, "cali0web00002", "10.65.0.2", "fd00:65::2");
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut manifests = namespace_profile("prod", "prod");
-    for (w, app) in [(&client, "client"), (&web, "web")] {
-        manifests.push_str(
-            &wep_manifest(NODE, "prod", app, &w.iface)
-                .label("app", app)
-                .calico_labels()
-                .ipv4(&w.ipv4)
-                .ipv6(&w.ipv6)
-                .render(),
-        );
-    }
-    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    let (client, mut web) = client_and(&host, NODE, "web", "cali0web00002", dir.path());
     write_manifest(dir.path(), "policy.yaml", POLICY);
     let cp = ControlPlane::start_with_server(
         driver,

@@ -39,8 +39,8 @@ use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
 use integration::netns::{
-    ControlPlane, Driver, Ipt, Netns, NodeAgent, Workload, link_nodes, namespace_profile,
-    wait_until, wep_manifest, write_manifest,
+    ControlPlane, Driver, Ipt, Netns, NodeAgent, Workload, client_and, link_nodes,
+    namespace_profile, wait_until, wep_manifest, write_manifest,
 };
 
 /// What programs the node: the iptables driver on one backend, or the nftables driver.
@@ -463,21 +463,8 @@ fn policy_hits_match_the_kernel_counters(plane: Plane) {
     let started = Instant::now();
     let host = Netns::new("host");
     host.make_host();
-    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
-    let mut server = Workload::attach(&host, "cali0server002", "10.65.0.2", "fd00:65::2");
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut manifests = namespace_profile("prod", "prod");
-    for (w, app) in [(&client, "client"), (&server, "server")] {
-        manifests.push_str(
-            &wep_manifest(NODE, "prod", app, &w.iface)
-                .label("app", app)
-                .calico_labels()
-                .ipv4(&w.ipv4)
-                .ipv6(&w.ipv6)
-                .render(),
-        );
-    }
-    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    let (client, mut server) = client_and(&host, NODE, "server", "cali0server002", dir.path());
     write_manifest(dir.path(), "policies.yaml", &policies(false));
     let (driver, backend) = match plane {
         Plane::Iptables(ipt) => (Driver::Linux, ipt.name()),

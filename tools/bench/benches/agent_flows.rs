@@ -30,9 +30,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use integration::binary;
-use integration::netns::{
-    Driver, Netns, Workload, agent_args, namespace_profile, wep_manifest, write_manifest,
-};
+use integration::netns::{Driver, Netns, agent_args, client_and, write_manifest};
 use serde_json::Value;
 
 const NODE: &str = "node-a";
@@ -197,21 +195,8 @@ fn counted(host: &Netns) -> u64 {
 fn run(flows: bool, rate: u64, seconds: u64) -> Measured {
     let host = Netns::new("host");
     host.make_host();
-    let client = Workload::attach(&host, "cali0client001", "10.65.0.1", "fd00:65::1");
-    let web = Workload::attach(&host, "cali0web00002", "10.65.0.2", "fd00:65::2");
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut manifests = namespace_profile("prod", "prod");
-    for (w, app) in [(&client, "client"), (&web, "web")] {
-        manifests.push_str(
-            &wep_manifest(NODE, "prod", app, &w.iface)
-                .label("app", app)
-                .calico_labels()
-                .ipv4(&w.ipv4)
-                .ipv6(&w.ipv6)
-                .render(),
-        );
-    }
-    write_manifest(dir.path(), "workloads.yaml", &manifests);
+    let (client, web) = client_and(&host, NODE, "web", "cali0web00002", dir.path());
     write_manifest(dir.path(), "policy.yaml", POLICY);
     // Spawned as `ControlPlane` does, but logging at warn: no per-rule debug lines on the
     // measured path.
