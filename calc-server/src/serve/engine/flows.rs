@@ -46,7 +46,9 @@
 //! itself, as Felix reports it; explain does not even run unless a staged policy selects the
 //! reporting endpoint or some host endpoint (whose pre-DNAT or forward policies any path may
 //! meet). The records of one report share one [`explain::Explainer`] (policy order worked out
-//! once). It is the graph's evaluation of the record's first packet
+//! once). The engine bounds how many pending traces one step computes
+//! ([`FlowIngest::start_step`]); records beyond wait, oldest first, for later steps
+//! ([`FlowIngest::drain`]), at most 100,000 (`explain_backlog` beyond). It is the graph's evaluation of the record's first packet
 //! (5-tuple), not of what the node's dataplane did.
 //!
 //! Cost: what depends only on the graph is computed once per graph generation and kept until
@@ -65,7 +67,7 @@
 //! remembered is bounded ([`FlowIngest::new`]'s `max_seen`; beyond it: `dedup_cap`) and
 //! forgotten with the buckets.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -956,7 +958,16 @@ pub struct FlowIngest {
     sides: FastMap<IpAddr, Side>,
     /// The staged policies; `None` until first needed.
     staged: Option<StagedPolicies>,
+    /// Pending traces that may still be computed in this engine step (`None`: no limit; see
+    /// [`FlowIngest::start_step`]).
+    explain_budget: Option<usize>,
+    /// Records whose pending trace waits for a later step's budget, oldest first, with their
+    /// node.
+    deferred: VecDeque<(String, FlowIn)>,
 }
+
+/// Most records waiting for a pending trace; beyond, a record is dropped (`explain_backlog`).
+const MAX_DEFERRED: usize = 100_000;
 
 /// Why a record was dropped: the `calc_server_flow_reports_refused_total` reason.
 pub(crate) fn refused_reason(r: &Refused) -> &'static str {
@@ -1007,16 +1018,19 @@ struct Naming<'a, 'g> {
     staged: &'a StagedPolicies,
     /// Explain over this graph state, made when a first pending trace is needed.
     explainer: &'a std::cell::OnceCell<explain::Explainer<'g>>,
+    /// Pending traces that may still be computed in this engine step (`None`: no limit).
+    explain_budget: &'a mut Option<usize>,
 }
 
-/// The Goldmane key of a conversation first seen (both sides named, both traces), checked.
+/// The Goldmane key of a conversation first seen (both sides named, both traces), checked;
+/// `None` when its pending trace needs explain and this step's budget for it is spent.
 fn converse(
     n: &mut Naming<'_, '_>,
     cache: &mut NodeCache,
     own: (&ResourceKey, &Side),
     c: &Conversation,
     r: &FlowIn,
-) -> Result<Arc<Conversed>, Refused> {
+) -> Option<Result<Arc<Conversed>, Refused>> {
     let graph = n.graph;
     let (index, staged) = (n.index, n.staged);
     let view = graph.view();
@@ -1043,27 +1057,33 @@ fn converse(
     // Without a staged policy on the path the pending walk is the enforced one (Felix reports
     // it so); explain runs only when one may be met: one selects the reporting endpoint, or
     // some host endpoint.
-    let pending_policies = (staged_selects || staged.on_host_endpoints)
-        .then(|| {
-            let key: PendingKey = (
-                r.src,
-                r.dst,
-                r.proto,
-                r.dst_port,
-                staged.by_source_port.then_some(r.src_port),
-                r.reporter_dest,
-            );
-            if let Some(hit) = cache.pending.get(&key) {
-                return hit.clone();
+    let mut walked = None;
+    if staged_selects || staged.on_host_endpoints {
+        let key: PendingKey = (
+            r.src,
+            r.dst,
+            r.proto,
+            r.dst_port,
+            staged.by_source_port.then_some(r.src_port),
+            r.reporter_dest,
+        );
+        walked = match cache.pending.get(&key) {
+            Some(hit) => Some(hit.clone()),
+            None => {
+                if let Some(budget) = n.explain_budget.as_mut() {
+                    *budget = budget.checked_sub(1)?;
+                }
+                let explainer = n.explainer.get_or_init(|| graph.explainer());
+                let computed = pending(graph, explainer, &tiers, r);
+                if *n.pending_count < MAX_PENDING_CACHED {
+                    *n.pending_count += 1;
+                    cache.pending.insert(key, computed.clone());
+                }
+                Some(computed)
             }
-            let explainer = n.explainer.get_or_init(|| graph.explainer());
-            let computed = pending(graph, explainer, &tiers, r);
-            if *n.pending_count < MAX_PENDING_CACHED {
-                *n.pending_count += 1;
-                cache.pending.insert(key, computed.clone());
-            }
-            computed
-        })
+        };
+    }
+    let pending_policies = walked
         .filter(|p| !p.is_empty())
         .unwrap_or_else(|| enforced_policies.clone());
     let mut staged_ids: Vec<StagedId> = Vec::new();
@@ -1101,9 +1121,11 @@ fn converse(
         ..Default::default()
     };
     set_dest_service(&mut key, c.service.as_ref());
-    Ok(Arc::new(Conversed {
-        flow: PreparedFlow::new(key, src.labels, dst.labels)?,
-        staged: staged_ids,
+    Some(PreparedFlow::new(key, src.labels, dst.labels).map(|flow| {
+        Arc::new(Conversed {
+            flow,
+            staged: staged_ids,
+        })
     }))
 }
 
@@ -1125,7 +1147,52 @@ impl FlowIngest {
             conversations_count: 0,
             sides: FastMap::default(),
             staged: None,
+            explain_budget: None,
+            deferred: VecDeque::new(),
         }
+    }
+
+    /// A new engine step: at most `budget` pending traces are computed by explain until the
+    /// next (`None`: no limit). Records beyond it wait ([`FlowIngest::drain`]), so a burst of
+    /// new conversations under staged policies does not hold the engine.
+    pub(crate) fn start_step(&mut self, budget: Option<usize>) {
+        self.explain_budget = budget;
+    }
+
+    /// Records waiting for a pending trace.
+    pub(crate) fn deferred(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Stores waiting records, oldest first, while this step's budget lasts; returns how many
+    /// were stored and what was dropped, by reason.
+    pub(crate) fn drain(
+        &mut self,
+        graph: &CalcGraph,
+        now: i64,
+    ) -> (u64, BTreeMap<&'static str, u64>) {
+        let (mut stored, mut dropped) = (0, BTreeMap::new());
+        while self.explain_budget != Some(0) {
+            let Some((node, r)) = self.deferred.pop_front() else {
+                break;
+            };
+            let waiting = self.deferred.len();
+            let d = self.add(graph, &node, vec![r], now);
+            if self.deferred.len() > waiting {
+                // Waits again: back to the front, in its turn.
+                if let Some(again) = self.deferred.pop_back() {
+                    self.deferred.push_front(again);
+                }
+                break;
+            }
+            if d.is_empty() {
+                stored += 1;
+            }
+            for (reason, k) in d {
+                *dropped.entry(reason).or_default() += k;
+            }
+        }
+        (stored, dropped)
     }
 
     /// The service a source report of `conn` named in `interval` or the one either side of it
@@ -1294,14 +1361,24 @@ impl FlowIngest {
                         pending_count: &mut self.pending_count,
                         staged,
                         explainer: &explainer,
+                        explain_budget: &mut self.explain_budget,
                     };
-                    let c = converse(
+                    let Some(c) = converse(
                         &mut naming,
                         &mut cache,
                         (&own_key, &own_side),
                         &conversation,
                         &r,
-                    );
+                    ) else {
+                        // This step's explain budget is spent: the record waits for the next.
+                        r.trace = conversation.trace;
+                        if self.deferred.len() < MAX_DEFERRED {
+                            self.deferred.push_back((node.to_string(), r));
+                        } else {
+                            *dropped.entry("explain_backlog").or_default() += 1;
+                        }
+                        continue;
+                    };
                     if self.conversations_count >= MAX_CONVERSATIONS_CACHED {
                         for other in self.nodes.values_mut() {
                             other.conversations.clear();
@@ -1486,6 +1563,53 @@ mod tests {
         let staged = StagedPolicies::of(g.view());
         assert_eq!(staged.keys.len(), 2);
         assert!(staged.on_host_endpoints);
+    }
+
+    #[test]
+    fn pending_traces_beyond_a_steps_budget_wait_for_the_next_step() {
+        let g = with_staged();
+        let now = 1_800_000_020;
+        let to_web = |src: &str, src_port: u16| FlowIn {
+            src_port,
+            ..record(src, "10.0.0.1", true, vec![guard(HitAction::Pass)])
+        };
+        let mut ingest = FlowIngest::new(100, 100);
+        ingest.start_step(Some(1));
+        // Two new conversations with web, which a staged policy selects: one explain allowed.
+        let d = ingest.add(
+            &g,
+            "node-a",
+            vec![to_web("203.0.113.9", 1000), to_web("203.0.113.10", 1000)],
+            now,
+        );
+        assert!(d.is_empty(), "{d:?}");
+        assert_eq!((ingest.store.num_keys(), ingest.deferred()), (1, 1));
+        // A further record of the first conversation needs no explain: stored at once.
+        assert!(
+            ingest
+                .add(&g, "node-a", vec![to_web("203.0.113.9", 1001)], now)
+                .is_empty()
+        );
+        assert_eq!(ingest.deferred(), 1);
+        // The budget spent, nothing drains; the next step's budget stores the waiting record.
+        assert_eq!(ingest.drain(&g, now), (0, BTreeMap::new()));
+        ingest.start_step(Some(5));
+        assert_eq!(ingest.drain(&g, now), (1, BTreeMap::new()));
+        assert_eq!(ingest.deferred(), 0);
+        // Both peers are in the network set `partners`: one key, three records of 3 packets.
+        let list = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), now)
+            .unwrap();
+        let flow = list.flows[0].flow.as_ref().unwrap();
+        assert_eq!((list.flows.len(), flow.packets_in), (1, 9));
+        let key = flow.key.as_ref().unwrap();
+        let pending = &key.policies.as_ref().unwrap().pending_policies;
+        assert_eq!(pending[0].name, "security.trial", "{key:?}");
+        // Without a budget (the default) nothing waits.
+        let mut unbounded = FlowIngest::new(100, 100);
+        unbounded.add(&g, "node-a", vec![to_web("203.0.113.11", 1)], now);
+        assert_eq!(unbounded.deferred(), 0);
     }
 
     #[test]

@@ -1522,3 +1522,63 @@ fn a_connecting_node_has_its_stored_counts_merged() {
     assert_eq!((row.hits, row.bytes), (Some(42), Some(4_200)));
     drop(a);
 }
+
+#[test]
+fn pending_traces_beyond_a_steps_budget_are_stored_in_later_steps() {
+    use super::EXPLAINS_PER_STEP;
+    use super::flows::{FlowBatch, FlowIn};
+    let mut h = Harness::new(LIMITS);
+    h.engine.enable_flows(10_000, 10_000);
+    let mut updates = cluster();
+    updates.insert(
+        0,
+        apply(json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "StagedGlobalNetworkPolicy",
+            "metadata": {"name": "web-trial"},
+            "spec": {"selector": "app == 'web'", "ingress": [{"action": "Deny"}]},
+        })),
+    );
+    h.datastore(updates);
+    let (verdict, mut agent) = h.connect("node-a");
+    assert_eq!(verdict, Ok(()));
+    agent.take();
+    // New conversations with web-1, which the staged policy selects: each needs explain.
+    let n = EXPLAINS_PER_STEP + 30;
+    let records: Vec<FlowIn> = (0..n)
+        .map(|i| FlowIn {
+            interval: 1_800_000_000,
+            src: format!("198.51.{}.{}", i / 250, i % 250 + 1)
+                .parse()
+                .unwrap(),
+            dst: "10.0.0.1".parse().unwrap(),
+            src_port: 40_000,
+            dst_port: 80,
+            proto: 6,
+            reporter_dest: true,
+            allowed: true,
+            trace: Vec::new(),
+            tally: crate::flows::Tally {
+                packets_in: 1,
+                ..Default::default()
+            },
+            original_dest: None,
+        })
+        .collect();
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_010);
+    h.engine.set_wall(Some(at));
+    h.engine.step([Input::Flows {
+        node: "node-a".into(),
+        id: agent.id,
+        batch: FlowBatch {
+            records,
+            agent_dropped: 0,
+        },
+        at,
+    }]);
+    assert_eq!(h.metrics.flow_records.get(), EXPLAINS_PER_STEP as u64);
+    assert!(h.engine.wants_tick(), "the rest waits for the next step");
+    // The next step (the run loop's tick) stores the rest; then nothing is left to do.
+    h.engine.step([]);
+    assert_eq!(h.metrics.flow_records.get(), n as u64);
+    assert!(!h.engine.wants_tick());
+}
