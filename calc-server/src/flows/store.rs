@@ -117,6 +117,22 @@ impl Tally {
         };
     }
 
+    /// Takes `other` away (never below zero); whether every counter is then zero.
+    fn sub(&mut self, other: &Tally) -> bool {
+        for (mine, theirs) in [
+            (&mut self.packets_in, other.packets_in),
+            (&mut self.packets_out, other.packets_out),
+            (&mut self.bytes_in, other.bytes_in),
+            (&mut self.bytes_out, other.bytes_out),
+            (&mut self.started, other.started),
+            (&mut self.completed, other.completed),
+            (&mut self.live, other.live),
+        ] {
+            *mine = mine.saturating_sub(theirs).max(0);
+        }
+        *self == Tally::default()
+    }
+
     fn validate(&self) -> Result<(), Refused> {
         for (field, v) in [
             ("packets_in", self.packets_in),
@@ -218,6 +234,11 @@ impl PreparedFlow {
 
     pub fn key(&self) -> &FlowKey {
         &self.key
+    }
+
+    /// The source's and the destination's labels.
+    pub fn labels(&self) -> (Labels, Labels) {
+        (self.source_labels.clone(), self.dest_labels.clone())
     }
 
     /// The same key: the same allocation, or equal hashes and fields.
@@ -509,6 +530,40 @@ impl FlowStore {
             }
         }
         Ok(())
+    }
+
+    /// Takes back what a record of `flow` counted in the bucket of `start_time` (it is to
+    /// count under another key); a bucket entry left with nothing is removed, and a key no
+    /// bucket holds any more is forgotten. The labels stay as intersected.
+    pub fn subtract(&mut self, flow: &Arc<PreparedFlow>, tally: &Tally, start_time: i64) {
+        let start = bucket_start(start_time);
+        let Some(id) = self.ids.get(&flow.hash).and_then(|ids| {
+            ids.iter()
+                .copied()
+                .find(|id| self.keys.get(id).is_some_and(|k| k.flow.same_key(flow)))
+        }) else {
+            return;
+        };
+        let Some(bucket) = self.buckets.get_mut(&start) else {
+            return;
+        };
+        let Some(c) = bucket.get_mut(&id) else {
+            return;
+        };
+        if !c.tally.sub(tally) {
+            return;
+        }
+        bucket.remove(&id);
+        if bucket.is_empty() {
+            self.buckets.remove(&start);
+        }
+        let gone = self.keys.get_mut(&id).is_some_and(|k| {
+            k.buckets -= 1;
+            k.buckets == 0
+        });
+        if gone && let Some(k) = self.keys.remove(&id) {
+            self.forget_id(k.flow.hash, id);
+        }
     }
 
     fn forget_id(&mut self, hash: u64, id: i64) {

@@ -195,6 +195,33 @@ fn a_key_held_in_many_buckets_shares_one_copy_of_its_labels() {
 }
 
 #[test]
+fn a_record_taken_back_leaves_the_others_and_frees_an_empty_key() {
+    let mut s = store();
+    let k = key("client-*", "server-*");
+    let flow = PreparedFlow::new(k.clone(), Labels::default(), Labels::default()).unwrap();
+    let one = Tally {
+        packets_in: 2,
+        bytes_in: 100,
+        started: 1,
+        ..Tally::default()
+    };
+    s.insert_prepared(&flow, &one, T0, T0 + 5).unwrap();
+    s.insert_prepared(&flow, &one, T0, T0 + 5).unwrap();
+    s.subtract(&flow, &one, T0);
+    let f = &list(&mut s, FlowListRequest::default())[0];
+    assert_eq!(
+        (f.packets_in, f.bytes_in, f.num_connections_started),
+        (2, 100, 1)
+    );
+    s.subtract(&flow, &one, T0);
+    assert_eq!(s.num_keys(), 0, "nothing left: the key is forgotten");
+    assert!(list(&mut s, FlowListRequest::default()).is_empty());
+    // Taking back what was never stored changes nothing.
+    s.subtract(&flow, &one, T0);
+    assert_eq!(s.num_keys(), 0);
+}
+
+#[test]
 fn records_of_different_keys_stay_apart() {
     let mut s = store();
     let k1 = key("a", "b");

@@ -19,8 +19,10 @@
 //! external IP and port that is, else the one whose node port it is; `-` (port 0) when none.
 //! Joined: a destination report without one (its node saw the connection already translated)
 //! takes the service a source report of the same connection (5-tuple after DNAT) named in the
-//! same interval or a neighbouring one, if that report arrived first. What is remembered for
-//! this is bounded by `max_seen` too and forgotten with the buckets.
+//! same interval or a neighbouring one. When the destination report came first, it is moved
+//! (its counts taken from the key without a service and added to the key with it) when the
+//! source report arrives, within 90 s. What is remembered for this is bounded by `max_seen`
+//! too.
 //!
 //! The reporting side (the destination when `reporter_dest`, else the source) must be an
 //! endpoint of the reporting node: a record that is not is dropped and counted (`foreign`), so
@@ -948,6 +950,11 @@ pub struct FlowIngest {
     /// destination report of the same connection (whose node saw no translation) takes it.
     joined: BTreeMap<i64, FastMap<Conn, ServicePortRef>>,
     joined_count: usize,
+    /// Per interval, the destination reports stored without a service, by connection, with
+    /// what they counted: a source report of the same connection naming one later moves them
+    /// to the key with it. Kept for the last intervals only ([`JOIN_SECONDS`]).
+    unjoined: BTreeMap<i64, FastMap<Conn, (Arc<Conversed>, Tally)>>,
+    unjoined_count: usize,
     /// Per node, what is remembered of it.
     nodes: HashMap<String, NodeCache>,
     /// How many pending traces and conversations the node caches hold, over all nodes.
@@ -965,6 +972,10 @@ pub struct FlowIngest {
     /// node.
     deferred: VecDeque<(String, FlowIn)>,
 }
+
+/// How long a destination report without a service waits for its source report (seconds
+/// before `now`): an interval's reports arrive within about 20 s of its end.
+const JOIN_SECONDS: i64 = 90;
 
 /// Most records waiting for a pending trace; beyond, a record is dropped (`explain_backlog`).
 const MAX_DEFERRED: usize = 100_000;
@@ -1142,6 +1153,8 @@ impl FlowIngest {
             max_seen,
             joined: BTreeMap::new(),
             joined_count: 0,
+            unjoined: BTreeMap::new(),
+            unjoined_count: 0,
             nodes: HashMap::new(),
             pending_count: 0,
             conversations_count: 0,
@@ -1243,6 +1256,40 @@ impl FlowIngest {
             self.joined_count -= entry.get().len();
             entry.remove();
         }
+        let recent = now.saturating_sub(JOIN_SECONDS);
+        while let Some(entry) = self.unjoined.first_entry() {
+            if *entry.key() >= recent {
+                break;
+            }
+            self.unjoined_count -= entry.get().len();
+            entry.remove();
+        }
+    }
+
+    /// A source report of `conn` in `interval` named `service`: a destination report of the
+    /// same connection stored before without one (in that interval or either neighbour) moves
+    /// to the key with it.
+    fn join_late(&mut self, interval: i64, conn: &Conn, service: &ServicePortRef, now: i64) {
+        for at in [
+            interval,
+            interval - BUCKET_SECONDS,
+            interval + BUCKET_SECONDS,
+        ] {
+            let Some((old, tally)) = self.unjoined.get_mut(&at).and_then(|m| m.remove(conn)) else {
+                continue;
+            };
+            self.unjoined_count -= 1;
+            let mut key = old.flow.key().clone();
+            set_dest_service(&mut key, Some(service));
+            let (source_labels, dest_labels) = old.flow.labels();
+            let Ok(flow) = PreparedFlow::new(key, source_labels, dest_labels) else {
+                continue;
+            };
+            self.store.subtract(&old.flow, &tally, at);
+            // The same counts under the new key: refused only when the key cap is reached
+            // (the old key's entry was just freed, so rarely), then they stay lost.
+            let _ = self.store.insert_prepared(&flow, &tally, at, now);
+        }
     }
 
     /// Names `node`'s records and stores them at `now` (Unix seconds); returns what was
@@ -1266,10 +1313,12 @@ impl FlowIngest {
             });
         }
         self.index.build(view);
-        if self.staged.is_none() {
-            self.staged = Some(StagedPolicies::of(view));
-        }
-        let staged = self.staged.as_ref().expect("set above");
+        // Taken out while `self` is borrowed record by record (put back at the end).
+        let staged_now = self
+            .staged
+            .take()
+            .unwrap_or_else(|| StagedPolicies::of(view));
+        let staged = &staged_now;
         let explainer = std::cell::OnceCell::new();
         // The node's own caches, taken out while `self` is borrowed record by record.
         let next_id = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
@@ -1329,16 +1378,22 @@ impl FlowIngest {
             });
             if !r.reporter_dest
                 && let Some(svc) = &service
-                && self.joined_count < self.max_seen
-                && self
-                    .joined
-                    .entry(r.interval)
-                    .or_default()
-                    .insert(conn, svc.clone())
-                    .is_none()
             {
-                self.joined_count += 1;
+                if self.joined_count < self.max_seen
+                    && self
+                        .joined
+                        .entry(r.interval)
+                        .or_default()
+                        .insert(conn, svc.clone())
+                        .is_none()
+                {
+                    self.joined_count += 1;
+                }
+                if self.unjoined_count > 0 {
+                    self.join_late(r.interval, &conn, svc, now);
+                }
             }
+            let unjoined = r.reporter_dest && service.is_none();
             let conversation = Conversation {
                 own: own_ip,
                 other: other_ip,
@@ -1407,6 +1462,17 @@ impl FlowIngest {
                 Ok(()) => {
                     self.seen.entry(r.interval).or_default().insert(seen);
                     self.seen_count += 1;
+                    if unjoined
+                        && self.unjoined_count < self.max_seen
+                        && self
+                            .unjoined
+                            .entry(r.interval)
+                            .or_default()
+                            .insert(conn, (conversed.clone(), *t))
+                            .is_none()
+                    {
+                        self.unjoined_count += 1;
+                    }
                     let end = r.interval + BUCKET_SECONDS;
                     for id in &conversed.staged {
                         let e = match self.staged_hits.get_mut(id) {
@@ -1426,6 +1492,7 @@ impl FlowIngest {
             }
         }
         self.nodes.insert(node.to_string(), cache);
+        self.staged = Some(staged_now);
         dropped
     }
 }
@@ -2140,6 +2207,37 @@ mod tests {
         let dst = record("10.0.0.2", "10.0.0.1", true, vec![]);
         assert!(ingest.add(&g, "node-a", vec![dst], now).is_empty());
         assert_eq!(service_of(&mut ingest, Reporter::Dst, 80), web);
+        // The other order: web-1's report of a second connection (port 8081) comes first,
+        // without a service, then db-1's naming it. It moves to the key with the service;
+        // none stays without.
+        let mut late_src = record("10.0.0.2", "10.0.0.1", false, vec![]);
+        late_src.dst_port = 8081;
+        late_src.original_dest = Some((ip("10.96.0.10"), 8080));
+        let mut early_dst = record("10.0.0.2", "10.0.0.1", true, vec![]);
+        early_dst.dst_port = 8081;
+        assert!(ingest.add(&g, "node-a", vec![early_dst], now).is_empty());
+        let none = ("-".to_string(), "-".to_string(), "-".to_string(), 0);
+        assert_eq!(service_of(&mut ingest, Reporter::Dst, 8081), none);
+        let keys = ingest.store.num_keys();
+        assert!(ingest.add(&g, "node-b", vec![late_src], now).is_empty());
+        assert_eq!(service_of(&mut ingest, Reporter::Dst, 8081), web);
+        let dst_flows: Vec<_> = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), now)
+            .unwrap()
+            .flows
+            .into_iter()
+            .filter_map(|r| r.flow)
+            .filter(|f| {
+                f.key
+                    .as_ref()
+                    .is_some_and(|k| k.reporter == Reporter::Dst as i32 && k.dest_port == 8081)
+            })
+            .collect();
+        assert_eq!(dst_flows.len(), 1, "{dst_flows:?}");
+        assert_eq!(dst_flows[0].packets_in, 3);
+        // One key more (the source report's); the destination's moved, not added.
+        assert_eq!(ingest.store.num_keys(), keys + 1);
         // A node port leads to the Service too; a port without a name shows `-`.
         let mut by_node_port = record("10.0.0.2", "10.0.0.1", false, vec![]);
         by_node_port.dst_port = 81;
@@ -2168,7 +2266,6 @@ mod tests {
             service_of(&mut ingest, Reporter::Src, 82),
             ("web".into(), "shop".into(), "-".into(), 9090)
         );
-        let none = ("-".to_string(), "-".to_string(), "-".to_string(), 0);
         assert_eq!(service_of(&mut ingest, Reporter::Src, 83), none);
         assert_eq!(service_of(&mut ingest, Reporter::Src, 84), none);
         // Parsing: an original destination of the other IP version is refused.
