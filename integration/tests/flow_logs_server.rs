@@ -333,7 +333,7 @@ async fn flow_reports_are_named_counted_once_and_listed() {
     // The same interval again, as after a reconnect: not counted twice.
     node2.send(vec![allowed(at)]).await;
     // Both of node-2's flows are stored before node-1's source report comes (so the
-    // destination report is not joined to the Service the source report names).
+    // destination report is joined late to the Service the source report names).
     wait_flows(&server, 2);
     // node-1 may not report db-1's side (a forgery); its own side of web-1 is fine.
     node1
@@ -386,9 +386,10 @@ async fn flow_reports_are_named_counted_once_and_listed() {
             "source_name": "web-1", "source_namespace": "shop", "source_type": "WorkloadEndpoint",
             "dest_name": "db-1", "dest_namespace": "shop", "dest_type": "WorkloadEndpoint",
             "dest_port": "5432", "proto": "tcp", "reporter": "Dst", "action": "Allow",
-            // Sent before the source's report, which names the Service: not joined.
-            "dest_service_name": "-", "dest_service_namespace": "-",
-            "dest_service_port_name": "-",
+            // Sent before the source's report, which names the Service: moved to the key
+            // with it when that report came.
+            "dest_service_name": "db", "dest_service_namespace": "shop",
+            "dest_service_port_name": "pg", "dest_service_port": "5432",
             "policies": {"enforced_policies": [
                 {"kind": "GlobalNetworkPolicy", "name": "security.guard", "tier": "security",
                  "action": "Pass"},
