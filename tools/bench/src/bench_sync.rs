@@ -390,7 +390,11 @@ impl Target {
     async fn write(&mut self, port: i32) -> anyhow::Result<()> {
         match self {
             Target::File(p) => {
-                std::fs::write(p, marker_policy(port)).context("writing the marker policy")
+                // Written beside and renamed over, so the server's poller never reads a
+                // half-written (or empty) file.
+                let tmp = p.with_extension("tmp");
+                std::fs::write(&tmp, marker_policy(port)).context("writing the marker policy")?;
+                std::fs::rename(&tmp, p).context("renaming the marker policy into place")
             }
             Target::Etcd(c) => {
                 let v = serde_json::json!({
@@ -443,6 +447,11 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
         (None, None) => anyhow::bail!("--file-dir or --etcd-endpoint is required"),
     };
     target.write(1).await?;
+    // Idle means the cluster loaded and the marker in: on a loaded machine the server may still
+    // be reading the datastore when its admin endpoint answers.
+    if let Some(admin) = &args.admin {
+        wait_for_marker(admin).await?;
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = rss_of(args.server_pid);
 
@@ -668,6 +677,30 @@ async fn stats_phase(args: &BenchSyncArgs, plan: &StatsPlan) -> anyhow::Result<(
         (rss_after as f64 - rss_in_sync as f64) / (1024.0 * 1024.0),
     );
     Ok(())
+}
+
+/// Polls the admin endpoint until the server knows the marker policy (so it has read the
+/// cluster), for at most 120 s.
+async fn wait_for_marker(admin: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        // Before the datastore is loaded, and while the policy is unknown, the answer is an
+        // `error` object.
+        let marker = admin_get(admin, "/status/policies/bench-sync-marker")
+            .await
+            .unwrap_or_default();
+        let known = serde_json::from_str::<serde_json::Value>(&marker)
+            .is_ok_and(|v| v.is_object() && v.get("error").is_none());
+        if known {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the server did not load the cluster and the marker policy within 120 s: {}",
+            marker.chars().take(200).collect::<String>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Polls the admin endpoint until the marker policy is realized on `nodes` nodes.
