@@ -172,7 +172,7 @@ fn traced(f: &Value) -> String {
 }
 
 /// One flow's cells: START SOURCE DEST PORT ACTION REPORTER PACKETS BYTES RULE.
-fn row(f: &Value) -> Vec<String> {
+pub(crate) fn row(f: &Value) -> Vec<String> {
     let key = &f["Key"];
     let enforced = key["policies"]["enforced_policies"].as_array();
     let start = count(&f["start_time"])

@@ -19,6 +19,7 @@
 mod admin;
 mod admin_access;
 mod admin_server;
+mod console;
 #[doc(hidden)]
 pub mod engine;
 mod goldmane_api;

@@ -351,6 +351,10 @@ pub(super) enum Input {
         window: Option<std::time::Duration>,
         reply: oneshot::Sender<Vec<UnusedPolicy>>,
     },
+    /// The console's policy board: every policy's realization with its hits (as
+    /// `/status/policies`), the unused classification over all history (as `/status/unused`),
+    /// and every policy's selector and place in evaluation order.
+    PolicyBoard { reply: oneshot::Sender<PolicyBoard> },
     /// The dataplane's own verdicts that counted something (`/status/verdicts`).
     Verdicts {
         reply: oneshot::Sender<Vec<VerdictHits>>,
@@ -367,6 +371,32 @@ pub(super) enum Input {
     },
     /// Close every stream (server shutting down).
     Shutdown,
+}
+
+/// What [`Input::PolicyBoard`] answers.
+#[derive(Debug, Default)]
+pub(crate) struct PolicyBoard {
+    /// `/status/policies`' rows (policies by tier and name, then profiles).
+    pub rows: Vec<PolicyRealization>,
+    /// `/status/unused`'s answer over each rule's whole observed history.
+    pub unused: Vec<UnusedPolicy>,
+    /// Every policy in evaluation order.
+    pub order: Vec<OrderedPolicy>,
+}
+
+/// One policy's place in evaluation order.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct OrderedPolicy {
+    /// `namespace/name` or `name`, as in [`PolicyRealization::policy`].
+    pub policy: String,
+    pub kind: String,
+    pub tier: String,
+    /// The Tier resource's order (`None`: no order, or no Tier resource).
+    pub tier_order: Option<f64>,
+    /// The policy's own order (`None`: last in its tier).
+    pub order: Option<f64>,
+    /// The selector, canonical (as `explain --policy` shows it).
+    pub selector: String,
 }
 
 /// The engine's settings.
@@ -768,6 +798,39 @@ impl Engine {
         }
     }
 
+    /// Every policy (staged ones included) in evaluation order across tiers (Felix's
+    /// `TierLess`, then `PolKVLess`: [`calc_graph::policy_resolver::cmp_policies`]), with its
+    /// selector as explain shows it.
+    fn policy_order(&self) -> Vec<OrderedPolicy> {
+        use calc_graph::policy_resolver::{PolicyRef, cmp_policies};
+        let view = self.graph.view();
+        let mut keyed: Vec<_> = view
+            .policies()
+            .map(|p| {
+                let r = PolicyRef {
+                    model: p.model(),
+                    sort_string: p.sort_string(),
+                };
+                (view.tier(&p.model().tier), r, p.key())
+            })
+            .collect();
+        keyed.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
+        keyed
+            .into_iter()
+            .map(|(tier, r, k)| OrderedPolicy {
+                policy: match &k.namespace {
+                    Some(ns) => format!("{ns}/{}", k.name),
+                    None => k.name.clone(),
+                },
+                kind: k.kind.as_str().to_string(),
+                tier: r.model.tier.clone(),
+                tier_order: tier.and_then(|t| t.order),
+                order: r.model.order,
+                selector: r.model.selector.canonical().to_string(),
+            })
+            .collect()
+    }
+
     /// `/status/unused`: the policies and profiles needed on at least one node (not staged),
     /// classified by [`hits::Hits::unused`].
     fn unused(&self, window: Option<std::time::Duration>) -> Vec<UnusedPolicy> {
@@ -944,6 +1007,15 @@ impl Engine {
             }
             Input::Unused { window, reply } => {
                 let _ = reply.send(self.unused(window));
+            }
+            Input::PolicyBoard { reply } => {
+                let mut rows = self.realization.table(&self.graph, None);
+                self.with_hits(&mut rows, false);
+                let _ = reply.send(PolicyBoard {
+                    rows,
+                    unused: self.unused(None),
+                    order: self.policy_order(),
+                });
             }
             Input::Verdicts { reply } => {
                 let _ = reply.send(self.hits.verdicts());
