@@ -928,14 +928,14 @@ fn hit_link(h: &serde_json::Value) -> String {
 fn flow_row(r: &crate::flows::FlowResult) -> FlowRow {
     let v = serde_json::to_value(r).unwrap_or_default();
     let f = &v["flow"];
-    let cells = crate::flows_cmd::row(f);
+    let cells = crate::flows::words::row(f);
     let trace = |field: &str| -> Vec<HitItem> {
         f["Key"]["policies"][field]
             .as_array()
             .into_iter()
             .flatten()
             .map(|h| HitItem {
-                text: crate::flows_cmd::hit(h),
+                text: crate::flows::words::hit(h),
                 link: hit_link(h),
             })
             .collect()
