@@ -9,10 +9,12 @@
 //! same access check as `/status` applies; only GET (and HEAD) is answered. Every response
 //! under `/ui` (refusals and 404s included) carries [`CSP`] and `nosniff` ([`headers`]).
 //!
-//! Modules: `query` reads the query strings and builds the links; `pages` asks for the data
+//! Modules: `bench` times the pages for `calc-bench console`; `query` reads the query strings and builds the links; `pages` asks for the data
 //! and fills the templates (`calc-server/templates/*.html`); the assets are in
 //! `calc-server/assets/`.
 
+#[doc(hidden)]
+pub mod bench;
 mod pages;
 mod query;
 #[cfg(test)]

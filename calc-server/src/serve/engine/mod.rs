@@ -480,8 +480,7 @@ pub(super) struct Engine {
     now: std::time::Instant,
     /// The same, by the wall clock (rule observation and `/status/unused`'s window).
     wall: std::time::SystemTime,
-    /// A fixed wall clock for tests.
-    #[cfg(test)]
+    /// A fixed wall clock for tests and the console benchmark.
     wall_override: Option<std::time::SystemTime>,
 }
 
@@ -517,7 +516,6 @@ impl Engine {
             realization_summed: None,
             now: std::time::Instant::now(),
             wall: std::time::SystemTime::now(),
-            #[cfg(test)]
             wall_override: None,
         }
     }
@@ -534,8 +532,8 @@ impl Engine {
         self.backlog_sizing = sizing;
     }
 
-    /// Fixes the wall clock of the steps that follow (`None`: the real one).
-    #[cfg(test)]
+    /// Fixes the wall clock of the steps that follow (`None`: the real one); tests, and the
+    /// console benchmark (`console::bench`), whose flow records carry a fixed time.
     pub(super) fn set_wall(&mut self, at: Option<std::time::SystemTime>) {
         self.wall_override = at;
     }
@@ -619,7 +617,6 @@ impl Engine {
         let started = std::time::Instant::now();
         self.now = started;
         self.wall = std::time::SystemTime::now();
-        #[cfg(test)]
         if let Some(at) = self.wall_override {
             self.wall = at;
         }
