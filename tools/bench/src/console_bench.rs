@@ -29,28 +29,28 @@ use crate::gen_cluster::{self, GenClusterArgs};
 #[derive(Clone, Debug, clap::Args)]
 pub struct ConsoleBenchArgs {
     /// Nodes of the synthetic cluster.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "CONSOLE_BENCH_NODES", default_value_t = 1000)]
     pub nodes: usize,
     /// Workload endpoints per node.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "CONSOLE_BENCH_ENDPOINTS_PER_NODE", default_value_t = 10)]
     pub endpoints_per_node: usize,
     /// Policies (NetworkPolicy and GlobalNetworkPolicy, in three tiers).
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "CONSOLE_BENCH_POLICIES", default_value_t = 10_000)]
     pub policies: usize,
     /// Namespaces.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "CONSOLE_BENCH_NAMESPACES", default_value_t = 100)]
     pub namespaces: usize,
     /// Flow records put in the store, each its own key.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, env = "CONSOLE_BENCH_FLOWS", default_value_t = 10_000)]
     pub flows: usize,
     /// Records per FlowReport.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, env = "CONSOLE_BENCH_REPORT_SIZE", default_value_t = 500)]
     pub report_size: usize,
     /// Timed answers per page (after one warm-up).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, env = "CONSOLE_BENCH_ROUNDS", default_value_t = 20)]
     pub rounds: usize,
     /// Seed of the cluster and of the records.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "CONSOLE_BENCH_SEED", default_value_t = 1)]
     pub seed: u64,
 }
 
