@@ -33,6 +33,8 @@ pub struct PageTiming {
     pub bytes: usize,
     /// Each timed answer, in order.
     pub times: Vec<Duration>,
+    /// The last answer's body.
+    pub body: String,
 }
 
 /// What the store held once the reports were in.
@@ -157,6 +159,7 @@ pub fn run(
                 status: 0,
                 bytes: 0,
                 times: Vec::with_capacity(rounds),
+                body: String::new(),
             };
             for round in 0..=rounds {
                 let t = Instant::now();
@@ -169,6 +172,7 @@ pub fn run(
                 let took = t.elapsed();
                 timing.status = status;
                 timing.bytes = body.len();
+                timing.body = String::from_utf8_lossy(&body).into_owned();
                 if round > 0 {
                     timing.times.push(took);
                 }

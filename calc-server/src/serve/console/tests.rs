@@ -489,3 +489,133 @@ async fn explain_shows_the_clis_verdict_and_links_each_policy() {
     let a = get(&c, "/ui/explain?from=shop/nobody&to=shop/web-2").await;
     assert!(a.body.contains(r#"id="error-message""#), "{}", a.body);
 }
+
+/// A flow record as node-b's agent reports it for web-2 (the destination): from `source`,
+/// passed by the security tier then allowed by shop/allow-web.
+fn flow_record(interval_start: i64, source: &str, port: u32) -> felix_proto::FlowRecord {
+    use felix_proto as pb;
+    let rule = |kind: &str, name: &str, namespace: &str, tier: &str| pb::RuleRef {
+        policy: Some(pb::PolicyId {
+            name: name.into(),
+            namespace: namespace.into(),
+            kind: kind.into(),
+        }),
+        tier: tier.into(),
+        ..Default::default()
+    };
+    pb::FlowRecord {
+        interval_start,
+        source_ip: source.into(),
+        dest_ip: "10.0.0.2".into(),
+        source_port: 40_000,
+        dest_port: port,
+        protocol: 6,
+        reporter_dest: true,
+        trace: vec![
+            pb::FlowRuleHit {
+                rule: Some(rule(
+                    "GlobalNetworkPolicy",
+                    "security.guard",
+                    "",
+                    "security",
+                )),
+                action: "pass".into(),
+            },
+            pb::FlowRuleHit {
+                rule: Some(rule("NetworkPolicy", "allow-web", "shop", "default")),
+                action: "allow".into(),
+            },
+        ],
+        allowed: true,
+        packets_in: 3,
+        packets_out: 3,
+        bytes_in: 300,
+        bytes_out: 200,
+        connections_started: 1,
+        ..Default::default()
+    }
+}
+
+/// Flows in the store (through the engine, as an agent's reports arrive): rows in the CLI's
+/// words, each opening its traces with links to the policies; the filters in the query string;
+/// paging.
+#[test]
+fn the_flows_page_lists_filters_and_pages_the_store() {
+    let now = std::time::SystemTime::now();
+    let secs = now.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let interval = secs - secs % 15 - 30;
+    let report = felix_proto::FlowReport {
+        records: vec![
+            flow_record(interval, "10.0.0.1", 80),
+            flow_record(interval, "192.0.2.9", 80),
+            flow_record(interval, "10.0.0.1", 443),
+        ],
+        ..Default::default()
+    };
+    let paths: Vec<String> = [
+        "/ui/flows",
+        "/ui/flows?port=443",
+        "/ui/flows?action=deny",
+        "/ui/flows?page_size=1&page=1",
+        "/ui/flows?namespace=shop&name=web-1",
+        "/ui/flows?since=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (loaded, pages) =
+        super::bench::run(cluster(), vec![("node-b".into(), report)], now, &paths, 0).unwrap();
+    assert_eq!(loaded.accepted, 3, "every record stored");
+    let page = |p: &str| {
+        pages
+            .iter()
+            .find(|t| t.path == p)
+            .map(|t| (t.status, t.body.as_str()))
+            .unwrap()
+    };
+    let (status, all) = page("/ui/flows");
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(all.matches(r#"<tr class="flow">"#).count(), 3, "{all}");
+    assert!(all.contains(r#"<span id="flow-total">3</span>"#));
+    // The CLI's words: both sides, proto/port, the deciding rule; the traces behind <details>.
+    assert!(all.contains("<th scope=\"row\">shop/web-1</th>"), "{all}");
+    assert!(all.contains("<td>shop/web-2</td>"));
+    assert!(
+        all.contains("<td>tcp/443</td>") || all.contains("<td>TCP/443</td>"),
+        "{all}"
+    );
+    assert!(
+        all.contains("default CalicoNetworkPolicy shop/allow-web rule 0 allow"),
+        "{all}"
+    );
+    assert!(
+        all.contains(r#"<a href="/ui/policies/NetworkPolicy:shop/allow-web">"#),
+        "{all}"
+    );
+    assert!(
+        all.contains(r#"<a href="/ui/policies/GlobalNetworkPolicy:security.guard">"#),
+        "{all}"
+    );
+    let (_, port) = page("/ui/flows?port=443");
+    assert_eq!(port.matches(r#"<tr class="flow">"#).count(), 1);
+    assert!(port.contains(r#"value="443""#), "the form keeps the filter");
+    let (_, deny) = page("/ui/flows?action=deny");
+    assert!(deny.contains("No flow matches."));
+    let (_, second) = page("/ui/flows?page_size=1&page=1");
+    assert_eq!(second.matches(r#"<tr class="flow">"#).count(), 1);
+    assert!(second.contains("page 2 of 3"), "{second}");
+    assert!(
+        second.contains(r#"href="/ui/flows?since=3600&#38;page_size=1" rel="prev""#),
+        "{second}"
+    );
+    assert!(
+        second.contains(r#"href="/ui/flows?since=3600&#38;page=2&#38;page_size=1" rel="next""#),
+        "{second}"
+    );
+    // Namespace and name match either side: web-1 is the source of two flows.
+    let (_, named) = page("/ui/flows?namespace=shop&name=web-1");
+    assert_eq!(named.matches(r#"<tr class="flow">"#).count(), 2, "{named}");
+    let (status, bad) = page("/ui/flows?since=0");
+    assert_eq!(status, 400);
+    assert!(bad.contains("parameter since"), "{bad}");
+}
