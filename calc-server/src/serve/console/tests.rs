@@ -231,7 +231,6 @@ fn hostile_agent(board: &Board, node: &str) {
     let report = |seq: u64, payload| pb::FromDataplane {
         sequence_number: seq,
         payload: Some(payload),
-        ..Default::default()
     };
     board.report(
         node,
