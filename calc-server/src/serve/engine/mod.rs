@@ -831,16 +831,23 @@ impl Engine {
     /// `/status/unused`: the policies and profiles needed on at least one node (not staged),
     /// classified by [`hits::Hits::unused`].
     fn unused(&self, window: Option<std::time::Duration>) -> Vec<UnusedPolicy> {
-        let candidates = self
-            .realization
-            .table(&self.graph, None)
-            .into_iter()
+        self.unused_of(&self.realization.table(&self.graph, None), window)
+    }
+
+    /// [`Self::unused`] over realization rows already computed.
+    fn unused_of(
+        &self,
+        rows: &[PolicyRealization],
+        window: Option<std::time::Duration>,
+    ) -> Vec<UnusedPolicy> {
+        let candidates = rows
+            .iter()
             .filter(|r| r.desired > 0 && r.phase != "Staged")
             .map(|r| hits::Candidate {
-                owner: Self::owner_of(&r),
-                policy: r.policy,
-                kind: r.kind,
-                tier: r.tier,
+                owner: Self::owner_of(r),
+                policy: r.policy.clone(),
+                kind: r.kind.clone(),
+                tier: r.tier.clone(),
             })
             .collect();
         self.hits.unused(&self.graph, candidates, self.wall, window)
@@ -1007,10 +1014,11 @@ impl Engine {
             }
             Input::PolicyBoard { reply } => {
                 let mut rows = self.realization.table(&self.graph, None);
+                let unused = self.unused_of(&rows, None);
                 self.with_hits(&mut rows, false);
                 let _ = reply.send(PolicyBoard {
                     rows,
-                    unused: self.unused(None),
+                    unused,
                     order: self.policy_order(),
                 });
             }
