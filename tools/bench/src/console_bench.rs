@@ -10,7 +10,8 @@
 //! engine's answer, the template), and its median, 95th percentile and largest answer time
 //! and its size are printed. Pages: the overview, the policy board's first and last page, one
 //! policy, the nodes table, and the flows table (the first page of 100, and a namespace
-//! filter, which the console applies to every flow of the window).
+//! filter, which the console applies to every flow of the window); and, for comparison,
+//! `/status/policies` (the JSON of the realization table the overview and the board use).
 //!
 //! It measures; it does not judge (docs/benchmarks.md records the figures; the target is at
 //! most 100 ms for the overview and the board).
@@ -121,6 +122,8 @@ pub fn run(args: &ConsoleBenchArgs) -> anyhow::Result<ExitCode> {
         .unwrap_or_else(|| "/ui/policies".into());
     let paths = [
         "/ui/".to_string(),
+        // The JSON of the realization table the overview and the board are built on.
+        "/status/policies".into(),
         "/ui/policies".into(),
         format!("/ui/policies?page={last_board_page}"),
         some_policy,

@@ -492,8 +492,9 @@ pub(super) fn policies_page(board: &PolicyBoard, q: &str, page: usize) -> Polici
             || tier.contains(q)
             || selector.contains(q)
     };
-    // (tier, tier order, row) in evaluation order, then the profiles.
-    let mut all: Vec<(String, String, BoardRow)> = Vec::new();
+    // What matches, in evaluation order, then the profiles; rows are built for the page only.
+    type Match<'b> = (Option<&'b OrderedPolicy>, &'b PolicyRealization, &'b str);
+    let mut all: Vec<Match<'_>> = Vec::new();
     for o in &board.order {
         let Some(r) = rows.get(&(o.policy.as_str(), o.kind.as_str())) else {
             continue;
@@ -505,11 +506,7 @@ pub(super) fn policies_page(board: &PolicyBoard, q: &str, page: usize) -> Polici
             .get(&(o.policy.as_str(), o.kind.as_str()))
             .copied()
             .unwrap_or_default();
-        all.push((
-            o.tier.clone(),
-            order_text(o.tier_order),
-            board_row(r, Some(o), u),
-        ));
+        all.push((Some(o), r, u));
     }
     for r in board.rows.iter().filter(|r| r.kind == "Profile") {
         if !wanted(&r.policy, &r.kind, "", "") {
@@ -519,17 +516,22 @@ pub(super) fn policies_page(board: &PolicyBoard, q: &str, page: usize) -> Polici
             .get(&(r.policy.as_str(), r.kind.as_str()))
             .copied()
             .unwrap_or_default();
-        all.push(("(profiles)".into(), String::new(), board_row(r, None, u)));
+        all.push((None, r, u));
     }
     let total = all.len();
     let pages = total.div_ceil(BOARD_PAGE).max(1);
     let page = page.min(pages - 1);
     let mut tiers: Vec<TierGroup> = Vec::new();
-    for (tier, order, row) in all.into_iter().skip(page * BOARD_PAGE).take(BOARD_PAGE) {
+    for (o, r, u) in all.into_iter().skip(page * BOARD_PAGE).take(BOARD_PAGE) {
+        let (tier, order) = match o {
+            Some(o) => (o.tier.as_str(), order_text(o.tier_order)),
+            None => ("(profiles)", String::new()),
+        };
+        let row = board_row(r, o, u);
         match tiers.last_mut() {
             Some(t) if t.tier == tier => t.rows.push(row),
             _ => tiers.push(TierGroup {
-                tier,
+                tier: tier.to_string(),
                 order,
                 rows: vec![row],
             }),
