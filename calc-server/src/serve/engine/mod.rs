@@ -452,6 +452,12 @@ pub(super) struct Engine {
     backlog_sizing: BacklogSizing,
     /// A datastore batch arrived since the status board last learned the known nodes.
     datastore_changed: bool,
+    /// Datastore batches applied (the graph may have changed with each).
+    graph_generation: u64,
+    /// The last full realization table, with the realization and graph generations it was
+    /// computed at: `/status/policies`, `/status/unused` and the console's board reuse it
+    /// until either moves.
+    table_cache: Option<(u64, u64, Vec<PolicyRealization>)>,
     /// Set once the datastore's snapshot is in the graph (readiness).
     ready: Arc<AtomicBool>,
     /// Connected nodes waiting for their snapshot to start.
@@ -506,6 +512,8 @@ impl Engine {
             snapshotting: HashSet::new(),
             metrics,
             realization: realization::Realization::default(),
+            graph_generation: 0,
+            table_cache: None,
             hits: hits::Hits::default(),
             hits_prune_due: false,
             hits_pruned: None,
@@ -828,13 +836,22 @@ impl Engine {
             .collect()
     }
 
-    /// `/status/unused`: the policies and profiles needed on at least one node (not staged),
-    /// classified by [`hits::Hits::unused`].
-    fn unused(&self, window: Option<std::time::Duration>) -> Vec<UnusedPolicy> {
-        self.unused_of(&self.realization.table(&self.graph, None), window)
+    /// Every policy's and profile's realization counts (no lagging nodes, no hits): the last
+    /// table computed while nothing that moves the counts has changed since, else a new one.
+    fn full_table(&mut self) -> Vec<PolicyRealization> {
+        let at = (self.realization.generation, self.graph_generation);
+        match &self.table_cache {
+            Some((r, g, rows)) if (*r, *g) == at => rows.clone(),
+            _ => {
+                let rows = self.realization.table(&self.graph, None);
+                self.table_cache = Some((at.0, at.1, rows.clone()));
+                rows
+            }
+        }
     }
 
-    /// [`Self::unused`] over realization rows already computed.
+    /// `/status/unused`: the policies and profiles needed on at least one node (not staged)
+    /// among realization `rows`, classified by [`hits::Hits::unused`].
     fn unused_of(
         &self,
         rows: &[PolicyRealization],
@@ -1000,7 +1017,7 @@ impl Engine {
             Input::Realization { only, reply } => {
                 let per_rule = only.is_some();
                 let mut answer = match only {
-                    None => Ok(self.realization.table(&self.graph, None)),
+                    None => Ok(self.full_table()),
                     Some(name) => realization::Realization::find(&self.graph, &name)
                         .map(|t| self.realization.table(&self.graph, Some(&t))),
                 };
@@ -1010,10 +1027,11 @@ impl Engine {
                 let _ = reply.send(answer);
             }
             Input::Unused { window, reply } => {
-                let _ = reply.send(self.unused(window));
+                let rows = self.full_table();
+                let _ = reply.send(self.unused_of(&rows, window));
             }
             Input::PolicyBoard { reply } => {
-                let mut rows = self.realization.table(&self.graph, None);
+                let mut rows = self.full_table();
                 let unused = self.unused_of(&rows, None);
                 self.with_hits(&mut rows, false);
                 let _ = reply.send(PolicyBoard {
@@ -1060,6 +1078,7 @@ impl Engine {
 
     fn apply(&mut self, updates: Vec<Update>) {
         self.datastore_changed = true;
+        self.graph_generation += 1;
         if let Some(flows) = &mut self.flows {
             flows.graph_changed();
         }

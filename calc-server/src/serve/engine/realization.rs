@@ -229,6 +229,9 @@ pub(super) struct Realization {
     seen_endpoints: HashSet<u64>,
     /// Something changed since the last [`Realization::tiers`].
     pub(super) dirty: bool,
+    /// Counts the changes that can move a policy's counts (each time `dirty` is set): the
+    /// engine keeps the last full table for as long as it stays the same.
+    pub(super) generation: u64,
 }
 
 fn workload_hash(i: &pb::WorkloadEndpointId) -> u64 {
@@ -267,11 +270,13 @@ impl Realization {
             },
         );
         self.dirty = true;
+        self.generation += 1;
     }
 
     pub(super) fn disconnected(&mut self, node: &str) {
         self.nodes.remove(node);
         self.dirty = true;
+        self.generation += 1;
     }
 
     /// `msgs` were queued for `node`, numbered from `first_seq`; `snapshot` when they are
@@ -319,6 +324,7 @@ impl Realization {
                 *t.inflight_count.entry(key).or_default() += 1;
                 t.inflight.push_back((seq, key));
                 self.dirty = true;
+                self.generation += 1;
             }
         }
     }
@@ -341,6 +347,7 @@ impl Realization {
             return Vec::new();
         }
         self.dirty = true;
+        self.generation += 1;
         t.applied = t.applied.max(applied);
         t.error = error;
         while t.inflight.front().is_some_and(|(s, _)| *s <= t.applied) {
