@@ -18,6 +18,8 @@
 #   debootstrap, docker-compose          `make images` and the container tests (the Docker
 #                                        engine itself comes with the machine, not from here:
 #                                        without one, those tests skip unless CI is set)
+#   chromium, chromedriver               the admin console's browser test (integration/tests/
+#                                        console.rs drives headless chromium over WebDriver)
 set -euo pipefail
 
 PACKAGES=(
@@ -27,6 +29,7 @@ PACKAGES=(
   netcat-openbsd iputils-ping
   python3-grpcio python3-protobuf protobuf-compiler-grpc
   debootstrap docker-compose
+  chromium chromium-driver
 )
 
 SUDO=""
@@ -51,6 +54,7 @@ fi
 problems=()
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 for tool in cc protoc grpc_python_plugin etcd etcdctl ip ipset nft nc ping debootstrap docker-compose \
+  chromium chromedriver \
   iptables-nft-restore iptables-nft-save ip6tables-nft-restore ip6tables-nft-save \
   iptables-legacy-restore iptables-legacy-save ip6tables-legacy-restore ip6tables-legacy-save; do
   have "$tool" || problems+=("command '$tool' not found")

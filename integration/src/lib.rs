@@ -101,7 +101,12 @@ fn newest_source(dir: &Path) -> Option<SystemTime> {
             continue;
         } else if p
             .extension()
-            .is_some_and(|x| x == "rs" || x == "proto" || x == "toml")
+            // The console's templates and assets are compiled in too.
+            .is_some_and(|x| {
+                ["rs", "proto", "toml", "html", "css", "js", "svg"]
+                    .iter()
+                    .any(|e| x == *e)
+            })
         {
             e.metadata().and_then(|m| m.modified()).ok()
         } else {

@@ -51,7 +51,7 @@ fn every_flag_and_env_var_is_documented() {
     let operations = doc("operations.md");
     // The bench tools share the global flags documented with the operator commands.
     let benchmarks = doc("benchmarks.md") + &operations;
-    let commands: [(&str, &[&str], &str, &str); 19] = [
+    let commands: [(&str, &[&str], &str, &str); 20] = [
         ("calc-server", &[], "operations.md", &operations),
         ("calc-server", &["serve"], "operations.md", &operations),
         ("calc-server", &["status"], "operations.md", &operations),
@@ -67,6 +67,7 @@ fn every_flag_and_env_var_is_documented() {
         ("calc-bench", &["bench-sync"], "benchmarks.md", &benchmarks),
         ("calc-bench", &["churn"], "benchmarks.md", &benchmarks),
         ("calc-bench", &["flip-kernel"], "benchmarks.md", &benchmarks),
+        ("calc-bench", &["console"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &[], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["load"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["list"], "benchmarks.md", &benchmarks),

@@ -77,6 +77,7 @@ mod query;
 pub(crate) mod store;
 #[cfg(test)]
 mod tests;
+pub mod words;
 
 pub use felix_proto::goldmane;
 pub use query::InvalidRequest;

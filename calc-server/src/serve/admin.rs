@@ -84,7 +84,7 @@ pub(super) enum ParamsError {
 }
 
 /// `%XX` and `+` decoded; `None` for an invalid escape or non-UTF-8 text.
-fn percent_decode(s: &str) -> Option<String> {
+pub(super) fn percent_decode(s: &str) -> Option<String> {
     let mut out = Vec::with_capacity(s.len());
     let mut bytes = s.bytes();
     while let Some(b) = bytes.next() {
@@ -138,7 +138,7 @@ impl ExplainParams {
     }
 }
 
-fn json_error(status: StatusCode, error: String) -> Response {
+pub(super) fn json_error(status: StatusCode, error: String) -> Response {
     (
         status,
         [(axum::http::header::CONTENT_TYPE, "application/json")],
@@ -258,6 +258,13 @@ async fn datastore(State(s): State<AdminState>) -> Response {
 }
 
 async fn readiness(State(s): State<AdminState>) -> (StatusCode, String) {
+    readiness_text(&s)
+}
+
+/// `/readiness`' answer: 503 before the datastore is loaded, else 200 with `ready` or, when
+/// invalid objects have no last good version, `ready, degraded: …` naming them (the console's
+/// overview shows the same text).
+pub(super) fn readiness_text(s: &AdminState) -> (StatusCode, String) {
     if !s.ready.load(Ordering::Relaxed) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -721,6 +728,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/explain", get(explain))
         .route("/flows", get(flows))
         .route("/flows-filter-hints", get(flow_hints))
+        .merge(super::console::router())
         .route_service(
             "/goldmane.Flows/{*method}",
             crate::flows::goldmane::flows_server::FlowsServer::new(
@@ -743,6 +751,7 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/readiness", get(readiness))
         .route("/metrics", get(metrics))
         .merge(sensitive)
+        .layer(axum::middleware::from_fn(super::console::headers))
         .with_state(state)
 }
 

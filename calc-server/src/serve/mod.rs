@@ -19,6 +19,9 @@
 mod admin;
 mod admin_access;
 mod admin_server;
+/// Only `console::bench` is public (for `calc-bench console`); the rest serves `/ui/`.
+#[doc(hidden)]
+pub mod console;
 #[doc(hidden)]
 pub mod engine;
 mod goldmane_api;

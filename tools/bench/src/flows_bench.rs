@@ -98,7 +98,7 @@ pub struct FlowsBenchArgs {
 }
 
 /// The reporting node's view of one of its workload endpoints.
-struct Endpoint {
+pub(crate) struct Endpoint {
     node: usize,
     ip: String,
     /// Enforced (not staged) policies per tier, in order, for ingress and egress.
@@ -140,7 +140,7 @@ fn objects(args: &FlowsBenchArgs) -> Vec<Value> {
     objects
 }
 
-fn build_graph(objects: &[Value]) -> anyhow::Result<(CalcGraph, usize)> {
+pub(crate) fn build_graph(objects: &[Value]) -> anyhow::Result<(CalcGraph, usize)> {
     let mut g = CalcGraph::new();
     let mut staged = 0;
     for o in objects {
@@ -160,7 +160,7 @@ fn build_graph(objects: &[Value]) -> anyhow::Result<(CalcGraph, usize)> {
 }
 
 /// Every workload endpoint with an IPv4 address, with its tiers as its node was sent them.
-fn endpoints(g: &CalcGraph) -> (Vec<String>, Vec<Endpoint>) {
+pub(crate) fn endpoints(g: &CalcGraph) -> (Vec<String>, Vec<Endpoint>) {
     let mut nodes: Vec<String> = Vec::new();
     let mut out = Vec::new();
     let enforced = |ids: Vec<pb::PolicyId>| -> Vec<pb::PolicyId> {
@@ -287,7 +287,7 @@ fn trace(
 
 /// Reports of `size` records (the last one shorter), each from one node, round robin; each
 /// endpoint talks to `peers` others (0: to anyone, every record a new conversation).
-fn reports(
+pub(crate) fn reports(
     rng: &mut Rng,
     nodes: &[String],
     eps: &[Endpoint],

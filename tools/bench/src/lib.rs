@@ -10,11 +10,13 @@
 //! - [`churn`]: datastore churn at increasing rates against a running server and its agents;
 //! - [`flows_bench`]: calc-server's flow-log ingest (records per second on one core, memory
 //!   per flow key);
+//! - [`console_bench`]: the admin console's pages rendered on the server (time per page);
 //! - [`flip_kernel`]: a label flip in the datastore until the kernel IP set of a real agent
 //!   (Linux driver, in a network namespace) has it ([`ipset_netlink`] polls the kernel).
 
 pub mod bench_sync;
 pub mod churn;
+pub mod console_bench;
 pub mod flip_kernel;
 pub mod flows_bench;
 pub mod gen_cluster;

@@ -3,7 +3,9 @@
 
 use std::process::ExitCode;
 
-use bench_tools::{bench_sync, churn, flip_kernel, flows_bench, gen_cluster, graph_bench};
+use bench_tools::{
+    bench_sync, churn, console_bench, flip_kernel, flows_bench, gen_cluster, graph_bench,
+};
 use clap::{Parser, Subcommand};
 
 /// The same allocator as calc-server, so the graph benchmarks measure what the server runs.
@@ -48,6 +50,9 @@ enum Command {
     /// calc-server's flow-log ingest (issue 42) on one core: records per second through
     /// parse and the flow store, and memory per flow key.
     Flows(flows_bench::FlowsBenchArgs),
+    /// The admin console's pages (issue 43) rendered on the server for a large cluster with
+    /// flows in the store: time per page.
+    Console(console_bench::ConsoleBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +68,7 @@ fn main() -> ExitCode {
         Command::Churn(args) => churn::run(&args),
         Command::FlipKernel(args) => flip_kernel::run(&args),
         Command::Flows(args) => flows_bench::run(&args),
+        Command::Console(args) => console_bench::run(&args),
     };
     result.unwrap_or_else(|error| {
         eprintln!("error: {error:#}");

@@ -357,6 +357,10 @@ pub(super) enum Input {
         window: Option<std::time::Duration>,
         reply: oneshot::Sender<Vec<UnusedPolicy>>,
     },
+    /// The console's policy board: every policy's realization with its hits (as
+    /// `/status/policies`), the unused classification over all history (as `/status/unused`),
+    /// and every policy's selector and place in evaluation order.
+    PolicyBoard { reply: oneshot::Sender<PolicyBoard> },
     /// The dataplane's own verdicts that counted something (`/status/verdicts`).
     Verdicts {
         reply: oneshot::Sender<Vec<VerdictHits>>,
@@ -373,6 +377,32 @@ pub(super) enum Input {
     },
     /// Close every stream (server shutting down).
     Shutdown,
+}
+
+/// What [`Input::PolicyBoard`] answers.
+#[derive(Debug, Default)]
+pub(crate) struct PolicyBoard {
+    /// `/status/policies`' rows (policies by tier and name, then profiles).
+    pub rows: Vec<PolicyRealization>,
+    /// `/status/unused`'s answer over each rule's whole observed history.
+    pub unused: Vec<UnusedPolicy>,
+    /// Every policy in evaluation order.
+    pub order: Vec<OrderedPolicy>,
+}
+
+/// One policy's place in evaluation order.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct OrderedPolicy {
+    /// `namespace/name` or `name`, as in [`PolicyRealization::policy`].
+    pub policy: String,
+    pub kind: String,
+    pub tier: String,
+    /// The Tier resource's order (`None`: no order, or no Tier resource).
+    pub tier_order: Option<f64>,
+    /// The policy's own order (`None`: last in its tier).
+    pub order: Option<f64>,
+    /// The selector, canonical (as `explain --policy` shows it).
+    pub selector: String,
 }
 
 /// The engine's settings.
@@ -428,6 +458,12 @@ pub(super) struct Engine {
     backlog_sizing: BacklogSizing,
     /// A datastore batch arrived since the status board last learned the known nodes.
     datastore_changed: bool,
+    /// Datastore batches applied (the graph may have changed with each).
+    graph_generation: u64,
+    /// The last full realization table, with the realization and graph generations it was
+    /// computed at: `/status/policies`, `/status/unused` and the console's board reuse it
+    /// until either moves.
+    table_cache: Option<(u64, u64, Vec<PolicyRealization>)>,
     /// Set once the datastore's snapshot is in the graph (readiness).
     ready: Arc<AtomicBool>,
     /// Connected nodes waiting for their snapshot to start.
@@ -456,8 +492,7 @@ pub(super) struct Engine {
     now: std::time::Instant,
     /// The same, by the wall clock (rule observation and `/status/unused`'s window).
     wall: std::time::SystemTime,
-    /// A fixed wall clock for tests.
-    #[cfg(test)]
+    /// A fixed wall clock for tests and the console benchmark.
     wall_override: Option<std::time::SystemTime>,
 }
 
@@ -483,6 +518,8 @@ impl Engine {
             snapshotting: HashSet::new(),
             metrics,
             realization: realization::Realization::default(),
+            graph_generation: 0,
+            table_cache: None,
             hits: hits::Hits::default(),
             hits_prune_due: false,
             hits_pruned: None,
@@ -493,7 +530,6 @@ impl Engine {
             realization_summed: None,
             now: std::time::Instant::now(),
             wall: std::time::SystemTime::now(),
-            #[cfg(test)]
             wall_override: None,
         }
     }
@@ -510,8 +546,8 @@ impl Engine {
         self.backlog_sizing = sizing;
     }
 
-    /// Fixes the wall clock of the steps that follow (`None`: the real one).
-    #[cfg(test)]
+    /// Fixes the wall clock of the steps that follow (`None`: the real one); tests, and the
+    /// console benchmark (`console::bench`), whose flow records carry a fixed time.
     pub(super) fn set_wall(&mut self, at: Option<std::time::SystemTime>) {
         self.wall_override = at;
     }
@@ -614,7 +650,6 @@ impl Engine {
         let started = std::time::Instant::now();
         self.now = started;
         self.wall = std::time::SystemTime::now();
-        #[cfg(test)]
         if let Some(at) = self.wall_override {
             self.wall = at;
         }
@@ -797,19 +832,68 @@ impl Engine {
         }
     }
 
-    /// `/status/unused`: the policies and profiles needed on at least one node (not staged),
-    /// classified by [`hits::Hits::unused`].
-    fn unused(&self, window: Option<std::time::Duration>) -> Vec<UnusedPolicy> {
-        let candidates = self
-            .realization
-            .table(&self.graph, None)
+    /// Every policy (staged ones included) in evaluation order across tiers (Felix's
+    /// `TierLess`, then `PolKVLess`: [`calc_graph::policy_resolver::cmp_policies`]), with its
+    /// selector as explain shows it.
+    fn policy_order(&self) -> Vec<OrderedPolicy> {
+        use calc_graph::policy_resolver::{PolicyRef, cmp_policies};
+        let view = self.graph.view();
+        let mut keyed: Vec<_> = view
+            .policies()
+            .map(|p| {
+                let r = PolicyRef {
+                    model: p.model(),
+                    sort_string: p.sort_string(),
+                };
+                (view.tier(&p.model().tier), r, p.key())
+            })
+            .collect();
+        keyed.sort_by(|(ta, a, _), (tb, b, _)| cmp_policies((a, *ta), (b, *tb)));
+        keyed
             .into_iter()
+            .map(|(tier, r, k)| OrderedPolicy {
+                policy: match &k.namespace {
+                    Some(ns) => format!("{ns}/{}", k.name),
+                    None => k.name.clone(),
+                },
+                kind: k.kind.as_str().to_string(),
+                tier: r.model.tier.clone(),
+                tier_order: tier.and_then(|t| t.order),
+                order: r.model.order,
+                selector: r.model.selector.canonical().to_string(),
+            })
+            .collect()
+    }
+
+    /// Every policy's and profile's realization counts (no lagging nodes, no hits): the last
+    /// table computed while nothing that moves the counts has changed since, else a new one.
+    fn full_table(&mut self) -> Vec<PolicyRealization> {
+        let at = (self.realization.generation, self.graph_generation);
+        match &self.table_cache {
+            Some((r, g, rows)) if (*r, *g) == at => rows.clone(),
+            _ => {
+                let rows = self.realization.table(&self.graph, None);
+                self.table_cache = Some((at.0, at.1, rows.clone()));
+                rows
+            }
+        }
+    }
+
+    /// `/status/unused`: the policies and profiles needed on at least one node (not staged)
+    /// among realization `rows`, classified by [`hits::Hits::unused`].
+    fn unused_of(
+        &self,
+        rows: &[PolicyRealization],
+        window: Option<std::time::Duration>,
+    ) -> Vec<UnusedPolicy> {
+        let candidates = rows
+            .iter()
             .filter(|r| r.desired > 0 && r.phase != "Staged")
             .map(|r| hits::Candidate {
-                owner: Self::owner_of(&r),
-                policy: r.policy,
-                kind: r.kind,
-                tier: r.tier,
+                owner: Self::owner_of(r),
+                policy: r.policy.clone(),
+                kind: r.kind.clone(),
+                tier: r.tier.clone(),
             })
             .collect();
         self.hits.unused(&self.graph, candidates, self.wall, window)
@@ -965,7 +1049,7 @@ impl Engine {
             Input::Realization { only, reply } => {
                 let per_rule = only.is_some();
                 let mut answer = match only {
-                    None => Ok(self.realization.table(&self.graph, None)),
+                    None => Ok(self.full_table()),
                     Some(name) => realization::Realization::find(&self.graph, &name)
                         .map(|t| self.realization.table(&self.graph, Some(&t))),
                 };
@@ -975,7 +1059,18 @@ impl Engine {
                 let _ = reply.send(answer);
             }
             Input::Unused { window, reply } => {
-                let _ = reply.send(self.unused(window));
+                let rows = self.full_table();
+                let _ = reply.send(self.unused_of(&rows, window));
+            }
+            Input::PolicyBoard { reply } => {
+                let mut rows = self.full_table();
+                let unused = self.unused_of(&rows, None);
+                self.with_hits(&mut rows, false);
+                let _ = reply.send(PolicyBoard {
+                    rows,
+                    unused,
+                    order: self.policy_order(),
+                });
             }
             Input::Verdicts { reply } => {
                 let _ = reply.send(self.hits.verdicts());
@@ -1015,6 +1110,7 @@ impl Engine {
 
     fn apply(&mut self, updates: Vec<Update>) {
         self.datastore_changed = true;
+        self.graph_generation += 1;
         if let Some(flows) = &mut self.flows {
             flows.graph_changed();
         }

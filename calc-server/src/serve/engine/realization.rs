@@ -113,6 +113,18 @@ impl NodeTrack {
         self.in_sync_seq.is_some_and(|s| self.applied >= s)
     }
 
+    /// Whether `key` lags on this node and, if so, whether because the last apply failed:
+    /// [`Self::lag`] without its reason (the table's counts need no text).
+    fn lags(&self, key: Tracked) -> Option<bool> {
+        if !self.reports {
+            return Some(false);
+        }
+        if self.snapshot_applied() && !self.inflight_count.contains_key(&key) {
+            return None;
+        }
+        Some(self.error.is_some())
+    }
+
     /// Why `key` is not realized on this node (`None`: it is).
     fn lag(&self, key: Tracked) -> Option<(bool, String)> {
         if !self.reports {
@@ -217,6 +229,9 @@ pub(super) struct Realization {
     seen_endpoints: HashSet<u64>,
     /// Something changed since the last [`Realization::tiers`].
     pub(super) dirty: bool,
+    /// Counts the changes that can move a policy's counts (each time `dirty` is set): the
+    /// engine keeps the last full table for as long as it stays the same.
+    pub(super) generation: u64,
 }
 
 fn workload_hash(i: &pb::WorkloadEndpointId) -> u64 {
@@ -255,11 +270,13 @@ impl Realization {
             },
         );
         self.dirty = true;
+        self.generation += 1;
     }
 
     pub(super) fn disconnected(&mut self, node: &str) {
         self.nodes.remove(node);
         self.dirty = true;
+        self.generation += 1;
     }
 
     /// `msgs` were queued for `node`, numbered from `first_seq`; `snapshot` when they are
@@ -307,6 +324,7 @@ impl Realization {
                 *t.inflight_count.entry(key).or_default() += 1;
                 t.inflight.push_back((seq, key));
                 self.dirty = true;
+                self.generation += 1;
             }
         }
     }
@@ -329,6 +347,7 @@ impl Realization {
             return Vec::new();
         }
         self.dirty = true;
+        self.generation += 1;
         t.applied = t.applied.max(applied);
         t.error = error;
         while t.inflight.front().is_some_and(|(s, _)| *s <= t.applied) {
@@ -355,7 +374,9 @@ impl Realization {
     /// Every policy's and profile's realization, by the graph's spans. With `only`, just that
     /// one, with its lagging nodes.
     pub(super) fn table(&self, graph: &CalcGraph, only: Option<&Target>) -> Vec<PolicyRealization> {
-        let mut policies: HashMap<&ResourceKey, PolicyRealization> = HashMap::new();
+        // Looked up once per (node, policy) pair: a fast hash, not SipHash.
+        let mut policies: rustc_hash::FxHashMap<&ResourceKey, PolicyRealization> =
+            rustc_hash::FxHashMap::default();
         let mut profiles: BTreeMap<&str, PolicyRealization> = BTreeMap::new();
         for (k, tier) in graph.policies_and_tiers() {
             if only.is_some_and(|o| *o != Target::Policy(k.clone())) {
@@ -375,6 +396,8 @@ impl Realization {
             );
         }
         let detail = only.is_some();
+        // The span lists each node's items together: its track is looked up once per node.
+        let mut current: Option<(&str, Option<&NodeTrack>)> = None;
         graph.for_each_in_span(|node, item| {
             let row = match item {
                 SpanItem::Policy(k) => match policies.get_mut(k) {
@@ -393,14 +416,36 @@ impl Realization {
                 }
             };
             row.desired += 1;
-            let lag = match self.nodes.get(node) {
+            let track = match current {
+                Some((n, t)) if std::ptr::eq(n, node) || n == node => t,
+                _ => {
+                    let t = self.nodes.get(node);
+                    current = Some((node, t));
+                    t
+                }
+            };
+            let tracked = || match item {
+                SpanItem::Policy(k) => resource_key(k),
+                SpanItem::Profile(p) => profile_key(p),
+            };
+            // The common case needs no key: everything the node was sent is applied.
+            let applied_all =
+                |t: &NodeTrack| t.reports && t.snapshot_applied() && t.inflight.is_empty();
+            if !detail {
+                match track {
+                    None => {}
+                    Some(t) if applied_all(t) => row.realized += 1,
+                    Some(t) => match t.lags(tracked()) {
+                        None => row.realized += 1,
+                        Some(failed) => row.failed += u32::from(failed),
+                    },
+                }
+                return;
+            }
+            let lag = match track {
                 None => Some((false, "not connected".to_string())),
-                // The common case needs no key: everything the node was sent is applied.
-                Some(t) if t.reports && t.snapshot_applied() && t.inflight.is_empty() => None,
-                Some(t) => t.lag(match item {
-                    SpanItem::Policy(k) => resource_key(k),
-                    SpanItem::Profile(p) => profile_key(p),
-                }),
+                Some(t) if applied_all(t) => None,
+                Some(t) => t.lag(tracked()),
             };
             match lag {
                 None => row.realized += 1,
@@ -408,13 +453,11 @@ impl Realization {
                     if failed {
                         row.failed += 1;
                     }
-                    if detail {
-                        row.lagging.push(NodeLag {
-                            node: node.to_string(),
-                            state: if failed { "failed" } else { "pending" }.into(),
-                            reason,
-                        });
-                    }
+                    row.lagging.push(NodeLag {
+                        node: node.to_string(),
+                        state: if failed { "failed" } else { "pending" }.into(),
+                        reason,
+                    });
                 }
             }
         });

@@ -1,0 +1,496 @@
+//! The admin console (`/ui/`) in a real browser: Debian's `chromium`, headless, driven through
+//! `chromedriver` (WebDriver) by fantoccini, against a real `calc-server serve` on a copy of
+//! the example cluster with dry-run agents for node-1 and node-2.
+//!
+//! Checked: every page loads with nothing on the browser's console (its log, read from
+//! chromedriver, and the errors `console.js` collects, CSP violations included); a filter
+//! changes the rows; clicking a policy opens its page; explain shows the verdict the CLI
+//! prints; a policy edited in the datastore directory shows on the open policy page without
+//! a reload (the page's live refresh). Each page is photographed (PNG) into
+//! `$CONSOLE_SCREENSHOT_DIR` (the docs' pictures: `docs/console`), else into the target
+//! directory.
+//!
+//! Without chromium or chromedriver the test fails when `CI` is set and is recorded as not run
+//! otherwise (`scripts/deps.sh` installs both).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use integration::{Agent, Server, binary, example_datastore, free_port, parse_response};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+fn find(names: &[&str]) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    names.iter().find_map(|n| {
+        std::env::split_paths(&path)
+            .map(|d| d.join(n))
+            .find(|p| p.is_file())
+    })
+}
+
+/// An HTTP/1.1 request to chromedriver (which wants a Host header); the status and body.
+fn webdriver(addr: &str, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    // chromedriver keeps the connection open: read up to the end of the body it announces.
+    let mut resp = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = s.read(&mut buf).ok()?;
+        resp.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&resp);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse::<usize>().ok())?
+            });
+            if n == 0 || length.is_some_and(|len| body.len() >= len) {
+                break;
+            }
+        } else if n == 0 {
+            break;
+        }
+    }
+    parse_response(&resp)
+}
+
+/// A running chromedriver, killed on drop.
+struct Driver {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// chromedriver on a free port, once it answers; `None` (recorded as not run) when chromium or
+/// chromedriver is missing and `CI` is unset.
+fn chromedriver() -> Option<Driver> {
+    let driver = find(&["chromedriver"]);
+    let browser = Path::new(CHROMIUM).is_file();
+    let (Some(driver), true) = (driver, browser) else {
+        let why = "chromium or chromedriver is missing (apt-get install chromium chromium-driver; scripts/deps.sh installs them)";
+        if std::env::var_os("CI").is_some() {
+            panic!("CI is set and {why}: the console's browser test cannot run");
+        }
+        integration::docker::not_run(why);
+        return None;
+    };
+    let port = free_port();
+    let child = Command::new(driver)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start chromedriver");
+    let addr = format!("127.0.0.1:{port}");
+    let d = Driver { child, addr };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if webdriver(&d.addr, "GET", "/status", "")
+            .is_some_and(|(code, body)| code == 200 && body.contains("\"ready\":true"))
+        {
+            return Some(d);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("chromedriver did not answer on {}", d.addr);
+}
+
+async fn browser(driver: &Driver) -> Client {
+    let caps = serde_json::json!({
+        "browserName": "chrome",
+        "goog:chromeOptions": {
+            "binary": CHROMIUM,
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--window-size=1280,800", "--disable-dev-shm-usage",
+                     "--hide-scrollbars"],
+        },
+        "goog:loggingPrefs": {"browser": "ALL"},
+    });
+    let serde_json::Value::Object(caps) = caps else {
+        unreachable!()
+    };
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(&format!("http://{}", driver.addr))
+        .await
+        .expect("a chromium session")
+}
+
+/// The test's browser session and where things are.
+struct Ui {
+    c: Client,
+    driver: String,
+    session: String,
+    base: String,
+    shots: PathBuf,
+}
+
+impl Ui {
+    async fn open(&self, path: &str) {
+        self.c
+            .goto(&format!("{}{path}", self.base))
+            .await
+            .unwrap_or_else(|e| panic!("open {path}: {e}"));
+    }
+
+    /// The browser's console messages since the last call (chromedriver's log), and the
+    /// errors console.js collected on this page.
+    async fn problems(&self) -> Vec<String> {
+        let (code, body) = webdriver(
+            &self.driver,
+            "POST",
+            &format!("/session/{}/se/log", self.session),
+            r#"{"type":"browser"}"#,
+        )
+        .expect("chromedriver answers");
+        assert_eq!(code, 200, "chromedriver's log: {body}");
+        let log: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        let mut out: Vec<String> = log["value"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["level"] != "INFO" && e["level"] != "DEBUG")
+            .map(|e| format!("{}: {}", e["level"], e["message"]))
+            .collect();
+        let collected = self
+            .c
+            .execute(
+                "return window.consoleErrors || ['console.js did not run'];",
+                vec![],
+            )
+            .await
+            .expect("script runs");
+        out.extend(
+            collected
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|e| format!("console.js: {e}")),
+        );
+        out
+    }
+
+    async fn assert_clean(&self, page: &str) {
+        let problems = self.problems().await;
+        assert!(
+            problems.is_empty(),
+            "{page}: the browser's console shows problems: {problems:#?}"
+        );
+    }
+
+    async fn shot(&self, name: &str) {
+        let png = self.c.screenshot().await.expect("screenshot");
+        assert!(png.starts_with(b"\x89PNG"), "{name}: a PNG");
+        std::fs::write(self.shots.join(format!("{name}.png")), png).expect("write screenshot");
+    }
+
+    async fn text(&self, css: &str) -> String {
+        self.c
+            .find(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("{css}: {e}"))
+            .text()
+            .await
+            .expect("text")
+    }
+
+    async fn rows(&self, css: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for r in self.c.find_all(Locator::Css(css)).await.expect("rows") {
+            out.push(r.text().await.expect("row text"));
+        }
+        out
+    }
+
+    /// Waits (up to `secs`) until `css`'s text contains `needle`; returns the text.
+    async fn wait_text(&self, css: &str, needle: &str, secs: u64) -> String {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let text = match self.c.find(Locator::Css(css)).await {
+                Ok(e) => e.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            if text.contains(needle) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{css} never showed {needle:?}; it shows:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn path(&self) -> String {
+        let url = self.c.current_url().await.expect("url");
+        match url.query() {
+            Some(q) => format!("{}?{q}", url.path()),
+            None => url.path().to_string(),
+        }
+    }
+}
+
+/// The CLI's first line of `calc-server explain` on the datastore directory.
+fn cli_verdict(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(binary("calc-server"))
+        .arg("explain")
+        .arg("--file-dir")
+        .arg(dir)
+        .args(args)
+        .output()
+        .expect("run calc-server explain");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_a_browser() {
+    let Some(driver) = chromedriver() else {
+        return;
+    };
+    let shots = match std::env::var_os("CONSOLE_SCREENSHOT_DIR") {
+        Some(d) => integration::workspace_root().join(d),
+        None => {
+            let exe = std::env::current_exe().expect("test path");
+            exe.parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>")
+                .join("console-screenshots")
+        }
+    };
+    std::fs::create_dir_all(&shots).expect("screenshot directory");
+
+    let dir = example_datastore();
+    let work = tempfile::tempdir().expect("agents' directory");
+    let server = Server::start(dir.path(), &["--flow-logs"]);
+    let _a = Agent::start(work.path(), &server.grpc, "node-1");
+    let _b = Agent::start(work.path(), &server.grpc, "node-2");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !server.status().as_array().is_some_and(|nodes| {
+        nodes
+            .iter()
+            .filter(|n| {
+                n["programmed"]
+                    .as_str()
+                    .is_some_and(|p| p.starts_with("yes"))
+            })
+            .count()
+            == 2
+    }) {
+        assert!(Instant::now() < deadline, "agents never programmed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let c = browser(&driver).await;
+    let session = c
+        .session_id()
+        .await
+        .expect("session")
+        .expect("a session id");
+    let ui = Ui {
+        c,
+        driver: driver.addr.clone(),
+        session,
+        base: format!("http://{}", server.admin),
+        shots,
+    };
+    ui.c.set_window_size(1280, 800).await.expect("window size");
+
+    // Overview.
+    ui.open("/ui/").await;
+    assert_eq!(ui.text("#readiness").await, "ready");
+    assert_eq!(ui.text("#count-connected").await, "2");
+    assert_eq!(ui.text("#count-programmed").await, "2");
+    ui.shot("overview").await;
+    ui.assert_clean("/ui/").await;
+
+    // Nodes, then a filter typed into the form: fewer rows, and the URL says why.
+    ui.open("/ui/nodes").await;
+    let all = ui.rows("#nodes tbody tr").await;
+    assert!(all.len() >= 2, "{all:?}");
+    ui.shot("nodes").await;
+    ui.assert_clean("/ui/nodes").await;
+    let q = ui.c.find(Locator::Css("#q")).await.expect("filter box");
+    q.send_keys("node-2").await.expect("type");
+    ui.c.find(Locator::Css("form.filters button[type=submit]"))
+        .await
+        .expect("filter button")
+        .click()
+        .await
+        .expect("click");
+    ui.wait_text(".summary", "of", 10).await;
+    let filtered = ui.rows("#nodes tbody tr").await;
+    assert_eq!(filtered.len(), 1, "{filtered:?}");
+    assert!(filtered[0].starts_with("node-2"), "{filtered:?}");
+    assert_eq!(ui.path().await, "/ui/nodes?q=node-2&state=");
+    ui.assert_clean("/ui/nodes?q=node-2").await;
+
+    // A node's page, reached by its link.
+    ui.c.find(Locator::LinkText("node-2"))
+        .await
+        .expect("node link")
+        .click()
+        .await
+        .expect("click");
+    ui.wait_text("h1", "Node node-2", 10).await;
+    assert!(ui.text("#programmed").await.starts_with("yes"));
+    assert!(
+        ui.text("#endpoints").await.contains("shop"),
+        "node-2 runs shop pods"
+    );
+    ui.shot("node").await;
+    ui.assert_clean("/ui/nodes/node-2").await;
+
+    // The board; clicking a policy opens its page.
+    ui.open("/ui/policies").await;
+    let board = ui.text("main").await;
+    let at = |s: &str| {
+        board
+            .find(s)
+            .unwrap_or_else(|| panic!("{s} not on the board"))
+    };
+    assert!(at("tier security") < at("tier platform") && at("tier platform") < at("tier default"));
+    ui.shot("policies").await;
+    ui.assert_clean("/ui/policies").await;
+    ui.c.find(Locator::LinkText("shop/allow-api-from-web"))
+        .await
+        .expect("policy link")
+        .click()
+        .await
+        .expect("click");
+    ui.wait_text("h1", "Policy shop/allow-api-from-web", 10)
+        .await;
+    assert_eq!(
+        ui.path().await,
+        "/ui/policies/NetworkPolicy:shop/allow-api-from-web"
+    );
+    let rules = ui.text("#rules").await;
+    assert!(rules.contains("5432"), "{rules}");
+    ui.shot("policy").await;
+    ui.assert_clean("/ui/policies/NetworkPolicy:shop/allow-api-from-web")
+        .await;
+
+    // The policy edited in the datastore shows on the open page without a reload.
+    ui.c.execute("window.notReloaded = true;", vec![])
+        .await
+        .expect("mark the page");
+    let file = dir.path().join("policies.yaml");
+    let yaml = std::fs::read_to_string(&file).expect("policies.yaml");
+    assert_eq!(yaml.matches("ports: [5432]").count(), 1, "one rule to edit");
+    std::fs::write(&file, yaml.replace("ports: [5432]", "ports: [5433]")).expect("edit");
+    ui.wait_text("#rules", "5433", 30).await;
+    let same =
+        ui.c.execute("return window.notReloaded === true;", vec![])
+            .await
+            .expect("script runs");
+    assert_eq!(
+        same,
+        serde_json::Value::Bool(true),
+        "the page was not reloaded"
+    );
+    ui.assert_clean("live refresh of the policy page").await;
+
+    // Flows (flow logs are on; dry-run agents report none): the page and its filters load.
+    ui.open("/ui/flows?action=deny&since=600").await;
+    assert!(ui.text(".summary").await.contains("flows"));
+    assert_eq!(
+        ui.c.find(Locator::Css("#action"))
+            .await
+            .expect("action filter")
+            .prop("value")
+            .await
+            .expect("value")
+            .as_deref(),
+        Some("deny")
+    );
+    ui.shot("flows").await;
+    ui.assert_clean("/ui/flows").await;
+
+    // Explain through the form: the CLI's verdict line.
+    ui.open("/ui/explain").await;
+    for (id, value) in [
+        ("#from", "monitoring/prometheus-0"),
+        ("#to", "shop/api-1"),
+        ("#port", "9090"),
+    ] {
+        ui.c.find(Locator::Css(id))
+            .await
+            .expect("form field")
+            .send_keys(value)
+            .await
+            .expect("type");
+    }
+    ui.c.find(Locator::Css("#ask"))
+        .await
+        .expect("explain button")
+        .click()
+        .await
+        .expect("click");
+    let verdict = ui.wait_text("#verdict", "port 9090", 10).await;
+    let cli = cli_verdict(
+        dir.path(),
+        &[
+            "--from",
+            "monitoring/prometheus-0",
+            "--to",
+            "shop/api-1",
+            "--protocol",
+            "tcp",
+            "--port",
+            "9090",
+        ],
+    );
+    assert_eq!(verdict, cli, "the console and the CLI agree");
+    assert!(verdict.starts_with("DENY"), "{verdict}");
+    ui.c.find(Locator::LinkText(
+        "shop/api-1 / tier security / GlobalNetworkPolicy production-isolation",
+    ))
+    .await
+    .expect("a step links its policy");
+    ui.shot("explain").await;
+    ui.assert_clean("/ui/explain").await;
+
+    // A missing policy is a 404 page naming it.
+    ui.open("/ui/policies/NetworkPolicy:shop/no-such").await;
+    assert!(ui.text("#error-message").await.contains("shop/no-such"));
+    // The browser logs the 404: proof that the log this test reads is the browser's.
+    let logged = ui.problems().await;
+    assert!(
+        logged.iter().any(|p| p.contains("404")),
+        "the browser's log reaches the test: {logged:?}"
+    );
+
+    // A narrow window: the same board, laid out for it.
+    ui.c.set_window_size(480, 900).await.expect("window size");
+    ui.open("/ui/policies").await;
+    ui.shot("policies-narrow").await;
+    ui.assert_clean("/ui/policies (narrow)").await;
+
+    ui.c.close().await.expect("close the browser");
+}
