@@ -4,6 +4,7 @@
 //! `cargo test --workspace`). A missing or stale binary fails the test with that instruction
 //! rather than silently testing old code or skipping.
 
+pub mod browser;
 pub mod certs;
 pub mod compose;
 pub mod docker;

@@ -368,6 +368,32 @@ impl Netns {
         .expect("namespace thread")
     }
 
+    /// A port of the calling process's namespace (on 127.0.0.1) forwarding each connection to
+    /// `inner` in this one, whose end is opened by a thread that entered it: how a browser
+    /// outside reaches a node's admin endpoint. Serves until the test process ends.
+    pub fn forward(&self, inner: std::net::SocketAddr) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let addr = listener.local_addr().expect("its address").to_string();
+        let path = format!("/var/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    let Ok(file) = std::fs::File::open(&path) else {
+                        return;
+                    };
+                    if nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).is_err() {
+                        return;
+                    }
+                    if let Ok(server) = std::net::TcpStream::connect(inner) {
+                        pipe(client, server);
+                    }
+                });
+            }
+        });
+        addr
+    }
+
     pub fn new(role: &str) -> Netns {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let name = format!("sf-{role}-{}-{n}", std::process::id());
@@ -446,6 +472,21 @@ impl Netns {
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", program.display()))
     }
+}
+
+/// Copies bytes both ways between two connections until each side has closed.
+fn pipe(a: std::net::TcpStream, b: std::net::TcpStream) {
+    let (Ok(mut a_in), Ok(mut b_out)) = (a.try_clone(), b.try_clone()) else {
+        return;
+    };
+    let there = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut a_in, &mut b_out);
+        let _ = b_out.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut b_in, mut a_out) = (b, a);
+    let _ = std::io::copy(&mut b_in, &mut a_out);
+    let _ = a_out.shutdown(std::net::Shutdown::Write);
+    let _ = there.join();
 }
 
 /// `nc` processes accepting TCP connections on one port, killed on drop.

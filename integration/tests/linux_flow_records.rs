@@ -12,6 +12,8 @@
 
 use std::time::{Duration, Instant};
 
+use fantoccini::Locator;
+use integration::browser::Ui;
 use integration::netns::{ControlPlane, Driver, Netns, client_and, write_manifest};
 use serde_json::Value;
 
@@ -180,6 +182,59 @@ fn flow_records(driver: Driver, backend: &str) {
     let enforced = k["policies"]["enforced_policies"].as_array().unwrap();
     assert_eq!(enforced.last().unwrap()["kind"], "EndOfTier", "{denied}");
     assert_eq!(enforced.last().unwrap()["tier"], "default", "{denied}");
+
+    // The same flows in the console, once per run (the iptables plane).
+    if driver == Driver::Linux {
+        console_flows(&host);
+    }
+}
+
+/// The console's flows page over the flows the kernel reported: the rows name both sides and
+/// the deciding policy, a row opens into its traces, and a trace's policy links to its page.
+/// The browser runs outside the node's namespace and reaches its admin endpoint through a
+/// forwarded port.
+fn console_flows(host: &Netns) {
+    let Some(driver) = integration::browser::chromedriver() else {
+        return;
+    };
+    let admin = host.forward("127.0.0.1:9099".parse().expect("address"));
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let ui = Ui::start(&driver, &admin).await;
+        ui.open("/ui/flows?since=600").await;
+        let table = ui.wait_text("#flows", "web-allow", 30).await;
+        assert!(table.contains("prod/client"), "{table}");
+        assert!(table.contains("deny"), "the denied connection too: {table}");
+        // Keep the rows still while they are clicked.
+        ui.c.find(Locator::Css("#live-toggle"))
+            .await
+            .expect("live toggle")
+            .click()
+            .await
+            .expect("pause");
+        let allowed =
+            ui.c.find(Locator::XPath(
+                "//table[@id='flows']//tr[contains(., 'web-allow')]//details/summary",
+            ))
+            .await
+            .expect("an allowed row's rule");
+        allowed.click().await.expect("open the trace");
+        let trace = ui
+            .wait_text("#flows details[open] .trace", "enforced", 10)
+            .await;
+        assert!(trace.contains("pending"), "{trace}");
+        ui.shot("flows").await;
+        ui.assert_clean("/ui/flows").await;
+        ui.c.find(Locator::Css("#flows details[open] .trace a"))
+            .await
+            .expect("a policy link in the trace")
+            .click()
+            .await
+            .expect("follow it");
+        ui.wait_text("h1", "web-allow", 10).await;
+        ui.assert_clean("the policy page from a flow").await;
+        ui.c.close().await.expect("close the browser");
+    });
 }
 
 #[test]
