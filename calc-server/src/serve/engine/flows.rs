@@ -1597,6 +1597,16 @@ mod tests {
         g
     }
 
+    /// The traces of the first flow the store lists at `now`.
+    fn first_trace(ingest: &mut FlowIngest, now: i64) -> PolicyTrace {
+        let list = ingest
+            .store
+            .list(&crate::flows::FlowListRequest::default(), now)
+            .unwrap();
+        let key = list.flows[0].flow.as_ref().unwrap().key.as_ref().unwrap();
+        key.policies.clone().unwrap()
+    }
+
     #[test]
     fn explain_runs_only_where_a_staged_policy_may_be_met() {
         let g = with_staged();
@@ -1608,12 +1618,7 @@ mod tests {
         let r = record("10.0.0.1", "10.0.0.2", true, vec![guard(HitAction::Pass)]);
         let mut ingest = FlowIngest::new(100, 100);
         assert!(ingest.add(&g, "node-b", vec![r], 1_800_000_020).is_empty());
-        let list = ingest
-            .store
-            .list(&crate::flows::FlowListRequest::default(), 1_800_000_020)
-            .unwrap();
-        let key = list.flows[0].flow.as_ref().unwrap().key.as_ref().unwrap();
-        let trace = key.policies.as_ref().unwrap();
+        let trace = first_trace(&mut ingest, 1_800_000_020);
         assert_eq!(trace.pending_policies, trace.enforced_policies);
         assert_eq!(trace.enforced_policies[0].name, "security.guard");
         // A staged policy selecting a host endpoint may be met on any path.
@@ -1740,12 +1745,7 @@ mod tests {
         // Stored with the record.
         let mut ingest = FlowIngest::new(100, 100);
         assert!(ingest.add(&g, "node-a", vec![r], 1_800_000_020).is_empty());
-        let list = ingest
-            .store
-            .list(&crate::flows::FlowListRequest::default(), 1_800_000_020)
-            .unwrap();
-        let key = list.flows[0].flow.as_ref().unwrap().key.as_ref().unwrap();
-        let trace = key.policies.as_ref().unwrap();
+        let trace = first_trace(&mut ingest, 1_800_000_020);
         assert_eq!(trace.pending_policies.len(), 1);
         assert_eq!(trace.enforced_policies.len(), 1);
         // The staged policy's hits: the record's packets and bytes, in and out.
