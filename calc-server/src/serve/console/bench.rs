@@ -4,9 +4,10 @@
 //! access check, the console's handler, the engine's answer through `admin::ask`, the
 //! template) in front of a real engine task that holds the cluster given and the flow
 //! records given, stored as the agents' reports would be. Each page is asked once to warm up,
-//! then `rounds` times; the time of each answer is kept, up to its last body byte. Nothing
-//! changes between answers, so what the engine keeps while nothing changes (the realization
-//! table) is computed by the first page that needs it. It measures; it does not judge.
+//! then `rounds` times; the time of each answer is kept, up to its last body byte. Between
+//! answers nothing changes, or (per page, [`Before`]) an agent reconnects or a datastore batch
+//! arrives, which is what makes the engine compute again what it keeps (the realization
+//! table). It measures; it does not judge.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +42,17 @@ pub struct PageTiming {
     pub body: String,
 }
 
+/// What happens before each answer of a page (the warm-up's included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Before {
+    /// Nothing: the engine's kept results stay valid.
+    Nothing,
+    /// An agent reconnects (its stream replaced, its snapshot queued): the realization moves.
+    AgentReconnect,
+    /// A datastore batch arrives (empty: only the fact that the graph may have changed).
+    DatastoreBatch,
+}
+
 /// What the store held once the reports were in.
 #[derive(Clone, Debug, Default)]
 pub struct Loaded {
@@ -56,7 +68,7 @@ pub fn run(
     updates: Vec<Update>,
     reports: Vec<(String, felix_proto::FlowReport)>,
     now: SystemTime,
-    paths: &[String],
+    paths: &[(String, Before)],
     rounds: usize,
 ) -> anyhow::Result<(Loaded, Vec<PageTiming>)> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -126,7 +138,9 @@ pub fn run(
             accepted: metrics.flow_records.get(),
         };
         let (engine_tx, engine_rx) = tokio::sync::mpsc::channel(64);
-        let (_datastore_tx, datastore_rx) = tokio::sync::mpsc::channel(1);
+        let (datastore_tx, datastore_rx) = tokio::sync::mpsc::channel(1);
+        let reconnecting = reports.first().map(|(n, _)| n.clone()).unwrap_or_default();
+        let mut next_id = ids.len() as u64 + 1;
         tokio::spawn(super::super::engine::run(engine, engine_rx, datastore_rx));
         let args = crate::args::AdminArgs {
             admin_allowed_cn: vec![],
@@ -148,7 +162,7 @@ pub fn run(
             board,
             ready,
             metrics,
-            engine: engine_tx,
+            engine: engine_tx.clone(),
             access: Arc::new(access),
             bounds: Bounds {
                 queries: Arc::new(tokio::sync::Semaphore::new(2)),
@@ -157,9 +171,13 @@ pub fn run(
             },
         });
         let mut out = Vec::new();
-        for path in paths {
+        for (path, before) in paths {
             let mut timing = PageTiming {
-                path: path.clone(),
+                path: match before {
+                    Before::Nothing => path.clone(),
+                    Before::AgentReconnect => format!("{path} after an agent reconnect"),
+                    Before::DatastoreBatch => format!("{path} after a datastore batch"),
+                },
                 status: 0,
                 bytes: 0,
                 first: Duration::ZERO,
@@ -167,6 +185,40 @@ pub fn run(
                 body: String::new(),
             };
             for round in 0..=rounds {
+                match before {
+                    Before::Nothing => {}
+                    Before::AgentReconnect => {
+                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                        let conn = Conn::new(
+                            next_id,
+                            tx,
+                            Arc::new(AtomicU64::new(0)),
+                            Arc::new(AtomicU64::new(0)),
+                        );
+                        next_id += 1;
+                        let (reply, verdict) = tokio::sync::oneshot::channel();
+                        let _ = engine_tx
+                            .send(Input::Connect {
+                                node: reconnecting.clone(),
+                                agent_version: "calc-bench".into(),
+                                conn,
+                                reply,
+                            })
+                            .await;
+                        let _ = verdict.await;
+                        streams.push(rx);
+                    }
+                    Before::DatastoreBatch => {
+                        let _ = datastore_tx.send(Vec::new()).await;
+                    }
+                }
+                // Let the engine take the change in before the page is asked.
+                tokio::time::sleep(Duration::from_millis(if *before == Before::Nothing {
+                    0
+                } else {
+                    20
+                }))
+                .await;
                 let t = Instant::now();
                 let resp = app
                     .clone()

@@ -551,7 +551,7 @@ fn the_flows_page_lists_filters_and_pages_the_store() {
         ],
         ..Default::default()
     };
-    let paths: Vec<String> = [
+    let paths: Vec<(String, super::bench::Before)> = [
         "/ui/flows",
         "/ui/flows?port=443",
         "/ui/flows?action=deny",
@@ -560,7 +560,7 @@ fn the_flows_page_lists_filters_and_pages_the_store() {
         "/ui/flows?since=0",
     ]
     .iter()
-    .map(|s| s.to_string())
+    .map(|s| (s.to_string(), super::bench::Before::Nothing))
     .collect();
     let (loaded, pages) =
         super::bench::run(cluster(), vec![("node-b".into(), report)], now, &paths, 0).unwrap();

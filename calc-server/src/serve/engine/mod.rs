@@ -170,6 +170,20 @@ pub(super) enum Refusal {
 
 const MIB: u64 = 1024 * 1024;
 
+/// A full realization table, with the realization and graph generations it was computed at,
+/// and when.
+struct KeptTable {
+    realization: u64,
+    graph: u64,
+    at: std::time::Instant,
+    rows: Vec<PolicyRealization>,
+}
+
+/// How old a realization table the console's policy board accepts while the datastore has not
+/// changed (agents applying updates move the counts all the time on a busy cluster; the
+/// per-tier gauges are refreshed as often).
+const BOARD_TABLE_AGE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Pending traces of flow records (explain's walk with staged policies enforced, about 0.4 ms
 /// each on the 2-core bench machine) computed per engine step at most: a burst of new
 /// conversations under staged policies holds the engine for tens of milliseconds per step, and
@@ -460,10 +474,9 @@ pub(super) struct Engine {
     datastore_changed: bool,
     /// Datastore batches applied (the graph may have changed with each).
     graph_generation: u64,
-    /// The last full realization table, with the realization and graph generations it was
-    /// computed at: `/status/policies`, `/status/unused` and the console's board reuse it
-    /// until either moves.
-    table_cache: Option<(u64, u64, Vec<PolicyRealization>)>,
+    /// The last full realization table: `/status/policies`, `/status/unused` and the
+    /// console's board reuse it (see [`Engine::full_table`]).
+    table_cache: Option<KeptTable>,
     /// Set once the datastore's snapshot is in the graph (readiness).
     ready: Arc<AtomicBool>,
     /// Connected nodes waiting for their snapshot to start.
@@ -700,13 +713,15 @@ impl Engine {
             return;
         }
         self.realization_summed = Some(self.now);
-        let tiers = self
-            .realization
-            .tiers(&self.graph)
+        // The same walk as the full table: kept for the console's board.
+        let rows = self.realization.table(&self.graph, None);
+        self.realization.dirty = false;
+        let tiers = realization::Realization::tiers(&rows)
             .into_iter()
             .map(|(t, c)| (t, (c.desired, c.realized, c.failed)))
             .collect();
         self.metrics.set_realization(tiers);
+        self.keep_table(rows);
     }
 
     /// Drops the hit counters of what left the datastore, at most once a minute and only after
@@ -866,17 +881,30 @@ impl Engine {
     }
 
     /// Every policy's and profile's realization counts (no lagging nodes, no hits): the last
-    /// table computed while nothing that moves the counts has changed since, else a new one.
-    fn full_table(&mut self) -> Vec<PolicyRealization> {
-        let at = (self.realization.generation, self.graph_generation);
-        match &self.table_cache {
-            Some((r, g, rows)) if (*r, *g) == at => rows.clone(),
-            _ => {
-                let rows = self.realization.table(&self.graph, None);
-                self.table_cache = Some((at.0, at.1, rows.clone()));
-                rows
-            }
+    /// table computed while nothing that moves the counts has changed since, or (with
+    /// `max_age`) one computed at most that long ago while the datastore has not changed;
+    /// else a new one.
+    fn full_table(&mut self, max_age: Option<std::time::Duration>) -> Vec<PolicyRealization> {
+        let (realization, graph) = (self.realization.generation, self.graph_generation);
+        if let Some(t) = &self.table_cache
+            && t.graph == graph
+            && (t.realization == realization
+                || max_age.is_some_and(|age| self.now.duration_since(t.at) <= age))
+        {
+            return t.rows.clone();
         }
+        let rows = self.realization.table(&self.graph, None);
+        self.keep_table(rows.clone());
+        rows
+    }
+
+    fn keep_table(&mut self, rows: Vec<PolicyRealization>) {
+        self.table_cache = Some(KeptTable {
+            realization: self.realization.generation,
+            graph: self.graph_generation,
+            at: self.now,
+            rows,
+        });
     }
 
     /// `/status/unused`: the policies and profiles needed on at least one node (not staged)
@@ -1049,7 +1077,7 @@ impl Engine {
             Input::Realization { only, reply } => {
                 let per_rule = only.is_some();
                 let mut answer = match only {
-                    None => Ok(self.full_table()),
+                    None => Ok(self.full_table(None)),
                     Some(name) => realization::Realization::find(&self.graph, &name)
                         .map(|t| self.realization.table(&self.graph, Some(&t))),
                 };
@@ -1059,11 +1087,11 @@ impl Engine {
                 let _ = reply.send(answer);
             }
             Input::Unused { window, reply } => {
-                let rows = self.full_table();
+                let rows = self.full_table(None);
                 let _ = reply.send(self.unused_of(&rows, window));
             }
             Input::PolicyBoard { reply } => {
-                let mut rows = self.full_table();
+                let mut rows = self.full_table(Some(BOARD_TABLE_AGE));
                 let unused = self.unused_of(&rows, None);
                 self.with_hits(&mut rows, false);
                 let _ = reply.send(PolicyBoard {

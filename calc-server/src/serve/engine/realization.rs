@@ -375,35 +375,45 @@ impl Realization {
     /// one, with its lagging nodes.
     pub(super) fn table(&self, graph: &CalcGraph, only: Option<&Target>) -> Vec<PolicyRealization> {
         // Looked up once per (node, policy) pair: a fast hash, not SipHash.
-        let mut policies: rustc_hash::FxHashMap<&ResourceKey, PolicyRealization> =
+        let mut policies: Vec<PolicyRealization> = Vec::new();
+        let mut index: rustc_hash::FxHashMap<&ResourceKey, usize> =
             rustc_hash::FxHashMap::default();
         let mut profiles: BTreeMap<&str, PolicyRealization> = BTreeMap::new();
         for (k, tier) in graph.policies_and_tiers() {
             if only.is_some_and(|o| *o != Target::Policy(k.clone())) {
                 continue;
             }
-            policies.insert(
-                k,
-                PolicyRealization {
-                    policy: match &k.namespace {
-                        Some(ns) => format!("{ns}/{}", k.name),
-                        None => k.name.clone(),
-                    },
-                    kind: k.kind.as_str().to_string(),
-                    tier: tier.to_string(),
-                    ..PolicyRealization::default()
+            index.insert(k, policies.len());
+            policies.push(PolicyRealization {
+                policy: match &k.namespace {
+                    Some(ns) => format!("{ns}/{}", k.name),
+                    None => k.name.clone(),
                 },
-            );
+                kind: k.kind.as_str().to_string(),
+                tier: tier.to_string(),
+                ..PolicyRealization::default()
+            });
         }
         let detail = only.is_some();
         // The span lists each node's items together: its track is looked up once per node.
         let mut current: Option<(&str, Option<&NodeTrack>)> = None;
+        // Spans share the graph's keys: a key's address, once seen, finds its row without
+        // hashing its text (a cluster's table is millions of (node, policy) pairs). Any other
+        // address of an equal key is looked up by content once, then remembered too.
+        let mut by_address: rustc_hash::FxHashMap<usize, Option<usize>> =
+            rustc_hash::FxHashMap::default();
         graph.for_each_in_span(|node, item| {
             let row = match item {
-                SpanItem::Policy(k) => match policies.get_mut(k) {
-                    Some(row) => row,
-                    None => return,
-                },
+                SpanItem::Policy(k) => {
+                    let at = std::ptr::from_ref(k) as usize;
+                    let i = *by_address
+                        .entry(at)
+                        .or_insert_with(|| index.get(k).copied());
+                    match i {
+                        Some(i) => &mut policies[i],
+                        None => return,
+                    }
+                }
                 SpanItem::Profile(p) => {
                     if only.is_some_and(|o| *o != Target::Profile(p.to_string())) {
                         return;
@@ -461,7 +471,7 @@ impl Realization {
                 }
             }
         });
-        let mut rows: Vec<PolicyRealization> = policies.into_values().collect();
+        let mut rows = policies;
         rows.sort_by(|a, b| (&a.tier, &a.policy, &a.kind).cmp(&(&b.tier, &b.policy, &b.kind)));
         rows.extend(profiles.into_values());
         for r in &mut rows {
@@ -524,15 +534,17 @@ impl Realization {
         }
     }
 
-    /// Desired, realized and failed counts per tier (policies only).
-    pub(super) fn tiers(&mut self, graph: &CalcGraph) -> BTreeMap<String, TierCounts> {
-        self.dirty = false;
+    /// Desired, realized and failed counts per tier (policies only), from a full table.
+    pub(super) fn tiers(rows: &[PolicyRealization]) -> BTreeMap<String, TierCounts> {
         let mut out: BTreeMap<String, TierCounts> = BTreeMap::new();
-        for row in self.table(graph, None) {
+        for row in rows {
             if row.kind == "Profile" {
                 continue;
             }
-            let t = out.entry(row.tier).or_default();
+            let t = match out.get_mut(&row.tier) {
+                Some(t) => t,
+                None => out.entry(row.tier.clone()).or_default(),
+            };
             t.desired += u64::from(row.desired);
             t.realized += u64::from(row.realized);
             t.failed += u64::from(row.failed);

@@ -1582,3 +1582,45 @@ fn pending_traces_beyond_a_steps_budget_are_stored_in_later_steps() {
     assert_eq!(h.metrics.flow_records.get(), n as u64);
     assert!(!h.engine.wants_tick());
 }
+
+#[test]
+fn the_board_may_lag_agents_by_a_second_but_never_the_datastore() {
+    let mut h = Harness::new(LIMITS);
+    h.datastore(cluster());
+    let board = |h: &mut Harness| {
+        let (reply, mut rx) = oneshot::channel();
+        h.engine.step([Input::PolicyBoard { reply }]);
+        rx.try_recv().expect("answered in the step").rows
+    };
+    let exact = |h: &mut Harness| {
+        let (reply, mut rx) = oneshot::channel();
+        h.engine.step([Input::Realization { only: None, reply }]);
+        rx.try_recv()
+            .expect("answered in the step")
+            .expect("a table")
+    };
+    let web = |rows: &[super::PolicyRealization]| {
+        rows.iter()
+            .find(|r| r.policy == "web")
+            .map(|r| (r.desired, r.realized))
+            .expect("the web policy's row")
+    };
+    assert_eq!(web(&board(&mut h)), (2, 0));
+    // node-a connects and applies its snapshot: /status/policies says so at once; the board
+    // may show the table of up to a second ago.
+    let (verdict, mut a) = h.connect("node-a");
+    assert_eq!(verdict, Ok(()));
+    a.take();
+    let now = exact(&mut h);
+    let seen = board(&mut h);
+    assert!(web(&seen) == web(&now) || web(&seen) == (2, 0), "{seen:?}");
+    // A datastore change is never hidden: a new policy is on the next board.
+    h.datastore(vec![apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+        "metadata": {"name": "added"},
+        "spec": {"selector": "app == 'web'", "ingress": [{"action": "Allow"}]},
+    }))]);
+    let rows = board(&mut h);
+    assert!(rows.iter().any(|r| r.policy == "added"), "{rows:?}");
+    assert_eq!(web(&rows), web(&exact(&mut h)));
+}
