@@ -190,18 +190,28 @@ pub(crate) fn get(server: &str, path: &str, client: &AdminClientArgs) -> anyhow:
     Ok(body)
 }
 
-/// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate
-/// namespace and name, or an IPv6 address's groups, and mean nothing else there).
-pub(crate) fn url_escape(s: &str) -> String {
+/// `s` percent-encoded: every byte but the unreserved characters (RFC 3986) and `keep`.
+fn percent_encode(s: &str, keep: &[u8]) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/:".contains(&b) {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || keep.contains(&b) {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
     }
     out
+}
+
+/// `s` percent-encoded for a URL path or query value; `/` and `:` stay readable (they separate
+/// namespace and name, or an IPv6 address's groups, and mean nothing else there).
+pub(crate) fn url_escape(s: &str) -> String {
+    percent_encode(s, b"/:")
+}
+
+/// `s` percent-encoded as one query value or path segment: only unreserved characters stay.
+pub(crate) fn query_escape(s: &str) -> String {
+    percent_encode(s, b"")
 }
 
 /// What to try when the admin endpoint refused the caller (appended to its reason).

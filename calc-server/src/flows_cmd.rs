@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use serde_json::Value;
 
-use crate::admin_client::get;
+use crate::admin_client::{get, query_escape};
 use crate::args::{FlowsArgs, FlowsOutput};
 use crate::flows::words::{count, hit, row, text};
 use crate::table::table;
@@ -23,18 +23,6 @@ const HEADER: [&str; 9] = [
     "START", "SOURCE", "DEST", "PORT", "ACTION", "REPORTER", "PACKETS", "BYTES", "RULE",
 ];
 const RIGHT: [bool; 9] = [false, false, false, true, false, false, true, true, false];
-
-/// Escapes a query value (unreserved characters kept).
-fn escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
 
 /// The `/flows` path for the arguments.
 pub(crate) fn path(args: &FlowsArgs) -> String {
@@ -53,7 +41,7 @@ pub(crate) fn path(args: &FlowsArgs) -> String {
         q.push(format!("dest_port={p}"));
     }
     if let Some(p) = &args.policy {
-        q.push(format!("policy={}", escape(p)));
+        q.push(format!("policy={}", query_escape(p)));
     }
     format!("/flows?{}", q.join("&"))
 }

@@ -22,27 +22,11 @@ pub(super) fn pairs(query: Option<&str>) -> Result<Vec<(String, String)>, String
         .collect()
 }
 
-fn escape_with(s: &str, keep: &[u8]) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || keep.contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// A query value, percent-encoded.
-pub(super) fn escape(s: &str) -> String {
-    escape_with(s, b"")
-}
+/// A query value or path segment, percent-encoded.
+pub(super) use crate::admin_client::query_escape as escape;
 
 /// A path of `/`-separated parts (a policy's `[KIND:][NAMESPACE/]NAME`), each part encoded.
-pub(super) fn escape_path(s: &str) -> String {
-    escape_with(s, b"/:")
-}
+pub(super) use crate::admin_client::url_escape as escape_path;
 
 /// `/ui/policies/KIND:NAME`: a policy's page (a profile has no kind: `/ui/policies/NAME`).
 pub(super) fn policy_link(kind: &str, policy: &str) -> String {
