@@ -75,6 +75,7 @@ pub fn run(args: &ConsoleBenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.report_size > 0, "--report-size must be positive");
     let t = Instant::now();
     let objects = gen_cluster::generate(&GenClusterArgs {
+        shape: gen_cluster::Shape::Calico,
         nodes: args.nodes,
         endpoints_per_node: args.endpoints_per_node,
         policies: args.policies,

@@ -110,6 +110,7 @@ pub(crate) struct Endpoint {
 /// The cluster's objects; with `staged_every`, staged copies of every n-th policy.
 fn objects(args: &FlowsBenchArgs) -> Vec<Value> {
     let gen_args = GenClusterArgs {
+        shape: gen_cluster::Shape::Calico,
         nodes: args.nodes,
         endpoints_per_node: args.endpoints_per_node,
         policies: args.policies,

@@ -47,6 +47,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, ensure};
 use serde_json::{Map, Value, json};
 
+mod antrea;
+
 /// Command-line arguments of `gen-cluster`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenClusterArgs {
@@ -68,6 +70,21 @@ pub struct GenClusterArgs {
     /// Output directory (created if missing; the generated files in it are overwritten).
     #[arg(long, env = "GEN_CLUSTER_OUT")]
     pub out: PathBuf,
+    /// What the cluster looks like: `calico` (tiers, guard rails, named ports, network sets)
+    /// or `antrea` (Antrea's controller benchmark: per namespace 4 pods and 3 Kubernetes
+    /// NetworkPolicies; only `--namespaces`, `--nodes` and `--seed` apply).
+    #[arg(long, env = "GEN_CLUSTER_SHAPE", value_enum, default_value_t = Shape::Calico)]
+    pub shape: Shape,
+}
+
+/// The kinds of cluster `gen-cluster` writes (`--shape`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Shape {
+    /// The realistic Calico cluster described in the module documentation.
+    #[default]
+    Calico,
+    /// Antrea's controller benchmark (see [`antrea`]).
+    Antrea,
 }
 
 /// What [`run`] wrote.
@@ -224,6 +241,13 @@ fn check(args: &GenClusterArgs) -> anyhow::Result<()> {
         "--nodes must be at most {MAX_NODES} (node IPs come from {NODE_NET}/12)"
     );
     let capacity = 1usize << (32 - POOL_V4_PREFIX);
+    if args.shape == Shape::Antrea {
+        ensure!(
+            args.nodes >= 1 && args.namespaces.saturating_mul(4) <= capacity,
+            "with --shape antrea, --nodes must be at least 1 and --namespaces × 4 at most {capacity} (the {POOL_V4}/{POOL_V4_PREFIX} pool)"
+        );
+        return Ok(());
+    }
     let total = args.nodes.checked_mul(args.endpoints_per_node);
     ensure!(
         total.is_some_and(|t| t <= capacity),
@@ -636,6 +660,9 @@ fn emit<E>(
     args: &GenClusterArgs,
     sink: &mut dyn FnMut(Section, Value) -> Result<(), E>,
 ) -> Result<(), E> {
+    if args.shape == Shape::Antrea {
+        return antrea::emit(args, sink);
+    }
     let nss = namespaces(args);
     for v in tiers() {
         sink(Section::Tiers, v)?;
@@ -1713,6 +1740,7 @@ mod tests {
 
     fn small(seed: u64) -> GenClusterArgs {
         GenClusterArgs {
+            shape: Shape::Calico,
             nodes: 3,
             endpoints_per_node: 5,
             policies: 20,
@@ -1737,6 +1765,50 @@ mod tests {
                 other => panic!("{other:?}\nobject: {o}"),
             }
         }
+    }
+
+    #[test]
+    fn gen_cluster_antrea_shape_counts_and_policies() {
+        let args = GenClusterArgs {
+            shape: Shape::Antrea,
+            nodes: 7,
+            ..small(3)
+        };
+        let objects = generate(&args);
+        assert_all_valid(&objects);
+        let s = kinds(&objects);
+        assert_eq!(s.count("Namespace"), 4);
+        assert_eq!(s.count("NetworkPolicy"), 12);
+        assert_eq!(s.count("WorkloadEndpoint"), 16);
+        assert_eq!(s.count("Tier"), 1);
+        assert_eq!(s.objects, 33, "nothing else: {s}");
+        let ips: BTreeSet<_> = objects
+            .iter()
+            .filter(|o| o["kind"] == "WorkloadEndpoint")
+            .map(|o| o["spec"]["ipNetworks"][0].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(ips.len(), 16, "addresses are unique");
+        assert!(objects.iter().all(|o| o["kind"] != "WorkloadEndpoint"
+            || o["spec"]["node"].as_str().unwrap()["node-".len()..].parse::<usize>().unwrap() < 7));
+        // As Calico converts them: knp.default.<name>, the namespace's pods for `{}`, and the
+        // np-1 peer a pod selector within the namespace.
+        let keys: BTreeSet<String> = objects
+            .iter()
+            .filter_map(|o| match decode_and_validate(o.clone()) {
+                Outcome::Valid(key, _) => Some(key.to_string()),
+                _ => None,
+            })
+            .filter(|k| k.contains("knp.default."))
+            .collect();
+        assert_eq!(keys.len(), 12, "{keys:?}");
+        let np1 = objects
+            .iter()
+            .find(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == "np-1")
+            .unwrap();
+        assert_eq!(np1["spec"]["podSelector"]["matchLabels"]["app-1"], "scale-1");
+        assert_eq!(np1["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
+        let again = generate(&args);
+        assert_eq!(objects, again, "deterministic");
     }
 
     #[test]
@@ -1791,6 +1863,7 @@ mod tests {
     #[test]
     fn gen_cluster_medium_is_valid_unique_and_mixed() {
         let args = GenClusterArgs {
+            shape: Shape::Calico,
             nodes: 40,
             endpoints_per_node: 50,
             policies: 400,
@@ -1859,6 +1932,7 @@ mod tests {
     #[test]
     fn gen_cluster_namespaced_policies_select_endpoints() {
         let args = GenClusterArgs {
+            shape: Shape::Calico,
             nodes: 20,
             endpoints_per_node: 50,
             policies: 300,
@@ -2001,6 +2075,7 @@ mod tests {
             .map_or_else(|| tmp.path().to_path_buf(), PathBuf::from);
         for (nodes, epn) in [(100, 100), (1000, 100)] {
             let args = GenClusterArgs {
+                shape: Shape::Calico,
                 nodes,
                 endpoints_per_node: epn,
                 policies: 1000,
