@@ -117,6 +117,7 @@ pub fn scan_rules(
         (outbound, &mut out.outbound, rule_id_seeds.1),
     ] {
         let mut chain = Sha224::digest(seed.as_bytes()).to_vec();
+        dest.reserve_exact(rules.len());
         for r in rules {
             let (mut rule, sets) = scan_rule(r)?;
             let mut h = Sha224::new();
