@@ -16,11 +16,11 @@
 //! A named host endpoint's interface is not known to the server: on a forwarded path only the
 //! node's `*` endpoint is taken into account.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::rc::Rc;
-use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
@@ -177,21 +177,21 @@ impl Sets for View<'_> {
 }
 
 impl State for View<'_> {
-    fn policy(&self, id: &pb::PolicyId) -> Option<Arc<pb::Policy>> {
+    fn policy(&self, id: &pb::PolicyId) -> Option<&pb::Policy> {
         let key = self.key(id)?;
-        self.g.policy(key).map(|p| p.message().clone())
+        self.g.policy(key).map(|p| p.message())
     }
 
     fn enforce_staged(&self) -> bool {
         self.pending
     }
 
-    fn profile(&self, name: &str) -> Arc<pb::Profile> {
+    fn profile(&self, name: &str) -> Cow<'_, pb::Profile> {
         match self.g.profile(name) {
-            Some(p) => p.clone(),
+            Some(p) => Cow::Borrowed(p),
             None => {
                 let (inbound_rules, outbound_rules) = crate::rule_scanner::missing_profile_rules();
-                Arc::new(pb::Profile {
+                Cow::Owned(pb::Profile {
                     inbound_rules,
                     outbound_rules,
                 })

@@ -17,9 +17,9 @@ use super::{DecidedBy, Dir, Packet, RuleMiss, RuleRef, Stage, Step};
 /// What the walk reads from the calculation graph.
 pub trait State: Sets {
     /// The rules of an active policy.
-    fn policy(&self, id: &pb::PolicyId) -> Option<std::sync::Arc<pb::Policy>>;
+    fn policy(&self, id: &pb::PolicyId) -> Option<&pb::Policy>;
     /// The rules of a profile (a missing profile's are Felix's deny-all ones).
-    fn profile(&self, name: &str) -> std::sync::Arc<pb::Profile>;
+    fn profile(&self, name: &str) -> std::borrow::Cow<'_, pb::Profile>;
     /// Every policy of `tier` that takes part in `stage` and `dir`, in evaluation order, with
     /// its selector: the ones that do not select the endpoint are shown as passed over.
     fn tier_policies(&self, tier: &str, stage: Stage, dir: Dir) -> Vec<(pb::PolicyId, String)>;

@@ -212,10 +212,9 @@ impl CalcGraph {
         }
         self.remove_policy(&key);
         self.policies.ranks_stale = true;
-        let message = Arc::new(policy_message(&model, &scanned));
         let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
-            policy: Some((*message).clone()),
+            policy: Some(policy_message(&model, &scanned)),
         })));
         let sel = self.ids.selector(SelectorOwner::Policy(key.clone()));
         let everywhere = model.assume_needed_on_every_node();
@@ -228,7 +227,6 @@ impl CalcGraph {
                 model,
                 selector: sel,
                 ipsets: ipsets.clone(),
-                message,
                 update,
             },
         );
@@ -255,10 +253,9 @@ impl CalcGraph {
         scanned: &ScannedRules,
         ipsets: Vec<Name>,
     ) {
-        let message = Arc::new(policy_message(&model, scanned));
         let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
-            policy: Some((*message).clone()),
+            policy: Some(policy_message(&model, scanned)),
         })));
         let state = self
             .policies
@@ -267,7 +264,6 @@ impl CalcGraph {
             .expect("checked by the caller");
         let old_ipsets = std::mem::replace(&mut state.ipsets, ipsets.clone());
         state.model = model;
-        state.message = message;
         state.update = update;
         if self.policies.everywhere.contains(key) {
             let both: Vec<Name> = ipsets.iter().chain(&old_ipsets).cloned().collect();
@@ -394,12 +390,10 @@ impl CalcGraph {
         }
         match scanned {
             Some(_) => {
-                let (message, update) = messages;
                 self.policies.profiles.insert(
                     name.clone(),
                     ProfileState {
-                        message,
-                        update,
+                        update: messages,
                         ipsets: new_ipsets,
                     },
                 );

@@ -65,17 +65,13 @@ pub(super) fn policy_message(model: &PolicyModel, scanned: &ScannedRules) -> pb:
     }
 }
 
-pub(super) fn profile_messages(
-    name: &str,
-    profile: pb::Profile,
-) -> (Arc<pb::Profile>, SharedMessage) {
-    let update = Arc::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
+pub(super) fn profile_messages(name: &str, profile: pb::Profile) -> SharedMessage {
+    Arc::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
         id: Some(pb::ProfileId {
             name: name.to_string(),
         }),
-        profile: Some(profile.clone()),
-    })));
-    (Arc::new(profile), update)
+        profile: Some(profile),
+    })))
 }
 
 pub(super) fn policy_id_proto(id: &PolicyId) -> pb::PolicyId {

@@ -10,9 +10,9 @@
 //! in one place, [`Policies::tier`].
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use felix_proto as pb;
+use pb::to_dataplane::Payload;
 use rustc_hash::FxHashMap;
 
 use super::{Key, Name, SharedMessage};
@@ -57,15 +57,51 @@ pub(super) struct PolicyState {
     pub(super) rank: u32,
     pub(super) selector: SelectorId,
     pub(super) ipsets: Vec<Name>,
-    pub(super) message: Arc<pb::Policy>,
-    /// The ActivePolicyUpdate, built once and shared by every node.
+    /// The ActivePolicyUpdate, built once and shared by every node; the one holder of the
+    /// policy's rules as sent ([`PolicyState::message`]).
     pub(super) update: SharedMessage,
 }
 
+impl PolicyState {
+    /// The policy as the nodes are sent it.
+    pub(super) fn message(&self) -> &pb::Policy {
+        policy_of(&self.update)
+    }
+}
+
 pub(super) struct ProfileState {
-    pub(super) message: Arc<pb::Profile>,
+    /// The ActiveProfileUpdate, built once and shared by every node; the one holder of the
+    /// profile's rules as sent ([`ProfileState::message`]).
     pub(super) update: SharedMessage,
     pub(super) ipsets: Vec<Name>,
+}
+
+impl ProfileState {
+    /// The profile as the nodes are sent it.
+    pub(super) fn message(&self) -> &pb::Profile {
+        profile_of(&self.update)
+    }
+}
+
+/// The policy an ActivePolicyUpdate carries. The graph builds every one with its policy
+/// (`set_policy`), so the empty default is never seen.
+pub(super) fn policy_of(update: &pb::ToDataplane) -> &pb::Policy {
+    static EMPTY: std::sync::LazyLock<pb::Policy> = std::sync::LazyLock::new(Default::default);
+    match &update.payload {
+        Some(Payload::ActivePolicyUpdate(u)) => u.policy.as_ref(),
+        _ => None,
+    }
+    .unwrap_or(&EMPTY)
+}
+
+/// The profile an ActiveProfileUpdate carries (built with it by `profile_messages`).
+pub(super) fn profile_of(update: &pb::ToDataplane) -> &pb::Profile {
+    static EMPTY: std::sync::LazyLock<pb::Profile> = std::sync::LazyLock::new(Default::default);
+    match &update.payload {
+        Some(Payload::ActiveProfileUpdate(u)) => u.profile.as_ref(),
+        _ => None,
+    }
+    .unwrap_or(&EMPTY)
 }
 
 impl Policies {

@@ -38,8 +38,9 @@ pub(super) struct Subscription {
     in_sync_sent: bool,
     config: Option<pb::ConfigUpdate>,
     ipsets: FxHashSet<Name>,
-    pub(super) policies: FxHashMap<Key, Arc<pb::Policy>>,
-    pub(super) profiles: FxHashMap<Name, Arc<pb::Profile>>,
+    /// The update each policy and profile was last sent in, to send only what changed.
+    pub(super) policies: FxHashMap<Key, SharedMessage>,
+    pub(super) profiles: FxHashMap<Name, SharedMessage>,
     /// Per endpoint: the id its removal names and a fingerprint of the update last sent (the
     /// id alone, not a whole removal message: a payload is sized for the largest update).
     endpoints: FxHashMap<Key, (EndpointRemoval, u64)>,
@@ -128,7 +129,7 @@ struct FlushCache {
     scratch: Vec<u8>,
     ipset_full: FxHashMap<Name, SharedMessage>,
     ipset_delta: FxHashMap<Name, Option<SharedMessage>>,
-    missing_profiles: FxHashMap<Name, (Arc<pb::Profile>, SharedMessage)>,
+    missing_profiles: FxHashMap<Name, SharedMessage>,
     broadcast_full: Option<Vec<SharedMessage>>,
     broadcast_delta: Option<Vec<SharedMessage>>,
     everywhere_ipsets: Option<FxHashSet<Name>>,
@@ -315,9 +316,9 @@ impl CalcGraph {
                     let same = sub
                         .policies
                         .get(&key)
-                        .is_some_and(|s| Arc::ptr_eq(s, &p.message) || **s == *p.message);
+                        .is_some_and(|s| Arc::ptr_eq(s, &p.update) || **s == *p.update);
                     if !same {
-                        sub.policies.insert(key.clone(), p.message.clone());
+                        sub.policies.insert(key.clone(), p.update.clone());
                         batch.policy_updates.push(p.update.clone());
                     }
                 }
@@ -343,8 +344,8 @@ impl CalcGraph {
         };
         for name in profile_candidates {
             if node.span.profile_refs.contains_key(&name) {
-                let (message, update) = match self.policies.profiles.get(&name) {
-                    Some(p) => (p.message.clone(), p.update.clone()),
+                let update = match self.policies.profiles.get(&name) {
+                    Some(p) => p.update.clone(),
                     None => cache
                         .missing_profiles
                         .entry(name.clone())
@@ -364,9 +365,9 @@ impl CalcGraph {
                 let same = sub
                     .profiles
                     .get(&name)
-                    .is_some_and(|s| Arc::ptr_eq(s, &message) || **s == *message);
+                    .is_some_and(|s| Arc::ptr_eq(s, &update) || **s == *update);
                 if !same {
-                    sub.profiles.insert(name.clone(), message);
+                    sub.profiles.insert(name.clone(), update.clone());
                     batch.profile_updates.push(update);
                 }
             } else if sub.profiles.remove(&name).is_some() {

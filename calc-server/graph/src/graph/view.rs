@@ -199,12 +199,12 @@ impl<'g> GraphView<'g> {
     /// A profile's rules as the nodes are sent them; `None` when no Profile of that name
     /// exists (nodes are then sent [`crate::rule_scanner::missing_profile_rules`]).
     /// Every profile's message, in no particular order.
-    pub fn profiles(self) -> impl Iterator<Item = &'g Arc<pb::Profile>> + 'g {
-        self.g.policies.profiles.values().map(|p| &p.message)
+    pub fn profiles(self) -> impl Iterator<Item = &'g pb::Profile> + 'g {
+        self.g.policies.profiles.values().map(|p| p.message())
     }
 
-    pub fn profile(self, name: &str) -> Option<&'g Arc<pb::Profile>> {
-        self.g.policies.profiles.get(name).map(|p| &p.message)
+    pub fn profile(self, name: &str) -> Option<&'g pb::Profile> {
+        self.g.policies.profiles.get(name).map(|p| p.message())
     }
 
     /// The tier of that name as the resolver orders it: its Tier resource, else the built-in
@@ -345,8 +345,8 @@ impl<'g> PolicyView<'g> {
     }
 
     /// The policy as the nodes are sent it.
-    pub fn message(self) -> &'g Arc<pb::Policy> {
-        &self.state.message
+    pub fn message(self) -> &'g pb::Policy {
+        self.state.message()
     }
 }
 
