@@ -122,7 +122,7 @@ impl CalcGraph {
             return;
         };
         let (ep, ns) = (
-            self.items.endpoints.get(&item),
+            self.items.endpoints.get(&item).map(|e| &**e),
             self.items.netsets.get(&item),
         );
         let members: Vec<Arc<str>> = match (&set.spec.kind, ep, ns) {
@@ -191,6 +191,16 @@ impl CalcGraph {
     }
 
     pub(super) fn set_policy(&mut self, key: Key, model: PolicyModel) -> Result<(), BadSelector> {
+        // The converted model is the stored version (`Store::keeps_converted`): the same one
+        // again is a no-op.
+        if self
+            .policies
+            .by_key
+            .get(&key)
+            .is_some_and(|old| old.model == model)
+        {
+            return Ok(());
+        }
         let scanned = rule_scanner::scan_rules(
             &model.inbound,
             &model.outbound,
@@ -221,14 +231,14 @@ impl CalcGraph {
         let selector = model.selector.clone();
         self.policies.by_key.insert(
             key.clone(),
-            PolicyState {
+            Box::new(PolicyState {
                 sort_string: model.id.sort_string(),
                 rank: 0,
                 model,
                 selector: sel,
                 ipsets: ipsets.clone(),
                 update,
-            },
+            }),
         );
         if everywhere {
             // Needed on every node, including nodes that appear later: not reference counted
@@ -450,13 +460,13 @@ impl CalcGraph {
             .collect();
         self.items.endpoints.insert(
             item,
-            EndpointState {
+            Box::new(EndpointState {
                 key,
                 model,
                 node,
                 policies: FxHashSet::default(),
                 nets,
-            },
+            }),
         );
         self.index
             .set_item(item, ItemClass::Endpoint, &labels, &profiles);

@@ -18,7 +18,9 @@ use crate::label_index::ItemId;
 #[derive(Default)]
 pub(super) struct Items {
     pub(super) item_of: FxHashMap<Key, ItemId>,
-    pub(super) endpoints: FxHashMap<ItemId, EndpointState>,
+    /// Boxed: the table then holds pointers, so its spare capacity and the copy made when it
+    /// grows are 8 bytes per slot instead of a whole endpoint.
+    pub(super) endpoints: FxHashMap<ItemId, Box<EndpointState>>,
     pub(super) netsets: FxHashMap<ItemId, NetSetState>,
 }
 

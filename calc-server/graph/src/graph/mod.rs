@@ -158,9 +158,9 @@ impl CalcGraph {
             Update::ApplyValid(valid) => {
                 let res = valid.into_resource();
                 let key = Arc::new(res.key());
-                // Endpoints are the bulk of a cluster: their converted form is kept (and compared
-                // for no-op updates) instead of the whole resource.
-                let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+                // Endpoints and policies are the bulk of a cluster: their converted form is kept
+                // (and compared for no-op updates) instead of the whole resource.
+                let endpoint = Store::keeps_converted(key.kind);
                 if !endpoint && self.store.resources.get(&key) == Some(&res) {
                     return Ok(());
                 }
@@ -178,7 +178,7 @@ impl CalcGraph {
     }
 
     fn delete(&mut self, key: Key) {
-        let endpoint = matches!(key.kind, Kind::WorkloadEndpoint | Kind::HostEndpoint);
+        let endpoint = Store::keeps_converted(key.kind);
         if !endpoint && self.store.resources.remove(&key).is_none() {
             return;
         }

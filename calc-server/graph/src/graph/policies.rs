@@ -40,7 +40,8 @@ static BUILTIN_TIERS: std::sync::LazyLock<Vec<(&'static str, TierMeta)>> =
 
 #[derive(Default)]
 pub(super) struct Policies {
-    pub(super) by_key: FxHashMap<Key, PolicyState>,
+    /// Boxed, as `Items::endpoints` (spare capacity and growth copies cost a pointer per slot).
+    pub(super) by_key: FxHashMap<Key, Box<PolicyState>>,
     /// Policies with the AssumeNeededOnEveryNode hint: active on every node.
     pub(super) everywhere: BTreeSet<Key>,
     pub(super) profiles: FxHashMap<Name, ProfileState>,

@@ -3,18 +3,40 @@
 //!
 //! Contract: a key's entry changes only when an update for it is accepted (a rejected update
 //! leaves the previous version in force) or deleted; an update equal to the stored version is
-//! a no-op. Endpoints are the bulk of a cluster and are not stored here: their converted form
-//! in [`super::items`] is what a no-op update is compared with. `in_sync` turns true once and
-//! stays.
+//! a no-op. Endpoints and policies are the bulk of a cluster and are not stored here
+//! ([`Store::keeps_converted`]): their converted form (in [`super::items`] and
+//! [`super::policies`]) is what a no-op update is compared with, and removing an absent one is
+//! a no-op there. `in_sync` turns true once and stays.
 
 use rustc_hash::FxHashMap;
 
 use super::Key;
-use crate::model::Resource;
+use crate::model::{Kind, Resource};
 
 #[derive(Default)]
 pub(super) struct Store {
     /// Last good version of every accepted resource except endpoints.
     pub(super) resources: FxHashMap<Key, Resource>,
     pub(super) in_sync: bool,
+}
+
+impl Store {
+    /// Kinds whose resources are not kept here: the graph keeps their converted form only, a
+    /// second copy of every policy's rules would be most of the store (75k policies are
+    /// ~90 MB as resources).
+    pub(super) fn keeps_converted(kind: Kind) -> bool {
+        matches!(
+            kind,
+            Kind::WorkloadEndpoint
+                | Kind::HostEndpoint
+                | Kind::NetworkPolicy
+                | Kind::GlobalNetworkPolicy
+                | Kind::StagedNetworkPolicy
+                | Kind::StagedGlobalNetworkPolicy
+                | Kind::StagedKubernetesNetworkPolicy
+                | Kind::ClusterNetworkPolicy
+                | Kind::AdminNetworkPolicy
+                | Kind::BaselineAdminNetworkPolicy
+        )
+    }
 }
