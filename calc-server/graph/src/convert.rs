@@ -507,7 +507,7 @@ pub fn split_dashed_name(name: &str, n: usize) -> Option<Vec<String>> {
 }
 
 fn named_ports(ports: &[crate::model::EndpointPort]) -> Vec<NamedPort> {
-    ports
+    let mut out: Vec<NamedPort> = ports
         .iter()
         .filter(|p| !p.name.is_empty())
         .filter_map(|p| {
@@ -524,7 +524,10 @@ fn named_ports(ports: &[crate::model::EndpointPort]) -> Vec<NamedPort> {
                 port: u16::try_from(p.port).ok()?,
             })
         })
-        .collect()
+        .collect();
+    // Kept for the endpoint's life (a filtered collect reserves four).
+    out.shrink_to_fit();
+    out
 }
 
 /// Whether `s` can be the start of a Kubernetes object name: 1–253 characters of lower-case
@@ -545,6 +548,9 @@ fn split_nets(nets: &[String]) -> (Vec<String>, Vec<String>) {
             v4.push(n);
         }
     }
+    // Kept for the endpoint's life: a pushed vector reserves four, most endpoints have one.
+    v4.shrink_to_fit();
+    v6.shrink_to_fit();
     (v4, v6)
 }
 
