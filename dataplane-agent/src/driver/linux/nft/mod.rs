@@ -1333,39 +1333,19 @@ fn map_elem_text(e: &serde_json::Value) -> String {
 
 /// Deletes the `calico` tables of every family (the nftables driver's whole state): used by the
 /// iptables driver when a node switches back to it. An absent table or `nft` is not an error.
-pub(crate) fn remove_tables(runner: &mut dyn CommandRunner) -> Result<usize, NftError> {
-    let out = match runner.run("nft", &["list", "tables"], None) {
-        Ok(out) if out.success => out,
-        Ok(out) => {
-            return Err(NftError::Failed {
-                what: "list tables",
-                stderr: out.stderr_summary(),
-            });
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(NftError::Spawn(e)),
-    };
-    let listing = String::from_utf8_lossy(&out.stdout);
+///
+/// One transaction adds each table (a no-op when it exists) and deletes it, so nothing is
+/// listed first: `nft list tables` reads the whole ruleset, which with 27k iptables-nft rules
+/// loaded took 1.8 s (the add-and-delete takes 0.05 s).
+pub(crate) fn remove_tables(runner: &mut dyn CommandRunner) -> Result<(), NftError> {
     let mut script = String::new();
-    let mut n = 0;
     for fam in ["ip", "ip6"] {
-        if listing
-            .lines()
-            .any(|l| l.trim() == format!("table {fam} {TABLE}"))
-        {
-            let _ = writeln!(script, "delete table {fam} {TABLE}");
-            n += 1;
-        }
+        let _ = writeln!(script, "add table {fam} {TABLE}\ndelete table {fam} {TABLE}");
     }
-    if n > 0 {
-        run(
-            runner,
-            &["-f", "-"],
-            Some(script.as_bytes()),
-            "delete table",
-        )?;
+    match run(runner, &["-f", "-"], Some(script.as_bytes()), "delete table") {
+        Err(NftError::Spawn(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other.map(|_| ()),
     }
-    Ok(n)
 }
 
 #[cfg(test)]

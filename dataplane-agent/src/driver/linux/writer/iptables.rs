@@ -141,10 +141,8 @@ impl KernelWriter for IptablesWriter {
             // Our nftables tables, from a time this node ran `--driver nftables`: removed only
             // now that iptables enforces everything, so there is no moment without policy.
             match nft::remove_tables(runner) {
-                Ok(n) => {
-                    if n > 0 {
-                        info!(tables = n, "nftables state of the nftables driver removed");
-                    }
+                Ok(()) => {
+                    debug!("nftables state of the nftables driver removed, if there was any");
                     self.sweep_other = false;
                 }
                 Err(error) => {
