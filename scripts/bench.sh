@@ -35,6 +35,9 @@ if [ "$MODE" = all ] || [ "$MODE" = calc ]; then
   b=$(awk '/retained_rss_bytes/ {print $2}' "$WORK/c100k.out")
   echo; echo "(slope of the retained memory from 10k to 100k endpoints)"
   echo "memory per endpoint: $(( (b - a) / 90000 )) bytes"
+  "$BENCH" gen-cluster --shape antrea --nodes 1000 --namespaces 25000 --out "$WORK/antrea" >/dev/null 2>&1
+  echo; echo "== calculation graph: Antrea's controller benchmark shape (25000 namespaces, 100000 pods, 75000 NetworkPolicies, 1000 nodes)"
+  "$BENCH" bench --file-dir "$WORK/antrea" --name antrea --flips 200
 fi
 
 if [ "$MODE" = all ] || [ "$MODE" = flows ]; then
@@ -104,6 +107,28 @@ done
 "$BENCH" churn --server "http://127.0.0.1:$CPORT" --admin "127.0.0.1:$((CPORT + 1))" --file-dir "$WORK/c10k" \
   --nodes 100 --seconds "${CHURN_SECONDS:-60}"
 kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+
+echo; echo "== etcd v3 cold start: calc-server's snapshot read of the 100k cluster against a bare paginated list"
+if command -v etcd >/dev/null; then
+  cargo build --release -p bench-tools --bin etcd-bench >/dev/null 2>&1
+  EPORT=$((PORT + 10))
+  etcd --name bench --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$EPORT" \
+    --advertise-client-urls "http://127.0.0.1:$EPORT" --listen-peer-urls "http://127.0.0.1:$((EPORT + 1))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((EPORT + 1))" \
+    --initial-cluster "bench=http://127.0.0.1:$((EPORT + 1))" --quota-backend-bytes 8589934592 \
+    >"$WORK/etcd.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 100); do
+    ./target/release/etcd-bench --endpoints "http://127.0.0.1:$EPORT" list --runs 1 >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  ./target/release/etcd-bench --endpoints "http://127.0.0.1:$EPORT" load --dir "$WORK/c100k" | tail -1
+  ./target/release/etcd-bench --endpoints "http://127.0.0.1:$EPORT" cold-start --runs "${ETCD_RUNS:-5}"
+  kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+  SERVER=
+else
+  echo "etcd cold start: skipped: etcd is not installed (make deps installs it)"
+fi
 
 echo; echo "== Linux driver vs bare ipset/iptables-restore (nft backend, fresh network namespaces)"
 if [ "$(id -u)" = 0 ]; then

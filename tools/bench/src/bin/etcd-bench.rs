@@ -57,6 +57,17 @@ enum Command {
         #[arg(long, env = "ETCD_BENCH_RUNS", default_value_t = 5)]
         runs: usize,
     },
+    /// Time calc-server's etcd snapshot (list, decode and validate every object, as `serve`
+    /// and `compute` start) against the bare paginated list, alternating the two, and print
+    /// `etcd cold start: ratio <x>` (median against median).
+    ColdStart {
+        /// Keys per range request, for both.
+        #[arg(long, env = "ETCD_BENCH_PAGE_SIZE", default_value_t = 4000)]
+        page_size: i64,
+        /// Runs of each; the medians are compared.
+        #[arg(long, env = "ETCD_BENCH_RUNS", default_value_t = 5)]
+        runs: usize,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -68,7 +79,7 @@ fn main() -> anyhow::Result<()> {
     // first, whatever etcd's state.
     let files = match &cli.command {
         Command::Load { dir, .. } => json_files(dir)?,
-        Command::List { .. } => Vec::new(),
+        Command::List { .. } | Command::ColdStart { .. } => Vec::new(),
     };
     rt.block_on(async {
         let client = Client::connect(&cli.endpoints, None)
@@ -81,6 +92,9 @@ fn main() -> anyhow::Result<()> {
                 parallel,
             } => load(client, &dir, files, batch.max(1), parallel.max(1)).await,
             Command::List { page_size, runs } => list(client, page_size, runs.max(1)).await,
+            Command::ColdStart { page_size, runs } => {
+                cold_start(client, &cli.endpoints, page_size, runs.max(1)).await
+            }
         }
     })
 }
@@ -165,14 +179,79 @@ async fn put_all(mut client: Client, kvs: Vec<(String, String)>) -> anyhow::Resu
 }
 
 async fn list(client: Client, page_size: i64, runs: usize) -> anyhow::Result<()> {
+    let mut times = Vec::new();
+    let (mut keys, mut bytes) = (0usize, 0usize);
+    for _ in 0..runs {
+        let (took, k, b) = list_once(&client, page_size).await?;
+        times.push(took);
+        (keys, bytes) = (k, b);
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "listed {keys} keys, {:.1} MiB of values: median {:.0} ms (min {:.0}, max {:.0}) over {runs} runs",
+        bytes as f64 / 1048576.0,
+        times[times.len() / 2] * 1000.0,
+        times[0] * 1000.0,
+        times[times.len() - 1] * 1000.0
+    );
+    Ok(())
+}
+
+/// The floor and calc-server's snapshot read, alternated so that both see the same machine.
+async fn cold_start(
+    client: Client,
+    endpoints: &[String],
+    page_size: i64,
+    runs: usize,
+) -> anyhow::Result<()> {
+    let args = calc_server::args::EtcdArgs {
+        etcd_endpoints: endpoints.to_vec(),
+        etcd_ca_file: None,
+        etcd_cert_file: None,
+        etcd_key_file: None,
+        etcd_page_size: page_size,
+    };
+    let (mut floor, mut ours) = (Vec::new(), Vec::new());
+    let mut objects = 0;
+    for _ in 0..runs {
+        floor.push(list_once(&client, page_size).await?.0);
+        let started = Instant::now();
+        let (updates, problems) = calc_server::datastore::etcd::watcher::snapshot(&args).await?;
+        ours.push(started.elapsed().as_secs_f64());
+        anyhow::ensure!(
+            problems.is_empty(),
+            "{} objects in etcd were refused",
+            problems.len()
+        );
+        objects = updates.len();
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (f, o) = (median(&mut floor), median(&mut ours));
+    println!(
+        "bare list: median {:.0} ms (min {:.0}, max {:.0}); snapshot (list + decode + validate, {objects} updates): median {:.0} ms (min {:.0}, max {:.0}); {runs} runs each",
+        f * 1e3,
+        floor[0] * 1e3,
+        floor[floor.len() - 1] * 1e3,
+        o * 1e3,
+        ours[0] * 1e3,
+        ours[ours.len() - 1] * 1e3
+    );
+    println!("etcd cold start: ratio {:.2}", o / f);
+    Ok(())
+}
+
+/// One paginated read of the Calico prefix at one revision, values kept: (seconds, keys, value
+/// bytes).
+async fn list_once(client: &Client, page_size: i64) -> anyhow::Result<(f64, usize, usize)> {
     let mut kv = client
         .kv_client()
         .max_decoding_message_size(256 * 1024 * 1024);
     let mut end = PREFIX.as_bytes().to_vec();
     *end.last_mut().expect("non-empty prefix") += 1;
-    let mut times = Vec::new();
-    let (mut keys, mut bytes) = (0usize, 0usize);
-    for _ in 0..runs {
+    {
         let started = Instant::now();
         let (mut revision, mut next) = (0i64, PREFIX.as_bytes().to_vec());
         let mut kept = Vec::new();
@@ -198,17 +277,8 @@ async fn list(client: Client, page_size: i64, runs: usize) -> anyhow::Result<()>
                 break;
             }
         }
-        times.push(started.elapsed().as_secs_f64());
-        keys = kept.len();
-        bytes = kept.iter().map(|k| k.value().len()).sum();
+        let took = started.elapsed().as_secs_f64();
+        let bytes = kept.iter().map(|k| k.value().len()).sum();
+        Ok((took, kept.len(), bytes))
     }
-    times.sort_by(f64::total_cmp);
-    println!(
-        "listed {keys} keys, {:.1} MiB of values: median {:.0} ms (min {:.0}, max {:.0}) over {runs} runs",
-        bytes as f64 / 1048576.0,
-        times[times.len() / 2] * 1000.0,
-        times[0] * 1000.0,
-        times[times.len() - 1] * 1000.0
-    );
-    Ok(())
 }
