@@ -20,6 +20,7 @@ mod compiled;
 
 use std::collections::BTreeMap;
 
+use roaring::RoaringBitmap;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::selector::{Node, Selector};
@@ -58,7 +59,7 @@ struct Item {
 #[derive(Default)]
 struct Parent {
     labels: LabelPairs,
-    children: FxHashSet<ItemId>,
+    children: RoaringBitmap,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,7 +75,7 @@ struct SelEntry {
     cond: Cond,
     endpoints_only: bool,
     restriction: Restriction,
-    matches: FxHashSet<ItemId>,
+    matches: RoaringBitmap,
 }
 
 /// Values keyed by small dense ids (the graph hands out item and selector ids from 1 and
@@ -151,8 +152,10 @@ pub struct LabelIndex {
     items: Dense<Item>,
     parents: FxHashMap<Sym, Parent>,
     selectors: Dense<SelEntry>,
-    items_by_kv: FxHashMap<(Sym, Sym), FxHashSet<ItemId>>,
-    items_by_key: FxHashMap<Sym, FxHashSet<ItemId>>,
+    /// Items by (label, value) and by label: compressed id sets, since every endpoint is in
+    /// a dozen of them (and in the `matches` of a few dozen selectors).
+    items_by_kv: FxHashMap<(Sym, Sym), RoaringBitmap>,
+    items_by_key: FxHashMap<Sym, RoaringBitmap>,
     sels_by_kv: FxHashMap<(Sym, Sym), FxHashSet<SelectorId>>,
     sels_by_key: FxHashMap<Sym, FxHashSet<SelectorId>>,
     unrestricted: FxHashSet<SelectorId>,
@@ -220,12 +223,14 @@ impl LabelIndex {
         self.selectors
             .get(sel)
             .into_iter()
-            .flat_map(|e| e.matches.iter().copied())
+            .flat_map(|e| e.matches.iter())
     }
 
     /// Number of items a selector currently matches.
     pub fn match_count(&self, sel: SelectorId) -> usize {
-        self.selectors.get(sel).map_or(0, |e| e.matches.len())
+        self.selectors
+            .get(sel)
+            .map_or(0, |e| e.matches.len() as usize)
     }
 
     /// Sizes, for metrics and benchmarks.
@@ -313,9 +318,11 @@ impl LabelIndex {
             let size = match &r {
                 Restriction::AnyOf(kvs) => kvs
                     .iter()
-                    .map(|kv| self.items_by_kv.get(kv).map_or(0, |s| s.len()))
+                    .map(|kv| self.items_by_kv.get(kv).map_or(0, |s| s.len() as usize))
                     .sum(),
-                Restriction::HasKey(k) => self.items_by_key.get(k).map_or(0, |s| s.len()),
+                Restriction::HasKey(k) => {
+                    self.items_by_key.get(k).map_or(0, |s| s.len() as usize)
+                }
                 Restriction::None => usize::MAX,
             };
             let score = if data_driven {
@@ -345,15 +352,14 @@ impl LabelIndex {
                 }
                 kvs.iter()
                     .filter_map(|kv| self.items_by_kv.get(kv))
-                    .flatten()
-                    .copied()
+                    .flat_map(|s| s.iter())
                     .collect()
             }
             Restriction::HasKey(k) => {
                 self.sels_by_key.entry(*k).or_default().insert(id);
                 self.items_by_key
                     .get(k)
-                    .map(|s| s.iter().copied().collect())
+                    .map(|s| s.iter().collect())
                     .unwrap_or_default()
             }
             Restriction::None => {
@@ -363,7 +369,7 @@ impl LabelIndex {
         };
         candidates.sort_unstable();
         candidates.dedup();
-        let mut matches = FxHashSet::default();
+        let mut matches = RoaringBitmap::new();
         for item_id in candidates {
             let item = self.items.get_mut(item_id).expect("indexed item exists");
             self.evaluations += 1;
@@ -406,8 +412,8 @@ impl LabelIndex {
                 self.unrestricted.remove(&id);
             }
         }
-        let mut items: Vec<ItemId> = entry.matches.into_iter().collect();
-        items.sort_unstable();
+        // Ascending already.
+        let items: Vec<ItemId> = entry.matches.into_iter().collect();
         for item_id in items {
             if let Some(item) = self.items.get_mut(item_id) {
                 remove_sorted(&mut item.matched, id);
@@ -449,10 +455,10 @@ impl LabelIndex {
         for &(k, v) in old {
             match value_in(new, k) {
                 Some(nv) if nv == v => {}
-                Some(_) => remove_from(&mut self.items_by_kv, &(k, v), id),
+                Some(_) => remove_item(&mut self.items_by_kv, &(k, v), id),
                 None => {
-                    remove_from(&mut self.items_by_kv, &(k, v), id);
-                    remove_from(&mut self.items_by_key, &k, id);
+                    remove_item(&mut self.items_by_kv, &(k, v), id);
+                    remove_item(&mut self.items_by_key, &k, id);
                 }
             }
         }
@@ -489,7 +495,7 @@ impl LabelIndex {
         };
         for p in old_parents.iter().filter(|p| !parents.contains(p)) {
             if let Some(parent) = self.parents.get_mut(p) {
-                parent.children.remove(&id);
+                parent.children.remove(id);
                 if parent.children.is_empty() && parent.labels.is_empty() {
                     self.parents.remove(p);
                 }
@@ -554,7 +560,7 @@ impl LabelIndex {
                     entry.matches.insert(id);
                 } else {
                     remove_sorted(&mut item.matched, sid);
-                    entry.matches.remove(&id);
+                    entry.matches.remove(id);
                 }
                 self.events.push(MatchEvent {
                     selector: sid,
@@ -573,7 +579,7 @@ impl LabelIndex {
         self.reindex_labels(id, &item.effective, &[]);
         for p in &item.parents {
             if let Some(parent) = self.parents.get_mut(p) {
-                parent.children.remove(&id);
+                parent.children.remove(id);
                 if parent.children.is_empty() && parent.labels.is_empty() {
                     self.parents.remove(p);
                 }
@@ -581,7 +587,7 @@ impl LabelIndex {
         }
         for sid in item.matched {
             if let Some(entry) = self.selectors.get_mut(sid) {
-                entry.matches.remove(&id);
+                entry.matches.remove(id);
             }
             self.events.push(MatchEvent {
                 selector: sid,
@@ -603,8 +609,8 @@ impl LabelIndex {
             return;
         }
         parent.labels = labels;
-        let mut children: Vec<ItemId> = parent.children.iter().copied().collect();
-        children.sort_unstable();
+        // Ascending already.
+        let children: Vec<ItemId> = parent.children.iter().collect();
         if parent.labels.is_empty() && parent.children.is_empty() {
             self.parents.remove(&name);
         }
@@ -627,6 +633,16 @@ fn insert_sorted(v: &mut Vec<u32>, x: u32) {
 fn remove_sorted(v: &mut Vec<u32>, x: u32) {
     if let Ok(i) = v.binary_search(&x) {
         v.remove(i);
+    }
+}
+
+/// Takes `id` out of the item set at `key`, dropping the set once empty.
+fn remove_item<K: std::hash::Hash + Eq>(map: &mut FxHashMap<K, RoaringBitmap>, key: &K, id: u32) {
+    if let Some(set) = map.get_mut(key) {
+        set.remove(id);
+        if set.is_empty() {
+            map.remove(key);
+        }
     }
 }
 
