@@ -377,7 +377,7 @@ impl LabelIndex {
                 && cond.evaluate(&item.effective, &self.syms)
             {
                 insert_sorted(&mut item.matched, id);
-                matches.insert(item_id);
+                add(&mut matches, item_id);
                 self.events.push(MatchEvent {
                     selector: id,
                     item: item_id,
@@ -466,11 +466,11 @@ impl LabelIndex {
             match value_in(old, k) {
                 Some(ov) if ov == v => {}
                 Some(_) => {
-                    self.items_by_kv.entry((k, v)).or_default().insert(id);
+                    add(self.items_by_kv.entry((k, v)).or_default(), id);
                 }
                 None => {
-                    self.items_by_kv.entry((k, v)).or_default().insert(id);
-                    self.items_by_key.entry(k).or_default().insert(id);
+                    add(self.items_by_kv.entry((k, v)).or_default(), id);
+                    add(self.items_by_key.entry(k).or_default(), id);
                 }
             }
         }
@@ -487,7 +487,7 @@ impl LabelIndex {
         let own = self.intern_labels(labels);
         let parents: Vec<Sym> = parents.iter().map(|p| self.syms.intern(p)).collect();
         for p in &parents {
-            self.parents.entry(*p).or_default().children.insert(id);
+            add(&mut self.parents.entry(*p).or_default().children, id);
         }
         let old_parents = match self.items.get_mut(id) {
             Some(old) => std::mem::take(&mut old.parents),
@@ -557,7 +557,7 @@ impl LabelIndex {
             if now != before {
                 if now {
                     insert_sorted(&mut item.matched, sid);
-                    entry.matches.insert(id);
+                    add(&mut entry.matches, id);
                 } else {
                     remove_sorted(&mut item.matched, sid);
                     entry.matches.remove(id);
@@ -633,6 +633,14 @@ fn insert_sorted(v: &mut Vec<u32>, x: u32) {
 fn remove_sorted(v: &mut Vec<u32>, x: u32) {
     if let Ok(i) = v.binary_search(&x) {
         v.remove(i);
+    }
+}
+
+/// Puts `id` in `set`. Ids mostly come in ascending order (new items take the next id, a new
+/// selector walks its candidates sorted): appending skips the search and the array shift.
+fn add(set: &mut RoaringBitmap, id: u32) {
+    if !set.push(id) {
+        set.insert(id);
     }
 }
 
