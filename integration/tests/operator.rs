@@ -51,7 +51,7 @@ fn every_flag_and_env_var_is_documented() {
     let operations = doc("operations.md");
     // The bench tools share the global flags documented with the operator commands.
     let benchmarks = doc("benchmarks.md") + &operations;
-    let commands: [(&str, &[&str], &str, &str); 20] = [
+    let commands: [(&str, &[&str], &str, &str); 21] = [
         ("calc-server", &[], "operations.md", &operations),
         ("calc-server", &["serve"], "operations.md", &operations),
         ("calc-server", &["status"], "operations.md", &operations),
@@ -71,6 +71,7 @@ fn every_flag_and_env_var_is_documented() {
         ("etcd-bench", &[], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["load"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["list"], "benchmarks.md", &benchmarks),
+        ("etcd-bench", &["cold-start"], "benchmarks.md", &benchmarks),
         ("linux-bench", &[], "benchmarks.md", &benchmarks),
     ];
     let mut missing = Vec::new();
