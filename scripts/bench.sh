@@ -74,10 +74,13 @@ trap '[ -n "$SERVER" ] && kill $SERVER 2>/dev/null; for r in $REPLICAS; do kill 
 # 5,000 agents hold 5,000 connections in the bench and as many in the server.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 "$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
+# Every simulated agent connects from 127.0.0.1 within a second: the pending-connection limits
+# (per address 64, in all 1024 by default) would close most of them at accept, and they would
+# come back with back-off; a real fleet connects from one address per node.
 serve() { # datastore-dir grpc-port log [serve flags]: starts a server in the background, waits for its admin endpoint
   local dir=$1 port=$2 log=$3; shift 3
   "$BIN" serve --file-dir "$dir" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$((port + 1))" \
-    --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn "$@" >"$log" 2>&1 &
+    --file-poll-interval 10ms --max-pending-per-address 8192 --max-pending-connections 8192 --log-level warn "$@" >"$log" 2>&1 &
   SERVED=$!
   for _ in $(seq 300); do
     "$BIN" status --server "127.0.0.1:$((port + 1))" >/dev/null 2>&1 && break
