@@ -86,6 +86,8 @@ serve() { # datastore-dir grpc-port log [serve flags]: starts a server in the ba
     "$BIN" status --server "127.0.0.1:$((port + 1))" >/dev/null 2>&1 && break
     sleep 0.1
   done
+  # A port in the ephemeral range may be held by a connection of an earlier run: say so.
+  kill -0 "$SERVED" 2>/dev/null || { echo "calc-server on port $port did not start: $(tail -1 "$log")" >&2; exit 1; }
 }
 sync_bench() { # nodes datastore-dir [extra bench-sync flags]
   local nodes=$1 dir=$2; shift 2

@@ -112,6 +112,7 @@ pub(crate) async fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
     }
     drop(etx);
     let mut synced = vec![false; args.nodes];
+    let mut early = std::collections::HashMap::<String, usize>::new();
     let (mut in_sync, mut reconnects) = (0usize, 0usize);
     while in_sync < args.nodes {
         match tokio::time::timeout(Duration::from_secs(120), erx.recv()).await {
@@ -120,7 +121,10 @@ pub(crate) async fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
                     in_sync += 1;
                 }
             }
-            Ok(Some(Event::Disconnected(..))) => reconnects += 1,
+            Ok(Some(Event::Disconnected(_, w))) => {
+                reconnects += 1;
+                *early.entry(reason_class(&w)).or_default() += 1;
+            }
             Ok(Some(Event::Marker(_))) => {}
             Ok(None) | Err(_) => anyhow::bail!(
                 "timed out with {in_sync} of {} agents in sync on the replicas",
@@ -160,6 +164,18 @@ pub(crate) async fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
             .collect::<Vec<_>>()
     );
 
+    if !early.is_empty() {
+        let mut early: Vec<_> = early.into_iter().collect();
+        early.sort_by_key(|e| std::cmp::Reverse(e.1));
+        println!(
+            "failover: why streams ended before all were in sync: {}",
+            early
+                .iter()
+                .map(|(r, n)| format!("{n} {r}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     // Kill the first replica.
     let victim = args.failover_pids[0];
     let affected = per_replica[0];
@@ -214,7 +230,7 @@ pub(crate) async fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
     );
     if !why.is_empty() {
         let mut why: Vec<_> = why.into_iter().collect();
-        why.sort_by(|a, b| b.1.cmp(&a.1));
+        why.sort_by_key(|e| std::cmp::Reverse(e.1));
         println!(
             "failover: why streams ended: {}",
             why.iter()

@@ -149,7 +149,7 @@ impl SnapshotCache {
         }
         // Held by the graph (or by another batch of this step): others will send it too.
         (carried > 1 || Arc::strong_count(message) > carried as usize)
-            .then(|| CacheKey::Ptr(Arc::as_ptr(message) as usize))
+            .then_some(CacheKey::Ptr(Arc::as_ptr(message) as usize))
     }
 
     /// Starts a step at graph `generation`: entries of an older one are dropped.
