@@ -2,7 +2,9 @@
 # Benchmarks (figures for docs/benchmarks.md). Measures; never fails on time.
 #   scripts/bench.sh [all|calc|sync|stats|flows]   (make bench, make bench-calc, make bench-sync,
 #                                                   make bench-stats, make bench-flows)
-# calc: the calculation graph at 10k and 100k endpoints; sync: the 1,000-agent Sync stream;
+# calc: the calculation graph at 10k and 100k endpoints; sync: the Sync stream with 1,000 then
+# 5,000 simulated agents on one server, then 3,000 agents on three replicas behind one address
+# with one replica killed;
 # stats: the same 1,000 agents reporting rule stats every second (STATS_SECONDS, default 20);
 # flows: flow logs: calc-server's ingest on one core (time and callgrind instructions per
 # record), memory per flow key, and the agent's CPU per 1,000 new connections/s (root).
@@ -70,28 +72,58 @@ case "$MODE" in calc|flows) exit 0 ;; esac
 
 PORT=${BENCH_GRPC_PORT:-50771}
 SERVER=
-trap '[ -n "$SERVER" ] && kill $SERVER 2>/dev/null' EXIT
+REPLICAS=
+trap '[ -n "$SERVER" ] && kill $SERVER 2>/dev/null; for r in $REPLICAS; do kill "$r" 2>/dev/null; done' EXIT
+# 5,000 agents hold 5,000 connections in the bench and as many in the server.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 "$BENCH" gen-cluster --nodes 1000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s1k" >/dev/null 2>&1
-sync_bench() { # extra bench-sync flags
-  "$BIN" serve --file-dir "$WORK/s1k" --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$((PORT + 1))" \
-    --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/serve.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 100); do
-    "$BIN" status --server "127.0.0.1:$((PORT + 1))" >/dev/null 2>&1 && break
+# Every simulated agent connects from 127.0.0.1 within a second: the pending-connection limits
+# (per address 64, in all 1024 by default) would close most of them at accept, and they would
+# come back with back-off; a real fleet connects from one address per node.
+serve() { # datastore-dir grpc-port log [serve flags]: starts a server in the background, waits for its admin endpoint
+  local dir=$1 port=$2 log=$3; shift 3
+  "$BIN" serve --file-dir "$dir" --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$((port + 1))" \
+    --file-poll-interval 10ms --max-pending-per-address 8192 --max-pending-connections 8192 --log-level warn "$@" >"$log" 2>&1 &
+  SERVED=$!
+  for _ in $(seq 300); do
+    "$BIN" status --server "127.0.0.1:$((port + 1))" >/dev/null 2>&1 && break
     sleep 0.1
   done
-  "$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes 1000 --file-dir "$WORK/s1k" --server-pid "$SERVER" --changes 20 \
+  # A port in the ephemeral range may be held by a connection of an earlier run: say so.
+  kill -0 "$SERVED" 2>/dev/null || { echo "calc-server on port $port did not start: $(tail -1 "$log")" >&2; exit 1; }
+}
+sync_bench() { # nodes datastore-dir [extra bench-sync flags]
+  local nodes=$1 dir=$2; shift 2
+  serve "$dir" "$PORT" "$WORK/serve.log"
+  SERVER=$SERVED
+  "$BENCH" bench-sync --server "http://127.0.0.1:$PORT" --nodes "$nodes" --file-dir "$dir" --server-pid "$SERVER" --changes 20 \
     --admin "127.0.0.1:$((PORT + 1))" "$@"
   kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
   SERVER=
 }
 if [ "$MODE" != stats ]; then
   echo; echo "== Sync stream: 1000 simulated agents (1000 nodes x 10 endpoints, 1000 policies)"
-  sync_bench
+  sync_bench 1000 "$WORK/s1k"
+  "$BENCH" gen-cluster --nodes 5000 --endpoints-per-node 10 --policies 1000 --namespaces 100 --out "$WORK/s5k" >/dev/null 2>&1
+  echo; echo "== Sync stream: 5000 simulated agents on one server (5000 nodes x 10 endpoints, 1000 policies)"
+  sync_bench 5000 "$WORK/s5k" --contract-change-p99
+  echo; echo "== Sync stream: 3 replicas behind one address, 3000 agents (of the 5000-node cluster), one replica killed"
+  pids=() addrs=() admins=()
+  for k in 0 1 2; do
+    p=$((PORT + 10 + 2 * k))
+    serve "$WORK/s5k" "$p" "$WORK/replica-$k.log"
+    pids+=("$SERVED") addrs+=("127.0.0.1:$p") admins+=("127.0.0.1:$((p + 1))")
+    REPLICAS="$REPLICAS $SERVED"
+  done
+  "$BENCH" bench-sync --nodes 3000 --file-dir "$WORK/s5k" \
+    --failover-replicas "$(IFS=,; echo "${addrs[*]}")" --failover-pids "$(IFS=,; echo "${pids[*]}")" \
+    --failover-admins "$(IFS=,; echo "${admins[*]}")"
+  for r in $REPLICAS; do kill "$r" 2>/dev/null; wait "$r" 2>/dev/null || true; done
+  REPLICAS=
 fi
 if [ "$MODE" != sync ]; then
   echo; echo "== Rule stats: the same 1000 agents each report every rule they were sent, once a second"
-  sync_bench --stats-period 1s --stats-seconds "${STATS_SECONDS:-20}"
+  sync_bench 1000 "$WORK/s1k" --stats-period 1s --stats-seconds "${STATS_SECONDS:-20}"
 fi
 [ "$MODE" = all ] || exit 0
 

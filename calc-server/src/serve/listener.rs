@@ -14,6 +14,12 @@
 //! closed. Accepted agents hold one of `--max-connections` slots, which pending connections
 //! never touch: a flood of idle or handshaking sockets cannot lock out agents.
 //!
+//! The listening socket is opened with an accept backlog of [`ACCEPT_BACKLOG`] (the kernel caps
+//! it at `net.core.somaxconn`): with the 128 of `TcpListener::bind`, a thousand agents
+//! connecting at once (a server restart, a fail-over) overflowed the queue, the kernel fell back
+//! to SYN cookies and reset the connections whose cookie it could not honour, and agents saw
+//! their connection closed before the server ever accepted it.
+//!
 //! With `--tls-*` every client must present a certificate that chains to `--tls-ca-file`
 //! (and is valid now, for client authentication); there is no plaintext fallback.
 
@@ -435,6 +441,23 @@ impl AsyncWrite for Connection {
             Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
+}
+
+/// Connections the kernel queues for the Sync listener before it accepts them (see the module
+/// documentation).
+pub const ACCEPT_BACKLOG: u32 = 4096;
+
+/// The Sync listener's socket on `addr`, with an accept backlog of [`ACCEPT_BACKLOG`]
+/// (`SO_REUSEADDR` set, as `TcpListener::bind` does).
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }
 
 /// The HTTP/2 client connection preface (RFC 9113 section 3.4).

@@ -201,9 +201,8 @@ async fn serve_with(
     let svc = felix_proto::framed::server::calc_server_server::CalcServerServer::new(service)
         .max_decoding_message_size(args.max_recv_bytes)
         .max_encoding_message_size(usize::MAX);
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        listener::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;
     let scheme = if tls.is_some() { "mTLS" } else { "plaintext" };
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, datastore = %source, transport = scheme, "calc-server serving");
     eprintln!(

@@ -22,7 +22,6 @@ use anyhow::Context;
 use felix_proto as pb;
 use pb::to_dataplane::Payload as To;
 use tokio::sync::{Mutex, mpsc};
-use tokio_stream::StreamExt;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchSyncArgs {
@@ -75,25 +74,43 @@ pub struct BenchSyncArgs {
     /// Most hits per report: each agent reports every rule it was sent, up to this many.
     #[arg(long, env = "BENCH_SYNC_STATS_MAX_HITS", default_value_t = 4096)]
     pub stats_max_hits: usize,
+    /// Add the change p99 to the contract line (`…, change p99 <ms> ms`), as the 5,000-agent
+    /// run prints it.
+    #[arg(long, env = "BENCH_SYNC_CONTRACT_CHANGE_P99")]
+    pub contract_change_p99: bool,
+    /// Fail-over mode: the gRPC addresses (`host:port`, comma-separated) of calc-server
+    /// replicas serving the same datastore. The agents connect through a TCP forwarder in this
+    /// process (one address, each new connection to the next replica that accepts it, as a
+    /// Service does); once all are in sync the first replica is killed (SIGKILL) and the time
+    /// until its agents are in sync on the others, and how many agents' programmed state
+    /// changed, are measured. Needs --failover-pids; --server is not used.
+    #[arg(long, env = "BENCH_SYNC_FAILOVER_REPLICAS", value_delimiter = ',')]
+    pub failover_replicas: Vec<String>,
+    /// The replicas' process ids, in the order of --failover-replicas.
+    #[arg(long, env = "BENCH_SYNC_FAILOVER_PIDS", value_delimiter = ',')]
+    pub failover_pids: Vec<u32>,
+    /// The replicas' admin addresses: each must have loaded the cluster before agents connect.
+    #[arg(long, env = "BENCH_SYNC_FAILOVER_ADMINS", value_delimiter = ',')]
+    pub failover_admins: Vec<String>,
 }
 
 /// The stats phase, shared by the coordinator and the simulated agents.
 pub(crate) struct StatsPlan {
-    period: Duration,
-    max_hits: usize,
+    pub(crate) period: Duration,
+    pub(crate) max_hits: usize,
     /// Agents report while this is set.
-    on: AtomicBool,
+    pub(crate) on: AtomicBool,
     /// Reports and hits sent so far, by all agents.
-    reports: AtomicU64,
-    hits: AtomicU64,
+    pub(crate) reports: AtomicU64,
+    pub(crate) hits: AtomicU64,
 }
 
 /// A policy `(kind, namespace, name)` or a profile `("", "", name)` the stream sent, with
 /// its inbound and outbound rule counts.
-type SentRules = HashMap<(String, String, String), (u32, u32)>;
+pub(crate) type SentRules = HashMap<(String, String, String), (u32, u32)>;
 
 /// A `RuleStats` with a small random delta for each sent rule, up to `max` hits.
-fn rule_stats(sent: &SentRules, max: usize, rng: &mut u64) -> pb::RuleStats {
+pub(crate) fn rule_stats(sent: &SentRules, max: usize, rng: &mut u64) -> pb::RuleStats {
     let mut hits = Vec::new();
     'all: for ((kind, namespace, name), &(inbound, outbound)) in sent {
         for (egress, n) in [(false, inbound), (true, outbound)] {
@@ -132,7 +149,7 @@ fn rule_stats(sent: &SentRules, max: usize, rng: &mut u64) -> pb::RuleStats {
 }
 
 /// xorshift64: enough randomness for deltas and phases, no dependency.
-fn next(s: &mut u64) -> u64 {
+pub(crate) fn next(s: &mut u64) -> u64 {
     *s ^= *s << 13;
     *s ^= *s >> 7;
     *s ^= *s << 17;
@@ -140,7 +157,7 @@ fn next(s: &mut u64) -> u64 {
 }
 
 /// The server's CPU time (user + system, all threads) from `/proc/<pid>/stat`, in seconds.
-fn cpu_of(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn cpu_of(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command's closing parenthesis start at field 3; utime and stime are
     // fields 14 and 15, in clock ticks (USER_HZ, 100 on Linux).
@@ -169,7 +186,7 @@ async fn metric(admin: &str, name: &str) -> anyhow::Result<f64> {
     Ok(values.iter().sum())
 }
 
-fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
+pub(crate) fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
     let field = |name: &str| {
         status
@@ -182,7 +199,18 @@ fn rss_of(pid: Option<u32>) -> Option<(u64, u64)> {
     Some((field("VmRSS:"), field("VmHWM:")))
 }
 
-fn mib(b: u64) -> f64 {
+/// A stream's end reason without what differs per agent (node names, numbers).
+pub(crate) fn reason_class(why: &str) -> String {
+    let cut = why.find(['"', '(']).unwrap_or(why.len()).min(80);
+    why[..cut]
+        .chars()
+        .map(|c| if c.is_ascii_digit() { '#' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_string()
+}
+
+pub(crate) fn mib(b: u64) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
@@ -191,7 +219,8 @@ pub(crate) enum Event {
     InSync(usize),
     /// An agent saw the marker policy with this port.
     Marker(i32),
-    Failed(usize, String),
+    /// An agent's stream ended (why); it reconnects with back-off.
+    Disconnected(usize, String),
 }
 
 /// Opens a Sync stream as a simulated agent: sends the hello and returns the sender for further
@@ -227,6 +256,8 @@ pub(crate) async fn open_sync(
     Ok((tx, stream))
 }
 
+/// A simulated agent for `node` against the server at `url` (`http://host:port`): see
+/// [`crate::sync_agent`]. Runs until the receiver of `events` is dropped.
 pub(crate) async fn agent(
     i: usize,
     url: String,
@@ -235,114 +266,21 @@ pub(crate) async fn agent(
     stats: Option<Arc<StatsPlan>>,
     events: mpsc::UnboundedSender<Event>,
 ) {
-    let run = async {
-        let mut client = pb::calc_server_client::CalcServerClient::connect(url)
-            .await
-            .map_err(|e| e.to_string())?
-            .max_decoding_message_size(usize::MAX);
-        let mut capabilities: Vec<String> = vec![];
-        if report_applied {
-            capabilities.push("applied".into());
-        }
-        if stats.is_some() {
-            capabilities.push("stats".into());
-        }
-        let (tx, mut stream) = open_sync(&mut client, node, "bench-sync", capabilities).await?;
-        let mut in_sync = false;
-        // Reports go only to a server that echoed the capability in its hello.
-        let mut server_takes_reports = false;
-        let mut server_takes_stats = false;
-        let mut report_seq = 1;
-        let mut sent = SentRules::new();
-        let mut rng = 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
-        // Each agent reports at its own phase of the period, as agents started apart would.
-        let period = stats
-            .as_ref()
-            .map_or(Duration::from_secs(3600), |s| s.period);
-        let phase = period.mul_f64((next(&mut rng) % 1000) as f64 / 1000.0);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + phase, period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let m = tokio::select! {
-                m = stream.next() => match m {
-                    Some(m) => m.map_err(|e| e.to_string())?,
-                    None => break,
-                },
-                _ = tick.tick(), if stats.is_some() => {
-                    let Some(plan) = &stats else { continue };
-                    if in_sync && server_takes_stats && plan.on.load(Ordering::Relaxed) {
-                        let report = rule_stats(&sent, plan.max_hits, &mut rng);
-                        let n = report.hits.len() as u64;
-                        report_seq += 1;
-                        tx.send(pb::FromDataplane {
-                            sequence_number: report_seq,
-                            payload: Some(pb::from_dataplane::Payload::RuleStats(report)),
-                        })
-                        .await
-                        .map_err(|e| e.to_string())?;
-                        plan.reports.fetch_add(1, Ordering::Relaxed);
-                        plan.hits.fetch_add(n, Ordering::Relaxed);
-                    }
-                    continue;
-                }
-            };
-            let seq = m.sequence_number;
-            if let Some(To::ServerHello(h)) = &m.payload {
-                server_takes_reports = h.capabilities.iter().any(|c| c == "applied");
-                server_takes_stats = h.capabilities.iter().any(|c| c == "stats");
-            }
-            if stats.is_some() {
-                track_rules(&mut sent, &m.payload);
-            }
-            match m.payload {
-                Some(To::InSync(_)) => {
-                    in_sync = true;
-                    let _ = events.send(Event::InSync(i));
-                }
-                Some(To::ActivePolicyUpdate(u)) => {
-                    let port = u
-                        .policy
-                        .as_ref()
-                        .and_then(|p| p.inbound_rules.first())
-                        .and_then(|r| r.dst_ports.first())
-                        .map(|p| p.first);
-                    if let Some(p) = port
-                        && u.id
-                            .as_ref()
-                            .is_some_and(|id| id.name == "bench-sync-marker")
-                    {
-                        let _ = events.send(Event::Marker(p));
-                    }
-                }
-                _ => {}
-            }
-            if report_applied && server_takes_reports && in_sync {
-                report_seq += 1;
-                tx.send(pb::FromDataplane {
-                    sequence_number: report_seq,
-                    payload: Some(pb::from_dataplane::Payload::DataplaneApplied(
-                        pb::DataplaneApplied {
-                            applied_sequence_number: seq,
-                            received_sequence_number: seq,
-                            ..Default::default()
-                        },
-                    )),
-                })
-                .await
-                .map_err(|e| e.to_string())?;
-            }
-        }
-        drop(tx);
-        Ok::<(), String>(())
+    let setup = crate::sync_agent::AgentSetup {
+        addr: url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string(),
+        report_applied,
+        stats,
+        digests: None,
     };
-    if let Err(e) = run.await {
-        let _ = events.send(Event::Failed(i, e));
-    }
+    crate::sync_agent::run(i, node, setup, events).await
 }
 
 /// Keeps `sent` to the policies and profiles (and their rule counts) the stream holds; staged
 /// policies are left out (never programmed, so they decide nothing).
-fn track_rules(sent: &mut SentRules, payload: &Option<To>) {
+pub(crate) fn track_rules(sent: &mut SentRules, payload: &Option<To>) {
     let policy_key = |id: &Option<pb::PolicyId>| {
         let id = id.clone().unwrap_or_default();
         (id.kind, id.namespace, id.name)
@@ -436,7 +374,15 @@ pub fn run(args: &BenchSyncArgs) -> anyhow::Result<ExitCode> {
     rt.block_on(bench(args.clone()))
 }
 
+/// This process's CPU time (user + system), in seconds.
+fn own_cpu() -> f64 {
+    cpu_of(std::process::id()).unwrap_or(0.0)
+}
+
 async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
+    if !args.failover_replicas.is_empty() {
+        return crate::sync_failover::run(&args).await;
+    }
     let mut target = match (&args.etcd_endpoint, &args.file_dir) {
         (Some(e), _) => Target::Etcd(Box::new(
             etcd_client::Client::connect([e.as_str()], None)
@@ -465,6 +411,8 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
         })
     });
     let (etx, mut erx) = mpsc::unbounded_channel();
+    let server_cpu0 = args.server_pid.and_then(|p| cpu_of(p).ok());
+    let own_cpu0 = own_cpu();
     let start = Instant::now();
     for i in 0..args.nodes {
         tokio::spawn(agent(
@@ -476,9 +424,14 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
             etx.clone(),
         ));
     }
+    drop(etx);
     let seen = Arc::new(Mutex::new(vec![false; args.nodes]));
     let mut in_sync = 0usize;
     let mut peak_during_sync = 0u64;
+    // Agents whose stream ended and who reconnected, and the streams that ended.
+    let mut reconnected = std::collections::BTreeSet::new();
+    let mut reconnects = 0usize;
+    let mut reasons: HashMap<String, usize> = HashMap::new();
     while in_sync < args.nodes {
         match tokio::time::timeout(Duration::from_secs(120), erx.recv()).await {
             Ok(Some(Event::InSync(i))) => {
@@ -493,7 +446,11 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
                     peak_during_sync = peak_during_sync.max(rss);
                 }
             }
-            Ok(Some(Event::Failed(i, e))) => anyhow::bail!("agent {i} failed: {e}"),
+            Ok(Some(Event::Disconnected(i, why))) => {
+                reconnected.insert(i);
+                reconnects += 1;
+                *reasons.entry(reason_class(&why)).or_default() += 1;
+            }
             Ok(Some(Event::Marker(_))) => {}
             Ok(None) | Err(_) => {
                 anyhow::bail!("timed out with {in_sync} of {} agents in sync", args.nodes)
@@ -501,12 +458,18 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let all_in_sync = start.elapsed();
+    let server_cpu = server_cpu0
+        .zip(args.server_pid.and_then(|p| cpu_of(p).ok()))
+        .map(|(a, b)| b - a);
+    let own_cpu_sync = own_cpu() - own_cpu0;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let steady = rss_of(args.server_pid);
 
     let mut lat_all = Vec::new();
     let mut lat_each = Vec::new();
     let mut lat_realized = Vec::new();
+    let mut reconnects_later = 0usize;
+    let mut reconnected_later = std::collections::BTreeSet::new();
     for c in 0..args.changes {
         let port = 1000 + c as i32;
         let t = Instant::now();
@@ -518,7 +481,11 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
                     got += 1;
                     lat_each.push(t.elapsed());
                 }
-                Ok(Some(Event::Failed(i, e))) => anyhow::bail!("agent {i} failed: {e}"),
+                Ok(Some(Event::Disconnected(i, why))) => {
+                    reconnects_later += 1;
+                    reconnected_later.insert(i);
+                    *reasons.entry(reason_class(&why)).or_default() += 1;
+                }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => {
                     anyhow::bail!("change {c}: only {got} of {} agents got it", args.nodes)
@@ -540,14 +507,45 @@ async fn bench(args: BenchSyncArgs) -> anyhow::Result<ExitCode> {
     println!("time until all in sync: {:.2} s", all_in_sync.as_secs_f64());
     // The contract line scripts read (`make bench-sync`).
     println!(
-        "sync {} agents: in sync {:.2} s, rss above idle {}",
+        "sync {} agents: in sync {:.2} s, rss above idle {}{}",
         args.nodes,
         all_in_sync.as_secs_f64(),
         match (idle, steady) {
             (Some((i, _)), Some((s, _))) => format!("{:.1} MiB", mib(s.saturating_sub(i))),
             _ => "unknown (no --server-pid)".to_string(),
+        },
+        if args.contract_change_p99 {
+            format!(", change p99 {:.1} ms", pct(&lat_all, 0.99))
+        } else {
+            String::new()
         }
     );
+    let mut reasons: Vec<_> = reasons.into_iter().collect();
+    reasons.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    println!(
+        "reconnects: {} of {} agents reconnected before all were in sync ({reconnects} streams ended), {} during the changes ({reconnects_later} streams){}",
+        reconnected.len(),
+        args.nodes,
+        reconnected_later.len(),
+        if reasons.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; why: {}",
+                reasons
+                    .iter()
+                    .map(|(r, n)| format!("{n} {r}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    if let Some(cpu) = server_cpu {
+        println!(
+            "CPU during the initial sync: server {cpu:.2} s ({:.0} % of one core), simulated agents {own_cpu_sync:.2} s",
+            cpu / all_in_sync.as_secs_f64() * 100.0
+        );
+    }
     if let (Some((idle_rss, _)), Some((steady_rss, hwm))) = (idle, steady) {
         println!(
             "server RSS: idle {:.1} MiB, with all agents in sync {:.1} MiB (+{:.1} MiB), peak during the initial sync {:.1} MiB (high-water {:.1} MiB)",
@@ -681,7 +679,7 @@ async fn stats_phase(args: &BenchSyncArgs, plan: &StatsPlan) -> anyhow::Result<(
 
 /// Polls the admin endpoint until the server knows the marker policy (so it has read the
 /// cluster), for at most 120 s.
-async fn wait_for_marker(admin: &str) -> anyhow::Result<()> {
+pub(crate) async fn wait_for_marker(admin: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         // Before the datastore is loaded, and while the policy is unknown, the answer is an

@@ -22,3 +22,5 @@ pub mod flows_bench;
 pub mod gen_cluster;
 pub mod graph_bench;
 pub mod ipset_netlink;
+mod sync_agent;
+mod sync_failover;

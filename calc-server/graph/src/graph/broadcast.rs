@@ -28,6 +28,10 @@ pub(super) struct Broadcast {
     /// Host metadata and pools as of the last flush.
     pub(super) flushed_host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
     pub(super) flushed_pools: BTreeMap<String, pb::IpamPoolUpdate>,
+    /// The messages of the whole state a new subscriber is sent (host metadata, then pools),
+    /// built once and kept until either changes: every snapshot shares these allocations, so
+    /// a server encodes them once however many snapshots it sends.
+    pub(super) full: std::sync::OnceLock<Vec<super::SharedMessage>>,
 }
 
 impl Broadcast {
@@ -46,17 +50,23 @@ impl Broadcast {
     }
 
     pub(super) fn set_node(&mut self, name: &str, meta: &ObjectMeta, spec: &NodeSpec) {
-        self.host_metadata
-            .insert(name.to_string(), host_metadata(meta, spec));
+        let m = host_metadata(meta, spec);
+        if self.host_metadata.get(name) != Some(&m) {
+            self.host_metadata.insert(name.to_string(), m);
+            self.full.take();
+        }
     }
 
     pub(super) fn remove_node(&mut self, name: &str) {
-        self.host_metadata.remove(name);
+        if self.host_metadata.remove(name).is_some() {
+            self.full.take();
+        }
     }
 
     /// Installs (or replaces) the IPPool `name`; a CIDR that does not parse adds no pool.
     pub(super) fn set_pool(&mut self, name: &str, s: &IpPoolSpec) {
         self.remove_pool(name);
+        self.full.take();
         if let Some(net) = crate::model::validate::parse_cidr_or_ip(&s.cidr) {
             let cidr = net.to_string();
             let id = cidr.replace('/', "-");
@@ -81,6 +91,7 @@ impl Broadcast {
     pub(super) fn remove_pool(&mut self, name: &str) {
         if let Some(id) = self.pool_ids.remove(name) {
             self.pools.remove(&id);
+            self.full.take();
         }
     }
 

@@ -497,6 +497,10 @@ impl CalcGraph {
         if let Some(v) = slot {
             return v.clone();
         }
+        if fresh && let Some(v) = self.broadcast.full.get() {
+            cache.broadcast_full = Some(v.clone());
+            return v.clone();
+        }
         let mut out = Vec::new();
         diff_broadcast(
             fresh,
@@ -521,6 +525,8 @@ impl CalcGraph {
         );
         let v: Vec<SharedMessage> = out.into_iter().map(|p| Arc::new(msg(p))).collect();
         if fresh {
+            // Kept by the graph until the state changes (`Broadcast::full`).
+            let _ = self.broadcast.full.set(v.clone());
             cache.broadcast_full = Some(v.clone());
         } else {
             cache.broadcast_delta = Some(v.clone());
@@ -773,6 +779,45 @@ mod tests {
             ["WorkloadEndpointUpdate"],
             "the subscriber still gets the change the snapshot already showed"
         );
+    }
+
+    #[test]
+    fn new_subscribers_share_the_broadcast_state_until_it_changes() {
+        let mut g = CalcGraph::new();
+        let node = |name: &str, ip: &str| {
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
+                   "metadata": {"name": name},
+                   "spec": {"bgp": {"ipv4Address": format!("{ip}/24")}}})
+        };
+        apply(&mut g, node("n1", "10.0.0.1"));
+        apply(&mut g, node("n2", "10.0.0.2"));
+        g.apply(Update::InSync).unwrap();
+        let hosts = |g: &mut CalcGraph, name: &str| -> Vec<SharedMessage> {
+            g.subscribe(name);
+            let batch = g.flush().into_iter().find(|b| b.node == name).unwrap();
+            batch
+                .messages
+                .into_iter()
+                .filter(|m| matches!(m.payload, Some(Payload::HostMetadataUpdate(_))))
+                .collect()
+        };
+        // Two snapshots in two flushes: the same allocations (encoded once downstream).
+        let first = hosts(&mut g, "n1");
+        let second = hosts(&mut g, "n2");
+        assert_eq!(first.len(), 2);
+        assert!(first.iter().zip(&second).all(|(a, b)| Arc::ptr_eq(a, b)));
+        // A changed node: the next snapshot is built anew, with the new address.
+        apply(&mut g, node("n2", "10.0.0.9"));
+        let third = hosts(&mut g, "n1");
+        assert!(!Arc::ptr_eq(&first[1], &third[1]));
+        match &third[1].payload {
+            Some(Payload::HostMetadataUpdate(h)) => assert_eq!(h.ipv4_addr, "10.0.0.9"),
+            other => panic!("{other:?}"),
+        }
+        // Re-applying the same Node keeps the shared state.
+        apply(&mut g, node("n2", "10.0.0.9"));
+        let fourth = hosts(&mut g, "n2");
+        assert!(third.iter().zip(&fourth).all(|(a, b)| Arc::ptr_eq(a, b)));
     }
 
     #[test]

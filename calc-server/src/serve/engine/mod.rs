@@ -23,6 +23,14 @@
 //!   stream that sends it encodes it ([`felix_proto::framed::Encoded`]) and the others reuse the
 //!   bytes, each stamping its own sequence number. A message for one node is encoded by its
 //!   stream when sent. Encoding at send time keeps a queued snapshot as small as before.
+//! - While snapshots are admitted (a connect storm, a mass reconnect), the shared messages'
+//!   encodings are kept across steps ([`SnapshotCache`]): a policy, profile or IP set that
+//!   every snapshot carries is encoded once per graph generation, not once per step, so a
+//!   thousand snapshots cost one encoding of each shared message plus each node's own
+//!   messages. What is reused is exactly what the node gets now: the cache holds the message
+//!   it encoded, is keyed by that message (or, for a full IP set, by its id, whose members only
+//!   a datastore batch changes), and is emptied by every datastore batch and once no snapshot
+//!   is waiting or under way.
 //! - Every message queued is numbered as its stream will number it, so what agents report
 //!   applied (`DataplaneApplied`) says which policy versions are in force where
 //!   ([`realization`]).
@@ -80,15 +88,18 @@ pub(super) struct Outbound {
     /// The encoded length without a sequence number (what backlogs are measured in).
     len: u64,
     encoded: OnceLock<Encoded>,
+    /// Counts the encodings made (the engine's; tests read it).
+    encodings: Arc<AtomicU64>,
 }
 
 impl Outbound {
-    fn new(message: SharedMessage) -> Outbound {
+    fn new(message: SharedMessage, encodings: Arc<AtomicU64>) -> Outbound {
         let len = felix_proto::prost::Message::encoded_len(&*message) as u64;
         Outbound {
             message,
             len,
             encoded: OnceLock::new(),
+            encodings,
         }
     }
 
@@ -102,7 +113,84 @@ impl Outbound {
 
     /// The bytes to send (encoded on the first call, shared afterwards).
     pub(super) fn encoded(&self) -> &Encoded {
-        self.encoded.get_or_init(|| Encoded::new(&self.message))
+        self.encoded.get_or_init(|| {
+            self.encodings.fetch_add(1, Ordering::Relaxed);
+            Encoded::new(&self.message)
+        })
+    }
+}
+
+/// Which shared message a [`SnapshotCache`] entry is: the graph's own allocation (a policy or
+/// profile update, held by the graph between flushes), or a full IP set by its id (built anew
+/// by each flush, the same members within one graph generation).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum CacheKey {
+    Ptr(usize),
+    IpSet(String),
+}
+
+/// The shared messages' encodings kept across steps while snapshots are admitted (see the
+/// module documentation).
+#[derive(Default)]
+pub(super) struct SnapshotCache {
+    /// The graph generation the entries belong to.
+    generation: u64,
+    entries: HashMap<CacheKey, Arc<Outbound>>,
+    /// Encodings made by shared messages (all of them, cached or not).
+    encodings: Arc<AtomicU64>,
+}
+
+impl SnapshotCache {
+    /// Which key a message queued on `n` connections of this step would be cached under:
+    /// `None` for a message built for one node only (encoded by its stream).
+    fn key(message: &SharedMessage, carried: u32) -> Option<CacheKey> {
+        if let Some(felix_proto::to_dataplane::Payload::IpsetUpdate(u)) = &message.payload {
+            return Some(CacheKey::IpSet(u.id.clone()));
+        }
+        // Held by the graph (or by another batch of this step): others will send it too.
+        (carried > 1 || Arc::strong_count(message) > carried as usize)
+            .then_some(CacheKey::Ptr(Arc::as_ptr(message) as usize))
+    }
+
+    /// Starts a step at graph `generation`: entries of an older one are dropped.
+    fn at(&mut self, generation: u64) {
+        if self.generation != generation {
+            self.entries.clear();
+            self.generation = generation;
+        }
+    }
+
+    /// The queued form of `message`: a shared encoding (reused, or new and kept) or the
+    /// message alone.
+    fn outbound(&mut self, message: SharedMessage, carried: u32) -> Out {
+        let Some(key) = Self::key(&message, carried) else {
+            let len = felix_proto::prost::Message::encoded_len(&*message) as u64;
+            return Out::Msg(message, len);
+        };
+        let encodings = &self.encodings;
+        let o = self
+            .entries
+            .entry(key)
+            .or_insert_with(|| Arc::new(Outbound::new(message, encodings.clone())));
+        Out::Shared(o.clone())
+    }
+
+    fn clear(&mut self) {
+        if !self.entries.is_empty() {
+            self.entries = HashMap::new();
+        }
+    }
+
+    /// Shared messages encoded so far.
+    #[cfg(test)]
+    pub(super) fn encodings(&self) -> u64 {
+        self.encodings.load(Ordering::Relaxed)
+    }
+
+    /// Entries kept.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.entries.len()
     }
 }
 
@@ -483,6 +571,8 @@ pub(super) struct Engine {
     waiting: VecDeque<String>,
     /// Nodes whose snapshot is being delivered.
     snapshotting: HashSet<String>,
+    /// Shared messages' encodings kept while snapshots are admitted.
+    snapshot_cache: SnapshotCache,
     metrics: Arc<Metrics>,
     realization: realization::Realization,
     /// Policy hit counters, per node and rule.
@@ -529,6 +619,7 @@ impl Engine {
             ready,
             waiting: VecDeque::new(),
             snapshotting: HashSet::new(),
+            snapshot_cache: SnapshotCache::default(),
             metrics,
             realization: realization::Realization::default(),
             graph_generation: 0,
@@ -570,6 +661,12 @@ impl Engine {
         self.limits
             .backlog_bytes
             .unwrap_or_else(|| self.backlog_sizing.bound(conn.snapshot_bytes))
+    }
+
+    /// The shared encodings kept while snapshots are admitted.
+    #[cfg(test)]
+    pub(super) fn snapshot_cache(&self) -> &SnapshotCache {
+        &self.snapshot_cache
     }
 
     /// Whether snapshots are waiting or under way.
@@ -677,6 +774,10 @@ impl Engine {
         self.sweep_closed();
         self.admit();
         self.flush();
+        if !self.busy() {
+            // No snapshot waits or is under way: nothing will reuse the kept encodings.
+            self.snapshot_cache.clear();
+        }
         self.sum_realization();
         self.prune_hits();
         self.publish_hit_series();
@@ -1233,7 +1334,7 @@ impl Engine {
         self.graph.flush_with(|batch| batches.push(batch));
         // Which messages more than one batch of this step carries: only those are worth one
         // shared encoding; a message for one node is encoded by its stream, as before, and
-        // costs no extra allocation. Every message stays alive in `batches` (or in `shared`)
+        // costs no extra allocation. Every message stays alive in `batches` (or in the cache)
         // until it is queued or its batch dropped, and none is created after this point, so
         // an address names one message for the whole step.
         let mut carried: HashMap<*const felix_proto::ToDataplane, u32> = HashMap::new();
@@ -1242,7 +1343,9 @@ impl Engine {
                 *carried.entry(Arc::as_ptr(m)).or_default() += 1;
             }
         }
-        let mut shared: HashMap<*const felix_proto::ToDataplane, Arc<Outbound>> = HashMap::new();
+        // Kept across steps only while snapshots are admitted (see `step`).
+        let mut cache = std::mem::take(&mut self.snapshot_cache);
+        cache.at(self.graph_generation);
         let limit = self.limits.backlog;
         let mut overflowed = Vec::new();
         for batch in batches {
@@ -1258,16 +1361,8 @@ impl Engine {
                 .messages
                 .into_iter()
                 .map(|m| {
-                    let ptr = Arc::as_ptr(&m);
-                    if carried.get(&ptr).is_some_and(|c| *c > 1) {
-                        let o = shared
-                            .entry(ptr)
-                            .or_insert_with(|| Arc::new(Outbound::new(m)));
-                        Out::Shared(o.clone())
-                    } else {
-                        let len = felix_proto::prost::Message::encoded_len(&*m) as u64;
-                        Out::Msg(m, len)
-                    }
+                    let n = carried.get(&Arc::as_ptr(&m)).copied().unwrap_or(1);
+                    cache.outbound(m, n)
                 })
                 .collect();
             let bytes: u64 = outs.iter().map(Out::len).sum();
@@ -1305,6 +1400,7 @@ impl Engine {
                 let _ = conn.tx.send(out);
             }
         }
+        self.snapshot_cache = cache;
         for (node, backlog, backlog_bytes, bytes_limit) in overflowed {
             if let Some(conn) = self.drop_conn(&node) {
                 tracing::warn!(%node, backlog, backlog_bytes, limit, bytes_limit, "agent fell too far behind; closing its stream so it resyncs");

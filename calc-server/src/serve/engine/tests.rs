@@ -477,6 +477,117 @@ fn a_message_shared_by_nodes_is_encoded_once() {
     );
 }
 
+/// A policy whose rule selects the web pods: an IP set every node holding it gets.
+fn from_web_policy(port: u16) -> Update {
+    apply(json!({
+        "apiVersion": "projectcalico.org/v3", "kind": "GlobalNetworkPolicy",
+        "metadata": {"name": "from-web"},
+        "spec": {
+            "selector": "app == 'web'",
+            "ingress": [{"action": "Allow", "protocol": "TCP",
+                         "source": {"selector": "app == 'web'"},
+                         "destination": {"ports": [port]}}],
+        },
+    }))
+}
+
+/// The shared messages of a snapshot, by payload kind.
+fn shared_of(outs: &[Out]) -> Vec<(String, Arc<super::Outbound>)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Out::Shared(m) => Some((kind(m.message().payload.as_ref()?), m.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_snapshot_admitted_in_a_later_step_reuses_the_shared_encodings() {
+    let mut h = Harness::new(Limits {
+        concurrent_snapshots: 1,
+        ..LIMITS
+    });
+    let mut c = cluster();
+    c.insert(3, from_web_policy(443));
+    h.datastore(c);
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    let a_outs = a.take();
+    let encoded = h.engine.snapshot_cache().encodings();
+    assert!(
+        h.engine.snapshot_cache().len() > 0,
+        "kept while node-b waits"
+    );
+    // node-a's stream took its snapshot: node-b's is admitted in a later step.
+    h.engine.step([]);
+    let b_outs = b.take();
+    let (sa, sb) = (shared_of(&a_outs), shared_of(&b_outs));
+    let kinds: Vec<&str> = sb.iter().map(|(k, _)| k.as_str()).collect();
+    for k in ["IpsetUpdate", "ActivePolicyUpdate"] {
+        assert!(kinds.contains(&k), "{k} is shared: {kinds:?}");
+    }
+    for (k, m) in &sb {
+        let same = sa.iter().find(|(_, o)| Arc::ptr_eq(o, m));
+        assert!(same.is_some(), "node-b's {k} is node-a's, encoded once");
+    }
+    assert_eq!(
+        h.engine.snapshot_cache().encodings(),
+        encoded,
+        "node-b's snapshot encoded no shared message again"
+    );
+    // Once no snapshot waits or is under way, nothing is kept.
+    h.engine.step([]);
+    assert!(!h.engine.busy());
+    assert_eq!(h.engine.snapshot_cache().len(), 0);
+}
+
+#[test]
+fn a_datastore_change_invalidates_the_kept_encodings() {
+    let mut h = Harness::new(Limits {
+        concurrent_snapshots: 1,
+        ..LIMITS
+    });
+    let mut c = cluster();
+    c.insert(3, from_web_policy(443));
+    h.datastore(c);
+    let (_, mut a) = h.connect("node-a");
+    let (_, mut b) = h.connect("node-b");
+    let a_outs = a.take();
+    // The policy and its IP set change before node-b's snapshot starts.
+    h.datastore(vec![
+        from_web_policy(8443),
+        workload("node-a", "web-3", "10.0.0.3"),
+    ]);
+    h.engine.step([]);
+    let b_outs = b.take();
+    let (sa, sb) = (shared_of(&a_outs), shared_of(&b_outs));
+    for (k, m) in &sb {
+        assert!(
+            !sa.iter().any(|(_, o)| Arc::ptr_eq(o, m)),
+            "node-b's {k} is of the new generation"
+        );
+    }
+    let policy = b_outs
+        .iter()
+        .filter_map(Out::message)
+        .find_map(|m| match &m.payload {
+            Some(Payload::ActivePolicyUpdate(u)) if u.id.as_ref()?.name == "from-web" => {
+                u.policy.clone()
+            }
+            _ => None,
+        })
+        .expect("node-b gets the policy");
+    assert_eq!(policy.inbound_rules[0].dst_ports[0].first, 8443);
+    let members = b_outs
+        .iter()
+        .filter_map(Out::message)
+        .find_map(|m| match &m.payload {
+            Some(Payload::IpsetUpdate(u)) => Some(u.members.len()),
+            _ => None,
+        });
+    assert_eq!(members, Some(3), "the IP set as it is now");
+}
+
 #[test]
 fn shutdown_closes_every_stream() {
     let mut h = Harness::new(LIMITS);
