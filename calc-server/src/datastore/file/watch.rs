@@ -67,6 +67,12 @@ type StoreOp = (ResourceKey, Option<Valid>);
 /// Polls a changing file waits to settle before it is read anyway.
 pub(super) const UNSETTLED_POLLS: u32 = 10;
 
+/// The last-good store is written once changes pause this long...
+const STORE_QUIET: Duration = Duration::from_millis(100);
+/// ...or this long after the first change not yet written, under constant churn: a crash
+/// loses at most that much of the store (a clean stop writes everything).
+const STORE_AT_MOST: Duration = Duration::from_secs(1);
+
 /// How often the inotify watcher lists the whole directory anyway: a manifest that links to a
 /// file outside the watched directories changes without an event.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
@@ -181,14 +187,80 @@ impl FileState {
         self.slots = slots;
     }
 
-    /// Whether an unidentifiable document of this file holds `key`.
-    fn holds(&self, key: &ResourceKey) -> bool {
-        self.held.contains(key)
-    }
-
     /// Whether which objects the file holds is unknown: rule 3 keeps those it may hold.
     fn keys_unknown(&self) -> bool {
         self.broken || self.unknown
+    }
+}
+
+/// Which files say what of a key, and which files have problems: kept as files are read, so
+/// that a change costs what it changes, not a pass over every file of the directory.
+#[derive(Default)]
+struct Index {
+    keys: BTreeMap<ResourceKey, KeyFiles>,
+    /// Files whose keys are unknown ([`FileState::keys_unknown`]).
+    unknown: BTreeSet<PathBuf>,
+    /// Files that cannot be read or parsed.
+    unreadable: BTreeSet<PathBuf>,
+    /// Readable files with documents that cannot be identified.
+    unidentified: BTreeSet<PathBuf>,
+    /// Files holding invalid objects.
+    invalid: BTreeSet<PathBuf>,
+}
+
+/// The files that define a key validly, hold an invalid version of it, or hold it by an
+/// unidentifiable document (each in path order).
+#[derive(Default)]
+struct KeyFiles {
+    valid: BTreeSet<PathBuf>,
+    invalid: BTreeSet<PathBuf>,
+    held: BTreeSet<PathBuf>,
+}
+
+impl Index {
+    fn add(&mut self, path: &PathBuf, f: &FileState) {
+        self.each(f, |set| {
+            set.insert(path.clone());
+        });
+    }
+
+    fn remove(&mut self, path: &PathBuf, f: &FileState) {
+        self.each(f, |set| {
+            set.remove(path);
+        });
+        let keys = f.objects.keys().chain(&f.invalid).chain(&f.held);
+        for k in keys {
+            if self.keys.get(k).is_some_and(|kf| {
+                kf.valid.is_empty() && kf.invalid.is_empty() && kf.held.is_empty()
+            }) {
+                self.keys.remove(k);
+            }
+        }
+    }
+
+    /// Calls `op` on every set the file `f` belongs to.
+    fn each(&mut self, f: &FileState, mut op: impl FnMut(&mut BTreeSet<PathBuf>)) {
+        for k in f.objects.keys() {
+            op(&mut self.keys.entry(k.clone()).or_default().valid);
+        }
+        for k in &f.invalid {
+            op(&mut self.keys.entry(k.clone()).or_default().invalid);
+        }
+        for k in &f.held {
+            op(&mut self.keys.entry(k.clone()).or_default().held);
+        }
+        if f.keys_unknown() {
+            op(&mut self.unknown);
+        }
+        if f.unreadable {
+            op(&mut self.unreadable);
+        }
+        if !f.broken && !f.unidentified.is_empty() {
+            op(&mut self.unidentified);
+        }
+        if !f.invalid.is_empty() {
+            op(&mut self.invalid);
+        }
     }
 }
 
@@ -325,6 +397,8 @@ struct Watcher {
     /// Directories never read as manifests: the server's status and last-good directories.
     skip: Vec<PathBuf>,
     files: BTreeMap<PathBuf, FileState>,
+    /// Which files say what of each key; which files have problems.
+    index: Index,
     /// The version of each key in force (what the engine has).
     current: BTreeMap<ResourceKey, Valid>,
     /// The last-good store's writer (its own thread: the disk is not on the way of a change).
@@ -360,6 +434,7 @@ impl Watcher {
             dir,
             skip,
             files: BTreeMap::new(),
+            index: Index::default(),
             current,
             store,
             to_store: Vec::new(),
@@ -419,10 +494,16 @@ impl Watcher {
     /// Reads `changed` files and forgets `gone` ones; logs new problems.
     fn read(&mut self, changed: &[PathBuf], gone: &[PathBuf]) {
         for f in gone {
-            self.files.remove(f);
+            if let Some(old) = self.files.remove(f) {
+                self.index.remove(f, &old);
+            }
         }
         for f in changed {
             let state = read_file(f, self.files.get(f));
+            if let Some(old) = self.files.get(f) {
+                self.index.remove(f, old);
+            }
+            self.index.add(f, &state);
             for stage in &state.rejected {
                 self.health.rejections.count(*stage);
             }
@@ -446,23 +527,18 @@ impl Watcher {
 
     /// What rule applies to `key` now: the version to put in force, if any.
     fn desired(&self, key: &ResourceKey, any_broken: bool) -> Desired {
-        let mut defined_in = Vec::new();
-        let mut winner = None;
-        let mut invalid = false;
-        let mut held_by_document = false;
-        for (path, f) in &self.files {
-            if let Some(r) = f.objects.get(key) {
-                defined_in.push(path);
-                winner = Some(r);
+        let (mut invalid, mut held_by_document) = (false, false);
+        if let Some(kf) = self.index.keys.get(key) {
+            let winner = kf
+                .valid
+                .last()
+                .and_then(|p| self.files.get(p))
+                .and_then(|f| f.objects.get(key));
+            if let Some(r) = winner {
+                return Desired::Valid(Box::new(r.clone()), kf.valid.iter().cloned().collect());
             }
-            invalid |= f.invalid.contains(key);
-            held_by_document |= f.holds(key);
-        }
-        if let Some(r) = winner {
-            return Desired::Valid(
-                Box::new(r.clone()),
-                defined_in.into_iter().cloned().collect(),
-            );
+            invalid = !kf.invalid.is_empty();
+            held_by_document = !kf.held.is_empty();
         }
         match self.current.get(key) {
             Some(_) if invalid || held_by_document => Desired::Held,
@@ -494,7 +570,7 @@ impl Watcher {
     /// Brings `keys` in line with the files; returns the updates to send (what the last-good
     /// store must record waits in `to_store`, see [`Watcher::persist`]).
     fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
-        let any_broken = self.files.values().any(FileState::keys_unknown);
+        let any_broken = !self.index.unknown.is_empty();
         let mut updates = Vec::new();
         for key in keys.iter().chain(self.held.clone().iter()) {
             let desired = self.desired(key, any_broken);
@@ -531,8 +607,10 @@ impl Watcher {
         // Invalid keys with no last good version, over the whole directory. A key not in force
         // has no valid definition anywhere (that would be in force).
         let without: BTreeSet<&ResourceKey> = self
-            .files
-            .values()
+            .index
+            .invalid
+            .iter()
+            .filter_map(|p| self.files.get(p))
             .flat_map(|f| &f.invalid)
             .filter(|k| !self.current.contains_key(*k))
             .collect();
@@ -540,7 +618,7 @@ impl Watcher {
         let mut without: Vec<String> = without.iter().map(ToString::to_string).collect();
         // Files that cannot be read or parsed: what they say now is not in force (what they
         // held before keeps its last good version, listed above when there was any).
-        for (path, _) in self.files.iter().filter(|(_, f)| f.unreadable) {
+        for path in &self.index.unreadable {
             without.push(format!(
                 "{} (cannot be read or parsed)",
                 calc_graph::untrusted::Untrusted(&path.display().to_string())
@@ -548,7 +626,12 @@ impl Watcher {
         }
         // Documents that cannot be identified and keep nothing in force: whatever they hold
         // is not in force (a deny among them is not enforced).
-        for (path, f) in self.files.iter().filter(|(_, f)| !f.broken) {
+        for (path, f) in self
+            .index
+            .unidentified
+            .iter()
+            .filter_map(|p| Some((p, self.files.get(p)?)))
+        {
             for h in &f.unidentified {
                 if !h.keys.iter().any(|k| self.current.contains_key(k)) {
                     without.push(format!(
@@ -649,8 +732,26 @@ pub fn run(
         .name("last-good".into())
         .spawn(move || {
             let _span = span.enter();
-            for batch in store_rx {
-                for (key, version) in batch {
+            while let Ok(batch) = store_rx.recv() {
+                // A burst of changes is written once it pauses (or after STORE_AT_MOST), each
+                // key once, at its newest version: each write is a file created and renamed
+                // over the last, which costs far more than reading the change did.
+                let first = std::time::Instant::now();
+                let mut ops: BTreeMap<ResourceKey, Option<Valid>> = batch.into_iter().collect();
+                loop {
+                    let left = STORE_AT_MOST
+                        .saturating_sub(first.elapsed())
+                        .min(STORE_QUIET);
+                    if left.is_zero() {
+                        break;
+                    }
+                    match store_rx.recv_timeout(left) {
+                        Ok(more) => ops.extend(more),
+                        // Quiet, or the watcher is gone: write what is here.
+                        Err(_) => break,
+                    }
+                }
+                for (key, version) in ops {
                     match version {
                         Some(v) => store.save(&key, &v),
                         None => store.forget(&key),
