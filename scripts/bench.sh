@@ -103,7 +103,7 @@ wait_admin() { # admin port
 churn() { # datastore, then calc-bench churn flags
   local store=$1; shift
   "$BENCH" churn --datastore "$store" --server "http://127.0.0.1:$CPORT" --admin "127.0.0.1:$((CPORT + 1))" \
-    --nodes 100 --seconds "${CHURN_SECONDS:-20}" ${CHURN_RATES:+--rates "$CHURN_RATES"} "$@"
+    --nodes 100 --seconds "${CHURN_SECONDS:-20}" ${CHURN_RATES:+--rates "$CHURN_RATES"} --server-pid "$SERVER" "$@"
 }
 "$BIN" serve --file-dir "$WORK/c10k" --listen "127.0.0.1:$CPORT" --admin-listen "127.0.0.1:$((CPORT + 1))" \
   --file-watch "${CHURN_FILE_WATCH:-inotify}" --file-poll-interval 10ms --max-pending-per-address 1024 \

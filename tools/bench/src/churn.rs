@@ -96,6 +96,21 @@ pub struct ChurnArgs {
     /// A rate is held while the marker's p99 (datastore write → every agent) stays within this.
     #[arg(long, env = "CHURN_P99_LIMIT_MS", default_value_t = 100)]
     pub p99_limit_ms: u64,
+    /// The server's process id: each rate's line then says the server's CPU time per 1,000
+    /// updates (from /proc; comparable across runs on a machine other work also loads).
+    #[arg(long, env = "CHURN_SERVER_PID")]
+    pub server_pid: Option<u32>,
+}
+
+/// CPU seconds `pid` has used (user and system, /proc's clock ticks of 1/100 s).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command may hold spaces and parentheses: fields count from the last `)`.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command.
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
 }
 
 fn wep(i: usize, node: &str, side: char) -> String {
@@ -420,6 +435,7 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
         let mut written = 0u64;
         let acked_start = store.acked(0);
+        let cpu_start = args.server_pid.and_then(cpu_seconds);
         let mut latencies = Vec::new();
         // The marker edit being timed: (port, when written, agents that have it).
         let mut timing: Option<(i32, Instant, usize)> = None;
@@ -490,6 +506,11 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
             } else {
                 0
             });
+        let cpu = args
+            .server_pid
+            .and_then(cpu_seconds)
+            .zip(cpu_start)
+            .map(|(end, start)| end - start);
         let lag_end = lag(&args.admin).await?;
         let unfinished = timing.is_some_and(|(_, at, _)| at.elapsed() > Duration::from_secs(1));
         let achieved = acked.min(written) as f64 / elapsed;
@@ -509,6 +530,13 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
             latencies.len(),
             if held { "held" } else { "not held" }
         );
+        if let Some(cpu) = cpu {
+            println!(
+                "churn {label} {rate}/s: server CPU {:.0} ms per 1,000 updates ({:.2} cores)",
+                cpu * 1e3 / (acked.max(1) as f64 / 1e3),
+                cpu / elapsed
+            );
+        }
         if !writer_kept {
             println!(
                 "churn {label} {rate}/s: the writer itself did not keep the rate ({achieved:.0}/s written): this step measures the writer, not the server"
