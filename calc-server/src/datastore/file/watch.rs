@@ -67,12 +67,6 @@ type StoreOp = (ResourceKey, Option<Valid>);
 /// Polls a changing file waits to settle before it is read anyway.
 pub(super) const UNSETTLED_POLLS: u32 = 10;
 
-/// The last-good store is written once changes pause this long...
-const STORE_QUIET: Duration = Duration::from_millis(100);
-/// ...or this long after the first change not yet written, under constant churn: a crash
-/// loses at most that much of the store (a clean stop writes everything).
-const STORE_AT_MOST: Duration = Duration::from_secs(1);
-
 /// How often the inotify watcher lists the whole directory anyway: a manifest that links to a
 /// file outside the watched directories changes without an event.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
@@ -733,23 +727,13 @@ pub fn run(
         .spawn(move || {
             let _span = span.enter();
             while let Ok(batch) = store_rx.recv() {
-                // A burst of changes is written once it pauses (or after STORE_AT_MOST), each
-                // key once, at its newest version: each write is a file created and renamed
-                // over the last, which costs far more than reading the change did.
-                let first = std::time::Instant::now();
+                // Whatever queued while the disk was busy joins: a key changed several times
+                // meanwhile is written once, at its newest version. Nothing waits on purpose:
+                // a version in force is on disk as soon as the disk allows (a server killed
+                // right after a change still restarts from it).
                 let mut ops: BTreeMap<ResourceKey, Option<Valid>> = batch.into_iter().collect();
-                loop {
-                    let left = STORE_AT_MOST
-                        .saturating_sub(first.elapsed())
-                        .min(STORE_QUIET);
-                    if left.is_zero() {
-                        break;
-                    }
-                    match store_rx.recv_timeout(left) {
-                        Ok(more) => ops.extend(more),
-                        // Quiet, or the watcher is gone: write what is here.
-                        Err(_) => break,
-                    }
+                while let Ok(more) = store_rx.try_recv() {
+                    ops.extend(more);
                 }
                 for (key, version) in ops {
                     match version {
