@@ -66,8 +66,9 @@ pub struct ChurnArgs {
         default_value = "http://127.0.0.1:2379"
     )]
     pub etcd_endpoint: String,
-    /// etcd datastore: puts in flight at most (a put that would exceed it waits for the next
-    /// tick, so a writer that cannot keep the rate shows as such).
+    /// Writes in flight at most (file writes queued for the writer thread, etcd puts not yet
+    /// acknowledged); a write that would exceed it waits for the next tick, so a writer that
+    /// cannot keep the rate shows as such.
     #[arg(long, env = "CHURN_ETCD_IN_FLIGHT", default_value_t = 256)]
     pub etcd_in_flight: usize,
     /// Simulated agents, for nodes `<prefix><i>`, i in 0..nodes (nodes the cluster has).
@@ -188,11 +189,17 @@ enum Obj {
     Marker(i32),
 }
 
-/// Where the churn writes: files written synchronously, or etcd puts in flight on the
-/// runtime (counted when acknowledged).
+/// Where the churn writes: files written in order by a thread of their own (so that the
+/// writes never hold back the agents' events the bench times), or etcd puts in flight on the
+/// runtime; each counted when done (acknowledged).
 enum Store {
     File {
         dir: PathBuf,
+        tx: std::sync::mpsc::Sender<(PathBuf, String)>,
+        in_flight: Arc<AtomicU64>,
+        max_in_flight: u64,
+        acked: Arc<AtomicU64>,
+        failed: Arc<parking_lot::Mutex<Option<String>>>,
     },
     Etcd {
         client: etcd_client::Client,
@@ -217,7 +224,35 @@ impl Store {
                     .context("--file-dir is required with --datastore file")?
                     .join("churn");
                 std::fs::create_dir_all(&dir).context("creating the churn directory")?;
-                Store::File { dir }
+                let (tx, rx) = std::sync::mpsc::channel::<(PathBuf, String)>();
+                let (in_flight, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+                let failed: Arc<parking_lot::Mutex<Option<String>>> = Arc::default();
+                {
+                    let (in_flight, acked, failed) =
+                        (in_flight.clone(), acked.clone(), failed.clone());
+                    std::thread::Builder::new()
+                        .name("churn-writer".into())
+                        .spawn(move || {
+                            for (path, text) in rx {
+                                match write(&path, &text) {
+                                    Ok(()) => {
+                                        acked.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    Err(e) => *failed.lock() = Some(format!("{e:#}")),
+                                }
+                                in_flight.fetch_sub(1, Ordering::Relaxed);
+                            }
+                        })
+                        .context("starting the file writer")?;
+                }
+                Store::File {
+                    dir,
+                    tx,
+                    in_flight,
+                    max_in_flight: args.etcd_in_flight.max(1) as u64,
+                    acked,
+                    failed,
+                }
             }
             Datastore::Etcd => {
                 let client = etcd_client::Client::connect([args.etcd_endpoint.as_str()], None)
@@ -247,7 +282,20 @@ impl Store {
     /// Writes `obj` (its etcd put is started; `false` if too many are in flight).
     fn write(&self, obj: Obj, node: &dyn Fn(usize) -> String) -> anyhow::Result<bool> {
         match self {
-            Store::File { dir } => {
+            Store::File {
+                dir,
+                tx,
+                in_flight,
+                max_in_flight,
+                failed,
+                ..
+            } => {
+                if let Some(e) = failed.lock().take() {
+                    anyhow::bail!("file write: {e}");
+                }
+                if in_flight.load(Ordering::Relaxed) >= *max_in_flight {
+                    return Ok(false);
+                }
                 let (name, text) = match obj {
                     Obj::Wep(i, side) => (format!("wep-{i}.yaml"), wep(i, &node(i), side)),
                     Obj::Policy(j, port) => (format!("pol-{j}.yaml"), policy(j, port)),
@@ -256,7 +304,9 @@ impl Store {
                         ("marker.yaml".into(), crate::bench_sync::marker_policy(port))
                     }
                 };
-                write(&dir.join(name), &text)?;
+                in_flight.fetch_add(1, Ordering::Relaxed);
+                tx.send((dir.join(name), text))
+                    .map_err(|_| anyhow::anyhow!("the file writer stopped"))?;
                 Ok(true)
             }
             Store::Etcd {
@@ -303,33 +353,34 @@ impl Store {
 
     /// Waits until every put started has been acknowledged (or 30 s).
     async fn settle(&self) -> anyhow::Result<()> {
-        if let Store::Etcd {
+        let (Store::Etcd {
             in_flight, failed, ..
-        } = self
+        }
+        | Store::File {
+            in_flight, failed, ..
+        }) = self;
         {
             let until = Instant::now() + Duration::from_secs(30);
             while in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < until {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             if let Some(e) = failed.lock().take() {
-                anyhow::bail!("etcd put: {e}");
+                anyhow::bail!("write: {e}");
             }
         }
         Ok(())
     }
 
-    /// Writes acknowledged so far (file writes are acknowledged when done).
-    fn acked(&self, written: u64) -> u64 {
-        match self {
-            Store::File { .. } => written,
-            Store::Etcd { acked, .. } => acked.load(Ordering::Relaxed),
-        }
+    /// Writes done (files written, puts acknowledged) so far.
+    fn acked(&self) -> u64 {
+        let (Store::File { acked, .. } | Store::Etcd { acked, .. }) = self;
+        acked.load(Ordering::Relaxed)
     }
 
     /// Removes the churn's objects.
     async fn clean(&self) {
         match self {
-            Store::File { dir } => {
+            Store::File { dir, .. } => {
                 let _ = std::fs::remove_dir_all(dir);
             }
             Store::Etcd {
@@ -434,7 +485,7 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
         let mut tick = tokio::time::interval(Duration::from_millis(10));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
         let mut written = 0u64;
-        let acked_start = store.acked(0);
+        let acked_start = store.acked();
         let cpu_start = args.server_pid.and_then(cpu_seconds);
         let mut latencies = Vec::new();
         // The marker edit being timed: (port, when written, agents that have it).
@@ -499,13 +550,9 @@ async fn churn(args: ChurnArgs) -> anyhow::Result<ExitCode> {
         // Markers are acknowledged too: the count of updates excludes them.
         let markers = latencies.len() as u64 + u64::from(timing.is_some());
         let acked = store
-            .acked(written)
+            .acked()
             .saturating_sub(acked_start)
-            .saturating_sub(if matches!(store, Store::Etcd { .. }) {
-                markers
-            } else {
-                0
-            });
+            .saturating_sub(markers);
         let cpu = args
             .server_pid
             .and_then(cpu_seconds)
