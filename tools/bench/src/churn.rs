@@ -202,7 +202,7 @@ enum Store {
         failed: Arc<parking_lot::Mutex<Option<String>>>,
     },
     Etcd {
-        client: etcd_client::Client,
+        client: Box<etcd_client::Client>,
         /// Keys computed once (Calico's layout, from the objects themselves).
         wep_keys: Vec<String>,
         policy_keys: Vec<String>,
@@ -269,7 +269,7 @@ impl Store {
                         .map(|j| key(&policy_json(j, 1000)))
                         .collect::<anyhow::Result<_>>()?,
                     profile_key: key(&profile_json())?,
-                    client,
+                    client: Box::new(client),
                     in_flight: Arc::default(),
                     max_in_flight: args.etcd_in_flight.max(1) as u64,
                     acked: Arc::default(),

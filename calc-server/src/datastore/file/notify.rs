@@ -229,11 +229,11 @@ impl Notifier {
     }
 
     /// Stops watching `dir` by that path (the watch goes once no path leads to it).
-    fn forget(&mut self, dir: &PathBuf) {
+    fn forget(&mut self, dir: &std::path::Path) {
         if let Some(wd) = self.wds.remove(dir)
             && let Some(paths) = self.dirs.get_mut(&wd)
         {
-            paths.retain(|p| p != dir);
+            paths.retain(|p| p.as_path() != dir);
             if paths.is_empty() {
                 self.dirs.remove(&wd);
                 // Already gone with its directory, or removed now.

@@ -212,13 +212,13 @@ struct KeyFiles {
 }
 
 impl Index {
-    fn add(&mut self, path: &PathBuf, f: &FileState) {
+    fn add(&mut self, path: &std::path::Path, f: &FileState) {
         self.each(f, |set| {
-            set.insert(path.clone());
+            set.insert(path.to_path_buf());
         });
     }
 
-    fn remove(&mut self, path: &PathBuf, f: &FileState) {
+    fn remove(&mut self, path: &std::path::Path, f: &FileState) {
         self.each(f, |set| {
             set.remove(path);
         });
