@@ -129,16 +129,60 @@ fi
 
 echo; echo "== Churn: 100 agents on the 10k cluster, label flips and policy edits at increasing rates"
 CPORT=$((PORT + 2))
+wait_admin() { # admin port
+  for _ in $(seq 100); do
+    "$BIN" status --server "127.0.0.1:$1" >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+}
+churn() { # datastore, then calc-bench churn flags
+  local store=$1; shift
+  "$BENCH" churn --datastore "$store" --server "http://127.0.0.1:$CPORT" --admin "127.0.0.1:$((CPORT + 1))" \
+    --nodes 100 --seconds "${CHURN_SECONDS:-20}" ${CHURN_RATES:+--rates "$CHURN_RATES"} --server-pid "$SERVER" "$@"
+}
 "$BIN" serve --file-dir "$WORK/c10k" --listen "127.0.0.1:$CPORT" --admin-listen "127.0.0.1:$((CPORT + 1))" \
-  --file-poll-interval 10ms --max-pending-per-address 1024 --log-level warn >"$WORK/churn-serve.log" 2>&1 &
+  --file-watch "${CHURN_FILE_WATCH:-inotify}" --file-poll-interval 10ms --max-pending-per-address 1024 \
+  --log-level warn >"$WORK/churn-serve.log" 2>&1 &
 SERVER=$!
-for _ in $(seq 100); do
-  "$BIN" status --server "127.0.0.1:$((CPORT + 1))" >/dev/null 2>&1 && break
-  sleep 0.1
-done
-"$BENCH" churn --server "http://127.0.0.1:$CPORT" --admin "127.0.0.1:$((CPORT + 1))" --file-dir "$WORK/c10k" \
-  --nodes 100 --seconds "${CHURN_SECONDS:-60}"
+wait_admin $((CPORT + 1))
+churn file --file-dir "$WORK/c10k"
 kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+SERVER=
+
+echo
+ETCD_BIN=$(command -v etcd || true)
+[ -z "$ETCD_BIN" ] && [ -x /usr/bin/etcd ] && ETCD_BIN=/usr/bin/etcd
+if [ -z "$ETCD_BIN" ]; then
+  echo "churn etcd: skipped: etcd is not installed (make deps installs it)"
+else
+  # etcd's data in memory when possible: the bench times the server, not this machine's fsync.
+  EDIR=$(mktemp -d "$( [ -d /dev/shm ] && echo /dev/shm || echo "${TMPDIR:-/tmp}")/churn-etcd.XXXXXX")
+  EPORT=$((PORT + 4))
+  "$ETCD_BIN" --name churn --data-dir "$EDIR" \
+    --listen-client-urls "http://127.0.0.1:$EPORT" --advertise-client-urls "http://127.0.0.1:$EPORT" \
+    --listen-peer-urls "http://127.0.0.1:$((EPORT + 1))" --initial-advertise-peer-urls "http://127.0.0.1:$((EPORT + 1))" \
+    --initial-cluster "churn=http://127.0.0.1:$((EPORT + 1))" --log-level error >"$WORK/churn-etcd.log" 2>&1 &
+  ETCD=$!
+  trap '[ -n "$SERVER" ] && kill $SERVER 2>/dev/null; kill $ETCD 2>/dev/null; rm -rf "$EDIR"' EXIT
+  ok=
+  for _ in $(seq 100); do
+    ./target/release/etcd-bench --endpoints "http://127.0.0.1:$EPORT" load --dir "$WORK/c10k" >"$WORK/churn-etcd-load.out" 2>&1 && { ok=1; break; }
+    sleep 0.2
+  done
+  if [ -z "$ok" ]; then
+    echo "churn etcd: skipped: etcd did not start or the cluster could not be loaded (see $WORK/churn-etcd.log)"
+  else
+    "$BIN" serve --datastore-type etcdv3 --etcd-endpoints "http://127.0.0.1:$EPORT" --listen "127.0.0.1:$CPORT" \
+      --admin-listen "127.0.0.1:$((CPORT + 1))" --max-pending-per-address 1024 --log-level warn >"$WORK/churn-serve-etcd.log" 2>&1 &
+    SERVER=$!
+    wait_admin $((CPORT + 1))
+    churn etcd --etcd-endpoint "http://127.0.0.1:$EPORT"
+    kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
+    SERVER=
+  fi
+  kill $ETCD 2>/dev/null; wait $ETCD 2>/dev/null || true
+  rm -rf "$EDIR"
+fi
 
 echo; echo "== etcd v3 cold start: calc-server's snapshot read of the 100k cluster against a bare paginated list"
 if command -v etcd >/dev/null; then

@@ -17,6 +17,15 @@ pub const DEFAULT_ADMIN: &str = "127.0.0.1:9096";
 /// current directory (the repository's root for `make demo`).
 pub const DEFAULT_FILE_DIR: &str = "examples/cluster";
 
+/// How the file datastore learns of changes (`--file-watch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FileWatch {
+    /// Linux inotify: changed paths are reported by the kernel; polling is the fallback.
+    Inotify,
+    /// List the directory every --file-poll-interval.
+    Poll,
+}
+
 /// Which datastore to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DatastoreType {
@@ -157,9 +166,18 @@ pub struct ServeArgs {
     /// Who may read the admin endpoint, and how much one request may cost.
     #[command(flatten)]
     pub admin: AdminArgs,
-    /// How often the file datastore directory is checked for changes.
+    /// How often the file datastore directory is checked for changes when it is polled
+    /// (--file-watch poll, or inotify unavailable). With inotify: how long a change that is
+    /// not known to be finished (a file written but not yet closed, a removed file, a
+    /// ConfigMap's `..data` swap) must stay quiet before it is read.
     #[arg(long, env = "CALC_SERVER_FILE_POLL_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub file_poll_interval: Duration,
+    /// How the file datastore learns of changes: `inotify` (only the changed files are read,
+    /// a file closed after writing or renamed into place at once; polling takes over where
+    /// inotify is unavailable) or `poll` (the directory is listed every --file-poll-interval:
+    /// for filesystems that send no inotify events, such as NFS).
+    #[arg(long, env = "CALC_SERVER_FILE_WATCH", value_enum, default_value_t = FileWatch::Inotify)]
+    pub file_watch: FileWatch,
     /// File datastore: directory of the last-good store (the version of every object in force,
     /// so that after a restart an object that is invalid by then keeps its last good version).
     /// Default: `last-good` inside the status directory (shared by replicas that share it);

@@ -321,7 +321,7 @@ enum Target {
     Etcd(Box<etcd_client::Client>),
 }
 
-const MARKER_KEY: &str =
+pub(crate) const MARKER_KEY: &str =
     "/calico/resources/v3/projectcalico.org/globalnetworkpolicies/bench-sync-marker";
 
 impl Target {
@@ -335,13 +335,7 @@ impl Target {
                 std::fs::rename(&tmp, p).context("renaming the marker policy into place")
             }
             Target::Etcd(c) => {
-                let v = serde_json::json!({
-                    "kind": "GlobalNetworkPolicy", "apiVersion": "projectcalico.org/v3",
-                    "metadata": {"name": "bench-sync-marker"},
-                    "spec": {"order": 1, "selector": "all()", "types": ["Ingress"],
-                             "ingress": [{"action": "Allow", "protocol": "TCP", "destination": {"ports": [port]}}]}
-                });
-                c.put(MARKER_KEY, v.to_string(), None)
+                c.put(MARKER_KEY, marker_value(port).to_string(), None)
                     .await
                     .context("etcd put")?;
                 Ok(())
@@ -359,6 +353,16 @@ impl Target {
             }
         }
     }
+}
+
+/// The marker policy as the etcd datastore stores it ([`marker_policy`] as JSON).
+pub(crate) fn marker_value(port: i32) -> serde_json::Value {
+    serde_json::json!({
+        "kind": "GlobalNetworkPolicy", "apiVersion": "projectcalico.org/v3",
+        "metadata": {"name": "bench-sync-marker"},
+        "spec": {"order": 1, "selector": "all()", "types": ["Ingress"],
+                 "ingress": [{"action": "Allow", "protocol": "TCP", "destination": {"ports": [port]}}]}
+    })
 }
 
 pub(crate) fn marker_policy(port: i32) -> String {

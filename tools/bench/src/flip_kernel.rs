@@ -381,10 +381,7 @@ fn cluster(clients: usize) -> Vec<Value> {
 }
 
 fn etcd_key(v: &Value) -> anyhow::Result<String> {
-    match calc_graph::model::Resource::from_value(v.clone())? {
-        calc_graph::model::Decoded::Resource(key, _) => Ok(key.etcd_path()),
-        calc_graph::model::Decoded::Ignored(kind, _) => bail!("{kind} is not stored"),
-    }
+    crate::etcd_store::key_of(v)?.context("a kind Calico does not store in etcd")
 }
 
 /// Writes the file datastore's file aside and renames it: the watcher never reads half.

@@ -7,7 +7,9 @@
 //!   validating the same objects;
 //! - [`bench_sync`]: simulated agents against a running server (time to sync, memory, change
 //!   latency);
-//! - [`churn`]: datastore churn at increasing rates against a running server and its agents;
+//! - [`churn`]: datastore churn at increasing rates against a running server and its agents
+//!   (file or etcd datastore);
+//! - [`etcd_store`]: v3 objects into etcd in Calico's key layout (`etcd-bench load`, churn);
 //! - [`flows_bench`]: calc-server's flow-log ingest (records per second on one core, memory
 //!   per flow key);
 //! - [`console_bench`]: the admin console's pages rendered on the server (time per page);
@@ -17,6 +19,7 @@
 pub mod bench_sync;
 pub mod churn;
 pub mod console_bench;
+pub mod etcd_store;
 pub mod flip_kernel;
 pub mod flows_bench;
 pub mod gen_cluster;

@@ -639,7 +639,7 @@ fn remove_sorted(v: &mut Vec<u32>, x: u32) {
 /// Puts `id` in `set`. Ids mostly come in ascending order (new items take the next id, a new
 /// selector walks its candidates sorted): appending skips the search and the array shift.
 fn add(set: &mut RoaringBitmap, id: u32) {
-    if !set.push(id) {
+    if set.try_push(id).is_err() {
         set.insert(id);
     }
 }

@@ -142,6 +142,9 @@ pub type Stamp = (u64, std::time::SystemTime);
 #[derive(Debug, Default)]
 pub struct Walk {
     pub files: Vec<(PathBuf, Stamp)>,
+    /// The directories entered, root first, by the path walked (a ConfigMap's `sub` link by
+    /// its own path): what an inotify watcher watches.
+    pub dirs: Vec<PathBuf>,
     pub problems: Vec<Problem>,
 }
 
@@ -183,7 +186,8 @@ pub fn walk_skipping(root: &Path, skip: &[PathBuf]) -> Walk {
     out
 }
 
-fn stamp(m: &std::fs::Metadata) -> Stamp {
+/// A file's [`Stamp`] from its metadata.
+pub fn stamp(m: &std::fs::Metadata) -> Stamp {
     (
         m.len(),
         m.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH),
@@ -242,6 +246,7 @@ impl Walker<'_> {
         let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
         entries.sort();
         self.on_path.push(dir_id(meta));
+        self.out.dirs.push(dir.to_path_buf());
         for e in entries {
             let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
             if name.starts_with('.') || (dir == self.root && name == "status") {

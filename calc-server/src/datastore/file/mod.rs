@@ -1,8 +1,9 @@
 //! The file datastore: a directory of Calico v3 manifests (YAML or JSON), the embedded default.
 //!
 //! - [`manifest_dir`]: walking the directory and reading manifests (symlink and size limits).
-//! - [`watch`]: the polling watcher `serve` runs on a blocking thread; objects are identified
-//!   across files, and an invalid one keeps its last good version.
+//! - [`watch`]: the watcher `serve` runs on a blocking thread (inotify, or polling); objects
+//!   are identified across files, and an invalid one keeps its last good version.
+//! - [`notify`]: the inotify source: a watch per directory, events to the paths to read.
 //! - [`last_good`]: the on-disk last-good store, so that a restart keeps that version too.
 //! - [`status`]: the status writer (`<node>.json` per node).
 //!
@@ -11,6 +12,7 @@
 
 pub mod last_good;
 pub mod manifest_dir;
+pub mod notify;
 pub mod status;
 pub mod watch;
 
@@ -25,7 +27,7 @@ use super::{Health, Sink, Snapshot};
 use crate::args::ServeArgs;
 use crate::status::Board;
 
-/// Starts the polling watcher (into `sink`) and the status-file writer; fails if the directory
+/// Starts the watcher (into `sink`) and the status-file writer; fails if the directory
 /// is missing or the status or last-good directory is inside it (see [`OutputDirs::check`]).
 pub(super) fn start(
     args: &ServeArgs,
@@ -42,6 +44,7 @@ pub(super) fn start(
         args.last_good_dir.as_deref(),
     )?;
     let interval = args.file_poll_interval;
+    let mode = args.file_watch;
     let watched = dir.clone();
     let skip = dirs.skipped();
     let last_good = dirs.last_good.clone();
@@ -50,7 +53,11 @@ pub(super) fn start(
     // the token between polls (and while waiting for the next one) and stops once cancelled.
     tasks.spawn_blocking(
         tracing::info_span!(parent: &span, "file_watch"),
-        move |stop| watch::run(watched, skip, last_good, interval, sink, health, &stop),
+        move |stop| {
+            watch::run(
+                watched, skip, last_good, mode, interval, sink, health, &stop,
+            )
+        },
     );
     if let Some(status_dir) = dirs.status {
         tasks.spawn(

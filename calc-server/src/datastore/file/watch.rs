@@ -1,10 +1,21 @@
-//! File datastore watcher: polls the manifest directory and turns changes into graph updates.
+//! File datastore watcher: follows the manifest directory and turns changes into graph updates.
 //!
 //! Runs on a blocking thread (reading and parsing never stall the async runtime that serves
-//! agents). Polling (a listing of manifest paths, sizes and modification times, every
-//! interval, see `manifest_dir::walk`) is used rather than inotify so it works the same on every
-//! filesystem, including ConfigMap volumes. A change is read once the listing stayed the same
-//! for one interval (a file being written is read when done; a rename is seen whole).
+//! agents). Two ways to learn of changes (`--file-watch`):
+//! - **inotify** (the default, [`super::notify`]): a watch per directory; only the paths the
+//!   kernel names are read again, with no listing of the directory. A file closed after
+//!   writing or renamed into place is read at once (an editor's truncate-then-write is read
+//!   whole, a rename inside the tree is seen whole); one written but not closed, or removed, is
+//!   read once it had no event for `--file-poll-interval` (or after [`UNSETTLED_POLLS`] of
+//!   constant change). What inotify cannot name (the kernel's queue overflowing, a directory
+//!   created or moved, a ConfigMap volume's `..data` swap) and a listing every
+//!   [`RESCAN_EVERY`] (a manifest linked from outside the watched directories changes without
+//!   an event) are full listings compared with what was read. Where inotify cannot be used
+//!   (no instance or watch left, an error reading events) the watcher polls.
+//! - **poll**: a listing of manifest paths, sizes and modification times every interval (see
+//!   `manifest_dir::walk`), for filesystems that send no inotify events. A changed file is
+//!   read once its size and modification time stayed the same for one interval (a file being
+//!   written is read when done; a rename is seen whole).
 //!
 //! Objects are identified by kind/namespace/name across files, never by file. What is in force
 //! for a key:
@@ -44,6 +55,8 @@ use common::tasks::CancellationToken;
 
 use super::last_good::LastGood;
 use super::manifest_dir::{self, Identity, Stamp};
+use super::notify::{Notifier, NotifyError, Pending, Seen};
+use crate::args::FileWatch;
 use crate::datastore::{Health, Sink};
 
 type Listing = BTreeMap<PathBuf, Stamp>;
@@ -52,7 +65,11 @@ type Listing = BTreeMap<PathBuf, Stamp>;
 type StoreOp = (ResourceKey, Option<Valid>);
 
 /// Polls a changing file waits to settle before it is read anyway.
-const UNSETTLED_POLLS: u32 = 10;
+pub(super) const UNSETTLED_POLLS: u32 = 10;
+
+/// How often the inotify watcher lists the whole directory anyway: a manifest that links to a
+/// file outside the watched directories changes without an event.
+pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
 
 /// What to read at this poll, per file: a file whose stamp differs from what was read, once it
 /// has kept that stamp for a whole interval (a file being written, an editor's
@@ -164,14 +181,80 @@ impl FileState {
         self.slots = slots;
     }
 
-    /// Whether an unidentifiable document of this file holds `key`.
-    fn holds(&self, key: &ResourceKey) -> bool {
-        self.held.contains(key)
-    }
-
     /// Whether which objects the file holds is unknown: rule 3 keeps those it may hold.
     fn keys_unknown(&self) -> bool {
         self.broken || self.unknown
+    }
+}
+
+/// Which files say what of a key, and which files have problems: kept as files are read, so
+/// that a change costs what it changes, not a pass over every file of the directory.
+#[derive(Default)]
+struct Index {
+    keys: BTreeMap<ResourceKey, KeyFiles>,
+    /// Files whose keys are unknown ([`FileState::keys_unknown`]).
+    unknown: BTreeSet<PathBuf>,
+    /// Files that cannot be read or parsed.
+    unreadable: BTreeSet<PathBuf>,
+    /// Readable files with documents that cannot be identified.
+    unidentified: BTreeSet<PathBuf>,
+    /// Files holding invalid objects.
+    invalid: BTreeSet<PathBuf>,
+}
+
+/// The files that define a key validly, hold an invalid version of it, or hold it by an
+/// unidentifiable document (each in path order).
+#[derive(Default)]
+struct KeyFiles {
+    valid: BTreeSet<PathBuf>,
+    invalid: BTreeSet<PathBuf>,
+    held: BTreeSet<PathBuf>,
+}
+
+impl Index {
+    fn add(&mut self, path: &std::path::Path, f: &FileState) {
+        self.each(f, |set| {
+            set.insert(path.to_path_buf());
+        });
+    }
+
+    fn remove(&mut self, path: &std::path::Path, f: &FileState) {
+        self.each(f, |set| {
+            set.remove(path);
+        });
+        let keys = f.objects.keys().chain(&f.invalid).chain(&f.held);
+        for k in keys {
+            if self.keys.get(k).is_some_and(|kf| {
+                kf.valid.is_empty() && kf.invalid.is_empty() && kf.held.is_empty()
+            }) {
+                self.keys.remove(k);
+            }
+        }
+    }
+
+    /// Calls `op` on every set the file `f` belongs to.
+    fn each(&mut self, f: &FileState, mut op: impl FnMut(&mut BTreeSet<PathBuf>)) {
+        for k in f.objects.keys() {
+            op(&mut self.keys.entry(k.clone()).or_default().valid);
+        }
+        for k in &f.invalid {
+            op(&mut self.keys.entry(k.clone()).or_default().invalid);
+        }
+        for k in &f.held {
+            op(&mut self.keys.entry(k.clone()).or_default().held);
+        }
+        if f.keys_unknown() {
+            op(&mut self.unknown);
+        }
+        if f.unreadable {
+            op(&mut self.unreadable);
+        }
+        if !f.broken && !f.unidentified.is_empty() {
+            op(&mut self.unidentified);
+        }
+        if !f.invalid.is_empty() {
+            op(&mut self.invalid);
+        }
     }
 }
 
@@ -308,6 +391,8 @@ struct Watcher {
     /// Directories never read as manifests: the server's status and last-good directories.
     skip: Vec<PathBuf>,
     files: BTreeMap<PathBuf, FileState>,
+    /// Which files say what of each key; which files have problems.
+    index: Index,
     /// The version of each key in force (what the engine has).
     current: BTreeMap<ResourceKey, Valid>,
     /// The last-good store's writer (its own thread: the disk is not on the way of a change).
@@ -343,6 +428,7 @@ impl Watcher {
             dir,
             skip,
             files: BTreeMap::new(),
+            index: Index::default(),
             current,
             store,
             to_store: Vec::new(),
@@ -364,18 +450,19 @@ impl Watcher {
     }
 
     /// Reads the whole directory and puts in force what the rules say, as at start: the
-    /// listing read.
-    fn load(&mut self) -> Listing {
-        let seen = self.listing();
+    /// listing read and the directories walked.
+    fn load(&mut self) -> (Listing, Vec<PathBuf>) {
+        let (seen, dirs) = self.listing();
         let files: Vec<PathBuf> = seen.keys().cloned().collect();
         self.read(&files, &[]);
         let mut keys: BTreeSet<ResourceKey> = self.current.keys().cloned().collect();
         self.keys_of(&files, &mut keys);
         self.reconcile(keys);
-        seen
+        (seen, dirs)
     }
 
-    fn listing(&mut self) -> Listing {
+    /// The manifest files with their stamps, and the directories walked; logs new problems.
+    fn listing(&mut self) -> (Listing, Vec<PathBuf>) {
         let walk = manifest_dir::walk_skipping(&self.dir, &self.skip);
         let now: BTreeSet<String> = walk.problems.iter().map(ToString::to_string).collect();
         for p in walk.problems.iter().map(ToString::to_string) {
@@ -384,16 +471,33 @@ impl Watcher {
             }
         }
         self.walk_problems = now;
-        walk.files.into_iter().collect()
+        (walk.files.into_iter().collect(), walk.dirs)
+    }
+
+    /// Reads `changed` files, forgets `gone` ones and reconciles their keys: the updates to
+    /// send.
+    fn apply(&mut self, changed: &[PathBuf], gone: &[PathBuf]) -> Vec<Update> {
+        let mut keys = BTreeSet::new();
+        self.keys_of(changed, &mut keys);
+        self.keys_of(gone, &mut keys);
+        self.read(changed, gone);
+        self.keys_of(changed, &mut keys);
+        self.reconcile(keys)
     }
 
     /// Reads `changed` files and forgets `gone` ones; logs new problems.
     fn read(&mut self, changed: &[PathBuf], gone: &[PathBuf]) {
         for f in gone {
-            self.files.remove(f);
+            if let Some(old) = self.files.remove(f) {
+                self.index.remove(f, &old);
+            }
         }
         for f in changed {
             let state = read_file(f, self.files.get(f));
+            if let Some(old) = self.files.get(f) {
+                self.index.remove(f, old);
+            }
+            self.index.add(f, &state);
             for stage in &state.rejected {
                 self.health.rejections.count(*stage);
             }
@@ -417,23 +521,18 @@ impl Watcher {
 
     /// What rule applies to `key` now: the version to put in force, if any.
     fn desired(&self, key: &ResourceKey, any_broken: bool) -> Desired {
-        let mut defined_in = Vec::new();
-        let mut winner = None;
-        let mut invalid = false;
-        let mut held_by_document = false;
-        for (path, f) in &self.files {
-            if let Some(r) = f.objects.get(key) {
-                defined_in.push(path);
-                winner = Some(r);
+        let (mut invalid, mut held_by_document) = (false, false);
+        if let Some(kf) = self.index.keys.get(key) {
+            let winner = kf
+                .valid
+                .last()
+                .and_then(|p| self.files.get(p))
+                .and_then(|f| f.objects.get(key));
+            if let Some(r) = winner {
+                return Desired::Valid(Box::new(r.clone()), kf.valid.iter().cloned().collect());
             }
-            invalid |= f.invalid.contains(key);
-            held_by_document |= f.holds(key);
-        }
-        if let Some(r) = winner {
-            return Desired::Valid(
-                Box::new(r.clone()),
-                defined_in.into_iter().cloned().collect(),
-            );
+            invalid = !kf.invalid.is_empty();
+            held_by_document = !kf.held.is_empty();
         }
         match self.current.get(key) {
             Some(_) if invalid || held_by_document => Desired::Held,
@@ -465,7 +564,7 @@ impl Watcher {
     /// Brings `keys` in line with the files; returns the updates to send (what the last-good
     /// store must record waits in `to_store`, see [`Watcher::persist`]).
     fn reconcile(&mut self, keys: BTreeSet<ResourceKey>) -> Vec<Update> {
-        let any_broken = self.files.values().any(FileState::keys_unknown);
+        let any_broken = !self.index.unknown.is_empty();
         let mut updates = Vec::new();
         for key in keys.iter().chain(self.held.clone().iter()) {
             let desired = self.desired(key, any_broken);
@@ -502,8 +601,10 @@ impl Watcher {
         // Invalid keys with no last good version, over the whole directory. A key not in force
         // has no valid definition anywhere (that would be in force).
         let without: BTreeSet<&ResourceKey> = self
-            .files
-            .values()
+            .index
+            .invalid
+            .iter()
+            .filter_map(|p| self.files.get(p))
             .flat_map(|f| &f.invalid)
             .filter(|k| !self.current.contains_key(*k))
             .collect();
@@ -511,7 +612,7 @@ impl Watcher {
         let mut without: Vec<String> = without.iter().map(ToString::to_string).collect();
         // Files that cannot be read or parsed: what they say now is not in force (what they
         // held before keeps its last good version, listed above when there was any).
-        for (path, _) in self.files.iter().filter(|(_, f)| f.unreadable) {
+        for path in &self.index.unreadable {
             without.push(format!(
                 "{} (cannot be read or parsed)",
                 calc_graph::untrusted::Untrusted(&path.display().to_string())
@@ -519,7 +620,12 @@ impl Watcher {
         }
         // Documents that cannot be identified and keep nothing in force: whatever they hold
         // is not in force (a deny among them is not enforced).
-        for (path, f) in self.files.iter().filter(|(_, f)| !f.broken) {
+        for (path, f) in self
+            .index
+            .unidentified
+            .iter()
+            .filter_map(|p| Some((p, self.files.get(p)?)))
+        {
             for h in &f.unidentified {
                 if !h.keys.iter().any(|k| self.current.contains_key(k)) {
                     without.push(format!(
@@ -598,10 +704,12 @@ enum Desired {
 /// early). `health` gets the rejected objects (counter) and unusable ones (gauges).
 /// Only files whose size or modification time changed are read again, and only their keys
 /// (and the held ones) are reconciled.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     dir: PathBuf,
     skip: Vec<PathBuf>,
     last_good_dir: Option<PathBuf>,
+    mode: FileWatch,
     interval: Duration,
     sink: Sink,
     health: Health,
@@ -618,8 +726,16 @@ pub fn run(
         .name("last-good".into())
         .spawn(move || {
             let _span = span.enter();
-            for batch in store_rx {
-                for (key, version) in batch {
+            while let Ok(batch) = store_rx.recv() {
+                // Whatever queued while the disk was busy joins: a key changed several times
+                // meanwhile is written once, at its newest version. Nothing waits on purpose:
+                // a version in force is on disk as soon as the disk allows (a server killed
+                // right after a change still restarts from it).
+                let mut ops: BTreeMap<ResourceKey, Option<Valid>> = batch.into_iter().collect();
+                while let Ok(more) = store_rx.try_recv() {
+                    ops.extend(more);
+                }
+                for (key, version) in ops {
                     match version {
                         Some(v) => store.save(&key, &v),
                         None => store.forget(&key),
@@ -629,7 +745,7 @@ pub fn run(
         });
     // What the store holds is what a previous run had in force.
     let w = Watcher::new(dir, skip, stored, store_tx, health);
-    watch(w, interval, &sink, stop);
+    watch(w, mode, interval, &sink, stop);
     match writer {
         Ok(writer) => {
             let _ = writer.join();
@@ -662,7 +778,7 @@ pub fn load_once(dir: PathBuf, skip: Vec<PathBuf>, stored: BTreeMap<ResourceKey,
     let health = Health::default();
     let mut w = Watcher::new(dir, skip, stored, store, health.clone());
     w.collected = Some(Vec::new());
-    w.load();
+    let _ = w.load();
     Loaded {
         objects: std::mem::take(&mut w.current),
         problems: w.collected.take().unwrap_or_default(),
@@ -670,9 +786,16 @@ pub fn load_once(dir: PathBuf, skip: Vec<PathBuf>, stored: BTreeMap<ResourceKey,
     }
 }
 
-/// The watcher's loop: the first listing, then every poll until the sink closes or `stop`.
-fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationToken) {
-    let mut seen = w.load();
+/// The watcher's loop: the first listing, then changes (inotify, else polls) until the sink
+/// closes or `stop`.
+fn watch(
+    mut w: Watcher,
+    mode: FileWatch,
+    interval: Duration,
+    sink: &Sink,
+    stop: &CancellationToken,
+) {
+    let (seen, dirs) = w.load();
     let mut first: Vec<Update> = w
         .current
         .values()
@@ -681,10 +804,148 @@ fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationTok
         .collect();
     tracing::info!(dir = %w.dir.display(), objects = first.len(), held = w.held.len(), "file datastore loaded");
     first.push(Update::InSync);
+    // Watched before the snapshot goes: what changes once it is sent is seen.
+    let notify = match mode {
+        FileWatch::Poll => None,
+        FileWatch::Inotify => match Inotify::start(seen.clone(), &dirs, interval) {
+            Ok(i) => Some(i),
+            Err(error) => {
+                tracing::warn!(%error, interval = ?interval, "inotify cannot be used; polling the file datastore directory");
+                None
+            }
+        },
+    };
     if stop.is_cancelled() || sink.blocking_send(first).is_err() {
         return;
     }
     w.persist();
+    let seen = match notify {
+        None => seen,
+        Some(mut i) => match i.run(&mut w, sink, stop) {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::warn!(%error, interval = ?interval, "inotify failed; polling the file datastore directory from now on");
+                i.seen
+            }
+        },
+    };
+    poll(w, seen, interval, sink, stop);
+}
+
+/// The inotify watcher's state: what was read (by stamp, for listings), the paths waiting.
+struct Inotify {
+    n: Notifier,
+    pending: Pending,
+    seen: Listing,
+    settle: Duration,
+    next_rescan: std::time::Instant,
+}
+
+impl Inotify {
+    /// Watches `dirs` (the directories of the listing `seen`), then asks for one more listing:
+    /// what changed between that listing and the watches is not missed.
+    fn start(seen: Listing, dirs: &[PathBuf], settle: Duration) -> Result<Inotify, NotifyError> {
+        let mut n = Notifier::new()?;
+        n.watch(dirs)?;
+        let mut pending = Pending::default();
+        pending.rescan = true;
+        Ok(Inotify {
+            n,
+            pending,
+            seen,
+            settle,
+            next_rescan: std::time::Instant::now() + RESCAN_EVERY,
+        })
+    }
+
+    fn run(
+        &mut self,
+        w: &mut Watcher,
+        sink: &Sink,
+        stop: &CancellationToken,
+    ) -> Result<(), NotifyError> {
+        // The longest wait: the cancel is checked at least this often.
+        const SLICE: Duration = Duration::from_millis(50);
+        loop {
+            if stop.is_cancelled() || sink.is_closed() {
+                return Ok(());
+            }
+            let now = std::time::Instant::now();
+            let until = self
+                .pending
+                .deadline(now, self.settle)
+                .unwrap_or(self.next_rescan)
+                .min(self.next_rescan);
+            self.n
+                .wait(until.saturating_duration_since(now).min(SLICE))?;
+            let (updates, files) = self.step(w, std::time::Instant::now())?;
+            if updates.is_empty() {
+                continue;
+            }
+            tracing::info!(changes = updates.len(), files, "file datastore changed");
+            if sink.blocking_send(updates).is_err() {
+                return Ok(());
+            }
+            w.persist();
+        }
+    }
+
+    /// Takes the events ready, lists the directory if that is due, reads what settled: the
+    /// updates and how many files were read or forgotten.
+    fn step(
+        &mut self,
+        w: &mut Watcher,
+        now: std::time::Instant,
+    ) -> Result<(Vec<Update>, usize), NotifyError> {
+        self.n.drain(&mut self.pending, now)?;
+        if now >= self.next_rescan {
+            self.pending.rescan = true;
+        }
+        if std::mem::take(&mut self.pending.rescan) {
+            self.next_rescan = now + RESCAN_EVERY;
+            let (listing, dirs) = w.listing();
+            self.n.watch(&dirs)?;
+            for (p, stamp) in &listing {
+                if self.seen.get(p) != Some(stamp) {
+                    self.pending.note(p.clone(), Seen::Listed, now);
+                }
+            }
+            for p in self.seen.keys().filter(|p| !listing.contains_key(*p)) {
+                self.pending.note(p.clone(), Seen::Listed, now);
+            }
+        }
+        let ready = self.pending.ready(now, self.settle);
+        if ready.is_empty() {
+            return Ok((Vec::new(), 0));
+        }
+        let (mut changed, mut gone) = (Vec::new(), Vec::new());
+        for p in ready {
+            match std::fs::metadata(&p) {
+                Ok(m) if m.is_file() => {
+                    self.seen.insert(p.clone(), manifest_dir::stamp(&m));
+                    changed.push(p);
+                }
+                _ => {
+                    if self.seen.remove(&p).is_some() {
+                        gone.push(p);
+                    }
+                }
+            }
+        }
+        let files = changed.len() + gone.len();
+        Ok((w.apply(&changed, &gone), files))
+    }
+}
+
+/// The polling loop: a listing every interval until the sink closes or `stop`; `seen` is what
+/// was read.
+fn poll(
+    mut w: Watcher,
+    mut seen: Listing,
+    interval: Duration,
+    sink: &Sink,
+    stop: &CancellationToken,
+) {
     // The listing of the previous poll, and for how many polls each file has kept changing.
     let mut last = seen.clone();
     let mut unsettled: BTreeMap<PathBuf, u32> = BTreeMap::new();
@@ -692,7 +953,7 @@ fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationTok
         if wait(stop, interval) || sink.is_closed() {
             return;
         }
-        let now = w.listing();
+        let (now, _) = w.listing();
         if now == seen {
             last = now;
             unsettled.clear();
@@ -710,12 +971,7 @@ fn watch(mut w: Watcher, interval: Duration, sink: &Sink, stop: &CancellationTok
         for p in &gone {
             seen.remove(p);
         }
-        let mut keys = BTreeSet::new();
-        w.keys_of(&changed, &mut keys);
-        w.keys_of(&gone, &mut keys);
-        w.read(&changed, &gone);
-        w.keys_of(&changed, &mut keys);
-        let updates = w.reconcile(keys);
+        let updates = w.apply(&changed, &gone);
         if updates.is_empty() {
             continue;
         }
@@ -1144,25 +1400,265 @@ mod tests {
 
     #[test]
     fn the_watcher_stops_when_cancelled_without_waiting_for_its_next_poll() {
+        for mode in [FileWatch::Poll, FileWatch::Inotify] {
+            let dir = tempfile::tempdir().unwrap();
+            let (sink, mut rx) = tokio::sync::mpsc::channel(4);
+            let stop = CancellationToken::new();
+            let watcher = {
+                let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
+                // An hour between polls: only the cancel can end the wait.
+                let hour = Duration::from_secs(3600);
+                std::thread::spawn(move || {
+                    run(
+                        dir,
+                        Vec::new(),
+                        None,
+                        mode,
+                        hour,
+                        sink,
+                        Health::default(),
+                        &stop,
+                    )
+                })
+            };
+            let first = rx.blocking_recv().expect("the initial snapshot");
+            assert!(matches!(first.last(), Some(Update::InSync)));
+            let cancelled = std::time::Instant::now();
+            stop.cancel();
+            watcher.join().unwrap();
+            assert!(cancelled.elapsed() < Duration::from_secs(2), "{mode:?}");
+            // The receiver is still there: the cancel, not a closed sink, stopped it.
+            drop(rx);
+        }
+    }
+
+    /// A watcher running on its own thread over a temporary directory, as `serve` runs it.
+    struct Running {
+        dir: tempfile::TempDir,
+        rx: tokio::sync::mpsc::Receiver<Vec<Update>>,
+        stop: CancellationToken,
+        thread: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Running {
+        /// `prepare` lays out the directory; the watcher starts once it is done.
+        fn start(
+            mode: FileWatch,
+            interval: Duration,
+            prepare: impl FnOnce(&std::path::Path),
+        ) -> (Running, Vec<String>) {
+            let dir = tempfile::tempdir().unwrap();
+            prepare(dir.path());
+            let (sink, mut rx) = tokio::sync::mpsc::channel(64);
+            let stop = CancellationToken::new();
+            let thread = {
+                let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
+                std::thread::spawn(move || {
+                    run(
+                        dir,
+                        Vec::new(),
+                        None,
+                        mode,
+                        interval,
+                        sink,
+                        Health::default(),
+                        &stop,
+                    )
+                })
+            };
+            let first = summary(&rx.blocking_recv().expect("the initial snapshot"));
+            let r = Running {
+                dir,
+                rx,
+                stop,
+                thread: Some(thread),
+            };
+            (r, first)
+        }
+
+        fn path(&self, name: &str) -> PathBuf {
+            self.dir.path().join(name)
+        }
+
+        /// The next batch sent within `within`, and how long it took.
+        fn next(&mut self, within: Duration) -> Option<(Vec<String>, Duration)> {
+            let t = std::time::Instant::now();
+            while t.elapsed() < within {
+                if let Ok(b) = self.rx.try_recv() {
+                    return Some((summary(&b), t.elapsed()));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            None
+        }
+    }
+
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.stop.cancel();
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// With inotify a file closed after writing or renamed into place is read at once (long
+    /// before the settle time, which a poll would wait), whether created, rewritten in place or
+    /// renamed in; a removal waits the settle time; a rename inside the tree is seen whole.
+    #[test]
+    fn inotify_reads_finished_changes_at_once_and_removals_once_settled() {
+        let settle = Duration::from_millis(1500);
+        let fast = Duration::from_millis(700);
+        let (mut r, first) = Running::start(FileWatch::Inotify, settle, |d| {
+            std::fs::create_dir(d.join("sub")).unwrap();
+        });
+        assert_eq!(first, ["in-sync"]);
+        // Created (a plain write: create, write, close).
+        std::fs::write(r.path("sub/a.yaml"), ALLOW).unwrap();
+        let (b, took) = r.next(Duration::from_secs(5)).expect("the new file");
+        assert_eq!(b, ["apply GlobalNetworkPolicy allow-dns"]);
+        assert!(took < fast, "{took:?}");
+        // Rewritten in place: truncated, written, closed.
+        std::fs::write(r.path("sub/a.yaml"), ALLOW.replace("53", "5353")).unwrap();
+        let (b, took) = r.next(Duration::from_secs(5)).expect("the rewrite");
+        assert_eq!(b, ["apply GlobalNetworkPolicy allow-dns"]);
+        assert!(took < fast, "{took:?}");
+        // Written elsewhere and renamed in.
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("d.yaml"), DENY).unwrap();
+        std::fs::rename(outside.path().join("d.yaml"), r.path("d.yaml")).unwrap();
+        let (b, took) = r.next(Duration::from_secs(5)).expect("the rename in");
+        assert_eq!(b, ["apply GlobalNetworkPolicy deny-ssh"]);
+        assert!(took < fast, "{took:?}");
+        // Renamed inside the tree: the same objects, nothing sent (not a delete and a re-add).
+        std::fs::rename(r.path("d.yaml"), r.path("sub/e.yaml")).unwrap();
+        assert_eq!(r.next(settle * 2), None);
+        // Removed: deleted once the removal settled.
+        std::fs::remove_file(r.path("sub/e.yaml")).unwrap();
+        let (b, took) = r.next(Duration::from_secs(10)).expect("the removal");
+        assert_eq!(b, ["delete GlobalNetworkPolicy deny-ssh"]);
+        assert!(took >= settle.mul_f64(0.9), "{took:?}");
+        // A directory created with a file in it (moved in whole): found by a listing.
+        let moved = outside.path().join("more");
+        std::fs::create_dir(&moved).unwrap();
+        std::fs::write(moved.join("f.yaml"), DENY).unwrap();
+        std::fs::rename(&moved, r.path("more")).unwrap();
+        let (b, _) = r
+            .next(Duration::from_secs(10))
+            .expect("the moved directory");
+        assert_eq!(b, ["apply GlobalNetworkPolicy deny-ssh"]);
+        // And a file written there afterwards is watched.
+        std::fs::write(r.path("more/g.yaml"), ALLOW.replace("allow-dns", "allow-g")).unwrap();
+        let (b, took) = r
+            .next(Duration::from_secs(5))
+            .expect("a file in the new directory");
+        assert_eq!(b, ["apply GlobalNetworkPolicy allow-g"]);
+        assert!(took < fast, "{took:?}");
+    }
+
+    /// A Kubernetes ConfigMap volume: every manifest links through `..data`, which the kubelet
+    /// swaps to a new directory; the files themselves get no event. The swap is seen.
+    #[test]
+    fn inotify_follows_a_configmap_volumes_data_swap() {
+        fn version(d: &std::path::Path, name: &str, port: &str) {
+            std::fs::create_dir_all(d.join(name).join("sub")).unwrap();
+            std::fs::write(d.join(name).join("p.yaml"), ALLOW.replace("53", port)).unwrap();
+            std::fs::write(d.join(name).join("sub/q.yaml"), DENY.replace("22", port)).unwrap();
+        }
+        let (mut r, first) = Running::start(FileWatch::Inotify, Duration::from_millis(200), |d| {
+            version(d, "..2026_11_28_1", "1");
+            std::os::unix::fs::symlink("..2026_11_28_1", d.join("..data")).unwrap();
+            std::os::unix::fs::symlink("..data/p.yaml", d.join("p.yaml")).unwrap();
+            std::os::unix::fs::symlink("..data/sub", d.join("sub")).unwrap();
+        });
+        assert_eq!(
+            first,
+            [
+                "apply GlobalNetworkPolicy allow-dns",
+                "apply GlobalNetworkPolicy deny-ssh",
+                "in-sync"
+            ]
+        );
+        // The kubelet's update: a new directory, a new link, renamed over `..data`, the old
+        // directory removed.
+        let d = r.dir.path().to_path_buf();
+        version(&d, "..2026_11_28_2", "2");
+        std::os::unix::fs::symlink("..2026_11_28_2", d.join("..data_tmp")).unwrap();
+        std::fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
+        std::fs::remove_dir_all(d.join("..2026_11_28_1")).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            let (b, _) = r
+                .next(Duration::from_secs(10))
+                .expect("the swapped versions");
+            got.extend(b);
+        }
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "apply GlobalNetworkPolicy allow-dns",
+                "apply GlobalNetworkPolicy deny-ssh"
+            ]
+        );
+        // Then a change in the new version's subdirectory, through the `sub` link, is watched.
+        std::fs::write(d.join("..2026_11_28_2/sub/q.yaml"), DENY.replace("22", "3")).unwrap();
+        let (b, _) = r
+            .next(Duration::from_secs(5))
+            .expect("the edit through the link");
+        assert_eq!(b, ["apply GlobalNetworkPolicy deny-ssh"]);
+    }
+
+    /// More events than the kernel queues (IN_Q_OVERFLOW): the watcher lists the directory
+    /// and reads what changed meanwhile, though no event named it.
+    #[test]
+    fn an_inotify_queue_overflow_is_followed_by_a_listing() {
         let dir = tempfile::tempdir().unwrap();
-        let (sink, mut rx) = tokio::sync::mpsc::channel(4);
-        let stop = CancellationToken::new();
-        let watcher = {
-            let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
-            // An hour between polls: only the cancel can end the wait.
-            let hour = Duration::from_secs(3600);
-            std::thread::spawn(move || {
-                run(dir, Vec::new(), None, hour, sink, Health::default(), &stop)
-            })
-        };
-        let first = rx.blocking_recv().expect("the initial snapshot");
-        assert!(matches!(first.last(), Some(Update::InSync)));
-        let cancelled = std::time::Instant::now();
-        stop.cancel();
-        watcher.join().unwrap();
-        assert!(cancelled.elapsed() < Duration::from_secs(2));
-        // The receiver is still there: the cancel, not a closed sink, stopped it.
-        drop(rx);
+        let (store, _rx) = std::sync::mpsc::channel();
+        let mut w = Watcher::new(
+            dir.path().to_path_buf(),
+            Vec::new(),
+            BTreeMap::new(),
+            store,
+            Health::default(),
+        );
+        let (seen, dirs) = w.load();
+        let settle = Duration::from_millis(20);
+        let mut i = Inotify::start(seen, &dirs, settle).unwrap();
+        let t0 = std::time::Instant::now();
+        let (updates, files) = i.step(&mut w, t0).unwrap();
+        assert!(updates.is_empty() && files == 0);
+        assert!(i.pending.is_empty());
+        let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+            .expect("/proc/sys/fs/inotify/max_queued_events")
+            .trim()
+            .parse()
+            .unwrap();
+        for n in 0..limit / 2 + 100 {
+            std::fs::File::create(dir.path().join(format!("junk-{n}"))).unwrap();
+        }
+        // Written once the queue is full: no event names it.
+        std::fs::write(dir.path().join("p.yaml"), ALLOW).unwrap();
+        let t1 = std::time::Instant::now();
+        let (updates, _) = i.step(&mut w, t1).unwrap();
+        assert!(updates.is_empty(), "a listed change settles first");
+        assert!(!i.pending.is_empty(), "the listing found p.yaml");
+        let (updates, files) = i.step(&mut w, t1 + settle).unwrap();
+        assert_eq!(summary(&updates), ["apply GlobalNetworkPolicy allow-dns"]);
+        assert_eq!(files, 1);
+    }
+
+    /// `--file-watch poll` (and the fallback) still polls.
+    #[test]
+    fn the_poll_mode_reads_a_change_at_its_next_poll() {
+        let (mut r, first) = Running::start(FileWatch::Poll, Duration::from_millis(50), |_| {});
+        assert_eq!(first, ["in-sync"]);
+        std::fs::write(r.path("a.yaml"), ALLOW).unwrap();
+        let (b, _) = r.next(Duration::from_secs(5)).expect("the new file");
+        assert_eq!(b, ["apply GlobalNetworkPolicy allow-dns"]);
+        std::fs::remove_file(r.path("a.yaml")).unwrap();
+        let (b, _) = r.next(Duration::from_secs(5)).expect("the removal");
+        assert_eq!(b, ["delete GlobalNetworkPolicy allow-dns"]);
     }
 
     /// A file that cannot be parsed is a datastore problem like an invalid object: named among

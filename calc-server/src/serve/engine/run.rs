@@ -1,15 +1,32 @@
 //! Drives the [`Engine`] from its channels: control inputs (connections) and datastore
-//! batches, each burst applied in one step, plus a 10 ms tick while snapshots are admitted or
+//! batches, each burst applied in one step (datastore changes at most once per
+//! [`DATASTORE_GAP`], so that a fast datastore's changes are applied and flushed together), plus a 10 ms tick while snapshots are admitted or
 //! the realization gauges wait to be summed, and a 1 s tick while changed hit counters wait to be
 //! saved.
 
 use calc_graph::graph::Update;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::{Engine, Input};
 
 /// Inputs taken per step at most: a flood of connections still flushes regularly.
 const MAX_BURST: usize = 4096;
+
+/// Least time between two steps that apply datastore changes. A change after a quiet spell is
+/// applied at once; under churn the changes of the gap are applied as one batch and flushed
+/// once. A flush costs per node holding what changed (a label flip is an IP-set delta to every
+/// node holding the set), whether one change is in it or fifty, so this bounds the fan-out to
+/// agents by this rate rather than by the datastore's (inotify or an etcd watch can deliver
+/// thousands of single changes a second).
+pub(super) const DATASTORE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// When a datastore batch that arrived at `now` may be applied, the previous datastore step
+/// having been at `last`: `None` at once.
+fn datastore_wait(last: Option<Instant>, now: Instant) -> Option<Instant> {
+    let at = last? + DATASTORE_GAP;
+    (at > now).then_some(at)
+}
 
 /// Runs until both channels close or a Shutdown arrives.
 pub(crate) async fn run(
@@ -23,6 +40,8 @@ pub(crate) async fn run(
     let mut save_tick = tokio::time::interval(std::time::Duration::from_secs(1));
     save_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut datastore_open = true;
+    // When datastore changes were last applied.
+    let mut last_datastore: Option<Instant> = None;
     loop {
         let busy = engine.wants_tick();
         let saving = engine.wants_save_tick();
@@ -43,7 +62,13 @@ pub(crate) async fn run(
         // go first so that a connection is judged against the newest view of the cluster.
         let (mut batches, mut control_inputs) = (Vec::new(), Vec::new());
         match first {
-            Some(Input::Datastore(b)) => batches.push(Input::Datastore(b)),
+            Some(Input::Datastore(b)) => {
+                // Under churn, wait for the rest of the gap: what arrives meanwhile joins.
+                if let Some(at) = datastore_wait(last_datastore, Instant::now()) {
+                    tokio::time::sleep_until(at).await;
+                }
+                batches.push(Input::Datastore(b));
+            }
             Some(other) => control_inputs.push(other),
             None => {}
         }
@@ -59,9 +84,38 @@ pub(crate) async fn run(
                 Err(_) => break,
             }
         }
+        if !batches.is_empty() {
+            last_datastore = Some(Instant::now());
+        }
         let inputs = batches.into_iter().chain(control_inputs);
         if engine.step(inputs).stopped {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datastore_changes_wait_only_for_the_rest_of_the_gap() {
+        let t0 = Instant::now();
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(
+            datastore_wait(None, t0),
+            None,
+            "the first change goes at once"
+        );
+        assert_eq!(
+            datastore_wait(Some(t0), t0 + DATASTORE_GAP),
+            None,
+            "after a quiet gap, at once"
+        );
+        assert_eq!(
+            datastore_wait(Some(t0), t0 + ms(3)),
+            Some(t0 + DATASTORE_GAP),
+            "under churn, the rest of the gap"
+        );
     }
 }

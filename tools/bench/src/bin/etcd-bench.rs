@@ -10,11 +10,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use calc_graph::model::{Decoded, Resource};
+use bench_tools::etcd_store::{self, PREFIX};
 use clap::{Parser, Subcommand};
-use etcd_client::{Client, GetOptions, Txn, TxnOp};
-
-const PREFIX: &str = "/calico/resources/v3/projectcalico.org/";
+use etcd_client::{Client, GetOptions};
 
 #[derive(Parser)]
 #[command(
@@ -78,7 +76,7 @@ fn main() -> anyhow::Result<()> {
     // Checked before connecting: an empty or wrong directory is the user's mistake to hear about
     // first, whatever etcd's state.
     let files = match &cli.command {
-        Command::Load { dir, .. } => json_files(dir)?,
+        Command::Load { dir, .. } => etcd_store::json_files(dir)?,
         Command::List { .. } | Command::ColdStart { .. } => Vec::new(),
     };
     rt.block_on(async {
@@ -90,30 +88,13 @@ fn main() -> anyhow::Result<()> {
                 dir,
                 batch,
                 parallel,
-            } => load(client, &dir, files, batch.max(1), parallel.max(1)).await,
+            } => load(client, &dir, files, batch, parallel).await,
             Command::List { page_size, runs } => list(client, page_size, runs.max(1)).await,
             Command::ColdStart { page_size, runs } => {
                 cold_start(client, &cli.endpoints, page_size, runs.max(1)).await
             }
         }
     })
-}
-
-/// The `.json` files of a `gen-cluster` directory, sorted; none is an error.
-fn json_files(dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    anyhow::ensure!(
-        !files.is_empty(),
-        "{} holds no .json files: `load` reads a directory written by `calc-bench gen-cluster \
-         --out DIR` (JSON arrays of v3 objects)",
-        dir.display()
-    );
-    Ok(files)
 }
 
 async fn load(
@@ -123,58 +104,18 @@ async fn load(
     batch: usize,
     parallel: usize,
 ) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let (mut keys, mut bytes) = (0usize, 0usize);
-    let mut pending: Vec<(String, String)> = Vec::with_capacity(batch);
-    let mut inflight = tokio::task::JoinSet::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f)?;
-        let items: Vec<serde_json::Value> =
-            serde_json::from_str(&text).with_context(|| format!("{}", f.display()))?;
-        for v in items {
-            let value = serde_json::to_string(&v)?;
-            let key = match Resource::from_value(v) {
-                Ok(Decoded::Resource(key, _)) => key.etcd_path(),
-                _ => continue,
-            };
-            keys += 1;
-            bytes += value.len();
-            pending.push((key, value));
-            if pending.len() == batch {
-                if inflight.len() >= parallel
-                    && let Some(done) = inflight.join_next().await
-                {
-                    done??;
-                }
-                inflight.spawn(put_all(client.clone(), std::mem::take(&mut pending)));
-            }
-        }
-    }
-    if !pending.is_empty() {
-        inflight.spawn(put_all(client.clone(), pending));
-    }
-    while let Some(r) = inflight.join_next().await {
-        r??;
-    }
+    let loaded = etcd_store::load(&client, files, batch, parallel).await?;
     anyhow::ensure!(
-        keys > 0,
+        loaded.keys > 0,
         "{} holds no v3 objects Calico stores in etcd; nothing loaded",
         dir.display()
     );
     println!(
-        "loaded {keys} keys, {:.1} MiB of values, in {:.2} s",
-        bytes as f64 / 1048576.0,
-        started.elapsed().as_secs_f64()
+        "loaded {} keys, {:.1} MiB of values, in {:.2} s",
+        loaded.keys,
+        loaded.bytes as f64 / 1048576.0,
+        loaded.seconds
     );
-    Ok(())
-}
-
-async fn put_all(mut client: Client, kvs: Vec<(String, String)>) -> anyhow::Result<()> {
-    let ops: Vec<TxnOp> = kvs
-        .into_iter()
-        .map(|(k, v)| TxnOp::put(k, v, None))
-        .collect();
-    client.txn(Txn::new().and_then(ops)).await?;
     Ok(())
 }
 
