@@ -320,9 +320,7 @@ impl LabelIndex {
                     .iter()
                     .map(|kv| self.items_by_kv.get(kv).map_or(0, |s| s.len() as usize))
                     .sum(),
-                Restriction::HasKey(k) => {
-                    self.items_by_key.get(k).map_or(0, |s| s.len() as usize)
-                }
+                Restriction::HasKey(k) => self.items_by_key.get(k).map_or(0, |s| s.len() as usize),
                 Restriction::None => usize::MAX,
             };
             let score = if data_driven {

@@ -63,11 +63,7 @@ pub(super) fn emit<E>(
                 ("projectcalico.org/namespace", ns.as_str()),
                 ("projectcalico.org/orchestrator", "k8s"),
             ]);
-            let name = format!(
-                "{}-k8s-{}-eth0",
-                escape_segment(&node),
-                escape_segment(pod)
-            );
+            let name = format!("{}-k8s-{}-eth0", escape_segment(&node), escape_segment(pod));
             let spec = json!({
                 "orchestrator": "k8s",
                 "node": node,
@@ -79,7 +75,10 @@ pub(super) fn emit<E>(
             });
             sink(
                 Section::Workloads,
-                with_spec(object("WorkloadEndpoint", &name, Some(ns), meta_labels), spec),
+                with_spec(
+                    object("WorkloadEndpoint", &name, Some(ns), meta_labels),
+                    spec,
+                ),
             )?;
             k += 1;
         }
@@ -106,9 +105,7 @@ fn policies(ns: &str) -> [Value; 3] {
             },
         })
     };
-    let peer = |key: &str, value: &str| {
-        json!([{"from": [{"podSelector": {"matchLabels": {key: value}}}]}])
-    };
+    let peer = |key: &str, value: &str| json!([{"from": [{"podSelector": {"matchLabels": {key: value}}}]}]);
     [
         np("default-deny-all", json!({}), json!([])),
         np(

@@ -1788,8 +1788,13 @@ mod tests {
             .map(|o| o["spec"]["ipNetworks"][0].as_str().unwrap().to_string())
             .collect();
         assert_eq!(ips.len(), 16, "addresses are unique");
-        assert!(objects.iter().all(|o| o["kind"] != "WorkloadEndpoint"
-            || o["spec"]["node"].as_str().unwrap()["node-".len()..].parse::<usize>().unwrap() < 7));
+        assert!(objects.iter().all(|o| {
+            o["kind"] != "WorkloadEndpoint"
+                || o["spec"]["node"].as_str().unwrap()["node-".len()..]
+                    .parse::<usize>()
+                    .unwrap()
+                    < 7
+        }));
         // As Calico converts them: knp.default.<name>, the namespace's pods for `{}`, and the
         // np-1 peer a pod selector within the namespace.
         let keys: BTreeSet<String> = objects
@@ -1805,7 +1810,10 @@ mod tests {
             .iter()
             .find(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == "np-1")
             .unwrap();
-        assert_eq!(np1["spec"]["podSelector"]["matchLabels"]["app-1"], "scale-1");
+        assert_eq!(
+            np1["spec"]["podSelector"]["matchLabels"]["app-1"],
+            "scale-1"
+        );
         assert_eq!(np1["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
         let again = generate(&args);
         assert_eq!(objects, again, "deterministic");

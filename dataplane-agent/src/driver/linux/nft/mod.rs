@@ -1340,9 +1340,17 @@ fn map_elem_text(e: &serde_json::Value) -> String {
 pub(crate) fn remove_tables(runner: &mut dyn CommandRunner) -> Result<(), NftError> {
     let mut script = String::new();
     for fam in ["ip", "ip6"] {
-        let _ = writeln!(script, "add table {fam} {TABLE}\ndelete table {fam} {TABLE}");
+        let _ = writeln!(
+            script,
+            "add table {fam} {TABLE}\ndelete table {fam} {TABLE}"
+        );
     }
-    match run(runner, &["-f", "-"], Some(script.as_bytes()), "delete table") {
+    match run(
+        runner,
+        &["-f", "-"],
+        Some(script.as_bytes()),
+        "delete table",
+    ) {
         Err(NftError::Spawn(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         other => other.map(|_| ()),
     }
