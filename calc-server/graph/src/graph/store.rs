@@ -21,22 +21,9 @@ pub(super) struct Store {
 }
 
 impl Store {
-    /// Kinds whose resources are not kept here: the graph keeps their converted form only, a
-    /// second copy of every policy's rules would be most of the store (75k policies are
-    /// ~90 MB as resources).
+    /// Kinds whose resources are not kept here: the graph keeps their converted form only (a
+    /// policy's resource would be a third copy of its rules, beside its model and its update).
     pub(super) fn keeps_converted(kind: Kind) -> bool {
-        matches!(
-            kind,
-            Kind::WorkloadEndpoint
-                | Kind::HostEndpoint
-                | Kind::NetworkPolicy
-                | Kind::GlobalNetworkPolicy
-                | Kind::StagedNetworkPolicy
-                | Kind::StagedGlobalNetworkPolicy
-                | Kind::StagedKubernetesNetworkPolicy
-                | Kind::ClusterNetworkPolicy
-                | Kind::AdminNetworkPolicy
-                | Kind::BaselineAdminNetworkPolicy
-        )
+        matches!(kind, Kind::WorkloadEndpoint | Kind::HostEndpoint) || kind.is_policy()
     }
 }
