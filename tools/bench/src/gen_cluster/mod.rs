@@ -30,6 +30,8 @@
 //!   `<stem>-2.json`, `<stem>-3.json`, … It creates the directory, overwrites those files,
 //!   removes continuation files an earlier, larger run left, and leaves other files alone. It
 //!   streams object by object, so 100k endpoints need memory for only one object at a time.
+//! - `--shape antrea` writes Antrea's controller benchmark instead (module [`antrea`]): only
+//!   `namespaces`, `nodes` and `seed` apply.
 //! - Limits: `namespaces >= 1`, `nodes <= 1_000_000` (node IPs come from 172.16.0.0/12), and
 //!   `nodes × endpoints_per_node <= 2^23` (the 10.128.0.0/9 pool). [`run`] reports a breach as an
 //!   error and [`generate`] panics.
