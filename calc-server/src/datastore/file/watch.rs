@@ -1401,34 +1401,15 @@ mod tests {
     #[test]
     fn the_watcher_stops_when_cancelled_without_waiting_for_its_next_poll() {
         for mode in [FileWatch::Poll, FileWatch::Inotify] {
-            let dir = tempfile::tempdir().unwrap();
-            let (sink, mut rx) = tokio::sync::mpsc::channel(4);
-            let stop = CancellationToken::new();
-            let watcher = {
-                let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
-                // An hour between polls: only the cancel can end the wait.
-                let hour = Duration::from_secs(3600);
-                std::thread::spawn(move || {
-                    run(
-                        dir,
-                        Vec::new(),
-                        None,
-                        mode,
-                        hour,
-                        sink,
-                        Health::default(),
-                        &stop,
-                    )
-                })
-            };
-            let first = rx.blocking_recv().expect("the initial snapshot");
-            assert!(matches!(first.last(), Some(Update::InSync)));
+            // An hour between polls: only the cancel can end the wait.
+            let (mut r, first) = Running::start(mode, Duration::from_secs(3600), |_| {});
+            assert_eq!(first.last().map(String::as_str), Some("in-sync"));
             let cancelled = std::time::Instant::now();
-            stop.cancel();
-            watcher.join().unwrap();
+            r.stop.cancel();
+            r.thread.take().expect("running").join().unwrap();
             assert!(cancelled.elapsed() < Duration::from_secs(2), "{mode:?}");
-            // The receiver is still there: the cancel, not a closed sink, stopped it.
-            drop(rx);
+            // The receiver is still there (in `r`): the cancel, not a closed sink, stopped it.
+            drop(r);
         }
     }
 
