@@ -160,8 +160,8 @@ impl CalcGraph {
                 let key = Arc::new(res.key());
                 // Endpoints and policies are the bulk of a cluster: their converted form is kept
                 // (and compared for no-op updates) instead of the whole resource.
-                let endpoint = Store::keeps_converted(key.kind);
-                if !endpoint && self.store.resources.get(&key) == Some(&res) {
+                let converted = Store::keeps_converted(key.kind);
+                if !converted && self.store.resources.get(&key) == Some(&res) {
                     return Ok(());
                 }
                 self.install(key.clone(), &res)
@@ -169,7 +169,7 @@ impl CalcGraph {
                         key: (*key).clone(),
                         error: Box::new(error),
                     })?;
-                if !endpoint {
+                if !converted {
                     self.store.resources.insert(key, res);
                 }
                 Ok(())
@@ -178,8 +178,8 @@ impl CalcGraph {
     }
 
     fn delete(&mut self, key: Key) {
-        let endpoint = Store::keeps_converted(key.kind);
-        if !endpoint && self.store.resources.remove(&key).is_none() {
+        let converted = Store::keeps_converted(key.kind);
+        if !converted && self.store.resources.remove(&key).is_none() {
             return;
         }
         match key.kind {
