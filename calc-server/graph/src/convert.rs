@@ -554,19 +554,66 @@ fn split_nets(nets: &[String]) -> (Vec<String>, Vec<String>) {
     (v4, v6)
 }
 
+/// The ids an endpoint is sent under, which follow from its key alone: a workload endpoint's
+/// from its name (`<node>-<orchestrator>-<workload>-<endpoint>`, dashes inside a part doubled)
+/// and namespace, a host endpoint's from its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointIds {
+    Workload {
+        node: String,
+        orchestrator_id: String,
+        /// `<namespace>/<workload>`.
+        workload_id: String,
+        endpoint_id: String,
+    },
+    Host {
+        endpoint_id: String,
+    },
+}
+
+/// The ids of the endpoint of `key` ([`EndpointIds`]); `None` for another kind, or a workload
+/// endpoint name that does not split into four parts (such an endpoint is refused).
+pub fn endpoint_ids(key: &ResourceKey) -> Option<EndpointIds> {
+    match key.kind {
+        Kind::WorkloadEndpoint => workload_ids(key.namespace.as_deref(), &key.name),
+        Kind::HostEndpoint => Some(EndpointIds::Host {
+            endpoint_id: key.name.clone(),
+        }),
+        _ => None,
+    }
+}
+
+fn workload_ids(namespace: Option<&str>, name: &str) -> Option<EndpointIds> {
+    let mut parts = split_dashed_name(name, 4)?.into_iter();
+    let mut next = || parts.next();
+    let (node, orchestrator_id, workload, endpoint_id) = (next()?, next()?, next()?, next()?);
+    Some(EndpointIds::Workload {
+        node,
+        orchestrator_id,
+        workload_id: format!("{}/{workload}", namespace.unwrap_or("default")),
+        endpoint_id,
+    })
+}
+
 /// Converts a WorkloadEndpoint. `Ok(None)` when Calico filters it out (no IP networks yet).
 pub fn convert_workload_endpoint(
     meta: &ObjectMeta,
     spec: &WorkloadEndpointSpec,
 ) -> Result<Option<EndpointModel>, ConvertError> {
-    let ns = meta.namespace.as_deref().unwrap_or("default");
-    let parts = split_dashed_name(&meta.name, 4)
-        .ok_or_else(|| ConvertError::EndpointName(meta.name.clone()))?;
+    let Some(EndpointIds::Workload {
+        node,
+        orchestrator_id,
+        workload_id,
+        endpoint_id,
+    }) = workload_ids(meta.namespace.as_deref(), &meta.name)
+    else {
+        return Err(ConvertError::EndpointName(meta.name.clone()));
+    };
     // Felix keys the endpoint by the node in its name; a spec that disagrees is a mistake.
-    if !spec.node.is_empty() && spec.node != parts[0] {
+    if !spec.node.is_empty() && spec.node != node {
         return Err(ConvertError::EndpointNode {
             spec: spec.node.clone(),
-            in_name: parts[0].clone(),
+            in_name: node,
         });
     }
     if spec.ip_networks.is_empty() {
@@ -597,22 +644,22 @@ pub fn convert_workload_endpoint(
         }
     }
     Ok(Some(EndpointModel {
-        node: parts[0].clone(),
+        node,
         labels,
         profile_ids: spec.profiles.clone(),
         ipv4_nets,
         ipv6_nets,
         ports: named_ports(&spec.ports),
         kind: EndpointKind::Workload {
-            orchestrator_id: parts[1].clone(),
-            workload_id: format!("{ns}/{}", parts[2]),
+            orchestrator_id,
+            workload_id,
             generate_name: meta
                 .generate_name
                 .as_deref()
                 .filter(|g| is_name_prefix(g))
                 .unwrap_or_default()
                 .to_string(),
-            endpoint_id: parts[3].clone(),
+            endpoint_id,
             interface_name: spec.interface_name.clone(),
             mac: spec.mac.clone(),
             ipv4_nat,

@@ -13,11 +13,10 @@ use std::sync::Arc;
 
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
-use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::ids::SelectorOwner;
 use super::ipsets::IpSetState;
-use super::items::{EndpointState, NetSetState};
+use super::items::{EndpointState, KeySet, NetSetState};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::policies::{PolicyState, ProfileState};
 use super::{CalcGraph, Key, Name};
@@ -101,7 +100,7 @@ impl CalcGraph {
         let ekey = ep.key.clone();
         for (pkey, matched) in changes.iter() {
             if *matched {
-                ep.policies.insert(pkey.clone());
+                ep.policies.insert(pkey);
             } else {
                 ep.policies.remove(pkey);
             }
@@ -150,7 +149,7 @@ impl CalcGraph {
                         spec: spec.clone(),
                         selector: sel,
                         defined_refs: 1,
-                        members: FxHashMap::default(),
+                        members: Default::default(),
                     },
                 );
                 // Service sets have no label selector: their members come from EndpointSlices.
@@ -183,8 +182,8 @@ impl CalcGraph {
                 // The unmatch events above emptied it; whatever is left is released too.
                 if let Some(set) = self.ipsets.sets.remove(id) {
                     set.members
-                        .keys()
-                        .for_each(|m| self.ipsets.members.release(*m));
+                        .ids()
+                        .for_each(|m| self.ipsets.members.release(m));
                 }
             }
         }
@@ -464,7 +463,7 @@ impl CalcGraph {
                 key,
                 model,
                 node,
-                policies: FxHashSet::default(),
+                policies: KeySet::default(),
                 nets,
             }),
         );
@@ -749,6 +748,6 @@ mod tests {
         );
         let set = g.ipsets.sets.values().next().expect("one IP set");
         let mid = g.ipsets.members.existing("10.0.0.9/32").expect("interned");
-        assert_eq!(set.members.get(&mid), Some(&1));
+        assert_eq!(set.members.count(mid), 1);
     }
 }

@@ -9,11 +9,12 @@
 
 use std::sync::Arc;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use super::{Key, Name};
 use crate::convert::EndpointModel;
 use crate::label_index::ItemId;
+use crate::model::ResourceKey;
 
 #[derive(Default)]
 pub(super) struct Items {
@@ -29,11 +30,76 @@ pub(super) struct EndpointState {
     /// The converted endpoint without its labels, which the label index holds.
     pub(super) model: EndpointModel,
     pub(super) node: Name,
-    pub(super) policies: FxHashSet<Key>,
+    pub(super) policies: KeySet,
     /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
     pub(super) nets: Vec<Arc<str>>,
 }
 
 pub(super) struct NetSetState {
     pub(super) nets: Vec<Arc<str>>,
+}
+
+/// A small set of keys, sorted by value in a vector of its exact length: an endpoint is
+/// selected by a few to a few dozen policies, and a hash set's buckets and spare capacity took
+/// three times the room (this is per endpoint, so it counts at 100,000 endpoints).
+#[derive(Default)]
+pub(super) struct KeySet(Vec<Key>);
+
+impl KeySet {
+    /// Adds `key`; false if it was there.
+    pub(super) fn insert(&mut self, key: &Key) -> bool {
+        match self.0.binary_search_by(|k| (**k).cmp(key)) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.reserve_exact(1);
+                self.0.insert(at, key.clone());
+                true
+            }
+        }
+    }
+
+    /// Removes `key`; false if it was not there.
+    pub(super) fn remove(&mut self, key: &ResourceKey) -> bool {
+        match self.0.binary_search_by(|k| (**k).cmp(key)) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    pub(super) fn contains(&self, key: &ResourceKey) -> bool {
+        self.0.binary_search_by(|k| (**k).cmp(key)).is_ok()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Key> {
+        self.0.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Kind;
+
+    fn key(name: &str) -> Key {
+        Arc::new(ResourceKey::new(Kind::GlobalNetworkPolicy, None, name))
+    }
+
+    #[test]
+    fn a_key_set_holds_each_key_once_in_order() {
+        let mut s = KeySet::default();
+        assert!(s.insert(&key("b")));
+        assert!(s.insert(&key("a")));
+        assert!(s.insert(&key("c")));
+        // Equal by value, not by pointer: a policy's key is a new Arc after each update.
+        assert!(!s.insert(&key("a")));
+        assert!(s.contains(&key("c")));
+        assert!(s.remove(&key("b")));
+        assert!(!s.remove(&key("b")));
+        assert!(!s.contains(&key("b")));
+        let names: Vec<&str> = s.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+    }
 }

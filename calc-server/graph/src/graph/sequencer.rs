@@ -17,7 +17,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::messages::{msg, policy_id_proto, profile_messages};
 use super::{CalcGraph, Key, Name};
-use crate::convert::PolicyId;
+use crate::convert::{EndpointIds, PolicyId, endpoint_ids};
+use crate::model::ResourceKey;
 use crate::rule_scanner;
 
 /// A message shared by every node that receives it in one flush (encode once, send many).
@@ -41,9 +42,9 @@ pub(super) struct Subscription {
     /// The update each policy and profile was last sent in, to send only what changed.
     pub(super) policies: FxHashMap<Key, SharedMessage>,
     pub(super) profiles: FxHashMap<Name, SharedMessage>,
-    /// Per endpoint: the id its removal names and a fingerprint of the update last sent (the
-    /// id alone, not a whole removal message: a payload is sized for the largest update).
-    endpoints: FxHashMap<Key, (EndpointRemoval, u64)>,
+    /// Per endpoint: a fingerprint of the update last sent. The id its removal names is not
+    /// kept: it follows from the key ([`removal_for`]).
+    endpoints: FxHashMap<Key, u64>,
 }
 
 /// Keys of one node whose state may differ from what it was sent. A mark only says "look
@@ -399,16 +400,15 @@ impl CalcGraph {
             match current {
                 Some(m) => {
                     let print = fingerprint(&m, &mut cache.scratch);
-                    if sub.endpoints.get(&key).map(|(_, f)| *f) != Some(print) {
-                        if let Some(r) = removal_for(&m) {
-                            sub.endpoints.insert(key.clone(), (r, print));
-                        }
+                    if sub.endpoints.insert(key, print) != Some(print) {
                         batch.endpoint_updates.push(Arc::new(msg(m)));
                     }
                 }
                 None => {
-                    if let Some((r, _)) = sub.endpoints.remove(&key) {
-                        batch.endpoint_removes.push(Arc::new(msg(r.into_payload())));
+                    if sub.endpoints.remove(&key).is_some()
+                        && let Some(r) = removal_for(&key)
+                    {
+                        batch.endpoint_removes.push(Arc::new(msg(r)));
                     }
                 }
             }
@@ -443,8 +443,8 @@ impl CalcGraph {
         let set = self.ipsets.sets.get(id)?;
         let mut members: Vec<String> = set
             .members
-            .keys()
-            .map(|m| self.ipsets.members.get(*m).to_string())
+            .ids()
+            .map(|m| self.ipsets.members.get(m).to_string())
             .collect();
         members.sort_unstable();
         let m = Arc::new(msg(Payload::IpsetUpdate(pb::IpSetUpdate {
@@ -547,28 +547,29 @@ fn fingerprint(p: &Payload, scratch: &mut Vec<u8>) -> u64 {
     h.finish()
 }
 
-/// The id an endpoint's removal message names.
-pub(super) enum EndpointRemoval {
-    Workload(Option<pb::WorkloadEndpointId>),
-    Host(Option<pb::HostEndpointId>),
-}
-
-impl EndpointRemoval {
-    fn into_payload(self) -> Payload {
-        match self {
-            EndpointRemoval::Workload(id) => {
-                Payload::WorkloadEndpointRemove(pb::WorkloadEndpointRemove { id })
-            }
-            EndpointRemoval::Host(id) => Payload::HostEndpointRemove(pb::HostEndpointRemove { id }),
+/// The removal of the endpoint of `key`. The id it names follows from the key alone, as the
+/// id of every update sent for that key did (`convert::endpoint_ids`), so no node keeps a copy.
+fn removal_for(key: &ResourceKey) -> Option<Payload> {
+    match endpoint_ids(key)? {
+        EndpointIds::Workload {
+            orchestrator_id,
+            workload_id,
+            endpoint_id,
+            ..
+        } => Some(Payload::WorkloadEndpointRemove(
+            pb::WorkloadEndpointRemove {
+                id: Some(pb::WorkloadEndpointId {
+                    orchestrator_id,
+                    workload_id,
+                    endpoint_id,
+                }),
+            },
+        )),
+        EndpointIds::Host { endpoint_id } => {
+            Some(Payload::HostEndpointRemove(pb::HostEndpointRemove {
+                id: Some(pb::HostEndpointId { endpoint_id }),
+            }))
         }
-    }
-}
-
-fn removal_for(update: &Payload) -> Option<EndpointRemoval> {
-    match update {
-        Payload::WorkloadEndpointUpdate(u) => Some(EndpointRemoval::Workload(u.id.clone())),
-        Payload::HostEndpointUpdate(u) => Some(EndpointRemoval::Host(u.id.clone())),
-        _ => None,
     }
 }
 
@@ -698,6 +699,64 @@ mod tests {
                 "IpsetRemove"
             ]
         );
+    }
+
+    #[test]
+    fn a_removal_names_the_id_the_endpoint_was_sent_under() {
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        let key = apply(&mut g, wep("a", "node-1", "10.0.0.1", json!({}), json!([])));
+        g.apply(Update::InSync).unwrap();
+        let sent = flush_for(&mut g, "node-1");
+        let u = sent
+            .iter()
+            .find_map(|m| match m.payload.as_ref()? {
+                Payload::WorkloadEndpointUpdate(u) => Some(u.clone()),
+                _ => None,
+            })
+            .expect("the endpoint is sent");
+        g.apply(Update::Delete((*key).clone())).unwrap();
+        let out = flush_for(&mut g, "node-1");
+        let Some(Payload::WorkloadEndpointRemove(r)) = &out[0].payload else {
+            panic!("{out:?}")
+        };
+        assert_eq!(r.id, u.id);
+        assert_eq!(
+            u.id.as_ref().map(|id| id.workload_id.as_str()),
+            Some("ns/a")
+        );
+    }
+
+    #[test]
+    fn a_host_endpoint_that_moves_is_removed_from_its_old_node() {
+        let mut g = CalcGraph::new();
+        g.subscribe("node-1");
+        g.subscribe("node-2");
+        let mut hep = json!({
+            "apiVersion": "projectcalico.org/v3", "kind": "HostEndpoint",
+            "metadata": {"name": "eth0-host"},
+            "spec": {"node": "node-1", "interfaceName": "eth0", "expectedIPs": ["10.0.0.1"]}
+        });
+        apply(&mut g, hep.clone());
+        g.apply(Update::InSync).unwrap();
+        g.flush();
+
+        hep["spec"]["node"] = json!("node-2");
+        apply(&mut g, hep);
+        let out = g.flush();
+        let of = |n: &str| {
+            let batch = out.iter().find(|b| b.node == n).expect("a batch");
+            kinds(&batch.messages)
+        };
+        assert_eq!(of("node-1"), ["HostEndpointRemove"]);
+        assert_eq!(of("node-2"), ["HostEndpointUpdate"]);
+        let removed = out.iter().find(|b| b.node == "node-1").and_then(|b| {
+            match b.messages[0].payload.as_ref()? {
+                Payload::HostEndpointRemove(r) => Some(r.id.clone()?.endpoint_id),
+                _ => None,
+            }
+        });
+        assert_eq!(removed.as_deref(), Some("eth0-host"));
     }
 
     #[test]

@@ -222,14 +222,14 @@ impl<'g> GraphView<'g> {
             g.ipsets
                 .members
                 .existing(member)
-                .is_some_and(|m| set.members.contains_key(&m))
+                .is_some_and(|m| set.members.contains(m))
         })
     }
 
     pub fn ipset_members(self, id: &str) -> Option<impl Iterator<Item = &'g str> + 'g> {
         let g = self.g;
         let set = g.ipsets.sets.get(id)?;
-        Some(set.members.keys().map(move |m| &**g.ipsets.members.get(*m)))
+        Some(set.members.ids().map(move |m| &**g.ipsets.members.get(m)))
     }
 
     /// The configuration `node` is sent.
