@@ -27,6 +27,7 @@ pub mod flows_cmd;
 pub mod offline;
 mod pem;
 pub mod policies_cmd;
+pub mod recommend;
 pub mod serve;
 pub mod status;
 pub mod status_cmd;

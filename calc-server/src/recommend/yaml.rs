@@ -1,0 +1,146 @@
+//! A small YAML writer for JSON values (the recommendation's `--output yaml`): block style,
+//! one document per object separated by `---`, every string double-quoted in JSON's escaping
+//! (JSON strings are YAML double-quoted scalars, so no value can be read back as anything
+//! else: `"on"`, `"1"`, `"null"` stay strings), keys plain when they are plain words.
+
+use serde_json::Value;
+
+/// The documents, each started by `---`.
+pub fn documents(values: &[Value]) -> String {
+    let mut out = String::new();
+    for v in values {
+        out.push_str("---\n");
+        block(v, 0, &mut out);
+    }
+    out
+}
+
+/// One value as a block (a mapping or a sequence; a scalar on its own line).
+fn block(v: &Value, indent: usize, out: &mut String) {
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            for (k, val) in m {
+                pad(indent, out);
+                out.push_str(&key(k));
+                out.push(':');
+                after_key(val, indent, out);
+            }
+        }
+        Value::Array(a) if !a.is_empty() => {
+            for item in a {
+                pad(indent, out);
+                out.push('-');
+                after_dash(item, indent, out);
+            }
+        }
+        _ => {
+            pad(indent, out);
+            out.push_str(&scalar(v));
+            out.push('\n');
+        }
+    }
+}
+
+fn nested(v: &Value) -> bool {
+    match v {
+        Value::Object(m) => !m.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        _ => false,
+    }
+}
+
+fn after_key(val: &Value, indent: usize, out: &mut String) {
+    if nested(val) {
+        out.push('\n');
+        block(val, indent + 2, out);
+    } else {
+        out.push(' ');
+        out.push_str(&scalar(val));
+        out.push('\n');
+    }
+}
+
+fn after_dash(item: &Value, indent: usize, out: &mut String) {
+    match item {
+        Value::Object(m) if !m.is_empty() => {
+            // The first entry on the dash's line, the rest under it.
+            let mut inner = String::new();
+            block(item, indent + 2, &mut inner);
+            out.push(' ');
+            out.push_str(&inner[indent + 2..]);
+        }
+        Value::Array(a) if !a.is_empty() => {
+            out.push('\n');
+            block(item, indent + 2, out);
+        }
+        _ => {
+            out.push(' ');
+            out.push_str(&scalar(item));
+            out.push('\n');
+        }
+    }
+}
+
+fn pad(indent: usize, out: &mut String) {
+    out.extend(std::iter::repeat_n(' ', indent));
+}
+
+/// A key: plain when it is made of letters, digits, `.`, `/`, `_` and `-` and starts with a
+/// letter; else double-quoted.
+fn key(k: &str) -> String {
+    let plain = k.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '/' | '_' | '-'));
+    if plain {
+        k.to_string()
+    } else {
+        Value::String(k.to_string()).to_string()
+    }
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::Object(_) => "{}".into(),
+        Value::Array(_) => "[]".into(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn block_style_reads_back_as_the_same_value() {
+        let v = json!({
+            "apiVersion": "projectcalico.org/v3",
+            "kind": "StagedNetworkPolicy",
+            "metadata": {"name": "x", "annotations": {"a/b": "on", "weird key": "1\n2"}},
+            "spec": {
+                "types": ["Ingress", "Egress"],
+                "ingress": [{"action": "Allow", "destination": {"ports": [80, "http"]},
+                             "metadata": {"annotations": {}}}],
+                "egress": [],
+                "nested": [[1, 2], []],
+                "n": null, "t": true, "f": 1.5
+            }
+        });
+        let text = documents(&[v.clone(), json!({"k": "v"})]);
+        assert!(
+            text.starts_with("---\napiVersion: \"projectcalico.org/v3\"\n"),
+            "{text}"
+        );
+        assert!(text.contains("  - action: \"Allow\"\n"), "{text}");
+        assert!(text.contains("\"weird key\": \"1\\n2\""), "{text}");
+        // A YAML reader gets the values back (the same parser the manifest reader uses).
+        let docs: Vec<&str> = text.split("---\n").filter(|d| !d.is_empty()).collect();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(read(docs[0]), v);
+        assert_eq!(read(docs[1]), json!({"k": "v"}));
+    }
+
+    fn read(doc: &str) -> Value {
+        serde_saphyr::from_str(doc).unwrap()
+    }
+}
