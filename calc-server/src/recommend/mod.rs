@@ -383,7 +383,7 @@ fn selector_of(
 ) -> Option<String> {
     let mut parts = Vec::new();
     for (k, v) in labels {
-        if k.starts_with("projectcalico.org/") || REVISION_LABELS.contains(&k.as_str()) {
+        if calicos_own(k) || REVISION_LABELS.contains(&k.as_str()) {
             continue;
         }
         if !is_label_key(k) || !is_label_value(v) {
@@ -397,6 +397,13 @@ fn selector_of(
         parts.push(format!("{k} == '{v}'"));
     }
     (!parts.is_empty()).then(|| parts.join(" && "))
+}
+
+/// Calico's own labels: derived from the namespace, the service account or the profiles
+/// (`projectcalico.org/…`, and the `pcns.`/`pcsa.` copies of namespace and service-account
+/// labels): a selector names them through `namespaceSelector`, never directly.
+fn calicos_own(k: &str) -> bool {
+    k.starts_with("projectcalico.org/") || k.starts_with("pcns.") || k.starts_with("pcsa.")
 }
 
 fn intersect(into: &mut Option<BTreeMap<String, String>>, labels: &BTreeMap<String, String>) {

@@ -57,6 +57,7 @@
 pub mod flows;
 mod hits;
 mod realization;
+pub(crate) mod recommend;
 mod run;
 #[cfg(test)]
 mod tests;
@@ -463,6 +464,12 @@ pub(super) enum Input {
     /// `/status/policies`), the unused classification over all history (as `/status/unused`),
     /// and every policy's selector and place in evaluation order.
     PolicyBoard { reply: oneshot::Sender<PolicyBoard> },
+    /// A policy recommendation, or the staged policies' would-break lists, for a namespace
+    /// (`/recommend`, `/recommend/check`; `None`: flow logs are off; `Err`: the 400 text).
+    Recommend {
+        question: recommend::Question,
+        reply: oneshot::Sender<Option<Result<serde_json::Value, String>>>,
+    },
     /// The dataplane's own verdicts that counted something (`/status/verdicts`).
     Verdicts {
         reply: oneshot::Sender<Vec<VerdictHits>>,
@@ -1200,6 +1207,15 @@ impl Engine {
                     unused,
                     order: self.policy_order(),
                 });
+            }
+            Input::Recommend { question, reply } => {
+                let now = unix_seconds(self.wall);
+                let graph = &self.graph;
+                let answer = self
+                    .flows
+                    .as_mut()
+                    .map(|f| recommend::answer(graph, &mut f.store, &question, now));
+                let _ = reply.send(answer);
             }
             Input::Verdicts { reply } => {
                 let _ = reply.send(self.hits.verdicts());
