@@ -40,70 +40,11 @@ pub(crate) fn path(args: &RecommendArgs, ns: &str, check: bool) -> String {
     format!("/recommend?{}", q.join("&"))
 }
 
-/// Text for a `#` comment line: control characters (a newline would end the comment) shown
-/// as `?`.
+/// Text for a line of output: control characters shown as `?`.
 fn comment(s: &str) -> String {
     s.chars()
         .map(|c| if c.is_control() { '?' } else { c })
         .collect()
-}
-
-/// A `/recommend` answer as YAML: a header of comments (what was left out and why, notes),
-/// then one document per policy.
-pub(crate) fn render_yaml(answer: &Value) -> String {
-    let mut out = String::new();
-    let policies: Vec<Value> = answer["policies"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| p["object"].clone())
-        .collect();
-    out.push_str(&format!(
-        "# calc-server recommend: {} staged {} for namespace {}, from its flows.\n",
-        policies.len(),
-        if policies.len() == 1 {
-            "policy"
-        } else {
-            "policies"
-        },
-        comment(answer["namespace"].as_str().unwrap_or_default())
-    ));
-    let left: Vec<&Value> = answer["left_out"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .collect();
-    if !left.is_empty() {
-        out.push_str(&format!("# Left out ({} flows):\n", left.len()));
-        for l in left {
-            let f = &l["flow"];
-            let port = f["port"].as_i64().unwrap_or(0);
-            out.push_str(&comment(&format!(
-                "#   {} -> {} {}{} ({}, {}): {}",
-                f["source"].as_str().unwrap_or_default(),
-                f["dest"].as_str().unwrap_or_default(),
-                f["protocol"].as_str().unwrap_or_default(),
-                if port > 0 {
-                    format!("/{port}")
-                } else {
-                    String::new()
-                },
-                f["reporter"].as_str().unwrap_or_default(),
-                f["action"].as_str().unwrap_or_default(),
-                l["why"].as_str().unwrap_or_default(),
-            )));
-            out.push('\n');
-        }
-    }
-    for n in answer["notes"].as_array().into_iter().flatten() {
-        out.push_str(&comment(&format!(
-            "# Note: {}",
-            n.as_str().unwrap_or_default()
-        )));
-        out.push('\n');
-    }
-    out.push_str(&yaml::documents(&policies));
-    out
 }
 
 /// A `/recommend/check` answer as text, and whether any flow would break.
@@ -252,7 +193,7 @@ pub fn run(args: &RecommendArgs) -> anyhow::Result<ExitCode> {
         });
     }
     let text = match args.output {
-        RecommendOutput::Yaml => render_yaml(&answer),
+        RecommendOutput::Yaml => yaml::answer(&answer),
         RecommendOutput::Json => format!("{}\n", serde_json::to_string_pretty(&answer)?),
     };
     write(&text)?;
@@ -317,7 +258,7 @@ mod tests {
                                    "port": 80, "reporter": "dst", "action": "Allow"}}],
             "notes": ["label x"],
         });
-        let text = render_yaml(&answer);
+        let text = yaml::answer(&answer);
         assert_eq!(
             text,
             "# calc-server recommend: 1 staged policy for namespace shop, from its flows.\n\
