@@ -26,8 +26,10 @@
 //! selector; of another namespace with `namespaceSelector: projectcalico.org/name == '<ns>'`;
 //! a NetworkSet by its labels (a GlobalNetworkSet with `namespaceSelector: global()`), or by
 //! its nets when it has no labels. Each rule carries `metadata.annotations` naming the flows
-//! that justify it (`recommend.calc-server/flows`, at most 20, then how many more) and their
-//! count; each policy the group, the window and the number of flows.
+//! that justify it (`recommend.calc-server/flows`, at most 20, then how many more; the Service
+//! a flow went through is named there) and their count; each policy the group, the window and
+//! the number of flows. A flow to a workload of the namespace that only its source reported
+//! (the destination's node sends no flow logs) gives no ingress rule: the notes say so.
 //!
 //! # Guard rails
 //! - A flow the enforced policies denied is not allowed unless [`Options::include_denied`].
@@ -853,6 +855,30 @@ pub fn recommend(
         rule.ports.extend(port_key);
         rule.flows.push(flow);
     }
+    // Flows to a workload of the namespace that only their source reported: its ingress rules
+    // cannot include them (the destination's verdict is unknown).
+    let reported_by_dest: BTreeSet<(&str, &str, &str, &str, i64, &str)> = aggs
+        .keys()
+        .filter(|k| k.0 == Reporter::Dst as i32)
+        .map(|k| (k.1, k.2, k.4, k.5, k.7, k.8))
+        .collect();
+    let mut unreported: BTreeMap<&str, usize> = BTreeMap::new();
+    for (k, _) in aggs.iter().filter(|(k, _)| {
+        k.0 == Reporter::Src as i32
+            && k.4 == ns
+            && k.6 == EndpointType::WorkloadEndpoint as i32
+            && k.9 == Action::Allow as i32
+    }) {
+        if !reported_by_dest.contains(&(k.1, k.2, k.4, k.5, k.7, k.8)) {
+            *unreported.entry(k.5).or_default() += 1;
+        }
+    }
+    for (dest, n) in unreported {
+        notes.insert(format!(
+            "{n} flow(s) to {ns}/{} were reported only by their source: no ingress rule covers them (does the destination's node send flow logs?)",
+            clip(dest)
+        ));
+    }
     let mut out = Recommendation {
         namespace: ns.to_string(),
         tier: opts.tier.clone(),
@@ -1006,8 +1032,13 @@ fn rule_annotations(flows: &[SeenFlow]) -> Value {
         .iter()
         .take(FLOWS_PER_ANNOTATION)
         .map(|f| {
+            let via = if f.service.is_empty() {
+                String::new()
+            } else {
+                format!(" via service {}", f.service)
+            };
             format!(
-                "{} ({}, {} intervals, {} packets)",
+                "{}{via} ({}, {} intervals, {} packets)",
                 f.line(),
                 f.reporter,
                 f.samples,

@@ -414,6 +414,45 @@ fn what_is_left_out_is_listed_with_the_reason() {
 }
 
 #[test]
+fn services_are_named_and_unreported_destinations_noted() {
+    let mut flows = three_tier_flows();
+    // web reached api through its Service (both reports name it).
+    for f in flows.iter_mut() {
+        let k = f.key.as_mut().unwrap();
+        if k.dest_name.starts_with("api-") && k.source_name.starts_with("web-") {
+            k.dest_service_name = "api".into();
+            k.dest_service_namespace = "shop".into();
+            k.dest_service_port = 80;
+        }
+    }
+    // A flow to db whose node sent nothing: only web's report.
+    flows.push(record(
+        Reporter::Src,
+        &web(),
+        &db(),
+        "tcp",
+        6379,
+        Action::Allow,
+        1000,
+    ));
+    let r = recommend(&flows, &inventory(), &opts()).unwrap();
+    let api = by_name(&r, "recommended-api");
+    assert_eq!(
+        api["spec"]["ingress"][0]["metadata"]["annotations"]["recommend.calc-server/flows"],
+        "shop/web-7d9f8c6b5-* -> shop/api-5c8f7b9d4-* tcp/8080 via service shop/api (dst, 2 intervals, 20 packets)"
+    );
+    assert_eq!(r.policies[0].rules[0].flows[0].service, "shop/api");
+    assert!(
+        r.notes.contains(&"1 flow(s) to shop/db-0 were reported only by their source: no ingress rule covers them (does the destination's node send flow logs?)".to_string()),
+        "{:?}",
+        r.notes
+    );
+    // Its egress side is still recommended.
+    let web = by_name(&r, "recommended-web");
+    assert!(web["spec"]["egress"].to_string().contains("6379"), "{web}");
+}
+
+#[test]
 fn include_denied_allows_what_the_enforced_policy_denied() {
     let r = recommend(
         &three_tier_flows(),
