@@ -314,10 +314,11 @@ pub(in crate::serve::console) async fn recommend_index(RawQuery(query): RawQuery
         ))
         .into_response();
     }
-    html(
-        StatusCode::OK,
-        recommend_page(RecommendForm::default(), None).render(),
-    )
+    let form = RecommendForm {
+        since: "3600".into(),
+        ..Default::default()
+    };
+    html(StatusCode::OK, recommend_page(form, None).render())
 }
 
 /// `/ui/recommend/<namespace>`.
