@@ -623,7 +623,8 @@ fn side_group(s: &Side<'_>) -> GroupKey {
 }
 
 /// The selector of a group: one label for a label group; else the labels all its pods share
-/// (from the inventory, or from the flows when none of its pods is left).
+/// (from the inventory, or from the flows when none of its pods is left). Worked out once per
+/// group ([`Selectors`]).
 fn group_selector(
     key: &GroupKey,
     inventory: Option<&GroupInfo>,
@@ -637,6 +638,31 @@ fn group_selector(
             let labels = inventory.and_then(|i| i.common.as_ref()).or(from_flows)?;
             selector_of(labels, what, notes)
         }
+    }
+}
+
+/// Each group's selector, worked out once.
+struct Selectors<'i> {
+    groups: &'i BTreeMap<(&'i str, GroupKey), GroupInfo>,
+    from_flows: BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>>,
+    known: BTreeMap<(String, GroupKey), Option<String>>,
+}
+
+impl Selectors<'_> {
+    fn get(&mut self, ns: &str, g: &GroupKey, notes: &mut BTreeSet<String>) -> Option<String> {
+        let key = (ns.to_string(), g.clone());
+        if let Some(s) = self.known.get(&key) {
+            return s.clone();
+        }
+        let sel = group_selector(
+            g,
+            self.groups.get(&(ns, g.clone())),
+            self.from_flows.get(&key).and_then(Option::as_ref),
+            &format!("{} group {}", clip(ns), clip(&g.describe())),
+            notes,
+        );
+        self.known.insert(key, sel.clone());
+        sel
     }
 }
 
@@ -685,6 +711,11 @@ pub fn recommend(
             );
         }
     }
+    let mut selectors = Selectors {
+        groups: &groups,
+        from_flows: peer_flow_labels,
+        known: BTreeMap::new(),
+    };
     for (key, a) in &aggs {
         let src = Side {
             namespace: key.1,
@@ -735,32 +766,14 @@ pub fn recommend(
         };
         let own_group = side_group(own);
         let own_info = groups.get(&(ns, own_group.clone()));
-        if group_selector(
-            &own_group,
-            own_info,
-            peer_flow_labels
-                .get(&(ns.to_string(), own_group.clone()))
-                .and_then(Option::as_ref),
-            &format!("{ns}/{}", own.name),
-            &mut notes,
-        )
-        .is_none()
-        {
+        if selectors.get(ns, &own_group, &mut notes).is_none() {
             leave(Reason::WorkloadWithoutLabels);
             continue;
         }
         let peer_rule = match peer.kind {
             EndpointType::WorkloadEndpoint => {
                 let g = side_group(peer);
-                let sel = group_selector(
-                    &g,
-                    groups.get(&(peer.namespace, g.clone())),
-                    peer_flow_labels
-                        .get(&(peer.namespace.to_string(), g.clone()))
-                        .and_then(Option::as_ref),
-                    &format!("{}/{}", peer.namespace, peer.name),
-                    &mut notes,
-                );
+                let sel = selectors.get(peer.namespace, &g, &mut notes);
                 match sel {
                     Some(selector) if is_dns_label(peer.namespace) => Peer {
                         namespace_selector: if peer.namespace == ns {
@@ -886,17 +899,7 @@ pub fn recommend(
     };
     let mut used_names = BTreeSet::new();
     for (group, acc) in policies {
-        let what = format!("{ns} group {}", group.describe());
-        let from_flows = peer_flow_labels
-            .get(&(ns.to_string(), group.clone()))
-            .and_then(Option::as_ref);
-        let Some(selector) = group_selector(
-            &group,
-            groups.get(&(ns, group.clone())),
-            from_flows,
-            &what,
-            &mut notes,
-        ) else {
+        let Some(selector) = selectors.get(ns, &group, &mut notes) else {
             continue;
         };
         let name = policy_name(&opts.tier, group.base_name(), &mut used_names, &mut notes);
