@@ -14,7 +14,10 @@
 //! one owner, named by their `generateName` (a ReplicaSet's `web-7d9f8c6b5-` is the
 //! Deployment `web`: the `pod-template-hash` is cut; a StatefulSet's `db-0` is `db`),
 //! selected by the labels all of them share, less the per-revision ones (`pod-template-hash`,
-//! `controller-revision-hash`, …) and Calico's own `projectcalico.org/…`. A flow's side is put
+//! `controller-revision-hash`, …) and Calico's own `projectcalico.org/…`. A label group's
+//! selector leaves out pods grouped by an earlier label that carry its label too
+//! (`&& !has(app.kubernetes.io/name)`, only when the inventory holds one); a selector that
+//! still selects another group's pods is named in the notes. A flow's side is put
 //! in a group the same way, from the labels and the aggregated name (`web-7d9f8c6b5-*`) the
 //! flow carries.
 //!
@@ -644,25 +647,94 @@ fn group_selector(
 /// Each group's selector, worked out once.
 struct Selectors<'i> {
     groups: &'i BTreeMap<(&'i str, GroupKey), GroupInfo>,
+    /// The inventory's pods by namespace, with their group.
+    pods: BTreeMap<&'i str, Vec<(&'i Pod, GroupKey)>>,
     from_flows: BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>>,
     known: BTreeMap<(String, GroupKey), Option<String>>,
 }
 
-impl Selectors<'_> {
+impl<'i> Selectors<'i> {
+    fn new(
+        inventory: &'i Inventory,
+        groups: &'i BTreeMap<(&'i str, GroupKey), GroupInfo>,
+        from_flows: BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>>,
+    ) -> Selectors<'i> {
+        let mut pods: BTreeMap<&str, Vec<(&Pod, GroupKey)>> = BTreeMap::new();
+        for p in &inventory.pods {
+            pods.entry(p.namespace.as_str())
+                .or_default()
+                .push((p, group_key(&p.labels, &p.generate_name, &p.name)));
+        }
+        Selectors {
+            groups,
+            pods,
+            from_flows,
+            known: BTreeMap::new(),
+        }
+    }
+
     fn get(&mut self, ns: &str, g: &GroupKey, notes: &mut BTreeSet<String>) -> Option<String> {
         let key = (ns.to_string(), g.clone());
         if let Some(s) = self.known.get(&key) {
             return s.clone();
         }
-        let sel = group_selector(
+        let what = format!("{} group {}", clip(ns), clip(&g.describe()));
+        let mut sel = group_selector(
             g,
             self.groups.get(&(ns, g.clone())),
             self.from_flows.get(&key).and_then(Option::as_ref),
-            &format!("{} group {}", clip(ns), clip(&g.describe())),
+            &what,
             notes,
         );
+        if let Some(text) = &mut sel {
+            self.narrow(ns, g, text, &what, notes);
+        }
         self.known.insert(key, sel.clone());
         sel
+    }
+
+    /// A label group's selector excludes the pods grouped by an earlier label that carry its
+    /// label too (`app == 'web' && !has(app.kubernetes.io/name)`, only when such a pod
+    /// exists); a selector that still selects pods of other groups is noted.
+    fn narrow(
+        &self,
+        ns: &str,
+        g: &GroupKey,
+        text: &mut String,
+        what: &str,
+        notes: &mut BTreeSet<String>,
+    ) {
+        let pods = self.pods.get(ns).map(Vec::as_slice).unwrap_or_default();
+        if let GroupKey::Label(k, v) = g {
+            let earlier: Vec<&str> = GROUP_LABELS
+                .iter()
+                .copied()
+                .take_while(|e| e != k)
+                .collect();
+            let shadowed = pods
+                .iter()
+                .any(|(p, pg)| pg != g && p.labels.get(*k) == Some(v));
+            if shadowed {
+                for e in earlier {
+                    text.push_str(&format!(" && !has({e})"));
+                }
+            }
+        }
+        let Ok(parsed) = calc_graph::selector::parse(text) else {
+            return;
+        };
+        let others: Vec<&str> = pods
+            .iter()
+            .filter(|(p, pg)| pg != g && parsed.evaluate(&p.labels))
+            .map(|(p, _)| p.name.as_str())
+            .collect();
+        if let Some(first) = others.first() {
+            notes.insert(format!(
+                "{what}: its selector also selects {} pod(s) of other groups (such as {}); they get this policy's rules too",
+                others.len(),
+                clip(first)
+            ));
+        }
     }
 }
 
@@ -711,11 +783,7 @@ pub fn recommend(
             );
         }
     }
-    let mut selectors = Selectors {
-        groups: &groups,
-        from_flows: peer_flow_labels,
-        known: BTreeMap::new(),
-    };
+    let mut selectors = Selectors::new(inventory, &groups, peer_flow_labels);
     for (key, a) in &aggs {
         let src = Side {
             namespace: key.1,

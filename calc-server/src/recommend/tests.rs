@@ -453,6 +453,55 @@ fn services_are_named_and_unreported_destinations_noted() {
 }
 
 #[test]
+fn overlapping_groups_are_told_apart_or_noted() {
+    let mut inv = inventory();
+    // A pod named by app.kubernetes.io/name that also carries app=web: web's selector leaves
+    // it out. And a pod of another owner with db's labels and more: noted.
+    inv.pods.push(pod(
+        "shop",
+        "admin-1",
+        "",
+        &[("app.kubernetes.io/name", "admin"), ("app", "web")],
+        &[],
+    ));
+    inv.pods.push(pod(
+        "shop",
+        "backup-1",
+        "",
+        &[("role", "db"), ("tier", "data"), ("job", "backup")],
+        &[],
+    ));
+    let r = recommend(&three_tier_flows(), &inv, &opts()).unwrap();
+    let web = by_name(&r, "recommended-web");
+    assert_eq!(
+        web["spec"]["selector"],
+        "app == 'web' && !has(app.kubernetes.io/name)"
+    );
+    // The rule peers use the same selector.
+    let api = by_name(&r, "recommended-api");
+    assert_eq!(
+        api["spec"]["ingress"][0]["source"]["selector"],
+        "app == 'web' && !has(app.kubernetes.io/name)"
+    );
+    assert!(
+        r.notes.contains(&"shop group owner db: its selector also selects 1 pod(s) of other groups (such as backup-1); they get this policy's rules too".to_string()),
+        "{:?}",
+        r.notes
+    );
+    // Without such pods, no exclusion and no note.
+    let plain = recommend(&three_tier_flows(), &inventory(), &opts()).unwrap();
+    assert_eq!(
+        by_name(&plain, "recommended-web")["spec"]["selector"],
+        "app == 'web'"
+    );
+    assert!(
+        plain.notes.iter().all(|n| !n.contains("also selects")),
+        "{:?}",
+        plain.notes
+    );
+}
+
+#[test]
 fn include_denied_allows_what_the_enforced_policy_denied() {
     let r = recommend(
         &three_tier_flows(),
