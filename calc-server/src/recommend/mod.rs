@@ -14,7 +14,8 @@
 //! one owner, named by their `generateName` (a ReplicaSet's `web-7d9f8c6b5-` is the
 //! Deployment `web`: the `pod-template-hash` is cut; a StatefulSet's `db-0` is `db`),
 //! selected by the labels all of them share, less the per-revision ones (`pod-template-hash`,
-//! `controller-revision-hash`, …) and Calico's own `projectcalico.org/…`. A label group's
+//! `controller-revision-hash`, …) and Calico's own (`projectcalico.org/…`, and the `pcns.`/
+//! `pcsa.` copies of namespace and service-account labels). A label group's
 //! selector leaves out pods grouped by an earlier label that carry its label too
 //! (`&& !has(app.kubernetes.io/name)`, only when the inventory holds one); a selector that
 //! still selects another group's pods is named in the notes. A flow's side is put

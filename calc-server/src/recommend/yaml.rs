@@ -5,6 +5,9 @@
 
 use serde_json::Value;
 
+/// Left-out flows listed in the YAML header; `--output json` has them all.
+const LEFT_OUT_LINES: usize = 100;
+
 /// The documents, each started by `---`.
 pub fn documents(values: &[Value]) -> String {
     let mut out = String::new();
@@ -141,7 +144,12 @@ pub fn answer(answer: &Value) -> String {
         .collect();
     if !left.is_empty() {
         out.push_str(&format!("# Left out ({} flows):\n", left.len()));
-        for l in left {
+        if left.len() > LEFT_OUT_LINES {
+            out.push_str(&format!(
+                "#   (the first {LEFT_OUT_LINES}; --output json lists every one)\n"
+            ));
+        }
+        for l in left.into_iter().take(LEFT_OUT_LINES) {
             let f = &l["flow"];
             let port = f["port"].as_i64().unwrap_or(0);
             out.push_str(&comment(&format!(
@@ -204,6 +212,25 @@ mod tests {
         assert_eq!(docs.len(), 2);
         assert_eq!(read(docs[0]), v);
         assert_eq!(read(docs[1]), json!({"k": "v"}));
+    }
+
+    #[test]
+    fn the_header_lists_at_most_a_hundred_left_out_flows() {
+        let left: Vec<Value> = (0..150)
+            .map(|i| {
+                json!({"why": "w", "flow": {"source": format!("a/{i}"), "dest": "b/c",
+                        "protocol": "tcp", "port": 1, "reporter": "src", "action": "Allow"}})
+            })
+            .collect();
+        let text = answer(&json!({"namespace": "a", "policies": [], "left_out": left}));
+        assert!(
+            text.contains(
+                "# Left out (150 flows):\n#   (the first 100; --output json lists every one)\n"
+            ),
+            "{text}"
+        );
+        assert_eq!(text.matches("-> b/c").count(), 100);
+        assert!(text.contains("a/99 ->") && !text.contains("a/100 ->"));
     }
 
     fn read(doc: &str) -> Value {
