@@ -749,203 +749,271 @@ pub fn recommend(
     opts.check()?;
     let ns = opts.namespace.as_str();
     let groups = index(inventory);
-    let mut notes = BTreeSet::new();
+    let aggs = aggregate(flows);
+    let mut cx = Context {
+        ns,
+        groups: &groups,
+        netsets: inventory
+            .network_sets
+            .iter()
+            .map(|s| ((s.namespace.as_deref().unwrap_or("-"), s.name.as_str()), s))
+            .collect(),
+        selectors: Selectors::new(inventory, &groups, flow_group_labels(&aggs)),
+        notes: BTreeSet::new(),
+    };
     let mut left_out = Vec::new();
     let mut policies: BTreeMap<GroupKey, PolicyAcc> = BTreeMap::new();
-    let netsets: BTreeMap<(&str, &str), &NetworkSet> = inventory
-        .network_sets
-        .iter()
-        .map(|s| ((s.namespace.as_deref().unwrap_or("-"), s.name.as_str()), s))
-        .collect();
-    let aggs = aggregate(flows);
-    // Flow labels of groups with no pod left, gathered first so every flow sees all of them.
-    let mut peer_flow_labels: BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>> =
-        BTreeMap::new();
     for (key, a) in &aggs {
-        for (namespace, name, kind, labels) in [
-            (key.1, key.2, key.3, a.src_labels),
-            (key.4, key.5, key.6, a.dst_labels),
-        ] {
-            if kind != EndpointType::WorkloadEndpoint as i32 {
-                continue;
-            }
-            let side = Side {
-                namespace,
-                name,
-                kind: EndpointType::WorkloadEndpoint,
-                labels: labels.unwrap_or_default(),
-            };
-            let g = side_group(&side);
-            intersect(
-                peer_flow_labels
-                    .entry((namespace.to_string(), g))
-                    .or_default(),
-                &flow_labels(side.labels),
-            );
-        }
-    }
-    let mut selectors = Selectors::new(inventory, &groups, peer_flow_labels);
-    for (key, a) in &aggs {
-        let src = Side {
-            namespace: key.1,
-            name: key.2,
-            kind: EndpointType::try_from(key.3).unwrap_or(EndpointType::Unspecified),
-            labels: a.src_labels.unwrap_or_default(),
-        };
-        let dst = Side {
-            namespace: key.4,
-            name: key.5,
-            kind: EndpointType::try_from(key.6).unwrap_or(EndpointType::Unspecified),
-            labels: a.dst_labels.unwrap_or_default(),
-        };
         let egress = key.0 == Reporter::Src as i32;
+        let (src, dst) = sides(key, a);
         let (own, peer) = if egress { (&src, &dst) } else { (&dst, &src) };
         if own.namespace != ns || own.kind != EndpointType::WorkloadEndpoint {
             continue; // another namespace's policy
         }
         let flow = seen(key, a);
-        let mut leave = |reason: Reason| {
-            left_out.push(LeftOut {
+        match cx.rule_of(key, &flow, egress, own, peer, opts) {
+            Ok((own_group, peer_rule, proto, port)) => {
+                let acc = policies.entry(own_group).or_default();
+                acc.flows += 1;
+                let rule = acc.rules.entry((egress, peer_rule, proto)).or_default();
+                rule.ports.extend(port);
+                rule.flows.push(flow);
+            }
+            Err(reason) => left_out.push(LeftOut {
                 reason,
                 why: reason.text(),
-                flow: flow.clone(),
-            })
+                flow,
+            }),
+        }
+    }
+    note_unreported(&aggs, ns, &mut cx.notes);
+    let mut out = Recommendation {
+        namespace: ns.to_string(),
+        tier: opts.tier.clone(),
+        ..Default::default()
+    };
+    let mut used_names = BTreeSet::new();
+    for (group, acc) in policies {
+        let Some(selector) = cx.selectors.get(ns, &group, &mut cx.notes) else {
+            continue;
         };
+        let name = policy_name(
+            &opts.tier,
+            group.base_name(),
+            &mut used_names,
+            &mut cx.notes,
+        );
+        let (object, rules) = policy_object(&name, &group, &selector, acc, opts);
+        if let Err(why) = valid(&object) {
+            cx.notes
+                .insert(format!("{name}: dropped, not a valid policy: {why}"));
+            continue;
+        }
+        out.policies.push(RecommendedPolicy {
+            name,
+            group: group.describe(),
+            selector,
+            object,
+            rules,
+        });
+    }
+    left_out.sort_by(|a, b| left_key(a).cmp(&left_key(b)));
+    out.policies.sort_by(|a, b| a.name.cmp(&b.name));
+    out.left_out = left_out;
+    out.notes = cx.notes.into_iter().collect();
+    Ok(out)
+}
+
+/// The order of left-out flows: by reason, then the flow.
+fn left_key(l: &LeftOut) -> (Reason, &str, &str, i64, &str, &str, &str) {
+    let f = &l.flow;
+    (
+        l.reason,
+        &f.source,
+        &f.dest,
+        f.port,
+        &f.protocol,
+        &f.reporter,
+        &f.action,
+    )
+}
+
+/// The order of the flows behind a rule.
+fn flow_key(f: &SeenFlow) -> (&str, &str, i64, &str, &str) {
+    (&f.source, &f.dest, f.port, &f.protocol, &f.reporter)
+}
+
+/// The two sides of a flow key.
+fn sides<'a>(key: &AggKey<'a>, a: &Agg<'a>) -> (Side<'a>, Side<'a>) {
+    let kind = |k: i32| EndpointType::try_from(k).unwrap_or(EndpointType::Unspecified);
+    (
+        Side {
+            namespace: key.1,
+            name: key.2,
+            kind: kind(key.3),
+            labels: a.src_labels.unwrap_or_default(),
+        },
+        Side {
+            namespace: key.4,
+            name: key.5,
+            kind: kind(key.6),
+            labels: a.dst_labels.unwrap_or_default(),
+        },
+    )
+}
+
+/// The labels every flow gives each workload group (namespace, group), for groups none of
+/// whose pods is in the inventory any more.
+fn flow_group_labels(
+    aggs: &BTreeMap<AggKey<'_>, Agg<'_>>,
+) -> BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>> {
+    let mut out: BTreeMap<(String, GroupKey), Option<BTreeMap<String, String>>> = BTreeMap::new();
+    for (key, a) in aggs {
+        let (src, dst) = sides(key, a);
+        for side in [src, dst] {
+            if side.kind != EndpointType::WorkloadEndpoint {
+                continue;
+            }
+            let g = side_group(&side);
+            intersect(
+                out.entry((side.namespace.to_string(), g)).or_default(),
+                &flow_labels(side.labels),
+            );
+        }
+    }
+    out
+}
+
+/// What one call of [`recommend`] works with.
+struct Context<'i> {
+    ns: &'i str,
+    groups: &'i BTreeMap<(&'i str, GroupKey), GroupInfo>,
+    netsets: BTreeMap<(&'i str, &'i str), &'i NetworkSet>,
+    selectors: Selectors<'i>,
+    notes: BTreeSet<String>,
+}
+
+impl Context<'_> {
+    /// The group, peer, protocol and port of the rule a flow of the namespace calls for, or
+    /// why it is left out.
+    fn rule_of(
+        &mut self,
+        key: &AggKey<'_>,
+        flow: &SeenFlow,
+        egress: bool,
+        own: &Side<'_>,
+        peer: &Side<'_>,
+        opts: &Options,
+    ) -> Result<(GroupKey, Peer, String, Option<PortKey>), Reason> {
         let allowed = key.9 == Action::Allow as i32;
         let denied = key.9 == Action::Deny as i32;
         if !(allowed || (denied && opts.include_denied)) {
-            leave(Reason::DeniedByEnforcedPolicy);
-            continue;
+            return Err(Reason::DeniedByEnforcedPolicy);
         }
         if flow.samples < opts.min_samples {
-            leave(Reason::TooFewSamples);
-            continue;
+            return Err(Reason::TooFewSamples);
         }
-        let Some((proto, has_ports)) = protocol(key.8) else {
-            leave(Reason::UnsupportedProtocol);
-            continue;
-        };
+        let (proto, has_ports) = protocol(key.8).ok_or(Reason::UnsupportedProtocol)?;
         let port = match u16::try_from(key.7) {
             Ok(p) if p > 0 => Some(p),
-            _ if has_ports => {
-                leave(Reason::UnsupportedProtocol);
-                continue;
-            }
+            _ if has_ports => return Err(Reason::UnsupportedProtocol),
             _ => None,
         };
         let own_group = side_group(own);
-        let own_info = groups.get(&(ns, own_group.clone()));
-        if selectors.get(ns, &own_group, &mut notes).is_none() {
-            leave(Reason::WorkloadWithoutLabels);
-            continue;
+        if self
+            .selectors
+            .get(self.ns, &own_group, &mut self.notes)
+            .is_none()
+        {
+            return Err(Reason::WorkloadWithoutLabels);
         }
-        let peer_rule = match peer.kind {
-            EndpointType::WorkloadEndpoint => {
-                let g = side_group(peer);
-                let sel = selectors.get(peer.namespace, &g, &mut notes);
-                match sel {
-                    Some(selector) if is_dns_label(peer.namespace) => Peer {
-                        namespace_selector: if peer.namespace == ns {
-                            String::new()
-                        } else {
-                            format!("projectcalico.org/name == '{}'", peer.namespace)
-                        },
-                        selector,
-                        nets: Vec::new(),
-                    },
-                    _ => {
-                        leave(Reason::PeerWithoutLabels);
-                        continue;
-                    }
-                }
-            }
-            EndpointType::NetworkSet => {
-                let set = netsets.get(&(peer.namespace, peer.name)).copied();
-                let labels = set.map_or_else(|| flow_labels(peer.labels), |s| s.labels.clone());
-                let global = peer.namespace == "-";
-                let sel = selector_of(
-                    &labels,
-                    &format!("NetworkSet {}/{}", peer.namespace, peer.name),
-                    &mut notes,
-                );
-                match (sel, set) {
-                    (Some(selector), _) if global || is_dns_label(peer.namespace) => Peer {
-                        namespace_selector: if global {
-                            "global()".into()
-                        } else if peer.namespace == ns {
-                            String::new()
-                        } else {
-                            format!("projectcalico.org/name == '{}'", peer.namespace)
-                        },
-                        selector,
-                        nets: Vec::new(),
-                    },
-                    (None, Some(s)) if !s.nets.is_empty() && s.nets.iter().all(|n| is_net(n)) => {
-                        Peer {
-                            namespace_selector: String::new(),
-                            selector: String::new(),
-                            nets: s.nets.clone(),
-                        }
-                    }
-                    _ => {
-                        leave(Reason::PeerWithoutLabels);
-                        continue;
-                    }
-                }
-            }
-            EndpointType::HostEndpoint => {
-                leave(Reason::HostEndpoint);
-                continue;
-            }
-            _ => {
-                leave(Reason::UnnamedAddress);
-                continue;
-            }
-        };
+        let peer_rule = self.peer(peer)?;
         if peer_rule.too_wide() {
-            // Never reached with the selectors built above; kept as the last word.
-            leave(Reason::PeerWithoutLabels);
-            continue;
+            // Never reached with the selectors built here; kept as the last word.
+            return Err(Reason::PeerWithoutLabels);
         }
-        // Named port: the destination group's pods all call it by one name.
-        let port_key = port.map(|p| {
-            let dest_info = if egress {
-                if peer.kind == EndpointType::WorkloadEndpoint {
-                    groups.get(&(peer.namespace, side_group(peer)))
-                } else {
-                    None
-                }
-            } else {
-                own_info
-            };
+        // A named port: the destination group's pods all call it by one name.
+        let dest_info = if !egress {
+            self.groups.get(&(self.ns, own_group.clone()))
+        } else if peer.kind == EndpointType::WorkloadEndpoint {
+            self.groups.get(&(peer.namespace, side_group(peer)))
+        } else {
+            None
+        };
+        let port = port.map(|p| {
             let names = dest_info.and_then(|i| i.ports.get(&(key.8.to_ascii_lowercase(), p)));
-            match names {
-                Some(n) if n.len() == 1 => {
-                    let name = n.iter().next().cloned().unwrap_or_default();
-                    if is_dns_label(&name) && name.len() <= 15 {
-                        PortKey::Name(name)
-                    } else {
-                        PortKey::Number(p)
-                    }
+            match names.map(|n| n.iter().collect::<Vec<_>>()).as_deref() {
+                Some([name]) if is_dns_label(name) && name.len() <= 15 => {
+                    PortKey::Name((*name).clone())
                 }
                 _ => PortKey::Number(p),
             }
         });
-        let acc = policies.entry(own_group).or_default();
-        acc.flows += 1;
-        let rule = acc.rules.entry((egress, peer_rule, proto)).or_default();
-        rule.ports.extend(port_key);
-        rule.flows.push(flow);
+        Ok((own_group, peer_rule, proto, port))
     }
-    // Flows to a workload of the namespace that only their source reported: its ingress rules
-    // cannot include them (the destination's verdict is unknown).
+
+    /// The rule's peer for the other side of a flow.
+    fn peer(&mut self, peer: &Side<'_>) -> Result<Peer, Reason> {
+        let namespace_selector = |ns: &str| {
+            if ns == self.ns {
+                String::new()
+            } else {
+                format!("projectcalico.org/name == '{ns}'")
+            }
+        };
+        match peer.kind {
+            EndpointType::WorkloadEndpoint => {
+                let g = side_group(peer);
+                match self.selectors.get(peer.namespace, &g, &mut self.notes) {
+                    Some(selector) if is_dns_label(peer.namespace) => Ok(Peer {
+                        namespace_selector: namespace_selector(peer.namespace),
+                        selector,
+                        nets: Vec::new(),
+                    }),
+                    _ => Err(Reason::PeerWithoutLabels),
+                }
+            }
+            EndpointType::NetworkSet => {
+                let set = self.netsets.get(&(peer.namespace, peer.name)).copied();
+                let labels = set.map_or_else(|| flow_labels(peer.labels), |s| s.labels.clone());
+                let global = peer.namespace == "-";
+                let what = format!("NetworkSet {}/{}", clip(peer.namespace), clip(peer.name));
+                match (selector_of(&labels, &what, &mut self.notes), set) {
+                    (Some(selector), _) if global || is_dns_label(peer.namespace) => Ok(Peer {
+                        namespace_selector: if global {
+                            "global()".into()
+                        } else {
+                            namespace_selector(peer.namespace)
+                        },
+                        selector,
+                        nets: Vec::new(),
+                    }),
+                    (None, Some(s)) if !s.nets.is_empty() && s.nets.iter().all(|n| is_net(n)) => {
+                        Ok(Peer {
+                            namespace_selector: String::new(),
+                            selector: String::new(),
+                            nets: s.nets.clone(),
+                        })
+                    }
+                    _ => Err(Reason::PeerWithoutLabels),
+                }
+            }
+            EndpointType::HostEndpoint => Err(Reason::HostEndpoint),
+            _ => Err(Reason::UnnamedAddress),
+        }
+    }
+}
+
+/// Notes the workloads of the namespace that allowed flows reached with only their source
+/// reporting: no ingress rule can include those (the destination's verdict is unknown).
+fn note_unreported(aggs: &BTreeMap<AggKey<'_>, Agg<'_>>, ns: &str, notes: &mut BTreeSet<String>) {
     let reported_by_dest: BTreeSet<(&str, &str, &str, &str, i64, &str)> = aggs
         .keys()
         .filter(|k| k.0 == Reporter::Dst as i32)
         .map(|k| (k.1, k.2, k.4, k.5, k.7, k.8))
         .collect();
     let mut unreported: BTreeMap<&str, usize> = BTreeMap::new();
-    for (k, _) in aggs.iter().filter(|(k, _)| {
+    for k in aggs.keys().filter(|k| {
         k.0 == Reporter::Src as i32
             && k.4 == ns
             && k.6 == EndpointType::WorkloadEndpoint as i32
@@ -961,128 +1029,89 @@ pub fn recommend(
             clip(dest)
         ));
     }
-    let mut out = Recommendation {
-        namespace: ns.to_string(),
-        tier: opts.tier.clone(),
-        ..Default::default()
-    };
-    let mut used_names = BTreeSet::new();
-    for (group, acc) in policies {
-        let Some(selector) = selectors.get(ns, &group, &mut notes) else {
-            continue;
-        };
-        let name = policy_name(&opts.tier, group.base_name(), &mut used_names, &mut notes);
-        let mut ingress = Vec::new();
-        let mut egress = Vec::new();
-        let mut rules = Vec::new();
-        for ((is_egress, peer, proto), mut r) in acc.rules {
-            r.flows.sort_by(|a, b| {
-                (&a.source, &a.dest, a.port, &a.protocol, &a.reporter).cmp(&(
-                    &b.source,
-                    &b.dest,
-                    b.port,
-                    &b.protocol,
-                    &b.reporter,
-                ))
-            });
-            let mut rule = Map::new();
-            rule.insert("action".into(), json!("Allow"));
-            rule.insert("protocol".into(), json!(proto_value(&proto)));
-            let mut dest = if is_egress { peer.entity() } else { Map::new() };
-            if !r.ports.is_empty() {
-                let ports: Vec<Value> = r
-                    .ports
-                    .iter()
-                    .map(|p| match p {
-                        PortKey::Number(n) => json!(n),
-                        PortKey::Name(s) => json!(s),
-                    })
-                    .collect();
-                dest.insert("ports".into(), Value::Array(ports));
-            }
-            if !is_egress {
-                rule.insert("source".into(), Value::Object(peer.entity()));
-            }
-            if !dest.is_empty() {
-                rule.insert("destination".into(), Value::Object(dest));
-            }
-            rule.insert(
-                "metadata".into(),
-                json!({"annotations": rule_annotations(&r.flows)}),
-            );
-            let rule = Value::Object(rule);
-            let list = if is_egress { &mut egress } else { &mut ingress };
-            rules.push(RuleEvidence {
-                direction: if is_egress { "egress" } else { "ingress" },
-                index: list.len(),
-                rule: rule.clone(),
-                flows: r.flows,
-            });
-            list.push(rule);
-        }
-        let mut spec = Map::new();
-        spec.insert("stagedAction".into(), json!("Set"));
-        spec.insert("tier".into(), json!(opts.tier));
-        spec.insert("selector".into(), json!(selector));
-        spec.insert("types".into(), json!(["Ingress", "Egress"]));
-        if !ingress.is_empty() {
-            spec.insert("ingress".into(), Value::Array(ingress));
-        }
-        if !egress.is_empty() {
-            spec.insert("egress".into(), Value::Array(egress));
-        }
-        let object = json!({
-            "apiVersion": "projectcalico.org/v3",
-            "kind": "StagedNetworkPolicy",
-            "metadata": {
-                "name": name,
-                "namespace": ns,
-                "annotations": {
-                    format!("{ANNOTATION_PREFIX}/group"): group.describe(),
-                    format!("{ANNOTATION_PREFIX}/window"): opts.window,
-                    format!("{ANNOTATION_PREFIX}/flows"): acc.flows.to_string(),
-                },
-            },
-            "spec": Value::Object(spec),
-        });
-        if let Err(why) = valid(&object) {
-            notes.insert(format!("{name}: dropped, not a valid policy: {why}"));
-            continue;
-        }
-        // Egress rules first in the evidence would not match the object's order: ingress first.
-        rules.sort_by_key(|r| (r.direction != "ingress", r.index));
-        out.policies.push(RecommendedPolicy {
-            name,
-            group: group.describe(),
-            selector,
-            object,
-            rules,
-        });
+}
+
+/// One rule: `Allow`, the protocol, the peer on its side, the ports, the flows behind it.
+fn rule_object(egress: bool, peer: &Peer, proto: &str, r: &RuleAcc) -> Value {
+    let mut rule = Map::new();
+    rule.insert("action".into(), json!("Allow"));
+    rule.insert("protocol".into(), proto_value(proto));
+    let mut dest = if egress { peer.entity() } else { Map::new() };
+    if !r.ports.is_empty() {
+        let ports: Vec<Value> = r
+            .ports
+            .iter()
+            .map(|p| match p {
+                PortKey::Number(n) => json!(n),
+                PortKey::Name(s) => json!(s),
+            })
+            .collect();
+        dest.insert("ports".into(), Value::Array(ports));
     }
-    left_out.sort_by(|a, b| {
-        (
-            a.reason,
-            &a.flow.source,
-            &a.flow.dest,
-            a.flow.port,
-            &a.flow.protocol,
-            &a.flow.reporter,
-            &a.flow.action,
-        )
-            .cmp(&(
-                b.reason,
-                &b.flow.source,
-                &b.flow.dest,
-                b.flow.port,
-                &b.flow.protocol,
-                &b.flow.reporter,
-                &b.flow.action,
-            ))
+    if !egress {
+        rule.insert("source".into(), Value::Object(peer.entity()));
+    }
+    if !dest.is_empty() {
+        rule.insert("destination".into(), Value::Object(dest));
+    }
+    rule.insert(
+        "metadata".into(),
+        json!({"annotations": rule_annotations(&r.flows)}),
+    );
+    Value::Object(rule)
+}
+
+/// A group's `StagedNetworkPolicy` and the flows behind each of its rules (ingress first, in
+/// the object's order).
+fn policy_object(
+    name: &str,
+    group: &GroupKey,
+    selector: &str,
+    acc: PolicyAcc,
+    opts: &Options,
+) -> (Value, Vec<RuleEvidence>) {
+    let mut ingress = Vec::new();
+    let mut egress = Vec::new();
+    let mut rules = Vec::new();
+    // Keys sort ingress (false) before egress.
+    for ((is_egress, peer, proto), mut r) in acc.rules {
+        r.flows.sort_by(|a, b| flow_key(a).cmp(&flow_key(b)));
+        let rule = rule_object(is_egress, &peer, &proto, &r);
+        let list = if is_egress { &mut egress } else { &mut ingress };
+        rules.push(RuleEvidence {
+            direction: if is_egress { "egress" } else { "ingress" },
+            index: list.len(),
+            rule: rule.clone(),
+            flows: r.flows,
+        });
+        list.push(rule);
+    }
+    let mut spec = Map::new();
+    spec.insert("stagedAction".into(), json!("Set"));
+    spec.insert("tier".into(), json!(opts.tier));
+    spec.insert("selector".into(), json!(selector));
+    spec.insert("types".into(), json!(["Ingress", "Egress"]));
+    if !ingress.is_empty() {
+        spec.insert("ingress".into(), Value::Array(ingress));
+    }
+    if !egress.is_empty() {
+        spec.insert("egress".into(), Value::Array(egress));
+    }
+    let object = json!({
+        "apiVersion": "projectcalico.org/v3",
+        "kind": "StagedNetworkPolicy",
+        "metadata": {
+            "name": name,
+            "namespace": opts.namespace,
+            "annotations": {
+                format!("{ANNOTATION_PREFIX}/group"): group.describe(),
+                format!("{ANNOTATION_PREFIX}/window"): opts.window,
+                format!("{ANNOTATION_PREFIX}/flows"): acc.flows.to_string(),
+            },
+        },
+        "spec": Value::Object(spec),
     });
-    out.policies.sort_by(|a, b| a.name.cmp(&b.name));
-    out.left_out = left_out;
-    out.notes = notes.into_iter().collect();
-    Ok(out)
+    (object, rules)
 }
 
 /// Calico's `protocol` value: a name, or a number.
