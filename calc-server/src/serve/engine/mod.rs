@@ -1209,6 +1209,8 @@ impl Engine {
                 });
             }
             Input::Recommend { question, reply } => {
+                let span = tracing::debug_span!("recommend", check = question.check);
+                let _enter = span.enter();
                 let now = unix_seconds(self.wall);
                 let graph = &self.graph;
                 let answer = self
