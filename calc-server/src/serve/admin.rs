@@ -710,8 +710,8 @@ pub(super) fn recommend_question(
     })
 }
 
-/// `/recommend` and `/recommend/check`: asked of the engine, which holds the flows and the
-/// graph.
+/// `/recommend` and `/recommend/check`: the engine gathers the records and the inventory (it
+/// holds the flows and the graph), the pure module answers on a blocking thread.
 pub(super) async fn recommend_answer(
     s: &AdminState,
     query: &str,
@@ -719,13 +719,38 @@ pub(super) async fn recommend_answer(
 ) -> Result<serde_json::Value, Response> {
     let question =
         recommend_question(query, check).map_err(|e| json_error(StatusCode::BAD_REQUEST, e))?;
+    let asked = question.clone();
     match ask(s, |reply| super::engine::Input::Recommend {
         question,
         reply,
     })
     .await
     {
-        Ok(Some(Ok(v))) => Ok(v),
+        Ok(Some(Ok(gathered))) => {
+            // The work itself, off the engine and the async workers, holding a query slot
+            // again so that no more than the cap of them run at once.
+            let Ok(slot) = s.bounds.queries.clone().try_acquire_owned() else {
+                s.metrics.admin_refused("busy");
+                return Err(json_error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many questions in flight (--admin-max-concurrent-queries); retry shortly"
+                        .into(),
+                ));
+            };
+            let answer = tokio::task::spawn_blocking(move || {
+                let _slot = slot;
+                super::engine::recommend::answer(&asked, &gathered)
+            })
+            .await;
+            match answer {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(json_error(StatusCode::BAD_REQUEST, e)),
+                Err(e) => Err(json_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the recommendation failed: {e}"),
+                )),
+            }
+        }
         Ok(Some(Err(e))) => Err(json_error(StatusCode::BAD_REQUEST, e)),
         Ok(None) => Err(json_error(
             StatusCode::NOT_FOUND,

@@ -464,11 +464,12 @@ pub(super) enum Input {
     /// `/status/policies`), the unused classification over all history (as `/status/unused`),
     /// and every policy's selector and place in evaluation order.
     PolicyBoard { reply: oneshot::Sender<PolicyBoard> },
-    /// A policy recommendation, or the staged policies' would-break lists, for a namespace
-    /// (`/recommend`, `/recommend/check`; `None`: flow logs are off; `Err`: the 400 text).
+    /// What a policy recommendation, or the staged policies' would-break lists, for a
+    /// namespace are made from (`/recommend`, `/recommend/check`; `None`: flow logs are off;
+    /// `Err`: the 400 text).
     Recommend {
         question: recommend::Question,
-        reply: oneshot::Sender<Option<Result<serde_json::Value, String>>>,
+        reply: oneshot::Sender<Option<Result<recommend::Gathered, String>>>,
     },
     /// The dataplane's own verdicts that counted something (`/status/verdicts`).
     Verdicts {
@@ -1216,7 +1217,7 @@ impl Engine {
                 let answer = self
                     .flows
                     .as_mut()
-                    .map(|f| recommend::answer(graph, &mut f.store, &question, now));
+                    .map(|f| recommend::gather(graph, &mut f.store, &question, now));
                 let _ = reply.send(answer);
             }
             Input::Verdicts { reply } => {

@@ -2,9 +2,10 @@
 //! namespace over a window from the flow store (per 15 s interval, so each key's intervals
 //! count as samples), reads the inventory the recommendation needs from the graph (the pods
 //! of the namespaces those flows name, with their labels, `generateName` and named ports;
-//! every network set) or the namespace's staged policies, and hands both to the pure
-//! [`crate::recommend`] module. Answered on the engine's task, after the datastore batches
-//! queued before the question, like `/explain`.
+//! every network set) or the namespace's staged policies ([`gather`], on the engine's task,
+//! after the datastore batches queued before the question, like `/explain`); the admin
+//! endpoint then hands them to the pure [`crate::recommend`] module on a blocking thread
+//! ([`answer`]), so the engine is held only for the copies.
 
 use std::collections::BTreeSet;
 
@@ -27,28 +28,55 @@ pub(crate) struct Question {
     pub check: bool,
 }
 
-/// Answers `q` from the graph and the flow store. The error is the 400 answer's text.
-pub(super) fn answer(
+/// What the engine gathers for a question: the window's records and, for a recommendation,
+/// the inventory, for a check the namespace's staged policies.
+#[derive(Debug)]
+pub(crate) struct Gathered {
+    flows: Vec<Flow>,
+    inventory: Inventory,
+    staged: Vec<StagedRef>,
+}
+
+/// Gathers what `q` needs from the graph and the flow store (on the engine's task: only
+/// copies). The error is the 400 answer's text.
+pub(super) fn gather(
     graph: &CalcGraph,
     store: &mut FlowStore,
     q: &Question,
     now: i64,
-) -> Result<Value, String> {
+) -> Result<Gathered, String> {
     q.options.check().map_err(|e| e.to_string())?;
     let ns = q.options.namespace.as_str();
     let flows = window_flows(store, ns, q.since, now)?;
     let view = graph.view();
+    Ok(if q.check {
+        Gathered {
+            staged: staged_in(view, ns),
+            inventory: Inventory::default(),
+            flows,
+        }
+    } else {
+        Gathered {
+            inventory: inventory(view, &flows),
+            staged: Vec::new(),
+            flows,
+        }
+    })
+}
+
+/// The answer to `q` from what was gathered: the pure recommendation or check, off the
+/// engine's task (the admin endpoint runs it on a blocking thread).
+pub(crate) fn answer(q: &Question, g: &Gathered) -> Result<Value, String> {
+    let ns = q.options.namespace.as_str();
     if q.check {
-        let staged = staged_in(view, ns);
-        let rows = recommend::check(&flows, ns, &staged);
+        let rows = recommend::check(&g.flows, ns, &g.staged);
         return Ok(json!({
             "namespace": ns,
-            "flows": flows.len(),
+            "flows": g.flows.len(),
             "policies": rows,
         }));
     }
-    let inventory = inventory(view, &flows);
-    let r = recommend::recommend(&flows, &inventory, &q.options).map_err(|e| e.to_string())?;
+    let r = recommend::recommend(&g.flows, &g.inventory, &q.options).map_err(|e| e.to_string())?;
     serde_json::to_value(&r).map_err(|e| e.to_string())
 }
 
