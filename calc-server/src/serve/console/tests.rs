@@ -439,12 +439,33 @@ async fn the_console_needs_the_admin_credentials() {
     let token = dir.path().join("token");
     std::fs::write(&token, "0123456789abcdef0123").unwrap();
     let c = console(cluster(), Some(token));
-    for path in ["/ui/", "/ui/nodes", "/ui/policies", "/ui/static/console.js"] {
+    for path in [
+        "/ui/",
+        "/ui/nodes",
+        "/ui/policies",
+        "/ui/static/console.js",
+        "/ui/recommend/shop",
+    ] {
         let a = get(&c, path).await;
         assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{path}");
         assert_console_headers(&a, path);
         let a = call(&c, Method::GET, path, Some("0123456789abcdef0123")).await;
         assert_eq!(a.status, StatusCode::OK, "{path}");
+    }
+    // The JSON recommendation paths sit behind the same check.
+    for path in [
+        "/recommend?namespace=shop",
+        "/recommend/check?namespace=shop",
+    ] {
+        let a = get(&c, path).await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{path}");
+        let a = call(&c, Method::GET, path, Some("0123456789abcdef0123")).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}: {}", a.body);
+        assert!(
+            a.body.contains("\"namespace\":\"shop\""),
+            "{path}: {}",
+            a.body
+        );
     }
     let a = get(&c, "/readiness").await;
     assert_eq!(a.status, StatusCode::OK, "probes stay open");
