@@ -89,9 +89,14 @@ fn pad(indent: usize, out: &mut String) {
 }
 
 /// A key: plain when it is made of letters, digits, `.`, `/`, `_` and `-` and starts with a
-/// letter; else double-quoted.
+/// letter, and is no word a YAML 1.1 reader (kubectl's) takes for a boolean or null; else
+/// double-quoted.
 fn key(k: &str) -> String {
+    const WORDS: [&str; 11] = [
+        "y", "n", "yes", "no", "on", "off", "true", "false", "null", "nan", "inf",
+    ];
     let plain = k.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && !WORDS.contains(&k.to_ascii_lowercase().as_str())
         && k.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '/' | '_' | '-'));
     if plain {
@@ -212,6 +217,12 @@ mod tests {
         assert_eq!(docs.len(), 2);
         assert_eq!(read(docs[0]), v);
         assert_eq!(read(docs[1]), json!({"k": "v"}));
+    }
+
+    #[test]
+    fn keys_a_yaml_1_1_reader_would_misread_are_quoted() {
+        let text = documents(&[json!({"on": 1, "No": 2, "only": 3, "y": 4})]);
+        assert_eq!(text, "---\n\"No\": 2\n\"on\": 1\nonly: 3\n\"y\": 4\n");
     }
 
     #[test]
