@@ -1,7 +1,10 @@
 //! A small YAML writer for JSON values (the recommendation's `--output yaml`): block style,
 //! one document per object separated by `---`, every string double-quoted in JSON's escaping
 //! (JSON strings are YAML double-quoted scalars, so no value can be read back as anything
-//! else: `"on"`, `"1"`, `"null"` stay strings), keys plain when they are plain words.
+//! else: `"on"`, `"1"`, `"null"` stay strings), keys plain when they are plain words (and not
+//! `on`, `no`, … which YAML 1.1 readers such as kubectl's take for booleans). [`answer`] writes
+//! a `/recommend` answer: a header of `#` comments (the flows left out and why, at most 100,
+//! and the notes), then the policies.
 
 use serde_json::Value;
 
