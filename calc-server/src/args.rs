@@ -680,6 +680,80 @@ pub struct FlowsArgs {
     pub follow: bool,
 }
 
+// `calc-server recommend`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RecommendArgs {
+    /// The server's admin address (`--admin-listen` of serve), as host:port, http://host:port
+    /// or https://host:port. The server must run with --flow-logs.
+    #[arg(long, env = "CALC_SERVER_ADMIN", default_value = DEFAULT_ADMIN)]
+    pub server: String,
+    /// TLS and token for an admin endpoint that requires them.
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+    /// The namespace whose workloads get policies (or whose staged policies --check judges).
+    /// Required, except with --promote --file.
+    #[arg(long, env = "CALC_SERVER_RECOMMEND_NAMESPACE", value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Only flows of this window back from now (e.g. `30m`, `1h`; units d, h, m, s). Default:
+    /// all the server keeps (about an hour).
+    #[arg(long, env = "CALC_SERVER_RECOMMEND_SINCE", value_name = "DURATION", value_parser = parse_window)]
+    pub since: Option<Duration>,
+    /// Output: YAML documents ready for `kubectl apply -f` or the YAML datastore directory
+    /// (what was left out, as comments at the top), or the whole answer as JSON (with the flows
+    /// behind each rule). With --check: `yaml` prints one line per staged policy and break.
+    #[arg(
+        long,
+        env = "CALC_SERVER_RECOMMEND_OUTPUT",
+        value_enum,
+        default_value = "yaml"
+    )]
+    pub output: RecommendOutput,
+    /// The tier of the recommended policies; outside `default` their names get the `<tier>.`
+    /// prefix Calico requires. The tier must exist before the policies are applied.
+    #[arg(
+        long,
+        env = "CALC_SERVER_RECOMMEND_TIER",
+        default_value = "default",
+        value_name = "TIER"
+    )]
+    pub tier: String,
+    /// Also allow flows the enforced policies denied (by default they are left out and listed).
+    #[arg(long, env = "CALC_SERVER_RECOMMEND_INCLUDE_DENIED")]
+    pub include_denied: bool,
+    /// Leave out flows seen in fewer 15-second intervals than this.
+    #[arg(
+        long,
+        env = "CALC_SERVER_RECOMMEND_MIN_SAMPLES",
+        default_value_t = 1,
+        value_name = "N"
+    )]
+    pub min_samples: u32,
+    /// Instead of recommending: for each staged policy of the namespace, the flows of the
+    /// window the enforced policies allow and it would deny (what enforcing it would break).
+    /// Exits 0 when there are none, 1 when some flow would break.
+    #[arg(long, env = "CALC_SERVER_RECOMMEND_CHECK", conflicts_with_all = ["promote", "include_denied", "tier", "min_samples"])]
+    pub check: bool,
+    /// Instead of recommending: print the enforced NetworkPolicy (GlobalNetworkPolicy) of each
+    /// staged policy: those in --file, else those the server recommends now.
+    #[arg(long, env = "CALC_SERVER_RECOMMEND_PROMOTE")]
+    pub promote: bool,
+    /// With --promote: the staged policies to promote (files or directories of manifests, as
+    /// applied); with --namespace only those of that namespace.
+    #[arg(
+        long,
+        env = "CALC_SERVER_RECOMMEND_FILE",
+        value_name = "PATH",
+        requires = "promote"
+    )]
+    pub file: Vec<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RecommendOutput {
+    Yaml,
+    Json,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum FlowAction {
     Allow,

@@ -13,6 +13,8 @@
 //!   [`offline`]: the other commands;
 //! - [`flows`]: the flow aggregator's store (Goldmane's queries over 15 s buckets), pure; fed
 //!   by the engine (`serve --flow-logs`) and listed by [`flows_cmd`] through `/flows`;
+//! - [`recommend`]: policy recommendations from flows, the would-break check and promotion,
+//!   pure; asked of the engine through `/recommend` by [`recommend_cmd`] and the console;
 //!
 //! The benchmark tools (cluster generator, graph and sync benchmarks, etcd-bench) are the
 //! `bench-tools` crate (`tools/bench`), which uses this library.
@@ -27,6 +29,8 @@ pub mod flows_cmd;
 pub mod offline;
 mod pem;
 pub mod policies_cmd;
+pub mod recommend;
+pub mod recommend_cmd;
 pub mod serve;
 pub mod status;
 pub mod status_cmd;

@@ -2,7 +2,8 @@
 //! dispatch); the commands are in the `calc_server` library.
 //!
 //! Subcommands: `serve` (the Sync stream), `status`, `policies` (unused policies and rules, from
-//! a running server's hit counters), `compute` (the stream a node would receive), `explain`
+//! a running server's hit counters), `flows`, `recommend` (staged policies from a namespace's
+//! flows, their would-break check, promotion), `compute` (the stream a node would receive), `explain`
 //! (why traffic is allowed or denied), the offline tools (selector
 //! evaluation and normalisation, manifest validation). The benchmarks are the separate
 //! `calc-bench` tool (`tools/bench`), not commands of the server.
@@ -11,8 +12,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use calc_server::args::{ComputeArgs, ExplainArgs, FlowsArgs, PoliciesArgs, ServeArgs, StatusArgs};
-use calc_server::{compute, explain_cmd, flows_cmd, offline, policies_cmd, serve, status_cmd};
+use calc_server::args::{
+    ComputeArgs, ExplainArgs, FlowsArgs, PoliciesArgs, RecommendArgs, ServeArgs, StatusArgs,
+};
+use calc_server::{
+    compute, explain_cmd, flows_cmd, offline, policies_cmd, recommend_cmd, serve, status_cmd,
+};
 use clap::{Parser, Subcommand};
 use common::LogFormat;
 
@@ -77,6 +82,15 @@ enum Command {
     /// --flow-logs): one line per flow with both sides, port, action, packets and bytes and
     /// the rule that decided (--trace: the whole trace).
     Flows(FlowsArgs),
+    /// Recommend least-privilege StagedNetworkPolicies for a namespace from the flows a
+    /// running server aggregated (serve --flow-logs), one per workload group, each rule
+    /// annotated with the flows behind it; --check: what each staged policy of the namespace
+    /// would break (flows it denies that the enforced policies allow; exit 1 if any);
+    /// --promote: the enforced NetworkPolicy of each staged policy.
+    #[command(
+        override_usage = "calc-server recommend --server <ADMIN> --namespace <NS> [--since <DURATION>] [--output yaml|json] [--tier <T>] [--include-denied] [--min-samples <N>]\n       calc-server recommend --server <ADMIN> --namespace <NS> --check [--since <DURATION>] [--output yaml|json]\n       calc-server recommend --promote [--file <PATH>...] [--namespace <NS>] [--server <ADMIN>] [--output yaml|json]"
+    )]
+    Recommend(RecommendArgs),
     /// Debug Calico label selectors.
     #[command(subcommand)]
     Selector(SelectorCommand),
@@ -129,6 +143,7 @@ fn main() -> ExitCode {
         Command::Status(args) => status_cmd::run(&args),
         Command::Policies(args) => policies_cmd::run(&args),
         Command::Flows(args) => flows_cmd::run(&args),
+        Command::Recommend(args) => recommend_cmd::run(&args),
         Command::Selector(SelectorCommand::Eval { labels, selector }) => {
             offline::selector_eval(&labels, &selector)
         }

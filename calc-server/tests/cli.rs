@@ -721,3 +721,89 @@ fn compute_and_explain_use_the_last_good_version_a_server_keeps() {
         "{answer}"
     );
 }
+
+/// `recommend --promote --file`: the enforced kind of each staged policy in the files, ready to
+/// apply (and read back by the manifest reader); a staged deletion is not promoted, said on
+/// stderr; nothing to promote is an error. Without --namespace (and not promoting) it is a
+/// usage error, as is --check with a recommendation option.
+#[test]
+fn recommend_promotes_staged_policies_from_files() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "staged.yaml",
+        r#"apiVersion: projectcalico.org/v3
+kind: StagedNetworkPolicy
+metadata:
+  name: recommended-web
+  namespace: shop
+  annotations: {recommend.calc-server/group: app=web}
+spec:
+  stagedAction: Set
+  selector: app == 'web'
+  types: [Ingress, Egress]
+  ingress:
+  - action: Allow
+    protocol: TCP
+    source: {selector: app == 'lb'}
+    destination: {ports: [80]}
+    metadata: {annotations: {recommend.calc-server/count: "1"}}
+---
+apiVersion: projectcalico.org/v3
+kind: StagedNetworkPolicy
+metadata: {name: gone, namespace: shop}
+spec: {stagedAction: Delete, selector: all()}
+---
+apiVersion: projectcalico.org/v3
+kind: StagedNetworkPolicy
+metadata: {name: elsewhere, namespace: other}
+spec: {selector: all()}
+"#,
+    );
+    let file = dir.path().join("staged.yaml");
+    let o = calc_server(&[
+        "recommend",
+        "--promote",
+        "--namespace",
+        "shop",
+        "--file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(out.matches("kind: \"NetworkPolicy\"").count(), 1, "{out}");
+    assert!(out.contains("name: \"recommended-web\""), "{out}");
+    assert!(out.contains("recommend.calc-server/count: \"1\""), "{out}");
+    assert!(!out.contains("stagedAction"), "{out}");
+    assert!(!out.contains("elsewhere"), "--namespace narrows: {out}");
+    assert!(
+        stderr(&o).contains("not promoted: gone: stagedAction Delete"),
+        "{}",
+        stderr(&o)
+    );
+    // What it prints is a valid manifest.
+    write(dir.path(), "enforced.yaml", &out);
+    std::fs::remove_file(&file).unwrap();
+    let v = calc_server(&["validate", dir.path().to_str().unwrap()]);
+    assert!(v.status.success(), "{}{}", stdout(&v), stderr(&v));
+
+    let none = calc_server(&[
+        "recommend",
+        "--promote",
+        "--file",
+        dir.path().join("enforced.yaml").to_str().unwrap(),
+    ]);
+    assert_eq!(none.status.code(), Some(2));
+    assert!(stderr(&none).contains("no staged policy to promote"));
+
+    let no_ns = calc_server(&["recommend", "--server", "127.0.0.1:1"]);
+    assert_eq!(no_ns.status.code(), Some(2));
+    assert!(stderr(&no_ns).contains("--namespace NS is required"));
+    let mixed = calc_server(&["recommend", "--namespace", "shop", "--check", "--tier", "x"]);
+    assert_eq!(mixed.status.code(), Some(2));
+    assert!(
+        stderr(&mixed).contains("cannot be used with"),
+        "{}",
+        stderr(&mixed)
+    );
+}

@@ -4,8 +4,9 @@
 //!
 //! Checked: every page loads with nothing on the browser's console (its log, read from
 //! chromedriver, and the errors `console.js` collects, CSP violations included); a filter
-//! changes the rows; clicking a policy opens its page; explain shows the verdict the CLI
-//! prints; a policy edited in the datastore directory shows on the open policy page without
+//! changes the rows; clicking a policy opens its page; the recommendation page is reached
+//! through the top bar and its namespace form and judges the namespace's staged policy;
+//! explain shows the verdict the CLI prints; a policy edited in the datastore directory shows on the open policy page without
 //! a reload (the page's live refresh). Each page is photographed (PNG) into
 //! `$CONSOLE_SCREENSHOT_DIR` (the docs' pictures: `docs/console`), else into the target
 //! directory.
@@ -179,6 +180,41 @@ async fn the_console_in_a_browser() {
     );
     // (Its picture, with rows, is taken over a kernel's flows: linux_flow_records.rs.)
     ui.assert_clean("/ui/flows").await;
+
+    // Recommendations: the top bar's link, the namespace typed into the form, the page of
+    // the namespace (no flows from dry-run agents: no policy, but the staged one judged).
+    ui.open("/ui/").await;
+    ui.c.find(Locator::LinkText("Recommend"))
+        .await
+        .expect("top bar link")
+        .click()
+        .await
+        .expect("click");
+    ui.wait_text("h1", "Recommend", 10).await;
+    ui.c.find(Locator::Css("#namespace"))
+        .await
+        .expect("namespace field")
+        .send_keys("shop")
+        .await
+        .expect("type");
+    ui.c.find(Locator::Css("form.filters button[type=submit]"))
+        .await
+        .expect("recommend button")
+        .click()
+        .await
+        .expect("click");
+    ui.wait_text("h1", "Recommend: shop", 10).await;
+    assert_eq!(ui.path().await, "/ui/recommend/shop?since=3600");
+    assert_eq!(ui.text("#policy-count").await, "0");
+    let checks = ui.text("#would-break").await;
+    assert!(
+        checks.contains(
+            "StagedNetworkPolicy shop/web-http-only: 0 flows would break: safe to promote"
+        ),
+        "{checks}"
+    );
+    ui.shot("recommend").await;
+    ui.assert_clean("/ui/recommend/shop").await;
 
     // Explain through the form: the CLI's verdict line.
     ui.open("/ui/explain").await;

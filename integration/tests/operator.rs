@@ -51,12 +51,13 @@ fn every_flag_and_env_var_is_documented() {
     let operations = doc("operations.md");
     // The bench tools share the global flags documented with the operator commands.
     let benchmarks = doc("benchmarks.md") + &operations;
-    let commands: [(&str, &[&str], &str, &str); 21] = [
+    let commands: [(&str, &[&str], &str, &str); 23] = [
         ("calc-server", &[], "operations.md", &operations),
         ("calc-server", &["serve"], "operations.md", &operations),
         ("calc-server", &["status"], "operations.md", &operations),
         ("calc-server", &["policies"], "operations.md", &operations),
         ("calc-server", &["flows"], "operations.md", &operations),
+        ("calc-server", &["recommend"], "operations.md", &operations),
         ("calc-server", &["compute"], "operations.md", &operations),
         ("calc-server", &["explain"], "operations.md", &operations),
         ("calc-server", &["validate"], "operations.md", &operations),
@@ -68,6 +69,7 @@ fn every_flag_and_env_var_is_documented() {
         ("calc-bench", &["churn"], "benchmarks.md", &benchmarks),
         ("calc-bench", &["flip-kernel"], "benchmarks.md", &benchmarks),
         ("calc-bench", &["console"], "benchmarks.md", &benchmarks),
+        ("calc-bench", &["recommend"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &[], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["load"], "benchmarks.md", &benchmarks),
         ("etcd-bench", &["list"], "benchmarks.md", &benchmarks),

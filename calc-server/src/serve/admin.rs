@@ -9,9 +9,11 @@
 //! `/liveness`, `/readiness` (200
 //! once the datastore is loaded, 503 before; the body names the invalid objects that have no
 //! last good version, a degraded condition that does not take the server out of service),
-//! `/metrics` (Prometheus text, see `metrics`) and `/explain` (JSON: why traffic is allowed or
+//! `/metrics` (Prometheus text, see `metrics`), `/explain` (JSON: why traffic is allowed or
 //! denied, what applies to an endpoint, where a policy is in force; answered by the engine from
-//! its current state, see `calc_graph::explain`).
+//! its current state, see `calc_graph::explain`) and `/recommend`, `/recommend/check` (JSON:
+//! staged policies recommended from a namespace's flows, and what the namespace's staged
+//! policies would break; see `crate::recommend`).
 //!
 //! Access: the probes and `/metrics` are open; every other path passes [`AdminAccess`] first
 //! (401/403 otherwise). Cost: questions to the engine (`/explain`, `/status/policies…`,
@@ -653,6 +655,125 @@ async fn flows(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Respon
     }
 }
 
+/// Reads `/recommend`'s and `/recommend/check`'s query: `namespace` (required), `since`
+/// (seconds above 0; none: the whole hour the store holds), and for a recommendation `tier`
+/// (default `default`), `include_denied` (`true`/`false`), `min_samples` (intervals, default 1).
+pub(super) fn recommend_question(
+    query: &str,
+    check: bool,
+) -> Result<super::engine::recommend::Question, String> {
+    let mut options = crate::recommend::Options::default();
+    let mut since = None;
+    let mut namespace = None;
+    for pair in query.split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = percent_decode(v)
+            .ok_or_else(|| ParamsError::InvalidEscape(k.to_string()).to_string())?;
+        match k {
+            "namespace" => namespace = Some(v),
+            "since" => {
+                since = Some(
+                    v.parse::<u64>()
+                        .ok()
+                        .filter(|s| *s > 0)
+                        .ok_or_else(|| ParamsError::Since.to_string())?,
+                )
+            }
+            "tier" if !check => options.tier = v,
+            "include_denied" if !check => {
+                options.include_denied = match v.as_str() {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err("parameter include_denied: true or false".into()),
+                }
+            }
+            "min_samples" if !check => {
+                options.min_samples = v
+                    .parse()
+                    .map_err(|_| "parameter min_samples: a whole number".to_string())?
+            }
+            other => return Err(ParamsError::Unknown(other.to_string()).to_string()),
+        }
+    }
+    options.namespace = namespace.ok_or("parameter namespace is required")?;
+    options.window = match since {
+        None => "all held".into(),
+        Some(s) if s % 3600 == 0 => format!("{}h", s / 3600),
+        Some(s) if s % 60 == 0 => format!("{}m", s / 60),
+        Some(s) => format!("{s}s"),
+    };
+    options.check().map_err(|e| e.to_string())?;
+    Ok(super::engine::recommend::Question {
+        options,
+        since,
+        check,
+    })
+}
+
+/// `/recommend` and `/recommend/check`: the engine gathers the records and the inventory (it
+/// holds the flows and the graph), the pure module answers on a blocking thread.
+pub(super) async fn recommend_answer(
+    s: &AdminState,
+    query: &str,
+    check: bool,
+) -> Result<serde_json::Value, Response> {
+    let question =
+        recommend_question(query, check).map_err(|e| json_error(StatusCode::BAD_REQUEST, e))?;
+    let asked = question.clone();
+    match ask(s, |reply| super::engine::Input::Recommend {
+        question,
+        reply,
+    })
+    .await
+    {
+        Ok(Some(Ok(gathered))) => {
+            // The work itself, off the engine and the async workers, holding a query slot
+            // again so that no more than the cap of them run at once.
+            let Ok(slot) = s.bounds.queries.clone().try_acquire_owned() else {
+                s.metrics.admin_refused("busy");
+                return Err(json_error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many questions in flight (--admin-max-concurrent-queries); retry shortly"
+                        .into(),
+                ));
+            };
+            let answer = tokio::task::spawn_blocking(move || {
+                let _slot = slot;
+                super::engine::recommend::answer(&asked, &gathered)
+            })
+            .await;
+            match answer {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(json_error(StatusCode::BAD_REQUEST, e)),
+                Err(e) => Err(json_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the recommendation failed: {e}"),
+                )),
+            }
+        }
+        Ok(Some(Err(e))) => Err(json_error(StatusCode::BAD_REQUEST, e)),
+        Ok(None) => Err(json_error(
+            StatusCode::NOT_FOUND,
+            "flow logs are off (serve --flow-logs): recommendations are made from them".into(),
+        )),
+        Err(answer) => Err(answer),
+    }
+}
+
+async fn recommend(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    match recommend_answer(&s, query.as_deref().unwrap_or_default(), false).await {
+        Ok(v) => json_answer(&s, StatusCode::OK, &v),
+        Err(answer) => answer,
+    }
+}
+
+async fn recommend_check(State(s): State<AdminState>, RawQuery(query): RawQuery) -> Response {
+    match recommend_answer(&s, query.as_deref().unwrap_or_default(), true).await {
+        Ok(v) => json_answer(&s, StatusCode::OK, &v),
+        Err(answer) => answer,
+    }
+}
+
 /// The access check in front of every sensitive path.
 async fn guard(State(s): State<AdminState>, req: Request, next: Next) -> Response {
     let caller = req
@@ -728,6 +849,8 @@ pub(super) fn router(state: AdminState) -> axum::Router {
         .route("/explain", get(explain))
         .route("/flows", get(flows))
         .route("/flows-filter-hints", get(flow_hints))
+        .route("/recommend", get(recommend))
+        .route("/recommend/check", get(recommend_check))
         .merge(super::console::router())
         .route_service(
             "/goldmane.Flows/{*method}",
@@ -827,6 +950,39 @@ mod tests {
             ask("endpoint=shop%2Fweb"),
             Ok(calc_graph::explain::Request::Endpoint(e)) if e == "shop/web"
         ));
+    }
+
+    #[test]
+    fn recommend_parameters_name_what_is_wrong() {
+        let q = recommend_question(
+            "namespace=shop&since=3600&tier=security&include_denied=true&min_samples=3",
+            false,
+        )
+        .unwrap();
+        assert_eq!(q.options.namespace, "shop");
+        assert_eq!(q.options.tier, "security");
+        assert!(q.options.include_denied);
+        assert_eq!(q.options.min_samples, 3);
+        assert_eq!(q.options.window, "1h");
+        assert_eq!(q.since, Some(3600));
+        assert!(!q.check);
+        assert_eq!(
+            recommend_question("since=60", false).unwrap_err(),
+            "parameter namespace is required"
+        );
+        assert_eq!(
+            recommend_question("namespace=Shop%20x", false).unwrap_err(),
+            "namespace \"Shop x\": not a Kubernetes namespace name (a DNS label)"
+        );
+        assert_eq!(
+            recommend_question("namespace=shop&tier=x", true).unwrap_err(),
+            "unknown parameter \"tier\""
+        );
+        assert!(recommend_question("namespace=shop&include_denied=yes", false).is_err());
+        assert!(recommend_question("namespace=shop&since=0", true).is_err());
+        let c = recommend_question("namespace=shop&since=90", true).unwrap();
+        assert!(c.check);
+        assert_eq!(c.options.window, "90s");
     }
 
     #[test]

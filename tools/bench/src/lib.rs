@@ -13,6 +13,7 @@
 //! - [`flows_bench`]: calc-server's flow-log ingest (records per second on one core, memory
 //!   per flow key);
 //! - [`console_bench`]: the admin console's pages rendered on the server (time per page);
+//! - [`recommend_bench`]: policy recommendations for one namespace (1,000 pods, 100k flows);
 //! - [`flip_kernel`]: a label flip in the datastore until the kernel IP set of a real agent
 //!   (Linux driver, in a network namespace) has it ([`ipset_netlink`] polls the kernel).
 
@@ -25,5 +26,6 @@ pub mod flows_bench;
 pub mod gen_cluster;
 pub mod graph_bench;
 pub mod ipset_netlink;
+pub mod recommend_bench;
 mod sync_agent;
 mod sync_failover;

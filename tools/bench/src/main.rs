@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use bench_tools::{
     bench_sync, churn, console_bench, flip_kernel, flows_bench, gen_cluster, graph_bench,
+    recommend_bench,
 };
 use clap::{Parser, Subcommand};
 
@@ -53,6 +54,10 @@ enum Command {
     /// The admin console's pages (issue 43) rendered on the server for a large cluster with
     /// flows in the store: time per page.
     Console(console_bench::ConsoleBenchArgs),
+    /// Policy recommendations (issue 45) for one namespace, pure: prints
+    /// `recommend: <pods> pods, <flows> flows: <ms> ms` (target ≤ 1 s for 1,000 pods and
+    /// 100,000 flows).
+    Recommend(recommend_bench::RecommendBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +74,7 @@ fn main() -> ExitCode {
         Command::FlipKernel(args) => flip_kernel::run(&args),
         Command::Flows(args) => flows_bench::run(&args),
         Command::Console(args) => console_bench::run(&args),
+        Command::Recommend(args) => recommend_bench::run(&args),
     };
     result.unwrap_or_else(|error| {
         eprintln!("error: {error:#}");

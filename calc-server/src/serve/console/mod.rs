@@ -51,6 +51,8 @@ pub(super) fn router() -> axum::Router<AdminState> {
         .route("/ui/policies", get(pages::policies))
         .route("/ui/policies/{*name}", get(pages::policy))
         .route("/ui/flows", get(pages::flows))
+        .route("/ui/recommend", get(pages::recommend_index))
+        .route("/ui/recommend/{namespace}", get(pages::recommend))
         .route("/ui/explain", get(pages::explain))
         .route(
             "/ui/static/console.css",

@@ -439,12 +439,33 @@ async fn the_console_needs_the_admin_credentials() {
     let token = dir.path().join("token");
     std::fs::write(&token, "0123456789abcdef0123").unwrap();
     let c = console(cluster(), Some(token));
-    for path in ["/ui/", "/ui/nodes", "/ui/policies", "/ui/static/console.js"] {
+    for path in [
+        "/ui/",
+        "/ui/nodes",
+        "/ui/policies",
+        "/ui/static/console.js",
+        "/ui/recommend/shop",
+    ] {
         let a = get(&c, path).await;
         assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{path}");
         assert_console_headers(&a, path);
         let a = call(&c, Method::GET, path, Some("0123456789abcdef0123")).await;
         assert_eq!(a.status, StatusCode::OK, "{path}");
+    }
+    // The JSON recommendation paths sit behind the same check.
+    for path in [
+        "/recommend?namespace=shop",
+        "/recommend/check?namespace=shop",
+    ] {
+        let a = get(&c, path).await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{path}");
+        let a = call(&c, Method::GET, path, Some("0123456789abcdef0123")).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}: {}", a.body);
+        assert!(
+            a.body.contains("\"namespace\":\"shop\""),
+            "{path}: {}",
+            a.body
+        );
     }
     let a = get(&c, "/readiness").await;
     assert_eq!(a.status, StatusCode::OK, "probes stay open");
@@ -617,4 +638,111 @@ fn the_flows_page_lists_filters_and_pages_the_store() {
     let (status, bad) = page("/ui/flows?since=0");
     assert_eq!(status, 400);
     assert!(bad.contains("parameter since"), "{bad}");
+}
+
+/// The recommendation page: from the same store and graph as `/recommend` and
+/// `/recommend/check`, the policy for the web pods with the flows behind its rule, the flow
+/// from an unnamed address left out with the reason, and the staged policy `tighten` (deny
+/// all ingress to web) named with the allowed flows it would break; linked from the flows
+/// page of the namespace; bad parameters are 400 pages.
+#[test]
+fn the_recommend_page_shows_policies_flows_and_what_would_break() {
+    let now = std::time::SystemTime::now();
+    let secs = now.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let interval = secs - secs % 15 - 30;
+    let report = felix_proto::FlowReport {
+        records: vec![
+            flow_record(interval, "10.0.0.1", 80),
+            flow_record(interval, "192.0.2.9", 80),
+            flow_record(interval, "10.0.0.1", 443),
+        ],
+        ..Default::default()
+    };
+    let paths: Vec<(String, super::bench::Before)> = [
+        "/ui/recommend/shop",
+        "/ui/recommend",
+        "/ui/recommend?namespace=shop&since=600",
+        "/ui/recommend/shop?since=0",
+        "/ui/recommend/Not_A_Namespace",
+        "/ui/flows?namespace=shop",
+    ]
+    .iter()
+    .map(|s| (s.to_string(), super::bench::Before::Nothing))
+    .collect();
+    let (loaded, pages) =
+        super::bench::run(cluster(), vec![("node-b".into(), report)], now, &paths, 0).unwrap();
+    assert_eq!(loaded.accepted, 3, "every record stored");
+    let page = |p: &str| {
+        pages
+            .iter()
+            .find(|t| t.path == p)
+            .map(|t| (t.status, t.body.as_str()))
+            .unwrap()
+    };
+    let (status, shop) = page("/ui/recommend/shop");
+    assert_eq!(status, 200, "{shop}");
+    assert!(
+        shop.contains(r#"aria-current="page">Recommend</a>"#),
+        "{shop}"
+    );
+    // The recommendation: one policy, its one ingress rule, the flows behind it.
+    assert!(
+        shop.contains(r#"<span id="policy-count">1</span>"#),
+        "{shop}"
+    );
+    assert!(shop.contains("<h3>recommended-web</h3>"), "{shop}");
+    assert!(
+        shop.contains("Allow from endpoints app == &#39;web&#39; TCP ports 80, 443"),
+        "{shop}"
+    );
+    assert_eq!(shop.matches(r#"<tr class="rule">"#).count(), 1, "{shop}");
+    assert!(
+        shop.contains(
+            r#"<a href="/ui/flows?namespace=shop&#38;name=web-1">shop/web-1 -&#62; shop/web-2 tcp/80 (dst, Allow, 1 intervals, 6 packets)</a>"#
+        ),
+        "{shop}"
+    );
+    assert!(
+        shop.contains("kind: &#34;StagedNetworkPolicy&#34;"),
+        "{shop}"
+    );
+    // Left out: the address no NetworkSet holds.
+    assert!(
+        shop.contains(r#"<span id="left-out-count">1</span>"#),
+        "{shop}"
+    );
+    assert!(shop.contains("-/pub -&#62; shop/web-2 tcp/80"), "{shop}");
+    assert!(shop.contains("address no NetworkSet holds"), "{shop}");
+    // Would break: the staged deny-all comes after allow-web (port 80) in the default tier,
+    // so of the allowed flows to web only the one to 443 would be denied.
+    assert!(
+        shop.contains(
+            r#"<a href="/ui/policies/StagedNetworkPolicy:shop/tighten">StagedNetworkPolicy shop/tighten</a>: <span class="warn">1 flow would break</span>"#
+        ),
+        "{shop}"
+    );
+    assert_eq!(shop.matches(r#"<li class="break">"#).count(), 1, "{shop}");
+    assert!(
+        shop.contains(r#"<li class="break"><a href="/ui/flows?namespace=shop&#38;name=web-1">shop/web-1 -&#62; shop/web-2 tcp/443 (dst, Allow, 1 intervals, 6 packets)</a></li>"#),
+        "{shop}"
+    );
+    // Nothing the datastore holds is written raw.
+    assert!(!shop.contains("<script>alert"), "{shop}");
+
+    let (status, index) = page("/ui/recommend");
+    assert_eq!(status, 200);
+    assert!(index.contains(r#"name="namespace""#), "{index}");
+    let (status, _) = page("/ui/recommend?namespace=shop&since=600");
+    assert_eq!(status, 303, "the form leads to the namespace's page");
+    let (status, bad) = page("/ui/recommend/shop?since=0");
+    assert_eq!(status, 400);
+    assert!(bad.contains("parameter since"), "{bad}");
+    let (status, bad) = page("/ui/recommend/Not_A_Namespace");
+    assert_eq!(status, 400);
+    assert!(bad.contains("not a Kubernetes namespace name"), "{bad}");
+    let (_, flows) = page("/ui/flows?namespace=shop");
+    assert!(
+        flows.contains(r#"<a href="/ui/recommend/shop" id="recommend-link">"#),
+        "{flows}"
+    );
 }

@@ -57,6 +57,7 @@
 pub mod flows;
 mod hits;
 mod realization;
+pub(crate) mod recommend;
 mod run;
 #[cfg(test)]
 mod tests;
@@ -463,6 +464,13 @@ pub(super) enum Input {
     /// `/status/policies`), the unused classification over all history (as `/status/unused`),
     /// and every policy's selector and place in evaluation order.
     PolicyBoard { reply: oneshot::Sender<PolicyBoard> },
+    /// What a policy recommendation, or the staged policies' would-break lists, for a
+    /// namespace are made from (`/recommend`, `/recommend/check`; `None`: flow logs are off;
+    /// `Err`: the 400 text).
+    Recommend {
+        question: recommend::Question,
+        reply: oneshot::Sender<Option<Result<recommend::Gathered, String>>>,
+    },
     /// The dataplane's own verdicts that counted something (`/status/verdicts`).
     Verdicts {
         reply: oneshot::Sender<Vec<VerdictHits>>,
@@ -1200,6 +1208,17 @@ impl Engine {
                     unused,
                     order: self.policy_order(),
                 });
+            }
+            Input::Recommend { question, reply } => {
+                let span = tracing::debug_span!("recommend", check = question.check);
+                let _enter = span.enter();
+                let now = unix_seconds(self.wall);
+                let graph = &self.graph;
+                let answer = self
+                    .flows
+                    .as_mut()
+                    .map(|f| recommend::gather(graph, &mut f.store, &question, now));
+                let _ = reply.send(answer);
             }
             Input::Verdicts { reply } => {
                 let _ = reply.send(self.hits.verdicts());

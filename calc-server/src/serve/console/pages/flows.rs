@@ -153,6 +153,8 @@ pub(super) struct Flows {
     prev: String,
     next: String,
     rows: Vec<FlowRow>,
+    /// The recommendation page of the namespace filtered on (empty: none).
+    recommend: String,
 }
 
 /// `/ui/policies/…` for a trace hit (`None` for an end of tier or a profile).
@@ -288,6 +290,11 @@ pub(super) fn flows_page(f: FlowFilters, answer: Option<crate::flows::FlowListRe
             String::new()
         },
         rows,
+        recommend: if f.namespace.is_empty() {
+            String::new()
+        } else {
+            format!("/ui/recommend/{}", escape(&f.namespace))
+        },
         f,
     }
 }

@@ -3,7 +3,8 @@
 //! datastore's last-good health, and the engine's realization, unused, explain and flow
 //! answers through `admin::ask`), shapes it into rows, and renders its template.
 //!
-//! One module per page family (`overview`, `nodes`, `policies`, `flows`, `explain`); this one
+//! One module per page family (`overview`, `nodes`, `policies`, `flows`, `recommend`,
+//! `explain`); this one
 //! holds what they share: the top bar's sections, the error pages, and the 404 for a path that
 //! is no page.
 //!
@@ -18,6 +19,7 @@ mod flows;
 mod nodes;
 mod overview;
 mod policies;
+mod recommend;
 
 use askama::Template;
 use axum::extract::Path;
@@ -32,6 +34,7 @@ pub(super) use flows::flows;
 pub(super) use nodes::{node, nodes};
 pub(super) use overview::overview;
 pub(super) use policies::{policies, policy};
+pub(super) use recommend::{recommend, recommend_index};
 
 /// The top bar's sections, for `aria-current`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -40,6 +43,7 @@ pub(super) enum Section {
     Nodes,
     Policies,
     Flows,
+    Recommend,
     Explain,
 }
 
@@ -51,6 +55,7 @@ impl Section {
             Section::Nodes => "nodes",
             Section::Policies => "policies",
             Section::Flows => "flows",
+            Section::Recommend => "recommend",
             Section::Explain => "explain",
         }
     }
