@@ -68,6 +68,10 @@ if [ "$MODE" = all ] || [ "$MODE" = flows ]; then
     echo "skipped: needs root (network namespaces, iptables, ipset)"
   fi
 fi
+if [ "$MODE" = all ]; then
+  echo; echo "== Policy recommendations: one namespace of 1,000 pods from 100,000 flow records (pure, one thread)"
+  "$BENCH" recommend
+fi
 case "$MODE" in calc|flows) exit 0 ;; esac
 
 PORT=${BENCH_GRPC_PORT:-50771}
