@@ -16,6 +16,7 @@ use serde_json::Value;
 use crate::admin_client::{get, query_escape};
 use crate::args::{RecommendArgs, RecommendOutput};
 use crate::datastore::file::manifest_dir;
+use crate::recommend::yaml::comment;
 use crate::recommend::{self, yaml};
 
 /// The `/recommend` or `/recommend/check` path for the arguments.
@@ -38,13 +39,6 @@ pub(crate) fn path(args: &RecommendArgs, ns: &str, check: bool) -> String {
         q.push(format!("min_samples={}", args.min_samples));
     }
     format!("/recommend?{}", q.join("&"))
-}
-
-/// Text for a line of output: control characters shown as `?`.
-fn comment(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() { '?' } else { c })
-        .collect()
 }
 
 /// A `/recommend/check` answer as text, and whether any flow would break.
@@ -83,17 +77,9 @@ pub(crate) fn render_check(answer: &Value) -> (String, bool) {
         )));
         out.push('\n');
         for f in breaks {
-            let port = f["port"].as_i64().unwrap_or(0);
             out.push_str(&comment(&format!(
-                "  {} -> {} {}{} (reported by {}, {} intervals, {} packets)",
-                f["source"].as_str().unwrap_or_default(),
-                f["dest"].as_str().unwrap_or_default(),
-                f["protocol"].as_str().unwrap_or_default(),
-                if port > 0 {
-                    format!("/{port}")
-                } else {
-                    String::new()
-                },
+                "  {} (reported by {}, {} intervals, {} packets)",
+                yaml::flow_line(f),
                 f["reporter"].as_str().unwrap_or_default(),
                 f["samples"],
                 f["packets"],

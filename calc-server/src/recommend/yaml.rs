@@ -117,12 +117,29 @@ fn scalar(v: &Value) -> String {
     }
 }
 
-/// Text for a `#` comment line: control characters (a newline would end the comment) shown
-/// as `?`.
-fn comment(s: &str) -> String {
+/// Text for a `#` comment line (or any line of output): control characters (a newline would
+/// end the comment) shown as `?`.
+pub fn comment(s: &str) -> String {
     s.chars()
         .map(|c| if c.is_control() { '?' } else { c })
         .collect()
+}
+
+/// A flow of an answer as `source -> dest protocol[/port]`, not yet passed through
+/// [`comment`].
+pub fn flow_line(f: &Value) -> String {
+    let port = f["port"].as_i64().unwrap_or(0);
+    format!(
+        "{} -> {} {}{}",
+        f["source"].as_str().unwrap_or_default(),
+        f["dest"].as_str().unwrap_or_default(),
+        f["protocol"].as_str().unwrap_or_default(),
+        if port > 0 {
+            format!("/{port}")
+        } else {
+            String::new()
+        },
+    )
 }
 
 /// A `/recommend` answer as YAML: a header of comments (what was left out and why, notes),
@@ -159,17 +176,9 @@ pub fn answer(answer: &Value) -> String {
         }
         for l in left.into_iter().take(LEFT_OUT_LINES) {
             let f = &l["flow"];
-            let port = f["port"].as_i64().unwrap_or(0);
             out.push_str(&comment(&format!(
-                "#   {} -> {} {}{} ({}, {}): {}",
-                f["source"].as_str().unwrap_or_default(),
-                f["dest"].as_str().unwrap_or_default(),
-                f["protocol"].as_str().unwrap_or_default(),
-                if port > 0 {
-                    format!("/{port}")
-                } else {
-                    String::new()
-                },
+                "#   {} ({}, {}): {}",
+                flow_line(f),
                 f["reporter"].as_str().unwrap_or_default(),
                 f["action"].as_str().unwrap_or_default(),
                 l["why"].as_str().unwrap_or_default(),
