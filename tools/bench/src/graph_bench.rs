@@ -126,6 +126,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     // Each batch is dropped as soon as it is counted, as a server encodes and sends it.
     let mut messages = 0usize;
     g.flush_with(|b| messages += b.messages.len());
+    // As the server does once no snapshot is waiting: the whole IP-set messages kept for the
+    // next subscriber are given back.
+    g.release_message_cache();
     let flush_time = t.elapsed();
     let stats = g.index_stats();
     let (rss_flushed, peak) = rss();

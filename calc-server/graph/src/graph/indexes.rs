@@ -180,6 +180,7 @@ impl CalcGraph {
                 self.process_events();
                 self.ids.free_selector(sel);
                 // The unmatch events above emptied it; whatever is left is released too.
+                self.ipsets.full.remove(id);
                 if let Some(set) = self.ipsets.sets.remove(id) {
                     set.members
                         .ids()

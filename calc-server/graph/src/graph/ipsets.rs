@@ -14,7 +14,7 @@ use rustc_hash::FxHashMap;
 
 use super::Name;
 use super::members::{MemberId, Members};
-use super::sequencer::record_delta;
+use super::sequencer::{SharedMessage, record_delta};
 use crate::label_index::SelectorId;
 use crate::rule_scanner::IpSetSpec;
 
@@ -27,6 +27,10 @@ pub(super) struct IpSets {
     pub(super) deltas: FxHashMap<Name, FxHashMap<Arc<str>, bool>>,
     /// How many subscribed nodes hold each IP set.
     pub(super) sent_count: FxHashMap<Name, u32>,
+    /// Whole-set messages built by earlier flushes, kept until the set's members change or it
+    /// goes, or the caller releases them ([`super::CalcGraph::release_message_cache`]): while
+    /// agents keep connecting, each flush would otherwise list and sort every set again.
+    pub(super) full: FxHashMap<Name, SharedMessage>,
 }
 
 pub(super) struct IpSetState {
@@ -114,6 +118,7 @@ impl IpSets {
         } else {
             self.members.release(mid);
         }
+        self.full.remove(id);
         if self.sent_count.contains_key(id) {
             record_delta(self.deltas.entry(id.clone()).or_default(), member, add);
         }

@@ -173,7 +173,10 @@ impl CalcGraph {
             .map(|(k, _)| k.clone())
             .collect();
         names.sort();
-        let mut cache = FlushCache::default();
+        let mut cache = FlushCache {
+            ipset_full: std::mem::take(&mut self.ipsets.full),
+            ..FlushCache::default()
+        };
         for name in names {
             let messages = self.flush_node(&name, &mut cache);
             if !messages.is_empty() {
@@ -183,6 +186,7 @@ impl CalcGraph {
                 });
             }
         }
+        self.ipsets.full = cache.ipset_full;
         // Per-node dirty marks of unsubscribed nodes carry no meaning once flushed.
         for n in self.nodes.values_mut() {
             if n.sub.is_none() {
@@ -196,6 +200,13 @@ impl CalcGraph {
             self.prune_node(&n);
         }
         self.index.collect_garbage();
+    }
+
+    /// Drops the whole IP-set messages kept between flushes (see `IpSets::full`): a caller
+    /// that expects no new subscriber for a while gives their memory back. The next flush
+    /// that needs one builds it again.
+    pub fn release_message_cache(&mut self) {
+        self.ipsets.full = FxHashMap::default();
     }
 
     /// The complete current span of a node, as a fresh subscriber would receive it (snapshot
@@ -757,6 +768,81 @@ mod tests {
             }
         });
         assert_eq!(removed.as_deref(), Some("eth0-host"));
+    }
+
+    /// The whole-set message `out` carries, if any.
+    fn full_set(out: &[SharedMessage]) -> Option<SharedMessage> {
+        out.iter()
+            .find(|m| matches!(m.payload, Some(Payload::IpsetUpdate(_))))
+            .cloned()
+    }
+
+    #[test]
+    fn a_whole_set_message_is_reused_by_later_flushes_until_the_set_changes() {
+        let mut g = CalcGraph::new();
+        apply(&mut g, gnp("db", "role == 'db'", "Allow", "role == 'web'"));
+        apply(
+            &mut g,
+            wep(
+                "web",
+                "node-9",
+                "10.0.0.9",
+                json!({"role": "web"}),
+                json!([]),
+            ),
+        );
+        for n in 1..=4 {
+            let node = format!("node-{n}");
+            apply(
+                &mut g,
+                wep(
+                    &format!("db{n}"),
+                    &node,
+                    &format!("10.0.1.{n}"),
+                    json!({"role": "db"}),
+                    json!([]),
+                ),
+            );
+        }
+        g.apply(Update::InSync).unwrap();
+        g.subscribe("node-1");
+        let first = full_set(&flush_for(&mut g, "node-1")).expect("node-1 gets the set");
+
+        // A node that connects later gets the very message built before.
+        g.subscribe("node-2");
+        let again = full_set(&flush_for(&mut g, "node-2")).expect("node-2 gets the set");
+        assert!(Arc::ptr_eq(&first, &again));
+
+        // A member change makes the next whole set anew, with the member.
+        apply(
+            &mut g,
+            wep(
+                "web2",
+                "node-9",
+                "10.0.0.10",
+                json!({"role": "web"}),
+                json!([]),
+            ),
+        );
+        g.subscribe("node-3");
+        let out = g.flush();
+        let changed = out
+            .iter()
+            .find(|b| b.node == "node-3")
+            .and_then(|b| full_set(&b.messages))
+            .expect("node-3 gets the set");
+        assert!(!Arc::ptr_eq(&first, &changed));
+        let Some(Payload::IpsetUpdate(u)) = &changed.payload else {
+            unreachable!()
+        };
+        assert_eq!(u.members, ["10.0.0.10/32", "10.0.0.9/32"]);
+
+        // Released, it is built again the next time (with the same members).
+        g.release_message_cache();
+        g.subscribe("node-4");
+        let rebuilt = full_set(&flush_for(&mut g, "node-4")).expect("node-4 gets the set");
+        assert!(!Arc::ptr_eq(&changed, &rebuilt));
+        assert_eq!(*changed, *rebuilt);
     }
 
     #[test]

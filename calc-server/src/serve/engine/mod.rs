@@ -783,8 +783,10 @@ impl Engine {
         self.admit();
         self.flush();
         if !self.busy() {
-            // No snapshot waits or is under way: nothing will reuse the kept encodings.
+            // No snapshot waits or is under way: nothing will reuse the kept encodings, nor
+            // the graph's whole IP-set messages they were made from.
             self.snapshot_cache.clear();
+            self.graph.release_message_cache();
         }
         self.sum_realization();
         self.prune_hits();
