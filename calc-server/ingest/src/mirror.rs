@@ -151,6 +151,17 @@ where
         std::mem::take(&mut self.relists)
     }
 
+    /// True if `id` was last put with `version`: putting it again would decide nothing.
+    pub fn is_current<Q>(&self, id: &Q, version: Fingerprint) -> bool
+    where
+        K: Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        self.entries
+            .get(id)
+            .is_some_and(|e| e.version == Some(version))
+    }
+
     /// An object's current version (from a list or a watch event). `version`: its fingerprint
     /// (`None`: unknown, always decide); `decide` is called only when the version changed.
     pub fn put<Q>(

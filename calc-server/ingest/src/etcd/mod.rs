@@ -4,12 +4,13 @@
 //!   metadata filled from the key) or a rejection naming the key.
 //! - [`put`] and [`adopt_last_good`]: a key's value into the [`Mirror`], identified by the key
 //!   and versioned by the value's bytes. One list covers the whole prefix, so the mirror's list
-//!   group is `()`.
+//!   group is `()`. [`put_many`]: the same for a page, its changed values decoded on several
+//!   threads first.
 
 pub mod decode;
 
-use crate::Batch;
 use crate::mirror::Fingerprint;
+use crate::{Batch, Decision};
 
 pub use decode::{decode, kind_of_plural, parse_key};
 
@@ -22,6 +23,78 @@ pub type Mirror = crate::mirror::Mirror<Box<str>>;
 /// A key's current value (from a list page or a watch event). A value's bytes are its version:
 /// an unchanged value is not decoded again.
 pub fn put(mirror: &mut Mirror, key: &str, value: &[u8], out: &mut Batch) {
+    put_decided(mirror, key, value, Fingerprint::of(value), None, out);
+}
+
+/// Below this many values to decode, a page is decoded on the calling thread: threads cost
+/// more than they save.
+const PARALLEL_DECODE_MIN: usize = 512;
+
+/// [`put`] for each key/value in order, with the values that changed decoded first on up to
+/// `threads` threads (a cold start's list pages are mostly decoding, and decoding one value
+/// depends on nothing else). The mirror's bookkeeping stays sequential, in the given order,
+/// so the result is the same as calling [`put`] for each. `on_put` is called after each put
+/// with its index, for callers that look at what it added to `out`.
+pub fn put_many(
+    mirror: &mut Mirror,
+    items: &[(&str, &[u8])],
+    threads: usize,
+    out: &mut Batch,
+    mut on_put: impl FnMut(usize, &Batch),
+) {
+    let mut decided: Vec<Option<Decision>> = Vec::new();
+    let versions: Vec<Fingerprint> = items.iter().map(|(_, v)| Fingerprint::of(v)).collect();
+    let todo: Vec<usize> = (0..items.len())
+        .filter(|&i| {
+            let key = items[i].0;
+            !matches!(parse_key(key), Ok(None)) && !mirror.is_current(key, versions[i])
+        })
+        .collect();
+    let threads = threads.clamp(1, todo.len().div_ceil(PARALLEL_DECODE_MIN).max(1));
+    if threads > 1 {
+        decided.resize_with(items.len(), || None);
+        let per_thread = todo.len().div_ceil(threads);
+        let chunks: Vec<Vec<(usize, Decision)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = todo
+                .chunks(per_thread)
+                .map(|chunk| {
+                    scope.spawn(move || {
+                        chunk
+                            .iter()
+                            .map(|&i| (i, decode(items[i].0, items[i].1)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                })
+                .collect()
+        });
+        for (i, decision) in chunks.into_iter().flatten() {
+            decided[i] = Some(decision);
+        }
+    }
+    for (i, (key, value)) in items.iter().enumerate() {
+        let pre = decided.get_mut(i).and_then(Option::take);
+        put_decided(mirror, key, value, versions[i], pre, out);
+        on_put(i, out);
+    }
+}
+
+/// [`put`] of a value whose fingerprint is `version`, its decision already made when `pre` is
+/// given.
+fn put_decided(
+    mirror: &mut Mirror,
+    key: &str,
+    value: &[u8],
+    version: Fingerprint,
+    pre: Option<Decision>,
+    out: &mut Batch,
+) {
     // Other key families under the prefix (BGP, IPAM configuration, …) never
     // deliver anything: they are not tracked at all.
     if matches!(parse_key(key), Ok(None)) {
@@ -30,8 +103,8 @@ pub fn put(mirror: &mut Mirror, key: &str, value: &[u8], out: &mut Batch) {
     mirror.put(
         (),
         key,
-        Some(Fingerprint::of(value)),
-        || decode(key, value),
+        Some(version),
+        || pre.unwrap_or_else(|| decode(key, value)),
         out,
     );
 }

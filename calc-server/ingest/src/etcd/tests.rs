@@ -256,3 +256,58 @@ fn a_value_without_kind_and_api_version_keeps_the_deny_in_force() {
         assert_eq!(summary(&out), ["apply GlobalNetworkPolicy rel-guard"]);
     }
 }
+
+/// A page put on several threads gives what putting its keys one by one gives: the same
+/// updates and problems in the same order, an unchanged value not decided again, a key put
+/// twice in one page (a watch response) ending at its last value.
+#[test]
+fn a_page_decoded_on_several_threads_is_put_as_one_by_one() {
+    let mut page: Vec<(String, Vec<u8>)> = (0..1500)
+        .map(|i| {
+            let key = format!("{P}globalnetworkpolicies/p{i}");
+            let value = match i % 100 {
+                7 => b"{not json".to_vec(),
+                8 => gnp(&format!("p{i}"), "has(").into_bytes(),
+                _ => gnp(&format!("p{i}"), &format!("app == 'a{i}'")).into_bytes(),
+            };
+            (key, value)
+        })
+        .collect();
+    page.push((format!("{P}bgppeers/x"), b"{}".to_vec()));
+    page.push((
+        format!("{P}globalnetworkpolicies/p3"),
+        gnp("p3", "all()").into_bytes(),
+    ));
+    let pairs: Vec<(&str, &[u8])> = page
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_slice()))
+        .collect();
+
+    let mut one_by_one = (Mirror::new(), Batch::default());
+    for (k, v) in &pairs {
+        put(&mut one_by_one.0, k, v, &mut one_by_one.1);
+    }
+    let mut many = (Mirror::new(), Batch::default());
+    let mut seen = Vec::new();
+    put_many(&mut many.0, &pairs, 3, &mut many.1, |i, out| {
+        seen.push((i, out.updates.len()))
+    });
+    assert_eq!(summary(&many.1), summary(&one_by_one.1));
+    assert_eq!(rejected(&many.1), rejected(&one_by_one.1));
+    assert_eq!(rejected(&many.1).len(), 30);
+    assert_eq!(seen.len(), pairs.len());
+    assert!(seen.iter().enumerate().all(|(n, (i, _))| n == *i));
+    assert_eq!(many.0.len(), one_by_one.0.len());
+
+    // The same page again, less p3's first value: every value is current, nothing is decided
+    // or sent.
+    let again_pairs: Vec<(&str, &[u8])> = pairs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 3)
+        .map(|(_, kv)| *kv)
+        .collect();
+    let mut again = Batch::default();
+    put_many(&mut many.0, &again_pairs, 3, &mut again, |_, _| {});
+    assert!(again.updates.is_empty() && again.problems.is_empty());
+}

@@ -299,29 +299,37 @@ struct Orphan {
 }
 
 /// Puts every key of a page (or a watch response) into the mirror, decoding off the async
-/// workers; returns the rejected keys without a last good version.
+/// workers (a page's changed values on every core); returns the rejected keys without a last
+/// good version.
 fn put_page<'a>(
     mirror: &mut Mirror,
     items: impl IntoIterator<Item = &'a KeyValue>,
     out: &mut Batch,
 ) -> Vec<Orphan> {
+    let mut kvs: Vec<&KeyValue> = Vec::new();
+    let mut pairs: Vec<(&str, &[u8])> = Vec::new();
+    for item in items {
+        let Ok(key) = item.key_str() else {
+            tracing::debug!(key = ?String::from_utf8_lossy(item.key()), "skipping a key that is not UTF-8");
+            continue;
+        };
+        kvs.push(item);
+        pairs.push((key, item.value()));
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     off_runtime(|| {
         let mut orphans = Vec::new();
-        for item in items {
-            let Ok(key) = item.key_str() else {
-                tracing::debug!(key = ?String::from_utf8_lossy(item.key()), "skipping a key that is not UTF-8");
-                continue;
-            };
-            let before = out.problems.len();
-            ingest::put(mirror, key, item.value(), out);
+        let mut before = out.problems.len();
+        ingest::put_many(mirror, &pairs, threads, out, |i, out| {
             if out.problems[before..].iter().any(|p| !p.held) {
                 orphans.push(Orphan {
-                    key: key.to_owned(),
-                    mod_revision: item.mod_revision(),
-                    create_revision: item.create_revision(),
+                    key: pairs[i].0.to_owned(),
+                    mod_revision: kvs[i].mod_revision(),
+                    create_revision: kvs[i].create_revision(),
                 });
             }
-        }
+            before = out.problems.len();
+        });
         orphans
     })
 }

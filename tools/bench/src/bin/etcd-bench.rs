@@ -14,6 +14,11 @@ use bench_tools::etcd_store::{self, PREFIX};
 use clap::{Parser, Subcommand};
 use etcd_client::{Client, GetOptions};
 
+/// The same allocator as calc-server: `cold-start` times calc-server's own snapshot read, whose
+/// decoding is mostly allocation.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "etcd-bench",
