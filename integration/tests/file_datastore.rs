@@ -475,7 +475,8 @@ fn the_servers_own_output_is_never_read_as_manifests() {
         Duration::from_secs(10),
         || {
             status.join("node-2.json").exists()
-                && std::fs::read_dir(status.join("last-good")).is_ok_and(|d| d.count() >= 30)
+                && std::fs::read_to_string(status.join("last-good/objects.jsonl"))
+                    .is_ok_and(|log| log.lines().count() >= 30)
         },
         || server.log_text(),
     );
