@@ -193,8 +193,10 @@ impl Notifier {
     /// directory (a ConfigMap's `sub` link after a `..data` swap) is watched there; those the
     /// walk no longer enters are removed. A directory gone since the walk is skipped (its
     /// parent's event asks for a listing); the kernel refusing a watch (the per-user limit) is
-    /// an error.
-    pub(super) fn watch(&mut self, dirs: &[PathBuf]) -> Result<(), NotifyError> {
+    /// an error. Returns how many directories are watched anew: what was created in them
+    /// between the walk and their watch has sent no event.
+    pub(super) fn watch(&mut self, dirs: &[PathBuf]) -> Result<usize, NotifyError> {
+        let mut added = 0;
         let keep: std::collections::HashSet<&PathBuf> = dirs.iter().collect();
         let gone: Vec<PathBuf> = self
             .wds
@@ -212,6 +214,7 @@ impl Notifier {
                     self.forget(d);
                     self.wds.insert(d.clone(), wd);
                     self.dirs.entry(wd).or_default().push(d.clone());
+                    added += 1;
                 }
                 Err(e)
                     if e == rustix::io::Errno::NOENT
@@ -225,7 +228,7 @@ impl Notifier {
                 }
             }
         }
-        Ok(())
+        Ok(added)
     }
 
     /// Stops watching `dir` by that path (the watch goes once no path leads to it).
@@ -451,8 +454,10 @@ mod tests {
             std::fs::File::create(root.join(format!("f{i}"))).unwrap();
         }
         assert!(drain(&mut n).1, "an overflow asks for a listing");
+        // Only the directory not watched before counts as new (the caller lists again).
+        assert_eq!(n.watch(&[root.clone(), root.join("sub")]).unwrap(), 1);
+        assert_eq!(n.watch(&[root.clone(), root.join("sub")]).unwrap(), 0);
         // The watch of a removed directory goes with it.
-        n.watch(&[root.clone(), root.join("sub")]).unwrap();
         std::fs::remove_dir(root.join("sub")).unwrap();
         assert!(drain(&mut n).1);
         n.watch(std::slice::from_ref(&root)).unwrap();

@@ -904,7 +904,11 @@ impl Inotify {
         if std::mem::take(&mut self.pending.rescan) {
             self.next_rescan = now + RESCAN_EVERY;
             let (listing, dirs) = w.listing();
-            self.n.watch(&dirs)?;
+            // A directory that appeared since the last listing was walked before it was
+            // watched: list once more to find what was created in it meanwhile.
+            if self.n.watch(&dirs)? > 0 {
+                self.pending.rescan = true;
+            }
             for (p, stamp) in &listing {
                 if self.seen.get(p) != Some(stamp) {
                     self.pending.note(p.clone(), Seen::Listed, now);
