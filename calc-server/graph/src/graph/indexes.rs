@@ -16,7 +16,7 @@ use pb::to_dataplane::Payload;
 
 use super::ids::SelectorOwner;
 use super::ipsets::IpSetState;
-use super::items::{EndpointState, KeySet, NetSetState};
+use super::items::{EndpointState, KeySet, NetSetState, StoredEndpoint};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::policies::{PolicyState, ProfileState};
 use super::{CalcGraph, Key, Name};
@@ -429,35 +429,35 @@ impl CalcGraph {
     pub(super) fn set_endpoint(&mut self, key: Key, mut model: EndpointModel) {
         // The labels live in the label index only (interned); the kept model has none.
         let labels = std::mem::take(&mut model.labels);
+        let (model, node, nets) = StoredEndpoint::split(model);
         if let Some(item) = self.items.item_of.get(&key)
             && self
                 .items
                 .endpoints
                 .get(item)
-                .is_some_and(|e| e.model == model)
+                .is_some_and(|e| e.model == model && *e.node == *node && e.nets == nets)
             && self.index.has_own_labels(*item, &labels)
         {
             return;
         }
         self.remove_endpoint(&key);
         let item = self.ids.item();
-        let node: Name = Arc::from(model.node.as_str());
-        let profiles = model.profile_ids.clone();
+        // The node table's own name, so the endpoints of a node share one allocation.
+        self.node_mut(&node);
+        let (node, _) = self
+            .nodes
+            .get_key_value(node.as_str())
+            .expect("just ensured");
+        let node = node.clone();
         {
             let n = self.node_mut(&node);
             n.span.endpoints.insert(key.clone());
             n.dirty.endpoints.insert(key.clone());
         }
-        for p in &profiles {
+        for p in &model.profile_ids {
             self.node_profile_inc(&node, &Arc::from(p.as_str()));
         }
         self.items.item_of.insert(key.clone(), item);
-        let nets = model
-            .ipv4_nets
-            .iter()
-            .chain(&model.ipv6_nets)
-            .map(|n| Arc::from(n.as_str()))
-            .collect();
         self.items.endpoints.insert(
             item,
             Box::new(EndpointState {
@@ -468,8 +468,12 @@ impl CalcGraph {
                 nets,
             }),
         );
-        self.index
-            .set_item(item, ItemClass::Endpoint, &labels, &profiles);
+        self.index.set_item(
+            item,
+            ItemClass::Endpoint,
+            &labels,
+            &self.items.endpoints[&item].model.profile_ids,
+        );
         self.process_events();
     }
 
@@ -701,7 +705,7 @@ mod tests {
             "the index holds the new labels: {labels:?}"
         );
         assert!(
-            g.items.endpoints[&item].model.labels.is_empty(),
+            g.items.endpoints[&item].model().labels.is_empty(),
             "labels are kept once, in the index"
         );
     }

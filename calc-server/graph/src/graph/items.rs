@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use super::{Key, Name};
-use crate::convert::EndpointModel;
+use crate::convert::{EndpointIds, EndpointKind, EndpointModel, NamedPort, endpoint_ids};
 use crate::label_index::ItemId;
 use crate::model::ResourceKey;
 
@@ -27,12 +27,166 @@ pub(super) struct Items {
 
 pub(super) struct EndpointState {
     pub(super) key: Key,
-    /// The converted endpoint without its labels, which the label index holds.
-    pub(super) model: EndpointModel,
+    /// What the converted endpoint holds that neither its key, its node, its nets nor the
+    /// label index gives ([`StoredEndpoint`]).
+    pub(super) model: StoredEndpoint,
     pub(super) node: Name,
     pub(super) policies: KeySet,
     /// The endpoint's CIDRs as shared strings: its members of every selector IP set.
     pub(super) nets: Vec<Arc<str>>,
+}
+
+/// The part of an [`EndpointModel`] that must be kept. Its node is the state's `node`, its
+/// nets are the state's `nets` (IPv4 first, as converted), its labels live in the label index,
+/// and its ids follow from its key (`convert::endpoint_ids`): keeping each again, as strings
+/// in growable vectors, cost about 300 bytes per endpoint (issue 44). Boxed slices and strings,
+/// since nothing here grows after conversion.
+#[derive(Debug, PartialEq)]
+pub(super) struct StoredEndpoint {
+    pub(super) profile_ids: Box<[String]>,
+    pub(super) ports: Box<[NamedPort]>,
+    pub(super) kind: StoredKind,
+}
+
+#[derive(Debug, PartialEq)]
+pub(super) enum StoredKind {
+    Workload {
+        generate_name: Box<str>,
+        interface_name: Box<str>,
+        mac: Box<str>,
+        ipv4_nat: Box<[(String, String)]>,
+        ipv6_nat: Box<[(String, String)]>,
+        allow_spoofed_source_prefixes: Box<[String]>,
+    },
+    Host {
+        interface_name: Box<str>,
+        expected_ipv4: Box<[String]>,
+        expected_ipv6: Box<[String]>,
+    },
+}
+
+impl StoredEndpoint {
+    /// Splits `model` into what is kept, its node and its nets. The labels must have been
+    /// taken out already.
+    pub(super) fn split(model: EndpointModel) -> (StoredEndpoint, String, Vec<Arc<str>>) {
+        let EndpointModel {
+            node,
+            labels: _,
+            profile_ids,
+            ipv4_nets,
+            ipv6_nets,
+            ports,
+            kind,
+        } = model;
+        let nets = ipv4_nets
+            .iter()
+            .chain(&ipv6_nets)
+            .map(|n| Arc::from(n.as_str()))
+            .collect();
+        let kind = match kind {
+            EndpointKind::Workload {
+                generate_name,
+                interface_name,
+                mac,
+                ipv4_nat,
+                ipv6_nat,
+                allow_spoofed_source_prefixes,
+                ..
+            } => StoredKind::Workload {
+                generate_name: generate_name.into(),
+                interface_name: interface_name.into(),
+                mac: mac.into(),
+                ipv4_nat: ipv4_nat.into(),
+                ipv6_nat: ipv6_nat.into(),
+                allow_spoofed_source_prefixes: allow_spoofed_source_prefixes.into(),
+            },
+            EndpointKind::Host {
+                interface_name,
+                expected_ipv4,
+                expected_ipv6,
+                ..
+            } => StoredKind::Host {
+                interface_name: interface_name.into(),
+                expected_ipv4: expected_ipv4.into(),
+                expected_ipv6: expected_ipv6.into(),
+            },
+        };
+        let stored = StoredEndpoint {
+            profile_ids: profile_ids.into(),
+            ports: ports.into(),
+            kind,
+        };
+        (stored, node, nets)
+    }
+}
+
+impl EndpointState {
+    /// The endpoint's nets of one family, as converted.
+    pub(super) fn nets_of(&self, v6: bool) -> Vec<String> {
+        self.nets
+            .iter()
+            .filter(|n| n.contains(':') == v6)
+            .map(|n| n.to_string())
+            .collect()
+    }
+
+    /// The converted endpoint again, without its labels (the label index holds them).
+    pub(super) fn model(&self) -> EndpointModel {
+        let m = &self.model;
+        let kind = match (&m.kind, endpoint_ids(&self.key)) {
+            (
+                StoredKind::Workload {
+                    generate_name,
+                    interface_name,
+                    mac,
+                    ipv4_nat,
+                    ipv6_nat,
+                    allow_spoofed_source_prefixes,
+                },
+                Some(EndpointIds::Workload {
+                    orchestrator_id,
+                    workload_id,
+                    endpoint_id,
+                    ..
+                }),
+            ) => EndpointKind::Workload {
+                orchestrator_id,
+                workload_id,
+                generate_name: generate_name.to_string(),
+                endpoint_id,
+                interface_name: interface_name.to_string(),
+                mac: mac.to_string(),
+                ipv4_nat: ipv4_nat.to_vec(),
+                ipv6_nat: ipv6_nat.to_vec(),
+                allow_spoofed_source_prefixes: allow_spoofed_source_prefixes.to_vec(),
+            },
+            (
+                StoredKind::Host {
+                    interface_name,
+                    expected_ipv4,
+                    expected_ipv6,
+                },
+                _,
+            ) => EndpointKind::Host {
+                endpoint_id: self.key.name.clone(),
+                interface_name: interface_name.to_string(),
+                expected_ipv4: expected_ipv4.to_vec(),
+                expected_ipv6: expected_ipv6.to_vec(),
+            },
+            (StoredKind::Workload { .. }, _) => {
+                unreachable!("a workload endpoint is stored only under a key that gives its ids")
+            }
+        };
+        EndpointModel {
+            node: self.node.to_string(),
+            labels: Default::default(),
+            profile_ids: m.profile_ids.to_vec(),
+            ipv4_nets: self.nets_of(false),
+            ipv6_nets: self.nets_of(true),
+            ports: m.ports.to_vec(),
+            kind,
+        }
+    }
 }
 
 pub(super) struct NetSetState {

@@ -299,9 +299,10 @@ impl<'g> EndpointView<'g> {
         &self.state.key
     }
 
-    /// The converted endpoint; its `labels` are empty (see [`Self::labels`]).
-    pub fn model(self) -> &'g EndpointModel {
-        &self.state.model
+    /// The converted endpoint, rebuilt from what the graph keeps; its `labels` are empty (see
+    /// [`Self::labels`]).
+    pub fn model(self) -> EndpointModel {
+        self.state.model()
     }
 
     pub fn node(self) -> &'g str {
