@@ -32,7 +32,7 @@ fn members_of(
     kind: &IpSetKind,
 ) -> Vec<Arc<str>> {
     match (kind, ep, ns) {
-        (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+        (IpSetKind::Net, Some(ep), _) => ep.nets.to_vec(),
         (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
         (IpSetKind::NamedPort { protocol, name }, Some(ep), _) => {
             let mut out = Vec::new();
@@ -40,7 +40,7 @@ fn members_of(
                 .model
                 .ports
                 .iter()
-                .filter(|p| &p.name == name && &p.protocol == protocol)
+                .filter(|p| &p.name == name && p.protocol == protocol.as_str())
             {
                 for net in &ep.nets {
                     let ip = net.split('/').next().unwrap_or_default();
@@ -121,12 +121,12 @@ impl CalcGraph {
             return;
         };
         let (ep, ns) = (
-            self.items.endpoints.get(&item).map(|e| &**e),
+            self.items.endpoints.get(&item),
             self.items.netsets.get(&item),
         );
         let members: Vec<Arc<str>> = match (&set.spec.kind, ep, ns) {
             // The common case, an address set: the item's CIDRs as they are.
-            (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+            (IpSetKind::Net, Some(ep), _) => ep.nets.to_vec(),
             (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
             (kind, ep, ns) => members_of(ep, ns, kind),
         };

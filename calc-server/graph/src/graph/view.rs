@@ -93,11 +93,7 @@ impl<'g> GraphView<'g> {
         g.items
             .endpoints
             .iter()
-            .map(move |(item, state)| EndpointView {
-                g,
-                item: *item,
-                state,
-            })
+            .map(move |(item, state)| EndpointView { g, item, state })
     }
 
     /// The endpoint of that key (a WorkloadEndpoint or HostEndpoint key).

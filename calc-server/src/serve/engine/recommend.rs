@@ -169,7 +169,7 @@ fn inventory(view: GraphView<'_>, flows: &[Flow]) -> Inventory {
                 .iter()
                 .map(|p| NamedPort {
                     name: p.name.clone(),
-                    protocol: p.protocol.clone(),
+                    protocol: p.protocol.to_string(),
                     port: p.port,
                 })
                 .collect(),
