@@ -91,13 +91,13 @@ impl<T> std::ops::Index<&ItemId> for ItemTable<T> {
 }
 
 /// The part of an [`EndpointModel`] that must be kept. Its node is the state's `node`, its
-/// nets are the state's `nets` (IPv4 first, as converted), its labels live in the label index,
-/// and its ids follow from its key (`convert::endpoint_ids`): keeping each again, as strings
-/// in growable vectors, cost about 300 bytes per endpoint (issue 44). Boxed slices and strings,
-/// since nothing here grows after conversion.
+/// nets are the state's `nets` (IPv4 first, as converted), its labels and its profile ids (the
+/// item's parents, interned) live in the label index, and its ids follow from its key
+/// (`convert::endpoint_ids`): keeping each again, as strings in growable vectors, cost about
+/// 400 bytes per endpoint (issue 44). Boxed slices and strings, since nothing here grows after
+/// conversion.
 #[derive(Debug, PartialEq)]
 pub(super) struct StoredEndpoint {
-    pub(super) profile_ids: Box<[String]>,
     pub(super) ports: Box<[NamedPort]>,
     pub(super) kind: StoredKind,
 }
@@ -120,9 +120,11 @@ pub(super) enum StoredKind {
 }
 
 impl StoredEndpoint {
-    /// Splits `model` into what is kept, its node and its nets. The labels must have been
-    /// taken out already.
-    pub(super) fn split(model: EndpointModel) -> (StoredEndpoint, String, Box<[Arc<str>]>) {
+    /// Splits `model` into what is kept, its node, its nets and its profile ids. The labels
+    /// must have been taken out already.
+    pub(super) fn split(
+        model: EndpointModel,
+    ) -> (StoredEndpoint, String, Box<[Arc<str>]>, Vec<String>) {
         let EndpointModel {
             node,
             labels: _,
@@ -166,11 +168,10 @@ impl StoredEndpoint {
             },
         };
         let stored = StoredEndpoint {
-            profile_ids: profile_ids.into(),
             ports: ports.into(),
             kind,
         };
-        (stored, node, nets)
+        (stored, node, nets, profile_ids)
     }
 }
 
@@ -184,8 +185,9 @@ impl EndpointState {
             .collect()
     }
 
-    /// The converted endpoint again, without its labels (the label index holds them).
-    pub(super) fn model(&self) -> EndpointModel {
+    /// The converted endpoint again, without its labels; its profile ids are the label index's
+    /// parents of the item.
+    pub(super) fn model(&self, profile_ids: Vec<String>) -> EndpointModel {
         let m = &self.model;
         let kind = match (&m.kind, endpoint_ids(&self.key)) {
             (
@@ -234,7 +236,7 @@ impl EndpointState {
         EndpointModel {
             node: self.node.to_string(),
             labels: Default::default(),
-            profile_ids: m.profile_ids.to_vec(),
+            profile_ids,
             ipv4_nets: self.nets_of(false),
             ipv6_nets: self.nets_of(true),
             ports: m.ports.to_vec(),

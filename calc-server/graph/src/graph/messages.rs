@@ -106,6 +106,7 @@ impl CalcGraph {
             ranked.sort_unstable_by_key(|(rank, _)| *rank);
             policy_resolver::tier_lists(ranked.into_iter().map(|(_, r)| r).collect(), tier)
         };
+        let profile_ids = || self.index.parents(*item).map(str::to_string).collect();
         let m = &ep.model;
         Some(match &m.kind {
             StoredKind::Workload {
@@ -145,7 +146,7 @@ impl CalcGraph {
                         state: "active".into(),
                         name: interface_name.to_string(),
                         mac: mac.to_string(),
-                        profile_ids: m.profile_ids.to_vec(),
+                        profile_ids: profile_ids(),
                         ipv4_nets: ep.nets_of(false),
                         ipv6_nets: ep.nets_of(true),
                         tiers: tiers.normal,
@@ -166,7 +167,7 @@ impl CalcGraph {
                 }),
                 endpoint: Some(pb::HostEndpoint {
                     name: interface_name.to_string(),
-                    profile_ids: m.profile_ids.to_vec(),
+                    profile_ids: profile_ids(),
                     tiers: tiers.normal,
                     expected_ipv4_addrs: expected_ipv4.to_vec(),
                     expected_ipv6_addrs: expected_ipv6.to_vec(),

@@ -298,7 +298,13 @@ impl<'g> EndpointView<'g> {
     /// The converted endpoint, rebuilt from what the graph keeps; its `labels` are empty (see
     /// [`Self::labels`]).
     pub fn model(self) -> EndpointModel {
-        self.state.model()
+        self.state.model(
+            self.g
+                .index
+                .parents(self.item)
+                .map(str::to_string)
+                .collect(),
+        )
     }
 
     pub fn node(self) -> &'g str {

@@ -256,6 +256,27 @@ impl LabelIndex {
         })
     }
 
+    /// An item's parents (its profiles), in the order [`Self::set_item`] was given them: the
+    /// graph keeps an endpoint's profile ids here only.
+    pub fn parents(&self, item: ItemId) -> impl Iterator<Item = &str> + '_ {
+        self.items
+            .get(item)
+            .into_iter()
+            .flat_map(|i| i.parents.iter())
+            .map(|p| self.syms.str(*p))
+    }
+
+    /// Whether an item's parents are exactly `parents`, in order.
+    pub fn has_parents(&self, item: ItemId, parents: &[String]) -> bool {
+        self.items.get(item).is_some_and(|i| {
+            i.parents.len() == parents.len()
+                && i.parents
+                    .iter()
+                    .zip(parents)
+                    .all(|(s, p)| self.syms.get(p) == Some(*s))
+        })
+    }
+
     /// Whether an item's own labels are exactly `labels`.
     pub fn has_own_labels(&self, item: ItemId, labels: &BTreeMap<String, String>) -> bool {
         let Some(item) = self.items.get(item) else {
