@@ -443,8 +443,8 @@ fn convert_rule(r: &Rule, ns: &str) -> Result<ModelRule, ConvertError> {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NamedPort {
     pub name: String,
-    /// `tcp`, `udp` or `sctp`.
-    pub protocol: String,
+    /// `tcp`, `udp` or `sctp`: a constant, not a string per port of every endpoint.
+    pub protocol: &'static str,
     pub port: u16,
 }
 
@@ -520,7 +520,7 @@ fn named_ports(ports: &[crate::model::EndpointPort]) -> Vec<NamedPort> {
             };
             Some(NamedPort {
                 name: p.name.clone(),
-                protocol: proto.to_string(),
+                protocol: proto,
                 port: u16::try_from(p.port).ok()?,
             })
         })

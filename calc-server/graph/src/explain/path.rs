@@ -521,7 +521,8 @@ impl<'g> Ask<'g> {
                 None => (None, what),
             };
             for e in self.g.endpoints() {
-                let EndpointKind::Workload { workload_id, .. } = &e.model().kind else {
+                let m = e.model();
+                let EndpointKind::Workload { workload_id, .. } = &m.kind else {
                     continue;
                 };
                 let key = e.key();

@@ -16,7 +16,7 @@ use pb::to_dataplane::Payload;
 
 use super::ids::SelectorOwner;
 use super::ipsets::IpSetState;
-use super::items::{EndpointState, KeySet, NetSetState};
+use super::items::{EndpointState, KeySet, NetSetState, StoredEndpoint};
 use super::messages::{msg, policy_id_proto, policy_message, profile_messages};
 use super::policies::{PolicyState, ProfileState};
 use super::{CalcGraph, Key, Name};
@@ -32,7 +32,7 @@ fn members_of(
     kind: &IpSetKind,
 ) -> Vec<Arc<str>> {
     match (kind, ep, ns) {
-        (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+        (IpSetKind::Net, Some(ep), _) => ep.nets.to_vec(),
         (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
         (IpSetKind::NamedPort { protocol, name }, Some(ep), _) => {
             let mut out = Vec::new();
@@ -40,7 +40,7 @@ fn members_of(
                 .model
                 .ports
                 .iter()
-                .filter(|p| &p.name == name && &p.protocol == protocol)
+                .filter(|p| &p.name == name && p.protocol == protocol.as_str())
             {
                 for net in &ep.nets {
                     let ip = net.split('/').next().unwrap_or_default();
@@ -121,12 +121,12 @@ impl CalcGraph {
             return;
         };
         let (ep, ns) = (
-            self.items.endpoints.get(&item).map(|e| &**e),
+            self.items.endpoints.get(&item),
             self.items.netsets.get(&item),
         );
         let members: Vec<Arc<str>> = match (&set.spec.kind, ep, ns) {
             // The common case, an address set: the item's CIDRs as they are.
-            (IpSetKind::Net, Some(ep), _) => ep.nets.clone(),
+            (IpSetKind::Net, Some(ep), _) => ep.nets.to_vec(),
             (IpSetKind::Net, None, Some(ns)) => ns.nets.clone(),
             (kind, ep, ns) => members_of(ep, ns, kind),
         };
@@ -429,20 +429,27 @@ impl CalcGraph {
     pub(super) fn set_endpoint(&mut self, key: Key, mut model: EndpointModel) {
         // The labels live in the label index only (interned); the kept model has none.
         let labels = std::mem::take(&mut model.labels);
+        let (model, node, nets, profiles) = StoredEndpoint::split(model);
         if let Some(item) = self.items.item_of.get(&key)
             && self
                 .items
                 .endpoints
                 .get(item)
-                .is_some_and(|e| e.model == model)
+                .is_some_and(|e| e.model == model && *e.node == *node && e.nets == nets)
             && self.index.has_own_labels(*item, &labels)
+            && self.index.has_parents(*item, &profiles)
         {
             return;
         }
         self.remove_endpoint(&key);
         let item = self.ids.item();
-        let node: Name = Arc::from(model.node.as_str());
-        let profiles = model.profile_ids.clone();
+        // The node table's own name, so the endpoints of a node share one allocation.
+        self.node_mut(&node);
+        let (node, _) = self
+            .nodes
+            .get_key_value(node.as_str())
+            .expect("just ensured");
+        let node = node.clone();
         {
             let n = self.node_mut(&node);
             n.span.endpoints.insert(key.clone());
@@ -452,12 +459,6 @@ impl CalcGraph {
             self.node_profile_inc(&node, &Arc::from(p.as_str()));
         }
         self.items.item_of.insert(key.clone(), item);
-        let nets = model
-            .ipv4_nets
-            .iter()
-            .chain(&model.ipv6_nets)
-            .map(|n| Arc::from(n.as_str()))
-            .collect();
         self.items.endpoints.insert(
             item,
             Box::new(EndpointState {
@@ -480,6 +481,7 @@ impl CalcGraph {
         if !self.items.endpoints.contains_key(&item) {
             return;
         }
+        let profiles: Vec<Name> = self.index.parents(item).map(Arc::from).collect();
         self.index.remove_item(item);
         self.process_events();
         self.items.item_of.remove(key);
@@ -490,8 +492,8 @@ impl CalcGraph {
             n.span.endpoints.remove(key);
             n.dirty.endpoints.insert(key.clone());
         }
-        for p in &ep.model.profile_ids {
-            self.node_profile_dec(&ep.node, &Arc::from(p.as_str()));
+        for p in &profiles {
+            self.node_profile_dec(&ep.node, p);
         }
         self.prune_node(&ep.node.clone());
     }
@@ -699,10 +701,6 @@ mod tests {
         assert!(
             !labels.contains_key("team"),
             "the index holds the new labels: {labels:?}"
-        );
-        assert!(
-            g.items.endpoints[&item].model.labels.is_empty(),
-            "labels are kept once, in the index"
         );
     }
 

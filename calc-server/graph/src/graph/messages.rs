@@ -10,8 +10,9 @@ use std::sync::Arc;
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
+use super::items::StoredKind;
 use super::{CalcGraph, SharedMessage};
-use crate::convert::{EndpointKind, PolicyId, PolicyModel};
+use crate::convert::{EndpointIds, PolicyId, PolicyModel, endpoint_ids};
 use crate::model::{NodeSpec, ObjectMeta, ResourceKey};
 use crate::policy_resolver::{self, PolicyRef};
 use crate::rule_scanner::ScannedRules;
@@ -105,12 +106,10 @@ impl CalcGraph {
             ranked.sort_unstable_by_key(|(rank, _)| *rank);
             policy_resolver::tier_lists(ranked.into_iter().map(|(_, r)| r).collect(), tier)
         };
+        let profile_ids = || self.index.parents(*item).map(str::to_string).collect();
         let m = &ep.model;
         Some(match &m.kind {
-            EndpointKind::Workload {
-                orchestrator_id,
-                workload_id,
-                endpoint_id,
+            StoredKind::Workload {
                 interface_name,
                 mac,
                 ipv4_nat,
@@ -118,7 +117,18 @@ impl CalcGraph {
                 allow_spoofed_source_prefixes,
                 generate_name: _,
             } => {
-                let nat = |v: &Vec<(String, String)>| {
+                let Some(EndpointIds::Workload {
+                    orchestrator_id,
+                    workload_id,
+                    endpoint_id,
+                    ..
+                }) = endpoint_ids(&ep.key)
+                else {
+                    unreachable!(
+                        "a workload endpoint is stored only under a key that gives its ids"
+                    )
+                };
+                let nat = |v: &[(String, String)]| {
                     v.iter()
                         .map(|(ext, int)| pb::NatInfo {
                             ext_ip: ext.clone(),
@@ -128,40 +138,39 @@ impl CalcGraph {
                 };
                 Payload::WorkloadEndpointUpdate(pb::WorkloadEndpointUpdate {
                     id: Some(pb::WorkloadEndpointId {
-                        orchestrator_id: orchestrator_id.clone(),
-                        workload_id: workload_id.clone(),
-                        endpoint_id: endpoint_id.clone(),
+                        orchestrator_id,
+                        workload_id,
+                        endpoint_id,
                     }),
                     endpoint: Some(pb::WorkloadEndpoint {
                         state: "active".into(),
-                        name: interface_name.clone(),
-                        mac: mac.clone(),
-                        profile_ids: m.profile_ids.clone(),
-                        ipv4_nets: m.ipv4_nets.clone(),
-                        ipv6_nets: m.ipv6_nets.clone(),
+                        name: interface_name.to_string(),
+                        mac: mac.to_string(),
+                        profile_ids: profile_ids(),
+                        ipv4_nets: ep.nets_of(false),
+                        ipv6_nets: ep.nets_of(true),
                         tiers: tiers.normal,
                         ipv4_nat: nat(ipv4_nat),
                         ipv6_nat: nat(ipv6_nat),
-                        allow_spoofed_source_prefixes: allow_spoofed_source_prefixes.clone(),
+                        allow_spoofed_source_prefixes: allow_spoofed_source_prefixes.to_vec(),
                         ..Default::default()
                     }),
                 })
             }
-            EndpointKind::Host {
-                endpoint_id,
+            StoredKind::Host {
                 interface_name,
                 expected_ipv4,
                 expected_ipv6,
             } => Payload::HostEndpointUpdate(pb::HostEndpointUpdate {
                 id: Some(pb::HostEndpointId {
-                    endpoint_id: endpoint_id.clone(),
+                    endpoint_id: ep.key.name.clone(),
                 }),
                 endpoint: Some(pb::HostEndpoint {
-                    name: interface_name.clone(),
-                    profile_ids: m.profile_ids.clone(),
+                    name: interface_name.to_string(),
+                    profile_ids: profile_ids(),
                     tiers: tiers.normal,
-                    expected_ipv4_addrs: expected_ipv4.clone(),
-                    expected_ipv6_addrs: expected_ipv6.clone(),
+                    expected_ipv4_addrs: expected_ipv4.to_vec(),
+                    expected_ipv6_addrs: expected_ipv6.to_vec(),
                     untracked_tiers: tiers.untracked,
                     pre_dnat_tiers: tiers.pre_dnat,
                     forward_tiers: tiers.forward,

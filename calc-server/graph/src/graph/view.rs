@@ -93,11 +93,7 @@ impl<'g> GraphView<'g> {
         g.items
             .endpoints
             .iter()
-            .map(move |(item, state)| EndpointView {
-                g,
-                item: *item,
-                state,
-            })
+            .map(move |(item, state)| EndpointView { g, item, state })
     }
 
     /// The endpoint of that key (a WorkloadEndpoint or HostEndpoint key).
@@ -299,9 +295,16 @@ impl<'g> EndpointView<'g> {
         &self.state.key
     }
 
-    /// The converted endpoint; its `labels` are empty (see [`Self::labels`]).
-    pub fn model(self) -> &'g EndpointModel {
-        &self.state.model
+    /// The converted endpoint, rebuilt from what the graph keeps; its `labels` are empty (see
+    /// [`Self::labels`]).
+    pub fn model(self) -> EndpointModel {
+        self.state.model(
+            self.g
+                .index
+                .parents(self.item)
+                .map(str::to_string)
+                .collect(),
+        )
     }
 
     pub fn node(self) -> &'g str {

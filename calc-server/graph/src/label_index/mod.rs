@@ -47,11 +47,13 @@ pub struct MatchEvent {
 /// Labels are `(key, value)` symbol pairs sorted by key.
 type LabelPairs = Vec<(Sym, Sym)>;
 
+/// Own, parent and effective labels are replaced whole, never grown, so they are boxed slices:
+/// 8 bytes less each in every slot of the item table (issue 44).
 struct Item {
     class: ItemClass,
-    own: LabelPairs,
-    parents: Vec<Sym>,
-    effective: LabelPairs,
+    own: Box<[(Sym, Sym)]>,
+    parents: Box<[Sym]>,
+    effective: Box<[(Sym, Sym)]>,
     /// Sorted: an endpoint matches a few dozen selectors at most.
     matched: Vec<SelectorId>,
 }
@@ -254,6 +256,27 @@ impl LabelIndex {
         })
     }
 
+    /// An item's parents (its profiles), in the order [`Self::set_item`] was given them: the
+    /// graph keeps an endpoint's profile ids here only.
+    pub fn parents(&self, item: ItemId) -> impl Iterator<Item = &str> + '_ {
+        self.items
+            .get(item)
+            .into_iter()
+            .flat_map(|i| i.parents.iter())
+            .map(|p| self.syms.str(*p))
+    }
+
+    /// Whether an item's parents are exactly `parents`, in order.
+    pub fn has_parents(&self, item: ItemId, parents: &[String]) -> bool {
+        self.items.get(item).is_some_and(|i| {
+            i.parents.len() == parents.len()
+                && i.parents
+                    .iter()
+                    .zip(parents)
+                    .all(|(s, p)| self.syms.get(p) == Some(*s))
+        })
+    }
+
     /// Whether an item's own labels are exactly `labels`.
     pub fn has_own_labels(&self, item: ItemId, labels: &BTreeMap<String, String>) -> bool {
         let Some(item) = self.items.get(item) else {
@@ -426,10 +449,18 @@ impl LabelIndex {
 
     /// Own labels first, then each parent's in order; the first definition of a key wins.
     fn effective_of(&self, own: &[(Sym, Sym)], parents: &[Sym]) -> LabelPairs {
-        let mut v = own.to_vec();
         if parents.is_empty() {
-            return v;
+            return own.to_vec();
         }
+        // Reserved whole: the result is kept, and growing it by doubling left up to half of it
+        // unused (the allocator does not move a block for a shrink of less than half).
+        let inherited: usize = parents
+            .iter()
+            .filter_map(|p| self.parents.get(p))
+            .map(|p| p.labels.len())
+            .sum();
+        let mut v = Vec::with_capacity(own.len() + inherited);
+        v.extend_from_slice(own);
         for p in parents {
             if let Some(parent) = self.parents.get(p) {
                 v.extend_from_slice(&parent.labels);
@@ -489,7 +520,7 @@ impl LabelIndex {
         }
         let old_parents = match self.items.get_mut(id) {
             Some(old) => std::mem::take(&mut old.parents),
-            None => Vec::new(),
+            None => Box::default(),
         };
         for p in old_parents.iter().filter(|p| !parents.contains(p)) {
             if let Some(parent) = self.parents.get_mut(p) {
@@ -502,17 +533,17 @@ impl LabelIndex {
         let effective = self.effective_of(&own, &parents);
         match self.items.get_mut(id) {
             Some(item) => {
-                item.own = own;
-                item.parents = parents;
+                item.own = own.into();
+                item.parents = parents.into();
                 item.class = class;
             }
             None => self.items.insert(
                 id,
                 Item {
                     class,
-                    own,
-                    parents,
-                    effective: Vec::new(),
+                    own: own.into(),
+                    parents: parents.into(),
+                    effective: Box::default(),
                     matched: Vec::new(),
                 },
             ),
@@ -524,7 +555,7 @@ impl LabelIndex {
     /// change their verdict.
     fn update_effective(&mut self, id: ItemId, effective: LabelPairs, force: bool) {
         let item = self.items.get_mut(id).expect("item exists");
-        if !force && item.effective == effective {
+        if !force && *item.effective == *effective {
             return;
         }
         // The old labels leave the item for the re-indexing; the new ones go in after it.
@@ -543,7 +574,7 @@ impl LabelIndex {
         candidates.sort_unstable();
         candidates.dedup();
         let item = self.items.get_mut(id).expect("item exists");
-        item.effective = effective;
+        item.effective = effective.into();
         for sid in candidates {
             let Some(entry) = self.selectors.get_mut(sid) else {
                 continue;

@@ -141,11 +141,12 @@ fn inventory(view: GraphView<'_>, flows: &[Flow]) -> Inventory {
         .collect();
     let mut inv = Inventory::default();
     for e in view.endpoints() {
+        let m = e.model();
         let EndpointKind::Workload {
             workload_id,
             generate_name,
             ..
-        } = &e.model().kind
+        } = &m.kind
         else {
             continue;
         };
@@ -163,13 +164,12 @@ fn inventory(view: GraphView<'_>, flows: &[Flow]) -> Inventory {
             name: name.to_string(),
             generate_name: generate_name.clone(),
             labels: e.labels().unwrap_or_default(),
-            ports: e
-                .model()
+            ports: m
                 .ports
                 .iter()
                 .map(|p| NamedPort {
                     name: p.name.clone(),
-                    protocol: p.protocol.clone(),
+                    protocol: p.protocol.to_string(),
                     port: p.port,
                 })
                 .collect(),
