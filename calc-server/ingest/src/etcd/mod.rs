@@ -26,12 +26,12 @@ pub fn put(mirror: &mut Mirror, key: &str, value: &[u8], out: &mut Batch) {
     put_decided(mirror, key, value, Fingerprint::of(value), None, out);
 }
 
-/// Below this many values to decode, a page is decoded on the calling thread: threads cost
+/// Below this many values per thread, a page is decoded on the calling thread: threads cost
 /// more than they save.
 const PARALLEL_DECODE_MIN: usize = 512;
 
-/// [`put`] for each key/value in order, with the values that changed decoded first on up to
-/// `threads` threads (a cold start's list pages are mostly decoding, and decoding one value
+/// [`put`] for each key/value in order, with the values that changed fingerprinted and
+/// decoded first on up to `threads` threads (a cold start's list pages are mostly decoding, and decoding one value
 /// depends on nothing else). The mirror's bookkeeping stays sequential, in the given order,
 /// so the result is the same as calling [`put`] for each. `on_put` is called after each put
 /// with its index, for callers that look at what it added to `out`.
@@ -42,45 +42,37 @@ pub fn put_many(
     out: &mut Batch,
     mut on_put: impl FnMut(usize, &Batch),
 ) {
-    let mut decided: Vec<Option<Decision>> = Vec::new();
-    let versions: Vec<Fingerprint> = items.iter().map(|(_, v)| Fingerprint::of(v)).collect();
-    let todo: Vec<usize> = (0..items.len())
-        .filter(|&i| {
-            let key = items[i].0;
-            !matches!(parse_key(key), Ok(None)) && !mirror.is_current(key, versions[i])
-        })
-        .collect();
-    let threads = threads.clamp(1, todo.len().div_ceil(PARALLEL_DECODE_MIN).max(1));
-    if threads > 1 {
-        decided.resize_with(items.len(), || None);
-        let per_thread = todo.len().div_ceil(threads);
-        let chunks: Vec<Vec<(usize, Decision)>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = todo
-                .chunks(per_thread)
-                .map(|chunk| {
-                    scope.spawn(move || {
-                        chunk
-                            .iter()
-                            .map(|&i| (i, decode(items[i].0, items[i].1)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-                })
-                .collect()
-        });
-        for (i, decision) in chunks.into_iter().flatten() {
-            decided[i] = Some(decision);
+    let threads = threads.clamp(1, items.len().div_ceil(PARALLEL_DECODE_MIN).max(1));
+    if threads == 1 {
+        for (i, (key, value)) in items.iter().enumerate() {
+            put(mirror, key, value, out);
+            on_put(i, out);
         }
+        return;
     }
-    for (i, (key, value)) in items.iter().enumerate() {
-        let pre = decided.get_mut(i).and_then(Option::take);
-        put_decided(mirror, key, value, versions[i], pre, out);
+    // Each thread fingerprints its values too: hashing every value is a pass over the page.
+    let current: &Mirror = mirror;
+    let decide = move |&(key, value): &(&str, &[u8])| {
+        let version = Fingerprint::of(value);
+        let changed = !matches!(parse_key(key), Ok(None)) && !current.is_current(key, version);
+        (version, changed.then(|| decode(key, value)))
+    };
+    let per_thread = items.len().div_ceil(threads);
+    let decided: Vec<(Fingerprint, Option<Decision>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .chunks(per_thread)
+            .map(|chunk| scope.spawn(move || chunk.iter().map(decide).collect::<Vec<_>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    for (i, ((key, value), (version, pre))) in items.iter().zip(decided).enumerate() {
+        put_decided(mirror, key, value, version, pre, out);
         on_put(i, out);
     }
 }
