@@ -400,6 +400,12 @@ impl LastGood {
             return Ok(());
         };
         let path = dir.join(LOG);
+        // Another replica rewrote the log since this one's last line: the offsets this one
+        // holds are not that file's. Read it instead; it has just been rewritten anyway.
+        if std::fs::metadata(&path)?.ino() != log.ino {
+            let _ = self.load();
+            return Ok(());
+        }
         let old = std::fs::read(&path)?;
         if old.len() as u64 > log.len {
             log.foreign.push((log.len, old.len() as u64));
