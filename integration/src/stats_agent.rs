@@ -1,8 +1,9 @@
-//! A raw Sync client standing in for a node's agent that reports rule hit counters: it says
-//! hello with the capabilities a test gives, reads its snapshot to InSync (remembering the
-//! policies and profiles it was sent, and the capabilities the server agreed to), then sends
-//! `RuleStats` deltas as the test asks. The hit counter persistence tests (etcd, Kubernetes)
-//! use it against a real `calc-server serve`.
+//! A raw Sync client standing in for a node's agent that reports rule hit counters or flow
+//! logs: it says hello with the capabilities a test gives, reads its snapshot to InSync
+//! (remembering the policies and profiles it was sent, and the capabilities the server agreed
+//! to), then sends `RuleStats` deltas or `FlowReport`s as the test asks. The hit counter
+//! persistence tests (etcd, Kubernetes), the flow-log tests and the recommendation test use it
+//! against a real `calc-server serve`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -127,12 +128,34 @@ impl StatsAgent {
             .expect("stream open");
     }
 
+    /// Sends one `FlowReport` of `records` (the agent must have offered `flows`).
+    pub async fn send_flows(&mut self, records: Vec<pb::FlowRecord>) {
+        self.out += 1;
+        self.tx
+            .send(pb::FromDataplane {
+                sequence_number: self.out,
+                payload: Some(From::FlowReport(pb::FlowReport {
+                    records,
+                    dropped: 0,
+                })),
+            })
+            .await
+            .expect("stream open");
+    }
+
     /// Whether the server ended the stream within 10 s (drains what it sends meanwhile).
     pub async fn ended(&mut self) -> bool {
+        self.end_status().await.is_some()
+    }
+
+    /// The status the server ended the stream with within 10 s (`None`: still open; an end
+    /// without an error is `Ok`), draining what it sends meanwhile.
+    pub async fn end_status(&mut self) -> Option<tonic::Status> {
         loop {
             match tokio::time::timeout(Duration::from_secs(10), self.rx.next()).await {
-                Err(_) => return false,
-                Ok(None | Some(Err(_))) => return true,
+                Err(_) => return None,
+                Ok(None) => return Some(tonic::Status::ok("")),
+                Ok(Some(Err(e))) => return Some(e),
                 Ok(Some(Ok(_))) => {}
             }
         }

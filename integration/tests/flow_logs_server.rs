@@ -16,15 +16,11 @@ use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use felix_proto as pb;
-use felix_proto::calc_server_client::CalcServerClient;
 use felix_proto::goldmane as gm;
+use integration::stats_agent::StatsAgent;
 use integration::{Server, binary, http_get, metric};
-use pb::from_dataplane::Payload as From;
-use pb::to_dataplane::Payload as To;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
 
 const CLUSTER: &str = r#"
 apiVersion: projectcalico.org/v3
@@ -122,76 +118,12 @@ fn datastore() -> tempfile::TempDir {
     dir
 }
 
-struct Agent {
-    tx: mpsc::Sender<pb::FromDataplane>,
-    rx: tonic::Streaming<pb::ToDataplane>,
-    out: u64,
-}
-
-impl Agent {
-    /// Says hello for `node` offering `flows`, reads the snapshot to InSync; returns the
-    /// capabilities the server agreed to.
-    async fn connect(url: &str, node: &str) -> (Agent, Vec<String>) {
-        let mut client = CalcServerClient::connect(url.to_string())
-            .await
-            .expect("connect");
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(From::AgentHello(pb::AgentHello {
-                node_name: node.into(),
-                agent_version: "test".into(),
-                capabilities: vec!["flows".into()],
-            })),
-        })
-        .await
-        .unwrap();
-        let mut rx = client
-            .sync(ReceiverStream::new(rx))
-            .await
-            .expect("Sync")
-            .into_inner();
-        let mut agreed = Vec::new();
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(10), rx.next())
-                .await
-                .expect("a message within 10 s")
-                .expect("stream open")
-                .expect("no error");
-            match m.payload.expect("payload") {
-                To::ServerHello(h) => agreed = h.capabilities,
-                To::InSync(_) => break,
-                _ => {}
-            }
-        }
-        (Agent { tx, rx, out: 1 }, agreed)
-    }
-
-    async fn send(&mut self, records: Vec<pb::FlowRecord>) {
-        self.out += 1;
-        self.tx
-            .send(pb::FromDataplane {
-                sequence_number: self.out,
-                payload: Some(From::FlowReport(pb::FlowReport {
-                    records,
-                    dropped: 0,
-                })),
-            })
-            .await
-            .expect("stream open");
-    }
-
-    /// The status the server ended the stream with (`None`: still open after 10 s).
-    async fn ended(&mut self) -> Option<tonic::Status> {
-        loop {
-            match tokio::time::timeout(Duration::from_secs(10), self.rx.next()).await {
-                Err(_) => return None,
-                Ok(None) => return Some(tonic::Status::ok("")),
-                Ok(Some(Err(e))) => return Some(e),
-                Ok(Some(Ok(_))) => {}
-            }
-        }
-    }
+/// A raw agent for `node` offering `flows`, its snapshot read; and the capabilities the server
+/// agreed to.
+async fn connect(url: &str, node: &str) -> (StatsAgent, Vec<String>) {
+    let agent = StatsAgent::connect(url, node, &["flows"]).await;
+    let agreed = agent.agreed.clone();
+    (agent, agreed)
 }
 
 fn policy_rule(kind: &str, ns: &str, name: &str, index: u32, action: &str) -> pb::FlowRuleHit {
@@ -324,20 +256,20 @@ fn cli(server: &Server, args: &[&str]) -> String {
 async fn flow_reports_are_named_counted_once_and_listed() {
     let dir = datastore();
     let server = Server::start(dir.path(), &["--flow-logs"]);
-    let (mut node2, agreed) = Agent::connect(&server.grpc, "node-2").await;
+    let (mut node2, agreed) = connect(&server.grpc, "node-2").await;
     assert_eq!(agreed, ["flows"]);
-    let (mut node1, _) = Agent::connect(&server.grpc, "node-1").await;
+    let (mut node1, _) = connect(&server.grpc, "node-1").await;
     let at = interval();
 
-    node2.send(vec![allowed(at), denied(at)]).await;
+    node2.send_flows(vec![allowed(at), denied(at)]).await;
     // The same interval again, as after a reconnect: not counted twice.
-    node2.send(vec![allowed(at)]).await;
+    node2.send_flows(vec![allowed(at)]).await;
     // Both of node-2's flows are stored before node-1's source report comes (so the
     // destination report is joined late to the Service the source report names).
     wait_flows(&server, 2);
     // node-1 may not report db-1's side (a forgery); its own side of web-1 is fine.
     node1
-        .send(vec![
+        .send_flows(vec![
             denied(at),
             pb::FlowRecord {
                 reporter_dest: false,
@@ -687,12 +619,12 @@ async fn flow_reports_are_named_counted_once_and_listed() {
 
     // A malformed report ends the stream with INVALID_ARGUMENT and is counted.
     node1
-        .send(vec![pb::FlowRecord {
+        .send_flows(vec![pb::FlowRecord {
             interval_start: at + 1,
             ..allowed(at)
         }])
         .await;
-    let status = node1.ended().await.expect("the stream ends");
+    let status = node1.end_status().await.expect("the stream ends");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(
         status.message().contains("interval_start"),
@@ -706,10 +638,10 @@ async fn flow_reports_are_named_counted_once_and_listed() {
 async fn without_flow_logs_the_server_takes_no_flow_reports() {
     let dir = datastore();
     let server = Server::start(dir.path(), &[]);
-    let (mut agent, agreed) = Agent::connect(&server.grpc, "node-2").await;
+    let (mut agent, agreed) = connect(&server.grpc, "node-2").await;
     assert!(agreed.is_empty(), "{agreed:?}");
-    agent.send(vec![allowed(interval())]).await;
-    let status = agent.ended().await.expect("the stream ends");
+    agent.send_flows(vec![allowed(interval())]).await;
+    let status = agent.end_status().await.expect("the stream ends");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(
         status.message().contains("\"flows\" capability"),
@@ -726,10 +658,12 @@ async fn follow_prints_closed_intervals_as_they_come() {
     use std::io::BufRead;
     let dir = datastore();
     let server = Server::start(dir.path(), &["--flow-logs"]);
-    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    let (mut node2, _) = connect(&server.grpc, "node-2").await;
     // Two intervals that closed well before now.
     let old = interval() - 30;
-    node2.send(vec![allowed(old - 15), allowed(old)]).await;
+    node2
+        .send_flows(vec![allowed(old - 15), allowed(old)])
+        .await;
     wait_flows(&server, 1);
     let mut child = Command::new(binary("calc-server"))
         .args(["flows", "--server", &server.admin, "--follow"])
@@ -848,7 +782,7 @@ async fn a_stream_sends_at_most_its_rate_of_records() {
         dir.path(),
         &["--flow-logs", "--flow-max-records-per-second", "1"],
     );
-    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    let (mut node2, _) = connect(&server.grpc, "node-2").await;
     let at = interval();
     let records: Vec<pb::FlowRecord> = (0..20)
         .map(|i| pb::FlowRecord {
@@ -856,7 +790,7 @@ async fn a_stream_sends_at_most_its_rate_of_records() {
             ..allowed(at)
         })
         .collect();
-    node2.send(records).await;
+    node2.send_flows(records).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while refused(&server, "rate") < 5.0 {
         assert!(Instant::now() < deadline, "rate refusals never counted");
@@ -866,7 +800,7 @@ async fn a_stream_sends_at_most_its_rate_of_records() {
     let v = wait_flows(&server, 1);
     assert_eq!(v["flows"][0]["flow"]["packets_in"], "150", "{v}");
     assert_eq!(refused(&server, "rate"), 5.0);
-    assert!(node2.ended().await.is_none(), "the stream stays open");
+    assert!(node2.end_status().await.is_none(), "the stream stays open");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -875,8 +809,8 @@ async fn goldmanes_api_has_a_listener_of_its_own_on_request() {
     let port = integration::free_port();
     let listen = format!("127.0.0.1:{port}");
     let server = Server::start(dir.path(), &["--flow-logs", "--flows-listen", &listen]);
-    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
-    node2.send(vec![allowed(interval())]).await;
+    let (mut node2, _) = connect(&server.grpc, "node-2").await;
+    node2.send_flows(vec![allowed(interval())]).await;
     wait_flows(&server, 1);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
         .unwrap()
@@ -967,10 +901,10 @@ fn python_goldmane_client(addr: &str) -> Option<Vec<Value>> {
 async fn a_goldmane_client_from_another_toolchain_lists_and_streams_flows() {
     let dir = datastore();
     let server = Server::start(dir.path(), &["--flow-logs"]);
-    let (mut node2, _) = Agent::connect(&server.grpc, "node-2").await;
+    let (mut node2, _) = connect(&server.grpc, "node-2").await;
     // An interval closed long enough ago for Stream to send it at once.
     let at = interval() - 30;
-    node2.send(vec![allowed(at), denied(at)]).await;
+    node2.send_flows(vec![allowed(at), denied(at)]).await;
     wait_flows(&server, 2);
     let addr = server.admin.clone();
     let Some(answers) = tokio::task::spawn_blocking(move || python_goldmane_client(&addr))

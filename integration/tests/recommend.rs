@@ -21,14 +21,9 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use felix_proto as pb;
-use felix_proto::calc_server_client::CalcServerClient;
+use integration::stats_agent::StatsAgent;
 use integration::{Server, binary};
-use pb::from_dataplane::Payload as From;
-use pb::to_dataplane::Payload as To;
 use serde_json::Value;
-use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
 
 const CLUSTER: &str = r#"
 apiVersion: projectcalico.org/v3
@@ -164,69 +159,6 @@ const UNOBSERVED: [Conversation; 7] = [
     (DB, DNS, "udp", 53),
 ];
 
-struct Agent {
-    tx: mpsc::Sender<pb::FromDataplane>,
-    _rx: tonic::Streaming<pb::ToDataplane>,
-    out: u64,
-}
-
-impl Agent {
-    /// Says hello for `node` offering `flows` and reads its snapshot to InSync.
-    async fn connect(url: &str, node: &str) -> Agent {
-        let mut client = CalcServerClient::connect(url.to_string())
-            .await
-            .expect("connect");
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::FromDataplane {
-            sequence_number: 1,
-            payload: Some(From::AgentHello(pb::AgentHello {
-                node_name: node.into(),
-                agent_version: "test".into(),
-                capabilities: vec!["flows".into()],
-            })),
-        })
-        .await
-        .unwrap();
-        let mut rx = client
-            .sync(ReceiverStream::new(rx))
-            .await
-            .expect("Sync")
-            .into_inner();
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(10), rx.next())
-                .await
-                .expect("a message within 10 s")
-                .expect("stream open")
-                .expect("no error");
-            if let Some(To::InSync(_)) = m.payload {
-                break;
-            }
-        }
-        Agent {
-            tx,
-            _rx: rx,
-            out: 1,
-        }
-    }
-
-    async fn send(&mut self, records: Vec<pb::FlowRecord>) {
-        if records.is_empty() {
-            return;
-        }
-        self.out += 1;
-        self.tx
-            .send(pb::FromDataplane {
-                sequence_number: self.out,
-                payload: Some(From::FlowReport(pb::FlowReport {
-                    records,
-                    dropped: 0,
-                })),
-            })
-            .await
-            .expect("stream open");
-    }
-}
-
 /// The interval that ended most recently.
 fn interval() -> i64 {
     let now = SystemTime::now()
@@ -293,7 +225,7 @@ fn record(
 
 /// Both sides' records of the conversations, sent by the node each side runs on.
 async fn report(
-    nodes: &mut [(&str, Agent)],
+    nodes: &mut [(&str, StatsAgent)],
     at: i64,
     conversations: &[Conversation],
     source_port: u32,
@@ -316,7 +248,9 @@ async fn report(
                 }
             }
         }
-        agent.send(records).await;
+        if !records.is_empty() {
+            agent.send_flows(records).await;
+        }
     }
 }
 
@@ -387,8 +321,14 @@ async fn observed_flows_become_staged_policies_checked_on_live_traffic_then_enfo
     std::fs::write(dir.path().join("cluster.yaml"), CLUSTER).unwrap();
     let server = Server::start(dir.path(), &["--flow-logs"]);
     let mut nodes = vec![
-        ("node-1", Agent::connect(&server.grpc, "node-1").await),
-        ("node-2", Agent::connect(&server.grpc, "node-2").await),
+        (
+            "node-1",
+            StatsAgent::connect(&server.grpc, "node-1", &["flows"]).await,
+        ),
+        (
+            "node-2",
+            StatsAgent::connect(&server.grpc, "node-2", &["flows"]).await,
+        ),
     ];
     let at = interval();
     report(&mut nodes, at, &OBSERVED, 40_000).await;
