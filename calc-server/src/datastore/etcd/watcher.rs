@@ -266,8 +266,10 @@ pub async fn snapshot(args: &EtcdArgs) -> anyhow::Result<(Vec<Update>, Vec<Probl
                 Ok(Some(page)) => {
                     revision = page.revision;
                     // An update per key at most: one allocation, not a doubling copy of
-                    // updates of half a kilobyte each as they arrive.
-                    let want = usize::try_from(page.total).unwrap_or(0).min(1 << 24) + 2;
+                    // updates of half a kilobyte each as they arrive. The count is etcd's
+                    // word: bounded (a quarter of a million keys, ~150 MB), beyond which the
+                    // vector grows as it must.
+                    let want = usize::try_from(page.total).unwrap_or(0).min(1 << 18) + 2;
                     if out.updates.capacity() < want {
                         out.updates.reserve(want - out.updates.len());
                     }
