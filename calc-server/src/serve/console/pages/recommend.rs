@@ -118,21 +118,13 @@ pub(super) struct RecommendPage {
 
 /// `shop/web-* -> shop/api-* tcp/8080 (dst, 2 intervals, 20 packets)`.
 fn flow_text(f: &Value) -> String {
-    let port = f["port"].as_i64().unwrap_or(0);
     let via = f["service"]
         .as_str()
         .map(|s| format!(" via service {s}"))
         .unwrap_or_default();
     format!(
-        "{} -> {} {}{}{via} ({}, {}, {} intervals, {} packets)",
-        f["source"].as_str().unwrap_or_default(),
-        f["dest"].as_str().unwrap_or_default(),
-        f["protocol"].as_str().unwrap_or_default(),
-        if port > 0 {
-            format!("/{port}")
-        } else {
-            String::new()
-        },
+        "{}{via} ({}, {}, {} intervals, {} packets)",
+        crate::recommend::yaml::flow_line(f),
         f["reporter"].as_str().unwrap_or_default(),
         f["action"].as_str().unwrap_or("-"),
         f["samples"],
