@@ -137,6 +137,18 @@ fn put_line(res: &Valid) -> Vec<u8> {
     line
 }
 
+/// The lines of `text`, which starts at byte `from` of the log: each line's offset in the log,
+/// its length with its newline, and its body without it (`None`: a last line with no newline,
+/// still being written or torn).
+fn lines(text: &[u8], from: u64) -> impl Iterator<Item = (u64, u64, Option<&[u8]>)> {
+    text.split_inclusive(|b| *b == b'\n')
+        .scan(from, |at, line| {
+            let offset = *at;
+            *at += line.len() as u64;
+            Some((offset, line.len() as u64, line.strip_suffix(b"\n")))
+        })
+}
+
 /// What a log's text holds: the live objects (newest line wins) with where their lines are, and
 /// the damaged lines as problems. A last line without its newline is a torn write: skipped.
 fn replay(path: &Path, text: &[u8]) -> Replayed {
@@ -144,11 +156,8 @@ fn replay(path: &Path, text: &[u8]) -> Replayed {
     let mut forgotten = HashSet::new();
     let mut live = HashMap::new();
     let mut problems = Vec::new();
-    let mut offset = 0u64;
-    for line in text.split_inclusive(|b| *b == b'\n') {
-        let at = offset;
-        offset += line.len() as u64;
-        let Some(body) = line.strip_suffix(b"\n") else {
+    for (at, len, body) in lines(text, 0) {
+        let Some(body) = body else {
             problems.push(format!(
                 "last-good store {}: the last line (byte {at}) is incomplete; skipped",
                 path.display()
@@ -160,7 +169,7 @@ fn replay(path: &Path, text: &[u8]) -> Replayed {
         }
         match decode_line(body) {
             Ok(Record::Put(key, res)) => {
-                live.insert(key.clone(), (at, line.len() as u64));
+                live.insert(key.clone(), (at, len));
                 forgotten.remove(&key);
                 objects.insert(key, res);
             }
@@ -414,12 +423,9 @@ impl LastGood {
             let Some(range) = old.get(from as usize..to as usize) else {
                 continue;
             };
-            let mut at = from;
-            for line in range.split_inclusive(|b| *b == b'\n') {
-                let offset = at;
-                at += line.len() as u64;
+            for (offset, len, body) in lines(range, from) {
                 // A line still being written by another replica is left to it.
-                let Some(body) = line.strip_suffix(b"\n") else {
+                let Some(body) = body else {
                     break;
                 };
                 let newer = |live: &HashMap<ResourceKey, (u64, u64)>, key: &ResourceKey| {
@@ -427,7 +433,7 @@ impl LastGood {
                 };
                 match decode_line(body) {
                     Ok(Record::Put(key, _)) if newer(&log.live, &key) => {
-                        log.live.insert(key, (offset, line.len() as u64));
+                        log.live.insert(key, (offset, len));
                     }
                     Ok(Record::Forget(key)) if newer(&log.live, &key) => {
                         log.live.remove(&key);
