@@ -6,39 +6,12 @@
 //! equivalent `ToDataplane`: agents, and any client built from Calico's proto, see no
 //! difference.
 
-use prost::bytes::{Buf, BufMut, Bytes};
+use prost::bytes::{Buf, BufMut};
 use prost::encoding::{DecodeContext, WireType};
 
+pub use crate::encoded::Encoded;
+#[cfg(test)]
 use crate::ToDataplane;
-
-/// A `ToDataplane` without its sequence number, encoded once.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Encoded(Bytes);
-
-impl Encoded {
-    /// Encodes `msg`, leaving its sequence number out.
-    pub fn new(msg: &ToDataplane) -> Encoded {
-        let mut buf = Vec::with_capacity(prost::Message::encoded_len(msg));
-        if let Some(payload) = &msg.payload {
-            payload.encode(&mut buf);
-        }
-        Encoded(Bytes::from(buf))
-    }
-
-    /// The encoded length without a sequence number (what the stream's backlog is sized by).
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The encoded bytes (shared, not copied, between the frames that send them).
-    pub fn as_slice(&self) -> &[u8] {
-        &self.0
-    }
-}
 
 /// `ToDataplane.sequence_number`'s field number (Calico's).
 const SEQUENCE_NUMBER_TAG: u32 = 15;
@@ -52,7 +25,7 @@ pub struct Frame {
 
 impl prost::Message for Frame {
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.body.0);
+        buf.put_slice(self.body.as_slice());
         if self.sequence_number != 0 {
             prost::encoding::uint64::encode(SEQUENCE_NUMBER_TAG, &self.sequence_number, buf);
         }
@@ -75,7 +48,7 @@ impl prost::Message for Frame {
         } else {
             0
         };
-        seq + self.body.0.len()
+        seq + self.body.len()
     }
 
     fn clear(&mut self) {

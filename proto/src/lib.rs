@@ -37,6 +37,7 @@ pub mod goldmane {
         include_bytes!(concat!(env!("OUT_DIR"), "/goldmane_descriptor.bin"));
 }
 
+pub mod encoded;
 #[cfg(feature = "grpc")]
 pub mod framed;
 

@@ -316,7 +316,7 @@ impl Stream for Outgoing {
             Poll::Ready(Some(out)) => {
                 self.taken.fetch_add(1, Ordering::Relaxed);
                 self.taken_bytes.fetch_add(out.len(), Ordering::Relaxed);
-                match out.message().and_then(|m| m.payload.as_ref()) {
+                match out.held_message().and_then(|m| m.payload.as_ref()) {
                     Some(ToPayload::WorkloadEndpointUpdate(u)) => {
                         let key = workload_key(u.id.as_ref());
                         self.sent_endpoints.lock().insert(key);

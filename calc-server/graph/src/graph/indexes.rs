@@ -14,6 +14,7 @@ use std::sync::Arc;
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
 
+use super::SharedMessage;
 use super::ids::SelectorOwner;
 use super::ipsets::IpSetState;
 use super::items::{EndpointState, KeySet, NetSetState, StoredEndpoint};
@@ -222,7 +223,7 @@ impl CalcGraph {
         }
         self.remove_policy(&key);
         self.policies.ranks_stale = true;
-        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+        let update = SharedMessage::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
             policy: Some(policy_message(&model, &scanned)),
         })));
@@ -263,7 +264,7 @@ impl CalcGraph {
         scanned: &ScannedRules,
         ipsets: Vec<Name>,
     ) {
-        let update = Arc::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
+        let update = SharedMessage::new(msg(Payload::ActivePolicyUpdate(pb::ActivePolicyUpdate {
             id: Some(policy_id_proto(&model.id)),
             policy: Some(policy_message(&model, scanned)),
         })));

@@ -5,7 +5,6 @@
 //! are what Felix's calculation graph would send for the same state (names, ids, config sources),
 //! because the agent and Felix's dataplane code read them the same way.
 
-use std::sync::Arc;
 
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
@@ -67,7 +66,7 @@ pub(super) fn policy_message(model: &PolicyModel, scanned: &ScannedRules) -> pb:
 }
 
 pub(super) fn profile_messages(name: &str, profile: pb::Profile) -> SharedMessage {
-    Arc::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
+    SharedMessage::new(msg(Payload::ActiveProfileUpdate(pb::ActiveProfileUpdate {
         id: Some(pb::ProfileId {
             name: name.to_string(),
         }),

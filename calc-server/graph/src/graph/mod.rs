@@ -41,6 +41,7 @@ mod messages;
 mod policies;
 mod sequencer;
 mod services;
+mod shared;
 mod spans;
 mod store;
 mod view;

@@ -21,8 +21,7 @@ use crate::convert::{EndpointIds, PolicyId, endpoint_ids};
 use crate::model::ResourceKey;
 use crate::rule_scanner;
 
-/// A message shared by every node that receives it in one flush (encode once, send many).
-pub type SharedMessage = Arc<pb::ToDataplane>;
+pub use super::shared::SharedMessage;
 
 /// Messages for one node from one flush. Sequence numbers are left at 0: the stream that
 /// carries them numbers them.
@@ -267,7 +266,7 @@ impl CalcGraph {
             let cfg = self.broadcast.config_for(name);
             if sub.config.as_ref() != Some(&cfg) {
                 sub.config = Some(cfg.clone());
-                batch.config = Some(Arc::new(msg(Payload::ConfigUpdate(cfg))));
+                batch.config = Some(SharedMessage::new(msg(Payload::ConfigUpdate(cfg))));
             }
         }
 
@@ -303,7 +302,7 @@ impl CalcGraph {
             } else if !need && sent {
                 batch
                     .ipset_removes
-                    .push(Arc::new(msg(Payload::IpsetRemove(pb::IpSetRemove {
+                    .push(SharedMessage::new(msg(Payload::IpsetRemove(pb::IpSetRemove {
                         id: id.to_string(),
                     }))));
                 sub.ipsets.remove(&id);
@@ -328,7 +327,7 @@ impl CalcGraph {
                     let same = sub
                         .policies
                         .get(&key)
-                        .is_some_and(|s| Arc::ptr_eq(s, &p.update) || **s == *p.update);
+                        .is_some_and(|s| SharedMessage::ptr_eq(s, &p.update) || **s == *p.update);
                     if !same {
                         sub.policies.insert(key.clone(), p.update.clone());
                         batch.policy_updates.push(p.update.clone());
@@ -338,7 +337,7 @@ impl CalcGraph {
                     if sub.policies.remove(&key).is_some() {
                         batch
                             .policy_removes
-                            .push(Arc::new(msg(Payload::ActivePolicyRemove(
+                            .push(SharedMessage::new(msg(Payload::ActivePolicyRemove(
                                 pb::ActivePolicyRemove {
                                     id: Some(policy_id_proto(&PolicyId::from_key(&key))),
                                 },
@@ -377,7 +376,7 @@ impl CalcGraph {
                 let same = sub
                     .profiles
                     .get(&name)
-                    .is_some_and(|s| Arc::ptr_eq(s, &update) || **s == *update);
+                    .is_some_and(|s| SharedMessage::ptr_eq(s, &update) || **s == *update);
                 if !same {
                     sub.profiles.insert(name.clone(), update.clone());
                     batch.profile_updates.push(update);
@@ -385,7 +384,7 @@ impl CalcGraph {
             } else if sub.profiles.remove(&name).is_some() {
                 batch
                     .profile_removes
-                    .push(Arc::new(msg(Payload::ActiveProfileRemove(
+                    .push(SharedMessage::new(msg(Payload::ActiveProfileRemove(
                         pb::ActiveProfileRemove {
                             id: Some(pb::ProfileId {
                                 name: name.to_string(),
@@ -412,14 +411,14 @@ impl CalcGraph {
                 Some(m) => {
                     let print = fingerprint(&m, &mut cache.scratch);
                     if sub.endpoints.insert(key, print) != Some(print) {
-                        batch.endpoint_updates.push(Arc::new(msg(m)));
+                        batch.endpoint_updates.push(SharedMessage::new(msg(m)));
                     }
                 }
                 None => {
                     if sub.endpoints.remove(&key).is_some()
                         && let Some(r) = removal_for(&key)
                     {
-                        batch.endpoint_removes.push(Arc::new(msg(r)));
+                        batch.endpoint_removes.push(SharedMessage::new(msg(r)));
                     }
                 }
             }
@@ -428,7 +427,7 @@ impl CalcGraph {
         batch.broadcast = self.broadcast(cache, fresh);
         if self.store.in_sync && !sub.in_sync_sent {
             sub.in_sync_sent = true;
-            batch.in_sync = Some(Arc::new(msg(Payload::InSync(pb::InSync {}))));
+            batch.in_sync = Some(SharedMessage::new(msg(Payload::InSync(pb::InSync {}))));
         }
         sub.initialized = true;
         cache.everywhere_ipsets = Some(everywhere_ipsets);
@@ -458,11 +457,13 @@ impl CalcGraph {
             .map(|m| self.ipsets.members.get(m).to_string())
             .collect();
         members.sort_unstable();
-        let m = Arc::new(msg(Payload::IpsetUpdate(pb::IpSetUpdate {
+        // Held encoded: the member strings live only until the bytes are written.
+        let whole = msg(Payload::IpsetUpdate(pb::IpSetUpdate {
             id: id.to_string(),
             members,
             r#type: set.spec.proto_type() as i32,
-        })));
+        }));
+        let m = SharedMessage::whole_ipset(id.clone(), &whole);
         cache.ipset_full.insert(id.clone(), m.clone());
         Some(m)
     }
@@ -487,7 +488,7 @@ impl CalcGraph {
             }
             added.sort_unstable();
             removed.sort_unstable();
-            Some(Arc::new(msg(Payload::IpsetDeltaUpdate(
+            Some(SharedMessage::new(msg(Payload::IpsetDeltaUpdate(
                 pb::IpSetDeltaUpdate {
                     id: id.to_string(),
                     added_members: added,
@@ -534,7 +535,7 @@ impl CalcGraph {
             |k, _| Payload::IpamPoolRemove(pb::IpamPoolRemove { id: k.to_string() }),
             &mut out,
         );
-        let v: Vec<SharedMessage> = out.into_iter().map(|p| Arc::new(msg(p))).collect();
+        let v: Vec<SharedMessage> = out.into_iter().map(|p| SharedMessage::new(msg(p))).collect();
         if fresh {
             // Kept by the graph until the state changes (`Broadcast::full`).
             let _ = self.broadcast.full.set(v.clone());
@@ -619,7 +620,7 @@ mod tests {
     use crate::graph::Update;
 
     fn shared(p: Payload) -> SharedMessage {
-        Arc::new(msg(p))
+        SharedMessage::new(msg(p))
     }
 
     #[test]
@@ -811,7 +812,7 @@ mod tests {
         // A node that connects later gets the very message built before.
         g.subscribe("node-2");
         let again = full_set(&flush_for(&mut g, "node-2")).expect("node-2 gets the set");
-        assert!(Arc::ptr_eq(&first, &again));
+        assert!(SharedMessage::ptr_eq(&first, &again));
 
         // A member change makes the next whole set anew, with the member.
         apply(
@@ -831,7 +832,7 @@ mod tests {
             .find(|b| b.node == "node-3")
             .and_then(|b| full_set(&b.messages))
             .expect("node-3 gets the set");
-        assert!(!Arc::ptr_eq(&first, &changed));
+        assert!(!SharedMessage::ptr_eq(&first, &changed));
         let Some(Payload::IpsetUpdate(u)) = &changed.payload else {
             unreachable!()
         };
@@ -841,7 +842,7 @@ mod tests {
         g.release_message_cache();
         g.subscribe("node-4");
         let rebuilt = full_set(&flush_for(&mut g, "node-4")).expect("node-4 gets the set");
-        assert!(!Arc::ptr_eq(&changed, &rebuilt));
+        assert!(!SharedMessage::ptr_eq(&changed, &rebuilt));
         assert_eq!(*changed, *rebuilt);
     }
 
@@ -950,11 +951,11 @@ mod tests {
         let first = hosts(&mut g, "n1");
         let second = hosts(&mut g, "n2");
         assert_eq!(first.len(), 2);
-        assert!(first.iter().zip(&second).all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert!(first.iter().zip(&second).all(|(a, b)| SharedMessage::ptr_eq(a, b)));
         // A changed node: the next snapshot is built anew, with the new address.
         apply(&mut g, node("n2", "10.0.0.9"));
         let third = hosts(&mut g, "n1");
-        assert!(!Arc::ptr_eq(&first[1], &third[1]));
+        assert!(!SharedMessage::ptr_eq(&first[1], &third[1]));
         match &third[1].payload {
             Some(Payload::HostMetadataUpdate(h)) => assert_eq!(h.ipv4_addr, "10.0.0.9"),
             other => panic!("{other:?}"),
@@ -962,7 +963,7 @@ mod tests {
         // Re-applying the same Node keeps the shared state.
         apply(&mut g, node("n2", "10.0.0.9"));
         let fourth = hosts(&mut g, "n2");
-        assert!(third.iter().zip(&fourth).all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert!(third.iter().zip(&fourth).all(|(a, b)| SharedMessage::ptr_eq(a, b)));
     }
 
     #[test]

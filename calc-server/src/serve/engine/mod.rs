@@ -76,7 +76,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use calc_graph::graph::{CalcGraph, SharedMessage, Update};
-use felix_proto::framed::Encoded;
+use felix_proto::encoded::Encoded;
 use tokio::sync::{mpsc, oneshot};
 
 use super::metrics::Metrics;
@@ -95,16 +95,21 @@ pub(super) struct Outbound {
 
 impl Outbound {
     fn new(message: SharedMessage, encodings: Arc<AtomicU64>) -> Outbound {
-        let len = felix_proto::prost::Message::encoded_len(&*message) as u64;
+        let len = message.encoded_len() as u64;
+        // A message the graph holds encoded (a whole IP set) is sent as those very bytes.
+        let encoded = OnceLock::new();
+        if let Some(bytes) = message.encoded() {
+            let _ = encoded.set(bytes.clone());
+        }
         Outbound {
             message,
             len,
-            encoded: OnceLock::new(),
+            encoded,
             encodings,
         }
     }
 
-    pub(super) fn message(&self) -> &felix_proto::ToDataplane {
+    pub(super) fn message(&self) -> &SharedMessage {
         &self.message
     }
 
@@ -145,12 +150,12 @@ impl SnapshotCache {
     /// Which key a message queued on `n` connections of this step would be cached under:
     /// `None` for a message built for one node only (encoded by its stream).
     fn key(message: &SharedMessage, carried: u32) -> Option<CacheKey> {
-        if let Some(felix_proto::to_dataplane::Payload::IpsetUpdate(u)) = &message.payload {
-            return Some(CacheKey::IpSet(u.id.clone()));
+        if let Some(id) = message.ipset_id() {
+            return Some(CacheKey::IpSet(id.to_string()));
         }
         // Held by the graph (or by another batch of this step): others will send it too.
-        (carried > 1 || Arc::strong_count(message) > carried as usize)
-            .then_some(CacheKey::Ptr(Arc::as_ptr(message) as usize))
+        (carried > 1 || message.holders() > carried as usize)
+            .then_some(CacheKey::Ptr(message.addr()))
     }
 
     /// Starts a step at graph `generation`: entries of an older one are dropped.
@@ -165,7 +170,7 @@ impl SnapshotCache {
     /// message alone.
     fn outbound(&mut self, message: SharedMessage, carried: u32) -> Out {
         let Some(key) = Self::key(&message, carried) else {
-            let len = felix_proto::prost::Message::encoded_len(&*message) as u64;
+            let len = message.encoded_len() as u64;
             return Out::Msg(message, len);
         };
         let encodings = &self.encodings;
@@ -207,13 +212,20 @@ pub(super) enum Out {
 }
 
 impl Out {
-    /// The message, unless this is a close.
-    pub(super) fn message(&self) -> Option<&felix_proto::ToDataplane> {
+    /// The message, unless this is a close. Reading a message the graph holds encoded
+    /// decodes it (see [`Out::held_message`]).
+    pub(super) fn message(&self) -> Option<&SharedMessage> {
         match self {
             Out::Msg(m, _) => Some(m),
             Out::Shared(o) => Some(o.message()),
             Out::Close(_) => None,
         }
+    }
+
+    /// The message when it is held as one: what a stream inspects as it sends, without
+    /// decoding a whole IP set the graph holds encoded.
+    pub(super) fn held_message(&self) -> Option<&felix_proto::ToDataplane> {
+        self.message().and_then(SharedMessage::held_message)
     }
 
     /// The encoded length without a sequence number (what backlogs are measured in).
@@ -228,11 +240,22 @@ impl Out {
     /// The bytes to send, unless this is a close.
     pub(super) fn encoded(&self) -> Option<Encoded> {
         match self {
-            Out::Msg(m, _) => Some(Encoded::new(m)),
+            Out::Msg(m, _) => Some(m.encoded().cloned().unwrap_or_else(|| Encoded::new(m))),
             Out::Shared(o) => Some(o.encoded().clone()),
             Out::Close(_) => None,
         }
     }
+}
+
+/// What the realization and hit trackers read of a queued message: the message when held as
+/// one; for a whole IP set the graph holds encoded (which neither tracks), a message without a
+/// payload, so that its sequence number still counts and nothing is decoded.
+fn inspected(m: &SharedMessage) -> &felix_proto::ToDataplane {
+    static ENCODED: felix_proto::ToDataplane = felix_proto::ToDataplane {
+        sequence_number: 0,
+        payload: None,
+    };
+    m.held_message().unwrap_or(&ENCODED)
 }
 
 /// Why the engine ends a stream.
@@ -1358,10 +1381,10 @@ impl Engine {
         // costs no extra allocation. Every message stays alive in `batches` (or in the cache)
         // until it is queued or its batch dropped, and none is created after this point, so
         // an address names one message for the whole step.
-        let mut carried: HashMap<*const felix_proto::ToDataplane, u32> = HashMap::new();
+        let mut carried: HashMap<usize, u32> = HashMap::new();
         for batch in &batches {
             for m in &batch.messages {
-                *carried.entry(Arc::as_ptr(m)).or_default() += 1;
+                *carried.entry(m.addr()).or_default() += 1;
             }
         }
         // Kept across steps only while snapshots are admitted (see `step`).
@@ -1382,7 +1405,7 @@ impl Engine {
                 .messages
                 .into_iter()
                 .map(|m| {
-                    let n = carried.get(&Arc::as_ptr(&m)).copied().unwrap_or(1);
+                    let n = carried.get(&m.addr()).copied().unwrap_or(1);
                     cache.outbound(m, n)
                 })
                 .collect();
@@ -1407,14 +1430,14 @@ impl Engine {
             self.realization.queued(
                 &batch.node,
                 queued - n + 2,
-                outs.iter().filter_map(Out::message),
+                outs.iter().filter_map(Out::message).map(inspected),
                 snapshot,
                 self.now,
             );
             self.hits.queued(
                 &batch.node,
                 queued - n + 2,
-                outs.iter().filter_map(Out::message),
+                outs.iter().filter_map(Out::message).map(inspected),
             );
             self.board.sent(&batch.node, n);
             for out in outs {
