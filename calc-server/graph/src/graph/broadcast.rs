@@ -28,6 +28,9 @@ pub(super) struct Broadcast {
     /// Host metadata and pools as of the last flush.
     pub(super) flushed_host_metadata: BTreeMap<String, pb::HostMetadataUpdate>,
     pub(super) flushed_pools: BTreeMap<String, pb::IpamPoolUpdate>,
+    /// Host metadata or pools may differ from what was last flushed: a flush compares the two
+    /// (one entry per node of the cluster) only then.
+    pub(super) changed: bool,
     /// The messages of the whole state a new subscriber is sent (host metadata, then pools),
     /// built once and kept until either changes: every snapshot shares these allocations, so
     /// a server encodes them once however many snapshots it sends.
@@ -54,12 +57,14 @@ impl Broadcast {
         if self.host_metadata.get(name) != Some(&m) {
             self.host_metadata.insert(name.to_string(), m);
             self.full.take();
+            self.changed = true;
         }
     }
 
     pub(super) fn remove_node(&mut self, name: &str) {
         if self.host_metadata.remove(name).is_some() {
             self.full.take();
+            self.changed = true;
         }
     }
 
@@ -67,6 +72,7 @@ impl Broadcast {
     pub(super) fn set_pool(&mut self, name: &str, s: &IpPoolSpec) {
         self.remove_pool(name);
         self.full.take();
+        self.changed = true;
         if let Some(net) = crate::model::validate::parse_cidr_or_ip(&s.cidr) {
             let cidr = net.to_string();
             let id = cidr.replace('/', "-");
@@ -92,12 +98,16 @@ impl Broadcast {
         if let Some(id) = self.pool_ids.remove(name) {
             self.pools.remove(&id);
             self.full.take();
+            self.changed = true;
         }
     }
 
     /// A flush has sent the current state to every subscribed node.
     pub(super) fn flushed(&mut self) {
         self.config_dirty = false;
+        if !std::mem::take(&mut self.changed) {
+            return;
+        }
         if self.flushed_host_metadata != self.host_metadata {
             self.flushed_host_metadata = self.host_metadata.clone();
         }

@@ -5,7 +5,6 @@
 //! are what Felix's calculation graph would send for the same state (names, ids, config sources),
 //! because the agent and Felix's dataplane code read them the same way.
 
-
 use felix_proto as pb;
 use pb::to_dataplane::Payload;
 

@@ -110,6 +110,11 @@ pub struct CalcGraph {
     broadcast: Broadcast,
     /// Per node: its span, dirty marks and what it was sent ([`spans`], [`sequencer`]).
     nodes: Nodes,
+    /// An update was applied since the last flush. Without one, only nodes that are new,
+    /// await their `InSync` or carry dirty marks can have anything to send, and a flush looks
+    /// at those alone: agents connecting to a large cluster would otherwise cost a pass over
+    /// every subscribed node per flush.
+    applied_since_flush: bool,
 }
 
 impl CalcGraph {
@@ -143,6 +148,7 @@ impl CalcGraph {
 
     /// Applies one update. On `Err`, nothing changed.
     pub fn apply(&mut self, update: Update) -> Result<(), Rejection> {
+        self.applied_since_flush = true;
         match update {
             Update::InSync => {
                 self.store.in_sync = true;

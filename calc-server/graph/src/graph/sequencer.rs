@@ -58,6 +58,13 @@ pub(super) struct Dirty {
 }
 
 impl Dirty {
+    fn is_empty(&self) -> bool {
+        self.policies.is_empty()
+            && self.profiles.is_empty()
+            && self.ipsets.is_empty()
+            && self.endpoints.is_empty()
+    }
+
     /// Drops every mark, keeping the allocations for the next round.
     fn clear(&mut self) {
         self.policies.clear();
@@ -165,10 +172,22 @@ impl CalcGraph {
     /// so a caller that encodes and sends holds one node's batch at a time.
     pub fn flush_with(&mut self, mut sink: impl FnMut(NodeBatch)) {
         self.policies.refresh_ranks();
+        // Without an update since the last flush, nothing shared changed (IP-set deltas,
+        // broadcast state, configuration, ranks): only a node that is new, awaits its InSync
+        // or was marked can have anything to send.
+        let applied = std::mem::take(&mut self.applied_since_flush);
+        let in_sync = self.store.in_sync;
         let mut names: Vec<Name> = self
             .nodes
             .iter()
-            .filter(|(_, n)| n.sub.is_some())
+            .filter(|(_, n)| {
+                n.sub.as_ref().is_some_and(|sub| {
+                    applied
+                        || !sub.initialized
+                        || (in_sync && !sub.in_sync_sent)
+                        || !n.dirty.is_empty()
+                })
+            })
             .map(|(k, _)| k.clone())
             .collect();
         names.sort();
@@ -186,6 +205,11 @@ impl CalcGraph {
             }
         }
         self.ipsets.full = cache.ipset_full;
+        if !applied {
+            // Marks, deltas and prunable nodes come from updates (an unsubscribed node is
+            // pruned as it goes): nothing else to tidy.
+            return;
+        }
         // Per-node dirty marks of unsubscribed nodes carry no meaning once flushed.
         for n in self.nodes.values_mut() {
             if n.sub.is_none() {
@@ -302,9 +326,9 @@ impl CalcGraph {
             } else if !need && sent {
                 batch
                     .ipset_removes
-                    .push(SharedMessage::new(msg(Payload::IpsetRemove(pb::IpSetRemove {
-                        id: id.to_string(),
-                    }))));
+                    .push(SharedMessage::new(msg(Payload::IpsetRemove(
+                        pb::IpSetRemove { id: id.to_string() },
+                    ))));
                 sub.ipsets.remove(&id);
                 sent_count_changes.push((id, false));
             }
@@ -335,13 +359,11 @@ impl CalcGraph {
                 }
                 None => {
                     if sub.policies.remove(&key).is_some() {
-                        batch
-                            .policy_removes
-                            .push(SharedMessage::new(msg(Payload::ActivePolicyRemove(
-                                pb::ActivePolicyRemove {
-                                    id: Some(policy_id_proto(&PolicyId::from_key(&key))),
-                                },
-                            ))));
+                        batch.policy_removes.push(SharedMessage::new(msg(
+                            Payload::ActivePolicyRemove(pb::ActivePolicyRemove {
+                                id: Some(policy_id_proto(&PolicyId::from_key(&key))),
+                            }),
+                        )));
                     }
                 }
             }
@@ -514,6 +536,10 @@ impl CalcGraph {
             return v.clone();
         }
         let mut out = Vec::new();
+        if !fresh && !self.broadcast.changed {
+            cache.broadcast_delta = Some(Vec::new());
+            return Vec::new();
+        }
         diff_broadcast(
             fresh,
             &self.broadcast.flushed_host_metadata,
@@ -535,7 +561,10 @@ impl CalcGraph {
             |k, _| Payload::IpamPoolRemove(pb::IpamPoolRemove { id: k.to_string() }),
             &mut out,
         );
-        let v: Vec<SharedMessage> = out.into_iter().map(|p| SharedMessage::new(msg(p))).collect();
+        let v: Vec<SharedMessage> = out
+            .into_iter()
+            .map(|p| SharedMessage::new(msg(p)))
+            .collect();
         if fresh {
             // Kept by the graph until the state changes (`Broadcast::full`).
             let _ = self.broadcast.full.set(v.clone());
@@ -951,7 +980,12 @@ mod tests {
         let first = hosts(&mut g, "n1");
         let second = hosts(&mut g, "n2");
         assert_eq!(first.len(), 2);
-        assert!(first.iter().zip(&second).all(|(a, b)| SharedMessage::ptr_eq(a, b)));
+        assert!(
+            first
+                .iter()
+                .zip(&second)
+                .all(|(a, b)| SharedMessage::ptr_eq(a, b))
+        );
         // A changed node: the next snapshot is built anew, with the new address.
         apply(&mut g, node("n2", "10.0.0.9"));
         let third = hosts(&mut g, "n1");
@@ -963,7 +997,80 @@ mod tests {
         // Re-applying the same Node keeps the shared state.
         apply(&mut g, node("n2", "10.0.0.9"));
         let fourth = hosts(&mut g, "n2");
-        assert!(third.iter().zip(&fourth).all(|(a, b)| SharedMessage::ptr_eq(a, b)));
+        assert!(
+            third
+                .iter()
+                .zip(&fourth)
+                .all(|(a, b)| SharedMessage::ptr_eq(a, b))
+        );
+    }
+
+    #[test]
+    fn a_flush_without_updates_sends_only_to_new_subscribers_and_misses_no_later_change() {
+        let mut g = CalcGraph::new();
+        let node = |name: &str, ip: &str| {
+            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
+                   "metadata": {"name": name},
+                   "spec": {"bgp": {"ipv4Address": format!("{ip}/24")}}})
+        };
+        apply(&mut g, node("n1", "10.0.0.1"));
+        apply(
+            &mut g,
+            wep("a", "n1", "10.1.0.1", json!({"app": "x"}), json!([])),
+        );
+        apply(&mut g, gnp("p", "app == 'x'", "Allow", "app == 'x'"));
+        g.apply(Update::InSync).unwrap();
+        g.subscribe("n1");
+        let first = g.flush();
+        assert_eq!(first.len(), 1);
+        assert!(kinds(&first[0].messages).contains(&"InSync".to_string()));
+        // Agents connecting, no datastore change: each flush answers the newcomer alone.
+        for n in ["n2", "n3"] {
+            g.subscribe(n);
+            let batches = g.flush();
+            assert_eq!(
+                batches.iter().map(|b| b.node.as_str()).collect::<Vec<_>>(),
+                [n]
+            );
+            assert!(kinds(&batches[0].messages).contains(&"InSync".to_string()));
+        }
+        assert!(g.flush().is_empty(), "nothing changed, nothing sent");
+        // A change after those flushes still reaches every node it concerns: a new member of
+        // the policy's IP set on the node holding it, a new host everywhere.
+        apply(
+            &mut g,
+            wep("b", "n2", "10.1.0.2", json!({"app": "x"}), json!([])),
+        );
+        apply(&mut g, node("n4", "10.0.0.4"));
+        let batches = g.flush();
+        let of = |n: &str| {
+            batches
+                .iter()
+                .find(|b| b.node == n)
+                .map(|b| kinds(&b.messages))
+                .unwrap_or_default()
+        };
+        assert!(
+            of("n1").contains(&"IpsetDeltaUpdate".to_string()),
+            "{:?}",
+            of("n1")
+        );
+        assert!(
+            of("n1").contains(&"HostMetadataUpdate".to_string()),
+            "{:?}",
+            of("n1")
+        );
+        assert!(
+            of("n3").contains(&"HostMetadataUpdate".to_string()),
+            "{:?}",
+            of("n3")
+        );
+        assert!(
+            of("n2").contains(&"WorkloadEndpointUpdate".to_string()),
+            "{:?}",
+            of("n2")
+        );
+        assert!(g.flush().is_empty());
     }
 
     #[test]

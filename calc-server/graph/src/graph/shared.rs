@@ -161,9 +161,7 @@ mod tests {
         let s = SharedMessage::new(whole(&[]));
         assert!(s.encoded().is_none());
         assert_eq!(s.ipset_id(), Some("s:abc"));
-        let other = SharedMessage::new(super::super::messages::msg(Payload::InSync(
-            pb::InSync {},
-        )));
+        let other = SharedMessage::new(super::super::messages::msg(Payload::InSync(pb::InSync {})));
         assert_eq!(other.ipset_id(), None);
         assert_ne!(s, other);
         let c = s.clone();
