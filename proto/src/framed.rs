@@ -9,9 +9,9 @@
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{DecodeContext, WireType};
 
-pub use crate::encoded::Encoded;
 #[cfg(test)]
 use crate::ToDataplane;
+pub use crate::encoded::Encoded;
 
 /// `ToDataplane.sequence_number`'s field number (Calico's).
 const SEQUENCE_NUMBER_TAG: u32 = 15;
