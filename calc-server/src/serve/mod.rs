@@ -29,6 +29,7 @@ mod hits_store;
 pub mod listener;
 pub mod metrics;
 mod service;
+mod sync_server;
 mod whisker;
 /// The status board lives at the top (`crate::status`): the datastore's status writers read it.
 pub use crate::status;
@@ -237,13 +238,16 @@ async fn serve_with(
             let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, writer).await;
         }
     };
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(args.keepalive_interval))
-        .http2_keepalive_timeout(Some(args.keepalive_timeout))
-        .max_concurrent_streams(Some(args.listener.max_concurrent_streams))
-        .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .context("gRPC server")?;
+    sync_server::serve(
+        incoming,
+        svc,
+        sync_server::Settings {
+            keepalive_interval: args.keepalive_interval,
+            keepalive_timeout: args.keepalive_timeout,
+            max_concurrent_streams: args.listener.max_concurrent_streams,
+        },
+        shutdown,
+    )
+    .await;
     Ok(ExitCode::SUCCESS)
 }
