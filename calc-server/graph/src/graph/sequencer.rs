@@ -652,6 +652,13 @@ mod tests {
         SharedMessage::new(msg(p))
     }
 
+    /// A Node resource with its BGP address.
+    fn node(name: &str, ip: &str) -> serde_json::Value {
+        json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
+               "metadata": {"name": name},
+               "spec": {"bgp": {"ipv4Address": format!("{ip}/24")}}})
+    }
+
     #[test]
     fn a_batch_is_emitted_in_dependency_order() {
         let batch = Batch {
@@ -959,11 +966,6 @@ mod tests {
     #[test]
     fn new_subscribers_share_the_broadcast_state_until_it_changes() {
         let mut g = CalcGraph::new();
-        let node = |name: &str, ip: &str| {
-            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
-                   "metadata": {"name": name},
-                   "spec": {"bgp": {"ipv4Address": format!("{ip}/24")}}})
-        };
         apply(&mut g, node("n1", "10.0.0.1"));
         apply(&mut g, node("n2", "10.0.0.2"));
         g.apply(Update::InSync).unwrap();
@@ -1008,11 +1010,6 @@ mod tests {
     #[test]
     fn a_flush_without_updates_sends_only_to_new_subscribers_and_misses_no_later_change() {
         let mut g = CalcGraph::new();
-        let node = |name: &str, ip: &str| {
-            json!({"apiVersion": "projectcalico.org/v3", "kind": "Node",
-                   "metadata": {"name": name},
-                   "spec": {"bgp": {"ipv4Address": format!("{ip}/24")}}})
-        };
         apply(&mut g, node("n1", "10.0.0.1"));
         apply(
             &mut g,
