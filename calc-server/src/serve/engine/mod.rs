@@ -141,7 +141,7 @@ enum CacheKey {
 pub(super) struct SnapshotCache {
     /// The graph generation the entries belong to.
     generation: u64,
-    entries: HashMap<CacheKey, Arc<Outbound>>,
+    entries: rustc_hash::FxHashMap<CacheKey, Arc<Outbound>>,
     /// Encodings made by shared messages (all of them, cached or not).
     encodings: Arc<AtomicU64>,
 }
@@ -183,7 +183,7 @@ impl SnapshotCache {
 
     fn clear(&mut self) {
         if !self.entries.is_empty() {
-            self.entries = HashMap::new();
+            self.entries = rustc_hash::FxHashMap::default();
         }
     }
 
@@ -1381,7 +1381,8 @@ impl Engine {
         // costs no extra allocation. Every message stays alive in `batches` (or in the cache)
         // until it is queued or its batch dropped, and none is created after this point, so
         // an address names one message for the whole step.
-        let mut carried: HashMap<usize, u32> = HashMap::new();
+        // Keyed by address, once per message of every batch: a fast hash, not SipHash.
+        let mut carried: rustc_hash::FxHashMap<usize, u32> = rustc_hash::FxHashMap::default();
         for batch in &batches {
             for m in &batch.messages {
                 *carried.entry(m.addr()).or_default() += 1;
