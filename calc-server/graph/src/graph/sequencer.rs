@@ -1047,26 +1047,14 @@ mod tests {
                 .map(|b| kinds(&b.messages))
                 .unwrap_or_default()
         };
-        assert!(
-            of("n1").contains(&"IpsetDeltaUpdate".to_string()),
-            "{:?}",
-            of("n1")
-        );
-        assert!(
-            of("n1").contains(&"HostMetadataUpdate".to_string()),
-            "{:?}",
-            of("n1")
-        );
-        assert!(
-            of("n3").contains(&"HostMetadataUpdate".to_string()),
-            "{:?}",
-            of("n3")
-        );
-        assert!(
-            of("n2").contains(&"WorkloadEndpointUpdate".to_string()),
-            "{:?}",
-            of("n2")
-        );
+        for (n, kind) in [
+            ("n1", "IpsetDeltaUpdate"),
+            ("n1", "HostMetadataUpdate"),
+            ("n3", "HostMetadataUpdate"),
+            ("n2", "WorkloadEndpointUpdate"),
+        ] {
+            assert!(of(n).contains(&kind.to_string()), "{n}: {:?}", of(n));
+        }
         assert!(g.flush().is_empty());
     }
 
