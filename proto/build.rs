@@ -31,34 +31,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(&goldmane_descriptor_path)
         .compile_protos(&["goldmane.proto"], &["."])?;
 
-    if grpc {
-        // The same CalcServer.Sync route, served with pre-encoded messages (`framed::Frame`):
-        // the calc-server encodes a message shared by many nodes once and stamps each node's
-        // sequence number in front of the bytes, instead of cloning and re-encoding the body
-        // per node. Written to its own directory: its module name would clash with the one
-        // above.
-        let framed_dir = out_dir.join("framed");
-        std::fs::create_dir_all(&framed_dir)?;
-        let sync = tonic_prost_build::manual::Method::builder()
-            .name("sync")
-            .route_name("Sync")
-            .input_type("crate::FromDataplane")
-            .output_type("crate::framed::Frame")
-            .codec_path("crate::framed::FrameCodec")
-            .client_streaming()
-            .server_streaming()
-            .build();
-        let service = tonic_prost_build::manual::Service::builder()
-            .name("CalcServer")
-            .package("felix")
-            .method(sync)
-            .build();
-        tonic_prost_build::manual::Builder::new()
-            .build_client(false)
-            .out_dir(&framed_dir)
-            .compile(&[service]);
-    }
-
     #[cfg(feature = "json")]
     {
         let descriptor_set = std::fs::read(&descriptor_path)?;

@@ -35,6 +35,11 @@ impl Encoded {
         &self.0
     }
 
+    /// The encoded bytes as a shared handle (no copy).
+    pub fn to_bytes(&self) -> Bytes {
+        self.0.clone()
+    }
+
     /// The message these bytes stand for, its sequence number 0.
     pub fn decode(&self) -> Result<ToDataplane, prost::DecodeError> {
         ToDataplane::decode(self.as_slice())

@@ -1,20 +1,22 @@
-//! Pre-encoded `ToDataplane` messages for the server side of `CalcServer.Sync`.
+//! Pre-encoded `ToDataplane` messages framed for the server side of `CalcServer.Sync`.
 //!
-//! A message the calculation graph shares between nodes (an IP set, a policy) is encoded once;
-//! each node's stream then writes those bytes followed by its own sequence number (field 15,
-//! after the payload as prost writes it). The bytes on the wire are exactly those of the
-//! equivalent `ToDataplane`: agents, and any client built from Calico's proto, see no
-//! difference.
+//! A message the calculation graph shares between nodes (an IP set, a policy) is encoded once
+//! ([`Encoded`]); each node's stream then writes the gRPC message prefix, those bytes, and its
+//! own sequence number (field 15, after the payload as prost writes it). The bytes on the wire
+//! are exactly those of the equivalent `ToDataplane` in a gRPC message: agents, and any client
+//! built from Calico's proto, see no difference. The server's response body writes these frames
+//! itself, so a large body can go to the transport without a copy; the agent's reports are
+//! read with tonic's decoder ([`report_decoder`]).
 
-use prost::bytes::{Buf, BufMut};
-use prost::encoding::{DecodeContext, WireType};
+use prost::bytes::{BufMut, Bytes};
 
-#[cfg(test)]
-use crate::ToDataplane;
 pub use crate::encoded::Encoded;
 
 /// `ToDataplane.sequence_number`'s field number (Calico's).
 const SEQUENCE_NUMBER_TAG: u32 = 15;
+
+/// The length of the gRPC message prefix: the compression flag and the big-endian length.
+pub const PREFIX_LEN: usize = 5;
 
 /// One message of a node's stream: its sequence number and the shared encoded body.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -23,84 +25,76 @@ pub struct Frame {
     pub body: Encoded,
 }
 
-impl prost::Message for Frame {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(self.body.as_slice());
+impl Frame {
+    /// The length of the sequence number field (none for 0, as prost leaves a default out).
+    fn sequence_number_len(&self) -> usize {
+        if self.sequence_number == 0 {
+            0
+        } else {
+            prost::encoding::uint64::encoded_len(SEQUENCE_NUMBER_TAG, &self.sequence_number)
+        }
+    }
+
+    /// The length of the `ToDataplane` this frame stands for.
+    pub fn message_len(&self) -> usize {
+        self.body.len() + self.sequence_number_len()
+    }
+
+    /// The length of the whole gRPC message: prefix, body and sequence number.
+    pub fn framed_len(&self) -> usize {
+        PREFIX_LEN + self.message_len()
+    }
+
+    /// Appends the gRPC message prefix (uncompressed, this message's length).
+    pub fn put_prefix(&self, buf: &mut impl BufMut) {
+        let len = u32::try_from(self.message_len()).expect("a message under 4 GiB");
+        buf.put_u8(0);
+        buf.put_u32(len);
+    }
+
+    /// Appends the sequence number field, which follows the body.
+    pub fn put_sequence_number(&self, buf: &mut impl BufMut) {
         if self.sequence_number != 0 {
             prost::encoding::uint64::encode(SEQUENCE_NUMBER_TAG, &self.sequence_number, buf);
         }
     }
 
-    // Frames are only ever sent: decoding one (which nothing does) skips every field.
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: WireType,
-        buf: &mut impl Buf,
-        ctx: DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    /// Appends the whole gRPC message (prefix, body, sequence number), copying the body.
+    pub fn put(&self, buf: &mut impl BufMut) {
+        self.put_prefix(buf);
+        buf.put_slice(self.body.as_slice());
+        self.put_sequence_number(buf);
     }
 
-    fn encoded_len(&self) -> usize {
-        let seq = if self.sequence_number != 0 {
-            prost::encoding::uint64::encoded_len(SEQUENCE_NUMBER_TAG, &self.sequence_number)
-        } else {
-            0
-        };
-        seq + self.body.len()
-    }
-
-    fn clear(&mut self) {
-        *self = Frame::default();
+    /// The body's bytes, shared (what a large body is handed to the transport as, between
+    /// its prefix and its sequence number).
+    pub fn body_bytes(&self) -> Bytes {
+        self.body.to_bytes()
     }
 }
 
-/// How many encoded bytes a stream gathers before handing them to the transport, and what it
-/// allocates first. With tonic's defaults (8 KiB, handing over at 32 KiB) each chunk pins a
-/// buffer that grows to 64 KiB while the transport holds it, and a stream whose agent reads
-/// slowly holds several: 1,000 agents syncing at once kept about 100 MiB there (heaptrack).
-/// HTTP/2 sends DATA frames of at most 16 KiB anyway.
-const SEND_BUFFER: usize = 4 * 1024;
-const SEND_YIELD: usize = 8 * 1024;
-
-/// What a stream allocates first to read the agent's reports (a `DataplaneApplied` is a few
-/// dozen bytes; a larger report grows it). tonic's 8 KiB default, once per stream, was 8 MiB
-/// of the server's memory with 1,000 agents (heaptrack).
-const RECV_BUFFER: usize = 1024;
-
-/// The codec of the [`server`]: [`Frame`]s out with small send buffers, `FromDataplane` in.
-// Not a unit struct: the generated server builds it with `default()`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct FrameCodec {
-    _private: (),
-}
-
-impl tonic::codec::Codec for FrameCodec {
-    type Encode = Frame;
-    type Decode = crate::FromDataplane;
-    type Encoder = tonic_prost::ProstEncoder<Frame>;
-    type Decoder = tonic_prost::ProstDecoder<crate::FromDataplane>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        tonic_prost::ProstEncoder::new(tonic::codec::BufferSettings::new(SEND_BUFFER, SEND_YIELD))
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::new(RECV_BUFFER, SEND_YIELD))
-    }
-}
-
-/// The server of `CalcServer.Sync` sending [`Frame`]s (same route, same wire format).
-pub mod server {
-    include!(concat!(env!("OUT_DIR"), "/framed/felix.CalcServer.rs"));
+/// tonic's decoder of the agent's reports, its buffer sized by `settings`.
+pub fn report_decoder(
+    settings: tonic::codec::BufferSettings,
+) -> tonic_prost::ProstDecoder<crate::FromDataplane> {
+    tonic_prost::ProstDecoder::new(settings)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ToDataplane;
     use crate::to_dataplane::Payload;
     use prost::Message;
+
+    /// The gRPC message of `msg` as a client reads it: prefix, then the encoding.
+    fn grpc_message(msg: &ToDataplane) -> Vec<u8> {
+        let bytes = msg.encode_to_vec();
+        let mut out = vec![0];
+        out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+        out.extend_from_slice(&bytes);
+        out
+    }
 
     #[test]
     fn a_frame_is_byte_for_byte_the_message_it_stands_for() {
@@ -118,9 +112,17 @@ mod tests {
                 sequence_number: seq,
                 body: Encoded::new(&msg),
             };
-            assert_eq!(frame.encode_to_vec(), msg.encode_to_vec(), "seq {seq}");
-            assert_eq!(frame.encoded_len(), msg.encoded_len());
-            assert_eq!(ToDataplane::decode(&*frame.encode_to_vec()).unwrap(), msg);
+            let mut whole = Vec::new();
+            frame.put(&mut whole);
+            assert_eq!(whole, grpc_message(&msg), "seq {seq}");
+            assert_eq!(frame.message_len(), msg.encoded_len());
+            assert_eq!(frame.framed_len(), whole.len());
+            // In three pieces, the body shared: the same bytes.
+            let mut pieces = Vec::new();
+            frame.put_prefix(&mut pieces);
+            pieces.extend_from_slice(&frame.body_bytes());
+            frame.put_sequence_number(&mut pieces);
+            assert_eq!(pieces, whole, "seq {seq}");
         }
     }
 
@@ -131,17 +133,16 @@ mod tests {
             payload: Some(Payload::InSync(crate::InSync {})),
         };
         let body = Encoded::new(&msg);
-        let a = Frame {
-            sequence_number: 2,
-            body: body.clone(),
+        for seq in [2, 9] {
+            let mut bytes = Vec::new();
+            Frame {
+                sequence_number: seq,
+                body: body.clone(),
+            }
+            .put(&mut bytes);
+            let decoded = ToDataplane::decode(&bytes[PREFIX_LEN..]).unwrap();
+            assert_eq!(decoded.sequence_number, seq);
+            assert_eq!(decoded.payload, msg.payload);
         }
-        .encode_to_vec();
-        let b = Frame {
-            sequence_number: 9,
-            body,
-        }
-        .encode_to_vec();
-        assert_eq!(ToDataplane::decode(&*a).unwrap().sequence_number, 2);
-        assert_eq!(ToDataplane::decode(&*b).unwrap().sequence_number, 9);
     }
 }

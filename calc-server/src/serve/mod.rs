@@ -29,6 +29,7 @@ mod hits_store;
 pub mod listener;
 pub mod metrics;
 mod service;
+mod sync_route;
 mod sync_server;
 mod whisker;
 /// The status board lives at the top (`crate::status`): the datastore's status writers read it.
@@ -199,9 +200,7 @@ async fn serve_with(
         metrics: metrics.clone(),
         tasks: tasks.clone(),
     };
-    let svc = felix_proto::framed::server::calc_server_server::CalcServerServer::new(service)
-        .max_decoding_message_size(args.max_recv_bytes)
-        .max_encoding_message_size(usize::MAX);
+    let svc = sync_route::SyncRoute::new(service, args.max_recv_bytes);
     let listener =
         listener::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;
     let scheme = if tls.is_some() { "mTLS" } else { "plaintext" };

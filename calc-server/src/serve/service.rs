@@ -40,10 +40,11 @@ use pb::from_dataplane::Payload as FromPayload;
 use pb::to_dataplane::Payload as ToPayload;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Status, Streaming};
 
 use super::engine::{
-    CloseReason, Conn, FlowBatch, Hit, Input, Out, Refusal, parse_flow_report, parse_rule_stats,
+    Block, CloseReason, Conn, FlowBatch, Hit, Input, Out, Refusal, parse_flow_report,
+    parse_rule_stats,
 };
 use super::listener::PeerInfo;
 use super::metrics::Metrics;
@@ -232,8 +233,6 @@ fn oversized_report(m: &pb::FromDataplane) -> Option<&'static str> {
     }
 }
 
-type OutStream = Pin<Box<dyn Stream<Item = Result<Frame, Status>> + Send>>;
-
 /// The gRPC status an agent is told when the engine ends its stream.
 fn close_status(reason: CloseReason) -> Status {
     match reason {
@@ -268,7 +267,7 @@ fn refusal_status(refusal: Refusal) -> Status {
 /// or when the engine drops the queue. Polled directly by the transport, so a message costs no
 /// extra task hop. Messages are sent as [`Frame`]s: the shared encoding plus this stream's
 /// sequence number.
-struct Outgoing {
+pub(super) struct Outgoing {
     hello: Option<pb::ToDataplane>,
     rx: mpsc::UnboundedReceiver<Out>,
     fault: Option<oneshot::Receiver<Status>>,
@@ -277,6 +276,45 @@ struct Outgoing {
     seq: u64,
     done: bool,
     sent_endpoints: SentEndpoints,
+    /// A block being sent, and the index of its next message.
+    block: Option<(Arc<Block>, usize)>,
+}
+
+impl Outgoing {
+    /// The frame of the next message taken from the queue (`held`: the message, when it is
+    /// held as one), counted as taken and numbered.
+    fn frame(&mut self, held: Option<&pb::ToDataplane>, body: Encoded) -> Frame {
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        self.taken_bytes
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+        match held.and_then(|m| m.payload.as_ref()) {
+            Some(ToPayload::WorkloadEndpointUpdate(u)) => {
+                let key = workload_key(u.id.as_ref());
+                self.sent_endpoints.lock().insert(key);
+            }
+            Some(ToPayload::HostEndpointUpdate(u)) => {
+                let key = host_key(u.id.as_ref());
+                self.sent_endpoints.lock().insert(key);
+            }
+            _ => {}
+        }
+        self.seq += 1;
+        Frame {
+            sequence_number: self.seq,
+            body,
+        }
+    }
+
+    /// The next message of the block under way, if any.
+    fn next_of_block(&mut self) -> Option<Frame> {
+        let (block, i) = self.block.take()?;
+        let body = block.encoded().get(i)?.clone();
+        let frame = self.frame(block.messages()[i].held_message(), body);
+        if i + 1 < block.messages().len() {
+            self.block = Some((block, i + 1));
+        }
+        Some(frame)
+    }
 }
 
 impl Stream for Outgoing {
@@ -308,49 +346,43 @@ impl Stream for Outgoing {
                 return Poll::Ready(Some(Err(status)));
             }
         }
-        match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Out::Close(reason))) => {
-                self.done = true;
-                Poll::Ready(Some(Err(close_status(reason))))
+        loop {
+            if let Some(frame) = self.next_of_block() {
+                return Poll::Ready(Some(Ok(frame)));
             }
-            Poll::Ready(Some(out)) => {
-                self.taken.fetch_add(1, Ordering::Relaxed);
-                self.taken_bytes.fetch_add(out.len(), Ordering::Relaxed);
-                match out.held_message().and_then(|m| m.payload.as_ref()) {
-                    Some(ToPayload::WorkloadEndpointUpdate(u)) => {
-                        let key = workload_key(u.id.as_ref());
-                        self.sent_endpoints.lock().insert(key);
-                    }
-                    Some(ToPayload::HostEndpointUpdate(u)) => {
-                        let key = host_key(u.id.as_ref());
-                        self.sent_endpoints.lock().insert(key);
-                    }
-                    _ => {}
+            return match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(Out::Close(reason))) => {
+                    self.done = true;
+                    Poll::Ready(Some(Err(close_status(reason))))
                 }
-                self.seq += 1;
-                Poll::Ready(Some(Ok(Frame {
-                    sequence_number: self.seq,
-                    body: out.encoded().unwrap_or_default(),
-                })))
-            }
-            Poll::Ready(None) => {
-                self.done = true;
-                Poll::Ready(None)
-            }
-            Poll::Pending => Poll::Pending,
+                Poll::Ready(Some(Out::Block(block))) => {
+                    self.block = Some((block, 0));
+                    continue;
+                }
+                Poll::Ready(Some(out)) => {
+                    let body = out.encoded().unwrap_or_default();
+                    let frame = self.frame(out.held_message(), body);
+                    Poll::Ready(Some(Ok(frame)))
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    Poll::Ready(None)
+                }
+                Poll::Pending => Poll::Pending,
+            };
         }
     }
 }
 
-fn outgoing(
+pub(super) fn outgoing(
     hello: pb::ToDataplane,
     rx: mpsc::UnboundedReceiver<Out>,
     fault: oneshot::Receiver<Status>,
     taken: Arc<AtomicU64>,
     taken_bytes: Arc<AtomicU64>,
     sent_endpoints: SentEndpoints,
-) -> OutStream {
-    Box::pin(Outgoing {
+) -> Outgoing {
+    Outgoing {
         hello: Some(hello),
         rx,
         fault: Some(fault),
@@ -359,17 +391,17 @@ fn outgoing(
         seq: 0,
         done: false,
         sent_endpoints,
-    })
+        block: None,
+    }
 }
 
-#[tonic::async_trait]
-impl pb::framed::server::calc_server_server::CalcServer for SyncService {
-    type SyncStream = OutStream;
-
-    async fn sync(
+impl SyncService {
+    /// Opens one agent's stream (see the module documentation): the messages to send, or the
+    /// status that refuses the stream.
+    pub(super) async fn open(
         &self,
         request: Request<Streaming<pb::FromDataplane>>,
-    ) -> Result<Response<Self::SyncStream>, Status> {
+    ) -> Result<Outgoing, Status> {
         let peer_info = request.extensions().get::<PeerInfo>().cloned();
         let peer = peer_info.as_ref().and_then(|p| p.remote);
         let admission = peer_info.as_ref().and_then(|p| p.admission.clone());
@@ -627,14 +659,14 @@ impl pb::framed::server::calc_server_server::CalcServer for SyncService {
                 node_name: node,
             })),
         };
-        Ok(Response::new(outgoing(
+        Ok(outgoing(
             server_hello,
             rx,
             fault_rx,
             taken,
             taken_bytes,
             sent_endpoints,
-        )))
+        ))
     }
 }
 
@@ -858,11 +890,14 @@ mod tests {
             metrics.clone(),
             &tasks,
         );
-        let svc = pb::framed::server::calc_server_server::CalcServerServer::new(service);
+        let route = super::super::sync_route::SyncRoute::new(service, 4 * 1024 * 1024);
+        let settings = super::super::sync_server::Settings {
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+            max_concurrent_streams: 8,
+        };
         tasks.spawn(tracing::info_span!("grpc"), async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(incoming)
+            super::super::sync_server::serve(incoming, route, settings, std::future::pending())
                 .await;
         });
         (url, metrics, tasks)

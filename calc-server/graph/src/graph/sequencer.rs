@@ -29,6 +29,10 @@ pub use super::shared::SharedMessage;
 pub struct NodeBatch {
     pub node: String,
     pub messages: Vec<SharedMessage>,
+    /// Where `messages` holds the whole broadcast state (host metadata, then IPAM pools) a
+    /// fresh node is sent: the same messages, in the same order, for every fresh node until
+    /// that state changes, so a sender may encode and frame them once for all such nodes.
+    pub whole_broadcast: Option<std::ops::Range<usize>>,
 }
 
 /// What a subscribed node has been sent.
@@ -74,7 +78,7 @@ impl Dirty {
     }
 }
 
-/// One node's output of one flush, by kind. [`Batch::into_messages`] is the one place that
+/// One node's output of one flush, by kind. [`Batch::into_parts`] is the one place that
 /// fixes the order the agent relies on.
 #[derive(Default)]
 struct Batch {
@@ -89,6 +93,8 @@ struct Batch {
     policy_removes: Vec<SharedMessage>,
     ipset_removes: Vec<SharedMessage>,
     broadcast: Vec<SharedMessage>,
+    /// `broadcast` is the whole state (a fresh node's), not a difference.
+    whole_broadcast: bool,
     in_sync: Option<SharedMessage>,
 }
 
@@ -97,7 +103,8 @@ impl Batch {
     /// endpoints, so whatever an update refers to already exists; then removals in the reverse
     /// order, so nothing is removed while still referenced; then host metadata and IPAM pools,
     /// which nothing refers to; `InSync` last, once the batch holds the whole span.
-    fn into_messages(self) -> Vec<SharedMessage> {
+    /// Also says where the whole broadcast state is, when the batch carries it.
+    fn into_parts(self) -> (Vec<SharedMessage>, Option<std::ops::Range<usize>>) {
         let mut out: Vec<SharedMessage> = Vec::new();
         out.extend(self.config);
         out.extend(self.ipset_adds);
@@ -109,9 +116,11 @@ impl Batch {
         out.extend(self.profile_removes);
         out.extend(self.policy_removes);
         out.extend(self.ipset_removes);
+        let start = out.len();
         out.extend(self.broadcast);
+        let whole = (self.whole_broadcast && out.len() > start).then_some(start..out.len());
         out.extend(self.in_sync);
-        out
+        (out, whole)
     }
 }
 
@@ -196,11 +205,12 @@ impl CalcGraph {
             ..FlushCache::default()
         };
         for name in names {
-            let messages = self.flush_node(&name, &mut cache);
+            let (messages, whole_broadcast) = self.flush_node(&name, &mut cache);
             if !messages.is_empty() {
                 sink(NodeBatch {
                     node: name.to_string(),
                     messages,
+                    whole_broadcast,
                 });
             }
         }
@@ -241,7 +251,7 @@ impl CalcGraph {
         // flush_node consumes the dirty marks; the real subscription still needs them.
         let dirty = n.dirty.clone();
         n.sub = Some(Subscription::default());
-        let out = self.flush_node(&Arc::from(node), &mut FlushCache::default());
+        let (out, _) = self.flush_node(&Arc::from(node), &mut FlushCache::default());
         // The throwaway subscription must not count as a receiver of IP-set deltas.
         if let Some(tmp) = self.node_mut(node).sub.take() {
             self.forget_sent_ipsets(&tmp);
@@ -263,9 +273,13 @@ impl CalcGraph {
         }
     }
 
-    fn flush_node(&mut self, name: &Name, cache: &mut FlushCache) -> Vec<SharedMessage> {
+    fn flush_node(
+        &mut self,
+        name: &Name,
+        cache: &mut FlushCache,
+    ) -> (Vec<SharedMessage>, Option<std::ops::Range<usize>>) {
         let Some(node) = self.nodes.get_mut(name) else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let mut sub = node.sub.take().expect("flush_node on a subscribed node");
         let dirty = std::mem::take(&mut node.dirty);
@@ -447,6 +461,7 @@ impl CalcGraph {
         }
 
         batch.broadcast = self.broadcast(cache, fresh);
+        batch.whole_broadcast = fresh;
         if self.store.in_sync && !sub.in_sync_sent {
             sub.in_sync_sent = true;
             batch.in_sync = Some(SharedMessage::new(msg(Payload::InSync(pb::InSync {}))));
@@ -465,7 +480,7 @@ impl CalcGraph {
             }
         }
         self.nodes.get_mut(name).expect("node exists").sub = Some(sub);
-        batch.into_messages()
+        batch.into_parts()
     }
 
     fn ipset_full(&self, cache: &mut FlushCache, id: &Name) -> Option<SharedMessage> {
@@ -677,9 +692,12 @@ mod tests {
             ipset_deltas: vec![shared(Payload::IpsetDeltaUpdate(Default::default()))],
             ipset_adds: vec![shared(Payload::IpsetUpdate(Default::default()))],
             config: Some(shared(Payload::ConfigUpdate(Default::default()))),
+            whole_broadcast: true,
         };
+        let (messages, whole) = batch.into_parts();
+        assert_eq!(whole, Some(10..12), "host metadata and pools, as one run");
         assert_eq!(
-            kinds(&batch.into_messages()),
+            kinds(&messages),
             [
                 "ConfigUpdate",
                 "IpsetUpdate",
@@ -969,14 +987,23 @@ mod tests {
         apply(&mut g, node("n1", "10.0.0.1"));
         apply(&mut g, node("n2", "10.0.0.2"));
         g.apply(Update::InSync).unwrap();
+        // The fresh node's batch says where the whole state is; a subscribed node's change
+        // (the difference only) is no such run.
         let hosts = |g: &mut CalcGraph, name: &str| -> Vec<SharedMessage> {
             g.subscribe(name);
-            let batch = g.flush().into_iter().find(|b| b.node == name).unwrap();
-            batch
-                .messages
-                .into_iter()
-                .filter(|m| matches!(m.payload, Some(Payload::HostMetadataUpdate(_))))
-                .collect()
+            let mut fresh = None;
+            for batch in g.flush() {
+                if batch.node == name {
+                    fresh = Some(batch);
+                } else {
+                    assert_eq!(batch.whole_broadcast, None, "{}", batch.node);
+                }
+            }
+            let batch = fresh.expect("the fresh node has a batch");
+            let whole = batch.whole_broadcast.clone().expect("the whole state");
+            let run = batch.messages[whole].to_vec();
+            assert_eq!(kinds(&run), ["HostMetadataUpdate", "HostMetadataUpdate"]);
+            run
         };
         // Two snapshots in two flushes: the same allocations (encoded once downstream).
         let first = hosts(&mut g, "n1");
@@ -1102,5 +1129,21 @@ mod tests {
         };
         assert_eq!(run(true), ["update a", "update b", "update c"]);
         assert_eq!(run(false), ["update b", "update c", "remove d"]);
+    }
+
+    #[test]
+    fn a_node_is_known_by_its_endpoints_its_node_resource_or_its_subscription() {
+        let mut g = CalcGraph::new();
+        apply(
+            &mut g,
+            wep("a", "with-pod", "10.0.0.1/32", json!({}), json!([])),
+        );
+        apply(&mut g, node("bare-node", "192.168.0.2"));
+        g.subscribe("subscriber");
+        for name in ["with-pod", "bare-node", "subscriber", "elsewhere"] {
+            let listed = g.known_nodes().iter().any(|n| n == name);
+            assert_eq!(g.is_known_node(name), listed, "{name}");
+            assert_eq!(listed, name != "elsewhere", "{name}");
+        }
     }
 }

@@ -75,6 +75,11 @@ impl CalcGraph {
         self.view().known_nodes()
     }
 
+    /// See [`GraphView::is_known_node`].
+    pub fn is_known_node(&self, node: &str) -> bool {
+        self.view().is_known_node(node)
+    }
+
     /// See [`GraphView::policies_and_tiers`].
     pub fn policies_and_tiers(&self) -> Vec<(&ResourceKey, &str)> {
         self.view().policies_and_tiers()
@@ -256,6 +261,12 @@ impl<'g> GraphView<'g> {
         let mut v: BTreeSet<String> = self.g.nodes.keys().map(|k| k.to_string()).collect();
         v.extend(self.g.broadcast.host_metadata.keys().cloned());
         v.into_iter().collect()
+    }
+
+    /// Whether `node` is one of [`GraphView::known_nodes`], without listing them (an agent's
+    /// connect asks this: listing 5,000 nodes per connect made a connect storm quadratic).
+    pub fn is_known_node(self, node: &str) -> bool {
+        self.g.nodes.contains_key(node) || self.g.broadcast.host_metadata.contains_key(node)
     }
 
     /// Every policy with its tier (for realization tables: a policy that selects nothing is

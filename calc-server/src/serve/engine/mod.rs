@@ -126,6 +126,46 @@ impl Outbound {
     }
 }
 
+/// A run of messages every fresh node of a graph generation is sent alike, in the same order
+/// (the whole broadcast state: 5,000 host metadata messages on a 5,000-node cluster): queued
+/// as one entry and encoded once, by the first stream that sends it. Each stream still sends
+/// them as separate messages, numbered in turn.
+#[derive(Debug)]
+pub(super) struct Block {
+    messages: Vec<SharedMessage>,
+    /// Their encoded lengths without sequence numbers, summed.
+    len: u64,
+    encoded: OnceLock<Vec<Encoded>>,
+    encodings: Arc<AtomicU64>,
+}
+
+impl Block {
+    fn new(messages: Vec<SharedMessage>, encodings: Arc<AtomicU64>) -> Block {
+        let len = messages.iter().map(|m| m.encoded_len() as u64).sum();
+        Block {
+            messages,
+            len,
+            encoded: OnceLock::new(),
+            encodings,
+        }
+    }
+
+    pub(super) fn messages(&self) -> &[SharedMessage] {
+        &self.messages
+    }
+
+    /// The bytes of each message (encoded on the first call, shared afterwards).
+    pub(super) fn encoded(&self) -> &[Encoded] {
+        self.encoded.get_or_init(|| {
+            self.encodings.fetch_add(1, Ordering::Relaxed);
+            self.messages
+                .iter()
+                .map(|m| m.encoded().cloned().unwrap_or_else(|| Encoded::new(m)))
+                .collect()
+        })
+    }
+}
+
 /// Which shared message a [`SnapshotCache`] entry is: the graph's own allocation (a policy or
 /// profile update, held by the graph between flushes), or a full IP set by its id (built anew
 /// by each flush, the same members within one graph generation).
@@ -133,6 +173,9 @@ impl Outbound {
 enum CacheKey {
     Ptr(usize),
     IpSet(String),
+    /// A [`Block`]: the address of its first message (held by the graph, or by the block)
+    /// and how many.
+    Run(usize, usize),
 }
 
 /// The shared messages' encodings kept across steps while snapshots are admitted (see the
@@ -142,6 +185,7 @@ pub(super) struct SnapshotCache {
     /// The graph generation the entries belong to.
     generation: u64,
     entries: rustc_hash::FxHashMap<CacheKey, Arc<Outbound>>,
+    blocks: rustc_hash::FxHashMap<CacheKey, Arc<Block>>,
     /// Encodings made by shared messages (all of them, cached or not).
     encodings: Arc<AtomicU64>,
 }
@@ -162,6 +206,7 @@ impl SnapshotCache {
     fn at(&mut self, generation: u64) {
         if self.generation != generation {
             self.entries.clear();
+            self.blocks.clear();
             self.generation = generation;
         }
     }
@@ -181,7 +226,22 @@ impl SnapshotCache {
         Out::Shared(o.clone())
     }
 
+    /// The queued form of a run every fresh node of this generation is sent alike: one block,
+    /// shared by every stream that sends it.
+    fn block(&mut self, run: Vec<SharedMessage>) -> Out {
+        let key = CacheKey::Run(run.first().map_or(0, SharedMessage::addr), run.len());
+        let encodings = &self.encodings;
+        let entry = self
+            .blocks
+            .entry(key)
+            .or_insert_with(|| Arc::new(Block::new(run, encodings.clone())));
+        Out::Block(entry.clone())
+    }
+
     fn clear(&mut self) {
+        if !self.blocks.is_empty() {
+            self.blocks = rustc_hash::FxHashMap::default();
+        }
         if !self.entries.is_empty() {
             self.entries = rustc_hash::FxHashMap::default();
         }
@@ -207,18 +267,39 @@ pub(super) enum Out {
     Msg(SharedMessage, u64),
     /// A message several streams send in the same step: encoded once, by the first.
     Shared(Arc<Outbound>),
+    /// Messages every fresh node is sent alike (see [`Block`]).
+    Block(Arc<Block>),
     /// End the stream for this reason.
     Close(CloseReason),
 }
 
 impl Out {
-    /// The message, unless this is a close. Reading a message the graph holds encoded
+    /// The message, unless this is a block or a close. Reading a message the graph holds encoded
     /// decodes it (see [`Out::held_message`]).
     pub(super) fn message(&self) -> Option<&SharedMessage> {
         match self {
             Out::Msg(m, _) => Some(m),
             Out::Shared(o) => Some(o.message()),
-            Out::Close(_) => None,
+            Out::Block(_) | Out::Close(_) => None,
+        }
+    }
+
+    /// Every message this entry sends, in order (a block's, one by one).
+    pub(super) fn messages(&self) -> impl Iterator<Item = &SharedMessage> {
+        let block = match self {
+            Out::Block(b) => b.messages(),
+            _ => &[],
+        };
+        self.message().into_iter().chain(block)
+    }
+
+    /// How many messages (sequence numbers) this entry takes.
+    #[cfg(test)]
+    pub(super) fn count(&self) -> u64 {
+        match self {
+            Out::Msg(..) | Out::Shared(_) => 1,
+            Out::Block(b) => b.messages().len() as u64,
+            Out::Close(_) => 0,
         }
     }
 
@@ -233,16 +314,17 @@ impl Out {
         match self {
             Out::Msg(_, len) => *len,
             Out::Shared(o) => o.len(),
+            Out::Block(b) => b.len,
             Out::Close(_) => 0,
         }
     }
 
-    /// The bytes to send, unless this is a close.
+    /// The bytes to send, unless this is a block (see [`Block::encoded`]) or a close.
     pub(super) fn encoded(&self) -> Option<Encoded> {
         match self {
             Out::Msg(m, _) => Some(m.encoded().cloned().unwrap_or_else(|| Encoded::new(m))),
             Out::Shared(o) => Some(o.encoded().clone()),
-            Out::Close(_) => None,
+            Out::Block(_) | Out::Close(_) => None,
         }
     }
 }
@@ -1332,7 +1414,7 @@ impl Engine {
     fn connect(&mut self, node: String, agent_version: &str, conn: Conn) -> Result<(), Refusal> {
         if !self.limits.allow_unknown_nodes
             && self.graph.in_sync()
-            && !self.graph.known_nodes().iter().any(|n| n == &node)
+            && !self.graph.is_known_node(&node)
         {
             tracing::warn!(
                 %node,
@@ -1384,7 +1466,8 @@ impl Engine {
         // Keyed by address, once per message of every batch: a fast hash, not SipHash.
         let mut carried: rustc_hash::FxHashMap<usize, u32> = rustc_hash::FxHashMap::default();
         for batch in &batches {
-            for m in &batch.messages {
+            let run = block_run(batch);
+            for (_, m) in (0..).zip(&batch.messages).filter(|(i, _)| !run.contains(i)) {
                 *carried.entry(m.addr()).or_default() += 1;
             }
         }
@@ -1402,14 +1485,21 @@ impl Engine {
                 continue;
             };
             let n = batch.messages.len() as u64;
-            let outs: Vec<Out> = batch
-                .messages
-                .into_iter()
-                .map(|m| {
-                    let n = carried.get(&m.addr()).copied().unwrap_or(1);
-                    cache.outbound(m, n)
-                })
-                .collect();
+            // Taken apart by value: a message's holders tell the cache whether it is shared.
+            let run = block_run(&batch);
+            let mut head = batch.messages;
+            let tail = head.split_off(run.end);
+            let block = head.split_off(run.start);
+            let mut outs: Vec<Out> = Vec::with_capacity(head.len() + 1 + tail.len());
+            let single = |cache: &mut SnapshotCache, m: SharedMessage| {
+                let n = carried.get(&m.addr()).copied().unwrap_or(1);
+                cache.outbound(m, n)
+            };
+            outs.extend(head.into_iter().map(|m| single(&mut cache, m)));
+            if !block.is_empty() {
+                outs.push(cache.block(block));
+            }
+            outs.extend(tail.into_iter().map(|m| single(&mut cache, m)));
             let bytes: u64 = outs.iter().map(Out::len).sum();
             let (backlog, backlog_bytes) = (conn.backlog(), conn.backlog_bytes());
             // An empty queue always takes the batch: a snapshot larger than the limits must
@@ -1431,14 +1521,14 @@ impl Engine {
             self.realization.queued(
                 &batch.node,
                 queued - n + 2,
-                outs.iter().filter_map(Out::message).map(inspected),
+                outs.iter().flat_map(Out::messages).map(inspected),
                 snapshot,
                 self.now,
             );
             self.hits.queued(
                 &batch.node,
                 queued - n + 2,
-                outs.iter().filter_map(Out::message).map(inspected),
+                outs.iter().flat_map(Out::messages).map(inspected),
             );
             self.board.sent(&batch.node, n);
             for out in outs {
@@ -1457,6 +1547,16 @@ impl Engine {
             }
         }
     }
+}
+
+/// Where a batch holds messages queued as one [`Block`]: the whole broadcast state of a fresh
+/// node, when it is more than one message (empty otherwise).
+fn block_run(batch: &calc_graph::graph::NodeBatch) -> std::ops::Range<usize> {
+    batch
+        .whole_broadcast
+        .clone()
+        .filter(|r| r.len() > 1 && r.end <= batch.messages.len())
+        .unwrap_or(0..0)
 }
 
 /// Seconds since the Unix epoch (zero before it).

@@ -96,6 +96,22 @@ impl Agent {
     fn take(&mut self) -> Vec<Out> {
         let mut out = Vec::new();
         while let Ok(o) = self.rx.try_recv() {
+            // A block is taken message by message, as the stream sends it.
+            if let Out::Block(block) = &o {
+                assert_eq!(o.count(), block.messages().len() as u64);
+                let mut bytes = 0;
+                for (msg, body) in block.messages().iter().zip(block.encoded()) {
+                    let sent = felix_proto::ToDataplane::decode(body.as_slice()).expect("decodes");
+                    assert_eq!(sent.payload, msg.payload, "the encoding is this message's");
+                    self.taken.fetch_add(1, Ordering::Relaxed);
+                    self.taken_bytes
+                        .fetch_add(body.len() as u64, Ordering::Relaxed);
+                    bytes += body.len() as u64;
+                    out.push(Out::Msg(msg.clone(), body.len() as u64));
+                }
+                assert_eq!(o.len(), bytes, "backlogs count the bytes sent");
+                continue;
+            }
             if let (Some(msg), Some(body)) = (o.message(), o.encoded()) {
                 // What goes on the wire is exactly the message the graph meant for this node.
                 let sent = felix_proto::ToDataplane::decode(body.as_slice()).expect("decodes");
@@ -269,7 +285,8 @@ fn snapshots_are_admitted_a_few_at_a_time() {
     );
     assert!(h.engine.busy());
     // node-a's stream takes its whole snapshot: the next step admits node-b.
-    a.taken.fetch_add(a_first.len() as u64, Ordering::Relaxed);
+    let messages: u64 = a_first.iter().map(Out::count).sum();
+    a.taken.fetch_add(messages, Ordering::Relaxed);
     h.engine.step([]);
     let kinds = b.kinds();
     assert_eq!(
@@ -1734,4 +1751,74 @@ fn the_board_may_lag_agents_by_a_second_but_never_the_datastore() {
     let rows = board(&mut h);
     assert!(rows.iter().any(|r| r.policy == "added"), "{rows:?}");
     assert_eq!(web(&rows), web(&exact(&mut h)));
+}
+
+#[test]
+fn fresh_snapshots_share_the_whole_broadcast_state_as_one_block() {
+    let mut h = Harness::new(Limits {
+        concurrent_snapshots: 1,
+        ..LIMITS
+    });
+    h.datastore(cluster());
+    // The queue as the engine left it, blocks not taken apart.
+    let raw = |agent: &mut Agent| -> Vec<Out> {
+        std::iter::from_fn(|| agent.rx.try_recv().ok()).collect()
+    };
+    let blocks = |outs: &[Out]| -> Vec<Arc<super::Block>> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Out::Block(b) => Some(b.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let (_, mut a) = h.connect("node-a");
+    // node-b waits while node-a's snapshot is under way.
+    let (_, mut b) = h.connect("node-b");
+    let a_outs = raw(&mut a);
+    let a_blocks = blocks(&a_outs);
+    assert_eq!(
+        a_blocks.len(),
+        1,
+        "the two nodes' host metadata, as one entry"
+    );
+    let hosts: Vec<String> = a_blocks[0]
+        .messages()
+        .iter()
+        .map(|m| kind(m.payload.as_ref().unwrap()))
+        .collect();
+    assert_eq!(hosts, ["HostMetadataUpdate", "HostMetadataUpdate"]);
+    let before = h.engine.snapshot_cache().encodings();
+    assert_eq!(a_blocks[0].encoded().len(), 2);
+    assert_eq!(
+        h.engine.snapshot_cache().encodings(),
+        before + 1,
+        "encoded once, as a whole"
+    );
+    // node-a's stream takes its snapshot; node-b's, admitted later, queues the same block.
+    assert!(raw(&mut b).is_empty());
+    let messages: u64 = a_outs.iter().map(Out::count).sum();
+    a.taken.fetch_add(messages, Ordering::Relaxed);
+    h.engine.step([]);
+    let b_blocks = blocks(&raw(&mut b));
+    assert_eq!(b_blocks.len(), 1);
+    assert!(
+        Arc::ptr_eq(&a_blocks[0], &b_blocks[0]),
+        "one block for both"
+    );
+    b_blocks[0].encoded();
+    assert_eq!(
+        h.engine.snapshot_cache().encodings(),
+        before + 1,
+        "not encoded again"
+    );
+    // A change reaches a subscribed node as the difference, message by message.
+    h.datastore(vec![node("node-c")]);
+    let change = raw(&mut a);
+    assert!(blocks(&change).is_empty());
+    let kinds: Vec<String> = change
+        .iter()
+        .filter_map(|o| o.message()?.payload.as_ref().map(kind))
+        .collect();
+    assert_eq!(kinds, ["HostMetadataUpdate"]);
 }
