@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use felix_proto as pb;
 use pb::prost::Message;
-use pb::prost::bytes::{Buf, Bytes, BytesMut};
+use pb::prost::bytes::{Buf, Bytes};
 use pb::to_dataplane::Payload as To;
 use tokio::sync::mpsc;
 
@@ -200,7 +200,8 @@ async fn stream(
         return fail(end, format!("refused: {}", code.1));
     }
     let mut body = response.into_body();
-    let mut buf = BytesMut::new();
+    // IP sets are the bulk of a snapshot; only the state digest reads them.
+    let mut reader = Reader::new(setup.digests.is_none());
     let mut s = Session {
         report_seq: 1,
         ..Session::default()
@@ -240,10 +241,23 @@ async fn stream(
                 continue;
             }
         };
-        match chunk {
+        let last_seq = match chunk {
             Some(Ok(data)) => {
                 let _ = body.flow_control().release_capacity(data.len());
-                buf.extend_from_slice(&data);
+                // Every whole frame read so far.
+                let mut last_seq = None;
+                let read = reader.feed(&data, |piece| {
+                    last_seq = Some(match piece {
+                        Piece::Whole(bytes) => s.message(bytes, i, setup, events, state)?,
+                        Piece::Skipped { seq } => seq,
+                    });
+                    Ok(())
+                });
+                if let Err(why) = read {
+                    end.reached_in_sync = s.in_sync;
+                    return fail(end, why);
+                }
+                last_seq
             }
             Some(Err(e)) => {
                 end.reached_in_sync = s.in_sync;
@@ -263,30 +277,7 @@ async fn stream(
                 end.code = Some(code);
                 return fail(end, format!("stream ended: {why}"));
             }
-        }
-        // Every whole frame read so far.
-        let mut last_seq = None;
-        while buf.len() >= 5 {
-            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-            if buf[0] != 0 {
-                return fail(end, "a compressed frame (never asked for)".into());
-            }
-            if buf.len() < 5 + len {
-                buf.reserve(5 + len - buf.len());
-                break;
-            }
-            let frame = buf.split_to(5 + len).freeze();
-            match s.message(&frame[5..], i, setup, events, state) {
-                Ok(seq) => last_seq = Some(seq),
-                Err(why) => {
-                    end.reached_in_sync = s.in_sync;
-                    return fail(end, why);
-                }
-            }
-        }
-        if buf.is_empty() && buf.capacity() > 64 * 1024 {
-            buf = BytesMut::new();
-        }
+        };
         if s.in_sync {
             end.reached_in_sync = true;
             if let Some(d) = &setup.digests {
@@ -310,6 +301,177 @@ async fn stream(
             }
         }
     }
+}
+
+/// A message [`Reader::feed`] found: whole, or (an IP set it was told to skip) only its
+/// sequence number.
+enum Piece<'a> {
+    Whole(&'a [u8]),
+    Skipped { seq: u64 },
+}
+
+/// What [`Reader`] copies of a frame before it decides whether to skip its payload: the
+/// prefix and enough of the message for the payload's field number and length (and a
+/// sequence number written before them).
+const SKIP_DECIDE: usize = 5 + 24;
+
+/// A frame at least this long may be skipped.
+const SKIP_MIN: usize = 4 * 1024;
+
+/// The gRPC messages of a stream, read from its DATA frames as they come. A frame that lies
+/// within one DATA frame is read where it is; one that spans several is gathered, unless it is
+/// a large IP set and `skip_ipsets` is set: then its payload is passed over unread (the bulk of
+/// a snapshot, which the simulated agent needs only for its state digest) and only the
+/// sequence number after it is kept.
+struct Reader {
+    skip_ipsets: bool,
+    /// The start of a frame that spans DATA frames.
+    partial: Vec<u8>,
+    skipping: Option<Skip>,
+}
+
+/// A frame whose payload is being passed over.
+struct Skip {
+    /// A sequence number read before the payload (prost writes it after).
+    seq: u64,
+    payload_left: usize,
+    /// What follows the payload in the frame (the sequence number field), gathered.
+    tail: Vec<u8>,
+    tail_left: usize,
+}
+
+impl Reader {
+    fn new(skip_ipsets: bool) -> Reader {
+        Reader {
+            skip_ipsets,
+            partial: Vec::new(),
+            skipping: None,
+        }
+    }
+
+    /// Reads `data`, calling `each` for every message it completes, in order.
+    fn feed(
+        &mut self,
+        mut data: &[u8],
+        mut each: impl FnMut(Piece<'_>) -> Result<(), String>,
+    ) -> Result<(), String> {
+        loop {
+            if let Some(skip) = &mut self.skipping {
+                let n = skip.payload_left.min(data.len());
+                skip.payload_left -= n;
+                data = &data[n..];
+                let n = skip.tail_left.min(data.len());
+                skip.tail.extend_from_slice(&data[..n]);
+                skip.tail_left -= n;
+                data = &data[n..];
+                if skip.payload_left > 0 || skip.tail_left > 0 {
+                    return Ok(());
+                }
+                let seq = match scan(&skip.tail)?.seq {
+                    0 => skip.seq,
+                    seq => seq,
+                };
+                self.skipping = None;
+                each(Piece::Skipped { seq })?;
+                continue;
+            }
+            if self.partial.is_empty() {
+                // Whole frames where they lie.
+                while let Some(len) = frame_len(data)?
+                    && data.len() >= len
+                {
+                    each(Piece::Whole(&data[5..len]))?;
+                    data = &data[len..];
+                }
+            }
+            if data.is_empty() {
+                return Ok(());
+            }
+            // Gather the prefix; then what the decision needs; then the rest of the frame.
+            let need = match frame_len(&self.partial)? {
+                None => 5,
+                Some(len) if self.skip_ipsets && len >= SKIP_MIN => {
+                    if self.partial.len() < SKIP_DECIDE {
+                        SKIP_DECIDE
+                    } else {
+                        len
+                    }
+                }
+                Some(len) => len,
+            };
+            let n = need.saturating_sub(self.partial.len()).min(data.len());
+            self.partial.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.partial.len() < need {
+                continue;
+            }
+            let len = frame_len(&self.partial)?.expect("the prefix is in");
+            if self.partial.len() == len {
+                each(Piece::Whole(&self.partial[5..]))?;
+                self.partial.clear();
+            } else if self.partial.len() == SKIP_DECIDE
+                && let Some(p) = ipset_payload(&self.partial[5..])
+                && 5 + p.start + p.len >= SKIP_DECIDE
+            {
+                let payload_end = 5 + p.start + p.len;
+                if payload_end > len {
+                    return Err("a payload longer than its message".into());
+                }
+                self.skipping = Some(Skip {
+                    seq: p.seq,
+                    payload_left: payload_end - SKIP_DECIDE,
+                    tail: Vec::new(),
+                    tail_left: len - payload_end,
+                });
+                self.partial.clear();
+            }
+        }
+    }
+}
+
+/// The length of the frame `b` starts with (prefix included), once its prefix is in.
+fn frame_len(b: &[u8]) -> Result<Option<usize>, String> {
+    if b.len() < 5 {
+        return Ok(None);
+    }
+    if b[0] != 0 {
+        return Err("a compressed frame (never asked for)".into());
+    }
+    Ok(Some(
+        5 + u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize,
+    ))
+}
+
+/// An IP set payload found at a message's beginning.
+struct IpSetPayload {
+    /// Where it starts in the message, and how long it is.
+    start: usize,
+    len: usize,
+    /// A sequence number before it (0: none).
+    seq: u64,
+}
+
+/// The payload of the message beginning `b`, when it is an IP set update or delta (fields 2
+/// and 3) whose length is within `b`.
+fn ipset_payload(b: &[u8]) -> Option<IpSetPayload> {
+    use pb::prost::encoding::{WireType, decode_key, decode_varint};
+    let mut rest = b;
+    let mut seq = 0;
+    while !rest.is_empty() {
+        match decode_key(&mut rest).ok()? {
+            (15, WireType::Varint) => seq = decode_varint(&mut rest).ok()?,
+            (2 | 3, WireType::LengthDelimited) => {
+                let len = decode_varint(&mut rest).ok()? as usize;
+                return Some(IpSetPayload {
+                    start: b.len() - rest.len(),
+                    len,
+                    seq,
+                });
+            }
+            _ => return None,
+        }
+    }
+    None
 }
 
 /// The `grpc-status` of a header or trailer map, when there is one and it is not OK.
@@ -639,6 +801,75 @@ mod tests {
     fn apply(p: &mut Programmed, msg: &[u8]) {
         let s = scan(msg).unwrap();
         p.apply(s.tag, s.payload).unwrap();
+    }
+
+    /// What a reader makes of `stream` fed in pieces of `chunk` bytes: each whole message's
+    /// hash, or a skipped one's sequence number.
+    fn read(stream: &[u8], chunk: usize, skip_ipsets: bool) -> Vec<Result<u64, u64>> {
+        let mut reader = Reader::new(skip_ipsets);
+        let mut out = Vec::new();
+        for piece in stream.chunks(chunk) {
+            reader
+                .feed(piece, |p| {
+                    out.push(match p {
+                        Piece::Whole(b) => Ok(hash(&[b])),
+                        Piece::Skipped { seq } => Err(seq),
+                    });
+                    Ok(())
+                })
+                .unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn the_reader_passes_over_large_ip_sets_only_when_told_and_keeps_every_sequence_number() {
+        let members: Vec<String> = (0..1000)
+            .map(|i| format!("10.1.{}.{}", i / 256, i % 256))
+            .collect();
+        let members: Vec<&str> = members.iter().map(String::as_str).collect();
+        let message = |seq: u64, payload: To| {
+            pb::ToDataplane {
+                sequence_number: seq,
+                payload: Some(payload),
+            }
+            .encode_to_vec()
+        };
+        // The server writes the sequence number after the payload; prost, before it.
+        let mut payload_first = Vec::new();
+        ipset("s:b", &members).encode(&mut payload_first);
+        pb::prost::encoding::uint64::encode(15, &4, &mut payload_first);
+        let messages = [
+            message(1, To::InSync(pb::InSync {})),
+            message(2, ipset("s:small", &["10.0.0.1"])),
+            message(3, ipset("s:a", &members)),
+            payload_first,
+            message(5, To::InSync(pb::InSync {})),
+        ];
+        assert!(messages[3].len() >= SKIP_MIN && messages[2].len() >= SKIP_MIN);
+        let mut stream = Vec::new();
+        for m in &messages {
+            stream.push(0);
+            stream.extend_from_slice(&(m.len() as u32).to_be_bytes());
+            stream.extend_from_slice(m);
+        }
+        let whole: Vec<Result<u64, u64>> = messages.iter().map(|m| Ok(hash(&[m]))).collect();
+        let mut skipped = whole.clone();
+        skipped[2] = Err(3);
+        skipped[3] = Err(4);
+        for chunk in [1, 3, 5, 29, 30, 1000, 4096] {
+            assert_eq!(read(&stream, chunk, false), whole, "chunks of {chunk}");
+            assert_eq!(read(&stream, chunk, true), skipped, "chunks of {chunk}");
+        }
+        // A message that lies within one piece is read where it lies, skipped or not.
+        assert_eq!(read(&stream, stream.len(), true), whole);
+    }
+
+    #[test]
+    fn the_reader_refuses_a_compressed_frame() {
+        let mut reader = Reader::new(true);
+        let err = reader.feed(&[1, 0, 0, 0, 1, 8], |_| Ok(())).unwrap_err();
+        assert!(err.contains("compressed"), "{err}");
     }
 
     #[test]
