@@ -21,6 +21,11 @@ use tokio::sync::mpsc;
 
 use crate::bench_sync::{BenchSyncArgs, Event, mib, reason_class, rss_of, wait_for_marker};
 
+/// The forwarder's buffer per connection towards the replica (reports: small) and towards the
+/// agent (snapshots of megabytes).
+const FORWARD_UP: usize = 8 * 1024;
+const FORWARD_DOWN: usize = 256 * 1024;
+
 /// The forwarder: one listening address, the replicas behind it.
 struct Forwarder {
     backends: Vec<String>,
@@ -51,7 +56,15 @@ impl Forwarder {
                     };
                     let _ = server.set_nodelay(true);
                     me.live[b].fetch_add(1, Ordering::Relaxed);
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    // Large buffers, as a kernel forwarder would not copy at all: with tokio's 8 KiB
+                    // the forwarder's syscalls, not the replicas, set the pace of a resync.
+                    let _ = tokio::io::copy_bidirectional_with_sizes(
+                        &mut client,
+                        &mut server,
+                        FORWARD_UP,
+                        FORWARD_DOWN,
+                    )
+                    .await;
                     me.live[b].fetch_sub(1, Ordering::Relaxed);
                     return;
                 }
