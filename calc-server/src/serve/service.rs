@@ -264,9 +264,10 @@ fn refusal_status(refusal: Refusal) -> Status {
 
 /// The outgoing stream: the ServerHello, then the node's queue, numbering every message;
 /// it ends at a Close (with that status), at a protocol error the report reader found (`fault`)
-/// or when the engine drops the queue. Polled directly by the transport, so a message costs no
-/// extra task hop. Messages are sent as [`Frame`]s: the shared encoding plus this stream's
-/// sequence number.
+/// or when the engine drops the queue. Polled by the response body (`sync_route::SyncBody`) in
+/// the connection's task, so a message costs no extra task hop. Messages are sent as
+/// [`Frame`]s: the shared encoding plus this stream's sequence number; a [`Block`] one message
+/// at a time.
 pub(super) struct Outgoing {
     hello: Option<pb::ToDataplane>,
     rx: mpsc::UnboundedReceiver<Out>,
