@@ -31,6 +31,10 @@
 //!   it encoded, is keyed by that message (or, for a full IP set, by its id, whose members only
 //!   a datastore batch changes), and is emptied by every datastore batch and once no snapshot
 //!   is waiting or under way.
+//! - The whole broadcast state a fresh node is sent (host metadata and IPAM pools, marked by the
+//!   graph in the batch) is queued as one [`Block`], kept in the [`SnapshotCache`] like the
+//!   shared messages and encoded once: a connect storm on a 5,000-node cluster costs one queue
+//!   entry per snapshot for it, not 5,000. The stream sends it one numbered message at a time.
 //! - Every message queued is numbered as its stream will number it, so what agents report
 //!   applied (`DataplaneApplied`) says which policy versions are in force where
 //!   ([`realization`]).
